@@ -1,0 +1,83 @@
+// opd-ctl logprobs --model DIR --input FILE [--threads N]
+// FILE: JSON lines {"tokens":[...]}; prints one JSON line {"logprobs":[...]} per input, entry i-1
+// being log p(token_i | tokens_<i) for i >= 1, computed in-process with the C++ model.
+#include <fstream>
+#include <iostream>
+
+#include <torch/torch.h>
+
+#include "absl/strings/str_cat.h"
+#include "ctl/args.h"
+#include "ctl/command.h"
+#include "lm/model/model.h"
+#include "nlohmann/json.hpp"
+
+namespace ctl {
+namespace {
+
+constexpr const char* kUsage =
+    "usage: opd-ctl logprobs --model DIR --input FILE|- [--threads N] [--temperature T]\n";
+
+// Parses one input line into token ids, checked against the vocabulary.
+absl::StatusOr<std::vector<int64_t>> ParseTokens(const std::string& line, int64_t vocab) {
+  auto j = nlohmann::json::parse(line, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("tokens") || !j["tokens"].is_array()) {
+    return absl::InvalidArgumentError("expected a JSON object {\"tokens\": [ids...]}");
+  }
+  std::vector<int64_t> ids;
+  for (const auto& t : j["tokens"]) {
+    if (!t.is_number_integer()) return absl::InvalidArgumentError("token ids must be integers");
+    const int64_t id = t.get<int64_t>();
+    if (id < 0 || id >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat("token id ", id, " is outside the vocabulary [0, ", vocab, ")"));
+    }
+    ids.push_back(id);
+  }
+  if (ids.empty()) return absl::InvalidArgumentError("empty token list");
+  return ids;
+}
+
+}  // namespace
+
+int RunLogprobs(const std::vector<std::string>& words) {
+  auto args = Args::Parse(words, {"model", "input", "threads", "temperature"});
+  if (!args.ok() || !args->Has("model") || !args->Has("input")) {
+    std::cerr << (args.ok() ? "" : std::string(args.status().message()) + "\n") << kUsage;
+    return 2;
+  }
+  if (args->Has("threads")) torch::set_num_threads(std::stoi(args->Get("threads")));
+  auto model = lm::LoadModel(args->Get("model"));
+  if (!model.ok()) {
+    std::cerr << "opd-ctl logprobs: " << model.status().message() << "\n";
+    return 1;
+  }
+  (*model)->eval();
+  const double temperature = std::stod(args->Get("temperature", "1.0"));
+
+  std::ifstream file;
+  const std::string input = args->Get("input");
+  if (input != "-") {
+    file.open(input);
+    if (!file) {
+      std::cerr << "opd-ctl logprobs: cannot open " << input << "\n";
+      return 1;
+    }
+  }
+  std::istream& in = input == "-" ? std::cin : file;
+  torch::NoGradGuard no_grad;
+  std::string line;
+  for (int64_t lineno = 1; std::getline(in, line); ++lineno) {
+    if (line.empty()) continue;
+    auto ids = ParseTokens(line, (*model)->config().vocab_size);
+    if (!ids.ok()) {
+      std::cerr << "opd-ctl logprobs: " << input << ":" << lineno << ": " << ids.status().message() << "\n";
+      return 1;
+    }
+    auto lp = lm::SequenceLogprobs(**model, lm::PackedBatch::FromSequences({*ids}), temperature);
+    auto* p = lp.data_ptr<float>();
+    std::cout << nlohmann::json{{"logprobs", std::vector<float>(p, p + lp.numel())}}.dump() << "\n";
+  }
+  return 0;
+}
+
+}  // namespace ctl

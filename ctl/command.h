@@ -1,0 +1,23 @@
+// Sub-commands of opd-ctl. Each lives in its own cmd_*.cc and is listed in main.cc.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace ctl {
+
+// args: the words after the sub-command name. Returns the process exit code. A command prints
+// its own usage on bad arguments and returns 2.
+using CommandFn = int (*)(const std::vector<std::string>& args);
+
+struct Command {
+  const char* name;
+  const char* summary;
+  CommandFn run;
+};
+
+int RunLogprobs(const std::vector<std::string>& args);
+int RunTokenize(const std::vector<std::string>& args);
+int RunDetokenize(const std::vector<std::string>& args);
+
+}  // namespace ctl

@@ -1,0 +1,36 @@
+// opd-ctl: one binary, many sub-commands (`opd-ctl <command> --flag value ...`).
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "ctl/command.h"
+
+namespace {
+
+constexpr ctl::Command kCommands[] = {
+    {"logprobs", "per-token log-probs of token sequences, computed in-process", ctl::RunLogprobs},
+    {"tokenize", "text lines in, JSON token ids out", ctl::RunTokenize},
+    {"detokenize", "JSON token ids in, text lines out", ctl::RunDetokenize},
+};
+
+void PrintUsage() {
+  std::fprintf(stderr, "usage: opd-ctl <command> [flags]\n\ncommands:\n");
+  for (const auto& c : kCommands) std::fprintf(stderr, "  %-12s %s\n", c.name, c.summary);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    PrintUsage();
+    return argc < 2 ? 2 : 0;
+  }
+  for (const auto& c : kCommands) {
+    if (std::strcmp(argv[1], c.name) == 0)
+      return c.run(std::vector<std::string>(argv + 2, argv + argc));
+  }
+  std::fprintf(stderr, "opd-ctl: unknown command '%s'\n\n", argv[1]);
+  PrintUsage();
+  return 2;
+}

@@ -1,0 +1,284 @@
+#include "lm/io/checkpoint.h"
+
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include <torch/torch.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "lm/model/config.h"
+#include "lm/model/model.h"
+#include "lm/util/log.h"
+#include "lm/util/status.h"
+#include "nlohmann/json.hpp"
+
+namespace lm {
+namespace fs = std::filesystem;
+namespace {
+
+torch::Dtype TorchDType(DType d) {
+  switch (d) {
+    case DType::kF32: return torch::kFloat32;
+    case DType::kF16: return torch::kFloat16;
+    case DType::kBF16: return torch::kBFloat16;
+  }
+  return torch::kFloat32;
+}
+
+absl::StatusOr<DType> FileDType(torch::Dtype d) {
+  if (d == torch::kFloat32) return DType::kF32;
+  if (d == torch::kFloat16) return DType::kF16;
+  if (d == torch::kBFloat16) return DType::kBF16;
+  return absl::InvalidArgumentError(absl::StrCat("cannot save dtype ", c10::toString(d)));
+}
+
+std::string ShapeStr(c10::IntArrayRef s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
+
+// Where one checkpoint tensor goes: a whole parameter, or one expert's rows of a fused one.
+struct Target {
+  std::string param;
+  int64_t expert = -1;  // >= 0: per-expert slice
+  enum Part { kWhole, kGate, kUp, kDown } part = kWhole;
+};
+
+Target Resolve(const std::string& name) {
+  static const std::regex kExpert(R"(^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$)");
+  std::smatch m;
+  if (!std::regex_match(name, m, kExpert)) return {name};
+  const std::string base = m[1], proj = m[3];
+  const int64_t e = std::stoll(m[2]);
+  if (proj == "down_proj") return {base + ".down_proj", e, Target::kDown};
+  return {base + ".gate_up_proj", e, proj == "gate_proj" ? Target::kGate : Target::kUp};
+}
+
+// The slice of `param` that `t` fills; nullopt with an error when shapes disagree.
+absl::StatusOr<torch::Tensor> Destination(const Target& t, torch::Tensor& param) {
+  if (t.expert < 0) return param;
+  if (t.expert >= param.size(0)) {
+    return absl::InvalidArgumentError(absl::StrCat("expert index ", t.expert, " >= num_experts ", param.size(0)));
+  }
+  auto row = param[t.expert];
+  if (t.part == Target::kDown) return row;
+  const int64_t I = row.size(0) / 2;
+  return row.narrow(0, t.part == Target::kGate ? 0 : I, I);
+}
+
+bool HasPrefix(const std::string& s, const std::vector<std::string>& prefixes) {
+  for (const auto& p : prefixes) {
+    if (s.rfind(p, 0) == 0) return true;
+  }
+  return false;
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::shared_ptr<const SafetensorsFile>>> OpenCheckpointFiles(
+    const std::string& dir) {
+  std::vector<std::string> names;
+  const std::string index = dir + "/model.safetensors.index.json";
+  if (fs::exists(index)) {
+    ASSIGN_OR_RETURN(std::string text, ReadFile(index));
+    auto j = nlohmann::json::parse(text, nullptr, false);
+    if (j.is_discarded() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
+      return absl::InvalidArgumentError(absl::StrCat(index, ": not a valid index (no weight_map object)"));
+    }
+    std::set<std::string> shards;
+    for (auto& [tensor, file] : j["weight_map"].items()) {
+      if (!file.is_string()) return absl::InvalidArgumentError(absl::StrCat(index, ": bad entry for ", tensor));
+      shards.insert(file.get<std::string>());
+    }
+    names.assign(shards.begin(), shards.end());
+  } else if (fs::exists(dir + "/model.safetensors")) {
+    names.push_back("model.safetensors");
+  } else {
+    return absl::NotFoundError(absl::StrCat(dir, ": no model.safetensors or model.safetensors.index.json"));
+  }
+  std::vector<std::shared_ptr<const SafetensorsFile>> files;
+  for (const auto& n : names) {
+    ASSIGN_OR_RETURN(auto f, SafetensorsFile::Open(dir + "/" + n));
+    files.push_back(std::move(f));
+  }
+  return files;
+}
+
+torch::Tensor TensorFromView(const TensorView& view, std::shared_ptr<const SafetensorsFile> file) {
+  return torch::from_blob(
+      const_cast<std::byte*>(view.data), view.shape, [file](void*) {},
+      torch::TensorOptions().dtype(TorchDType(view.dtype)));
+}
+
+absl::StatusOr<LoadReport> LoadParameters(
+    const std::vector<std::shared_ptr<const SafetensorsFile>>& files,
+    std::map<std::string, torch::Tensor>& params, const std::vector<std::string>& ignore_names,
+    const std::vector<std::string>& ignore_prefixes) {
+  torch::NoGradGuard no_grad;
+  LoadReport report;
+  struct Fill {
+    bool whole = false;
+    int64_t slices = 0, slices_needed = 0;
+  };
+  std::map<std::string, Fill> filled;
+  for (const auto& file : files) {
+    for (const auto& [name, view] : file->tensors()) {
+      if (HasPrefix(name, ignore_prefixes) ||
+          std::find(ignore_names.begin(), ignore_names.end(), name) != ignore_names.end()) {
+        ++report.tensors_ignored;
+        continue;
+      }
+      const Target t = Resolve(name);
+      auto it = params.find(t.param);
+      if (it == params.end()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(file->path(), ": unexpected tensor '", name, "' (the model has no such parameter)"));
+      }
+      auto dest = Destination(t, it->second);
+      if (!dest.ok()) return absl::InvalidArgumentError(absl::StrCat(file->path(), ": tensor '", name, "': ", dest.status().message()));
+      auto src = TensorFromView(view, file);
+      if (src.sizes() != dest->sizes()) {
+        return absl::InvalidArgumentError(absl::StrCat(file->path(), ": tensor '", name, "' has shape ",
+                                                       ShapeStr(src.sizes()), ", expected ",
+                                                       ShapeStr(dest->sizes())));
+      }
+      dest->copy_(src);
+      Fill& f = filled[t.param];
+      if (t.expert < 0) {
+        f.whole = true;
+      } else {
+        f.slices += 1;
+        f.slices_needed = it->second.size(0) * (t.part == Target::kDown ? 1 : 2);
+      }
+      ++report.tensors_loaded;
+    }
+  }
+  // A parameter is complete when written whole, or (fused experts) when every slice was.
+  std::vector<std::string> missing;
+  for (auto& [name, p] : params) {
+    const auto it = filled.find(name);
+    if (it == filled.end() || it->second.whole) continue;
+    if (it->second.slices < it->second.slices_needed) missing.push_back(name);
+  }
+  for (auto& [name, p] : params) {
+    if (!filled.count(name)) missing.push_back(name);
+  }
+  if (!missing.empty()) {
+    const size_t shown = std::min<size_t>(missing.size(), 8);
+    return absl::NotFoundError(absl::StrCat(
+        files.empty() ? "checkpoint" : fs::path(files[0]->path()).parent_path().string(), ": ",
+        missing.size(), " parameter(s) missing from the checkpoint: ",
+        absl::StrJoin(missing.begin(), missing.begin() + shown, ", "),
+        missing.size() > shown ? ", ..." : ""));
+  }
+  return report;
+}
+
+absl::Status SaveParameters(const std::string& dir, const std::map<std::string, torch::Tensor>& params,
+                            torch::Dtype dtype, int64_t max_shard_bytes) {
+  ASSIGN_OR_RETURN(DType file_dtype, FileDType(dtype));
+  // Unfuse experts and convert; the tensors stay alive in `owned` until written.
+  std::vector<std::pair<std::string, torch::Tensor>> owned;
+  for (const auto& [name, p] : params) {
+    auto t = p.detach().to(torch::kCPU, dtype).contiguous();
+    const std::string gu = ".experts.gate_up_proj", dn = ".experts.down_proj";
+    auto ends_with = [&](const std::string& suffix) {
+      return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+    };
+    if (ends_with(gu)) {
+      const std::string base = name.substr(0, name.size() - gu.size()) + ".experts.";
+      const int64_t I = t.size(1) / 2;
+      for (int64_t e = 0; e < t.size(0); ++e) {
+        owned.emplace_back(absl::StrCat(base, e, ".gate_proj.weight"), t[e].narrow(0, 0, I).contiguous());
+        owned.emplace_back(absl::StrCat(base, e, ".up_proj.weight"), t[e].narrow(0, I, I).contiguous());
+      }
+    } else if (ends_with(dn)) {
+      const std::string base = name.substr(0, name.size() - dn.size()) + ".experts.";
+      for (int64_t e = 0; e < t.size(0); ++e) {
+        owned.emplace_back(absl::StrCat(base, e, ".down_proj.weight"), t[e].contiguous());
+      }
+    } else {
+      owned.emplace_back(name, t);
+    }
+  }
+  std::sort(owned.begin(), owned.end(), [](auto& a, auto& b) { return a.first < b.first; });
+
+  // Greedy sharding in name order.
+  std::vector<std::vector<TensorToWrite>> shards(1);
+  int64_t shard_bytes = 0, total_bytes = 0;
+  for (const auto& [name, t] : owned) {
+    const int64_t nb = t.numel() * t.element_size();
+    if (shard_bytes > 0 && shard_bytes + nb > max_shard_bytes) {
+      shards.emplace_back();
+      shard_bytes = 0;
+    }
+    shards.back().push_back({name, file_dtype, t.sizes().vec(), t.data_ptr(), static_cast<size_t>(nb)});
+    shard_bytes += nb;
+    total_bytes += nb;
+  }
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat(dir, ": cannot create directory: ", ec.message()));
+  const std::map<std::string, std::string> meta = {{"format", "pt"}};
+  if (shards.size() == 1) return WriteSafetensors(dir + "/model.safetensors", shards[0], meta);
+
+  nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", nlohmann::json::object()}};
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const std::string file = absl::StrFormat("model-%05d-of-%05d.safetensors", i + 1, shards.size());
+    RETURN_IF_ERROR(WriteSafetensors(dir + "/" + file, shards[i], meta));
+    for (const auto& t : shards[i]) index["weight_map"][t.name] = file;
+  }
+  std::ofstream out(dir + "/model.safetensors.index.json");
+  out << index.dump(2) << "\n";
+  if (!out) return absl::InternalError(absl::StrCat(dir, "/model.safetensors.index.json: write failed"));
+  return absl::OkStatus();
+}
+
+// ---- model-level load/save (declared in lm/model/model.h) ----
+
+absl::StatusOr<std::shared_ptr<CausalLM>> LoadModel(const std::string& dir, const LoadOptions& opts) {
+  ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir));
+  ASSIGN_OR_RETURN(auto model, CreateModel(config));
+  ASSIGN_OR_RETURN(auto files, OpenCheckpointFiles(dir));
+  std::map<std::string, torch::Tensor> params;
+  for (auto& p : model->named_parameters()) params[p.key()] = p.value();
+  std::vector<std::string> ignore_prefixes;
+  if (config.model_type == "qwen3_next") ignore_prefixes.push_back("mtp.");
+  ASSIGN_OR_RETURN(LoadReport report, LoadParameters(files, params, model->TiedAliases(), ignore_prefixes));
+  log::Info(absl::StrCat("loaded ", dir, " (", config.model_type, "): ", report.tensors_loaded, " tensors from ",
+                         files.size(), " file(s), ", report.tensors_ignored, " ignored"));
+  model->to(opts.device, opts.dtype);
+  return model;
+}
+
+absl::Status SaveModel(CausalLM& model, const std::string& dir, const SaveOptions& opts) {
+  std::map<std::string, torch::Tensor> params;
+  for (auto& p : model.named_parameters()) params[p.key()] = p.value();
+  RETURN_IF_ERROR(SaveParameters(dir, params, opts.dtype, opts.max_shard_bytes));
+  nlohmann::json cfg = model.config().raw;
+  cfg["dtype"] = opts.dtype == torch::kFloat32 ? "float32" : opts.dtype == torch::kBFloat16 ? "bfloat16" : "float16";
+  if (!cfg.contains("architectures")) {
+    cfg["architectures"] = {model.config().model_type == "qwen3_next" ? "Qwen3NextForCausalLM"
+                            : model.config().model_type == "qwen3"    ? "Qwen3ForCausalLM"
+                                                                      : "Qwen3MoeForCausalLM"};
+  }
+  const std::string path = dir + "/config.json";
+  std::ofstream out(path + ".tmp");
+  out << cfg.dump(2) << "\n";
+  out.close();
+  if (!out) return absl::InternalError(absl::StrCat(path, ": write failed"));
+  fs::rename(path + ".tmp", path);
+  return absl::OkStatus();
+}
+
+}  // namespace lm

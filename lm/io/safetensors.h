@@ -1,0 +1,77 @@
+// Safetensors files: a memory-mapped, validating reader and a writer.
+//
+// Format: 8-byte little-endian header length N, then N bytes of JSON
+//   {"name": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, ..., "__metadata__": {..}}
+// then the data block; offsets are relative to the data block start.
+// This file has no LibTorch dependency: tensors are byte views into the mapping.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace lm {
+
+enum class DType { kF32, kF16, kBF16 };
+
+// "F32" -> kF32 etc.; any other dtype string is an error naming it.
+absl::StatusOr<DType> ParseDType(const std::string& s);
+const char* DTypeName(DType d);
+size_t DTypeSize(DType d);
+
+// A read-only view of one tensor's bytes inside a mapped file.
+struct TensorView {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  const std::byte* data = nullptr;  // points into the mapping; valid while the file is alive
+  size_t nbytes = 0;
+  int64_t numel() const;
+};
+
+// An open, memory-mapped safetensors file. Immutable after Open; safe to share across threads.
+class SafetensorsFile {
+ public:
+  // Maps `path` and validates the header: JSON well-formed, each entry has a known dtype, a shape
+  // of non-negative dims, offsets with begin <= end inside the data block, shape x dtype size equal
+  // to the byte range, and no two tensors overlapping. Errors name the file and the tensor.
+  static absl::StatusOr<std::shared_ptr<const SafetensorsFile>> Open(const std::string& path);
+  // Validates an in-memory image of a file (used by Open and by the header fuzz test).
+  static absl::StatusOr<std::shared_ptr<const SafetensorsFile>> FromBuffer(
+      std::shared_ptr<const void> owner, const std::byte* bytes, size_t size,
+      const std::string& label);
+
+  const std::string& path() const { return path_; }
+  const std::map<std::string, TensorView>& tensors() const { return tensors_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // The tensor or NotFound naming the file.
+  absl::StatusOr<TensorView> Get(const std::string& name) const;
+
+ private:
+  SafetensorsFile() = default;
+  std::string path_;
+  std::shared_ptr<const void> owner_;  // keeps the mapping (or buffer) alive
+  std::map<std::string, TensorView> tensors_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// A tensor to be written: name, dtype, shape and the raw little-endian bytes.
+struct TensorToWrite {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+  size_t nbytes = 0;
+};
+
+// Writes a safetensors file readable by Python `safetensors` (header padded to 8 bytes, tensors in
+// name order). Writes to `path + ".tmp"` then renames, so a crash never leaves a half file.
+absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
+                              const std::map<std::string, std::string>& metadata = {});
+
+}  // namespace lm

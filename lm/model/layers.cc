@@ -1,0 +1,124 @@
+#include "lm/model/layers.h"
+
+#include <torch/torch.h>
+
+namespace lm {
+
+namespace F = torch::nn::functional;
+using torch::indexing::Slice;
+
+LinearImpl::LinearImpl(int64_t in_features, int64_t out_features) {
+  weight = register_parameter("weight", torch::empty({out_features, in_features}));
+}
+
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return torch::linear(x, weight); }
+
+EmbeddingImpl::EmbeddingImpl(int64_t vocab, int64_t hidden) {
+  weight = register_parameter("weight", torch::empty({vocab, hidden}));
+}
+
+torch::Tensor EmbeddingImpl::forward(const torch::Tensor& ids) { return torch::embedding(weight, ids); }
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps, bool zero_centered)
+    : eps(eps), zero_centered(zero_centered) {
+  weight = register_parameter("weight", zero_centered ? torch::zeros({dim}) : torch::ones({dim}));
+}
+
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  const auto in_dtype = x.scalar_type();
+  auto h = x.to(torch::kFloat32);
+  h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  if (zero_centered) return (h * (1.0 + weight.to(torch::kFloat32))).to(in_dtype);
+  return weight * h.to(in_dtype);
+}
+
+DenseMlpImpl::DenseMlpImpl(int64_t hidden, int64_t intermediate) {
+  gate_proj = register_module("gate_proj", Linear(hidden, intermediate));
+  up_proj = register_module("up_proj", Linear(hidden, intermediate));
+  down_proj = register_module("down_proj", Linear(intermediate, hidden));
+}
+
+torch::Tensor DenseMlpImpl::forward(const torch::Tensor& x) {
+  return down_proj(torch::silu(gate_proj(x)) * up_proj(x));
+}
+
+Rope::Rope(int64_t rotary_dim, double theta) : rotary_dim_(rotary_dim) {
+  // Same expression as transformers, so that the fp32 tables agree bit for bit.
+  auto exponent = torch::arange(0, rotary_dim, 2, torch::kInt64).to(torch::kFloat32) / rotary_dim;
+  inv_freq_ = 1.0 / torch::pow(torch::scalar_tensor(theta, torch::kFloat32), exponent);
+}
+
+std::pair<torch::Tensor, torch::Tensor> Rope::Tables(const torch::Tensor& positions) const {
+  auto freqs = positions.to(torch::kFloat32).unsqueeze(1) * inv_freq_.to(positions.device()).unsqueeze(0);
+  auto emb = torch::cat({freqs, freqs}, -1);  // [T, rotary_dim]
+  return {emb.cos(), emb.sin()};
+}
+
+torch::Tensor Rope::Apply(const torch::Tensor& x, const torch::Tensor& cos,
+                          const torch::Tensor& sin) const {
+  const int64_t half = rotary_dim_ / 2;
+  const bool partial = rotary_dim_ < x.size(-1);
+  auto xr = partial ? x.narrow(-1, 0, rotary_dim_) : x;
+  auto c = cos.unsqueeze(1).to(x.scalar_type());  // [T, 1, rotary_dim]: broadcast over heads
+  auto s = sin.unsqueeze(1).to(x.scalar_type());
+  auto rotated = torch::cat({-xr.narrow(-1, half, half), xr.narrow(-1, 0, half)}, -1);
+  auto out = xr * c + rotated * s;
+  if (!partial) return out;
+  return torch::cat({out, x.narrow(-1, rotary_dim_, x.size(-1) - rotary_dim_)}, -1);
+}
+
+torch::Tensor VarlenCausalAttention(const torch::Tensor& q, const torch::Tensor& k,
+                                    const torch::Tensor& v, const std::vector<int64_t>& cu_seqlens,
+                                    double scale) {
+  const bool gqa = q.size(1) != k.size(1);
+  std::vector<torch::Tensor> outs;
+  outs.reserve(cu_seqlens.size() - 1);
+  for (size_t b = 0; b + 1 < cu_seqlens.size(); ++b) {
+    const int64_t s = cu_seqlens[b], len = cu_seqlens[b + 1] - s;
+    // [L, H, D] -> [1, H, L, D]
+    auto qb = q.narrow(0, s, len).transpose(0, 1).unsqueeze(0);
+    auto kb = k.narrow(0, s, len).transpose(0, 1).unsqueeze(0);
+    auto vb = v.narrow(0, s, len).transpose(0, 1).unsqueeze(0);
+    auto ob = at::scaled_dot_product_attention(qb, kb, vb, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                               /*is_causal=*/true, scale, /*enable_gqa=*/gqa);
+    outs.push_back(ob.squeeze(0).transpose(0, 1));
+  }
+  return outs.size() == 1 ? outs[0] : torch::cat(outs, 0);
+}
+
+torch::Tensor CachedAttention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                              const torch::Tensor& v_cache, const std::vector<int64_t>& visible,
+                              double scale) {
+  const int64_t B = q.size(0);
+  const int64_t L = *std::max_element(visible.begin(), visible.end());
+  auto vis = torch::tensor(visible, torch::kInt64).to(q.device());
+  auto mask = torch::arange(L, vis.options()).unsqueeze(0) < vis.unsqueeze(1);  // [B, L]
+  auto kb = k_cache.narrow(1, 0, L).transpose(1, 2);  // [B, Hkv, L, D]
+  auto vb = v_cache.narrow(1, 0, L).transpose(1, 2);
+  auto qb = q.unsqueeze(2);  // [B, Hq, 1, D]
+  auto out = at::scaled_dot_product_attention(qb, kb, vb, mask.view({B, 1, 1, L}), 0.0, false, scale,
+                                              /*enable_gqa=*/q.size(1) != k_cache.size(2));
+  return out.squeeze(2);
+}
+
+void FillCache(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& k,
+               const torch::Tensor& v, const std::vector<int64_t>& cu_seqlens) {
+  for (size_t b = 0; b + 1 < cu_seqlens.size(); ++b) {
+    const int64_t s = cu_seqlens[b], len = cu_seqlens[b + 1] - s;
+    k_cache[b].narrow(0, 0, len).copy_(k.narrow(0, s, len));
+    v_cache[b].narrow(0, 0, len).copy_(v.narrow(0, s, len));
+  }
+}
+
+void AppendCache(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& k,
+                 const torch::Tensor& v, const std::vector<int64_t>& lengths) {
+  // View the cache as rows [B * capacity, Hkv, D] and scatter one row per slot.
+  const int64_t B = k_cache.size(0), cap = k_cache.size(1);
+  std::vector<int64_t> rows(B);
+  for (int64_t b = 0; b < B; ++b) rows[b] = b * cap + lengths[b];
+  auto idx = torch::tensor(rows, torch::kInt64).to(k.device());
+  k_cache.view({B * cap, k_cache.size(2), k_cache.size(3)}).index_copy_(0, idx, k);
+  v_cache.view({B * cap, v_cache.size(2), v_cache.size(3)}).index_copy_(0, idx, v);
+}
+
+}  // namespace lm

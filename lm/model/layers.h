@@ -1,0 +1,93 @@
+// Building blocks shared by the model files: linear maps, RMSNorm, RoPE, dense SwiGLU MLP and
+// variable-length causal attention. Parameter names match Hugging Face checkpoints.
+#pragma once
+
+#include <utility>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include "lm/model/batch.h"
+
+namespace lm {
+
+// y = x W^T, no bias (Qwen projections have none). Weights start uninitialised: they are loaded
+// from a checkpoint or set by InitWeights.
+class LinearImpl : public torch::nn::Module {
+ public:
+  LinearImpl(int64_t in_features, int64_t out_features);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;  // [out, in]
+};
+TORCH_MODULE(Linear);
+
+// Token embedding table; `weight` [vocab, hidden].
+class EmbeddingImpl : public torch::nn::Module {
+ public:
+  EmbeddingImpl(int64_t vocab, int64_t hidden);
+  torch::Tensor forward(const torch::Tensor& ids);
+  torch::Tensor weight;
+};
+TORCH_MODULE(Embedding);
+
+// RMSNorm over the last dim, computed in fp32: x * rsqrt(mean(x^2) + eps), cast back, times w.
+// `zero_centered` (Qwen3-Next) multiplies by (1 + w) instead, still in fp32, cast once at the end.
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  RMSNormImpl(int64_t dim, double eps, bool zero_centered = false);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;  // [dim]
+  double eps;
+  bool zero_centered;
+};
+TORCH_MODULE(RMSNorm);
+
+// Dense SwiGLU MLP: down(silu(gate(x)) * up(x)).
+class DenseMlpImpl : public torch::nn::Module {
+ public:
+  DenseMlpImpl(int64_t hidden, int64_t intermediate);
+  torch::Tensor forward(const torch::Tensor& x);
+  Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(DenseMlp);
+
+// Rotary position embedding, "halves" convention:
+//   inv_freq[i] = theta^(-2i/d), emb = cat(freqs, freqs), x' = x cos + rotate_half(x) sin.
+// Only the first `rotary_dim` of each head's dims rotate (partial RoPE); the rest pass through.
+class Rope {
+ public:
+  Rope(int64_t rotary_dim, double theta);
+  // cos/sin tables [T, rotary_dim] in fp32 for the given positions [T].
+  std::pair<torch::Tensor, torch::Tensor> Tables(const torch::Tensor& positions) const;
+  // x: [T, heads, head_dim]; tables from Tables() for the same T positions.
+  torch::Tensor Apply(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) const;
+
+ private:
+  int64_t rotary_dim_;
+  torch::Tensor inv_freq_;  // [rotary_dim / 2] fp32
+};
+
+// Causal attention within each document of a packed batch; q [T, Hq, D], k/v [T, Hkv, D] with
+// Hq a multiple of Hkv (GQA). Returns [T, Hq, D].
+torch::Tensor VarlenCausalAttention(const torch::Tensor& q, const torch::Tensor& k,
+                                    const torch::Tensor& v, const std::vector<int64_t>& cu_seqlens,
+                                    double scale);
+
+// One decode step against a cache: q [B, Hq, D]; caches [B, capacity, Hkv, D]; slot b attends to
+// its first `visible[b]` cached positions. Returns [B, Hq, D].
+torch::Tensor CachedAttention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                              const torch::Tensor& v_cache, const std::vector<int64_t>& visible,
+                              double scale);
+
+// Writes per-document keys/values of a packed prefill into cache slots (slot b = document b,
+// starting at position 0). k: [T, Hkv, D].
+void FillCache(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& k,
+               const torch::Tensor& v, const std::vector<int64_t>& cu_seqlens);
+
+// Appends one token's k/v per slot at position lengths[b]. k: [B, Hkv, D].
+void AppendCache(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& k,
+                 const torch::Tensor& v, const std::vector<int64_t>& lengths);
+
+}  // namespace lm

@@ -1,0 +1,100 @@
+#include "lm/model/logprobs.h"
+
+#include <torch/torch.h>
+
+namespace lm {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::tensor_list;
+
+torch::Tensor ChunkLogits(const torch::Tensor& h, const torch::Tensor& w, double temperature) {
+  auto logits = torch::linear(h, w).to(torch::kFloat32);
+  return temperature == 1.0 ? logits : logits / temperature;
+}
+
+// log p(target) per row, chunked; saves only (hidden, weight, targets, logsumexp) for backward:
+//   d logp_t / d logits = onehot(t) - softmax(logits)
+class ChunkedTokenLogprob : public torch::autograd::Function<ChunkedTokenLogprob> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
+                               const torch::Tensor& weight, const torch::Tensor& targets,
+                               double temperature, int64_t chunk) {
+    const int64_t N = hidden.size(0);
+    auto out = torch::empty({N}, hidden.options().dtype(torch::kFloat32));
+    auto lse = torch::empty({N}, out.options());
+    for (int64_t s = 0; s < N; s += chunk) {
+      const int64_t n = std::min(chunk, N - s);
+      auto logits = ChunkLogits(hidden.narrow(0, s, n), weight, temperature);
+      auto l = logits.logsumexp(-1);
+      lse.narrow(0, s, n).copy_(l);
+      out.narrow(0, s, n).copy_(logits.gather(1, targets.narrow(0, s, n).unsqueeze(1)).squeeze(1) - l);
+    }
+    ctx->save_for_backward({hidden, weight, targets, lse});
+    ctx->saved_data["temperature"] = temperature;
+    ctx->saved_data["chunk"] = chunk;
+    return out;
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grad_outputs) {
+    auto saved = ctx->get_saved_variables();
+    const auto &hidden = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3];
+    const double temperature = ctx->saved_data["temperature"].toDouble();
+    const int64_t chunk = ctx->saved_data["chunk"].toInt();
+    auto g = grad_outputs[0];
+    const int64_t N = hidden.size(0);
+    auto dhidden = torch::empty_like(hidden);
+    auto dweight = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
+    for (int64_t s = 0; s < N; s += chunk) {
+      const int64_t n = std::min(chunk, N - s);
+      auto h = hidden.narrow(0, s, n);
+      auto logits = ChunkLogits(h, weight, temperature);
+      auto gs = g.narrow(0, s, n).unsqueeze(1);  // [n, 1]
+      // dlogits = g * (onehot - softmax), then the 1/temperature of the scaling.
+      auto dlogits = (logits - lse.narrow(0, s, n).unsqueeze(1)).exp_().mul_(-gs);
+      dlogits.scatter_add_(1, targets.narrow(0, s, n).unsqueeze(1), gs);
+      if (temperature != 1.0) dlogits.div_(temperature);
+      dlogits = dlogits.to(hidden.scalar_type());
+      dhidden.narrow(0, s, n).copy_(torch::mm(dlogits, weight));
+      dweight.addmm_(dlogits.t(), h);
+    }
+    return {dhidden, dweight.to(weight.scalar_type()), torch::Tensor(), torch::Tensor(),
+            torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor TokenLogprobs(const torch::Tensor& hidden, const torch::Tensor& weight,
+                            const torch::Tensor& targets, const LogprobOptions& opts,
+                            torch::Tensor* entropy) {
+  if (entropy) {
+    torch::NoGradGuard no_grad;
+    const int64_t N = hidden.size(0);
+    *entropy = torch::empty({N}, hidden.options().dtype(torch::kFloat32));
+    for (int64_t s = 0; s < N; s += opts.chunk_rows) {
+      const int64_t n = std::min(opts.chunk_rows, N - s);
+      auto lp = torch::log_softmax(ChunkLogits(hidden.narrow(0, s, n), weight, opts.temperature), -1);
+      entropy->narrow(0, s, n).copy_(-(lp.exp() * lp).sum(-1));
+    }
+  }
+  return ChunkedTokenLogprob::apply(hidden, weight, targets, opts.temperature, opts.chunk_rows);
+}
+
+TopKLogprobs TopK(const torch::Tensor& hidden, const torch::Tensor& weight, int64_t k,
+                  const LogprobOptions& opts) {
+  torch::NoGradGuard no_grad;
+  const int64_t N = hidden.size(0);
+  TopKLogprobs r{torch::empty({N, k}, hidden.options().dtype(torch::kInt64)),
+                 torch::empty({N, k}, hidden.options().dtype(torch::kFloat32))};
+  for (int64_t s = 0; s < N; s += opts.chunk_rows) {
+    const int64_t n = std::min(opts.chunk_rows, N - s);
+    auto lp = torch::log_softmax(ChunkLogits(hidden.narrow(0, s, n), weight, opts.temperature), -1);
+    auto [v, i] = lp.topk(k, -1);
+    r.ids.narrow(0, s, n).copy_(i);
+    r.logprobs.narrow(0, s, n).copy_(v);
+  }
+  return r;
+}
+
+}  // namespace lm

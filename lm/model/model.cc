@@ -1,0 +1,92 @@
+#include "lm/model/model.h"
+
+#include <torch/torch.h>
+
+#include "absl/strings/str_cat.h"
+#include "lm/model/logprobs.h"
+#include "lm/model/qwen3_moe.h"
+
+namespace lm {
+
+PackedBatch PackedBatch::FromSequences(const std::vector<std::vector<int64_t>>& seqs) {
+  PackedBatch b;
+  std::vector<int64_t> ids, pos;
+  b.cu_seqlens.push_back(0);
+  for (const auto& s : seqs) {
+    ids.insert(ids.end(), s.begin(), s.end());
+    for (size_t i = 0; i < s.size(); ++i) pos.push_back(static_cast<int64_t>(i));
+    b.cu_seqlens.push_back(static_cast<int64_t>(ids.size()));
+  }
+  b.input_ids = torch::tensor(ids, torch::kInt64);
+  b.position_ids = torch::tensor(pos, torch::kInt64);
+  return b;
+}
+
+KVCache KVCache::RepeatInterleave(int64_t n) const {
+  KVCache out;
+  for (size_t i = 0; i < k.size(); ++i) {
+    out.k.push_back(k[i].repeat_interleave(n, 0));
+    out.v.push_back(v[i].repeat_interleave(n, 0));
+  }
+  for (int64_t len : lengths) out.lengths.insert(out.lengths.end(), n, len);
+  return out;
+}
+
+KVCache KVCache::Select(const std::vector<int64_t>& slots) const {
+  KVCache out;
+  if (k.empty()) return out;
+  auto idx = torch::tensor(slots, torch::kInt64).to(k[0].device());
+  for (size_t i = 0; i < k.size(); ++i) {
+    out.k.push_back(k[i].index_select(0, idx));
+    out.v.push_back(v[i].index_select(0, idx));
+  }
+  for (int64_t s : slots) out.lengths.push_back(lengths[s]);
+  return out;
+}
+
+void CausalLM::InitWeights(double std, uint64_t seed) {
+  torch::NoGradGuard no_grad;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  for (auto& p : named_parameters()) {
+    const auto& name = p.key();
+    auto& t = p.value();
+    const bool is_norm = name.find("norm") != std::string::npos && t.dim() == 1;
+    if (is_norm) {
+      // Zero-centred norms (Qwen3-Next) store w with scale 1 + w.
+      t.fill_(config_.model_type == "qwen3_next" && name.find("linear_attn.norm") == std::string::npos ? 0.0 : 1.0);
+    } else if (name.find("A_log") != std::string::npos) {
+      t.copy_(torch::empty(t.sizes()).uniform_(0, 16, gen).log());
+    } else if (name.find("dt_bias") != std::string::npos) {
+      t.fill_(1.0);
+    } else {
+      t.copy_(torch::empty(t.sizes()).normal_(0.0, std, gen));
+    }
+  }
+}
+
+absl::StatusOr<std::shared_ptr<CausalLM>> CreateModel(const ModelConfig& config) {
+  if (config.model_type == "qwen3_moe" || config.model_type == "qwen3") {
+    return std::static_pointer_cast<CausalLM>(std::make_shared<Qwen3MoeForCausalLM>(config));
+  }
+  return absl::UnimplementedError(absl::StrCat("model_type '", config.model_type, "' has no implementation"));
+}
+
+std::pair<torch::Tensor, torch::Tensor> NextTokenRows(const PackedBatch& batch) {
+  std::vector<int64_t> rows;
+  rows.reserve(batch.num_tokens());
+  for (int64_t b = 0; b < batch.num_sequences(); ++b) {
+    for (int64_t i = batch.cu_seqlens[b]; i + 1 < batch.cu_seqlens[b + 1]; ++i) rows.push_back(i);
+  }
+  auto r = torch::tensor(rows, torch::kInt64).to(batch.input_ids.device());
+  return {r, batch.input_ids.index_select(0, r + 1)};
+}
+
+torch::Tensor SequenceLogprobs(CausalLM& model, const PackedBatch& batch, double temperature) {
+  auto hidden = model.Forward(batch);
+  auto [rows, targets] = NextTokenRows(batch);
+  LogprobOptions opts;
+  opts.temperature = temperature;
+  return TokenLogprobs(hidden.index_select(0, rows), model.LmHeadWeight(), targets, opts);
+}
+
+}  // namespace lm

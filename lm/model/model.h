@@ -1,0 +1,80 @@
+// The causal language model interface every architecture implements, and model creation,
+// loading and saving by Hugging Face model directory.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include "absl/status/statusor.h"
+#include "lm/model/batch.h"
+#include "lm/model/config.h"
+
+namespace lm {
+
+struct ForwardOptions {
+  KVCache* cache = nullptr;  // when set, a prefill writes each document's keys/values to slot b
+  std::vector<torch::Tensor>* router_logits = nullptr;  // when set, receives [T, E] per MoE layer
+};
+
+class CausalLM : public torch::nn::Module {
+ public:
+  explicit CausalLM(ModelConfig config) : config_(std::move(config)) {}
+  const ModelConfig& config() const { return config_; }
+
+  // Final hidden states [T, H] (after the last norm) for a packed batch.
+  virtual torch::Tensor Forward(const PackedBatch& batch, const ForwardOptions& opts = {}) = 0;
+  // One decode step: tokens [B] (one per cache slot) at positions cache.lengths; appends to the
+  // cache and returns hidden states [B, H].
+  virtual torch::Tensor Decode(const torch::Tensor& tokens, KVCache& cache) = 0;
+  virtual bool SupportsKVCache() const { return true; }
+  // An empty cache for `batch` slots of `capacity` tokens, on the model's device and dtype.
+  virtual KVCache NewKVCache(int64_t batch, int64_t capacity) const = 0;
+
+  // The output projection [V, H] (the embedding matrix when tied).
+  virtual torch::Tensor LmHeadWeight() = 0;
+  torch::Tensor Logits(const torch::Tensor& hidden) { return torch::linear(hidden, LmHeadWeight()); }
+
+  // Names of parameters that are the same tensor under another name (tied lm_head).
+  virtual std::vector<std::string> TiedAliases() const { return {}; }
+
+  // Normal(0, std) init of every matrix, ones/zeros for norms (random models for tests/demos).
+  void InitWeights(double std, uint64_t seed);
+
+ protected:
+  ModelConfig config_;
+};
+
+// A model with uninitialised weights for `config` (by model_type).
+absl::StatusOr<std::shared_ptr<CausalLM>> CreateModel(const ModelConfig& config);
+
+struct LoadOptions {
+  torch::Dtype dtype = torch::kFloat32;
+  torch::Device device = torch::kCPU;
+};
+
+// Loads config.json and the safetensors weights of an HF model directory.
+absl::StatusOr<std::shared_ptr<CausalLM>> LoadModel(const std::string& dir,
+                                                    const LoadOptions& opts = {});
+
+struct SaveOptions {
+  int64_t max_shard_bytes = int64_t{5} << 30;  // above this, shards + model.safetensors.index.json
+  torch::Dtype dtype = torch::kFloat32;       // on-disk dtype (config.json's torch_dtype follows)
+};
+
+// Writes config.json and safetensors (per-expert tensor names, as published checkpoints have
+// them) into `dir`, loadable by transformers' from_pretrained.
+absl::Status SaveModel(CausalLM& model, const std::string& dir, const SaveOptions& opts = {});
+
+// Per-token log-probs of each document's own tokens: for document b with tokens t_0..t_{L-1},
+// entries log p(t_i | t_<i) for i = 1..L-1, concatenated over documents ([T - B]).
+torch::Tensor SequenceLogprobs(CausalLM& model, const PackedBatch& batch, double temperature = 1.0);
+
+// Index helpers for the packed layout: rows whose next token is in the same document, and those
+// next tokens ([T - B] each).
+std::pair<torch::Tensor, torch::Tensor> NextTokenRows(const PackedBatch& batch);
+
+}  // namespace lm

@@ -1,0 +1,160 @@
+#include "lm/model/moe.h"
+
+#include <array>
+
+#include <torch/torch.h>
+
+namespace lm {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::tensor_list;
+
+std::array<MoeExpertsFn, static_cast<size_t>(torch::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>&
+Registry() {
+  static std::array<MoeExpertsFn, static_cast<size_t>(torch::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>
+      fns{};
+  return fns;
+}
+
+// Per-expert SwiGLU MLP over rows already sorted by expert:
+//   rows [offsets[e], offsets[e+1]) of x go through expert e.
+// A custom autograd function so that the backward writes each expert's weight gradient into its
+// slice of one [E, ...] tensor, instead of autograd materialising a full-size zero tensor per
+// expert for every `gate_up[e]` view.
+class GroupedSwiGlu : public torch::autograd::Function<GroupedSwiGlu> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               std::vector<int64_t> offsets, const torch::Tensor& gate_up,
+                               const torch::Tensor& down) {
+    const int64_t I = down.size(2);
+    auto gu = torch::empty({x.size(0), 2 * I}, x.options());
+    auto y = torch::empty({x.size(0), down.size(1)}, x.options());
+    for (int64_t e = 0; e + 1 < static_cast<int64_t>(offsets.size()); ++e) {
+      const int64_t s = offsets[e], n = offsets[e + 1] - s;
+      if (n == 0) continue;
+      auto gu_e = gu.narrow(0, s, n);
+      torch::mm_out(gu_e, x.narrow(0, s, n), gate_up[e].t());
+      auto h = torch::silu(gu_e.narrow(1, 0, I)) * gu_e.narrow(1, I, I);
+      auto y_e = y.narrow(0, s, n);
+      torch::mm_out(y_e, h, down[e].t());
+    }
+    ctx->save_for_backward({x, gate_up, down, gu});
+    ctx->saved_data["offsets"] = c10::IValue(offsets);
+    return y;
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grad_outputs) {
+    auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &gate_up = saved[1], &down = saved[2], &gu = saved[3];
+    const auto offsets = ctx->saved_data["offsets"].toIntVector();
+    auto dy = grad_outputs[0].contiguous();
+    const int64_t I = down.size(2);
+    auto dx = torch::zeros_like(x);
+    auto dgate_up = torch::zeros_like(gate_up);
+    auto ddown = torch::zeros_like(down);
+    for (int64_t e = 0; e + 1 < static_cast<int64_t>(offsets.size()); ++e) {
+      const int64_t s = offsets[e], n = offsets[e + 1] - s;
+      if (n == 0) continue;
+      auto g = gu.narrow(0, s, n).narrow(1, 0, I), u = gu.narrow(0, s, n).narrow(1, I, I);
+      auto sg = torch::sigmoid(g);
+      auto act = g * sg;  // silu(g)
+      auto dy_e = dy.narrow(0, s, n);
+      auto ddown_e = ddown[e];
+      torch::mm_out(ddown_e, dy_e.t(), act * u);
+      auto dh = torch::mm(dy_e, down[e]);  // [n, I]
+      auto dgu = torch::cat({dh * u * (sg * (1 + g * (1 - sg))), dh * act}, 1);  // [n, 2I]
+      auto dgate_up_e = dgate_up[e];
+      torch::mm_out(dgate_up_e, dgu.t(), x.narrow(0, s, n));
+      auto dx_e = dx.narrow(0, s, n);
+      torch::mm_out(dx_e, dgu, gate_up[e]);
+    }
+    return {dx, torch::Tensor(), dgate_up, ddown};
+  }
+};
+
+}  // namespace
+
+void RegisterMoeExperts(torch::DeviceType device, MoeExpertsFn fn) {
+  Registry()[static_cast<size_t>(device)] = fn;
+}
+
+Routing Route(const torch::Tensor& x, const torch::Tensor& gate_weight, int64_t top_k,
+              bool norm_topk_prob) {
+  Routing r;
+  r.logits = torch::linear(x, gate_weight);
+  auto probs = torch::softmax(r.logits, -1, torch::kFloat32);
+  auto [top_p, top_i] = probs.topk(top_k, -1);
+  if (norm_topk_prob) top_p = top_p / top_p.sum(-1, /*keepdim=*/true);
+  r.weights = top_p.to(x.scalar_type());
+  r.ids = top_i;
+  return r;
+}
+
+torch::Tensor MoeExpertsCpu(const torch::Tensor& x, const torch::Tensor& ids,
+                            const torch::Tensor& weights, const torch::Tensor& gate_up,
+                            const torch::Tensor& down) {
+  const int64_t T = x.size(0), k = ids.size(1), E = gate_up.size(0);
+  auto flat_ids = ids.reshape({-1});
+  // Stable sort of the T*k (token, slot) pairs by expert: deterministic row order per expert.
+  auto order = std::get<1>(flat_ids.sort(/*stable=*/true, 0, false));
+  auto counts = torch::bincount(flat_ids, /*weights=*/{}, E).cpu();
+  std::vector<int64_t> offsets(E + 1, 0);
+  auto* c = counts.data_ptr<int64_t>();
+  for (int64_t e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + c[e];
+
+  auto token_of = torch::div(order, k, "floor");
+  auto y = GroupedSwiGlu::apply(x.index_select(0, token_of), offsets, gate_up, down);
+  y = y * weights.reshape({-1}).index_select(0, order).unsqueeze(1);
+  return torch::zeros({T, x.size(1)}, x.options()).index_add(0, token_of, y);
+}
+
+torch::Tensor MoeExperts(const torch::Tensor& x, const torch::Tensor& ids,
+                         const torch::Tensor& weights, const torch::Tensor& gate_up,
+                         const torch::Tensor& down) {
+  if (MoeExpertsFn fn = Registry()[static_cast<size_t>(x.device().type())]) {
+    return fn(x, ids, weights, gate_up, down);
+  }
+  return MoeExpertsCpu(x, ids, weights, gate_up, down);
+}
+
+RouterImpl::RouterImpl(int64_t num_experts, int64_t hidden) {
+  weight = register_parameter("weight", torch::empty({num_experts, hidden}));
+}
+
+ExpertsImpl::ExpertsImpl(int64_t num_experts, int64_t hidden, int64_t intermediate) {
+  gate_up_proj = register_parameter("gate_up_proj", torch::empty({num_experts, 2 * intermediate, hidden}));
+  down_proj = register_parameter("down_proj", torch::empty({num_experts, hidden, intermediate}));
+}
+
+SparseMoeBlockImpl::SparseMoeBlockImpl(int64_t hidden, int64_t num_experts, int64_t intermediate,
+                                       int64_t top_k, bool norm_topk_prob)
+    : top_k(top_k), norm_topk_prob(norm_topk_prob) {
+  gate = register_module("gate", Router(num_experts, hidden));
+  experts = register_module("experts", Experts(num_experts, hidden, intermediate));
+}
+
+torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& x, torch::Tensor* router_logits) {
+  Routing r = Route(x, gate->weight, top_k, norm_topk_prob);
+  if (router_logits) *router_logits = r.logits;
+  return MoeExperts(x, r.ids, r.weights, experts->gate_up_proj, experts->down_proj);
+}
+
+torch::Tensor LoadBalancingLoss(const std::vector<torch::Tensor>& router_logits, int64_t num_experts,
+                                int64_t top_k) {
+  if (router_logits.empty()) return torch::zeros({});
+  auto opts = router_logits[0].options().dtype(torch::kFloat32);
+  auto picks = torch::zeros({num_experts}, opts);
+  auto prob_sum = torch::zeros({num_experts}, opts);
+  int64_t rows = 0;
+  for (const auto& logits : router_logits) {
+    auto p = torch::softmax(logits.to(torch::kFloat32), -1);
+    auto ids = std::get<1>(p.topk(top_k, -1));
+    picks = picks + torch::bincount(ids.reshape({-1}), {}, num_experts).to(torch::kFloat32);
+    prob_sum = prob_sum + p.sum(0);
+    rows += logits.size(0);
+  }
+  return (picks / rows * (prob_sum / rows)).sum() * num_experts;
+}
+
+}  // namespace lm

@@ -1,0 +1,81 @@
+// The sparse mixture-of-experts block and the one interface its experts computation goes through.
+//
+//   router:  p = softmax(x Wg^T) in fp32, top-k of p, renormalised when norm_topk_prob
+//   experts: y = sum_k w_k * down_k(silu(gate_k(x)) * up_k(x))
+//
+// The CPU path sorts the (token, slot) pairs by expert and runs one matmul pair per expert that
+// received tokens; experts that received none cost nothing. A CUDA implementation (kernels/)
+// registers itself through RegisterMoeExperts and is used automatically for CUDA tensors.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+namespace lm {
+
+struct Routing {
+  torch::Tensor logits;   // [T, E] router logits (fp32 on CPU; the aux loss reads them)
+  torch::Tensor weights;  // [T, k] routing weights, in x's dtype
+  torch::Tensor ids;      // [T, k] int64 expert ids
+};
+
+// Router: softmax over E experts in fp32, top-k, optional renormalisation.
+Routing Route(const torch::Tensor& x, const torch::Tensor& gate_weight, int64_t top_k,
+              bool norm_topk_prob);
+
+// Experts computation: x [T, H], ids/weights [T, k], gate_up [E, 2I, H] (gate rows first),
+// down [E, H, I] -> [T, H]. Differentiable w.r.t. x, weights, gate_up and down.
+torch::Tensor MoeExperts(const torch::Tensor& x, const torch::Tensor& ids,
+                         const torch::Tensor& weights, const torch::Tensor& gate_up,
+                         const torch::Tensor& down);
+
+// The CPU reference path (also what tests compare a GPU implementation against).
+torch::Tensor MoeExpertsCpu(const torch::Tensor& x, const torch::Tensor& ids,
+                            const torch::Tensor& weights, const torch::Tensor& gate_up,
+                            const torch::Tensor& down);
+
+// A device implementation of MoeExperts (same contract). Registered once at start-up.
+using MoeExpertsFn = torch::Tensor (*)(const torch::Tensor& x, const torch::Tensor& ids,
+                                       const torch::Tensor& weights, const torch::Tensor& gate_up,
+                                       const torch::Tensor& down);
+void RegisterMoeExperts(torch::DeviceType device, MoeExpertsFn fn);
+
+// Router parameters: `weight` [E, H] (checkpoint name `mlp.gate.weight`).
+class RouterImpl : public torch::nn::Module {
+ public:
+  RouterImpl(int64_t num_experts, int64_t hidden);
+  torch::Tensor weight;
+};
+TORCH_MODULE(Router);
+
+// Expert parameters in the fused layout (`mlp.experts.gate_up_proj` [E, 2I, H],
+// `mlp.experts.down_proj` [E, H, I]); checkpoints with per-expert tensors are fused at load.
+class ExpertsImpl : public torch::nn::Module {
+ public:
+  ExpertsImpl(int64_t num_experts, int64_t hidden, int64_t intermediate);
+  torch::Tensor gate_up_proj, down_proj;
+};
+TORCH_MODULE(Experts);
+
+class SparseMoeBlockImpl : public torch::nn::Module {
+ public:
+  SparseMoeBlockImpl(int64_t hidden, int64_t num_experts, int64_t intermediate, int64_t top_k,
+                     bool norm_topk_prob);
+  // x [T, H] -> [T, H]; the router logits go to `router_logits` when given (aux loss).
+  torch::Tensor forward(const torch::Tensor& x, torch::Tensor* router_logits = nullptr);
+
+  Router gate{nullptr};
+  Experts experts{nullptr};
+  int64_t top_k;
+  bool norm_topk_prob;
+};
+TORCH_MODULE(SparseMoeBlock);
+
+// Switch-Transformer load-balancing loss over all MoE layers, as transformers computes it: with
+// R = rows over all layers, f_e = (#top-k picks of e) / R and P_e = (sum of p_e) / R,
+// L = E * sum_e f_e * P_e. Gradient flows through P only.
+torch::Tensor LoadBalancingLoss(const std::vector<torch::Tensor>& router_logits, int64_t num_experts,
+                                int64_t top_k);
+
+}  // namespace lm

@@ -1,0 +1,141 @@
+#include "lm/model/qwen3_moe.h"
+
+#include <cmath>
+
+#include <torch/torch.h>
+
+namespace lm {
+
+Qwen3MoeAttentionImpl::Qwen3MoeAttentionImpl(const ModelConfig& c)
+    : heads_(c.num_attention_heads),
+      kv_heads_(c.num_key_value_heads),
+      head_dim_(c.head_dim),
+      rope_(c.RotaryDim(), c.rope_theta) {
+  q_proj = register_module("q_proj", Linear(c.hidden_size, heads_ * head_dim_));
+  k_proj = register_module("k_proj", Linear(c.hidden_size, kv_heads_ * head_dim_));
+  v_proj = register_module("v_proj", Linear(c.hidden_size, kv_heads_ * head_dim_));
+  o_proj = register_module("o_proj", Linear(heads_ * head_dim_, c.hidden_size));
+  q_norm = register_module("q_norm", RMSNorm(head_dim_, c.rms_norm_eps));
+  k_norm = register_module("k_norm", RMSNorm(head_dim_, c.rms_norm_eps));
+}
+
+// q/k/v for rows x [N, H]: per-head RMSNorm on q and k BEFORE RoPE, as Qwen3 does.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> Qwen3MoeAttentionImpl::Project(
+    const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t n = x.size(0);
+  auto q = rope_.Apply(q_norm(q_proj(x).view({n, heads_, head_dim_})), cos, sin);
+  auto k = rope_.Apply(k_norm(k_proj(x).view({n, kv_heads_, head_dim_})), cos, sin);
+  auto v = v_proj(x).view({n, kv_heads_, head_dim_});
+  return {q, k, v};
+}
+
+torch::Tensor Qwen3MoeAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
+                                             const torch::Tensor& sin,
+                                             const std::vector<int64_t>& cu_seqlens,
+                                             torch::Tensor* k_cache, torch::Tensor* v_cache) {
+  auto [q, k, v] = Project(x, cos, sin);
+  if (k_cache) FillCache(*k_cache, *v_cache, k, v, cu_seqlens);
+  auto o = VarlenCausalAttention(q, k, v, cu_seqlens, 1.0 / std::sqrt(double(head_dim_)));
+  return o_proj(o.reshape({x.size(0), heads_ * head_dim_}));
+}
+
+torch::Tensor Qwen3MoeAttentionImpl::decode(const torch::Tensor& x, const torch::Tensor& cos,
+                                            const torch::Tensor& sin, torch::Tensor& k_cache,
+                                            torch::Tensor& v_cache,
+                                            const std::vector<int64_t>& lengths) {
+  auto [q, k, v] = Project(x, cos, sin);
+  AppendCache(k_cache, v_cache, k, v, lengths);
+  std::vector<int64_t> visible(lengths.size());
+  for (size_t b = 0; b < lengths.size(); ++b) visible[b] = lengths[b] + 1;
+  auto o = CachedAttention(q, k_cache, v_cache, visible, 1.0 / std::sqrt(double(head_dim_)));
+  return o_proj(o.reshape({x.size(0), heads_ * head_dim_}));
+}
+
+Qwen3MoeDecoderLayerImpl::Qwen3MoeDecoderLayerImpl(const ModelConfig& c, int64_t layer) {
+  input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  self_attn = register_module("self_attn", Qwen3MoeAttention(c));
+  post_attention_layernorm =
+      register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  if (c.IsMoeLayer(layer)) {
+    moe = register_module("mlp", SparseMoeBlock(c.hidden_size, c.num_experts, c.moe_intermediate_size,
+                                                c.num_experts_per_tok, c.norm_topk_prob));
+  } else {
+    dense = register_module("mlp", DenseMlp(c.hidden_size, c.intermediate_size));
+  }
+}
+
+torch::Tensor Qwen3MoeDecoderLayerImpl::Mlp(const torch::Tensor& x,
+                                            std::vector<torch::Tensor>* router_logits) {
+  if (!moe) return dense(x);
+  torch::Tensor logits;
+  auto y = moe(x, router_logits ? &logits : nullptr);
+  if (router_logits) router_logits->push_back(logits);
+  return y;
+}
+
+Qwen3MoeModelImpl::Qwen3MoeModelImpl(const ModelConfig& c) {
+  embed_tokens = register_module("embed_tokens", Embedding(c.vocab_size, c.hidden_size));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(Qwen3MoeDecoderLayer(c, i));
+  norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+}
+
+Qwen3MoeForCausalLM::Qwen3MoeForCausalLM(ModelConfig c)
+    : CausalLM(std::move(c)), rope_(config_.RotaryDim(), config_.rope_theta) {
+  model = register_module("model", Qwen3MoeModel(config_));
+  if (!config_.tie_word_embeddings) {
+    lm_head = register_module("lm_head", Linear(config_.hidden_size, config_.vocab_size));
+  }
+}
+
+torch::Tensor Qwen3MoeForCausalLM::Forward(const PackedBatch& batch, const ForwardOptions& opts) {
+  auto [cos, sin] = rope_.Tables(batch.position_ids);
+  auto h = model->embed_tokens(batch.input_ids);
+  for (size_t i = 0; i < model->layers->size(); ++i) {
+    auto layer = model->layers->ptr<Qwen3MoeDecoderLayerImpl>(i);
+    torch::Tensor* kc = opts.cache ? &opts.cache->k[i] : nullptr;
+    torch::Tensor* vc = opts.cache ? &opts.cache->v[i] : nullptr;
+    h = h + layer->self_attn(layer->input_layernorm(h), cos, sin, batch.cu_seqlens, kc, vc);
+    h = h + layer->Mlp(layer->post_attention_layernorm(h), opts.router_logits);
+  }
+  if (opts.cache) {
+    for (int64_t b = 0; b < batch.num_sequences(); ++b) opts.cache->lengths[b] = batch.length(b);
+  }
+  return model->norm(h);
+}
+
+torch::Tensor Qwen3MoeForCausalLM::Decode(const torch::Tensor& tokens, KVCache& cache) {
+  auto positions = torch::tensor(cache.lengths, torch::kInt64).to(tokens.device());
+  auto [cos, sin] = rope_.Tables(positions);
+  auto h = model->embed_tokens(tokens);
+  for (size_t i = 0; i < model->layers->size(); ++i) {
+    auto layer = model->layers->ptr<Qwen3MoeDecoderLayerImpl>(i);
+    h = h + layer->self_attn->decode(layer->input_layernorm(h), cos, sin, cache.k[i], cache.v[i],
+                                     cache.lengths);
+    h = h + layer->Mlp(layer->post_attention_layernorm(h), nullptr);
+  }
+  for (auto& len : cache.lengths) ++len;
+  return model->norm(h);
+}
+
+KVCache Qwen3MoeForCausalLM::NewKVCache(int64_t batch, int64_t capacity) const {
+  KVCache cache;
+  auto opts = model->embed_tokens->weight.options().requires_grad(false);
+  for (int64_t i = 0; i < config_.num_hidden_layers; ++i) {
+    cache.k.push_back(torch::zeros({batch, capacity, config_.num_key_value_heads, config_.head_dim}, opts));
+    cache.v.push_back(torch::zeros_like(cache.k.back()));
+  }
+  cache.lengths.assign(batch, 0);
+  return cache;
+}
+
+torch::Tensor Qwen3MoeForCausalLM::LmHeadWeight() {
+  return lm_head ? lm_head->weight : model->embed_tokens->weight;
+}
+
+std::vector<std::string> Qwen3MoeForCausalLM::TiedAliases() const {
+  if (config_.tie_word_embeddings) return {"lm_head.weight"};
+  return {};
+}
+
+}  // namespace lm

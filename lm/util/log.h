@@ -1,0 +1,18 @@
+// Logging facade. The implementation uses spdlog, but spdlog's fmt clashes with the fmt copy that
+// LibTorch's headers carry, so torch code logs through these plain functions instead.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+namespace lm::log {
+
+void Info(std::string_view msg);
+void Warn(std::string_view msg);
+void Error(std::string_view msg);
+void Debug(std::string_view msg);
+
+// Also append every message to `path` (a run directory's log file). Returns false on failure.
+bool AddFileSink(const std::string& path);
+
+}  // namespace lm::log

@@ -1,0 +1,420 @@
+// Parity of the C++ Qwen3-MoE / Qwen3 model with Hugging Face transformers, on the tiny random
+// models that tests/python/make_fixtures.py builds. Tolerances (fp32, CPU):
+//   logits and log-probs: max abs diff <= 1e-4 (summation order differs from PyTorch eager);
+//   gradients: max abs diff <= 1e-4 x the tensor's largest reference entry;
+//   load-balancing loss: abs diff <= 1e-5.
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "lm/io/checkpoint.h"
+#include "lm/model/logprobs.h"
+#include "lm/model/model.h"
+#include "lm/model/moe.h"
+#include "nlohmann/json.hpp"
+
+namespace lm {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::vector<std::string> FixtureNames() {
+  std::ifstream in(std::string(OPD_FIXTURES_DIR) + "/index.json");
+  auto j = nlohmann::json::parse(in);
+  return j["configs"].get<std::vector<std::string>>();
+}
+
+struct Fixture {
+  std::string dir;
+  std::vector<std::vector<int64_t>> seqs;
+  std::map<std::string, torch::Tensor> ref;
+};
+
+Fixture LoadFixture(const std::string& name) {
+  Fixture f;
+  f.dir = std::string(OPD_FIXTURES_DIR) + "/" + name;
+  std::ifstream in(f.dir + "/inputs.json");
+  f.seqs = nlohmann::json::parse(in)["sequences"].get<std::vector<std::vector<int64_t>>>();
+  auto file = SafetensorsFile::Open(f.dir + "/ref.safetensors");
+  EXPECT_TRUE(file.ok()) << file.status();
+  for (const auto& [n, view] : (*file)->tensors()) f.ref[n] = TensorFromView(view, *file).clone();
+  return f;
+}
+
+std::shared_ptr<CausalLM> MustLoad(const std::string& dir) {
+  auto m = LoadModel(dir);
+  EXPECT_TRUE(m.ok()) << m.status();
+  return m.ok() ? *m : nullptr;
+}
+
+double MaxAbsDiff(const torch::Tensor& a, const torch::Tensor& b) {
+  EXPECT_EQ(a.sizes(), b.sizes());
+  return (a - b).abs().max().item<double>();
+}
+
+class Parity : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Parity, LogitsLogprobsAuxLossAndGradients) {
+  Fixture f = LoadFixture(GetParam());
+  auto model = MustLoad(f.dir + "/model");
+  ASSERT_TRUE(model);
+  auto batch = PackedBatch::FromSequences(f.seqs);
+  std::vector<torch::Tensor> router_logits;
+  ForwardOptions opts;
+  opts.router_logits = &router_logits;
+  auto hidden = model->Forward(batch, opts);
+
+  const double logit_diff = MaxAbsDiff(model->Logits(hidden), f.ref["logits"]);
+  EXPECT_LE(logit_diff, 1e-4) << "logits";
+
+  auto [rows, targets] = NextTokenRows(batch);
+  auto lp = TokenLogprobs(hidden.index_select(0, rows), model->LmHeadWeight(), targets);
+  EXPECT_LE(MaxAbsDiff(lp, f.ref["logprobs"]), 1e-4) << "log-probs";
+
+  const auto& c = model->config();
+  auto aux = LoadBalancingLoss(router_logits, c.num_experts, c.num_experts_per_tok);
+  EXPECT_NEAR(aux.item<double>(), f.ref["aux_loss"].item<double>(), 1e-5) << "aux loss";
+
+  auto loss = -lp.mean() + f.ref["aux_coef"].item<double>() * aux;
+  EXPECT_NEAR(loss.item<double>(), f.ref["loss"].item<double>(), 1e-5);
+  loss.backward();
+  int64_t checked = 0;
+  for (const auto& p : model->named_parameters()) {
+    auto it = f.ref.find("grad." + p.key());
+    ASSERT_NE(it, f.ref.end()) << "no reference gradient for " << p.key();
+    ASSERT_TRUE(p.value().grad().defined()) << "no gradient reached " << p.key();
+    const double scale = std::max(it->second.abs().max().item<double>(), 1e-6);
+    EXPECT_LE(MaxAbsDiff(p.value().grad(), it->second) / scale, 1e-4) << "gradient of " << p.key();
+    ++checked;
+  }
+  EXPECT_GT(checked, 5);
+  std::printf("[%s] max |logits diff| = %.3g, params with gradients checked: %lld\n",
+              GetParam().c_str(), logit_diff, static_cast<long long>(checked));
+}
+
+// Prefill part of each sequence into the cache, then decode the rest one token per step with
+// all slots at different lengths: every step's logits equal the full forward's.
+TEST_P(Parity, KVCacheDecodeEqualsFullForward) {
+  torch::NoGradGuard no_grad;
+  Fixture f = LoadFixture(GetParam());
+  auto model = MustLoad(f.dir + "/model");
+  ASSERT_TRUE(model);
+  std::vector<std::vector<int64_t>> seqs;
+  for (auto& s : f.seqs) {
+    if (s.size() >= 2) seqs.push_back(s);
+  }
+  auto full = PackedBatch::FromSequences(seqs);
+  auto full_logits = model->Logits(model->Forward(full));
+
+  std::vector<std::vector<int64_t>> prompts;
+  for (auto& s : seqs) prompts.emplace_back(s.begin(), s.begin() + (s.size() + 1) / 2);
+  KVCache cache = model->NewKVCache(static_cast<int64_t>(seqs.size()), 32);
+  ForwardOptions opts;
+  opts.cache = &cache;
+  model->Forward(PackedBatch::FromSequences(prompts), opts);
+
+  // `live[i]`: which sequence cache slot i holds; finished sequences leave the cache.
+  std::vector<int64_t> live(seqs.size());
+  std::iota(live.begin(), live.end(), 0);
+  double worst = 0;
+  for (size_t step = 0;; ++step) {
+    std::vector<int64_t> keep, still_live, tokens, rows;
+    for (size_t i = 0; i < live.size(); ++i) {
+      const auto& s = seqs[live[i]];
+      const size_t pos = prompts[live[i]].size() + step;
+      if (pos >= s.size()) continue;
+      keep.push_back(i);
+      still_live.push_back(live[i]);
+      tokens.push_back(s[pos]);
+      rows.push_back(full.cu_seqlens[live[i]] + pos);
+    }
+    if (keep.empty()) break;
+    if (keep.size() != live.size()) cache = cache.Select(keep);
+    live = still_live;
+    auto h = model->Decode(torch::tensor(tokens, torch::kInt64), cache);
+    worst = std::max(worst, MaxAbsDiff(model->Logits(h), full_logits.index_select(0, torch::tensor(rows))));
+  }
+  EXPECT_LE(worst, 1e-4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, Parity, ::testing::ValuesIn(FixtureNames()));
+
+TEST(SharedPrefill, RepeatedCacheSlotsDecodeIdentically) {
+  torch::NoGradGuard no_grad;
+  auto model = MustLoad(std::string(OPD_FIXTURES_DIR) + "/moe_tied_topk8/model");
+  ASSERT_TRUE(model);
+  KVCache cache = model->NewKVCache(1, 16);
+  ForwardOptions opts;
+  opts.cache = &cache;
+  model->Forward(PackedBatch::FromSequences({{1, 2, 3, 4}}), opts);
+  KVCache two = cache.RepeatInterleave(2);
+  ASSERT_EQ(two.batch(), 2);
+  auto h = model->Decode(torch::tensor({5, 5}, torch::kInt64), two);
+  EXPECT_TRUE(torch::equal(h[0], h[1]));
+  auto ref = model->Logits(model->Forward(PackedBatch::FromSequences({{1, 2, 3, 4, 5}})));
+  EXPECT_LE(MaxAbsDiff(model->Logits(h[0].unsqueeze(0)), ref.narrow(0, 4, 1)), 1e-4);
+}
+
+fs::path TempDir(const std::string& tag) {
+  auto d = fs::temp_directory_path() / ("lm_model_test_" + tag + "_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+// C++ saves (sharded, to exercise the index), transformers loads and reproduces the logits.
+TEST(RoundTrip, CppSavesTransformersLoads) {
+  for (const std::string name : {"moe_tied_topk8", "moe_mlp_only_gqa4", "dense_qwen3"}) {
+    const std::string fixture = std::string(OPD_FIXTURES_DIR) + "/" + name;
+    auto model = MustLoad(fixture + "/model");
+    ASSERT_TRUE(model);
+    auto dir = TempDir(name);
+    SaveOptions so;
+    so.max_shard_bytes = 64 * 1024;  // several shards even for a tiny model
+    ASSERT_TRUE(SaveModel(*model, dir.string(), so).ok());
+    EXPECT_TRUE(fs::exists(dir / "model.safetensors.index.json"));
+    const std::string cmd = std::string(OPD_PYTHON) + " " + OPD_SOURCE_DIR +
+                            "/tests/python/check_model.py --model " + dir.string() + " --fixture " + fixture;
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    // And we load our own output back to identical parameters.
+    auto again = MustLoad(dir.string());
+    ASSERT_TRUE(again);
+    auto a = model->named_parameters(), b = again->named_parameters();
+    for (const auto& p : a) EXPECT_TRUE(torch::equal(p.value(), b[p.key()])) << p.key();
+    fs::remove_all(dir);
+  }
+}
+
+// A checkpoint in the fused in-memory layout (experts.gate_up_proj / experts.down_proj) loads too.
+TEST(Checkpoint, FusedExpertLayoutLoads) {
+  const std::string fixture = std::string(OPD_FIXTURES_DIR) + "/moe_many_experts/model";
+  auto model = MustLoad(fixture);
+  ASSERT_TRUE(model);
+  auto dir = TempDir("fused");
+  fs::copy_file(fixture + "/config.json", dir / "config.json");
+  std::vector<TensorToWrite> tensors;
+  std::vector<torch::Tensor> keep;
+  for (const auto& p : model->named_parameters()) {
+    keep.push_back(p.value().contiguous());
+    tensors.push_back({p.key(), DType::kF32, keep.back().sizes().vec(), keep.back().data_ptr(),
+                       static_cast<size_t>(keep.back().nbytes())});
+  }
+  ASSERT_TRUE(WriteSafetensors((dir / "model.safetensors").string(), tensors).ok());
+  auto again = MustLoad(dir.string());
+  ASSERT_TRUE(again);
+  for (const auto& p : model->named_parameters()) {
+    EXPECT_TRUE(torch::equal(p.value(), again->named_parameters()[p.key()])) << p.key();
+  }
+  fs::remove_all(dir);
+}
+
+// Rewrites the fixture checkpoint with one edit and returns the load error.
+absl::Status LoadEdited(const std::string& tag,
+                        const std::function<void(std::vector<std::pair<std::string, torch::Tensor>>&)>& edit) {
+  const std::string fixture = std::string(OPD_FIXTURES_DIR) + "/moe_tied_topk8/model";
+  auto file = SafetensorsFile::Open(fixture + "/model.safetensors");
+  EXPECT_TRUE(file.ok());
+  std::vector<std::pair<std::string, torch::Tensor>> ts;
+  for (const auto& [n, v] : (*file)->tensors()) ts.emplace_back(n, TensorFromView(v, *file).clone());
+  edit(ts);
+  auto dir = TempDir(tag);
+  fs::copy_file(fixture + "/config.json", dir / "config.json");
+  std::vector<TensorToWrite> out;
+  for (auto& [n, t] : ts) out.push_back({n, DType::kF32, t.sizes().vec(), t.data_ptr(), static_cast<size_t>(t.nbytes())});
+  EXPECT_TRUE(WriteSafetensors((dir / "model.safetensors").string(), out).ok());
+  auto m = LoadModel(dir.string());
+  fs::remove_all(dir);
+  return m.status();
+}
+
+TEST(Checkpoint, MissingTensorIsNamed) {
+  auto st = LoadEdited("missing", [](auto& ts) {
+    ts.erase(std::remove_if(ts.begin(), ts.end(), [](auto& p) { return p.first == "model.layers.1.self_attn.k_norm.weight"; }), ts.end());
+  });
+  EXPECT_EQ(st.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(st.message().find("model.layers.1.self_attn.k_norm.weight"), std::string::npos) << st;
+}
+
+TEST(Checkpoint, MissingExpertIsNamed) {
+  auto st = LoadEdited("missing_expert", [](auto& ts) {
+    ts.erase(std::remove_if(ts.begin(), ts.end(), [](auto& p) { return p.first == "model.layers.0.mlp.experts.3.up_proj.weight"; }), ts.end());
+  });
+  EXPECT_EQ(st.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(st.message().find("model.layers.0.mlp.experts.gate_up_proj"), std::string::npos) << st;
+}
+
+TEST(Checkpoint, WrongShapeIsNamed) {
+  auto st = LoadEdited("shape", [](auto& ts) {
+    for (auto& [n, t] : ts) {
+      if (n == "model.layers.0.self_attn.q_proj.weight") t = torch::zeros({3, 5});
+    }
+  });
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("model.layers.0.self_attn.q_proj.weight"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("[3, 5]"), std::string::npos) << st;
+}
+
+TEST(Checkpoint, UnexpectedTensorIsNamed) {
+  auto st = LoadEdited("unexpected", [](auto& ts) { ts.emplace_back("model.layers.0.mystery.weight", torch::zeros({2})); });
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("model.layers.0.mystery.weight"), std::string::npos) << st;
+}
+
+TEST(Checkpoint, TruncatedFileIsAnError) {
+  const std::string fixture = std::string(OPD_FIXTURES_DIR) + "/moe_tied_topk8/model";
+  auto dir = TempDir("truncated");
+  fs::copy_file(fixture + "/config.json", dir / "config.json");
+  fs::copy_file(fixture + "/model.safetensors", dir / "model.safetensors");
+  fs::resize_file(dir / "model.safetensors", fs::file_size(dir / "model.safetensors") - 100);
+  auto m = LoadModel(dir.string());
+  EXPECT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("model.safetensors"), std::string::npos) << m.status();
+  fs::remove_all(dir);
+}
+
+TEST(Config, ParsesEveryField) {
+  auto j = nlohmann::json::parse(R"({
+    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000000, "max_position_embeddings": 262144,
+    "tie_word_embeddings": false, "num_experts": 128, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768, "norm_topk_prob": true, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "rope_scaling": null})");
+  auto c = ParseModelConfig(j);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->head_dim, 128);  // not hidden/heads = 64
+  EXPECT_EQ(c->rope_theta, 1e7);
+  EXPECT_EQ(c->num_experts, 128);
+  EXPECT_TRUE(c->norm_topk_prob);
+  EXPECT_TRUE(c->IsMoeLayer(0));
+  EXPECT_EQ(c->max_position_embeddings, 262144);
+}
+
+TEST(Config, RopeThetaInsideRopeParametersAndSparseStep) {
+  auto j = nlohmann::json::parse(R"({"model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 8,
+    "intermediate_size": 16, "num_hidden_layers": 4, "num_attention_heads": 2, "num_local_experts": 4,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3],
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}})");
+  auto c = ParseModelConfig(j);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope_theta, 1e6);
+  EXPECT_EQ(c->head_dim, 4);
+  EXPECT_EQ(c->num_experts, 4);
+  EXPECT_FALSE(c->IsMoeLayer(0));
+  EXPECT_TRUE(c->IsMoeLayer(1));
+  EXPECT_FALSE(c->IsMoeLayer(3));  // in mlp_only_layers
+}
+
+TEST(Config, UnsupportedThingsAreErrors) {
+  const std::string base = R"("vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2)";
+  auto parse = [&](const std::string& extra) { return ParseModelConfig(nlohmann::json::parse("{" + base + "," + extra + "}")).status(); };
+  auto st = parse(R"("model_type": "llama")");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("llama"), std::string::npos);
+  st = parse(R"("model_type": "qwen3", "rope_scaling": {"rope_type": "yarn", "factor": 4.0})");
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(st.message().find("yarn"), std::string::npos);
+  st = parse(R"("model_type": "qwen3", "num_key_value_heads": 3)");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  st = parse(R"("model_type": "qwen3", "hidden_act": "gelu")");
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented);
+  st = ParseModelConfig(nlohmann::json::parse(R"({"model_type": "qwen3"})")).status();
+  EXPECT_NE(st.message().find("vocab_size"), std::string::npos);
+}
+
+// The experts path runs only experts that received tokens and equals a plain dense loop.
+TEST(Moe, SortedGroupedPathEqualsPlainLoop) {
+  torch::manual_seed(0);
+  const int64_t T = 37, H = 16, I = 8, E = 12, k = 3;
+  auto x = torch::randn({T, H}, torch::requires_grad());
+  auto gu = torch::randn({E, 2 * I, H}, torch::requires_grad());
+  auto dn = torch::randn({E, H, I}, torch::requires_grad());
+  auto logits = torch::randn({T, E});
+  logits.narrow(1, 5, 4).fill_(-1e4);  // experts 5..8 receive no tokens
+  auto [w, ids] = torch::softmax(logits, -1).topk(k, -1);
+  auto y = MoeExpertsCpu(x, ids, w, gu, dn);
+  auto ref = torch::zeros({T, H});
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = ids[t][j].item<int64_t>();
+      auto g = torch::mv(gu[e].narrow(0, 0, I), x[t]), u = torch::mv(gu[e].narrow(0, I, I), x[t]);
+      ref[t] += w[t][j] * torch::mv(dn[e], torch::silu(g) * u);
+    }
+  }
+  EXPECT_LE(MaxAbsDiff(y, ref), 1e-4);
+  auto gy = torch::randn({T, H});
+  auto grads = torch::autograd::grad({y}, {x, gu, dn}, {gy});
+  auto gref = torch::autograd::grad({ref}, {x, gu, dn}, {gy});
+  for (int i = 0; i < 3; ++i) EXPECT_LE(MaxAbsDiff(grads[i], gref[i]), 1e-3) << i;
+  EXPECT_EQ(grads[1].narrow(0, 5, 4).abs().sum().item<double>(), 0.0);  // idle experts: no gradient
+}
+
+TEST(Logprobs, ChunkedEqualsFullSoftmaxWithTemperatureAndGradients) {
+  torch::manual_seed(1);
+  auto h = torch::randn({50, 16}, torch::requires_grad());
+  auto w = torch::randn({300, 16}, torch::requires_grad());
+  auto t = torch::randint(0, 300, {50}, torch::kInt64);
+  LogprobOptions o;
+  o.temperature = 0.7;
+  o.chunk_rows = 8;
+  torch::Tensor ent;
+  auto lp = TokenLogprobs(h, w, t, o, &ent);
+  auto full = torch::log_softmax(torch::mm(h, w.t()) / 0.7, -1);
+  auto ref = full.gather(1, t.unsqueeze(1)).squeeze(1);
+  EXPECT_LE(MaxAbsDiff(lp, ref), 1e-5);
+  EXPECT_LE(MaxAbsDiff(ent, -(full.exp() * full).sum(-1)), 1e-4);
+  auto g = torch::randn({50});
+  auto a = torch::autograd::grad({lp}, {h, w}, {g});
+  auto b = torch::autograd::grad({ref}, {h, w}, {g});
+  EXPECT_LE(MaxAbsDiff(a[0], b[0]), 1e-4);
+  EXPECT_LE(MaxAbsDiff(a[1], b[1]), 1e-4);
+  auto top = TopK(h.detach(), w.detach(), 5, o);
+  auto [v, i] = full.topk(5, -1);
+  EXPECT_TRUE(torch::equal(top.ids, i));
+  EXPECT_LE(MaxAbsDiff(top.logprobs, v), 1e-5);
+}
+
+// opd-ctl logprobs prints, per input line, the log-probs transformers computed.
+TEST(OpdCtl, LogprobsMatchesReference) {
+  Fixture f = LoadFixture("moe_untied_top1_sparse2");
+  auto dir = TempDir("ctl");
+  {
+    std::ofstream in(dir / "in.jsonl");
+    for (auto& s : f.seqs) in << nlohmann::json{{"tokens", s}}.dump() << "\n";
+  }
+  const std::string cmd = std::string(OPD_BINARY_DIR) + "/ctl/opd-ctl logprobs --model " + f.dir +
+                          "/model --input " + (dir / "in.jsonl").string() + " > " + (dir / "out.jsonl").string();
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::ifstream out(dir / "out.jsonl");
+  std::vector<float> got;
+  std::string line;
+  int lines = 0;
+  while (std::getline(out, line)) {
+    auto v = nlohmann::json::parse(line)["logprobs"].get<std::vector<float>>();
+    EXPECT_EQ(v.size(), f.seqs[lines].size() - 1);
+    got.insert(got.end(), v.begin(), v.end());
+    ++lines;
+  }
+  EXPECT_EQ(lines, static_cast<int>(f.seqs.size()));
+  EXPECT_LE(MaxAbsDiff(torch::tensor(got), f.ref["logprobs"]), 1e-4);
+  // Out-of-vocabulary ids are refused with a message naming the line.
+  {
+    std::ofstream bad(dir / "bad.jsonl");
+    bad << R"({"tokens": [1, 2, 99999]})" << "\n";
+  }
+  const std::string bad_cmd = std::string(OPD_BINARY_DIR) + "/ctl/opd-ctl logprobs --model " + f.dir +
+                              "/model --input " + (dir / "bad.jsonl").string() + " 2> " + (dir / "err.txt").string();
+  EXPECT_NE(std::system(bad_cmd.c_str()), 0);
+  std::ifstream err(dir / "err.txt");
+  std::string msg((std::istreambuf_iterator<char>(err)), {});
+  EXPECT_NE(msg.find("bad.jsonl:1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("99999"), std::string::npos) << msg;
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace lm
