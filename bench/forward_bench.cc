@@ -2,6 +2,7 @@
 //   bench_forward --model DIR --batch 8 --len 512 --threads 2 --repeats 3 [--seed 0]
 // Prints one JSON line: {"tokens_per_s": ..., "seconds": [...], "checksum": ...}
 #include <chrono>
+#include <fstream>
 #include <iostream>
 
 #include <torch/torch.h>
@@ -17,7 +18,8 @@ ABSL_FLAG(int, len, 512, "tokens per sequence");
 ABSL_FLAG(int, threads, 2, "intra-op threads");
 ABSL_FLAG(int, repeats, 3, "timed repeats (after one warm-up)");
 ABSL_FLAG(int, seed, 0, "seed of the random token ids (same as the Python side)");
-ABSL_FLAG(std::string, ids, "", "optional file of token ids (JSON [[...], ...]) instead of random ids");
+ABSL_FLAG(std::string, ids, "",
+          "optional file of token ids (JSON [[...], ...]) instead of random ids");
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
@@ -34,7 +36,9 @@ int main(int argc, char** argv) {
     seqs = nlohmann::json::parse(in).get<std::vector<std::vector<int64_t>>>();
   } else {
     torch::manual_seed(absl::GetFlag(FLAGS_seed));
-    auto ids = torch::randint(0, (*model)->config().vocab_size, {absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_len)}, torch::kInt64);
+    auto ids =
+        torch::randint(0, (*model)->config().vocab_size,
+                       {absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_len)}, torch::kInt64);
     for (int64_t b = 0; b < ids.size(0); ++b) {
       auto row = ids[b].contiguous();
       seqs.emplace_back(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + row.numel());
@@ -52,7 +56,10 @@ int main(int argc, char** argv) {
     if (r > 0) secs.push_back(s);  // the first run warms caches and allocators
   }
   const double best = *std::min_element(secs.begin(), secs.end());
-  std::cout << nlohmann::json{{"tokens_per_s", batch.num_tokens() / best}, {"seconds", secs}, {"checksum", checksum}}.dump()
+  std::cout << nlohmann::json{{"tokens_per_s", batch.num_tokens() / best},
+                              {"seconds", secs},
+                              {"checksum", checksum}}
+                   .dump()
             << std::endl;
   return 0;
 }

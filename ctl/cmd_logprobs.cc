@@ -29,7 +29,8 @@ absl::StatusOr<std::vector<int64_t>> ParseTokens(const std::string& line, int64_
     if (!t.is_number_integer()) return absl::InvalidArgumentError("token ids must be integers");
     const int64_t id = t.get<int64_t>();
     if (id < 0 || id >= vocab) {
-      return absl::InvalidArgumentError(absl::StrCat("token id ", id, " is outside the vocabulary [0, ", vocab, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("token id ", id, " is outside the vocabulary [0, ", vocab, ")"));
     }
     ids.push_back(id);
   }
@@ -70,7 +71,8 @@ int RunLogprobs(const std::vector<std::string>& words) {
     if (line.empty()) continue;
     auto ids = ParseTokens(line, (*model)->config().vocab_size);
     if (!ids.ok()) {
-      std::cerr << "opd-ctl logprobs: " << input << ":" << lineno << ": " << ids.status().message() << "\n";
+      std::cerr << "opd-ctl logprobs: " << input << ":" << lineno << ": " << ids.status().message()
+                << "\n";
       return 1;
     }
     auto lp = lm::SequenceLogprobs(**model, lm::PackedBatch::FromSequences({*ids}), temperature);

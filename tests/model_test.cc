@@ -136,7 +136,8 @@ TEST_P(Parity, KVCacheDecodeEqualsFullForward) {
     if (keep.size() != live.size()) cache = cache.Select(keep);
     live = still_live;
     auto h = model->Decode(torch::tensor(tokens, torch::kInt64), cache);
-    worst = std::max(worst, MaxAbsDiff(model->Logits(h), full_logits.index_select(0, torch::tensor(rows))));
+    worst = std::max(
+        worst, MaxAbsDiff(model->Logits(h), full_logits.index_select(0, torch::tensor(rows))));
   }
   EXPECT_LE(worst, 1e-4);
 }
@@ -178,7 +179,8 @@ TEST(RoundTrip, CppSavesTransformersLoads) {
     ASSERT_TRUE(SaveModel(*model, dir.string(), so).ok());
     EXPECT_TRUE(fs::exists(dir / "model.safetensors.index.json"));
     const std::string cmd = std::string(OPD_PYTHON) + " " + OPD_SOURCE_DIR +
-                            "/tests/python/check_model.py --model " + dir.string() + " --fixture " + fixture;
+                            "/tests/python/check_model.py --model " + dir.string() + " --fixture " +
+                            fixture;
     EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
     // And we load our own output back to identical parameters.
     auto again = MustLoad(dir.string());
@@ -213,18 +215,21 @@ TEST(Checkpoint, FusedExpertLayoutLoads) {
 }
 
 // Rewrites the fixture checkpoint with one edit and returns the load error.
-absl::Status LoadEdited(const std::string& tag,
-                        const std::function<void(std::vector<std::pair<std::string, torch::Tensor>>&)>& edit) {
+absl::Status LoadEdited(
+    const std::string& tag,
+    const std::function<void(std::vector<std::pair<std::string, torch::Tensor>>&)>& edit) {
   const std::string fixture = std::string(OPD_FIXTURES_DIR) + "/moe_tied_topk8/model";
   auto file = SafetensorsFile::Open(fixture + "/model.safetensors");
   EXPECT_TRUE(file.ok());
   std::vector<std::pair<std::string, torch::Tensor>> ts;
-  for (const auto& [n, v] : (*file)->tensors()) ts.emplace_back(n, TensorFromView(v, *file).clone());
+  for (const auto& [n, v] : (*file)->tensors())
+    ts.emplace_back(n, TensorFromView(v, *file).clone());
   edit(ts);
   auto dir = TempDir(tag);
   fs::copy_file(fixture + "/config.json", dir / "config.json");
   std::vector<TensorToWrite> out;
-  for (auto& [n, t] : ts) out.push_back({n, DType::kF32, t.sizes().vec(), t.data_ptr(), static_cast<size_t>(t.nbytes())});
+  for (auto& [n, t] : ts)
+    out.push_back({n, DType::kF32, t.sizes().vec(), t.data_ptr(), static_cast<size_t>(t.nbytes())});
   EXPECT_TRUE(WriteSafetensors((dir / "model.safetensors").string(), out).ok());
   auto m = LoadModel(dir.string());
   fs::remove_all(dir);
@@ -233,7 +238,10 @@ absl::Status LoadEdited(const std::string& tag,
 
 TEST(Checkpoint, MissingTensorIsNamed) {
   auto st = LoadEdited("missing", [](auto& ts) {
-    ts.erase(std::remove_if(ts.begin(), ts.end(), [](auto& p) { return p.first == "model.layers.1.self_attn.k_norm.weight"; }), ts.end());
+    ts.erase(
+        std::remove_if(ts.begin(), ts.end(),
+                       [](auto& p) { return p.first == "model.layers.1.self_attn.k_norm.weight"; }),
+        ts.end());
   });
   EXPECT_EQ(st.code(), absl::StatusCode::kNotFound);
   EXPECT_NE(st.message().find("model.layers.1.self_attn.k_norm.weight"), std::string::npos) << st;
@@ -241,7 +249,10 @@ TEST(Checkpoint, MissingTensorIsNamed) {
 
 TEST(Checkpoint, MissingExpertIsNamed) {
   auto st = LoadEdited("missing_expert", [](auto& ts) {
-    ts.erase(std::remove_if(ts.begin(), ts.end(), [](auto& p) { return p.first == "model.layers.0.mlp.experts.3.up_proj.weight"; }), ts.end());
+    ts.erase(std::remove_if(
+                 ts.begin(), ts.end(),
+                 [](auto& p) { return p.first == "model.layers.0.mlp.experts.3.up_proj.weight"; }),
+             ts.end());
   });
   EXPECT_EQ(st.code(), absl::StatusCode::kNotFound);
   EXPECT_NE(st.message().find("model.layers.0.mlp.experts.gate_up_proj"), std::string::npos) << st;
@@ -259,7 +270,9 @@ TEST(Checkpoint, WrongShapeIsNamed) {
 }
 
 TEST(Checkpoint, UnexpectedTensorIsNamed) {
-  auto st = LoadEdited("unexpected", [](auto& ts) { ts.emplace_back("model.layers.0.mystery.weight", torch::zeros({2})); });
+  auto st = LoadEdited("unexpected", [](auto& ts) {
+    ts.emplace_back("model.layers.0.mystery.weight", torch::zeros({2}));
+  });
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("model.layers.0.mystery.weight"), std::string::npos) << st;
 }
@@ -310,8 +323,11 @@ TEST(Config, RopeThetaInsideRopeParametersAndSparseStep) {
 }
 
 TEST(Config, UnsupportedThingsAreErrors) {
-  const std::string base = R"("vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2)";
-  auto parse = [&](const std::string& extra) { return ParseModelConfig(nlohmann::json::parse("{" + base + "," + extra + "}")).status(); };
+  const std::string base =
+      R"("vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2)";
+  auto parse = [&](const std::string& extra) {
+    return ParseModelConfig(nlohmann::json::parse("{" + base + "," + extra + "}")).status();
+  };
   auto st = parse(R"("model_type": "llama")");
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("llama"), std::string::npos);
@@ -387,7 +403,8 @@ TEST(OpdCtl, LogprobsMatchesReference) {
     for (auto& s : f.seqs) in << nlohmann::json{{"tokens", s}}.dump() << "\n";
   }
   const std::string cmd = std::string(OPD_BINARY_DIR) + "/ctl/opd-ctl logprobs --model " + f.dir +
-                          "/model --input " + (dir / "in.jsonl").string() + " > " + (dir / "out.jsonl").string();
+                          "/model --input " + (dir / "in.jsonl").string() + " > " +
+                          (dir / "out.jsonl").string();
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   std::ifstream out(dir / "out.jsonl");
   std::vector<float> got;
@@ -404,10 +421,12 @@ TEST(OpdCtl, LogprobsMatchesReference) {
   // Out-of-vocabulary ids are refused with a message naming the line.
   {
     std::ofstream bad(dir / "bad.jsonl");
-    bad << R"({"tokens": [1, 2, 99999]})" << "\n";
+    bad << R"({"tokens": [1, 2, 99999]})"
+        << "\n";
   }
-  const std::string bad_cmd = std::string(OPD_BINARY_DIR) + "/ctl/opd-ctl logprobs --model " + f.dir +
-                              "/model --input " + (dir / "bad.jsonl").string() + " 2> " + (dir / "err.txt").string();
+  const std::string bad_cmd = std::string(OPD_BINARY_DIR) + "/ctl/opd-ctl logprobs --model " +
+                              f.dir + "/model --input " + (dir / "bad.jsonl").string() + " 2> " +
+                              (dir / "err.txt").string();
   EXPECT_NE(std::system(bad_cmd.c_str()), 0);
   std::ifstream err(dir / "err.txt");
   std::string msg((std::istreambuf_iterator<char>(err)), {});

@@ -23,9 +23,12 @@ namespace {
 
 torch::Dtype TorchDType(DType d) {
   switch (d) {
-    case DType::kF32: return torch::kFloat32;
-    case DType::kF16: return torch::kFloat16;
-    case DType::kBF16: return torch::kBFloat16;
+    case DType::kF32:
+      return torch::kFloat32;
+    case DType::kF16:
+      return torch::kFloat16;
+    case DType::kBF16:
+      return torch::kBFloat16;
   }
   return torch::kFloat32;
 }
@@ -37,7 +40,9 @@ absl::StatusOr<DType> FileDType(torch::Dtype d) {
   return absl::InvalidArgumentError(absl::StrCat("cannot save dtype ", c10::toString(d)));
 }
 
-std::string ShapeStr(c10::IntArrayRef s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
+std::string ShapeStr(c10::IntArrayRef s) {
+  return absl::StrCat("[", absl::StrJoin(s, ", "), "]");
+}
 
 // Where one checkpoint tensor goes: a whole parameter, or one expert's rows of a fused one.
 struct Target {
@@ -47,7 +52,8 @@ struct Target {
 };
 
 Target Resolve(const std::string& name) {
-  static const std::regex kExpert(R"(^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$)");
+  static const std::regex kExpert(
+      R"(^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$)");
   std::smatch m;
   if (!std::regex_match(name, m, kExpert)) return {name};
   const std::string base = m[1], proj = m[3];
@@ -60,7 +66,8 @@ Target Resolve(const std::string& name) {
 absl::StatusOr<torch::Tensor> Destination(const Target& t, torch::Tensor& param) {
   if (t.expert < 0) return param;
   if (t.expert >= param.size(0)) {
-    return absl::InvalidArgumentError(absl::StrCat("expert index ", t.expert, " >= num_experts ", param.size(0)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("expert index ", t.expert, " >= num_experts ", param.size(0)));
   }
   auto row = param[t.expert];
   if (t.part == Target::kDown) return row;
@@ -93,18 +100,21 @@ absl::StatusOr<std::vector<std::shared_ptr<const SafetensorsFile>>> OpenCheckpoi
     ASSIGN_OR_RETURN(std::string text, ReadFile(index));
     auto j = nlohmann::json::parse(text, nullptr, false);
     if (j.is_discarded() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
-      return absl::InvalidArgumentError(absl::StrCat(index, ": not a valid index (no weight_map object)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(index, ": not a valid index (no weight_map object)"));
     }
     std::set<std::string> shards;
     for (auto& [tensor, file] : j["weight_map"].items()) {
-      if (!file.is_string()) return absl::InvalidArgumentError(absl::StrCat(index, ": bad entry for ", tensor));
+      if (!file.is_string())
+        return absl::InvalidArgumentError(absl::StrCat(index, ": bad entry for ", tensor));
       shards.insert(file.get<std::string>());
     }
     names.assign(shards.begin(), shards.end());
   } else if (fs::exists(dir + "/model.safetensors")) {
     names.push_back("model.safetensors");
   } else {
-    return absl::NotFoundError(absl::StrCat(dir, ": no model.safetensors or model.safetensors.index.json"));
+    return absl::NotFoundError(
+        absl::StrCat(dir, ": no model.safetensors or model.safetensors.index.json"));
   }
   std::vector<std::shared_ptr<const SafetensorsFile>> files;
   for (const auto& n : names) {
@@ -141,16 +151,18 @@ absl::StatusOr<LoadReport> LoadParameters(
       const Target t = Resolve(name);
       auto it = params.find(t.param);
       if (it == params.end()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(file->path(), ": unexpected tensor '", name, "' (the model has no such parameter)"));
+        return absl::InvalidArgumentError(absl::StrCat(file->path(), ": unexpected tensor '", name,
+                                                       "' (the model has no such parameter)"));
       }
       auto dest = Destination(t, it->second);
-      if (!dest.ok()) return absl::InvalidArgumentError(absl::StrCat(file->path(), ": tensor '", name, "': ", dest.status().message()));
+      if (!dest.ok())
+        return absl::InvalidArgumentError(
+            absl::StrCat(file->path(), ": tensor '", name, "': ", dest.status().message()));
       auto src = TensorFromView(view, file);
       if (src.sizes() != dest->sizes()) {
-        return absl::InvalidArgumentError(absl::StrCat(file->path(), ": tensor '", name, "' has shape ",
-                                                       ShapeStr(src.sizes()), ", expected ",
-                                                       ShapeStr(dest->sizes())));
+        return absl::InvalidArgumentError(absl::StrCat(file->path(), ": tensor '", name,
+                                                       "' has shape ", ShapeStr(src.sizes()),
+                                                       ", expected ", ShapeStr(dest->sizes())));
       }
       dest->copy_(src);
       Fill& f = filled[t.param];
@@ -184,8 +196,9 @@ absl::StatusOr<LoadReport> LoadParameters(
   return report;
 }
 
-absl::Status SaveParameters(const std::string& dir, const std::map<std::string, torch::Tensor>& params,
-                            torch::Dtype dtype, int64_t max_shard_bytes) {
+absl::Status SaveParameters(const std::string& dir,
+                            const std::map<std::string, torch::Tensor>& params, torch::Dtype dtype,
+                            int64_t max_shard_bytes) {
   ASSIGN_OR_RETURN(DType file_dtype, FileDType(dtype));
   // Unfuse experts and convert; the tensors stay alive in `owned` until written.
   std::vector<std::pair<std::string, torch::Tensor>> owned;
@@ -193,14 +206,17 @@ absl::Status SaveParameters(const std::string& dir, const std::map<std::string, 
     auto t = p.detach().to(torch::kCPU, dtype).contiguous();
     const std::string gu = ".experts.gate_up_proj", dn = ".experts.down_proj";
     auto ends_with = [&](const std::string& suffix) {
-      return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+      return name.size() >= suffix.size() &&
+             name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
     };
     if (ends_with(gu)) {
       const std::string base = name.substr(0, name.size() - gu.size()) + ".experts.";
       const int64_t I = t.size(1) / 2;
       for (int64_t e = 0; e < t.size(0); ++e) {
-        owned.emplace_back(absl::StrCat(base, e, ".gate_proj.weight"), t[e].narrow(0, 0, I).contiguous());
-        owned.emplace_back(absl::StrCat(base, e, ".up_proj.weight"), t[e].narrow(0, I, I).contiguous());
+        owned.emplace_back(absl::StrCat(base, e, ".gate_proj.weight"),
+                           t[e].narrow(0, 0, I).contiguous());
+        owned.emplace_back(absl::StrCat(base, e, ".up_proj.weight"),
+                           t[e].narrow(0, I, I).contiguous());
       }
     } else if (ends_with(dn)) {
       const std::string base = name.substr(0, name.size() - dn.size()) + ".experts.";
@@ -222,31 +238,37 @@ absl::Status SaveParameters(const std::string& dir, const std::map<std::string, 
       shards.emplace_back();
       shard_bytes = 0;
     }
-    shards.back().push_back({name, file_dtype, t.sizes().vec(), t.data_ptr(), static_cast<size_t>(nb)});
+    shards.back().push_back(
+        {name, file_dtype, t.sizes().vec(), t.data_ptr(), static_cast<size_t>(nb)});
     shard_bytes += nb;
     total_bytes += nb;
   }
   std::error_code ec;
   fs::create_directories(dir, ec);
-  if (ec) return absl::InternalError(absl::StrCat(dir, ": cannot create directory: ", ec.message()));
+  if (ec)
+    return absl::InternalError(absl::StrCat(dir, ": cannot create directory: ", ec.message()));
   const std::map<std::string, std::string> meta = {{"format", "pt"}};
   if (shards.size() == 1) return WriteSafetensors(dir + "/model.safetensors", shards[0], meta);
 
-  nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", nlohmann::json::object()}};
+  nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}},
+                          {"weight_map", nlohmann::json::object()}};
   for (size_t i = 0; i < shards.size(); ++i) {
-    const std::string file = absl::StrFormat("model-%05d-of-%05d.safetensors", i + 1, shards.size());
+    const std::string file =
+        absl::StrFormat("model-%05d-of-%05d.safetensors", i + 1, shards.size());
     RETURN_IF_ERROR(WriteSafetensors(dir + "/" + file, shards[i], meta));
     for (const auto& t : shards[i]) index["weight_map"][t.name] = file;
   }
   std::ofstream out(dir + "/model.safetensors.index.json");
   out << index.dump(2) << "\n";
-  if (!out) return absl::InternalError(absl::StrCat(dir, "/model.safetensors.index.json: write failed"));
+  if (!out)
+    return absl::InternalError(absl::StrCat(dir, "/model.safetensors.index.json: write failed"));
   return absl::OkStatus();
 }
 
 // ---- model-level load/save (declared in lm/model/model.h) ----
 
-absl::StatusOr<std::shared_ptr<CausalLM>> LoadModel(const std::string& dir, const LoadOptions& opts) {
+absl::StatusOr<std::shared_ptr<CausalLM>> LoadModel(const std::string& dir,
+                                                    const LoadOptions& opts) {
   ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir));
   ASSIGN_OR_RETURN(auto model, CreateModel(config));
   ASSIGN_OR_RETURN(auto files, OpenCheckpointFiles(dir));
@@ -254,9 +276,11 @@ absl::StatusOr<std::shared_ptr<CausalLM>> LoadModel(const std::string& dir, cons
   for (auto& p : model->named_parameters()) params[p.key()] = p.value();
   std::vector<std::string> ignore_prefixes;
   if (config.model_type == "qwen3_next") ignore_prefixes.push_back("mtp.");
-  ASSIGN_OR_RETURN(LoadReport report, LoadParameters(files, params, model->TiedAliases(), ignore_prefixes));
-  log::Info(absl::StrCat("loaded ", dir, " (", config.model_type, "): ", report.tensors_loaded, " tensors from ",
-                         files.size(), " file(s), ", report.tensors_ignored, " ignored"));
+  ASSIGN_OR_RETURN(LoadReport report,
+                   LoadParameters(files, params, model->TiedAliases(), ignore_prefixes));
+  log::Info(absl::StrCat("loaded ", dir, " (", config.model_type, "): ", report.tensors_loaded,
+                         " tensors from ", files.size(), " file(s), ", report.tensors_ignored,
+                         " ignored"));
   model->to(opts.device, opts.dtype);
   return model;
 }
@@ -266,7 +290,9 @@ absl::Status SaveModel(CausalLM& model, const std::string& dir, const SaveOption
   for (auto& p : model.named_parameters()) params[p.key()] = p.value();
   RETURN_IF_ERROR(SaveParameters(dir, params, opts.dtype, opts.max_shard_bytes));
   nlohmann::json cfg = model.config().raw;
-  cfg["dtype"] = opts.dtype == torch::kFloat32 ? "float32" : opts.dtype == torch::kBFloat16 ? "bfloat16" : "float16";
+  cfg["dtype"] = opts.dtype == torch::kFloat32    ? "float32"
+                 : opts.dtype == torch::kBFloat16 ? "bfloat16"
+                                                  : "float16";
   if (!cfg.contains("architectures")) {
     cfg["architectures"] = {model.config().model_type == "qwen3_next" ? "Qwen3NextForCausalLM"
                             : model.config().model_type == "qwen3"    ? "Qwen3ForCausalLM"

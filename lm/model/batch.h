@@ -13,8 +13,8 @@
 namespace lm {
 
 struct PackedBatch {
-  torch::Tensor input_ids;     // [T] int64
-  torch::Tensor position_ids;  // [T] int64
+  torch::Tensor input_ids;          // [T] int64
+  torch::Tensor position_ids;       // [T] int64
   std::vector<int64_t> cu_seqlens;  // [B+1], host side: loops over documents need the boundaries
 
   int64_t num_tokens() const { return cu_seqlens.empty() ? 0 : cu_seqlens.back(); }

@@ -18,21 +18,24 @@ template <typename T>
 absl::Status Read(const json& j, const char* key, T* out, bool required = false) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) {
-    if (required) return absl::InvalidArgumentError(absl::StrCat("config.json: missing required field '", key, "'"));
+    if (required)
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json: missing required field '", key, "'"));
     return absl::OkStatus();
   }
   try {
     if constexpr (std::is_same_v<T, bool>) {
       if (!it->is_boolean()) throw json::type_error::create(302, "expected a boolean", nullptr);
     } else if constexpr (std::is_integral_v<T>) {
-      if (!it->is_number_integer()) throw json::type_error::create(302, "expected an integer", nullptr);
+      if (!it->is_number_integer())
+        throw json::type_error::create(302, "expected an integer", nullptr);
     } else if constexpr (std::is_floating_point_v<T>) {
       if (!it->is_number()) throw json::type_error::create(302, "expected a number", nullptr);
     }
     *out = it->get<T>();
   } catch (const json::exception& e) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("config.json: field '", key, "' has the wrong type (", it->dump(), "): ", e.what()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: field '", key, "' has the wrong type (", it->dump(), "): ", e.what()));
   }
   return absl::OkStatus();
 }
@@ -49,13 +52,15 @@ absl::Status ReadRope(const json& j, ModelConfig* c) {
   for (const char* key : {"rope_parameters", "rope_scaling"}) {
     auto it = j.find(key);
     if (it == j.end() || it->is_null()) continue;
-    if (!it->is_object()) return absl::InvalidArgumentError(absl::StrCat("config.json: '", key, "' must be an object"));
+    if (!it->is_object())
+      return absl::InvalidArgumentError(absl::StrCat("config.json: '", key, "' must be an object"));
     std::string type = "default";
     RETURN_IF_ERROR(Read(*it, "rope_type", &type));
     if (type == "default" && it->contains("type")) RETURN_IF_ERROR(Read(*it, "type", &type));
     if (type != "default") {
-      return absl::UnimplementedError(absl::StrCat("config.json: ", key, ".rope_type '", type,
-                                                   "' is not supported (only unscaled RoPE is implemented)"));
+      return absl::UnimplementedError(
+          absl::StrCat("config.json: ", key, ".rope_type '", type,
+                       "' is not supported (only unscaled RoPE is implemented)"));
     }
     RETURN_IF_ERROR(Read(*it, "rope_theta", &c->rope_theta));
     RETURN_IF_ERROR(Read(*it, "partial_rotary_factor", &c->partial_rotary_factor));
@@ -78,7 +83,8 @@ absl::Status ReadCommon(const json& j, ModelConfig* c) {
   RETURN_IF_ERROR(Read(j, "partial_rotary_factor", &c->partial_rotary_factor));
   RETURN_IF_ERROR(ReadRope(j, c));
 
-  for (auto [key, v] : {std::pair{"vocab_size", c->vocab_size}, {"hidden_size", c->hidden_size},
+  for (auto [key, v] : {std::pair{"vocab_size", c->vocab_size},
+                        {"hidden_size", c->hidden_size},
                         {"num_hidden_layers", c->num_hidden_layers},
                         {"num_attention_heads", c->num_attention_heads},
                         {"num_key_value_heads", c->num_key_value_heads}}) {
@@ -86,15 +92,16 @@ absl::Status ReadCommon(const json& j, ModelConfig* c) {
   }
   if (c->head_dim == 0) {
     if (c->hidden_size % c->num_attention_heads != 0) {
-      return absl::InvalidArgumentError("config.json: no head_dim and hidden_size is not divisible by heads");
+      return absl::InvalidArgumentError(
+          "config.json: no head_dim and hidden_size is not divisible by heads");
     }
     c->head_dim = c->hidden_size / c->num_attention_heads;
   }
   RETURN_IF_ERROR(Positive("head_dim", c->head_dim));
   if (c->num_attention_heads % c->num_key_value_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("config.json: num_attention_heads (", c->num_attention_heads,
-                                                   ") is not a multiple of num_key_value_heads (",
-                                                   c->num_key_value_heads, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: num_attention_heads (", c->num_attention_heads,
+                     ") is not a multiple of num_key_value_heads (", c->num_key_value_heads, ")"));
   }
   if (c->partial_rotary_factor <= 0 || c->partial_rotary_factor > 1 || c->RotaryDim() % 2 != 0) {
     return absl::InvalidArgumentError(
@@ -103,12 +110,16 @@ absl::Status ReadCommon(const json& j, ModelConfig* c) {
   }
   std::string act = "silu";
   RETURN_IF_ERROR(Read(j, "hidden_act", &act));
-  if (act != "silu") return absl::UnimplementedError(absl::StrCat("config.json: hidden_act '", act, "' is not supported (only silu)"));
+  if (act != "silu")
+    return absl::UnimplementedError(
+        absl::StrCat("config.json: hidden_act '", act, "' is not supported (only silu)"));
   bool attention_bias = false, use_sliding_window = false;
   RETURN_IF_ERROR(Read(j, "attention_bias", &attention_bias));
   RETURN_IF_ERROR(Read(j, "use_sliding_window", &use_sliding_window));
-  if (attention_bias) return absl::UnimplementedError("config.json: attention_bias=true is not supported");
-  if (use_sliding_window) return absl::UnimplementedError("config.json: use_sliding_window=true is not supported");
+  if (attention_bias)
+    return absl::UnimplementedError("config.json: attention_bias=true is not supported");
+  if (use_sliding_window)
+    return absl::UnimplementedError("config.json: use_sliding_window=true is not supported");
   return absl::OkStatus();
 }
 
@@ -127,14 +138,16 @@ absl::Status ReadMoe(const json& j, ModelConfig* c) {
     RETURN_IF_ERROR(Positive("moe_intermediate_size", c->moe_intermediate_size));
     RETURN_IF_ERROR(Positive("decoder_sparse_step", c->decoder_sparse_step));
     if (c->num_experts_per_tok > c->num_experts) {
-      return absl::InvalidArgumentError(absl::StrCat("config.json: num_experts_per_tok (", c->num_experts_per_tok,
-                                                     ") exceeds num_experts (", c->num_experts, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json: num_experts_per_tok (", c->num_experts_per_tok,
+                       ") exceeds num_experts (", c->num_experts, ")"));
     }
   }
   for (int64_t l : c->mlp_only_layers) {
     if (l < 0 || l >= c->num_hidden_layers) {
       return absl::InvalidArgumentError(absl::StrCat("config.json: mlp_only_layers names layer ", l,
-                                                     " of a model with ", c->num_hidden_layers, " layers"));
+                                                     " of a model with ", c->num_hidden_layers,
+                                                     " layers"));
     }
   }
   return absl::OkStatus();
@@ -163,7 +176,8 @@ absl::Status ReadQwen3Next(const json& j, ModelConfig* c) {
     RETURN_IF_ERROR(Positive(key, v));
   }
   if (c->linear_num_value_heads % c->linear_num_key_heads != 0) {
-    return absl::InvalidArgumentError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads");
+    return absl::InvalidArgumentError(
+        "config.json: linear_num_value_heads must be a multiple of linear_num_key_heads");
   }
   RETURN_IF_ERROR(Read(j, "layer_types", &c->layer_types));
   if (c->layer_types.empty()) {
@@ -175,8 +189,9 @@ absl::Status ReadQwen3Next(const json& j, ModelConfig* c) {
     }
   }
   if (static_cast<int64_t>(c->layer_types.size()) != c->num_hidden_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("config.json: layer_types has ", c->layer_types.size(),
-                                                   " entries for ", c->num_hidden_layers, " layers"));
+    return absl::InvalidArgumentError(absl::StrCat("config.json: layer_types has ",
+                                                   c->layer_types.size(), " entries for ",
+                                                   c->num_hidden_layers, " layers"));
   }
   for (const auto& t : c->layer_types) {
     if (t != "linear_attention" && t != "full_attention") {
@@ -194,7 +209,8 @@ absl::Status CheckNoSlidingLayers(const json& j) {
   RETURN_IF_ERROR(Read(j, "layer_types", &types));
   for (const auto& t : types) {
     if (t != "full_attention") {
-      return absl::UnimplementedError(absl::StrCat("config.json: layer type '", t, "' is not supported"));
+      return absl::UnimplementedError(
+          absl::StrCat("config.json: layer type '", t, "' is not supported"));
     }
   }
   return absl::OkStatus();
@@ -203,9 +219,10 @@ absl::Status CheckNoSlidingLayers(const json& j) {
 }  // namespace
 
 bool ModelConfig::IsMoeLayer(int64_t i) const {
+  // The same rule for qwen3_moe and qwen3_next (transformers' Qwen3NextDecoderLayer uses it too).
   if (num_experts <= 0) return false;
-  if (model_type == "qwen3_next") return true;
-  if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), i) != mlp_only_layers.end()) return false;
+  if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), i) != mlp_only_layers.end())
+    return false;
   return (i + 1) % decoder_sparse_step == 0;
 }
 
@@ -219,8 +236,15 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const json& j) {
   c.raw = j;
   RETURN_IF_ERROR(Read(j, "model_type", &c.model_type, true));
   if (c.model_type != "qwen3_moe" && c.model_type != "qwen3" && c.model_type != "qwen3_next") {
-    return absl::InvalidArgumentError(absl::StrCat("config.json: model_type '", c.model_type,
-                                                   "' is not supported (expected qwen3_moe, qwen3 or qwen3_next)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: model_type '", c.model_type,
+                     "' is not supported (expected qwen3_moe, qwen3 or qwen3_next)"));
+  }
+  if (c.model_type == "qwen3_next") {
+    // Qwen3NextConfig's defaults where config.json is silent (not hidden/heads, not 1.0, not 0).
+    c.head_dim = 256;
+    c.partial_rotary_factor = 0.25;
+    c.shared_expert_intermediate_size = 512;
   }
   RETURN_IF_ERROR(ReadCommon(j, &c));
   if (c.model_type != "qwen3") RETURN_IF_ERROR(ReadMoe(j, &c));
@@ -236,13 +260,15 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const json& j) {
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& dir) {
   const std::string path = dir + "/config.json";
   std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open (is this a model directory?)"));
+  if (!in)
+    return absl::NotFoundError(absl::StrCat(path, ": cannot open (is this a model directory?)"));
   std::stringstream ss;
   ss << in.rdbuf();
   json j = json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(path, ": not valid JSON"));
   auto c = ParseModelConfig(j);
-  if (!c.ok()) return absl::Status(c.status().code(), absl::StrCat(path, ": ", c.status().message()));
+  if (!c.ok())
+    return absl::Status(c.status().code(), absl::StrCat(path, ": ", c.status().message()));
   return c;
 }
 

@@ -11,13 +11,17 @@ LinearImpl::LinearImpl(int64_t in_features, int64_t out_features) {
   weight = register_parameter("weight", torch::empty({out_features, in_features}));
 }
 
-torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return torch::linear(x, weight); }
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
+  return torch::linear(x, weight);
+}
 
 EmbeddingImpl::EmbeddingImpl(int64_t vocab, int64_t hidden) {
   weight = register_parameter("weight", torch::empty({vocab, hidden}));
 }
 
-torch::Tensor EmbeddingImpl::forward(const torch::Tensor& ids) { return torch::embedding(weight, ids); }
+torch::Tensor EmbeddingImpl::forward(const torch::Tensor& ids) {
+  return torch::embedding(weight, ids);
+}
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps, bool zero_centered)
     : eps(eps), zero_centered(zero_centered) {
@@ -49,7 +53,8 @@ Rope::Rope(int64_t rotary_dim, double theta) : rotary_dim_(rotary_dim) {
 }
 
 std::pair<torch::Tensor, torch::Tensor> Rope::Tables(const torch::Tensor& positions) const {
-  auto freqs = positions.to(torch::kFloat32).unsqueeze(1) * inv_freq_.to(positions.device()).unsqueeze(0);
+  auto freqs =
+      positions.to(torch::kFloat32).unsqueeze(1) * inv_freq_.to(positions.device()).unsqueeze(0);
   auto emb = torch::cat({freqs, freqs}, -1);  // [T, rotary_dim]
   return {emb.cos(), emb.sin()};
 }
@@ -93,11 +98,12 @@ torch::Tensor CachedAttention(const torch::Tensor& q, const torch::Tensor& k_cac
   const int64_t L = *std::max_element(visible.begin(), visible.end());
   auto vis = torch::tensor(visible, torch::kInt64).to(q.device());
   auto mask = torch::arange(L, vis.options()).unsqueeze(0) < vis.unsqueeze(1);  // [B, L]
-  auto kb = k_cache.narrow(1, 0, L).transpose(1, 2);  // [B, Hkv, L, D]
+  auto kb = k_cache.narrow(1, 0, L).transpose(1, 2);                            // [B, Hkv, L, D]
   auto vb = v_cache.narrow(1, 0, L).transpose(1, 2);
   auto qb = q.unsqueeze(2);  // [B, Hq, 1, D]
-  auto out = at::scaled_dot_product_attention(qb, kb, vb, mask.view({B, 1, 1, L}), 0.0, false, scale,
-                                              /*enable_gqa=*/q.size(1) != k_cache.size(2));
+  auto out =
+      at::scaled_dot_product_attention(qb, kb, vb, mask.view({B, 1, 1, L}), 0.0, false, scale,
+                                       /*enable_gqa=*/q.size(1) != k_cache.size(2));
   return out.squeeze(2);
 }
 

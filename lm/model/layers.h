@@ -62,7 +62,8 @@ class Rope {
   // cos/sin tables [T, rotary_dim] in fp32 for the given positions [T].
   std::pair<torch::Tensor, torch::Tensor> Tables(const torch::Tensor& positions) const;
   // x: [T, heads, head_dim]; tables from Tables() for the same T positions.
-  torch::Tensor Apply(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) const;
+  torch::Tensor Apply(const torch::Tensor& x, const torch::Tensor& cos,
+                      const torch::Tensor& sin) const;
 
  private:
   int64_t rotary_dim_;

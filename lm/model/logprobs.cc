@@ -28,7 +28,8 @@ class ChunkedTokenLogprob : public torch::autograd::Function<ChunkedTokenLogprob
       auto logits = ChunkLogits(hidden.narrow(0, s, n), weight, temperature);
       auto l = logits.logsumexp(-1);
       lse.narrow(0, s, n).copy_(l);
-      out.narrow(0, s, n).copy_(logits.gather(1, targets.narrow(0, s, n).unsqueeze(1)).squeeze(1) - l);
+      out.narrow(0, s, n).copy_(logits.gather(1, targets.narrow(0, s, n).unsqueeze(1)).squeeze(1) -
+                                l);
     }
     ctx->save_for_backward({hidden, weight, targets, lse});
     ctx->saved_data["temperature"] = temperature;
@@ -74,7 +75,8 @@ torch::Tensor TokenLogprobs(const torch::Tensor& hidden, const torch::Tensor& we
     *entropy = torch::empty({N}, hidden.options().dtype(torch::kFloat32));
     for (int64_t s = 0; s < N; s += opts.chunk_rows) {
       const int64_t n = std::min(opts.chunk_rows, N - s);
-      auto lp = torch::log_softmax(ChunkLogits(hidden.narrow(0, s, n), weight, opts.temperature), -1);
+      auto lp =
+          torch::log_softmax(ChunkLogits(hidden.narrow(0, s, n), weight, opts.temperature), -1);
       entropy->narrow(0, s, n).copy_(-(lp.exp() * lp).sum(-1));
     }
   }

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/qwen3_moe.h"
+#include "lm/model/qwen3_next.h"
 
 namespace lm {
 
@@ -53,9 +54,13 @@ void CausalLM::InitWeights(double std, uint64_t seed) {
     const bool is_norm = name.find("norm") != std::string::npos && t.dim() == 1;
     if (is_norm) {
       // Zero-centred norms (Qwen3-Next) store w with scale 1 + w.
-      t.fill_(config_.model_type == "qwen3_next" && name.find("linear_attn.norm") == std::string::npos ? 0.0 : 1.0);
+      t.fill_(config_.model_type == "qwen3_next" &&
+                      name.find("linear_attn.norm") == std::string::npos
+                  ? 0.0
+                  : 1.0);
     } else if (name.find("A_log") != std::string::npos) {
-      t.copy_(torch::empty(t.sizes()).uniform_(0, 16, gen).log());
+      // As transformers: A in [0.01, 16], so that log A stays finite.
+      t.copy_(torch::empty(t.sizes()).uniform_(0.01, 16, gen).log());
     } else if (name.find("dt_bias") != std::string::npos) {
       t.fill_(1.0);
     } else {
@@ -68,7 +73,10 @@ absl::StatusOr<std::shared_ptr<CausalLM>> CreateModel(const ModelConfig& config)
   if (config.model_type == "qwen3_moe" || config.model_type == "qwen3") {
     return std::static_pointer_cast<CausalLM>(std::make_shared<Qwen3MoeForCausalLM>(config));
   }
-  return absl::UnimplementedError(absl::StrCat("model_type '", config.model_type, "' has no implementation"));
+  if (config.model_type == "qwen3_next")
+    return std::static_pointer_cast<CausalLM>(std::make_shared<Qwen3NextForCausalLM>(config));
+  return absl::UnimplementedError(
+      absl::StrCat("model_type '", config.model_type, "' has no implementation"));
 }
 
 std::pair<torch::Tensor, torch::Tensor> NextTokenRows(const PackedBatch& batch) {

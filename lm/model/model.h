@@ -36,7 +36,9 @@ class CausalLM : public torch::nn::Module {
 
   // The output projection [V, H] (the embedding matrix when tied).
   virtual torch::Tensor LmHeadWeight() = 0;
-  torch::Tensor Logits(const torch::Tensor& hidden) { return torch::linear(hidden, LmHeadWeight()); }
+  torch::Tensor Logits(const torch::Tensor& hidden) {
+    return torch::linear(hidden, LmHeadWeight());
+  }
 
   // Names of parameters that are the same tensor under another name (tied lm_head).
   virtual std::vector<std::string> TiedAliases() const { return {}; }
@@ -62,7 +64,7 @@ absl::StatusOr<std::shared_ptr<CausalLM>> LoadModel(const std::string& dir,
 
 struct SaveOptions {
   int64_t max_shard_bytes = int64_t{5} << 30;  // above this, shards + model.safetensors.index.json
-  torch::Dtype dtype = torch::kFloat32;       // on-disk dtype (config.json's torch_dtype follows)
+  torch::Dtype dtype = torch::kFloat32;        // on-disk dtype (config.json's torch_dtype follows)
 };
 
 // Writes config.json and safetensors (per-expert tensor names, as published checkpoints have

@@ -12,7 +12,8 @@ using torch::autograd::tensor_list;
 
 std::array<MoeExpertsFn, static_cast<size_t>(torch::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>&
 Registry() {
-  static std::array<MoeExpertsFn, static_cast<size_t>(torch::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>
+  static std::array<MoeExpertsFn,
+                    static_cast<size_t>(torch::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>
       fns{};
   return fns;
 }
@@ -62,7 +63,7 @@ class GroupedSwiGlu : public torch::autograd::Function<GroupedSwiGlu> {
       auto dy_e = dy.narrow(0, s, n);
       auto ddown_e = ddown[e];
       torch::mm_out(ddown_e, dy_e.t(), act * u);
-      auto dh = torch::mm(dy_e, down[e]);  // [n, I]
+      auto dh = torch::mm(dy_e, down[e]);                                        // [n, I]
       auto dgu = torch::cat({dh * u * (sg * (1 + g * (1 - sg))), dh * act}, 1);  // [n, 2I]
       auto dgate_up_e = dgate_up[e];
       torch::mm_out(dgate_up_e, dgu.t(), x.narrow(0, s, n));
@@ -123,7 +124,8 @@ RouterImpl::RouterImpl(int64_t num_experts, int64_t hidden) {
 }
 
 ExpertsImpl::ExpertsImpl(int64_t num_experts, int64_t hidden, int64_t intermediate) {
-  gate_up_proj = register_parameter("gate_up_proj", torch::empty({num_experts, 2 * intermediate, hidden}));
+  gate_up_proj =
+      register_parameter("gate_up_proj", torch::empty({num_experts, 2 * intermediate, hidden}));
   down_proj = register_parameter("down_proj", torch::empty({num_experts, hidden, intermediate}));
 }
 
@@ -140,8 +142,8 @@ torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& x, torch::Tensor*
   return MoeExperts(x, r.ids, r.weights, experts->gate_up_proj, experts->down_proj);
 }
 
-torch::Tensor LoadBalancingLoss(const std::vector<torch::Tensor>& router_logits, int64_t num_experts,
-                                int64_t top_k) {
+torch::Tensor LoadBalancingLoss(const std::vector<torch::Tensor>& router_logits,
+                                int64_t num_experts, int64_t top_k) {
   if (router_logits.empty()) return torch::zeros({});
   auto opts = router_logits[0].options().dtype(torch::kFloat32);
   auto picks = torch::zeros({num_experts}, opts);

@@ -75,7 +75,7 @@ TORCH_MODULE(SparseMoeBlock);
 // Switch-Transformer load-balancing loss over all MoE layers, as transformers computes it: with
 // R = rows over all layers, f_e = (#top-k picks of e) / R and P_e = (sum of p_e) / R,
 // L = E * sum_e f_e * P_e. Gradient flows through P only.
-torch::Tensor LoadBalancingLoss(const std::vector<torch::Tensor>& router_logits, int64_t num_experts,
-                                int64_t top_k);
+torch::Tensor LoadBalancingLoss(const std::vector<torch::Tensor>& router_logits,
+                                int64_t num_experts, int64_t top_k);
 
 }  // namespace lm

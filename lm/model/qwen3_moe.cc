@@ -57,8 +57,9 @@ Qwen3MoeDecoderLayerImpl::Qwen3MoeDecoderLayerImpl(const ModelConfig& c, int64_t
   post_attention_layernorm =
       register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
   if (c.IsMoeLayer(layer)) {
-    moe = register_module("mlp", SparseMoeBlock(c.hidden_size, c.num_experts, c.moe_intermediate_size,
-                                                c.num_experts_per_tok, c.norm_topk_prob));
+    moe =
+        register_module("mlp", SparseMoeBlock(c.hidden_size, c.num_experts, c.moe_intermediate_size,
+                                              c.num_experts_per_tok, c.norm_topk_prob));
   } else {
     dense = register_module("mlp", DenseMlp(c.hidden_size, c.intermediate_size));
   }
@@ -122,7 +123,8 @@ KVCache Qwen3MoeForCausalLM::NewKVCache(int64_t batch, int64_t capacity) const {
   KVCache cache;
   auto opts = model->embed_tokens->weight.options().requires_grad(false);
   for (int64_t i = 0; i < config_.num_hidden_layers; ++i) {
-    cache.k.push_back(torch::zeros({batch, capacity, config_.num_key_value_heads, config_.head_dim}, opts));
+    cache.k.push_back(
+        torch::zeros({batch, capacity, config_.num_key_value_heads, config_.head_dim}, opts));
     cache.v.push_back(torch::zeros_like(cache.k.back()));
   }
   cache.lengths.assign(batch, 0);
