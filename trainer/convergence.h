@@ -1,0 +1,49 @@
+// When an OPD stage is done: a step budget and/or a plateau of a smoothed metric.
+//
+// Plateau rule: the metric (by default the mean per-token reverse KL, lower is better) is
+// smoothed with an exponential moving average; the stage has converged when, after at least
+// `min_steps`, the smoothed value improved by less than `min_rel_improvement` (a fraction) over
+// the last `window` steps: (ema[t - window] - ema[t]) / |ema[t - window]| < min_rel_improvement.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <string>
+
+#include "nlohmann/json.hpp"
+
+namespace opd {
+
+struct ConvergenceRule {
+  int64_t max_steps = 0;              // 0: no step budget
+  bool plateau = false;               // enable the plateau rule
+  int64_t window = 20;                // W
+  double min_rel_improvement = 0.02;  // X as a fraction (0.02 = 2%)
+  double ema_beta = 0.9;              // ema = beta * ema + (1 - beta) * value
+  int64_t min_steps = 0;              // never stop on a plateau before this many steps
+};
+
+class ConvergenceTracker {
+ public:
+  explicit ConvergenceTracker(ConvergenceRule rule) : rule_(rule) {}
+
+  // Records the metric of the step just finished; returns true when the stage is done.
+  bool Update(double value);
+  // Why the stage ended ("max_steps" | "plateau"), empty while running.
+  const std::string& reason() const { return reason_; }
+  int64_t steps() const { return steps_; }
+  double smoothed() const { return ema_; }
+
+  // State for checkpoints (resume continues the same rule exactly).
+  nlohmann::json ToJson() const;
+  void FromJson(const nlohmann::json& j);
+
+ private:
+  ConvergenceRule rule_;
+  int64_t steps_ = 0;
+  double ema_ = 0;
+  std::deque<double> history_;  // last window + 1 smoothed values
+  std::string reason_;
+};
+
+}  // namespace opd
