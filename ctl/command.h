@@ -19,5 +19,17 @@ struct Command {
 int RunLogprobs(const std::vector<std::string>& args);
 int RunTokenize(const std::vector<std::string>& args);
 int RunDetokenize(const std::vector<std::string>& args);
+int RunInitModel(const std::vector<std::string>& args);
+
+// Clients of running services (opd-teacher, opd-rollout).
+int RunInfo(const std::vector<std::string>& args);
+int RunHealth(const std::vector<std::string>& args);
+int RunScore(const std::vector<std::string>& args);
+int RunGenerate(const std::vector<std::string>& args);
+int RunPushWeights(const std::vector<std::string>& args);
+
+// Evaluation and the learner's admin service.
+int RunEval(const std::vector<std::string>& args);
+int RunSwapTeacher(const std::vector<std::string>& args);
 
 }  // namespace ctl

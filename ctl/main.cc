@@ -12,6 +12,14 @@ constexpr ctl::Command kCommands[] = {
     {"logprobs", "per-token log-probs of token sequences, computed in-process", ctl::RunLogprobs},
     {"tokenize", "text lines in, JSON token ids out", ctl::RunTokenize},
     {"detokenize", "JSON token ids in, text lines out", ctl::RunDetokenize},
+    {"info", "what a running teacher or rollout worker serves", ctl::RunInfo},
+    {"health", "standard gRPC health check of a running service", ctl::RunHealth},
+    {"score", "teacher log-probs of token sequences, through a running teacher", ctl::RunScore},
+    {"generate", "samples from a running rollout worker", ctl::RunGenerate},
+    {"push-weights", "send a model directory's weights to a rollout worker", ctl::RunPushWeights},
+    {"init-model", "a random model (HF directory) from a config.json", ctl::RunInitModel},
+    {"eval", "task accuracy (and reverse KL to teachers) of a model on prompts with answers", ctl::RunEval},
+    {"swap-teacher", "make a running OPD learner use other teacher replicas for a stage", ctl::RunSwapTeacher},
 };
 
 void PrintUsage() {

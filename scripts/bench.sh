@@ -16,3 +16,15 @@ if [ -x scripts/bench_tokenizer.sh ]; then
   echo "== tokenizer =="
   ./scripts/bench_tokenizer.sh build
 fi
+
+echo "== Qwen3-Next scoring (stage-2 teacher, 2048-token prefill) =="
+$PY scripts/bench/qwen3_next.py --build build --workdir build/bench
+
+# The services: built here because the sections above only need the forward and tokenizer.
+cmake --build build -j"$(nproc)" --target bench_serving opd-teacher opd-rollout >/dev/null
+
+echo "== teacher scoring through gRPC (opd-teacher) =="
+$PY scripts/bench/teacher.py --build build --workdir build/bench
+
+echo "== rollout sampling through gRPC (opd-rollout) =="
+$PY scripts/bench/rollout.py --build build --workdir build/bench

@@ -91,10 +91,10 @@ std::vector<int> TeacherPool::HealthyReplicas() {
   return out;
 }
 
-absl::Status TeacherPool::WaitForHealthy(const std::atomic<bool>* stop, const std::string& last_error) {
+absl::Status TeacherPool::WaitForHealthy(const std::function<bool()>& stop, const std::string& last_error) {
   absl::Duration wait = opts_.backoff_initial;
   while (HealthyReplicas().empty()) {
-    if (stop && stop->load()) return absl::CancelledError("stopped while waiting for a teacher replica");
+    if (stop && stop()) return absl::CancelledError("stopped while waiting for a teacher replica");
     lm::log::Warn(absl::StrCat("stage '", stage_, "': no healthy teacher replica (", absl::StrJoin(endpoints(), ", "),
                                "); waiting ", absl::FormatDuration(wait), " before retrying. Last error: ", last_error));
     absl::SleepFor(wait);
@@ -105,7 +105,7 @@ absl::Status TeacherPool::WaitForHealthy(const std::atomic<bool>* stop, const st
 
 absl::StatusOr<std::vector<rpc::ScoreOutput>> TeacherPool::Score(const std::vector<rpc::ScoreInput>& inputs,
                                                                  const rpc::ScoreOptions& score_opts,
-                                                                 const std::atomic<bool>* stop) {
+                                                                 const std::function<bool()>& stop) {
   std::vector<rpc::ScoreOutput> out(inputs.size());
   // Pending shares: [begin, end) index ranges of `inputs` still to score.
   std::vector<std::pair<size_t, size_t>> pending;

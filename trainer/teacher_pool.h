@@ -8,6 +8,7 @@
 // one returns or `stop` is set; it never hands back partial scores.
 #pragma once
 
+#include <functional>
 #include <atomic>
 #include <memory>
 #include <string>
@@ -43,11 +44,11 @@ class TeacherPool {
                                                               const TeacherRequirements& req,
                                                               const TeacherPoolOptions& opts);
 
-  // Scores every input (one output per input, in order). Cancelled if `stop` becomes true while
+  // Scores every input (one output per input, in order). Cancelled if `stop()` returns true while
   // waiting for a healthy replica.
   absl::StatusOr<std::vector<rpc::ScoreOutput>> Score(const std::vector<rpc::ScoreInput>& inputs,
                                                       const rpc::ScoreOptions& score_opts,
-                                                      const std::atomic<bool>* stop = nullptr);
+                                                      const std::function<bool()>& stop = nullptr);
 
   const std::string& stage() const { return stage_; }
   std::vector<std::string> endpoints() const;
@@ -61,7 +62,7 @@ class TeacherPool {
     bool healthy = true;
   };
   std::vector<int> HealthyReplicas();  // re-admits replicas whose health check passes
-  absl::Status WaitForHealthy(const std::atomic<bool>* stop, const std::string& last_error);
+  absl::Status WaitForHealthy(const std::function<bool()>& stop, const std::string& last_error);
 
   std::string stage_;
   TeacherPoolOptions opts_;

@@ -27,10 +27,10 @@ struct LoadReport {
 };
 
 // Copies checkpoint tensors into `params` (name -> parameter). Per-expert tensors
-// `...mlp.experts.E.{gate,up,down}_proj.weight` fill rows of the fused `...mlp.experts.gate_up_proj`
-// [E, 2I, H] (gate first) and `...mlp.experts.down_proj` [E, H, I]. `ignore_prefixes` name
-// tensors that are skipped and counted. Missing, unexpected and mis-shaped tensors are errors
-// naming the tensor (and file).
+// `...mlp.experts.E.{gate,up,down}_proj.weight` fill rows of the fused
+// `...mlp.experts.gate_up_proj` [E, 2I, H] (gate first) and `...mlp.experts.down_proj` [E, H, I].
+// `ignore_prefixes` name tensors that are skipped and counted. Missing, unexpected and mis-shaped
+// tensors are errors naming the tensor (and file).
 absl::StatusOr<LoadReport> LoadParameters(
     const std::vector<std::shared_ptr<const SafetensorsFile>>& files,
     std::map<std::string, torch::Tensor>& params, const std::vector<std::string>& ignore_names,
@@ -39,7 +39,8 @@ absl::StatusOr<LoadReport> LoadParameters(
 // Writes named tensors as HF safetensors into `dir`: one model.safetensors, or shards
 // model-0000i-of-0000N.safetensors plus model.safetensors.index.json above `max_shard_bytes`.
 // Fused expert tensors are written per expert, the layout published checkpoints use.
-absl::Status SaveParameters(const std::string& dir, const std::map<std::string, torch::Tensor>& params,
-                            torch::Dtype dtype, int64_t max_shard_bytes);
+absl::Status SaveParameters(const std::string& dir,
+                            const std::map<std::string, torch::Tensor>& params, torch::Dtype dtype,
+                            int64_t max_shard_bytes);
 
 }  // namespace lm

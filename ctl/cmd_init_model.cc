@@ -1,0 +1,98 @@
+// opd-ctl init-model --config CONFIG.json --out DIR [--seed N] [--std 0.02] [--tokenizer PATH]
+// A random model from a Hugging Face config.json (students and teachers for tests and demos):
+// every matrix ~ Normal(0, std), norms at their identity, saved as an HF model directory that
+// transformers loads. With --tokenizer (a directory or a tokenizer.json) the tokenizer files are
+// copied in, after checking that the tokenizer's ids fit the model's vocabulary.
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+
+#include <torch/torch.h>
+
+#include "absl/strings/str_cat.h"
+#include "ctl/args.h"
+#include "ctl/command.h"
+#include "lm/model/model.h"
+#include "lm/text/tokenizer.h"
+#include "lm/util/status.h"
+#include "nlohmann/json.hpp"
+
+namespace ctl {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kUsage =
+    "usage: opd-ctl init-model --config CONFIG.json --out DIR [--seed N] [--std 0.02] [--tokenizer PATH]\n";
+
+constexpr const char* kTokenizerFiles[] = {"tokenizer.json", "tokenizer_config.json", "vocab.json",
+                                           "merges.txt", "special_tokens_map.json",
+                                           "chat_template.jinja"};
+
+absl::StatusOr<lm::ModelConfig> ReadConfig(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  auto j = nlohmann::json::parse(in, nullptr, false);
+  if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(path, ": not JSON"));
+  auto config = lm::ParseModelConfig(j);
+  if (!config.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", config.status().message()));
+  return config;
+}
+
+// The tokenizer files to copy, after checking that the tokenizer fits the model.
+absl::StatusOr<std::vector<fs::path>> TokenizerFiles(const std::string& path, int64_t vocab) {
+  ASSIGN_OR_RETURN(auto tokenizer, lm::Tokenizer::Load(path));
+  if (tokenizer->vocab_size() > vocab)
+    return absl::InvalidArgumentError(absl::StrCat("the tokenizer has ", tokenizer->vocab_size(),
+                                                   " ids, more than the model's vocab_size ", vocab));
+  if (fs::is_regular_file(path)) return std::vector<fs::path>{path};
+  std::vector<fs::path> files;
+  for (const char* name : kTokenizerFiles) {
+    if (fs::is_regular_file(fs::path(path) / name)) files.push_back(fs::path(path) / name);
+  }
+  return files;
+}
+
+absl::Status InitModel(const Args& args) {
+  ASSIGN_OR_RETURN(lm::ModelConfig config, ReadConfig(args.Get("config")));
+  std::vector<fs::path> tokenizer_files;
+  if (args.Has("tokenizer")) {
+    ASSIGN_OR_RETURN(tokenizer_files, TokenizerFiles(args.Get("tokenizer"), config.vocab_size));
+  }
+  ASSIGN_OR_RETURN(auto model, lm::CreateModel(config));
+  model->InitWeights(std::stod(args.Get("std", "0.02")), std::stoull(args.Get("seed", "0")));
+  const std::string out = args.Get("out");
+  RETURN_IF_ERROR(lm::SaveModel(*model, out));
+  for (const fs::path& f : tokenizer_files) {
+    std::error_code ec;
+    fs::copy_file(f, fs::path(out) / f.filename(), fs::copy_options::overwrite_existing, ec);
+    if (ec) return absl::InternalError(absl::StrCat(f.string(), ": cannot copy: ", ec.message()));
+  }
+  int64_t params = 0;
+  for (const auto& p : model->parameters()) params += p.numel();
+  std::cerr << "opd-ctl init-model: " << config.model_type << " with " << params << " parameters -> " << out << "\n";
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int RunInitModel(const std::vector<std::string>& words) {
+  auto args = Args::Parse(words, {"config", "out", "seed", "std", "tokenizer"});
+  if (!args.ok() || !args->Has("config") || !args->Has("out")) {
+    std::cerr << (args.ok() ? "" : std::string(args.status().message()) + "\n") << kUsage;
+    return 2;
+  }
+  absl::Status s;
+  try {
+    s = InitModel(*args);
+  } catch (const std::invalid_argument&) {
+    s = absl::InvalidArgumentError("--seed and --std take numbers");
+  }
+  if (!s.ok()) {
+    std::cerr << "opd-ctl init-model: " << s.message() << "\n";
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace ctl

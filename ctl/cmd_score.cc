@@ -1,0 +1,73 @@
+// opd-ctl score --addr HOST:PORT --input FILE|- [--top-k K] [--temperature T] [--batch N]
+// Input: JSON lines {"tokens": [...], "response_start": S} (S defaults to 1: score every token
+// after the first). Output, one line per input: {"logprobs": [...]} with log p(token_i |
+// tokens_<i) for i >= S (the same numbers `opd-ctl logprobs` prints for S = 1), plus
+// "topk_ids" / "topk_logprobs" ([positions][k]) with --top-k.
+#include <iostream>
+
+#include "ctl/client_args.h"
+#include "ctl/command.h"
+#include "ctl/json_lines.h"
+
+namespace ctl {
+namespace {
+
+constexpr const char* kUsage =
+    "usage: opd-ctl score --addr HOST:PORT --input FILE|- [--top-k K] [--temperature T] [--batch "
+    "N]\n";
+
+void PrintScores(const opd::rpc::ScoreOutput& s, int k) {
+  nlohmann::json out{{"logprobs", s.logprobs}};
+  if (k > 0) {
+    auto ids = nlohmann::json::array(), lps = nlohmann::json::array();
+    for (size_t row = 0; row * k < s.topk_ids.size(); ++row) {
+      ids.push_back(
+          std::vector<int32_t>(s.topk_ids.begin() + row * k, s.topk_ids.begin() + (row + 1) * k));
+      lps.push_back(std::vector<float>(s.topk_logprobs.begin() + row * k,
+                                       s.topk_logprobs.begin() + (row + 1) * k));
+    }
+    out["topk_ids"] = std::move(ids);
+    out["topk_logprobs"] = std::move(lps);
+  }
+  std::cout << out.dump() << "\n";
+}
+
+}  // namespace
+
+int RunScore(const std::vector<std::string>& words) {
+  auto args = Args::Parse(words, WithClientFlags({"input", "top-k", "temperature", "batch"}));
+  if (!args.ok() || !args->Has("input")) {
+    std::cerr << (args.ok() ? "" : std::string(args.status().message()) + "\n") << kUsage
+              << kClientUsage;
+    return 2;
+  }
+  auto opts = ClientOptionsFrom(*args);
+  if (!opts.ok()) return Fail("score", opts.status());
+  auto client = opd::rpc::TeacherClient::Create(*opts);
+  if (!client.ok()) return Fail("score", client.status());
+  opd::rpc::ScoreOptions so;
+  so.top_k = std::stoi(args->Get("top-k", "0"));
+  so.temperature = std::stof(args->Get("temperature", "1.0"));
+  const size_t batch = std::max(1, std::stoi(args->Get("batch", "64")));
+
+  std::vector<opd::rpc::ScoreInput> pending;
+  auto flush = [&]() -> absl::Status {
+    if (pending.empty()) return absl::OkStatus();
+    auto scores = (*client)->Score(pending, so);
+    if (!scores.ok()) return scores.status();
+    for (const auto& s : *scores) PrintScores(s, so.top_k);
+    pending.clear();
+    return absl::OkStatus();
+  };
+  absl::Status st =
+      ForEachJsonLine(args->Get("input"), [&](const nlohmann::json& j, const std::string&) {
+        auto tokens = TokensOf(j);
+        if (!tokens.ok()) return tokens.status();
+        pending.push_back({std::move(*tokens), j.value("response_start", 1)});
+        return pending.size() >= batch ? flush() : absl::OkStatus();
+      });
+  if (st.ok()) st = flush();
+  return st.ok() ? 0 : Fail("score", st);
+}
+
+}  // namespace ctl

@@ -1,0 +1,233 @@
+#include "rollout/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include <torch/torch.h>
+
+#include "absl/strings/str_cat.h"
+#include "lm/model/model.h"
+
+namespace rollout {
+namespace {
+
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// A uniform double in [0, 1) from the top 53 bits: defined by the bits alone, unlike
+// std::uniform_real_distribution, whose algorithm the standard leaves open.
+double Uniform(std::mt19937_64& rng) {
+  return static_cast<double>(rng() >> 11) * 0x1.0p-53;
+}
+
+// One sample being decoded.
+struct Slot {
+  std::mt19937_64 rng;
+  Sample out;
+};
+
+struct Draws {
+  std::vector<int64_t> tokens;
+  std::vector<float> logprobs;
+};
+
+// One token per row of logits [B, V], row i drawn with slots[i]'s generator.
+Draws Draw(const torch::Tensor& logits, std::vector<Slot>& slots, const SamplingParams& p) {
+  const int64_t B = logits.size(0), V = logits.size(1);
+  Draws d;
+  if (p.temperature == 0) {
+    auto ids = logits.argmax(-1).contiguous();
+    d.tokens.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + B);
+    d.logprobs.assign(B, 0.0f);  // a point mass
+    return d;
+  }
+  auto lp = FilteredLogprobs(logits, p.temperature, p.top_k, p.top_p);
+  // Inverse CDF in fp64: the first token whose cumulative probability exceeds u * total. A
+  // filtered token (probability 0) never adds mass, so it can never be the first to exceed.
+  auto cdf = lp.exp().to(torch::kFloat64).cumsum(-1);
+  std::vector<double> u(B);
+  for (int64_t i = 0; i < B; ++i) u[i] = Uniform(slots[i].rng);
+  auto target = torch::tensor(u, torch::kFloat64).unsqueeze(1) * cdf.narrow(1, V - 1, 1);
+  auto idx = torch::searchsorted(cdf, target, /*out_int32=*/false, /*right=*/true).clamp_max(V - 1);
+  auto chosen = lp.gather(1, idx).squeeze(1).contiguous();
+  idx = idx.squeeze(1).contiguous();
+  d.tokens.assign(idx.data_ptr<int64_t>(), idx.data_ptr<int64_t>() + B);
+  d.logprobs.assign(chosen.data_ptr<float>(), chosen.data_ptr<float>() + B);
+  for (int64_t i = 0; i < B; ++i) {
+    // u * total can round up to total itself; fall back to the most likely token then.
+    if (!std::isfinite(d.logprobs[i])) {
+      d.tokens[i] = lp[i].argmax().item<int64_t>();
+      d.logprobs[i] = lp[i][d.tokens[i]].item<float>();
+    }
+  }
+  return d;
+}
+
+// Logits [P, V] (fp32) at the last position of every prompt, filling `cache`.
+torch::Tensor Prefill(lm::CausalLM& model, const std::vector<std::vector<int64_t>>& prompts,
+                      lm::KVCache& cache, SamplerStats& stats) {
+  const auto batch = lm::PackedBatch::FromSequences(prompts);
+  lm::ForwardOptions fo;
+  fo.cache = &cache;
+  const auto hidden = model.Forward(batch, fo);
+  stats.prefill_tokens += batch.num_tokens();
+  std::vector<int64_t> last;
+  for (int64_t b = 0; b < batch.num_sequences(); ++b) last.push_back(batch.cu_seqlens[b + 1] - 1);
+  return model.Logits(hidden.index_select(0, torch::tensor(last, torch::kInt64)))
+      .to(torch::kFloat32);
+}
+
+}  // namespace
+
+uint64_t SampleSeed(uint64_t seed, int64_t prompt, int64_t sample) {
+  return SplitMix64(SplitMix64(SplitMix64(seed) ^ static_cast<uint64_t>(prompt)) ^
+                    static_cast<uint64_t>(sample));
+}
+
+absl::Status Validate(const std::vector<std::vector<int64_t>>& prompts, const SamplingParams& p,
+                      const GenerateLimits& limits) {
+  if (prompts.empty()) return absl::InvalidArgumentError("no prompts");
+  if (p.samples_per_prompt < 1 || p.samples_per_prompt > limits.max_samples_per_prompt) {
+    return absl::InvalidArgumentError(absl::StrCat("samples_per_prompt ", p.samples_per_prompt,
+                                                   " is outside [1, ",
+                                                   limits.max_samples_per_prompt, "]"));
+  }
+  if (static_cast<int64_t>(prompts.size()) * p.samples_per_prompt > limits.max_slots) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        prompts.size(), " prompts x ", p.samples_per_prompt, " samples is more than the ",
+        limits.max_slots, " sequences one request may decode"));
+  }
+  if (!(p.temperature >= 0) || !std::isfinite(p.temperature)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("temperature must be >= 0, got ", p.temperature));
+  }
+  if (p.top_k < 0 || p.top_k > limits.vocab_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_k ", p.top_k, " is outside [0, ", limits.vocab_size, "]"));
+  }
+  if (!(p.top_p >= 0 && p.top_p <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("top_p ", p.top_p, " is outside [0, 1]"));
+  }
+  if (p.max_new_tokens < 1 || p.max_new_tokens > limits.max_seq_len) {
+    return absl::InvalidArgumentError(absl::StrCat("max_new_tokens ", p.max_new_tokens,
+                                                   " is outside [1, ", limits.max_seq_len, "]"));
+  }
+  for (int64_t id : p.stop_ids) {
+    if (id < 0 || id >= limits.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "stop token id ", id, " is outside the vocabulary [0, ", limits.vocab_size, ")"));
+    }
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const auto& s = prompts[i];
+    if (s.empty()) return absl::InvalidArgumentError(absl::StrCat("prompt ", i, ": empty"));
+    const int64_t len = static_cast<int64_t>(s.size());
+    if (len + p.max_new_tokens > limits.max_seq_len) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt ", i, ": ", len, " tokens + max_new_tokens ", p.max_new_tokens,
+                       " exceed the maximum sequence length ", limits.max_seq_len));
+    }
+    for (int64_t j = 0; j < len; ++j) {
+      if (s[j] < 0 || s[j] >= limits.vocab_size) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("prompt ", i, ": token id ", s[j], " at position ", j,
+                         " is outside the vocabulary [0, ", limits.vocab_size, ")"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+torch::Tensor FilteredLogprobs(const torch::Tensor& logits, double temperature, int64_t top_k,
+                               double top_p) {
+  auto x = logits.to(torch::kFloat32);
+  if (temperature != 1.0) x = x / temperature;
+  const int64_t V = x.size(-1);
+  const bool use_k = top_k > 0 && top_k < V;
+  const bool use_p = top_p > 0 && top_p < 1;
+  if (!use_k && !use_p) return torch::log_softmax(x, -1);
+  // Candidates, most likely first: the top k, or the whole (sorted) vocabulary for top-p alone.
+  auto [vals, idx] = use_k ? x.topk(top_k, -1, /*largest=*/true, /*sorted=*/true)
+                           : x.sort(-1, /*descending=*/true);
+  if (use_p) {
+    auto probs = vals.softmax(-1);
+    // A candidate goes when the more likely ones already hold top_p of the mass; the first never.
+    auto mass_before = probs.cumsum(-1) - probs;
+    vals = vals.masked_fill(mass_before >= top_p, -std::numeric_limits<float>::infinity());
+  }
+  auto filtered =
+      torch::full_like(x, -std::numeric_limits<float>::infinity()).scatter(-1, idx, vals);
+  return torch::log_softmax(filtered, -1);
+}
+
+absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
+                                             const std::vector<std::vector<int64_t>>& prompts,
+                                             const SamplingParams& params,
+                                             const std::function<void(Sample)>& on_sample,
+                                             const std::function<bool()>& cancelled) {
+  torch::NoGradGuard no_grad;
+  const int64_t P = static_cast<int64_t>(prompts.size()), n = params.samples_per_prompt;
+  int64_t longest = 0;
+  for (const auto& p : prompts)
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
+  SamplerStats stats;
+  if (cancelled && cancelled()) return absl::CancelledError("cancelled before the prefill");
+
+  lm::KVCache cache = model.NewKVCache(P, longest + params.max_new_tokens);
+  auto logits = Prefill(model, prompts, cache, stats).repeat_interleave(n, 0);
+  cache = cache.RepeatInterleave(n);
+
+  std::vector<Slot> slots;
+  slots.reserve(P * n);
+  for (int64_t p = 0; p < P; ++p) {
+    for (int64_t s = 0; s < n; ++s) {
+      Slot slot{std::mt19937_64(SampleSeed(params.seed, p, s)), Sample{}};
+      slot.out.prompt_index = p;
+      slot.out.sample_index = s;
+      slots.push_back(std::move(slot));
+    }
+  }
+  auto is_stop = [&](int64_t id) {
+    return std::find(params.stop_ids.begin(), params.stop_ids.end(), id) != params.stop_ids.end();
+  };
+
+  while (true) {
+    Draws d = Draw(logits, slots, params);
+    std::vector<int64_t> keep, next;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      Sample& out = slots[i].out;
+      out.tokens.push_back(d.tokens[i]);
+      out.logprobs.push_back(d.logprobs[i]);
+      const bool stop = is_stop(d.tokens[i]);
+      if (stop || static_cast<int64_t>(out.tokens.size()) >= params.max_new_tokens) {
+        out.finish = stop ? FinishReason::kStop : FinishReason::kLength;
+        on_sample(std::move(out));
+      } else {
+        keep.push_back(static_cast<int64_t>(i));
+        next.push_back(d.tokens[i]);
+      }
+    }
+    if (keep.empty()) break;
+    if (cancelled && cancelled()) return absl::CancelledError("cancelled while decoding");
+    if (keep.size() < slots.size()) {
+      cache = cache.Select(keep);
+      std::vector<Slot> live;
+      live.reserve(keep.size());
+      for (int64_t i : keep) live.push_back(std::move(slots[i]));
+      slots = std::move(live);
+    }
+    const auto hidden = model.Decode(torch::tensor(next, torch::kInt64), cache);
+    ++stats.decode_steps;
+    stats.decoded_tokens += static_cast<int64_t>(keep.size());
+    logits = model.Logits(hidden).to(torch::kFloat32);
+  }
+  return stats;
+}
+
+}  // namespace rollout

@@ -1,0 +1,84 @@
+// Batched sampling of responses from a causal LM with a KV cache.
+//
+//   1. prefill: all prompts in one packed forward, writing each prompt's keys/values to its slot;
+//   2. the cache is repeated per sample (KVCache::RepeatInterleave): the samples of a prompt share
+//      its prefill instead of recomputing it;
+//   3. decode: one Decode step per new token for every live slot; finished samples leave the
+//      batch (KVCache::Select) and are reported at once.
+//
+// Randomness: sample s of prompt p draws from its own generator seeded by (seed, p, s), one
+// uniform per token (inverse-CDF sampling), so a sample does not depend on which other prompts
+// or samples share its batch. The log-prob reported for a token is under the distribution it was
+// drawn from: temperature-scaled, then top-k, then top-p filtered and renormalised (0 for greedy).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "absl/status/statusor.h"
+
+namespace lm {
+class CausalLM;
+}
+
+namespace rollout {
+
+struct SamplingParams {
+  int64_t samples_per_prompt = 1;
+  double temperature = 1.0;  // 0: greedy (argmax)
+  int64_t top_k = 0;         // 0: off
+  double top_p = 1.0;        // >= 1 or <= 0: off
+  int64_t max_new_tokens = 16;
+  std::vector<int64_t> stop_ids;
+  uint64_t seed = 0;
+};
+
+enum class FinishReason { kStop, kLength };
+
+struct Sample {
+  int64_t prompt_index = 0;
+  int64_t sample_index = 0;
+  std::vector<int64_t> tokens;  // the response
+  std::vector<float> logprobs;  // one per response token
+  FinishReason finish = FinishReason::kLength;
+};
+
+struct SamplerStats {
+  int64_t prefill_tokens = 0;  // tokens run through the prefill forward
+  int64_t decode_steps = 0;    // Decode calls
+  int64_t decoded_tokens = 0;  // slot-steps over all Decode calls
+};
+
+// What a request may ask for; Validate() turns a violation into INVALID_ARGUMENT naming it.
+struct GenerateLimits {
+  int64_t vocab_size = 0;
+  int64_t max_seq_len = 0;  // prompt + new tokens
+  int64_t max_samples_per_prompt = 64;
+  int64_t max_slots = 1024;  // prompts x samples per request
+};
+
+absl::Status Validate(const std::vector<std::vector<int64_t>>& prompts,
+                      const SamplingParams& params, const GenerateLimits& limits);
+
+// Samples every prompt; `on_sample` receives each sample as it finishes (on the calling thread).
+// `cancelled` is polled between decode steps; when it returns true, sampling stops with
+// CANCELLED. Prompts and params must have passed Validate().
+absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
+                                             const std::vector<std::vector<int64_t>>& prompts,
+                                             const SamplingParams& params,
+                                             const std::function<void(Sample)>& on_sample,
+                                             const std::function<bool()>& cancelled = nullptr);
+
+// Log-probs [B, V] (fp32) of the distribution sampled from, given logits [B, V]: logits /
+// temperature, keep the top_k largest (exactly k; 0 = all), then the smallest most-likely set
+// whose probability reaches top_p; everything else is -inf. temperature must be > 0.
+torch::Tensor FilteredLogprobs(const torch::Tensor& logits, double temperature, int64_t top_k,
+                               double top_p);
+
+// The generator seed of sample `sample` of prompt `prompt` (SplitMix64 mixing).
+uint64_t SampleSeed(uint64_t seed, int64_t prompt, int64_t sample);
+
+}  // namespace rollout

@@ -1,0 +1,232 @@
+#include "rollout/service.h"
+
+#include <deque>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "rpc/codec.h"
+#include "rpc/status.h"
+
+namespace rollout {
+namespace {
+
+SamplingParams ToParams(const opd::v1::GenerateRequest& req) {
+  const auto& m = req.params();
+  SamplingParams p;
+  p.samples_per_prompt = req.samples_per_prompt() == 0 ? 1 : req.samples_per_prompt();
+  p.temperature = m.has_temperature() ? m.temperature() : 1.0;
+  p.top_k = m.top_k();
+  p.top_p = m.top_p() == 0 ? 1.0 : m.top_p();
+  p.max_new_tokens = m.max_new_tokens();
+  p.stop_ids.assign(m.stop_token_ids().begin(), m.stop_token_ids().end());
+  p.seed = m.seed();
+  return p;
+}
+
+opd::v1::Sample ToProto(const Sample& s, int64_t version) {
+  opd::v1::Sample m;
+  m.set_prompt_index(static_cast<int32_t>(s.prompt_index));
+  m.set_sample_index(static_cast<int32_t>(s.sample_index));
+  m.mutable_tokens()->Add(s.tokens.begin(), s.tokens.end());
+  opd::rpc::PackArray(s.logprobs.data(), s.logprobs.size(), m.mutable_logprobs());
+  m.set_finish_reason(s.finish == FinishReason::kStop ? opd::v1::FINISH_REASON_STOP
+                                                      : opd::v1::FINISH_REASON_LENGTH);
+  m.set_weight_version(version);
+  return m;
+}
+
+// Streams the samples of one Generate call. The sampler runs on a thread of its own and queues
+// samples; gRPC allows one write in flight, so the next one starts from OnWriteDone. The reactor
+// deletes itself in OnDone, after joining the sampler thread.
+class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
+ public:
+  GenerateReactor(grpc::CallbackServerContext* ctx, std::atomic<int>* running)
+      : ctx_(ctx), running_(running) {}
+
+  // Starts sampling on a thread of its own; the caller has taken a generation slot for it.
+  void Start(Snapshot snapshot, std::vector<std::vector<int64_t>> prompts, SamplingParams params) {
+    holds_slot_ = true;
+    thread_ =
+        std::thread([this, snapshot = std::move(snapshot), prompts = std::move(prompts), params] {
+          auto stats = SampleResponses(
+              *snapshot.model, prompts, params,
+              [this, &snapshot](Sample s) { Queue(ToProto(s, snapshot.version)); },
+              [this] { return broken_.load() || ctx_->IsCancelled(); });
+          SamplerDone(stats.status());
+        });
+  }
+
+  void Refuse(const grpc::Status& why) { Finish(why); }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    queue_.pop_front();
+    writing_ = false;
+    // A failed write means the client is gone: stop writing, and the sampler stops too.
+    if (!ok) broken_ = true;
+    WriteOrFinishLocked();
+  }
+
+  void OnDone() override {
+    if (thread_.joinable()) thread_.join();
+    if (holds_slot_) running_->fetch_sub(1);
+    delete this;
+  }
+
+ private:
+  void Queue(opd::v1::Sample m) {
+    absl::MutexLock lock(&mu_);
+    queue_.push_back(std::move(m));
+    WriteOrFinishLocked();
+  }
+
+  void SamplerDone(const absl::Status& st) {
+    absl::MutexLock lock(&mu_);
+    sampler_done_ = true;
+    status_ = opd::rpc::ToGrpc(st);
+    WriteOrFinishLocked();
+  }
+
+  void WriteOrFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (writing_ || finished_) return;
+    if (!queue_.empty() && status_.ok() && !broken_) {
+      writing_ = true;
+      StartWrite(&queue_.front());
+    } else if (sampler_done_) {
+      finished_ = true;
+      Finish(broken_ ? grpc::Status(grpc::StatusCode::CANCELLED, "the client went away") : status_);
+    }
+  }
+
+  grpc::CallbackServerContext* ctx_;
+  std::atomic<int>* running_;
+  std::thread thread_;
+  bool holds_slot_ = false;
+  std::atomic<bool> broken_{false};  // a write failed
+  absl::Mutex mu_;
+  std::deque<opd::v1::Sample> queue_ ABSL_GUARDED_BY(mu_);  // front is being written
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool sampler_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status status_ ABSL_GUARDED_BY(mu_);
+};
+
+// Receives the chunks of one UpdateWeights call into a StagedWeights and commits at the end.
+class UpdateReactor final : public grpc::ServerReadReactor<opd::v1::WeightChunk> {
+ public:
+  UpdateReactor(grpc::CallbackServerContext* ctx, WeightStore* store,
+                opd::v1::UpdateWeightsResponse* resp)
+      : ctx_(ctx), store_(store), resp_(resp) {}
+
+  void Begin() { StartRead(&chunk_); }
+  void Refuse(const grpc::Status& why) { Finish(why); }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return EndOfStream();
+    absl::Status st = Apply();
+    if (!st.ok()) return Finish(opd::rpc::ToGrpc(st));  // the staged copy is dropped with us
+    StartRead(&chunk_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status Apply() {
+    if (!staged_) {
+      auto staged = store_->Stage(chunk_.version());
+      if (!staged.ok()) return staged.status();
+      staged_ = std::move(*staged);
+    } else if (chunk_.version() != staged_->version()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk of tensor '", chunk_.name(), "' has version ", chunk_.version(),
+                       " in a stream of version ", staged_->version()));
+    }
+    ChunkView v;
+    v.name = chunk_.name();
+    v.shape.assign(chunk_.shape().begin(), chunk_.shape().end());
+    v.dtype = chunk_.dtype();
+    v.offset = chunk_.offset();
+    v.data = chunk_.data();
+    return staged_->Add(v);
+  }
+
+  // Reads end at the client's half-close, or because the call broke: only the first commits.
+  void EndOfStream() {
+    if (ctx_->IsCancelled())
+      return Finish(grpc::Status(grpc::StatusCode::CANCELLED, "update interrupted"));
+    if (!staged_)
+      return Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty update: no chunks"));
+    const int64_t version = staged_->version(), tensors = staged_->tensors_received(),
+                  bytes = staged_->bytes_received();
+    absl::Status st = store_->Commit(std::move(staged_));
+    if (st.ok()) {
+      resp_->set_version(version);
+      resp_->set_tensors(tensors);
+      resp_->set_bytes(bytes);
+    }
+    Finish(opd::rpc::ToGrpc(st));
+  }
+
+  grpc::CallbackServerContext* ctx_;
+  WeightStore* store_;
+  opd::v1::UpdateWeightsResponse* resp_;
+  opd::v1::WeightChunk chunk_;
+  std::unique_ptr<StagedWeights> staged_;
+};
+
+}  // namespace
+
+grpc::ServerWriteReactor<opd::v1::Sample>* RolloutService::Generate(
+    grpc::CallbackServerContext* ctx, const opd::v1::GenerateRequest* req) {
+  auto* reactor = new GenerateReactor(ctx, &running_);
+  if (grpc::Status auth = auth_->Check(*ctx); !auth.ok()) {
+    reactor->Refuse(auth);
+    return reactor;
+  }
+  std::vector<std::vector<int64_t>> prompts;
+  prompts.reserve(req->prompts_size());
+  for (const auto& p : req->prompts()) prompts.emplace_back(p.tokens().begin(), p.tokens().end());
+  const SamplingParams params = ToParams(*req);
+  if (absl::Status st = Validate(prompts, params, opts_.limits); !st.ok()) {
+    reactor->Refuse(opd::rpc::ToGrpc(st));
+    return reactor;
+  }
+  if (running_.fetch_add(1) >= opts_.max_concurrent) {
+    running_.fetch_sub(1);
+    reactor->Refuse(grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat(opts_.max_concurrent, " generations running already; retry later")));
+    return reactor;
+  }
+  reactor->Start(store_->Current(), std::move(prompts), params);
+  return reactor;
+}
+
+grpc::ServerReadReactor<opd::v1::WeightChunk>* RolloutService::UpdateWeights(
+    grpc::CallbackServerContext* ctx, opd::v1::UpdateWeightsResponse* resp) {
+  auto* reactor = new UpdateReactor(ctx, store_, resp);
+  // Weight updates always need the secret, configured or not.
+  if (grpc::Status auth = auth_->Check(*ctx, /*always_required=*/true); !auth.ok()) {
+    reactor->Refuse(auth);
+  } else {
+    reactor->Begin();
+  }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RolloutService::Info(grpc::CallbackServerContext* ctx,
+                                               const opd::v1::InfoRequest*,
+                                               opd::v1::ServiceInfo* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  grpc::Status auth = auth_->Check(*ctx);
+  if (auth.ok()) {
+    *resp = info_;
+    resp->set_weight_version(store_->Current().version);
+  }
+  reactor->Finish(auth);
+  return reactor;
+}
+
+}  // namespace rollout

@@ -1,0 +1,44 @@
+// opd.v1.Rollout over gRPC: converts messages, checks the secret, and hands work to the sampler
+// and the weight store. Generations run on their own threads (a bounded number); samples are
+// streamed back as they finish.
+#pragma once
+
+#include <atomic>
+
+#include <grpcpp/grpcpp.h>
+
+#include "opd/v1/rollout.grpc.pb.h"
+#include "rollout/sampler.h"
+#include "rollout/weights.h"
+#include "rpc/auth.h"
+
+namespace rollout {
+
+struct ServiceOptions {
+  GenerateLimits limits;
+  int max_concurrent = 4;  // generations at once; more get RESOURCE_EXHAUSTED
+};
+
+class RolloutService final : public opd::v1::Rollout::CallbackService {
+ public:
+  // `store` and `auth` are not owned and must outlive the service.
+  RolloutService(WeightStore* store, const opd::rpc::Authenticator* auth, ServiceOptions opts,
+                 opd::v1::ServiceInfo info)
+      : store_(store), auth_(auth), opts_(opts), info_(std::move(info)) {}
+
+  grpc::ServerWriteReactor<opd::v1::Sample>* Generate(grpc::CallbackServerContext* ctx,
+                                                      const opd::v1::GenerateRequest* req) override;
+  grpc::ServerReadReactor<opd::v1::WeightChunk>* UpdateWeights(
+      grpc::CallbackServerContext* ctx, opd::v1::UpdateWeightsResponse* resp) override;
+  grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* ctx, const opd::v1::InfoRequest* req,
+                                 opd::v1::ServiceInfo* resp) override;
+
+ private:
+  WeightStore* store_;
+  const opd::rpc::Authenticator* auth_;
+  ServiceOptions opts_;
+  opd::v1::ServiceInfo info_;
+  std::atomic<int> running_{0};  // generations in flight
+};
+
+}  // namespace rollout

@@ -1,0 +1,225 @@
+#include "rpc/client.h"
+
+#include <algorithm>
+#include <thread>
+#include <tuple>
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+
+#include "absl/strings/str_cat.h"
+#include "lm/util/status.h"
+#include "rpc/auth.h"
+#include "rpc/codec.h"
+#include "rpc/status.h"
+
+namespace opd::rpc {
+
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& opts) {
+  if (opts.address.empty()) return absl::InvalidArgumentError("no server address given");
+  ASSIGN_OR_RETURN(auto creds, MakeChannelCredentials(opts.tls));
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(opts.max_message_bytes);
+  args.SetMaxSendMessageSize(opts.max_message_bytes);
+  if (!opts.tls.server_name.empty()) args.SetSslTargetNameOverride(opts.tls.server_name);
+  return grpc::CreateCustomChannel(opts.address, creds, args);
+}
+
+void PrepareContext(const ClientOptions& opts, grpc::ClientContext* ctx) {
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + opts.timeout));
+  if (!opts.secret.empty()) ctx->AddMetadata(kAuthMetadataKey, BearerValue(opts.secret));
+}
+
+// --- teacher ---
+
+TeacherClient::TeacherClient(ClientOptions opts, std::shared_ptr<grpc::Channel> channel)
+    : opts_(std::move(opts)),
+      channel_(std::move(channel)),
+      stub_(opd::v1::Teacher::NewStub(channel_)) {}
+
+absl::StatusOr<std::unique_ptr<TeacherClient>> TeacherClient::Create(const ClientOptions& opts) {
+  ASSIGN_OR_RETURN(auto channel, MakeChannel(opts));
+  return std::unique_ptr<TeacherClient>(new TeacherClient(opts, std::move(channel)));
+}
+
+absl::StatusOr<opd::v1::ServiceInfo> TeacherClient::Info() {
+  grpc::ClientContext ctx;
+  PrepareContext(opts_, &ctx);
+  opd::v1::ServiceInfo info;
+  RETURN_IF_ERROR(FromGrpc(stub_->Info(&ctx, opd::v1::InfoRequest(), &info), opts_.address));
+  return info;
+}
+
+absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::Score(const std::vector<ScoreInput>& seqs,
+                                                              const ScoreOptions& opts) {
+  opd::v1::ScoreRequest req;
+  req.set_temperature(opts.temperature);
+  req.set_top_k(opts.top_k);
+  for (const auto& s : seqs) {
+    auto* m = req.add_sequences();
+    m->mutable_tokens()->Add(s.tokens.begin(), s.tokens.end());
+    m->set_response_start(s.response_start);
+  }
+  grpc::ClientContext ctx;
+  PrepareContext(opts_, &ctx);
+  opd::v1::ScoreResponse resp;
+  RETURN_IF_ERROR(FromGrpc(stub_->Score(&ctx, req, &resp), opts_.address));
+  if (resp.sequences_size() != static_cast<int>(seqs.size())) {
+    return absl::InternalError(absl::StrCat(opts_.address, ": ", resp.sequences_size(),
+                                            " results for ", seqs.size(), " sequences"));
+  }
+  std::vector<ScoreOutput> out(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const int64_t n = static_cast<int64_t>(seqs[i].tokens.size()) - seqs[i].response_start;
+    const auto& r = resp.sequences(static_cast<int>(i));
+    ASSIGN_OR_RETURN(out[i].logprobs, UnpackArray<float>(r.logprobs(), n, "logprobs"));
+    if (resp.top_k() > 0) {
+      ASSIGN_OR_RETURN(out[i].topk_ids,
+                       UnpackArray<int32_t>(r.topk_ids(), n * resp.top_k(), "topk_ids"));
+      ASSIGN_OR_RETURN(out[i].topk_logprobs,
+                       UnpackArray<float>(r.topk_logprobs(), n * resp.top_k(), "topk_logprobs"));
+    }
+  }
+  return out;
+}
+
+// --- rollout ---
+
+RolloutClient::RolloutClient(ClientOptions opts, std::shared_ptr<grpc::Channel> channel)
+    : opts_(std::move(opts)),
+      channel_(std::move(channel)),
+      stub_(opd::v1::Rollout::NewStub(channel_)) {}
+
+absl::StatusOr<std::unique_ptr<RolloutClient>> RolloutClient::Create(const ClientOptions& opts) {
+  ASSIGN_OR_RETURN(auto channel, MakeChannel(opts));
+  return std::unique_ptr<RolloutClient>(new RolloutClient(opts, std::move(channel)));
+}
+
+absl::StatusOr<opd::v1::ServiceInfo> RolloutClient::Info() {
+  grpc::ClientContext ctx;
+  PrepareContext(opts_, &ctx);
+  opd::v1::ServiceInfo info;
+  RETURN_IF_ERROR(FromGrpc(stub_->Info(&ctx, opd::v1::InfoRequest(), &info), opts_.address));
+  return info;
+}
+
+namespace {
+
+opd::v1::GenerateRequest MakeGenerateRequest(const std::vector<std::vector<int32_t>>& prompts,
+                                             const GenerateOptions& o) {
+  opd::v1::GenerateRequest req;
+  for (const auto& p : prompts) req.add_prompts()->mutable_tokens()->Add(p.begin(), p.end());
+  req.set_samples_per_prompt(o.samples_per_prompt);
+  auto* params = req.mutable_params();
+  params->set_temperature(o.temperature);
+  params->set_top_p(o.top_p);
+  params->set_top_k(o.top_k);
+  params->set_max_new_tokens(o.max_new_tokens);
+  params->mutable_stop_token_ids()->Add(o.stop_token_ids.begin(), o.stop_token_ids.end());
+  params->set_seed(o.seed);
+  return req;
+}
+
+absl::StatusOr<GeneratedSample> FromProto(const opd::v1::Sample& m) {
+  GeneratedSample s;
+  s.prompt_index = m.prompt_index();
+  s.sample_index = m.sample_index();
+  s.tokens.assign(m.tokens().begin(), m.tokens().end());
+  ASSIGN_OR_RETURN(s.logprobs, UnpackArray<float>(m.logprobs(), m.tokens_size(), "logprobs"));
+  s.finish_reason = m.finish_reason();
+  s.weight_version = m.weight_version();
+  return s;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<GeneratedSample>> RolloutClient::Generate(
+    const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& opts,
+    const std::function<void(const GeneratedSample&)>& on_sample) {
+  grpc::ClientContext ctx;
+  PrepareContext(opts_, &ctx);
+  auto reader = stub_->Generate(&ctx, MakeGenerateRequest(prompts, opts));
+  std::vector<GeneratedSample> samples;
+  opd::v1::Sample msg;
+  absl::Status decode_error;
+  while (reader->Read(&msg)) {
+    auto s = FromProto(msg);
+    if (!s.ok()) {
+      decode_error = s.status();
+      ctx.TryCancel();
+      continue;  // drain until Read fails
+    }
+    if (on_sample) on_sample(*s);
+    samples.push_back(std::move(*s));
+  }
+  const grpc::Status st = reader->Finish();
+  RETURN_IF_ERROR(decode_error);
+  RETURN_IF_ERROR(FromGrpc(st, opts_.address));
+  std::sort(samples.begin(), samples.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.prompt_index, a.sample_index) < std::tie(b.prompt_index, b.sample_index);
+  });
+  return samples;
+}
+
+absl::StatusOr<opd::v1::UpdateWeightsResponse> RolloutClient::UpdateWeights(
+    int64_t version, const std::vector<WeightTensor>& tensors, size_t chunk_bytes) {
+  grpc::ClientContext ctx;
+  PrepareContext(opts_, &ctx);
+  opd::v1::UpdateWeightsResponse resp;
+  auto writer = stub_->UpdateWeights(&ctx, &resp);
+  bool open = true;
+  for (const auto& t : tensors) {
+    // A zero-byte tensor still sends one (empty) chunk, so that the server sees it.
+    for (size_t off = 0; open && (off < t.bytes || off == 0); off += chunk_bytes) {
+      opd::v1::WeightChunk chunk;
+      chunk.set_version(version);
+      chunk.set_name(t.name);
+      chunk.mutable_shape()->Add(t.shape.begin(), t.shape.end());
+      chunk.set_dtype(t.dtype);
+      chunk.set_offset(static_cast<int64_t>(off));
+      chunk.set_data(t.data + off, std::min(chunk_bytes, t.bytes - off));
+      // A failed write means the server already ended the call; Finish says why.
+      open = writer->Write(chunk);
+      if (t.bytes == 0) break;
+    }
+    if (!open) break;
+  }
+  if (open) writer->WritesDone();
+  RETURN_IF_ERROR(FromGrpc(writer->Finish(), opts_.address));
+  return resp;
+}
+
+// --- health ---
+
+absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> CheckHealth(
+    const ClientOptions& opts, const std::string& service) {
+  ASSIGN_OR_RETURN(auto channel, MakeChannel(opts));
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext ctx;
+  PrepareContext(opts, &ctx);
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  grpc::health::v1::HealthCheckResponse resp;
+  RETURN_IF_ERROR(FromGrpc(stub->Check(&ctx, req, &resp), opts.address));
+  return resp.status();
+}
+
+absl::Status WaitUntilServing(const ClientOptions& opts, absl::Duration timeout,
+                              const std::string& service) {
+  const absl::Time end = absl::Now() + timeout;
+  ClientOptions probe = opts;
+  probe.timeout = absl::Seconds(1);
+  absl::Status last = absl::DeadlineExceededError("not probed");
+  while (absl::Now() < end) {
+    auto st = CheckHealth(probe, service);
+    if (st.ok() && *st == grpc::health::v1::HealthCheckResponse::SERVING) return absl::OkStatus();
+    last = st.ok() ? absl::UnavailableError(absl::StrCat(opts.address, ": not serving yet"))
+                   : st.status();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return absl::DeadlineExceededError(absl::StrCat("server did not become healthy within ",
+                                                  absl::FormatDuration(timeout), ": ",
+                                                  last.message()));
+}
+
+}  // namespace opd::rpc

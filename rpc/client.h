@@ -1,0 +1,135 @@
+// Clients of the OPD services, for the learner and for opd-ctl.
+//
+// Every call has a deadline (ClientOptions::timeout) and returns absl::Status(Or): the gRPC code
+// is kept, and the message starts with the server's address ("127.0.0.1:7001: ...") so that an
+// error names the server it came from. Clients are thread-safe: one per server is enough.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/channel.h>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "opd/v1/rollout.grpc.pb.h"
+#include "opd/v1/teacher.grpc.pb.h"
+#include "rpc/tls.h"
+
+namespace opd::rpc {
+
+struct ClientOptions {
+  std::string address;  // host:port
+  std::string secret;   // sent as "authorization: Bearer <secret>"; empty sends nothing
+  TlsClientOptions tls;
+  absl::Duration timeout = absl::Seconds(120);  // deadline of each call
+  int max_message_bytes = 256 << 20;
+};
+
+// --- teacher ---
+
+struct ScoreInput {
+  std::vector<int32_t> tokens;  // prompt + response
+  int32_t response_start = 1;   // first scored position, in [1, tokens.size()]
+};
+
+struct ScoreOptions {
+  float temperature = 1.0f;
+  int32_t top_k = 0;  // > 0: also the top-k ids and log-probs per position
+};
+
+struct ScoreOutput {
+  std::vector<float> logprobs;       // [n], n = tokens.size() - response_start
+  std::vector<int32_t> topk_ids;     // [n * k], row-major, most likely first
+  std::vector<float> topk_logprobs;  // [n * k]
+};
+
+class TeacherClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<TeacherClient>> Create(const ClientOptions& opts);
+
+  absl::StatusOr<opd::v1::ServiceInfo> Info();
+  // One output per input, in order.
+  absl::StatusOr<std::vector<ScoreOutput>> Score(const std::vector<ScoreInput>& seqs,
+                                                 const ScoreOptions& opts = {});
+  const std::string& address() const { return opts_.address; }
+
+ private:
+  TeacherClient(ClientOptions opts, std::shared_ptr<grpc::Channel> channel);
+  ClientOptions opts_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<opd::v1::Teacher::Stub> stub_;
+};
+
+// --- rollout ---
+
+struct GenerateOptions {
+  int32_t samples_per_prompt = 1;
+  float temperature = 1.0f;  // 0: greedy
+  float top_p = 1.0f;
+  int32_t top_k = 0;
+  int32_t max_new_tokens = 256;
+  std::vector<int32_t> stop_token_ids;
+  uint64_t seed = 0;
+};
+
+struct GeneratedSample {
+  int32_t prompt_index = 0;
+  int32_t sample_index = 0;
+  std::vector<int32_t> tokens;  // the response
+  std::vector<float> logprobs;  // per response token, under the distribution sampled from
+  opd::v1::FinishReason finish_reason = opd::v1::FINISH_REASON_UNSPECIFIED;
+  int64_t weight_version = 0;
+};
+
+// A tensor to send: raw bytes in row-major order (see tensor_codec.h for model parameters).
+struct WeightTensor {
+  std::string name;
+  std::string dtype;  // "float32" | "bfloat16" | "float16"
+  std::vector<int64_t> shape;
+  const char* data = nullptr;
+  size_t bytes = 0;
+};
+
+class RolloutClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<RolloutClient>> Create(const ClientOptions& opts);
+
+  absl::StatusOr<opd::v1::ServiceInfo> Info();
+  // All samples, in (prompt, sample) order. `on_sample`, when set, also sees each sample as it
+  // arrives (the server streams them as they finish).
+  absl::StatusOr<std::vector<GeneratedSample>> Generate(
+      const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& opts,
+      const std::function<void(const GeneratedSample&)>& on_sample = nullptr);
+  // Streams every tensor as chunks of at most `chunk_bytes` and returns what the server applied.
+  absl::StatusOr<opd::v1::UpdateWeightsResponse> UpdateWeights(
+      int64_t version, const std::vector<WeightTensor>& tensors, size_t chunk_bytes = 4 << 20);
+  const std::string& address() const { return opts_.address; }
+
+ private:
+  RolloutClient(ClientOptions opts, std::shared_ptr<grpc::Channel> channel);
+  ClientOptions opts_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<opd::v1::Rollout::Stub> stub_;
+};
+
+// --- shared helpers ---
+
+// A channel with the options' credentials and message limits (connects lazily).
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& opts);
+// Sets the deadline and the bearer secret on a call.
+void PrepareContext(const ClientOptions& opts, grpc::ClientContext* ctx);
+
+// The standard health check of `service` ("" = the whole server). NOT_FOUND when the server
+// does not know the service.
+absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> CheckHealth(
+    const ClientOptions& opts, const std::string& service = "");
+// Polls CheckHealth until SERVING or `timeout` passes (servers that are still starting).
+absl::Status WaitUntilServing(const ClientOptions& opts, absl::Duration timeout,
+                              const std::string& service = "");
+
+}  // namespace opd::rpc

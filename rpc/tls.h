@@ -1,0 +1,39 @@
+// Optional TLS for the OPD services. With no files given everything is plaintext (loopback and
+// trusted networks); the shared secret then travels in clear, which is why production
+// deployments across hosts should set a certificate.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/security/server_credentials.h>
+
+#include "absl/status/statusor.h"
+
+namespace opd::rpc {
+
+struct TlsServerOptions {
+  std::string cert_file;       // PEM certificate chain; with key_file enables TLS
+  std::string key_file;        // PEM private key
+  std::string client_ca_file;  // when set, clients must present a certificate signed by it
+  bool enabled() const { return !cert_file.empty() || !key_file.empty(); }
+};
+
+struct TlsClientOptions {
+  std::string ca_file;    // PEM roots that signed the server's certificate; enables TLS
+  std::string cert_file;  // client certificate (mutual TLS), optional
+  std::string key_file;
+  std::string server_name;  // overrides the name checked against the certificate
+  bool enabled() const { return !ca_file.empty(); }
+};
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
+    const TlsServerOptions& tls);
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
+    const TlsClientOptions& tls);
+
+// The whole file, or NOT_FOUND naming it.
+absl::StatusOr<std::string> ReadFile(const std::string& path);
+
+}  // namespace opd::rpc

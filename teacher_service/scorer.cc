@@ -1,0 +1,271 @@
+#include "teacher_service/scorer.h"
+
+#include <cmath>
+#include <future>
+#include <map>
+
+#include <torch/torch.h>
+
+#include "absl/strings/str_cat.h"
+#include "lm/model/logprobs.h"
+#include "lm/model/model.h"
+#include "lm/util/log.h"
+
+namespace teacher {
+
+absl::Status Validate(const ScoreJob& job, const ScoreLimits& limits) {
+  if (job.sequences.empty())
+    return absl::InvalidArgumentError("empty batch: no sequences to score");
+  if (static_cast<int64_t>(job.sequences.size()) > limits.max_sequences) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        job.sequences.size(), " sequences in one request; at most ", limits.max_sequences));
+  }
+  if (job.response_starts.size() != job.sequences.size()) {
+    return absl::InvalidArgumentError("one response_start per sequence");
+  }
+  if (!(job.temperature > 0) || !std::isfinite(job.temperature)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("temperature must be > 0, got ", job.temperature));
+  }
+  if (job.top_k < 0 || job.top_k > std::min(limits.max_top_k, limits.vocab_size)) {
+    return absl::InvalidArgumentError(absl::StrCat("top_k ", job.top_k, " is outside [0, ",
+                                                   std::min(limits.max_top_k, limits.vocab_size),
+                                                   "]"));
+  }
+  for (size_t i = 0; i < job.sequences.size(); ++i) {
+    const auto& s = job.sequences[i];
+    const int64_t len = static_cast<int64_t>(s.size());
+    if (len == 0) return absl::InvalidArgumentError(absl::StrCat("sequence ", i, ": empty"));
+    if (len > limits.max_seq_len) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sequence ", i, ": ", len, " tokens, longer than the maximum ", limits.max_seq_len));
+    }
+    for (int64_t p = 0; p < len; ++p) {
+      if (s[p] < 0 || s[p] >= limits.vocab_size) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sequence ", i, ": token id ", s[p], " at position ", p,
+                         " is outside the vocabulary [0, ", limits.vocab_size, ")"));
+      }
+    }
+    const int64_t start = job.response_starts[i];
+    if (start < 1 || start > len) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence ", i, ": response_start ", start, " is outside [1, ", len, "]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+struct Scorer::Pending {
+  ScoreJob job;
+  ScoreDone done;
+  std::vector<SequenceScore> results;  // each entry written by the one worker that scored it
+  int64_t next = 0;                    // next sequence to pack (guarded by mu_)
+  int64_t outstanding = 0;             // sequences not finished or dropped (guarded by mu_)
+  absl::Status error;                  // first failure (guarded by mu_)
+};
+
+namespace {
+
+// Why a job must not be worked on (any more), or OK.
+absl::Status Abandoned(const ScoreJob& job) {
+  if (job.cancelled && job.cancelled())
+    return absl::CancelledError("the client cancelled the request");
+  if (absl::Now() >= job.deadline)
+    return absl::DeadlineExceededError("deadline passed before scoring");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+Scorer::Scorer(std::shared_ptr<lm::CausalLM> model, ScorerOptions opts)
+    : model_(std::move(model)), opts_(opts) {
+  for (int i = 0; i < std::max(1, opts_.workers); ++i)
+    workers_.emplace_back([this] { WorkerLoop(); });
+}
+
+Scorer::~Scorer() {
+  Stop();
+}
+
+int64_t Scorer::queued() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(queue_.size());
+}
+
+absl::Status Scorer::Submit(ScoreJob job, ScoreDone done) {
+  if (job.sequences.empty())
+    return absl::InvalidArgumentError("empty batch: no sequences to score");
+  auto p = std::make_shared<Pending>();
+  p->results.resize(job.sequences.size());
+  p->outstanding = static_cast<int64_t>(job.sequences.size());
+  p->job = std::move(job);
+  p->done = std::move(done);
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("the teacher is shutting down");
+  if (static_cast<int64_t>(queue_.size()) >= opts_.max_queue) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("scoring queue full (", queue_.size(), " requests waiting); retry later"));
+  }
+  queue_.push_back(std::move(p));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<SequenceScore>> Scorer::Score(ScoreJob job) {
+  std::promise<absl::StatusOr<std::vector<SequenceScore>>> promise;
+  auto future = promise.get_future();
+  absl::Status st =
+      Submit(std::move(job), [&promise](absl::StatusOr<std::vector<SequenceScore>> r) {
+        promise.set_value(std::move(r));
+      });
+  if (!st.ok()) return st;
+  return future.get();
+}
+
+void Scorer::Stop() {
+  std::vector<std::shared_ptr<Pending>> failed;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_ && workers_.empty()) return;
+    stopping_ = true;
+    for (auto& p : queue_) {
+      p->error = absl::UnavailableError("the teacher is shutting down");
+      p->outstanding -= static_cast<int64_t>(p->job.sequences.size()) - p->next;
+      // A job already partly in a batch completes when that batch does.
+      if (p->outstanding == 0) failed.push_back(p);
+    }
+    queue_.clear();
+  }
+  for (auto& p : failed) p->done(p->error);
+  for (auto& w : workers_) w.join();
+  workers_.clear();
+}
+
+void Scorer::WorkerLoop() {
+  // Scoring never needs gradients; the guard is per thread.
+  torch::NoGradGuard no_grad;
+  while (true) {
+    std::vector<Item> items = TakeBatch();
+    if (items.empty()) {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+      continue;  // every job taken was abandoned
+    }
+    RunBatch(items);
+  }
+}
+
+std::vector<Scorer::Item> Scorer::TakeBatch() {
+  std::vector<Item> items;
+  std::vector<std::shared_ptr<Pending>> abandoned;
+  {
+    auto ready = [this]()
+                     ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); };
+    absl::MutexLock lock(&mu_, absl::Condition(&ready));
+    int64_t tokens = 0;
+    while (!queue_.empty()) {
+      auto& p = queue_.front();
+      const int64_t n = static_cast<int64_t>(p->job.sequences.size());
+      if (absl::Status why = Abandoned(p->job); !why.ok()) {
+        p->error = why;
+        p->outstanding -= n - p->next;
+        if (p->outstanding == 0) abandoned.push_back(p);
+        queue_.pop_front();
+        continue;
+      }
+      const int64_t len = static_cast<int64_t>(p->job.sequences[p->next].size());
+      if (!items.empty() && tokens + len > opts_.max_batch_tokens) break;
+      tokens += len;
+      items.push_back({p, p->next++});
+      if (p->next == n) queue_.pop_front();
+    }
+  }
+  for (auto& p : abandoned) p->done(p->error);
+  return items;
+}
+
+void Scorer::RunBatch(const std::vector<Item>& items) {
+  try {
+    std::vector<std::vector<int64_t>> seqs;
+    seqs.reserve(items.size());
+    for (const auto& it : items) seqs.push_back(it.job->job.sequences[it.index]);
+    const auto batch = lm::PackedBatch::FromSequences(seqs);
+    const auto hidden = model_->Forward(batch);
+    const auto weight = model_->LmHeadWeight();
+
+    // Items of one temperature (and top-k) share one pass through the LM head.
+    std::map<std::pair<double, int64_t>, std::vector<size_t>> groups;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const auto& job = items[i].job->job;
+      groups[{job.temperature, job.top_k}].push_back(i);
+    }
+    for (const auto& [key, members] : groups) {
+      // Rows predicting the scored tokens: position p is predicted by row p - 1.
+      std::vector<int64_t> rows, targets;
+      for (size_t i : members) {
+        const auto& job = items[i].job->job;
+        const auto& s = job.sequences[items[i].index];
+        for (int64_t p = job.response_starts[items[i].index]; p < static_cast<int64_t>(s.size());
+             ++p) {
+          rows.push_back(batch.cu_seqlens[i] + p - 1);
+          targets.push_back(s[p]);
+        }
+      }
+      if (rows.empty()) continue;
+      lm::LogprobOptions lo;
+      lo.temperature = key.first;
+      lo.chunk_rows = opts_.logprob_chunk_rows;
+      const auto h = hidden.index_select(0, torch::tensor(rows, torch::kInt64));
+      const auto lp =
+          lm::TokenLogprobs(h, weight, torch::tensor(targets, torch::kInt64), lo).contiguous();
+      lm::TopKLogprobs top;
+      const int64_t k = key.second;
+      if (k > 0) {
+        top = lm::TopK(h, weight, k, lo);
+        top.ids = top.ids.to(torch::kInt32).contiguous();
+        top.logprobs = top.logprobs.contiguous();
+      }
+      int64_t row = 0;
+      for (size_t i : members) {
+        const auto& job = items[i].job->job;
+        const int64_t n = static_cast<int64_t>(job.sequences[items[i].index].size()) -
+                          job.response_starts[items[i].index];
+        SequenceScore& out = items[i].job->results[items[i].index];
+        const float* lpp = lp.data_ptr<float>() + row;
+        out.logprobs.assign(lpp, lpp + n);
+        if (k > 0) {
+          const int32_t* ids = top.ids.data_ptr<int32_t>() + row * k;
+          const float* tlp = top.logprobs.data_ptr<float>() + row * k;
+          out.topk_ids.assign(ids, ids + n * k);
+          out.topk_logprobs.assign(tlp, tlp + n * k);
+        }
+        row += n;
+      }
+    }
+  } catch (const std::exception& e) {
+    lm::log::Error(absl::StrCat("scoring batch failed: ", e.what()));
+    Complete(items, absl::InternalError(absl::StrCat("scoring failed: ", e.what())));
+    return;
+  }
+  Complete(items, absl::OkStatus());
+}
+
+void Scorer::Complete(const std::vector<Item>& items, const absl::Status& error) {
+  std::vector<std::shared_ptr<Pending>> finished;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& it : items) {
+      if (!error.ok() && it.job->error.ok()) it.job->error = error;
+      if (--it.job->outstanding == 0) finished.push_back(it.job);
+    }
+  }
+  for (auto& p : finished) {
+    if (p->error.ok()) {
+      p->done(std::move(p->results));
+    } else {
+      p->done(p->error);
+    }
+  }
+}
+
+}  // namespace teacher

@@ -1,0 +1,397 @@
+// In-process tests of the rollout worker's domain objects: the batched sampler (seeds, greedy,
+// log-probs against the teacher path, top-k/top-p filtering, stop ids, shared prefill) and the
+// versioned weight store (validation and atomic replacement). Models: the tiny random fixtures.
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "lm/model/logprobs.h"
+#include "lm/model/model.h"
+#include "rollout/sampler.h"
+#include "rollout/weights.h"
+#include "rpc/tensor_codec.h"
+
+namespace rollout {
+namespace {
+
+constexpr const char* kModel = "moe_tied_topk8";  // vocab 96, 256 positions
+
+std::shared_ptr<lm::CausalLM> Load(const std::string& fixture = kModel) {
+  auto m = lm::LoadModel(std::string(OPD_FIXTURES_DIR) + "/" + fixture + "/model");
+  EXPECT_TRUE(m.ok()) << m.status();
+  (*m)->eval();
+  return *m;
+}
+
+const std::vector<std::vector<int64_t>> kPrompts = {
+    {1, 5, 9, 13, 2}, {7, 3}, {40, 41, 42, 43, 44, 45, 46, 47}};
+
+std::vector<Sample> SampleAll(lm::CausalLM& model, const std::vector<std::vector<int64_t>>& prompts,
+                              const SamplingParams& params, SamplerStats* stats = nullptr) {
+  std::vector<Sample> out;
+  auto st = SampleResponses(model, prompts, params, [&](Sample s) { out.push_back(std::move(s)); });
+  EXPECT_TRUE(st.ok()) << st.status();
+  if (stats && st.ok()) *stats = *st;
+  std::sort(out.begin(), out.end(), [](const Sample& a, const Sample& b) {
+    return std::tie(a.prompt_index, a.sample_index) < std::tie(b.prompt_index, b.sample_index);
+  });
+  return out;
+}
+
+// Greedy decoding by full forwards, no KV cache: an independent reference.
+std::vector<int64_t> GreedyByForward(lm::CausalLM& model, std::vector<int64_t> seq, int64_t n) {
+  torch::NoGradGuard no_grad;
+  std::vector<int64_t> out;
+  for (int64_t i = 0; i < n; ++i) {
+    auto h = model.Forward(lm::PackedBatch::FromSequences({seq}));
+    const int64_t next = model.Logits(h[h.size(0) - 1]).argmax().item<int64_t>();
+    out.push_back(next);
+    seq.push_back(next);
+  }
+  return out;
+}
+
+// Teacher-path log-probs (packed forward, chunked LM head) of `response` after `prompt`.
+std::vector<float> TeacherPath(lm::CausalLM& model, const std::vector<int64_t>& prompt,
+                               const std::vector<int64_t>& response, double temperature) {
+  torch::NoGradGuard no_grad;
+  std::vector<int64_t> seq = prompt;
+  seq.insert(seq.end(), response.begin(), response.end());
+  auto lp = lm::SequenceLogprobs(model, lm::PackedBatch::FromSequences({seq}), temperature);
+  auto tail =
+      lp.narrow(0, static_cast<int64_t>(prompt.size()) - 1, static_cast<int64_t>(response.size()))
+          .contiguous();
+  return std::vector<float>(tail.data_ptr<float>(), tail.data_ptr<float>() + tail.numel());
+}
+
+double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double m = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    m = std::max(m, std::abs(double(a[i]) - b[i]));
+  return m;
+}
+
+TEST(Sampler, SameSeedSameSamplesOtherSeedOthers) {
+  auto model = Load();
+  SamplingParams p;
+  p.samples_per_prompt = 2;
+  p.max_new_tokens = 12;
+  p.seed = 1234;
+  auto a = SampleAll(*model, kPrompts, p), b = SampleAll(*model, kPrompts, p);
+  ASSERT_EQ(a.size(), 6u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].tokens, b[i].tokens);
+    EXPECT_EQ(a[i].logprobs, b[i].logprobs);
+  }
+  // The two samples of a prompt differ (independent streams), and so does another seed.
+  EXPECT_NE(a[0].tokens, a[1].tokens);
+  p.seed = 99;
+  auto c = SampleAll(*model, kPrompts, p);
+  int differ = 0;
+  for (size_t i = 0; i < a.size(); ++i) differ += a[i].tokens != c[i].tokens;
+  EXPECT_GE(differ, 4);
+}
+
+TEST(Sampler, SampleDoesNotDependOnItsBatch) {
+  auto model = Load();
+  SamplingParams p;
+  p.samples_per_prompt = 2;
+  p.max_new_tokens = 10;
+  p.seed = 7;
+  auto together = SampleAll(*model, kPrompts, p);
+  // Prompt 2 alone is prompt index 0 there, so its seed stream differs: compare prompt 0 instead.
+  auto alone = SampleAll(*model, {kPrompts[0]}, p);
+  for (int s = 0; s < 2; ++s) {
+    EXPECT_EQ(alone[s].tokens, together[s].tokens);
+    EXPECT_LE(MaxAbsDiff(alone[s].logprobs, together[s].logprobs), 1e-5);
+  }
+}
+
+TEST(Sampler, GreedyEqualsArgmaxDecoding) {
+  auto model = Load();
+  SamplingParams p;
+  p.max_new_tokens = 16;
+  p.temperature = 0;
+  p.samples_per_prompt = 2;
+  auto out = SampleAll(*model, kPrompts, p);
+  for (const auto& s : out) {
+    EXPECT_EQ(s.tokens, GreedyByForward(*model, kPrompts[s.prompt_index], 16))
+        << "prompt " << s.prompt_index;
+    for (float lp : s.logprobs) EXPECT_EQ(lp, 0.0f);  // a point mass
+  }
+  // The limit temperature -> 0 of sampling is greedy too.
+  p.temperature = 1e-4;
+  for (const auto& s : SampleAll(*model, kPrompts, p)) {
+    EXPECT_EQ(s.tokens, GreedyByForward(*model, kPrompts[s.prompt_index], 16));
+  }
+  // And so is top-k = 1 at any temperature.
+  p.temperature = 1.5;
+  p.top_k = 1;
+  for (const auto& s : SampleAll(*model, kPrompts, p)) {
+    EXPECT_EQ(s.tokens, GreedyByForward(*model, kPrompts[s.prompt_index], 16));
+  }
+}
+
+TEST(Sampler, LogprobsEqualTeacherPath) {
+  auto model = Load();
+  for (double temperature : {1.0, 0.7}) {
+    SamplingParams p;
+    p.samples_per_prompt = 2;
+    p.max_new_tokens = 20;
+    p.temperature = temperature;
+    p.seed = 5;
+    double worst = 0;
+    for (const auto& s : SampleAll(*model, kPrompts, p)) {
+      worst = std::max(worst, MaxAbsDiff(s.logprobs, TeacherPath(*model, kPrompts[s.prompt_index],
+                                                                 s.tokens, temperature)));
+    }
+    EXPECT_LE(worst, 1e-4) << "temperature " << temperature;
+  }
+}
+
+TEST(Sampler, FilteredLogprobsTopKTopP) {
+  torch::manual_seed(0);
+  auto logits = torch::randn({4, 50}) * 3;
+  const float inf = std::numeric_limits<float>::infinity();
+  // top-k: exactly the k largest survive, renormalised.
+  auto lp = FilteredLogprobs(logits, 0.8, 5, 1.0);
+  for (int64_t b = 0; b < 4; ++b) {
+    auto [v, i] = logits[b].topk(5);
+    auto keep = torch::full({50}, -inf);
+    keep.index_put_({i}, torch::log_softmax(v / 0.8, -1));
+    EXPECT_TRUE(torch::allclose(lp[b], keep, 1e-5, 1e-6));
+  }
+  // top-p: the smallest most-likely set with mass >= p, by brute force.
+  const double top_p = 0.6;
+  lp = FilteredLogprobs(logits, 1.0, 0, top_p);
+  for (int64_t b = 0; b < 4; ++b) {
+    auto probs = torch::softmax(logits[b], -1);
+    auto [sp, si] = probs.sort(-1, true);
+    double mass = 0;
+    std::vector<int64_t> kept;
+    for (int64_t j = 0; j < 50 && mass < top_p; ++j) {
+      kept.push_back(si[j].item<int64_t>());
+      mass += sp[j].item<double>();
+    }
+    auto keep = torch::full({50}, -inf);
+    auto idx = torch::tensor(kept);
+    keep.index_put_({idx}, torch::log_softmax(logits[b].index_select(0, idx), -1));
+    EXPECT_TRUE(torch::allclose(lp[b], keep, 1e-5, 1e-6)) << "row " << b;
+  }
+  // top-k then top-p: the nucleus of the renormalised top-k.
+  auto both = FilteredLogprobs(logits, 1.0, 10, 0.5);
+  auto ref = FilteredLogprobs(FilteredLogprobs(logits, 1.0, 10, 1.0), 1.0, 0, 0.5);
+  EXPECT_TRUE(torch::allclose(both, ref, 1e-5, 1e-6));
+}
+
+TEST(Sampler, SamplesFollowTheFilteredDistribution) {
+  auto model = Load();
+  // 4000 one-token samples of one prompt: the empirical distribution matches exp(log-prob)
+  // (total variation below 0.05), and every sampled token is inside the top-k.
+  SamplingParams p;
+  p.samples_per_prompt = 4000;
+  p.max_new_tokens = 1;
+  p.top_k = 8;
+  p.temperature = 1.3;
+  p.seed = 3;
+  auto out = SampleAll(*model, {kPrompts[0]}, p);
+  torch::NoGradGuard no_grad;
+  auto h = model->Forward(lm::PackedBatch::FromSequences({kPrompts[0]}));
+  auto lp = FilteredLogprobs(model->Logits(h[h.size(0) - 1]).unsqueeze(0), 1.3, 8, 1.0)[0];
+  std::map<int64_t, int> counts;
+  for (const auto& s : out) {
+    ++counts[s.tokens[0]];
+    EXPECT_NEAR(s.logprobs[0], lp[s.tokens[0]].item<float>(), 1e-5);
+    EXPECT_TRUE(std::isfinite(s.logprobs[0])) << "token outside the top-k";
+  }
+  double tv = 0;
+  for (int64_t t = 0; t < lp.size(0); ++t) {
+    tv += std::abs(counts[t] / 4000.0 - std::exp(lp[t].item<double>()));
+  }
+  EXPECT_LT(tv / 2, 0.05);
+}
+
+TEST(Sampler, StopIdsAndMaxNewTokens) {
+  auto model = Load();
+  SamplingParams p;
+  p.temperature = 0;
+  p.max_new_tokens = 16;
+  auto free_run = SampleAll(*model, {kPrompts[0]}, p)[0].tokens;
+  // Stop at the first token that did not occur before it in the greedy continuation.
+  size_t at = 3;
+  while (at < free_run.size() && std::find(free_run.begin(), free_run.begin() + at, free_run[at]) !=
+                                     free_run.begin() + at) {
+    ++at;
+  }
+  ASSERT_LT(at, free_run.size());
+  p.stop_ids = {free_run[at]};
+  auto stopped = SampleAll(*model, {kPrompts[0]}, p)[0];
+  EXPECT_EQ(stopped.finish, FinishReason::kStop);
+  EXPECT_EQ(stopped.tokens, std::vector<int64_t>(free_run.begin(), free_run.begin() + at + 1));
+  p.stop_ids = {};
+  p.max_new_tokens = 5;
+  auto cut = SampleAll(*model, {kPrompts[0]}, p)[0];
+  EXPECT_EQ(cut.finish, FinishReason::kLength);
+  EXPECT_EQ(cut.tokens.size(), 5u);
+}
+
+TEST(Sampler, SamplesShareThePromptPrefill) {
+  auto model = Load();
+  SamplingParams p;
+  p.samples_per_prompt = 3;
+  p.max_new_tokens = 4;
+  SamplerStats stats;
+  auto out = SampleAll(*model, kPrompts, p, &stats);
+  EXPECT_EQ(out.size(), 9u);
+  EXPECT_EQ(stats.prefill_tokens, 5 + 2 + 8);  // each prompt once, not once per sample
+  EXPECT_EQ(stats.decode_steps, 3);            // the first token comes from the prefill
+  EXPECT_EQ(stats.decoded_tokens, 9 * 3);
+}
+
+TEST(Sampler, CancellationStopsDecoding) {
+  auto model = Load();
+  SamplingParams p;
+  p.max_new_tokens = 50;
+  int polls = 0;
+  auto st = SampleResponses(
+      *model, kPrompts, p, [](Sample) {}, [&] { return ++polls > 3; });
+  EXPECT_EQ(st.status().code(), absl::StatusCode::kCancelled);
+}
+
+TEST(Sampler, ValidateNamesTheProblem) {
+  GenerateLimits limits{96, 256, 8, 64};
+  SamplingParams p;
+  p.max_new_tokens = 8;
+  EXPECT_TRUE(Validate(kPrompts, p, limits).ok());
+  auto code_and_msg = [&](const std::vector<std::vector<int64_t>>& prompts, const SamplingParams& q,
+                          const std::string& needle) {
+    auto st = Validate(prompts, q, limits);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << needle;
+    EXPECT_NE(std::string(st.message()).find(needle), std::string::npos) << st;
+  };
+  code_and_msg({}, p, "no prompts");
+  code_and_msg({{1}, {}}, p, "prompt 1: empty");
+  code_and_msg({{1}, {3, 96}}, p, "token id 96");
+  code_and_msg({{1}, {-1}}, p, "token id -1");
+  auto q = p;
+  q.max_new_tokens = 300;
+  code_and_msg({{1}}, q, "max_new_tokens");
+  q = p;
+  q.max_new_tokens = 252;
+  code_and_msg({{1, 2, 3, 4, 5}}, q, "maximum sequence length 256");
+  q = p;
+  q.samples_per_prompt = 9;
+  code_and_msg({{1}}, q, "samples_per_prompt");
+  q = p;
+  q.temperature = -1;
+  code_and_msg({{1}}, q, "temperature");
+  q = p;
+  q.top_p = 1.5;
+  code_and_msg({{1}}, q, "top_p");
+  q = p;
+  q.stop_ids = {500};
+  code_and_msg({{1}}, q, "stop token id 500");
+}
+
+// --- the weight store ---
+
+ChunkView View(const opd::rpc::WeightTensor& t, int64_t offset, size_t bytes) {
+  return ChunkView{t.name, t.shape, t.dtype, offset, std::string_view(t.data + offset, bytes)};
+}
+
+// Stages every tensor of `source` (whole tensors, one chunk each).
+absl::Status StageAll(StagedWeights& staged, const opd::rpc::ModuleWeights& source) {
+  for (const auto& t : source.views) {
+    absl::Status st = staged.Add(View(t, 0, t.bytes));
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+TEST(WeightStore, SwapIsAtomicAndSnapshotsKeepTheirModel) {
+  auto a = Load();
+  auto b = Load();
+  b->InitWeights(0.1, 42);
+  WeightStore store(a);
+  const Snapshot before = store.Current();
+  auto staged = store.Stage(1);
+  ASSERT_TRUE(staged.ok()) << staged.status();
+  auto source = opd::rpc::WeightsOf(*b);
+  ASSERT_TRUE(StageAll(**staged, source).ok());
+  // Staging alone changes nothing.
+  EXPECT_EQ(store.Current().model, a);
+  ASSERT_TRUE(store.Commit(std::move(*staged)).ok());
+  const Snapshot after = store.Current();
+  EXPECT_EQ(after.version, 1);
+  EXPECT_NE(after.model, a);
+  // The old snapshot still holds the old weights; the new one has b's.
+  EXPECT_TRUE(torch::equal(before.model->LmHeadWeight(), a->LmHeadWeight()));
+  EXPECT_TRUE(torch::equal(after.model->LmHeadWeight(), b->LmHeadWeight()));
+  auto pb = b->named_parameters(), pn = after.model->named_parameters();
+  for (const auto& p : pb) EXPECT_TRUE(torch::equal(pn[p.key()], p.value())) << p.key();
+}
+
+TEST(WeightStore, WrongTensorsAreRejected) {
+  auto a = Load();
+  WeightStore store(a);
+  auto source = opd::rpc::WeightsOf(*a);
+  const auto& t = source.views[0];
+  auto expect_invalid = [](const absl::Status& st, const std::string& needle) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(std::string(st.message()).find(needle), std::string::npos) << st;
+  };
+  {
+    auto staged = *store.Stage(1);
+    auto v = View(t, 0, t.bytes);
+    v.name = "model.not_a_tensor";
+    expect_invalid(staged->Add(v), "not a parameter");
+  }
+  {
+    auto staged = *store.Stage(1);
+    auto v = View(t, 0, t.bytes);
+    v.shape = {1, 2, 3};
+    expect_invalid(staged->Add(v), "shape [1, 2, 3]");
+  }
+  {
+    auto staged = *store.Stage(1);
+    auto v = View(t, 0, t.bytes);
+    v.dtype = "bfloat16";
+    expect_invalid(staged->Add(v), "dtype bfloat16");
+  }
+  {
+    auto staged = *store.Stage(1);
+    expect_invalid(staged->Add(View(t, 8, 8)), "expected byte 0");  // out of order
+  }
+  {
+    auto staged = *store.Stage(1);
+    ASSERT_TRUE(staged->Add(View(t, 0, t.bytes / 2)).ok());
+    expect_invalid(staged->Add(View(source.views[1], 0, source.views[1].bytes)), "ended after");
+  }
+  {
+    auto staged = *store.Stage(1);
+    ASSERT_TRUE(staged->Add(View(t, 0, t.bytes)).ok());
+    ASSERT_TRUE(staged->Add(View(source.views[1], 0, source.views[1].bytes)).ok());
+    expect_invalid(staged->Add(View(t, 0, t.bytes)), "sent twice");
+  }
+  {
+    // Incomplete: commit refuses and names what is missing.
+    auto staged = *store.Stage(1);
+    ASSERT_TRUE(staged->Add(View(t, 0, t.bytes)).ok());
+    expect_invalid(store.Commit(std::move(staged)), "missing or incomplete");
+  }
+  // Stale versions.
+  EXPECT_EQ(store.Stage(0).status().code(), absl::StatusCode::kFailedPrecondition);
+  auto s1 = *store.Stage(1), s2 = *store.Stage(1);
+  ASSERT_TRUE(StageAll(*s1, source).ok());
+  ASSERT_TRUE(StageAll(*s2, source).ok());
+  ASSERT_TRUE(store.Commit(std::move(s1)).ok());
+  EXPECT_EQ(store.Commit(std::move(s2)).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store.Current().version, 1);
+}
+
+}  // namespace
+}  // namespace rollout

@@ -1,0 +1,1047 @@
+// Multi-process tests of the OPD services: real opd-teacher / opd-rollout processes on ephemeral
+// loopback ports, driven through the client library (and opd-ctl), stopped at the end.
+//
+// Covered: scores equal the in-process `opd-ctl logprobs`; seeded sampling is reproducible;
+// temperature -> 0 is greedy decoding; Generate's log-probs equal the teacher's for the same
+// tokens; UpdateWeights switches models atomically, and wrong, interrupted, stale or
+// unauthenticated updates change nothing; bad input gets the right status code and the server
+// keeps serving; 16 concurrent clients for OPD_LOAD_SECONDS (default 30) see only
+// RESOURCE_EXHAUSTED as errors, serial-equal results and bounded memory; health, reflection and
+// TLS work. The Scorer is also tested in-process (batching, cancellation, queue bound).
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <random>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "lm/model/logprobs.h"
+#include "lm/model/model.h"
+#include "nlohmann/json.hpp"
+#include "rpc/client.h"
+#include "rpc/tensor_codec.h"
+#include "teacher_service/scorer.h"
+
+extern char** environ;
+
+namespace {
+
+namespace fs = std::filesystem;
+using opd::rpc::ClientOptions;
+
+constexpr const char* kModel = "moe_tied_topk8";  // vocab 96, 256 positions
+constexpr const char* kSecret = "s3cret-for-tests";
+
+std::string FixtureModel(const std::string& name = kModel) {
+  return std::string(OPD_FIXTURES_DIR) + "/" + name + "/model";
+}
+
+fs::path TempDir(const std::string& tag) {
+  std::string tmpl = (fs::temp_directory_path() / ("opd_" + tag + "_XXXXXX")).string();
+  return fs::path(mkdtemp(tmpl.data()));
+}
+
+std::string ReadAll(const fs::path& p) {
+  std::ifstream in(p);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+// A secret file as an operator would write it: mode 0600.
+fs::path WriteSecret(const fs::path& dir, const std::string& secret, mode_t mode = 0600) {
+  const fs::path p = dir / "secret";
+  { std::ofstream(p) << secret << "\n"; }
+  chmod(p.c_str(), mode);
+  return p;
+}
+
+// A server process on 127.0.0.1:<ephemeral>, killed (SIGTERM, then SIGKILL) when destroyed, so a
+// failing test never leaks a process.
+class ServerProcess {
+ public:
+  // `probe_tls`: how the health probe connects (a TLS server refuses plaintext).
+  static std::unique_ptr<ServerProcess> Start(const std::string& binary,
+                                              std::vector<std::string> args,
+                                              const std::vector<std::string>& extra_env = {},
+                                              const opd::rpc::TlsClientOptions& probe_tls = {}) {
+    auto p = std::unique_ptr<ServerProcess>(new ServerProcess());
+    p->dir_ = TempDir("server");
+    const fs::path port_file = p->dir_ / "port", log = p->dir_ / "log";
+    args.insert(args.begin(), binary);
+    args.push_back("--listen=127.0.0.1:0");
+    args.push_back("--port-file=" + port_file.string());
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e; ++e) env_strings.emplace_back(*e);
+    env_strings.insert(env_strings.end(), extra_env.begin(), extra_env.end());
+    std::vector<char*> envp;
+    for (auto& e : env_strings) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    const int rc = posix_spawn(&p->pid_, binary.c_str(), &fa, nullptr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&fa);
+    if (rc != 0) {
+      ADD_FAILURE() << "cannot spawn " << binary;
+      return nullptr;
+    }
+    // Up to 60 s for the port file (model load), failing early if the process died.
+    for (int i = 0; i < 1200 && !fs::exists(port_file); ++i) {
+      if (!p->Running()) {
+        ADD_FAILURE() << binary << " exited at start:\n" << ReadAll(log);
+        return nullptr;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    std::ifstream(port_file) >> p->port_;
+    if (p->port_ <= 0) {
+      ADD_FAILURE() << binary << " wrote no port:\n" << ReadAll(log);
+      return nullptr;
+    }
+    ClientOptions o;
+    o.address = p->address();
+    o.tls = probe_tls;
+    absl::Status st = opd::rpc::WaitUntilServing(o, absl::Seconds(30));
+    if (!st.ok()) {
+      ADD_FAILURE() << st << "\n" << ReadAll(log);
+      return nullptr;
+    }
+    return p;
+  }
+
+  ~ServerProcess() {
+    Stop();
+    fs::remove_all(dir_);
+  }
+
+  // SIGTERM (graceful), then SIGKILL after 10 s; returns the exit status.
+  int Stop() {
+    if (pid_ <= 0) return exit_status_;
+    kill(pid_, SIGTERM);
+    for (int i = 0; i < 200 && Running(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (Running()) {
+      kill(pid_, SIGKILL);
+      int status = 0;
+      waitpid(pid_, &status, 0);
+      exit_status_ = status;
+    }
+    pid_ = -1;
+    return exit_status_;
+  }
+
+  bool Running() {
+    if (pid_ <= 0) return false;
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      exit_status_ = status;
+      pid_ = -1;
+      return false;
+    }
+    return true;
+  }
+
+  // Resident memory (kB) from /proc.
+  int64_t RssKb() const {
+    std::ifstream in("/proc/" + std::to_string(pid_) + "/status");
+    std::string key;
+    while (in >> key) {
+      if (key == "VmRSS:") {
+        int64_t kb = 0;
+        in >> kb;
+        return kb;
+      }
+    }
+    return -1;
+  }
+
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  std::string log() const { return ReadAll(dir_ / "log"); }
+
+ private:
+  ServerProcess() = default;
+  pid_t pid_ = -1;
+  int port_ = 0;
+  int exit_status_ = -1;
+  fs::path dir_;
+};
+
+std::string Binary(const std::string& rel) {
+  return std::string(OPD_BINARY_DIR) + "/" + rel;
+}
+
+ClientOptions Options(const ServerProcess& s, const std::string& secret = kSecret) {
+  ClientOptions o;
+  o.address = s.address();
+  o.secret = secret;
+  o.timeout = absl::Seconds(60);
+  return o;
+}
+
+// Runs a shell command; returns its exit code, with stdout/stderr in the given files.
+int Shell(const std::string& cmd) {
+  const int rc = std::system(cmd.c_str());
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double m = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    m = std::max(m, std::abs(double(a[i]) - b[i]));
+  return m;
+}
+
+std::vector<std::vector<int64_t>> FixtureSequences(const std::string& name = kModel) {
+  std::ifstream in(std::string(OPD_FIXTURES_DIR) + "/" + name + "/inputs.json");
+  return nlohmann::json::parse(in)["sequences"].get<std::vector<std::vector<int64_t>>>();
+}
+
+std::vector<int32_t> To32(const std::vector<int64_t>& v) {
+  return std::vector<int32_t>(v.begin(), v.end());
+}
+std::vector<int64_t> To64(const std::vector<int32_t>& v) {
+  return std::vector<int64_t>(v.begin(), v.end());
+}
+
+std::shared_ptr<lm::CausalLM> LoadLocal(const std::string& dir) {
+  auto m = lm::LoadModel(dir);
+  EXPECT_TRUE(m.ok()) << m.status();
+  (*m)->eval();
+  return *m;
+}
+
+// Greedy decoding by full forwards, no KV cache: an independent reference.
+std::vector<int32_t> GreedyByForward(lm::CausalLM& model, std::vector<int64_t> seq, int64_t n) {
+  torch::NoGradGuard no_grad;
+  std::vector<int32_t> out;
+  for (int64_t i = 0; i < n; ++i) {
+    auto h = model.Forward(lm::PackedBatch::FromSequences({seq}));
+    const int64_t next = model.Logits(h[h.size(0) - 1]).argmax().item<int64_t>();
+    out.push_back(static_cast<int32_t>(next));
+    seq.push_back(next);
+  }
+  return out;
+}
+
+// In-process teacher-path log-probs of `response` after `prompt`.
+std::vector<float> TeacherPath(lm::CausalLM& model, const std::vector<int32_t>& prompt,
+                               const std::vector<int32_t>& response, double temperature = 1.0) {
+  torch::NoGradGuard no_grad;
+  std::vector<int64_t> seq = To64(prompt);
+  seq.insert(seq.end(), response.begin(), response.end());
+  auto lp = lm::SequenceLogprobs(model, lm::PackedBatch::FromSequences({seq}), temperature);
+  auto tail =
+      lp.narrow(0, static_cast<int64_t>(prompt.size()) - 1, static_cast<int64_t>(response.size()))
+          .contiguous();
+  return std::vector<float>(tail.data_ptr<float>(), tail.data_ptr<float>() + tail.numel());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Teacher
+
+class TeacherService : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new fs::path(TempDir("teacher"));
+    const auto secret = WriteSecret(*dir_, kSecret);
+    teacher_ =
+        ServerProcess::Start(Binary("teacher_service/opd-teacher"),
+                             {"--model=" + FixtureModel(), "--secret-file=" + secret.string(),
+                              "--threads=1", "--max-batch-tokens=64"})
+            .release();
+  }
+  static void TearDownTestSuite() {
+    delete teacher_;
+    fs::remove_all(*dir_);
+    delete dir_;
+  }
+  void SetUp() override { ASSERT_NE(teacher_, nullptr); }
+
+  std::unique_ptr<opd::rpc::TeacherClient> Client(const std::string& secret = kSecret) {
+    auto c = opd::rpc::TeacherClient::Create(Options(*teacher_, secret));
+    EXPECT_TRUE(c.ok()) << c.status();
+    return std::move(*c);
+  }
+
+  static ServerProcess* teacher_;
+  static fs::path* dir_;
+};
+ServerProcess* TeacherService::teacher_ = nullptr;
+fs::path* TeacherService::dir_ = nullptr;
+
+TEST_F(TeacherService, InfoDescribesTheModel) {
+  auto info = Client()->Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->service(), "opd.v1.Teacher");
+  EXPECT_EQ(info->model_name(), "model");
+  EXPECT_EQ(info->architecture(), "qwen3_moe");
+  EXPECT_EQ(info->vocab_size(), 96);
+  EXPECT_EQ(info->tokenizer_fingerprint(), "none");
+  EXPECT_EQ(info->max_seq_len(), 256);
+  EXPECT_EQ(info->dtype(), "float32");
+  EXPECT_FALSE(info->build_version().empty());
+}
+
+TEST_F(TeacherService, ScoresEqualInProcessLogprobs) {
+  const auto seqs = FixtureSequences();
+  const fs::path dir = TempDir("score");
+  {
+    std::ofstream in(dir / "in.jsonl");
+    for (const auto& s : seqs) in << nlohmann::json{{"tokens", s}}.dump() << "\n";
+  }
+  ASSERT_EQ(Shell(Binary("ctl/opd-ctl") + " logprobs --model " + FixtureModel() + " --input " +
+                  (dir / "in.jsonl").string() + " > " + (dir / "ref.jsonl").string()),
+            0);
+  std::vector<std::vector<float>> ref;
+  {
+    std::ifstream out(dir / "ref.jsonl");
+    std::string line;
+    while (std::getline(out, line))
+      ref.push_back(nlohmann::json::parse(line)["logprobs"].get<std::vector<float>>());
+  }
+  ASSERT_EQ(ref.size(), seqs.size());
+
+  std::vector<opd::rpc::ScoreInput> inputs;
+  for (const auto& s : seqs) inputs.push_back({To32(s), 1});
+  auto scores = Client()->Score(inputs);
+  ASSERT_TRUE(scores.ok()) << scores.status();
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    EXPECT_LE(MaxAbsDiff((*scores)[i].logprobs, ref[i]), 1e-5) << "sequence " << i;
+  }
+
+  // The same through `opd-ctl score` (JSON lines in and out).
+  const std::string cmd = Binary("ctl/opd-ctl") + " score --addr " + teacher_->address() +
+                          " --secret-file " + (*dir_ / "secret").string() + " --input " +
+                          (dir / "in.jsonl").string() + " > " + (dir / "out.jsonl").string();
+  ASSERT_EQ(Shell(cmd), 0) << cmd;
+  std::ifstream out(dir / "out.jsonl");
+  std::string line;
+  for (size_t i = 0; std::getline(out, line); ++i) {
+    ASSERT_LT(i, ref.size());
+    EXPECT_LE(MaxAbsDiff(nlohmann::json::parse(line)["logprobs"].get<std::vector<float>>(), ref[i]),
+              1e-5);
+  }
+  fs::remove_all(dir);
+}
+
+TEST_F(TeacherService, ResponseStartTemperatureAndTopK) {
+  auto model = LoadLocal(FixtureModel());
+  const auto seqs = FixtureSequences();
+  const auto& s = seqs[3];  // 20 tokens
+  opd::rpc::ScoreOptions so;
+  so.temperature = 0.6f;
+  so.top_k = 5;
+  auto scores = Client()->Score({{To32(s), 12}, {To32(s), static_cast<int32_t>(s.size())}}, so);
+  ASSERT_TRUE(scores.ok()) << scores.status();
+  const auto& r = (*scores)[0];
+  ASSERT_EQ(r.logprobs.size(), s.size() - 12);
+  EXPECT_TRUE((*scores)[1].logprobs.empty());  // response_start = len scores nothing
+
+  torch::NoGradGuard no_grad;
+  auto hidden = model->Forward(lm::PackedBatch::FromSequences({s}));
+  auto rows = hidden.narrow(0, 11, static_cast<int64_t>(s.size()) - 12);
+  lm::LogprobOptions lo;
+  lo.temperature = 0.6;
+  auto targets = torch::tensor(std::vector<int64_t>(s.begin() + 12, s.end()));
+  auto lp = lm::TokenLogprobs(rows, model->LmHeadWeight(), targets, lo).contiguous();
+  EXPECT_LE(MaxAbsDiff(r.logprobs,
+                       std::vector<float>(lp.data_ptr<float>(), lp.data_ptr<float>() + lp.numel())),
+            1e-5);
+  auto top = lm::TopK(rows, model->LmHeadWeight(), 5, lo);
+  auto ids = top.ids.to(torch::kInt32).contiguous();
+  EXPECT_EQ(r.topk_ids,
+            std::vector<int32_t>(ids.data_ptr<int32_t>(), ids.data_ptr<int32_t>() + ids.numel()));
+  auto tlp = top.logprobs.contiguous();
+  EXPECT_LE(MaxAbsDiff(r.topk_logprobs, std::vector<float>(tlp.data_ptr<float>(),
+                                                           tlp.data_ptr<float>() + tlp.numel())),
+            1e-5);
+}
+
+TEST_F(TeacherService, UnauthenticatedCallsAreRejected) {
+  const std::vector<opd::rpc::ScoreInput> in = {{{1, 2, 3}, 1}};
+  for (const std::string secret :
+       {std::string(), std::string("wrong"), std::string(kSecret) + "x"}) {
+    auto c = Client(secret);
+    EXPECT_EQ(c->Score(in).status().code(), absl::StatusCode::kUnauthenticated)
+        << "'" << secret << "'";
+    EXPECT_EQ(c->Info().status().code(), absl::StatusCode::kUnauthenticated);
+  }
+  // Health needs no secret.
+  auto health = opd::rpc::CheckHealth(Options(*teacher_, ""), "opd.v1.Teacher");
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_TRUE(Client()->Score(in).ok());
+}
+
+TEST_F(TeacherService, BadInputGetsInvalidArgumentAndServerKeepsServing) {
+  auto c = Client();
+  auto expect = [&](const std::vector<opd::rpc::ScoreInput>& in, opd::rpc::ScoreOptions so,
+                    const std::string& needle) {
+    auto r = c->Score(in, so);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument)
+        << needle << ": " << r.status();
+    EXPECT_NE(std::string(r.status().message()).find(needle), std::string::npos) << r.status();
+  };
+  expect({}, {}, "empty batch");
+  expect({{{1, 2}, 1}, {{}, 1}}, {}, "sequence 1: empty");
+  expect({{{1, 2}, 1}, {{1, 96, 3}, 1}}, {}, "sequence 1: token id 96");
+  expect({{{-5, 2}, 1}}, {}, "token id -5");
+  expect({{std::vector<int32_t>(257, 1), 1}}, {}, "longer than the maximum 256");
+  expect({{{1, 2, 3}, 0}}, {}, "response_start 0");
+  expect({{{1, 2, 3}, 4}}, {}, "response_start 4");
+  opd::rpc::ScoreOptions so;
+  so.temperature = 0;
+  expect({{{1, 2}, 1}}, so, "temperature");
+  so.temperature = -1;
+  expect({{{1, 2}, 1}}, so, "temperature");
+  so = {};
+  so.top_k = 1000000;
+  expect({{{1, 2}, 1}}, so, "top_k");
+  // An expired deadline is the client's DEADLINE_EXCEEDED.
+  auto opts = Options(*teacher_);
+  opts.timeout = absl::Microseconds(1);
+  auto hurried = *opd::rpc::TeacherClient::Create(opts);
+  EXPECT_EQ(hurried->Score({{{1, 2, 3}, 1}}).status().code(), absl::StatusCode::kDeadlineExceeded);
+  // Still serving.
+  auto ok = c->Score({{{1, 2, 3}, 1}});
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ((*ok)[0].logprobs.size(), 2u);
+}
+
+TEST_F(TeacherService, HealthAndReflectionForGrpcurl) {
+  // Reflection, as grpcurl uses it, spoken as raw protobuf bytes through Python's grpcio:
+  // list_services (field 7) and file_containing_symbol (field 4).
+  const fs::path dir = TempDir("refl");
+  {
+    std::ofstream py(dir / "refl.py");
+    py << "import grpc, sys\n"
+          "ch = grpc.insecure_channel(sys.argv[1])\n"
+          "call = "
+          "ch.stream_stream('/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo')\n"
+          "def req(field, s):\n"
+          "    b = s.encode()\n"
+          "    return bytes([field << 3 | 2, len(b)]) + b\n"
+          "out = b''.join(call(iter([req(7, '*'), req(4, 'opd.v1.Teacher')]), timeout=20))\n"
+          "sys.stdout.write(out.decode('latin-1'))\n";
+  }
+  const std::string cmd = std::string(OPD_PYTHON) + " " + (dir / "refl.py").string() + " " +
+                          teacher_->address() + " > " + (dir / "out.txt").string();
+  ASSERT_EQ(Shell(cmd), 0) << cmd;
+  const std::string out = ReadAll(dir / "out.txt");
+  EXPECT_NE(out.find("opd.v1.Teacher"), std::string::npos);
+  EXPECT_NE(out.find("grpc.health.v1.Health"), std::string::npos);
+  EXPECT_NE(out.find("opd/v1/teacher.proto"), std::string::npos);  // the file descriptor
+  // opd-ctl health.
+  EXPECT_EQ(Shell(Binary("ctl/opd-ctl") + " health --addr " + teacher_->address() + " > " +
+                  (dir / "h.txt").string()),
+            0);
+  EXPECT_NE(ReadAll(dir / "h.txt").find("SERVING"), std::string::npos);
+  fs::remove_all(dir);
+}
+
+// 16 concurrent clients against one teacher with a small queue: the only error is
+// RESOURCE_EXHAUSTED, every result equals serial scoring, memory stays bounded.
+TEST(TeacherLoad, ConcurrentClientsMatchSerialScoring) {
+  const char* env = std::getenv("OPD_LOAD_SECONDS");
+  const double seconds = env ? std::atof(env) : 30.0;
+  const fs::path dir = TempDir("load");
+  const auto secret = WriteSecret(dir, kSecret);
+  auto teacher =
+      ServerProcess::Start(Binary("teacher_service/opd-teacher"),
+                           {"--model=" + FixtureModel(), "--secret-file=" + secret.string(),
+                            "--threads=1", "--max-queue=6", "--max-batch-tokens=256"});
+  ASSERT_NE(teacher, nullptr);
+  // A pool of requests of varied shapes, scored one at a time first.
+  std::mt19937 rng(11);
+  std::vector<std::vector<opd::rpc::ScoreInput>> pool(24);
+  for (auto& req : pool) {
+    const int n = 1 + rng() % 4;
+    for (int i = 0; i < n; ++i) {
+      std::vector<int32_t> t(2 + rng() % 60);
+      for (auto& x : t) x = rng() % 96;
+      req.push_back({t, 1 + static_cast<int32_t>(rng() % (t.size() - 1))});
+    }
+  }
+  auto serial_client = *opd::rpc::TeacherClient::Create(Options(*teacher));
+  std::vector<std::vector<opd::rpc::ScoreOutput>> serial;
+  for (const auto& req : pool) {
+    auto r = serial_client->Score(req, {1.0f, 3});
+    ASSERT_TRUE(r.ok()) << r.status();
+    serial.push_back(*r);
+  }
+  const int64_t rss_start = teacher->RssKb();
+  std::atomic<int64_t> ok{0}, exhausted{0}, other{0}, mismatched{0};
+  std::atomic<double> worst{0};
+  std::mutex err_mu;
+  std::string first_error;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 16; ++c) {
+    clients.emplace_back([&, c] {
+      auto client = *opd::rpc::TeacherClient::Create(Options(*teacher));
+      std::mt19937 r(c);
+      while (std::chrono::steady_clock::now() < end) {
+        const size_t k = r() % pool.size();
+        auto res = client->Score(pool[k], {1.0f, 3});
+        if (res.ok()) {
+          ++ok;
+          for (size_t i = 0; i < res->size(); ++i) {
+            const double d =
+                std::max(MaxAbsDiff((*res)[i].logprobs, serial[k][i].logprobs),
+                         MaxAbsDiff((*res)[i].topk_logprobs, serial[k][i].topk_logprobs));
+            if (d > 1e-5 || (*res)[i].topk_ids != serial[k][i].topk_ids) ++mismatched;
+            double w = worst.load();
+            while (d > w && !worst.compare_exchange_weak(w, d)) {
+            }
+          }
+        } else if (res.status().code() == absl::StatusCode::kResourceExhausted) {
+          ++exhausted;
+          std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        } else {
+          ++other;
+          std::lock_guard<std::mutex> l(err_mu);
+          if (first_error.empty()) first_error = res.status().ToString();
+        }
+      }
+    });
+  }
+  int64_t rss_peak = 0;
+  while (std::chrono::steady_clock::now() < end) {
+    rss_peak = std::max(rss_peak, teacher->RssKb());
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  for (auto& t : clients) t.join();
+  const int64_t rss_end = teacher->RssKb();
+  std::printf(
+      "load: %.0f s, %lld ok, %lld RESOURCE_EXHAUSTED, %lld other, max |diff| vs serial %.2e, "
+      "RSS start %lld kB, peak %lld kB, end %lld kB\n",
+      seconds, (long long)ok, (long long)exhausted, (long long)other, worst.load(),
+      (long long)rss_start, (long long)rss_peak, (long long)rss_end);
+  EXPECT_EQ(other, 0) << first_error;
+  EXPECT_EQ(mismatched, 0);
+  EXPECT_GT(ok, 16);
+  EXPECT_LT(rss_peak - rss_start, 256 * 1024) << "memory grew by more than 256 MiB";
+  // Still serving afterwards.
+  EXPECT_TRUE(serial_client->Score(pool[0]).ok());
+  fs::remove_all(dir);
+}
+
+TEST(TeacherStartup, SecretFromEnvironmentAndFilePermissions) {
+  const fs::path dir = TempDir("env");
+  // $OPD_SECRET instead of a file.
+  {
+    auto teacher = ServerProcess::Start(Binary("teacher_service/opd-teacher"),
+                                        {"--model=" + FixtureModel()}, {"OPD_SECRET=from-env"});
+    ASSERT_NE(teacher, nullptr);
+    EXPECT_TRUE((*opd::rpc::TeacherClient::Create(Options(*teacher, "from-env")))->Info().ok());
+    EXPECT_EQ(
+        (*opd::rpc::TeacherClient::Create(Options(*teacher, kSecret)))->Info().status().code(),
+        absl::StatusCode::kUnauthenticated);
+  }
+  // A secret file others can read is refused at start.
+  const auto loose = WriteSecret(dir, kSecret, 0644);
+  const std::string cmd = Binary("teacher_service/opd-teacher") + " --model " + FixtureModel() +
+                          " --listen 127.0.0.1:0 --secret-file " + loose.string() + " 2> " +
+                          (dir / "err").string();
+  EXPECT_EQ(Shell(cmd), 1);
+  EXPECT_NE(ReadAll(dir / "err").find("chmod 600"), std::string::npos) << ReadAll(dir / "err");
+  fs::remove_all(dir);
+}
+
+TEST(TeacherStartup, TlsWithServerCertificate) {
+  if (Shell("command -v openssl > /dev/null") != 0) GTEST_SKIP() << "openssl not installed";
+  const fs::path dir = TempDir("tls");
+  const std::string d = dir.string();
+  const std::string gen =
+      "cd " + d +
+      " && openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=test-ca -keyout ca.key "
+      "-out ca.pem 2>/dev/null && openssl req -newkey rsa:2048 -nodes -subj /CN=localhost -keyout "
+      "server.key "
+      "-out server.csr 2>/dev/null && printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > "
+      "ext.cnf && "
+      "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 -extfile "
+      "ext.cnf "
+      "-out server.pem 2>/dev/null";
+  ASSERT_EQ(Shell(gen), 0);
+  const auto secret = WriteSecret(dir, kSecret);
+  opd::rpc::TlsClientOptions tls;
+  tls.ca_file = d + "/ca.pem";
+  tls.server_name = "localhost";
+  auto teacher =
+      ServerProcess::Start(Binary("teacher_service/opd-teacher"),
+                           {"--model=" + FixtureModel(), "--secret-file=" + secret.string(),
+                            "--tls-cert=" + d + "/server.pem", "--tls-key=" + d + "/server.key"},
+                           {}, tls);
+  ASSERT_NE(teacher, nullptr);
+  auto opts = Options(*teacher);
+  opts.tls = tls;
+  auto info = (*opd::rpc::TeacherClient::Create(opts))->Info();
+  EXPECT_TRUE(info.ok()) << info.status();
+  auto scores = (*opd::rpc::TeacherClient::Create(opts))->Score({{{1, 2, 3}, 1}});
+  EXPECT_TRUE(scores.ok()) << scores.status();
+  // Plaintext to a TLS port fails; so does TLS with the wrong CA (the server's own certificate is
+  // not a CA).
+  opts = Options(*teacher);
+  opts.timeout = absl::Seconds(5);
+  EXPECT_EQ((*opd::rpc::TeacherClient::Create(opts))->Info().status().code(),
+            absl::StatusCode::kUnavailable);
+  opts.tls = tls;
+  opts.tls.ca_file = d + "/server.pem";
+  EXPECT_EQ((*opd::rpc::TeacherClient::Create(opts))->Info().status().code(),
+            absl::StatusCode::kUnavailable);
+  fs::remove_all(dir);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rollout
+
+class RolloutService : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new fs::path(TempDir("rollout"));
+    const auto secret = WriteSecret(*dir_, kSecret);
+    rollout_ = ServerProcess::Start(
+                   Binary("rollout/opd-rollout"),
+                   {"--model=" + FixtureModel(), "--secret-file=" + secret.string(), "--threads=1"})
+                   .release();
+    teacher_ = ServerProcess::Start(
+                   Binary("teacher_service/opd-teacher"),
+                   {"--model=" + FixtureModel(), "--secret-file=" + secret.string(), "--threads=1"})
+                   .release();
+    // Model B: the same architecture with other weights.
+    auto b = LoadLocal(FixtureModel());
+    b->InitWeights(0.2, 4242);
+    ASSERT_TRUE(lm::SaveModel(*b, (*dir_ / "model_b").string()).ok());
+  }
+  static void TearDownTestSuite() {
+    delete rollout_;
+    delete teacher_;
+    fs::remove_all(*dir_);
+    delete dir_;
+  }
+  void SetUp() override {
+    ASSERT_NE(rollout_, nullptr);
+    ASSERT_NE(teacher_, nullptr);
+  }
+
+  std::unique_ptr<opd::rpc::RolloutClient> Client(const std::string& secret = kSecret) {
+    auto c = opd::rpc::RolloutClient::Create(Options(*rollout_, secret));
+    EXPECT_TRUE(c.ok()) << c.status();
+    return std::move(*c);
+  }
+  int64_t ServingVersion() {
+    auto info = Client()->Info();
+    EXPECT_TRUE(info.ok()) << info.status();
+    return info.ok() ? info->weight_version() : -1;
+  }
+  // Pushes the weights of the model in `dir` as `version`.
+  absl::StatusOr<opd::v1::UpdateWeightsResponse> Push(const std::string& dir, int64_t version,
+                                                      const std::string& secret = kSecret) {
+    auto model = LoadLocal(dir);
+    auto w = opd::rpc::WeightsOf(*model);
+    return Client(secret)->UpdateWeights(version, w.views, 1000);  // small chunks: many per tensor
+  }
+
+  static ServerProcess* rollout_;
+  static ServerProcess* teacher_;
+  static fs::path* dir_;
+};
+ServerProcess* RolloutService::rollout_ = nullptr;
+ServerProcess* RolloutService::teacher_ = nullptr;
+fs::path* RolloutService::dir_ = nullptr;
+
+const std::vector<std::vector<int32_t>> kPrompts = {
+    {1, 5, 9, 13, 2}, {7, 3}, {40, 41, 42, 43, 44, 45}};
+
+opd::rpc::GenerateOptions Sampling(uint64_t seed, float temperature = 1.0f, int n = 2,
+                                   int max_new = 12) {
+  opd::rpc::GenerateOptions g;
+  g.samples_per_prompt = n;
+  g.temperature = temperature;
+  g.max_new_tokens = max_new;
+  g.seed = seed;
+  return g;
+}
+
+TEST_F(RolloutService, SeededSamplesAreReproducible) {
+  auto c = Client();
+  auto a = c->Generate(kPrompts, Sampling(17));
+  auto b = c->Generate(kPrompts, Sampling(17));
+  auto other = c->Generate(kPrompts, Sampling(18));
+  ASSERT_TRUE(a.ok() && b.ok() && other.ok()) << a.status() << b.status() << other.status();
+  ASSERT_EQ(a->size(), 6u);
+  int differ = 0;
+  for (size_t i = 0; i < a->size(); ++i) {
+    EXPECT_EQ((*a)[i].prompt_index, static_cast<int>(i / 2));
+    EXPECT_EQ((*a)[i].sample_index, static_cast<int>(i % 2));
+    EXPECT_EQ((*a)[i].tokens, (*b)[i].tokens);
+    EXPECT_EQ((*a)[i].logprobs, (*b)[i].logprobs);
+    EXPECT_EQ((*a)[i].tokens.size(), 12u);
+    EXPECT_EQ((*a)[i].finish_reason, opd::v1::FINISH_REASON_LENGTH);
+    differ += (*a)[i].tokens != (*other)[i].tokens;
+  }
+  EXPECT_GE(differ, 4);
+}
+
+TEST_F(RolloutService, TemperatureToZeroIsGreedy) {
+  auto model = LoadLocal(FixtureModel());
+  for (float t : {0.0f, 1e-4f}) {
+    auto out = Client()->Generate(kPrompts, Sampling(1, t, 2, 10));
+    ASSERT_TRUE(out.ok()) << out.status();
+    for (const auto& s : *out) {
+      EXPECT_EQ(s.tokens, GreedyByForward(*model, To64(kPrompts[s.prompt_index]), 10))
+          << "temperature " << t;
+    }
+  }
+}
+
+TEST_F(RolloutService, GenerateLogprobsEqualTeacherScores) {
+  auto teacher = *opd::rpc::TeacherClient::Create(Options(*teacher_));
+  for (float t : {1.0f, 0.8f}) {
+    auto out = Client()->Generate(kPrompts, Sampling(3, t, 2, 24));
+    ASSERT_TRUE(out.ok()) << out.status();
+    std::vector<opd::rpc::ScoreInput> in;
+    for (const auto& s : *out) {
+      auto seq = kPrompts[s.prompt_index];
+      seq.insert(seq.end(), s.tokens.begin(), s.tokens.end());
+      in.push_back({seq, static_cast<int32_t>(kPrompts[s.prompt_index].size())});
+    }
+    auto scores = teacher->Score(in, {t, 0});
+    ASSERT_TRUE(scores.ok()) << scores.status();
+    double worst = 0;
+    for (size_t i = 0; i < out->size(); ++i)
+      worst = std::max(worst, MaxAbsDiff((*out)[i].logprobs, (*scores)[i].logprobs));
+    EXPECT_LE(worst, 1e-4) << "temperature " << t;
+  }
+}
+
+TEST_F(RolloutService, StopIdsEndSamples) {
+  auto greedy = Client()->Generate({kPrompts[0]}, Sampling(0, 0.0f, 1, 16));
+  ASSERT_TRUE(greedy.ok());
+  const auto& free_run = (*greedy)[0].tokens;
+  size_t at = 2;
+  while (at < free_run.size() && std::find(free_run.begin(), free_run.begin() + at, free_run[at]) !=
+                                     free_run.begin() + at) {
+    ++at;
+  }
+  ASSERT_LT(at, free_run.size());
+  auto g = Sampling(0, 0.0f, 1, 16);
+  g.stop_token_ids = {free_run[at]};
+  auto stopped = Client()->Generate({kPrompts[0]}, g);
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_EQ((*stopped)[0].finish_reason, opd::v1::FINISH_REASON_STOP);
+  EXPECT_EQ((*stopped)[0].tokens,
+            std::vector<int32_t>(free_run.begin(), free_run.begin() + at + 1));
+}
+
+TEST_F(RolloutService, BadInputGetsInvalidArgumentAndServerKeepsServing) {
+  auto c = Client();
+  auto expect = [&](const std::vector<std::vector<int32_t>>& prompts,
+                    const opd::rpc::GenerateOptions& g, const std::string& needle) {
+    auto r = c->Generate(prompts, g);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument)
+        << needle << ": " << r.status();
+    EXPECT_NE(std::string(r.status().message()).find(needle), std::string::npos) << r.status();
+  };
+  expect({}, Sampling(0), "no prompts");
+  expect({{1}, {}}, Sampling(0), "prompt 1: empty");
+  expect({{1, 99}}, Sampling(0), "token id 99");
+  expect({{1}}, Sampling(0, 1.0f, 1, 0), "max_new_tokens");
+  expect({{1}}, Sampling(0, 1.0f, 1, 1 << 30), "max_new_tokens");
+  expect({{1}}, Sampling(0, 1.0f, 1000000, 4), "samples_per_prompt");
+  expect({{1}}, Sampling(0, -0.5f), "temperature");
+  auto g = Sampling(0);
+  g.top_p = 2;
+  expect({{1}}, g, "top_p");
+  g = Sampling(0);
+  g.stop_token_ids = {1000};
+  expect({{1}}, g, "stop token id 1000");
+  EXPECT_EQ(Client("")->Generate({{1}}, Sampling(0)).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_TRUE(c->Generate({{1, 2}}, Sampling(0)).ok());
+}
+
+TEST_F(RolloutService, UpdateWeightsSwitchesModelsAndCheckers) {
+  const std::string model_b = (*dir_ / "model_b").string();
+  auto a = LoadLocal(FixtureModel()), b = LoadLocal(model_b);
+  const auto greedy = Sampling(0, 0.0f, 1, 10);
+  auto before = Client()->Generate(kPrompts, greedy);
+  ASSERT_TRUE(before.ok());
+  const int64_t v0 = ServingVersion();
+
+  // Unauthenticated or wrongly authenticated: UNAUTHENTICATED, nothing changes.
+  EXPECT_EQ(Push(model_b, v0 + 1, "").status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(Push(model_b, v0 + 1, "not-the-secret").status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(ServingVersion(), v0);
+
+  // Model B as version v0 + 1: Generate and its log-probs follow B.
+  auto resp = Push(model_b, v0 + 1);
+  ASSERT_TRUE(resp.ok()) << resp.status();
+  EXPECT_EQ(resp->version(), v0 + 1);
+  EXPECT_EQ(resp->tensors(), static_cast<int64_t>(b->parameters().size()));
+  EXPECT_EQ(ServingVersion(), v0 + 1);
+  auto after = Client()->Generate(kPrompts, greedy);
+  ASSERT_TRUE(after.ok());
+  for (const auto& s : *after) {
+    EXPECT_EQ(s.weight_version, v0 + 1);
+    EXPECT_EQ(s.tokens, GreedyByForward(*b, To64(kPrompts[s.prompt_index]), 10));
+  }
+  auto sampled = Client()->Generate(kPrompts, Sampling(9, 1.0f, 2, 16));
+  ASSERT_TRUE(sampled.ok());
+  double worst = 0;
+  for (const auto& s : *sampled) {
+    worst = std::max(worst,
+                     MaxAbsDiff(s.logprobs, TeacherPath(*b, kPrompts[s.prompt_index], s.tokens)));
+  }
+  EXPECT_LE(worst, 1e-4);
+
+  // A stale version is FAILED_PRECONDITION; back to A through `opd-ctl push-weights`.
+  EXPECT_EQ(Push(FixtureModel(), v0 + 1).status().code(), absl::StatusCode::kFailedPrecondition);
+  const std::string cmd = Binary("ctl/opd-ctl") + " push-weights --addr " + rollout_->address() +
+                          " --secret-file " + (*dir_ / "secret").string() + " --from " +
+                          FixtureModel() + " --version " + std::to_string(v0 + 2) +
+                          " --chunk-mb 0.01 > /dev/null";
+  ASSERT_EQ(Shell(cmd), 0) << cmd;
+  EXPECT_EQ(ServingVersion(), v0 + 2);
+  auto back = Client()->Generate(kPrompts, greedy);
+  ASSERT_TRUE(back.ok());
+  for (size_t i = 0; i < back->size(); ++i) EXPECT_EQ((*back)[i].tokens, (*before)[i].tokens);
+}
+
+// Sends chunks through the raw stub; `cancel` interrupts the stream instead of closing it.
+grpc::Status RawUpdate(const ServerProcess& s, const std::vector<opd::v1::WeightChunk>& chunks,
+                       bool cancel) {
+  auto channel = *opd::rpc::MakeChannel(Options(s));
+  auto stub = opd::v1::Rollout::NewStub(channel);
+  grpc::ClientContext ctx;
+  opd::rpc::PrepareContext(Options(s), &ctx);
+  opd::v1::UpdateWeightsResponse resp;
+  auto writer = stub->UpdateWeights(&ctx, &resp);
+  for (const auto& c : chunks) {
+    if (!writer->Write(c)) break;
+  }
+  if (cancel) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // let the server take the chunks
+    ctx.TryCancel();
+  } else {
+    writer->WritesDone();
+  }
+  return writer->Finish();
+}
+
+std::vector<opd::v1::WeightChunk> ChunksOf(lm::CausalLM& model, int64_t version) {
+  std::vector<opd::v1::WeightChunk> out;
+  auto w = opd::rpc::WeightsOf(model);
+  for (const auto& t : w.views) {
+    opd::v1::WeightChunk c;
+    c.set_version(version);
+    c.set_name(t.name);
+    c.mutable_shape()->Add(t.shape.begin(), t.shape.end());
+    c.set_dtype(t.dtype);
+    c.set_offset(0);
+    c.set_data(t.data, t.bytes);
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+TEST_F(RolloutService, InterruptedOrWrongUpdatesLeaveOldWeightsServing) {
+  auto b = LoadLocal((*dir_ / "model_b").string());
+  const auto greedy = Sampling(0, 0.0f, 1, 10);
+  auto before = Client()->Generate(kPrompts, greedy);
+  ASSERT_TRUE(before.ok());
+  const int64_t v = ServingVersion();
+  auto unchanged = [&](const std::string& what) {
+    EXPECT_EQ(ServingVersion(), v) << what;
+    auto now = Client()->Generate(kPrompts, greedy);
+    ASSERT_TRUE(now.ok()) << what;
+    for (size_t i = 0; i < now->size(); ++i) {
+      EXPECT_EQ((*now)[i].tokens, (*before)[i].tokens) << what;
+      EXPECT_EQ((*now)[i].weight_version, v) << what;
+    }
+  };
+  auto chunks = ChunksOf(*b, v + 1);
+
+  // Interrupted after half the tensors.
+  std::vector<opd::v1::WeightChunk> half(chunks.begin(), chunks.begin() + chunks.size() / 2);
+  EXPECT_EQ(RawUpdate(*rollout_, half, /*cancel=*/true).error_code(), grpc::StatusCode::CANCELLED);
+  unchanged("interrupted");
+  // Closed cleanly but incomplete.
+  auto st = RawUpdate(*rollout_, half, false);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("missing"), std::string::npos) << st.error_message();
+  unchanged("incomplete");
+  // A wrong shape, a wrong name, a wrong dtype, mixed versions, and an empty stream.
+  auto bad = chunks;
+  bad[3].mutable_shape()->Set(0, bad[3].shape(0) + 1);
+  EXPECT_EQ(RawUpdate(*rollout_, bad, false).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  bad = chunks;
+  bad[2].set_name("model.layers.0.mlp.no_such_weight");
+  EXPECT_EQ(RawUpdate(*rollout_, bad, false).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  bad = chunks;
+  bad[1].set_dtype("bfloat16");
+  EXPECT_EQ(RawUpdate(*rollout_, bad, false).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  bad = chunks;
+  bad[4].set_version(v + 7);
+  EXPECT_EQ(RawUpdate(*rollout_, bad, false).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  bad = chunks;
+  for (auto& c : bad) c.set_version(v);  // not above the serving version
+  EXPECT_EQ(RawUpdate(*rollout_, bad, false).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(RawUpdate(*rollout_, {}, false).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  unchanged("wrong tensors");
+}
+
+TEST(RolloutStartup, WithoutSecretUpdateWeightsIsDisabled) {
+  auto rollout = ServerProcess::Start(Binary("rollout/opd-rollout"), {"--model=" + FixtureModel()});
+  ASSERT_NE(rollout, nullptr);
+  auto c = *opd::rpc::RolloutClient::Create(Options(*rollout, "anything"));
+  EXPECT_TRUE(c->Generate({{1, 2}}, Sampling(0)).ok());  // open without a secret
+  auto model = LoadLocal(FixtureModel());
+  auto w = opd::rpc::WeightsOf(*model);
+  EXPECT_EQ(c->UpdateWeights(1, w.views).status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ((*c->Info()).weight_version(), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// opd-ctl against services
+
+TEST(OpdCtlClient, InfoGenerateAndConnectionFailure) {
+  const fs::path dir = TempDir("ctl");
+  const auto secret = WriteSecret(dir, kSecret);
+  auto rollout =
+      ServerProcess::Start(Binary("rollout/opd-rollout"),
+                           {"--model=" + FixtureModel(), "--secret-file=" + secret.string()});
+  ASSERT_NE(rollout, nullptr);
+  const std::string ctl = Binary("ctl/opd-ctl");
+  const std::string auth = " --addr " + rollout->address() + " --secret-file " + secret.string();
+  ASSERT_EQ(Shell(ctl + " info" + auth + " > " + (dir / "info.json").string()), 0);
+  auto info = nlohmann::json::parse(ReadAll(dir / "info.json"));
+  EXPECT_EQ(info["service"], "opd.v1.Rollout");
+  EXPECT_EQ(info["architecture"], "qwen3_moe");
+  {
+    std::ofstream in(dir / "prompts.jsonl");
+    for (const auto& p : kPrompts) in << nlohmann::json{{"tokens", p}}.dump() << "\n";
+  }
+  ASSERT_EQ(Shell(ctl + " generate" + auth + " --input " + (dir / "prompts.jsonl").string() +
+                  " --samples 2 --max-new-tokens 5 --seed 4 > " + (dir / "gen.jsonl").string()),
+            0);
+  std::ifstream gen(dir / "gen.jsonl");
+  std::string line;
+  int lines = 0;
+  while (std::getline(gen, line)) {
+    auto j = nlohmann::json::parse(line);
+    EXPECT_EQ(j["tokens"].size(), 5u);
+    EXPECT_EQ(j["logprobs"].size(), 5u);
+    EXPECT_EQ(j["finish_reason"], "length");
+    ++lines;
+  }
+  EXPECT_EQ(lines, 6);
+  // No server at the address: exit 1, and the message names the address and the gRPC status.
+  EXPECT_EQ(Shell(ctl + " info --addr 127.0.0.1:1 --timeout 5 2> " + (dir / "err.txt").string()),
+            1);
+  const std::string err = ReadAll(dir / "err.txt");
+  EXPECT_NE(err.find("127.0.0.1:1"), std::string::npos) << err;
+  EXPECT_NE(err.find("UNAVAILABLE"), std::string::npos) << err;
+  fs::remove_all(dir);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The Scorer in-process
+
+std::shared_ptr<lm::CausalLM> TeacherModel() {
+  return LoadLocal(FixtureModel());
+}
+
+teacher::ScoreJob Job(const std::vector<std::vector<int64_t>>& seqs, int64_t top_k = 0) {
+  teacher::ScoreJob j;
+  j.sequences = seqs;
+  j.response_starts.assign(seqs.size(), 1);
+  j.top_k = top_k;
+  return j;
+}
+
+TEST(Scorer, PackedBatchesEqualOneSequenceAtATime) {
+  auto model = TeacherModel();
+  const auto seqs = FixtureSequences();
+  teacher::ScorerOptions o;
+  o.max_batch_tokens = 25;  // forces jobs to be split across batches and batches to mix jobs
+  teacher::Scorer scorer(model, o);
+  std::vector<std::future<absl::StatusOr<std::vector<teacher::SequenceScore>>>> futures;
+  for (int rep = 0; rep < 3; ++rep) {
+    futures.push_back(std::async(std::launch::async, [&] { return scorer.Score(Job(seqs, 4)); }));
+  }
+  for (auto& f : futures) {
+    auto r = f.get();
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      auto ref =
+          lm::SequenceLogprobs(*model, lm::PackedBatch::FromSequences({seqs[i]})).contiguous();
+      EXPECT_LE(
+          MaxAbsDiff((*r)[i].logprobs, std::vector<float>(ref.data_ptr<float>(),
+                                                          ref.data_ptr<float>() + ref.numel())),
+          1e-5);
+      EXPECT_EQ((*r)[i].topk_ids.size(), (seqs[i].size() - 1) * 4);
+    }
+  }
+}
+
+TEST(Scorer, QueueBoundCancellationAndDeadline) {
+  auto model = TeacherModel();
+  teacher::ScorerOptions o;
+  o.max_queue = 2;
+  teacher::Scorer scorer(model, o);
+  // Hold the worker inside a job's completion so that the queue fills up.
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::promise<void> entered;
+  ASSERT_TRUE(scorer
+                  .Submit(Job({{1, 2, 3}}),
+                          [&](auto) {
+                            entered.set_value();
+                            released.wait();
+                          })
+                  .ok());
+  entered.get_future().wait();
+  std::atomic<int> cancelled{0}, expired{0}, fine{0};
+  auto job = Job({{1, 2, 3}});
+  job.cancelled = [] { return true; };
+  ASSERT_TRUE(
+      scorer
+          .Submit(job,
+                  [&](auto r) { cancelled += r.status().code() == absl::StatusCode::kCancelled; })
+          .ok());
+  job = Job({{4, 5}});
+  job.deadline = absl::Now() - absl::Seconds(1);
+  ASSERT_TRUE(scorer
+                  .Submit(job,
+                          [&](auto r) {
+                            expired += r.status().code() == absl::StatusCode::kDeadlineExceeded;
+                          })
+                  .ok());
+  EXPECT_EQ(scorer.Submit(Job({{1}}), [](auto) {}).code(), absl::StatusCode::kResourceExhausted);
+  release.set_value();
+  auto r = scorer.Score(Job({{1, 2}}));
+  EXPECT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(cancelled, 1);
+  EXPECT_EQ(expired, 1);
+}
+
+}  // namespace

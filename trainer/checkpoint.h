@@ -1,0 +1,66 @@
+// Training checkpoints: one directory per step under <run>/checkpoints,
+//
+//   step_000100/
+//     model/                  HF model directory (lm::SaveModel, fp32: the master weights),
+//                             plus the tokenizer files, so transformers loads it as it is
+//     optimizer.safetensors   AdamW moments by parameter name (exp_avg.<name>, exp_avg_sq.<name>)
+//     trainer_state.json      step, scheduler, RNG states, data cursor, counters, config (the job
+//                             decides what goes in; see trainer/sft.cc)
+//
+// Written under a temporary name (.tmp-step_000100), flushed to disk, then renamed: a crash
+// mid-write leaves a .tmp- directory that is never mistaken for a checkpoint (and is removed by
+// the next run). After each save only the last `keep_last` checkpoints are kept.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "lm/model/model.h"
+#include "nlohmann/json.hpp"
+#include "trainer/optim.h"
+
+namespace trainer {
+
+constexpr int kTrainerStateVersion = 1;
+
+std::string StepDirName(int64_t step);  // "step_000100"
+
+class CheckpointManager {
+ public:
+  CheckpointManager(std::string dir, int64_t keep_last)
+      : dir_(std::move(dir)), keep_last_(keep_last) {}
+
+  // Saves a checkpoint for `step` (a no-op when a complete one for that step exists). `state`
+  // becomes trainer_state.json (a "version" and "step" are added); `model_extra_files` (tokenizer
+  // files) are copied into model/.
+  absl::Status Save(int64_t step, lm::CausalLM& model, const AdamW& optimizer,
+                    nlohmann::json state, const std::vector<std::string>& model_extra_files);
+
+  // Complete checkpoints, oldest first: (step, directory).
+  std::vector<std::pair<int64_t, std::string>> List() const;
+  // The newest complete checkpoint's directory, or NotFound.
+  absl::StatusOr<std::string> Latest() const;
+  // Deletes .tmp- leftovers of interrupted saves.
+  void RemoveIncomplete() const;
+
+  const std::string& dir() const { return dir_; }
+
+ private:
+  void Prune() const;
+  std::string dir_;
+  int64_t keep_last_;
+};
+
+// A checkpoint's trainer_state.json (its version checked).
+absl::StatusOr<nlohmann::json> ReadTrainerState(const std::string& checkpoint_dir);
+// Restores AdamW moments and step count from a checkpoint.
+absl::Status LoadOptimizerState(const std::string& checkpoint_dir, int64_t steps, AdamW* optimizer);
+
+// The default generators' states (CPU, and CUDA when present) as JSON (base64), and back.
+nlohmann::json CaptureRngState();
+absl::Status RestoreRngState(const nlohmann::json& state);
+
+}  // namespace trainer

@@ -1,0 +1,204 @@
+// Job configs: YAML files decoded into typed structs, with command-line overrides.
+//
+// A config struct lists its fields once, in a visitor function found by argument-dependent lookup:
+//
+//   struct OptimConfig { double lr = 1e-5; int64_t warmup_steps = 0; };
+//   template <class V> void VisitFields(V& v, OptimConfig& c) {
+//     v("lr", c.lr);
+//     v("warmup_steps", c.warmup_steps);
+//   }
+//
+// That one list drives decoding (strict: a key the struct does not list is an error naming its
+// full path, so a typo never falls back to a default silently), encoding (the resolved config,
+// every field including defaults, written into the run directory) and nothing else. Field types:
+// bool, int32_t, int64_t, double, std::string, std::vector<T> and nested config structs. A key
+// that is absent or null keeps the struct's default.
+//
+// Overrides `--set a.b.c=VALUE` are applied to the YAML tree before decoding: VALUE is parsed as
+// YAML (so `[1, 2]` is a list and `{files: [x]}` a mapping), and it is type-checked by the same
+// decoder as the file, against the same field list.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <yaml-cpp/yaml.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace trainer {
+
+// The YAML document in `path` (an empty file is an empty mapping). Errors name the file and line.
+absl::StatusOr<YAML::Node> LoadYamlFile(const std::string& path);
+absl::StatusOr<YAML::Node> ParseYaml(const std::string& text, const std::string& label);
+
+// Applies `assignment` ("a.b.c=value") to `root`. Intermediate mappings are created when absent
+// (decoding then rejects unknown keys); a numeric component indexes into a sequence.
+absl::Status ApplyOverride(YAML::Node& root, const std::string& assignment);
+
+// The words every job sub-command accepts: --config FILE, --set k=v (repeatable), --resume[=DIR].
+struct JobArgs {
+  std::string config_path;
+  std::vector<std::string> overrides;
+  bool resume = false;       // --resume: a checkpoint must be found and resumed
+  std::string resume_from;   // --resume=DIR: that checkpoint directory
+};
+absl::StatusOr<JobArgs> ParseJobArgs(const std::vector<std::string>& words);
+
+namespace config_internal {
+
+// True when `T` has a VisitFields(V&, T&) overload: it is decoded as a nested mapping.
+template <class T, class V, class = void>
+struct IsStruct : std::false_type {};
+template <class T, class V>
+struct IsStruct<T, V, std::void_t<decltype(VisitFields(std::declval<V&>(), std::declval<T&>()))>>
+    : std::true_type {};
+
+template <class T>
+struct IsVector : std::false_type {};
+template <class T>
+struct IsVector<std::vector<T>> : std::true_type {};
+
+std::string JoinPath(const std::string& path, const std::string& key);
+absl::Status DecodeScalar(const YAML::Node& node, const std::string& path, bool* out);
+absl::Status DecodeScalar(const YAML::Node& node, const std::string& path, int32_t* out);
+absl::Status DecodeScalar(const YAML::Node& node, const std::string& path, int64_t* out);
+absl::Status DecodeScalar(const YAML::Node& node, const std::string& path, double* out);
+absl::Status DecodeScalar(const YAML::Node& node, const std::string& path, std::string* out);
+absl::Status ExpectMap(const YAML::Node& node, const std::string& path);
+absl::Status ExpectSequence(const YAML::Node& node, const std::string& path);
+// Error naming the first key of the mapping `node` that is not in `known`.
+absl::Status CheckKnownKeys(const YAML::Node& node, const std::string& path,
+                            const std::unordered_set<std::string>& known);
+
+void EmitScalar(YAML::Emitter& out, bool v);
+void EmitScalar(YAML::Emitter& out, int32_t v);
+void EmitScalar(YAML::Emitter& out, int64_t v);
+void EmitScalar(YAML::Emitter& out, double v);  // shortest text that reads back to the same double
+void EmitScalar(YAML::Emitter& out, const std::string& v);
+
+class Reader;
+class Writer;
+
+template <class T>
+absl::Status Decode(const YAML::Node& node, const std::string& path, T* out);
+template <class T>
+void Encode(YAML::Emitter& out, T& value);
+
+// Decoding visitor for one mapping: remembers the keys the struct knows.
+class Reader {
+ public:
+  Reader(YAML::Node node, std::string path) : node_(std::move(node)), path_(std::move(path)) {}
+
+  template <class T>
+  void operator()(const char* key, T& field) {
+    known_.insert(key);
+    if (!status_.ok()) return;
+    const YAML::Node child = static_cast<const YAML::Node&>(node_)[key];
+    if (!child.IsDefined() || child.IsNull()) return;  // keep the default
+    status_ = Decode(child, JoinPath(path_, key), &field);
+  }
+
+  absl::Status Finish() const {
+    if (!status_.ok()) return status_;
+    return CheckKnownKeys(node_, path_, known_);
+  }
+
+ private:
+  YAML::Node node_;
+  std::string path_;
+  std::unordered_set<std::string> known_;
+  absl::Status status_;
+};
+
+// Encoding visitor: one key/value pair per field.
+class Writer {
+ public:
+  explicit Writer(YAML::Emitter& out) : out_(out) {}
+  template <class T>
+  void operator()(const char* key, T& field) {
+    out_ << YAML::Key << key << YAML::Value;
+    Encode(out_, field);
+  }
+
+ private:
+  YAML::Emitter& out_;
+};
+
+template <class T>
+absl::Status Decode(const YAML::Node& node, const std::string& path, T* out) {
+  if constexpr (IsStruct<T, Reader>::value) {
+    if (absl::Status s = ExpectMap(node, path); !s.ok()) return s;
+    Reader reader(node, path);
+    VisitFields(reader, *out);
+    return reader.Finish();
+  } else if constexpr (IsVector<T>::value) {
+    if (absl::Status s = ExpectSequence(node, path); !s.ok()) return s;
+    T items(node.size());
+    for (size_t i = 0; i < node.size(); ++i) {
+      absl::Status s = Decode(node[i], path + "[" + std::to_string(i) + "]", &items[i]);
+      if (!s.ok()) return s;
+    }
+    *out = std::move(items);
+    return absl::OkStatus();
+  } else {
+    return DecodeScalar(node, path, out);
+  }
+}
+
+template <class T>
+void Encode(YAML::Emitter& out, T& value) {
+  if constexpr (IsStruct<T, Writer>::value) {
+    out << YAML::BeginMap;
+    Writer writer(out);
+    VisitFields(writer, value);
+    out << YAML::EndMap;
+  } else if constexpr (IsVector<T>::value) {
+    // Scalars on one line ([a, b]); mappings one per line.
+    const bool flow = !IsStruct<typename T::value_type, Writer>::value;
+    out << (flow ? YAML::Flow : YAML::Block) << YAML::BeginSeq;
+    for (auto& item : value) Encode(out, item);
+    out << YAML::EndSeq;
+  } else {
+    EmitScalar(out, value);
+  }
+}
+
+}  // namespace config_internal
+
+// Decodes `root` (a mapping) into `out`, whose fields keep their defaults where `root` is silent.
+template <class T>
+absl::Status DecodeConfig(const YAML::Node& root, T* out) {
+  return config_internal::Decode(root, "", out);
+}
+
+// Every field of `config` as YAML text (the resolved config).
+template <class T>
+std::string EncodeConfig(T config) {
+  YAML::Emitter out;
+  config_internal::Encode(out, config);
+  return std::string(out.c_str()) + "\n";
+}
+
+// Reads the YAML file, applies the overrides in order and decodes: the whole config pipeline.
+template <class T>
+absl::StatusOr<T> LoadConfig(const std::string& path, const std::vector<std::string>& overrides) {
+  absl::StatusOr<YAML::Node> root = LoadYamlFile(path);
+  if (!root.ok()) return root.status();
+  for (const std::string& o : overrides) {
+    if (absl::Status s = ApplyOverride(*root, o); !s.ok()) return s;
+  }
+  T config;
+  if (absl::Status s = DecodeConfig(*root, &config); !s.ok()) {
+    const std::string where = overrides.empty() ? path : path + " with the --set overrides";
+    return absl::InvalidArgumentError(where + ": " + std::string(s.message()));
+  }
+  return config;
+}
+
+}  // namespace trainer

@@ -1,0 +1,654 @@
+#include "trainer/opd.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <csignal>
+#include <filesystem>
+#include <future>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "lm/data/prompt_dataset.h"
+#include "lm/model/logprobs.h"
+#include "lm/model/model.h"
+#include "lm/text/tokenizer.h"
+#include "lm/util/log.h"
+#include "lm/util/status.h"
+#include "trainer/checkpoint.h"
+#include "trainer/convergence.h"
+#include "trainer/job_util.h"
+#include "rpc/auth.h"
+#include "trainer/learner_service.h"
+#include "trainer/metrics.h"
+#include "trainer/opd_loss.h"
+#include "trainer/optim.h"
+#include "trainer/progress.h"
+#include "trainer/rollout_pool.h"
+#include "trainer/run_dir.h"
+#include "trainer/signals.h"
+#include "trainer/teacher_pool.h"
+
+namespace trainer {
+namespace {
+
+namespace fs = std::filesystem;
+
+// One step's samples: the prompts, what the rollout workers returned, and the data cursor after
+// these prompts were drawn (what a checkpoint of this step records).
+struct Rollouts {
+  std::vector<lm::PromptExample> prompts;
+  std::vector<opd::rpc::GeneratedSample> samples;
+  lm::DataCursor cursor_after;
+  double seconds = 0;
+};
+
+// Sums over a step's response tokens, turned into the logged means.
+struct StepStats {
+  opd::LossStats loss;
+  double loss_value = 0;
+  double teacher_lp_sum = 0, student_lp_sum = 0, entropy_sum = 0;
+  double grad_norm = 0, lr = 0;
+  bool skipped = false;
+  int64_t response_tokens = 0, total_tokens = 0, max_response = 0;
+  double sample_s = 0, score_s = 0, learn_s = 0, push_s = 0, step_s = 0;
+};
+
+// Response positions of one micro-batch: rows of the packed hidden states that predict the
+// response tokens, the tokens, and where each sample's entries start in the step's flat arrays.
+struct MicroBatch {
+  std::vector<size_t> samples;  // indices into Rollouts::samples
+  lm::PackedBatch batch;
+  torch::Tensor rows, targets;
+  int64_t response_tokens = 0;
+};
+
+std::vector<int32_t> Concat(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  std::vector<int32_t> out(a);
+  out.insert(out.end(), b.begin(), b.end());
+  return out;
+}
+
+class OpdJob {
+ public:
+  OpdJob(OpdConfig config, RunDir run, std::string yaml)
+      : c_(std::move(config)), run_(std::move(run)), yaml_(std::move(yaml)),
+        checkpoints_(run_.checkpoints(), c_.checkpoint.keep_last) {}
+
+  absl::Status Init(const JobArgs& args);
+  absl::Status Run();
+
+ private:
+  absl::Status LoadStudent(const std::string& dir);
+  absl::Status LoadPrompts();
+  absl::Status ConnectRollout();
+  absl::Status StartStage(size_t index, bool resumed);
+  absl::Status Resume(const std::string& checkpoint);
+  absl::Status ApplyPendingSwap();
+
+  absl::StatusOr<Rollouts> Sample(std::vector<lm::PromptExample> prompts, lm::DataCursor cursor_after);
+  std::vector<lm::PromptExample> DrawPrompts(lm::DataCursor* cursor_after);
+  absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> Score(const Rollouts& r);
+  std::vector<MicroBatch> MakeMicroBatches(const Rollouts& r);
+  absl::Status Learn(const Rollouts& r, const std::vector<opd::rpc::ScoreOutput>& scores, StepStats* st);
+  absl::Status PushWeights();
+  void LogStep(const StepStats& st);
+  bool FinishStageIfConverged(double reverse_kl);
+
+  nlohmann::json TrainerState() const;
+  absl::Status SaveCheckpoint();
+  absl::Status StopForSignal();
+
+  OpdConfig c_;
+  RunDir run_;
+  std::string yaml_;
+  CheckpointManager checkpoints_;
+  torch::Device device_{torch::kCPU};
+  std::string secret_;
+  std::unique_ptr<lm::Tokenizer> tokenizer_;
+  std::unique_ptr<lm::PromptDataset> prompts_;
+  std::shared_ptr<lm::CausalLM> model_;
+  std::unique_ptr<AdamW> optimizer_;
+  CosineSchedule schedule_;
+  std::unique_ptr<MetricsLogger> metrics_;
+  std::unique_ptr<Progress> progress_;
+  std::unique_ptr<opd::RolloutPool> rollout_;
+  std::unique_ptr<opd::TeacherPool> teachers_;
+  std::unique_ptr<opd::ConvergenceTracker> tracker_;
+  std::unique_ptr<LearnerServer> admin_;
+  opd::SampledTokenLossOptions loss_opts_;
+  opd::TopKDivergence divergence_ = opd::TopKDivergence::kMixed;
+
+  size_t stage_ = 0;            // index into c_.stages
+  int64_t step_ = 0;            // completed steps over all stages
+  int64_t weight_version_ = 0;  // version the rollout workers serve
+  lm::DataCursor cursor_;       // after the last completed step's prompts
+  int64_t nonfinite_consecutive_ = 0, nonfinite_total_ = 0;
+  int64_t last_checkpoint_step_ = -1;
+  bool done_ = false;
+  nlohmann::json stage_summaries_ = nlohmann::json::array();
+};
+
+absl::Status OpdJob::LoadStudent(const std::string& dir) {
+  ASSIGN_OR_RETURN(model_, lm::LoadModel(dir, {torch::kFloat32, device_}));
+  model_->train();
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  for (auto& p : model_->named_parameters()) params.emplace_back(p.key(), p.value());
+  optimizer_ = std::make_unique<AdamW>(params, c_.optim);
+  return absl::OkStatus();
+}
+
+absl::Status OpdJob::LoadPrompts() {
+  const std::string tok = c_.model.tokenizer.empty() ? c_.model.path : c_.model.tokenizer;
+  ASSIGN_OR_RETURN(tokenizer_, lm::Tokenizer::Load(tok));
+  if (tokenizer_->vocab_size() > model_->config().vocab_size) {
+    return absl::FailedPreconditionError(absl::StrCat("the tokenizer (", tokenizer_->vocab_size(),
+                                                      " ids) does not fit the student's vocabulary (",
+                                                      model_->config().vocab_size, ")"));
+  }
+  lm::PromptDatasetOptions o;
+  for (const auto& s : c_.prompts.sources) o.sources.push_back({s.name, s.files, s.weight});
+  o.max_prompt_len = static_cast<int32_t>(c_.prompts.max_prompt_len);
+  o.skip_bad_lines = c_.prompts.skip_bad_lines;
+  o.shuffle = c_.prompts.shuffle;
+  o.seed = static_cast<uint64_t>(c_.prompts.seed);
+  o.chat_format = c_.model.chat_format == "qwen2" ? lm::ChatFormat::Qwen2() : lm::ChatFormat::Qwen3();
+  o.drop_final_assistant = true;
+  ASSIGN_OR_RETURN(prompts_, lm::PromptDataset::Load(*tokenizer_, o));
+  lm::log::Info(absl::StrCat("prompts: ", prompts_->stats().Summary()));
+  return absl::OkStatus();
+}
+
+absl::Status OpdJob::ConnectRollout() {
+  opd::rpc::ClientOptions base;
+  base.secret = secret_;
+  base.timeout = absl::Seconds(c_.rollout.timeout_s);
+  ASSIGN_OR_RETURN(rollout_, opd::RolloutPool::Connect(c_.rollout.endpoints, base, tokenizer_->Fingerprint(),
+                                                       model_->config().vocab_size));
+  return absl::OkStatus();
+}
+
+absl::Status OpdJob::StartStage(size_t index, bool resumed) {
+  const OpdStageConfig& s = c_.stages[index];
+  opd::TeacherPoolOptions po;
+  po.client.secret = secret_;
+  po.client.timeout = absl::Seconds(c_.train.teacher_timeout_s);
+  opd::TeacherRequirements req{tokenizer_->Fingerprint(), model_->config().vocab_size};
+  ASSIGN_OR_RETURN(teachers_, opd::TeacherPool::Connect(s.name, s.teachers, req, po));
+  if (!resumed) {
+    opd::ConvergenceRule rule;
+    rule.max_steps = s.max_steps;
+    rule.plateau = s.plateau.enabled;
+    rule.window = s.plateau.window;
+    rule.min_rel_improvement = s.plateau.min_rel_improvement;
+    rule.ema_beta = s.plateau.ema_beta;
+    rule.min_steps = s.plateau.min_steps;
+    tracker_ = std::make_unique<opd::ConvergenceTracker>(rule);
+  }
+  stage_ = index;
+  lm::log::Info(absl::StrFormat("stage %d/%d '%s': teachers %s", index + 1, c_.stages.size(), s.name,
+                                absl::StrJoin(s.teachers, ", ")));
+  return absl::OkStatus();
+}
+
+// Applies a teacher swap requested through the admin RPC (already checked by the handler).
+absl::Status OpdJob::ApplyPendingSwap() {
+  if (!admin_) return absl::OkStatus();
+  auto swap = admin_->TakePendingSwap();
+  if (!swap) return absl::OkStatus();
+  for (auto& s : c_.stages) {
+    if (s.name != swap->stage) continue;
+    s.teachers = swap->endpoints;
+    if (&s == &c_.stages[stage_]) teachers_ = std::move(swap->pool);
+    progress_->Log(absl::StrFormat("teacher swap applied at step %d: stage '%s' now uses %s", step_, s.name,
+                                   absl::StrJoin(s.teachers, ", ")));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<lm::PromptExample> OpdJob::DrawPrompts(lm::DataCursor* cursor_after) {
+  auto prompts = prompts_->NextBatch(static_cast<size_t>(c_.train.prompts_per_step));
+  *cursor_after = prompts_->cursor();
+  return prompts;
+}
+
+absl::StatusOr<Rollouts> OpdJob::Sample(std::vector<lm::PromptExample> prompts, lm::DataCursor cursor_after) {
+  const auto t0 = Clock::now();
+  Rollouts r;
+  r.prompts = std::move(prompts);
+  r.cursor_after = std::move(cursor_after);
+  std::vector<std::vector<int32_t>> ids;
+  for (const auto& p : r.prompts) ids.push_back(p.prompt_ids);
+  opd::rpc::GenerateOptions g;
+  g.samples_per_prompt = static_cast<int32_t>(c_.rollout.samples_per_prompt);
+  g.temperature = static_cast<float>(c_.rollout.temperature);
+  g.top_p = static_cast<float>(c_.rollout.top_p);
+  g.top_k = static_cast<int32_t>(c_.rollout.top_k);
+  g.max_new_tokens = static_cast<int32_t>(c_.rollout.max_new_tokens);
+  ASSIGN_OR_RETURN(const int32_t im_end, tokenizer_->TokenId("<|im_end|>"));
+  g.stop_token_ids = {im_end};
+  if (auto eot = tokenizer_->TokenId("<|endoftext|>"); eot.ok()) g.stop_token_ids.push_back(*eot);
+  // A fresh seed per step (the data cursor's position), reproducible across resumes.
+  g.seed = static_cast<uint64_t>(c_.rollout.seed) * 1000003ULL + r.cursor_after.step;
+  ASSIGN_OR_RETURN(r.samples, rollout_->Generate(ids, g));
+  for (const auto& s : r.samples) {
+    if (s.tokens.empty() || s.tokens.size() != s.logprobs.size()) {
+      return absl::InternalError(absl::StrCat("rollout returned a malformed sample for prompt ", s.prompt_index));
+    }
+  }
+  r.seconds = Seconds(t0);
+  return r;
+}
+
+absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> OpdJob::Score(const Rollouts& r) {
+  std::vector<opd::rpc::ScoreInput> inputs;
+  inputs.reserve(r.samples.size());
+  for (const auto& s : r.samples) {
+    const auto& prompt = r.prompts[s.prompt_index].prompt_ids;
+    inputs.push_back({Concat(prompt, s.tokens), static_cast<int32_t>(prompt.size())});
+  }
+  opd::rpc::ScoreOptions so;
+  so.temperature = static_cast<float>(c_.loss.teacher_temperature);
+  so.top_k = c_.loss.form == "topk" ? static_cast<int32_t>(c_.loss.top_k) : 0;
+  ASSIGN_OR_RETURN(auto scores, teachers_->Score(inputs, so, [] { return StopRequested(); }));
+  for (size_t i = 0; i < scores.size(); ++i) {
+    if (scores[i].logprobs.size() != r.samples[i].tokens.size()) {
+      return absl::InternalError(absl::StrCat("teacher returned ", scores[i].logprobs.size(), " scores for a response of ",
+                                              r.samples[i].tokens.size(), " tokens"));
+    }
+  }
+  return scores;
+}
+
+// Packs samples (prompt + response) into micro-batches of at most micro_batch_tokens tokens (a
+// longer sample gets a micro-batch of its own). Row p of a document predicts token p + 1, so the
+// response tokens [P, L) are predicted by rows [P - 1, L - 1).
+std::vector<MicroBatch> OpdJob::MakeMicroBatches(const Rollouts& r) {
+  std::vector<MicroBatch> out;
+  std::vector<std::vector<int64_t>> docs;
+  std::vector<int64_t> rows, targets;
+  int64_t tokens = 0;
+  auto flush = [&] {
+    if (docs.empty()) return;
+    MicroBatch mb;
+    mb.batch = lm::PackedBatch::FromSequences(docs);
+    mb.batch.input_ids = mb.batch.input_ids.to(device_);
+    mb.batch.position_ids = mb.batch.position_ids.to(device_);
+    mb.rows = torch::tensor(rows, torch::kInt64).to(device_);
+    mb.targets = torch::tensor(targets, torch::kInt64).to(device_);
+    mb.response_tokens = static_cast<int64_t>(rows.size());
+    mb.samples = std::move(out.empty() ? mb.samples : mb.samples);
+    out.push_back(std::move(mb));
+    docs.clear();
+    rows.clear();
+    targets.clear();
+    tokens = 0;
+  };
+  std::vector<size_t> current;
+  for (size_t i = 0; i < r.samples.size(); ++i) {
+    const auto& s = r.samples[i];
+    const auto& prompt = r.prompts[s.prompt_index].prompt_ids;
+    const int64_t len = static_cast<int64_t>(prompt.size() + s.tokens.size());
+    if (tokens > 0 && tokens + len > c_.train.micro_batch_tokens) {
+      flush();
+      out.back().samples = std::move(current);
+      current.clear();
+    }
+    std::vector<int64_t> doc(prompt.begin(), prompt.end());
+    doc.insert(doc.end(), s.tokens.begin(), s.tokens.end());
+    for (size_t t = 0; t < s.tokens.size(); ++t) {
+      rows.push_back(tokens + static_cast<int64_t>(prompt.size() + t) - 1);
+      targets.push_back(s.tokens[t]);
+    }
+    docs.push_back(std::move(doc));
+    current.push_back(i);
+    tokens += len;
+  }
+  flush();
+  if (!out.empty()) out.back().samples = std::move(current);
+  return out;
+}
+
+absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<opd::rpc::ScoreOutput>& scores, StepStats* st) {
+  const auto t0 = Clock::now();
+  for (const auto& s : r.samples) {
+    st->response_tokens += static_cast<int64_t>(s.tokens.size());
+    st->total_tokens += static_cast<int64_t>(r.prompts[s.prompt_index].prompt_ids.size() + s.tokens.size());
+    st->max_response = std::max<int64_t>(st->max_response, static_cast<int64_t>(s.tokens.size()));
+  }
+  const double normaliser = static_cast<double>(std::max<int64_t>(st->response_tokens, 1));
+  lm::LogprobOptions lo;
+  lo.temperature = c_.rollout.temperature;
+  AutocastGuard autocast(device_.is_cuda());
+  for (const MicroBatch& mb : MakeMicroBatches(r)) {
+    if (StopRequested()) {
+      optimizer_->ZeroGrad();
+      return absl::CancelledError("stop requested");
+    }
+    std::vector<float> old_lp, teacher_lp, topk_lp;
+    std::vector<int64_t> topk_ids;
+    for (size_t i : mb.samples) {
+      const auto& s = r.samples[i];
+      old_lp.insert(old_lp.end(), s.logprobs.begin(), s.logprobs.end());
+      teacher_lp.insert(teacher_lp.end(), scores[i].logprobs.begin(), scores[i].logprobs.end());
+      topk_ids.insert(topk_ids.end(), scores[i].topk_ids.begin(), scores[i].topk_ids.end());
+      topk_lp.insert(topk_lp.end(), scores[i].topk_logprobs.begin(), scores[i].topk_logprobs.end());
+    }
+    auto hidden = model_->Forward(mb.batch).index_select(0, mb.rows);
+    torch::Tensor entropy;
+    auto lp = lm::TokenLogprobs(hidden, model_->LmHeadWeight(), mb.targets, lo, &entropy);
+    auto lp_old = torch::tensor(old_lp).to(device_);
+    auto lp_teacher = torch::tensor(teacher_lp).to(device_);
+    torch::Tensor loss;
+    if (c_.loss.form == "topk") {
+      const int64_t n = hidden.size(0), k = c_.loss.top_k;
+      auto ids = torch::tensor(topk_ids, torch::kInt64).to(device_);
+      auto w = model_->LmHeadWeight().index_select(0, ids).view({n, k, -1});
+      auto logits_k = (hidden.unsqueeze(1) * w).sum(-1) / c_.rollout.temperature;
+      auto teacher_k = torch::tensor(topk_lp).view({n, k}).to(device_);
+      loss = opd::TopKLoss(logits_k, teacher_k, normaliser, divergence_, c_.loss.alpha);
+      opd::SampledTokenLoss(lp.detach(), lp_old, lp_teacher, normaliser, loss_opts_, &st->loss);  // stats only
+    } else {
+      loss = opd::SampledTokenLoss(lp, lp_old, lp_teacher, normaliser, loss_opts_, &st->loss);
+    }
+    loss.backward();
+    st->loss_value += loss.item<double>();
+    st->teacher_lp_sum += lp_teacher.sum().item<double>();
+    st->student_lp_sum += lp.detach().sum().item<double>();
+    st->entropy_sum += entropy.sum().item<double>();
+  }
+  st->grad_norm = ClipGradNorm(optimizer_->params(), c_.optim.max_grad_norm);
+  st->lr = schedule_.LrAt(step_);
+  st->skipped = !std::isfinite(st->loss_value) || !std::isfinite(st->grad_norm);
+  if (!st->skipped) optimizer_->Step(st->lr);
+  optimizer_->ZeroGrad();
+  st->learn_s = Seconds(t0);
+  return absl::OkStatus();
+}
+
+absl::Status OpdJob::PushWeights() {
+  torch::NoGradGuard no_grad;
+  ++weight_version_;
+  return rollout_->PushWeights(*model_, weight_version_);
+}
+
+void OpdJob::LogStep(const StepStats& st) {
+  const double n = static_cast<double>(std::max<int64_t>(st.response_tokens, 1));
+  const double samples = static_cast<double>(c_.train.prompts_per_step * c_.rollout.samples_per_prompt);
+  metrics_->Log(step_, {{"opd/reverse_kl", st.loss.reverse_kl_sum / n},
+                        {"opd/loss", st.loss_value},
+                        {"opd/teacher_logprob", st.teacher_lp_sum / n},
+                        {"opd/student_logprob", st.student_lp_sum / n},
+                        {"opd/student_entropy", st.entropy_sum / n},
+                        {"opd/response_len_mean", static_cast<double>(st.response_tokens) / samples},
+                        {"opd/response_len_max", static_cast<double>(st.max_response)},
+                        {"opd/ratio_mean", st.loss.ratio_sum / n},
+                        {"opd/ratio_min", st.loss.ratio_min},
+                        {"opd/ratio_max", st.loss.ratio_max},
+                        {"opd/clip_frac", st.loss.clipped / n},
+                        {"opd/sampler_learner_abs_diff", st.loss.mismatch_abs_sum / n},
+                        {"opd/stage", static_cast<double>(stage_)},
+                        {"opd/smoothed_reverse_kl", tracker_->smoothed()},
+                        {"opd/weight_version", static_cast<double>(weight_version_)},
+                        {"opd/teacher_failovers", static_cast<double>(teachers_->failovers())},
+                        {"optim/lr", st.lr},
+                        {"optim/grad_norm", st.grad_norm},
+                        {"optim/skipped", st.skipped ? 1.0 : 0.0},
+                        {"time/sample_s", st.sample_s},
+                        {"time/score_s", st.score_s},
+                        {"time/learn_s", st.learn_s},
+                        {"time/push_s", st.push_s},
+                        {"time/step_s", st.step_s},
+                        {"throughput/tokens_per_s", static_cast<double>(st.total_tokens) / st.step_s}});
+  progress_->Update({step_, st.loss.reverse_kl_sum / n, st.lr, static_cast<double>(st.total_tokens) / st.step_s,
+                     st.grad_norm, st.skipped},
+                    st.step_s);
+}
+
+// Feeds the stage's rule; on convergence logs the stage summary and returns true.
+bool OpdJob::FinishStageIfConverged(double reverse_kl) {
+  if (!tracker_->Update(reverse_kl)) return false;
+  const auto& s = c_.stages[stage_];
+  nlohmann::json summary = {{"stage", s.name},         {"steps", tracker_->steps()},
+                            {"end_step", step_},       {"reason", tracker_->reason()},
+                            {"smoothed_reverse_kl", tracker_->smoothed()}, {"teachers", s.teachers}};
+  stage_summaries_.push_back(summary);
+  progress_->Log(absl::StrFormat("stage '%s' finished after %d steps (%s): smoothed reverse KL %.4f", s.name,
+                                 tracker_->steps(), tracker_->reason(), tracker_->smoothed()));
+  return true;
+}
+
+nlohmann::json OpdJob::TrainerState() const {
+  return {{"job", "opd"},
+          {"stage", stage_},
+          {"stage_name", c_.stages[stage_].name},
+          {"stage_done", done_},
+          {"convergence", tracker_->ToJson()},
+          {"stage_summaries", stage_summaries_},
+          {"teachers", [&] {
+             nlohmann::json t = nlohmann::json::object();
+             for (const auto& s : c_.stages) t[s.name] = s.teachers;
+             return t;
+           }()},
+          {"weight_version", weight_version_},
+          {"data_cursor", nlohmann::json::parse(cursor_.ToJson())},
+          {"rng", CaptureRngState()},
+          {"nonfinite", {{"consecutive", nonfinite_consecutive_}, {"total", nonfinite_total_}}},
+          {"config", yaml_}};
+}
+
+absl::Status OpdJob::SaveCheckpoint() {
+  if (last_checkpoint_step_ == step_) return absl::OkStatus();
+  const auto t0 = Clock::now();
+  const std::string tok = c_.model.tokenizer.empty() ? c_.model.path : c_.model.tokenizer;
+  RETURN_IF_ERROR(checkpoints_.Save(step_, *model_, *optimizer_, TrainerState(), TokenizerFiles(tok)));
+  last_checkpoint_step_ = step_;
+  progress_->Log(absl::StrFormat("step %d: checkpoint %s/%s (%.1fs)", step_, checkpoints_.dir(), StepDirName(step_),
+                                 Seconds(t0)));
+  return absl::OkStatus();
+}
+
+absl::Status OpdJob::StopForSignal() {
+  const int sig = StopSignal();
+  progress_->Log(absl::StrFormat("received %s: the step in progress is abandoned; writing a checkpoint of step %d",
+                                 sig == SIGINT ? "SIGINT" : "SIGTERM", step_));
+  RETURN_IF_ERROR(SaveCheckpoint());
+  return absl::CancelledError(absl::StrFormat("stopped by %s at step %d; resume with the same command",
+                                              sig == SIGINT ? "SIGINT" : "SIGTERM", step_));
+}
+
+absl::Status OpdJob::Resume(const std::string& checkpoint) {
+  ASSIGN_OR_RETURN(nlohmann::json state, ReadTrainerState(checkpoint));
+  if (state.value("job", "") != "opd") return absl::FailedPreconditionError(checkpoint + ": not an OPD checkpoint");
+  RETURN_IF_ERROR(LoadStudent(checkpoint + "/model"));
+  step_ = state.at("step").get<int64_t>();
+  RETURN_IF_ERROR(LoadOptimizerState(checkpoint, optimizer_->steps() + step_, optimizer_.get()));
+  RETURN_IF_ERROR(RestoreRngState(state.at("rng")));
+  ASSIGN_OR_RETURN(cursor_, lm::DataCursor::FromJson(state.at("data_cursor").dump()));
+  weight_version_ = state.at("weight_version").get<int64_t>();
+  nonfinite_consecutive_ = state.at("nonfinite").at("consecutive").get<int64_t>();
+  nonfinite_total_ = state.at("nonfinite").at("total").get<int64_t>();
+  stage_summaries_ = state.at("stage_summaries");
+  for (auto& s : c_.stages) {
+    if (state["teachers"].contains(s.name)) s.teachers = state["teachers"][s.name].get<std::vector<std::string>>();
+  }
+  stage_ = state.at("stage").get<size_t>();
+  if (stage_ >= c_.stages.size() || c_.stages[stage_].name != state.at("stage_name").get<std::string>()) {
+    return absl::FailedPreconditionError(absl::StrCat(checkpoint, ": stage '", state.at("stage_name").get<std::string>(),
+                                                      "' is not stage ", stage_ + 1, " of the config"));
+  }
+  done_ = state.at("stage_done").get<bool>();
+  last_checkpoint_step_ = step_;
+  lm::log::Info(absl::StrFormat("resumed from %s at step %d (stage '%s')", checkpoint, step_, c_.stages[stage_].name));
+  return absl::OkStatus();
+}
+
+absl::Status OpdJob::Init(const JobArgs& args) {
+  if (c_.train.threads > 0) torch::set_num_threads(static_cast<int>(c_.train.threads));
+  ASSIGN_OR_RETURN(device_, PickDevice(c_.train.device));
+  ASSIGN_OR_RETURN(secret_, opd::rpc::LoadSecret(c_.auth.secret_file));
+  ASSIGN_OR_RETURN(loss_opts_.correction, opd::ParseCorrection(c_.loss.correction));
+  ASSIGN_OR_RETURN(divergence_, opd::ParseTopKDivergence(c_.loss.divergence));
+  loss_opts_.kl_coef = c_.loss.kl_coef;
+  loss_opts_.tis_cap = c_.loss.tis_cap;
+  loss_opts_.clip_low = c_.loss.clip_low;
+  loss_opts_.clip_high = c_.loss.clip_high;
+  schedule_ = {c_.optim.lr, c_.optim.min_lr, c_.optim.warmup_steps, 1};
+  int64_t total = 0;
+  for (const auto& s : c_.stages) total += s.max_steps;
+  schedule_.total_steps = std::max<int64_t>(total, 1);
+
+  checkpoints_.RemoveIncomplete();
+  std::string resume_from = args.resume_from;
+  if (resume_from.empty() && (args.resume || c_.run.resume == "auto")) {
+    if (auto latest = checkpoints_.Latest(); latest.ok()) resume_from = *latest;
+    else if (args.resume) return absl::NotFoundError(absl::StrCat("--resume: no checkpoint in ", checkpoints_.dir()));
+  } else if (resume_from.empty() && !checkpoints_.List().empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(run_.path(), " has checkpoints and run.resume is 'never'"));
+  }
+  bool resumed = !resume_from.empty();
+  if (resumed) {
+    RETURN_IF_ERROR(Resume(resume_from));
+  } else {
+    torch::manual_seed(static_cast<uint64_t>(c_.train.seed));
+    RETURN_IF_ERROR(LoadStudent(c_.model.path));
+  }
+  RETURN_IF_ERROR(LoadPrompts());
+  if (resumed) RETURN_IF_ERROR(prompts_->Seek(cursor_));
+  cursor_ = prompts_->cursor();
+  RETURN_IF_ERROR(ConnectRollout());
+  RETURN_IF_ERROR(StartStage(stage_, false));
+  if (resumed) {
+    ASSIGN_OR_RETURN(nlohmann::json state, ReadTrainerState(resume_from));
+    tracker_->FromJson(state.at("convergence"));
+  }
+  if (!c_.admin.listen.empty()) {
+    LearnerServerOptions ao;
+    ao.listen = c_.admin.listen;
+    ao.secret = secret_;
+    ao.port_file = c_.admin.port_file;
+    ao.requirements = {tokenizer_->Fingerprint(), model_->config().vocab_size};
+    ao.client.secret = secret_;
+    for (const auto& s : c_.stages) ao.stages.push_back(s.name);
+    ASSIGN_OR_RETURN(admin_, LearnerServer::Start(ao));
+  }
+  ASSIGN_OR_RETURN(MetricsLogger m, MetricsLogger::Open(run_.metrics_jsonl(), run_.tensorboard(), c_.logging.tensorboard,
+                                                        resumed ? step_ : -1));
+  metrics_ = std::make_unique<MetricsLogger>(std::move(m));
+  progress_ = std::make_unique<Progress>(schedule_.total_steps, c_.logging.log_every);
+  // The workers serve the student we start from (the SFT model, or the resumed checkpoint).
+  const auto t0 = Clock::now();
+  RETURN_IF_ERROR(PushWeights());
+  lm::log::Info(absl::StrFormat("pushed the student's weights to %d rollout worker(s) as version %d (%.1fs)",
+                                rollout_->size(), weight_version_, Seconds(t0)));
+  return absl::OkStatus();
+}
+
+absl::Status OpdJob::Run() {
+  InstallStopHandlers();
+  std::optional<std::future<absl::StatusOr<Rollouts>>> prefetch;
+  auto launch = [this] {
+    lm::DataCursor after;
+    auto prompts = DrawPrompts(&after);
+    return std::async(std::launch::async, [this, p = std::move(prompts), after]() mutable {
+      return Sample(std::move(p), std::move(after));
+    });
+  };
+  while (!done_) {
+    if (StopRequested()) return StopForSignal();
+    RETURN_IF_ERROR(ApplyPendingSwap());
+    const auto t0 = Clock::now();
+    StepStats st;
+    auto current = prefetch ? std::move(*prefetch) : launch();
+    prefetch.reset();
+    ASSIGN_OR_RETURN(Rollouts r, current.get());
+    st.sample_s = Seconds(t0);
+    // One-step-off: the next step's sampling runs on the current weights while this step learns.
+    if (c_.train.async) prefetch = launch();
+    auto t1 = Clock::now();
+    auto scores = Score(r);
+    if (!scores.ok()) {
+      if (absl::IsCancelled(scores.status()) && StopRequested()) return StopForSignal();
+      return scores.status();
+    }
+    st.score_s = Seconds(t1);
+    if (absl::Status s = Learn(r, *scores, &st); !s.ok()) {
+      if (absl::IsCancelled(s) && StopRequested()) return StopForSignal();
+      return s;
+    }
+    t1 = Clock::now();
+    RETURN_IF_ERROR(PushWeights());
+    st.push_s = Seconds(t1);
+    st.step_s = Seconds(t0);
+    ++step_;
+    cursor_ = r.cursor_after;
+    nonfinite_consecutive_ = st.skipped ? nonfinite_consecutive_ + 1 : 0;
+    nonfinite_total_ += st.skipped;
+    if (admin_) admin_->SetStatus({c_.stages[stage_].name, step_, c_.stages[stage_].teachers, weight_version_});
+    const double reverse_kl = st.loss.reverse_kl_sum / static_cast<double>(std::max<int64_t>(st.response_tokens, 1));
+    const bool stage_over = FinishStageIfConverged(reverse_kl);
+    LogStep(st);
+    if (nonfinite_consecutive_ >= c_.train.max_consecutive_nonfinite) {
+      return absl::AbortedError(absl::StrFormat("%d consecutive non-finite steps: stopping at step %d",
+                                                nonfinite_consecutive_, step_));
+    }
+    if (stage_over) {
+      const bool last = stage_ + 1 == c_.stages.size();
+      done_ = last;
+      RETURN_IF_ERROR(SaveCheckpoint());
+      if (!last) {
+        // The next stage's teachers are checked before any step is spent on them.
+        RETURN_IF_ERROR(StartStage(stage_ + 1, false));
+        last_checkpoint_step_ = -1;  // the stage index changed: the next checkpoint must be written
+        RETURN_IF_ERROR(SaveCheckpoint());
+      }
+    } else if (c_.checkpoint.every > 0 && step_ % c_.checkpoint.every == 0) {
+      RETURN_IF_ERROR(SaveCheckpoint());
+    }
+  }
+  if (prefetch) (void)prefetch->get();
+  progress_->Finish();
+  nlohmann::json summary = {{"steps", step_}, {"stages", stage_summaries_}, {"peak_rss_mb", PeakRssMb()}};
+  (void)WriteFileAtomic(run_.path() + "/summary.json", summary.dump(2) + "\n");
+  lm::log::Info(absl::StrFormat("done: %d steps over %d stage(s)", step_, stage_summaries_.size()));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status RunOpd(const OpdConfig& config, const JobArgs& args) {
+  RETURN_IF_ERROR(ValidateOpdConfig(config));
+  ASSIGN_OR_RETURN(RunDir run, RunDir::Open(config.run.dir));
+  const std::string yaml = EncodeConfig(config);
+  RETURN_IF_ERROR(run.SaveConfig(yaml));
+  lm::log::Info(absl::StrCat("opd-trainer opd: run directory ", run.path()));
+  OpdJob job(config, run, yaml);
+  RETURN_IF_ERROR(job.Init(args));
+  return job.Run();
+}
+
+int OpdMain(const std::vector<std::string>& words) {
+  constexpr const char* kUsage =
+      "usage: opd-trainer opd --config configs/opd/NAME.yaml [--set key.path=value ...] [--resume[=CHECKPOINT_DIR]]\n";
+  absl::StatusOr<JobArgs> args = ParseJobArgs(words);
+  if (!args.ok()) {
+    std::fprintf(stderr, "opd-trainer opd: %s\n%s", std::string(args.status().message()).c_str(), kUsage);
+    return 2;
+  }
+  absl::StatusOr<OpdConfig> config = LoadConfig<OpdConfig>(args->config_path, args->overrides);
+  absl::Status s = config.ok() ? ValidateOpdConfig(*config) : config.status();
+  if (!s.ok()) {
+    lm::log::Error(absl::StrCat("opd-trainer opd: bad config: ", s.message()));
+    return 2;
+  }
+  s = RunOpd(*config, *args);
+  if (s.ok()) return 0;
+  lm::log::Error(absl::StrCat("opd-trainer opd: ", s.message()));
+  if (absl::IsCancelled(s) && StopSignal() != 0) return 128 + StopSignal();
+  return 1;
+}
+
+}  // namespace trainer

@@ -1,0 +1,611 @@
+#include "trainer/sft.h"
+
+#include <sys/resource.h>
+
+#include <ATen/autocast_mode.h>
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "lm/data/jsonl.h"
+#include "lm/data/sft_dataset.h"
+#include "lm/model/logprobs.h"
+#include "lm/model/model.h"
+#include "lm/model/moe.h"
+#include "lm/text/tokenizer.h"
+#include "lm/util/log.h"
+#include "lm/util/status.h"
+#include "trainer/checkpoint.h"
+#include "trainer/metrics.h"
+#include "trainer/optim.h"
+#include "trainer/progress.h"
+#include "trainer/run_dir.h"
+#include "trainer/sft_data.h"
+#include "trainer/signals.h"
+
+namespace trainer {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+// Tokenizer files copied into every checkpoint's model/ so that it loads as a complete HF model.
+constexpr const char* kTokenizerFiles[] = {"tokenizer.json",      "tokenizer_config.json",
+                                           "vocab.json",          "merges.txt",
+                                           "special_tokens_map.json", "chat_template.jinja",
+                                           "generation_config.json"};
+
+double Seconds(Clock::time_point since) {
+  return std::chrono::duration<double>(Clock::now() - since).count();
+}
+
+double PeakRssMb() {
+  struct rusage ru = {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_maxrss) / 1024.0;  // Linux reports KiB
+}
+
+// bf16 autocast for CUDA forwards (weights stay fp32); nothing on the CPU.
+class AutocastGuard {
+ public:
+  explicit AutocastGuard(bool enabled) : enabled_(enabled) {
+    if (!enabled_) return;
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+  }
+  ~AutocastGuard() {
+    if (!enabled_) return;
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+    at::autocast::clear_cache();
+  }
+  AutocastGuard(const AutocastGuard&) = delete;
+  AutocastGuard& operator=(const AutocastGuard&) = delete;
+
+ private:
+  bool enabled_;
+};
+
+absl::StatusOr<torch::Device> PickDevice(const std::string& name) {
+  const bool cuda = torch::cuda::is_available();
+  if (name == "cuda" && !cuda) return absl::FailedPreconditionError("train.device: cuda is not available");
+  return (name == "cuda" || (name == "auto" && cuda)) ? torch::Device(torch::kCUDA, 0)
+                                                     : torch::Device(torch::kCPU);
+}
+
+std::string TokenizerPath(const SftConfig& c) {
+  return c.model.tokenizer.empty() ? c.model.path : c.model.tokenizer;
+}
+
+std::vector<std::string> TokenizerFiles(const std::string& path) {
+  if (fs::is_regular_file(path)) return {path};
+  std::vector<std::string> files;
+  for (const char* name : kTokenizerFiles) {
+    const fs::path f = fs::path(path) / name;
+    if (fs::is_regular_file(f)) files.push_back(f.string());
+  }
+  return files;
+}
+
+lm::SftDatasetOptions DatasetOptions(const SftConfig& c, const std::vector<SftSourceConfig>& sources,
+                                     bool shuffle) {
+  lm::SftDatasetOptions o;
+  for (const auto& s : sources) o.sources.push_back({s.name, s.files, s.weight});
+  o.max_seq_len = static_cast<int32_t>(c.data.max_seq_len);
+  o.overlong = c.data.overlong == "drop" ? lm::OverlongPolicy::kDrop : lm::OverlongPolicy::kTruncate;
+  o.skip_bad_lines = c.data.skip_bad_lines;
+  o.shuffle = shuffle;
+  o.seed = static_cast<uint64_t>(c.data.seed);
+  o.chat_format = c.model.chat_format == "qwen2" ? lm::ChatFormat::Qwen2() : lm::ChatFormat::Qwen3();
+  return o;
+}
+
+// Cheap checks of every input before anything heavy is loaded: data files exist, the model's
+// config.json parses, the tokenizer loads and fits the model's vocabulary.
+absl::Status CheckInputs(const SftConfig& c) {
+  for (const auto& [key, sources] : {std::pair{"data.train", &c.data.train}, {"data.eval", &c.data.eval}}) {
+    for (size_t i = 0; i < sources->size(); ++i) {
+      absl::StatusOr<std::vector<std::string>> files = lm::ExpandDataFiles((*sources)[i].files);
+      if (!files.ok())
+        return absl::Status(files.status().code(), absl::StrCat(key, "[", i, "].files: ", files.status().message()));
+    }
+  }
+  absl::StatusOr<lm::ModelConfig> model = lm::LoadModelConfig(c.model.path);
+  if (!model.ok()) return absl::Status(model.status().code(), absl::StrCat("model.path: ", model.status().message()));
+  return absl::OkStatus();
+}
+
+lm::PackedBatch ToDevice(const HostMicroBatch& mb, torch::Device device) {
+  lm::PackedBatch b;
+  b.input_ids = torch::tensor(mb.input_ids, torch::kInt64).to(device);
+  b.position_ids = torch::tensor(mb.position_ids, torch::kInt64).to(device);
+  b.cu_seqlens = mb.cu_seqlens;
+  return b;
+}
+
+// What one optimizer step consumes.
+struct StepBatch {
+  std::vector<HostMicroBatch> micro;
+  std::vector<nlohmann::json> docs;  // per micro-batch, only with debug.dump_batches
+  int64_t tokens = 0;
+  int64_t trained = 0;  // N_step: the loss normaliser
+  lm::DataCursor cursor_after;
+};
+
+struct StepOutcome {
+  bool abandoned = false;  // a stop signal arrived before the last micro-batch
+  bool skipped = false;    // non-finite loss or gradient: no update
+  double loss = 0;         // mean cross-entropy over the step's trained tokens
+  double aux_loss = 0;     // mean load-balancing loss over the micro-batches
+  double grad_norm = 0;    // before clipping
+  double lr = 0;
+};
+
+class SftJob {
+ public:
+  SftJob(SftConfig config, RunDir run, std::string config_yaml)
+      : c_(std::move(config)),
+        run_(std::move(run)),
+        config_yaml_(std::move(config_yaml)),
+        checkpoints_(run_.checkpoints(), c_.checkpoint.keep_last) {}
+
+  absl::Status Init(const JobArgs& args);
+  absl::Status Train();
+
+ private:
+  absl::StatusOr<std::string> FindResumeCheckpoint(const JobArgs& args) const;
+  absl::Status LoadData();
+  absl::Status LoadModel(const std::string& dir);
+  absl::Status Resume(const std::string& checkpoint);
+  absl::StatusOr<int64_t> PlanSteps();
+  void PrepareEvalSet();
+
+  StepBatch NextStepBatch();
+  void DumpBatches(const StepBatch& b);
+  absl::StatusOr<StepOutcome> TrainStep(const StepBatch& b);
+  torch::Tensor MicroBatchLoss(const HostMicroBatch& mb, const StepBatch& b, double* ce_sum,
+                               double* aux);
+  absl::Status AfterStep(const StepOutcome& o, const StepBatch& b, double seconds);
+  double Evaluate(int64_t* tokens);
+  void LogEval();
+  nlohmann::json TrainerState() const;
+  absl::Status SaveCheckpoint();
+  absl::Status StopForSignal();
+  void WriteSummary(double wall_s);
+
+  SftConfig c_;
+  RunDir run_;
+  std::string config_yaml_;
+  CheckpointManager checkpoints_;
+  torch::Device device_{torch::kCPU};
+  std::unique_ptr<lm::Tokenizer> tokenizer_;
+  std::unique_ptr<lm::SftDataset> train_, eval_;
+  std::vector<HostMicroBatch> eval_set_;
+  std::shared_ptr<lm::CausalLM> model_;
+  std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<MetricsLogger> metrics_;
+  std::unique_ptr<Progress> progress_;
+  std::unique_ptr<std::ofstream> batch_dump_;
+  CosineSchedule schedule_;
+  double aux_coef_ = 0;
+
+  int64_t step_ = 0;  // completed steps
+  lm::DataCursor cursor_;  // data cursor after the last completed step
+  int64_t nonfinite_consecutive_ = 0, nonfinite_total_ = 0;
+  int64_t tokens_seen_ = 0, trained_tokens_seen_ = 0;
+  int64_t last_checkpoint_step_ = -1;
+  double first_eval_loss_ = std::nan(""), last_eval_loss_ = std::nan("");
+  int64_t last_eval_step_ = -1;
+  double step_seconds_sum_ = 0, step_tokens_sum_ = 0;  // throughput after the first step
+};
+
+absl::StatusOr<std::string> SftJob::FindResumeCheckpoint(const JobArgs& args) const {
+  if (!args.resume_from.empty()) {
+    if (!fs::exists(fs::path(args.resume_from) / "trainer_state.json"))
+      return absl::NotFoundError(absl::StrCat("--resume=", args.resume_from, ": not a complete checkpoint"));
+    return args.resume_from;
+  }
+  absl::StatusOr<std::string> latest = checkpoints_.Latest();
+  if (latest.ok() && c_.run.resume == "never" && !args.resume)
+    return absl::FailedPreconditionError(absl::StrCat(
+        run_.path(), " already has checkpoints and run.resume is 'never': use another run.dir"));
+  if (!latest.ok() && args.resume) return latest.status();
+  return latest.ok() ? *latest : std::string();
+}
+
+absl::Status SftJob::LoadData() {
+  absl::StatusOr<std::unique_ptr<lm::Tokenizer>> tokenizer = lm::Tokenizer::Load(TokenizerPath(c_));
+  if (!tokenizer.ok())
+    return absl::Status(tokenizer.status().code(),
+                        absl::StrCat(c_.model.tokenizer.empty() ? "model.tokenizer (default: model.path)" : "model.tokenizer",
+                                     ": ", tokenizer.status().message()));
+  tokenizer_ = std::move(*tokenizer);
+  ASSIGN_OR_RETURN(train_, lm::SftDataset::Load(*tokenizer_, DatasetOptions(c_, c_.data.train, c_.data.shuffle)));
+  lm::log::Info("train data: " + train_->stats().Summary());
+  if (!c_.data.eval.empty()) {
+    ASSIGN_OR_RETURN(eval_, lm::SftDataset::Load(*tokenizer_, DatasetOptions(c_, c_.data.eval, false)));
+    lm::log::Info("eval data: " + eval_->stats().Summary());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SftJob::LoadModel(const std::string& dir) {
+  lm::LoadOptions opts;
+  opts.dtype = torch::kFloat32;  // master weights; GPUs compute in bf16 under autocast
+  opts.device = device_;
+  absl::StatusOr<std::shared_ptr<lm::CausalLM>> model = lm::LoadModel(dir, opts);
+  if (!model.ok()) return absl::Status(model.status().code(), absl::StrCat("model ", dir, ": ", model.status().message()));
+  model_ = *model;
+  model_->train();
+  const lm::ModelConfig& mc = model_->config();
+  if (tokenizer_->vocab_size() > mc.vocab_size)
+    return absl::InvalidArgumentError(absl::StrCat("the tokenizer has ", tokenizer_->vocab_size(),
+                                                   " ids but the model's vocabulary has only ", mc.vocab_size));
+  aux_coef_ = c_.train.aux_loss_coef >= 0 ? c_.train.aux_loss_coef : mc.router_aux_loss_coef;
+  if (mc.num_experts == 0) aux_coef_ = 0;
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  int64_t count = 0;
+  for (const auto& p : model_->named_parameters()) {
+    params.emplace_back(p.key(), p.value());
+    count += p.value().numel();
+  }
+  optimizer_ = std::make_unique<AdamW>(params, c_.optim);
+  lm::log::Info(absl::StrFormat("model %s: %s, %d parameters (%d tensors with weight decay, %d without), aux loss coef %g, device %s",
+                                dir, mc.model_type, count, optimizer_->num_decay(), optimizer_->num_no_decay(),
+                                aux_coef_, device_.str()));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> SftJob::PlanSteps() {
+  if (c_.train.max_steps > 0) return c_.train.max_steps;
+  // One epoch = as many conversations drawn as the sources hold; the last step may be partial
+  // in data terms and is completed from the next epoch's order.
+  const uint64_t draws = static_cast<uint64_t>(std::ceil(c_.train.epochs * train_->stats().conversations));
+  ASSIGN_OR_RETURN(int64_t packs, CountPacks(*train_, draws));
+  const int64_t steps = (packs + c_.train.global_batch_size - 1) / c_.train.global_batch_size;
+  lm::log::Info(absl::StrFormat("%g epoch(s): %d conversations in %d packed sequences -> %d steps of %d sequences",
+                                c_.train.epochs, draws, packs, steps, c_.train.global_batch_size));
+  return std::max<int64_t>(steps, 1);
+}
+
+void SftJob::PrepareEvalSet() {
+  if (!eval_) return;
+  const int64_t micro = c_.eval.micro_batch_size > 0 ? c_.eval.micro_batch_size : c_.train.micro_batch_size;
+  std::vector<lm::PackedSequence> packs;
+  const uint64_t pass = static_cast<uint64_t>(eval_->stats().conversations);
+  while (eval_->cursor().step < pass &&
+         (c_.eval.max_sequences == 0 || static_cast<int64_t>(packs.size()) < c_.eval.max_sequences)) {
+    packs.push_back(eval_->NextPacked());
+  }
+  int64_t trained = 0;
+  for (size_t i = 0; i < packs.size(); i += micro) {
+    eval_set_.push_back(AssembleMicroBatch(packs, i, std::min(packs.size(), i + micro)));
+    trained += eval_set_.back().trained();
+  }
+  lm::log::Info(absl::StrFormat("held-out set: %d packed sequences, %d trained tokens", packs.size(), trained));
+}
+
+absl::Status SftJob::Resume(const std::string& checkpoint) {
+  ASSIGN_OR_RETURN(nlohmann::json state, ReadTrainerState(checkpoint));
+  RETURN_IF_ERROR(LoadModel(checkpoint + "/model"));
+  step_ = state.at("step").get<int64_t>();
+  const int64_t saved_total = state.at("total_steps").get<int64_t>();
+  if (saved_total != schedule_.total_steps) {
+    lm::log::Warn(absl::StrFormat("the checkpoint planned %d steps, the config now gives %d: keeping %d so that the schedule continues",
+                                  saved_total, schedule_.total_steps, saved_total));
+    schedule_.total_steps = saved_total;
+  }
+  ASSIGN_OR_RETURN(cursor_, lm::DataCursor::FromJson(state.at("data_cursor").dump()));
+  RETURN_IF_ERROR(train_->Seek(cursor_));
+  RETURN_IF_ERROR(LoadOptimizerState(checkpoint, state.at("optimizer_steps").get<int64_t>(), optimizer_.get()));
+  RETURN_IF_ERROR(RestoreRngState(state.at("rng")));
+  nonfinite_consecutive_ = state.at("nonfinite").at("consecutive").get<int64_t>();
+  nonfinite_total_ = state.at("nonfinite").at("total").get<int64_t>();
+  tokens_seen_ = state.at("tokens_seen").get<int64_t>();
+  trained_tokens_seen_ = state.at("trained_tokens_seen").get<int64_t>();
+  first_eval_loss_ = state.value("first_eval_loss", std::nan(""));
+  last_checkpoint_step_ = step_;
+  lm::log::Info(absl::StrCat("resumed from ", checkpoint, " at step ", step_));
+  return absl::OkStatus();
+}
+
+absl::Status SftJob::Init(const JobArgs& args) {
+  if (c_.train.threads > 0) torch::set_num_threads(static_cast<int>(c_.train.threads));
+  ASSIGN_OR_RETURN(device_, PickDevice(c_.train.device));
+  checkpoints_.RemoveIncomplete();
+  ASSIGN_OR_RETURN(const std::string resume_from, FindResumeCheckpoint(args));
+  RETURN_IF_ERROR(LoadData());
+  schedule_ = {c_.optim.lr, c_.optim.min_lr, c_.optim.warmup_steps, 1};
+  ASSIGN_OR_RETURN(schedule_.total_steps, PlanSteps());
+  cursor_ = train_->cursor();
+  if (resume_from.empty()) {
+    torch::manual_seed(static_cast<uint64_t>(c_.train.seed));
+    RETURN_IF_ERROR(LoadModel(c_.model.path));
+  } else {
+    RETURN_IF_ERROR(Resume(resume_from));
+  }
+  PrepareEvalSet();
+  ASSIGN_OR_RETURN(MetricsLogger m, MetricsLogger::Open(run_.metrics_jsonl(), run_.tensorboard(),
+                                                        c_.logging.tensorboard,
+                                                        resume_from.empty() ? -1 : step_));
+  metrics_ = std::make_unique<MetricsLogger>(std::move(m));
+  if (c_.debug.dump_batches) {
+    fs::create_directories(run_.debug());
+    batch_dump_ = std::make_unique<std::ofstream>(run_.debug() + "/batches.jsonl",
+                                                  resume_from.empty() ? std::ios::trunc : std::ios::app);
+  }
+  progress_ = std::make_unique<Progress>(schedule_.total_steps, c_.logging.log_every);
+  return absl::OkStatus();
+}
+
+StepBatch SftJob::NextStepBatch() {
+  StepBatch b;
+  std::vector<lm::PackedSequence> seqs;
+  seqs.reserve(c_.train.global_batch_size);
+  for (int64_t i = 0; i < c_.train.global_batch_size; ++i) seqs.push_back(train_->NextPacked());
+  for (size_t i = 0; i < seqs.size(); i += c_.train.micro_batch_size) {
+    const size_t end = i + c_.train.micro_batch_size;
+    b.micro.push_back(AssembleMicroBatch(seqs, i, end));
+    b.tokens += b.micro.back().tokens();
+    b.trained += b.micro.back().trained();
+    if (c_.debug.dump_batches) b.docs.push_back(DocumentsJson(seqs, i, end));
+  }
+  b.cursor_after = train_->cursor();
+  return b;
+}
+
+void SftJob::DumpBatches(const StepBatch& b) {
+  if (!batch_dump_) return;
+  for (size_t i = 0; i < b.docs.size(); ++i) {
+    *batch_dump_ << nlohmann::json{{"step", step_ + 1}, {"micro", i}, {"num_micro", b.micro.size()},
+                                   {"step_trained_tokens", b.trained}, {"docs", b.docs[i]}}
+                        .dump()
+                 << "\n";
+  }
+  batch_dump_->flush();
+}
+
+// The micro-batch's share of the step loss: sum of its token losses / N_step, plus its part of
+// the mean load-balancing loss. Returns the tensor to backpropagate.
+torch::Tensor SftJob::MicroBatchLoss(const HostMicroBatch& mb, const StepBatch& b, double* ce_sum,
+                                     double* aux) {
+  AutocastGuard autocast(device_.is_cuda());
+  std::vector<torch::Tensor> router_logits;
+  lm::ForwardOptions fwd;
+  if (aux_coef_ > 0) fwd.router_logits = &router_logits;
+  torch::Tensor hidden = model_->Forward(ToDevice(mb, device_), fwd);
+  auto rows = torch::tensor(mb.rows, torch::kInt64).to(device_);
+  auto targets = torch::tensor(mb.targets, torch::kInt64).to(device_);
+  torch::Tensor ce = -lm::TokenLogprobs(hidden.index_select(0, rows), model_->LmHeadWeight(), targets).sum();
+  *ce_sum = ce.item<double>();
+  // A step without any trained token contributes no cross-entropy (not 0/0).
+  torch::Tensor loss = ce / static_cast<double>(std::max<int64_t>(b.trained, 1));
+  if (aux_coef_ > 0 && !router_logits.empty()) {
+    const auto& mc = model_->config();
+    torch::Tensor lb = lm::LoadBalancingLoss(router_logits, mc.num_experts, mc.num_experts_per_tok);
+    *aux = lb.item<double>();
+    loss = loss + lb * (aux_coef_ / static_cast<double>(b.micro.size()));
+  }
+  return loss;
+}
+
+absl::StatusOr<StepOutcome> SftJob::TrainStep(const StepBatch& b) {
+  StepOutcome o;
+  const int64_t this_step = step_ + 1;
+  const bool poison = std::find(c_.debug.nan_steps.begin(), c_.debug.nan_steps.end(), this_step) !=
+                      c_.debug.nan_steps.end();
+  double ce_total = 0, aux_total = 0;
+  for (const HostMicroBatch& mb : b.micro) {
+    if (StopRequested()) {
+      optimizer_->ZeroGrad();
+      o.abandoned = true;
+      return o;
+    }
+    double ce = 0, aux = 0;
+    torch::Tensor loss = MicroBatchLoss(mb, b, &ce, &aux);
+    if (poison) {
+      loss = loss * std::numeric_limits<double>::quiet_NaN();  // debug hook: NaN loss and grads
+      ce = std::numeric_limits<double>::quiet_NaN();
+    }
+    loss.backward();
+    ce_total += ce;
+    aux_total += aux;
+  }
+  o.loss = ce_total / static_cast<double>(std::max<int64_t>(b.trained, 1));
+  o.aux_loss = aux_total / static_cast<double>(b.micro.size());
+  o.grad_norm = ClipGradNorm(optimizer_->params(), c_.optim.max_grad_norm);
+  o.lr = schedule_.LrAt(step_);
+  o.skipped = !std::isfinite(o.loss) || !std::isfinite(o.aux_loss) || !std::isfinite(o.grad_norm);
+  if (!o.skipped) optimizer_->Step(o.lr);
+  optimizer_->ZeroGrad();
+  return o;
+}
+
+absl::Status SftJob::AfterStep(const StepOutcome& o, const StepBatch& b, double seconds) {
+  ++step_;
+  cursor_ = b.cursor_after;
+  tokens_seen_ += b.tokens;
+  trained_tokens_seen_ += b.trained;
+  if (step_ > 1 || schedule_.total_steps == 1) {  // the first step pays for warm-up
+    step_seconds_sum_ += seconds;
+    step_tokens_sum_ += static_cast<double>(b.tokens);
+  }
+  nonfinite_consecutive_ = o.skipped ? nonfinite_consecutive_ + 1 : 0;
+  nonfinite_total_ += o.skipped ? 1 : 0;
+  const double tps = static_cast<double>(b.tokens) / seconds;
+  metrics_->Log(step_, {{"train/loss", o.loss},
+                        {"train/aux_loss", o.aux_loss},
+                        {"train/lr", o.lr},
+                        {"train/grad_norm", o.grad_norm},
+                        {"train/tokens", static_cast<double>(b.tokens)},
+                        {"train/trained_tokens", static_cast<double>(b.trained)},
+                        {"train/tokens_per_s", tps},
+                        {"train/step_time_s", seconds},
+                        {"train/skipped", o.skipped ? 1.0 : 0.0},
+                        {"train/nonfinite_total", static_cast<double>(nonfinite_total_)}});
+  progress_->Update({step_, o.loss, o.lr, tps, o.grad_norm, o.skipped}, seconds);
+  if (o.skipped) {
+    progress_->Log(absl::StrFormat("step %d: non-finite loss (%g) or gradient norm (%g): update skipped (%d in a row, %d in total)",
+                                   step_, o.loss, o.grad_norm, nonfinite_consecutive_, nonfinite_total_));
+  }
+  if (nonfinite_consecutive_ >= c_.train.max_consecutive_nonfinite) {
+    return absl::AbortedError(absl::StrFormat("%d consecutive steps with a non-finite loss or gradient (train.max_consecutive_nonfinite = %d): stopping at step %d",
+                                              nonfinite_consecutive_, c_.train.max_consecutive_nonfinite, step_));
+  }
+  return absl::OkStatus();
+}
+
+double SftJob::Evaluate(int64_t* tokens) {
+  torch::NoGradGuard no_grad;
+  AutocastGuard autocast(device_.is_cuda());
+  double sum = 0;
+  int64_t count = 0;
+  for (const HostMicroBatch& mb : eval_set_) {
+    if (mb.trained() == 0) continue;
+    torch::Tensor hidden = model_->Forward(ToDevice(mb, device_));
+    auto rows = torch::tensor(mb.rows, torch::kInt64).to(device_);
+    auto targets = torch::tensor(mb.targets, torch::kInt64).to(device_);
+    sum -= lm::TokenLogprobs(hidden.index_select(0, rows), model_->LmHeadWeight(), targets).sum().item<double>();
+    count += mb.trained();
+  }
+  *tokens = count;
+  return count > 0 ? sum / static_cast<double>(count) : std::nan("");
+}
+
+void SftJob::LogEval() {
+  if (eval_set_.empty() || last_eval_step_ == step_) return;
+  const auto t0 = Clock::now();
+  int64_t tokens = 0;
+  const double loss = Evaluate(&tokens);
+  if (std::isnan(first_eval_loss_)) first_eval_loss_ = loss;
+  last_eval_loss_ = loss;
+  last_eval_step_ = step_;
+  metrics_->Log(step_, {{"eval/loss", loss}, {"eval/tokens", static_cast<double>(tokens)}});
+  progress_->Log(absl::StrFormat("step %d: held-out loss %.4f over %d tokens (%.1fs)", step_, loss, tokens, Seconds(t0)));
+}
+
+nlohmann::json SftJob::TrainerState() const {
+  return {{"job", "sft"},
+          {"total_steps", schedule_.total_steps},
+          {"schedule", {{"type", "cosine"}, {"peak_lr", schedule_.peak_lr}, {"min_lr", schedule_.min_lr},
+                        {"warmup_steps", schedule_.warmup_steps}, {"total_steps", schedule_.total_steps},
+                        {"next_lr", schedule_.LrAt(step_)}}},
+          {"data_cursor", nlohmann::json::parse(cursor_.ToJson())},
+          {"rng", CaptureRngState()},
+          {"nonfinite", {{"consecutive", nonfinite_consecutive_}, {"total", nonfinite_total_}}},
+          {"tokens_seen", tokens_seen_},
+          {"trained_tokens_seen", trained_tokens_seen_},
+          {"first_eval_loss", std::isnan(first_eval_loss_) ? nlohmann::json() : nlohmann::json(first_eval_loss_)},
+          {"config", config_yaml_}};
+}
+
+absl::Status SftJob::SaveCheckpoint() {
+  if (last_checkpoint_step_ == step_) return absl::OkStatus();
+  const auto t0 = Clock::now();
+  RETURN_IF_ERROR(checkpoints_.Save(step_, *model_, *optimizer_, TrainerState(),
+                                    TokenizerFiles(TokenizerPath(c_))));
+  last_checkpoint_step_ = step_;
+  progress_->Log(absl::StrFormat("step %d: checkpoint %s/%s (%.1fs)", step_, checkpoints_.dir(),
+                                 StepDirName(step_), Seconds(t0)));
+  return absl::OkStatus();
+}
+
+absl::Status SftJob::StopForSignal() {
+  const int sig = StopSignal();
+  progress_->Log(absl::StrFormat("received %s: the step in progress is abandoned; writing a checkpoint of step %d",
+                                 sig == SIGINT ? "SIGINT" : "SIGTERM", step_));
+  RETURN_IF_ERROR(SaveCheckpoint());
+  return absl::CancelledError(absl::StrFormat("stopped by %s at step %d of %d; resume with the same command",
+                                              sig == SIGINT ? "SIGINT" : "SIGTERM", step_, schedule_.total_steps));
+}
+
+void SftJob::WriteSummary(double wall_s) {
+  const nlohmann::json s = {
+      {"steps", step_},
+      {"total_steps", schedule_.total_steps},
+      {"first_eval_loss", std::isnan(first_eval_loss_) ? nlohmann::json() : nlohmann::json(first_eval_loss_)},
+      {"final_eval_loss", std::isnan(last_eval_loss_) ? nlohmann::json() : nlohmann::json(last_eval_loss_)},
+      {"tokens_per_s", step_seconds_sum_ > 0 ? step_tokens_sum_ / step_seconds_sum_ : 0.0},
+      {"nonfinite_total", nonfinite_total_},
+      {"peak_rss_mb", PeakRssMb()},
+      {"wall_s", wall_s}};
+  (void)WriteFileAtomic(run_.path() + "/summary.json", s.dump(2) + "\n");
+}
+
+absl::Status SftJob::Train() {
+  InstallStopHandlers();
+  const auto start = Clock::now();
+  lm::log::Info(absl::StrFormat("training steps %d..%d: %d sequences per step in %d micro-batches of %d, lr %g -> %g (warm-up %d)",
+                                step_ + 1, schedule_.total_steps, c_.train.global_batch_size,
+                                c_.train.global_batch_size / c_.train.micro_batch_size,
+                                c_.train.micro_batch_size, schedule_.peak_lr, schedule_.min_lr,
+                                schedule_.warmup_steps));
+  if (step_ == 0) LogEval();
+  while (step_ < schedule_.total_steps) {
+    if (StopRequested()) return StopForSignal();
+    const auto t0 = Clock::now();
+    StepBatch batch = NextStepBatch();
+    DumpBatches(batch);
+    ASSIGN_OR_RETURN(StepOutcome outcome, TrainStep(batch));
+    if (outcome.abandoned) return StopForSignal();
+    RETURN_IF_ERROR(AfterStep(outcome, batch, Seconds(t0)));
+    if (c_.eval.every > 0 && step_ % c_.eval.every == 0) LogEval();
+    if (c_.checkpoint.every > 0 && step_ % c_.checkpoint.every == 0) RETURN_IF_ERROR(SaveCheckpoint());
+    if (c_.debug.step_sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(c_.debug.step_sleep_ms));
+  }
+  LogEval();
+  if (c_.checkpoint.at_end) RETURN_IF_ERROR(SaveCheckpoint());
+  progress_->Finish();
+  WriteSummary(Seconds(start));
+  lm::log::Info(absl::StrFormat("done: %d steps, held-out loss %.4f -> %.4f, %.0f tokens/s, peak RSS %.0f MiB",
+                                step_, first_eval_loss_, last_eval_loss_,
+                                step_seconds_sum_ > 0 ? step_tokens_sum_ / step_seconds_sum_ : 0.0, PeakRssMb()));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status RunSft(const SftConfig& config, const JobArgs& args) {
+  RETURN_IF_ERROR(ValidateSftConfig(config));
+  RETURN_IF_ERROR(CheckInputs(config));
+  ASSIGN_OR_RETURN(RunDir run, RunDir::Open(config.run.dir));
+  const std::string yaml = EncodeConfig(config);
+  RETURN_IF_ERROR(run.SaveConfig(yaml));
+  lm::log::Info(absl::StrCat("opd-trainer sft: run directory ", run.path(), ", resolved config in ", run.config_file()));
+  SftJob job(config, run, yaml);
+  RETURN_IF_ERROR(job.Init(args));
+  return job.Train();
+}
+
+int SftMain(const std::vector<std::string>& words) {
+  constexpr const char* kUsage =
+      "usage: opd-trainer sft --config configs/sft/NAME.yaml [--set key.path=value ...] [--resume[=CHECKPOINT_DIR]]\n";
+  absl::StatusOr<JobArgs> args = ParseJobArgs(words);
+  if (!args.ok()) {
+    std::fprintf(stderr, "opd-trainer sft: %s\n%s", std::string(args.status().message()).c_str(), kUsage);
+    return 2;
+  }
+  absl::StatusOr<SftConfig> config = LoadConfig<SftConfig>(args->config_path, args->overrides);
+  absl::Status s = config.ok() ? ValidateSftConfig(*config) : config.status();
+  if (!s.ok()) {
+    lm::log::Error(absl::StrCat("opd-trainer sft: bad config: ", s.message()));
+    return 2;
+  }
+  s = RunSft(*config, *args);
+  if (s.ok()) return 0;
+  lm::log::Error(absl::StrCat("opd-trainer sft: ", s.message()));
+  if (absl::IsCancelled(s) && StopSignal() != 0) return 128 + StopSignal();
+  return 1;
+}
+
+}  // namespace trainer
