@@ -103,7 +103,7 @@ int RunEval(const std::vector<std::string>& words) {
                         {"mean_response_tokens", samples.empty() ? 0.0 : static_cast<double>(tokens) / samples.size()},
                         {"reverse_kl", nlohmann::json::object()}};
   if (args->Has("teachers")) {
-    for (const std::string& dir : absl::StrSplit(args->Get("teachers"), ',', absl::SkipEmpty())) {
+    for (const std::string& dir : std::vector<std::string>(absl::StrSplit(args->Get("teachers"), ',', absl::SkipEmpty()))) {
       auto teacher = lm::LoadModel(dir);
       if (!teacher.ok()) return fail("teacher", teacher.status());
       (*teacher)->eval();

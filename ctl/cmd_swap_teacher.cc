@@ -41,7 +41,7 @@ int RunSwapTeacher(const std::vector<std::string>& words) {
   auto stub = opd::v1::Learner::NewStub(*channel);
   opd::v1::SwapTeacherRequest req;
   req.set_stage(args->Get("stage"));
-  for (const std::string& e : absl::StrSplit(args->Get("endpoints"), ',', absl::SkipEmpty())) req.add_endpoints(e);
+  for (const std::string& e : std::vector<std::string>(absl::StrSplit(args->Get("endpoints"), ',', absl::SkipEmpty()))) req.add_endpoints(e);
   opd::v1::SwapTeacherResponse resp;
   grpc::ClientContext ctx;
   opd::rpc::PrepareContext(opts, &ctx);

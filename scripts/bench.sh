@@ -28,3 +28,7 @@ $PY scripts/bench/teacher.py --build build --workdir build/bench
 
 echo "== rollout sampling through gRPC (opd-rollout) =="
 $PY scripts/bench/rollout.py --build build --workdir build/bench
+
+echo "== SFT training step (forward + backward + optimizer) =="
+cmake --build build -j"$(nproc)" --target opd-trainer >/dev/null
+$PY scripts/bench/sft.py --build build --workdir build/bench

@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/demo}
 PY=.venv/bin/python
 ./scripts/setup.sh
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null 2>&1
 cmake --build build -j"$(nproc)" --target opd-trainer opd-ctl opd-teacher opd-rollout
 CTL=build/ctl/opd-ctl
 TRAINER=build/trainer/opd-trainer
@@ -52,7 +52,7 @@ sft() {  # name, config json, training file, steps, seed
 
 log "SFT: the weaker teacher, the stronger teacher, and (briefly) the student"
 sft teacher_small "$T/models/teacher_small.json" "$T/sft_teacher.jsonl" 300 11
-sft teacher_large "$T/models/teacher_large.json" "$T/sft_teacher.jsonl" 700 12
+sft teacher_large "$T/models/teacher_large.json" "$T/sft_teacher.jsonl" 400 12
 sft student "$T/models/student.json" "$T/sft_student.jsonl" 60 13
 TS=$(final_model "$RUN/sft/teacher_small"); TL=$(final_model "$RUN/sft/teacher_large"); ST=$(final_model "$RUN/sft/student")
 

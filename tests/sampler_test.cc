@@ -20,6 +20,9 @@ namespace {
 constexpr const char* kModel = "moe_tied_topk8";  // vocab 96, 256 positions
 
 std::shared_ptr<lm::CausalLM> Load(const std::string& fixture = kModel) {
+  // One thread: tiny models gain nothing from more, and OpenMP's spinning threads crawl on a
+  // machine whose cores are busy with other work (CI, parallel builds).
+  torch::set_num_threads(1);
   auto m = lm::LoadModel(std::string(OPD_FIXTURES_DIR) + "/" + fixture + "/model");
   EXPECT_TRUE(m.ok()) << m.status();
   (*m)->eval();

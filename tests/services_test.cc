@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -80,6 +81,11 @@ class ServerProcess {
     p->dir_ = TempDir("server");
     const fs::path port_file = p->dir_ / "port", log = p->dir_ / "log";
     args.insert(args.begin(), binary);
+    // One compute thread unless asked otherwise (see LoadLocal).
+    if (std::none_of(args.begin(), args.end(),
+                     [](const std::string& a) { return a.rfind("--threads", 0) == 0; })) {
+      args.push_back("--threads=1");
+    }
     args.push_back("--listen=127.0.0.1:0");
     args.push_back("--port-file=" + port_file.string());
     std::vector<char*> argv;
@@ -221,6 +227,9 @@ std::vector<int64_t> To64(const std::vector<int32_t>& v) {
 }
 
 std::shared_ptr<lm::CausalLM> LoadLocal(const std::string& dir) {
+  // One thread, here and in the servers: tiny models gain nothing from more, and OpenMP's
+  // spinning threads crawl on a machine whose cores are busy with other work.
+  torch::set_num_threads(1);
   auto m = lm::LoadModel(dir);
   EXPECT_TRUE(m.ok()) << m.status();
   (*m)->eval();
@@ -306,8 +315,8 @@ TEST_F(TeacherService, ScoresEqualInProcessLogprobs) {
     std::ofstream in(dir / "in.jsonl");
     for (const auto& s : seqs) in << nlohmann::json{{"tokens", s}}.dump() << "\n";
   }
-  ASSERT_EQ(Shell(Binary("ctl/opd-ctl") + " logprobs --model " + FixtureModel() + " --input " +
-                  (dir / "in.jsonl").string() + " > " + (dir / "ref.jsonl").string()),
+  ASSERT_EQ(Shell(Binary("ctl/opd-ctl") + " logprobs --threads 1 --model " + FixtureModel() +
+                  " --input " + (dir / "in.jsonl").string() + " > " + (dir / "ref.jsonl").string()),
             0);
   std::vector<std::vector<float>> ref;
   {
@@ -376,7 +385,7 @@ TEST_F(TeacherService, ResponseStartTemperatureAndTopK) {
 
 TEST_F(TeacherService, UnauthenticatedCallsAreRejected) {
   const std::vector<opd::rpc::ScoreInput> in = {{{1, 2, 3}, 1}};
-  for (const std::string secret :
+  for (const std::string& secret :
        {std::string(), std::string("wrong"), std::string(kSecret) + "x"}) {
     auto c = Client(secret);
     EXPECT_EQ(c->Score(in).status().code(), absl::StatusCode::kUnauthenticated)
@@ -513,7 +522,8 @@ TEST(TeacherLoad, ConcurrentClientsMatchSerialScoring) {
           }
         } else if (res.status().code() == absl::StatusCode::kResourceExhausted) {
           ++exhausted;
-          std::this_thread::sleep_for(std::chrono::milliseconds(2));
+          std::this_thread::sleep_for(
+              std::chrono::milliseconds(5));  // back off, as a client should
         } else {
           ++other;
           std::lock_guard<std::mutex> l(err_mu);
@@ -557,9 +567,9 @@ TEST(TeacherStartup, SecretFromEnvironmentAndFilePermissions) {
   }
   // A secret file others can read is refused at start.
   const auto loose = WriteSecret(dir, kSecret, 0644);
-  const std::string cmd = Binary("teacher_service/opd-teacher") + " --model " + FixtureModel() +
-                          " --listen 127.0.0.1:0 --secret-file " + loose.string() + " 2> " +
-                          (dir / "err").string();
+  const std::string cmd = Binary("teacher_service/opd-teacher") + " --threads 1 --model " +
+                          FixtureModel() + " --listen 127.0.0.1:0 --secret-file " + loose.string() +
+                          " 2> " + (dir / "err").string();
   EXPECT_EQ(Shell(cmd), 1);
   EXPECT_NE(ReadAll(dir / "err").find("chmod 600"), std::string::npos) << ReadAll(dir / "err");
   fs::remove_all(dir);
@@ -578,7 +588,8 @@ TEST(TeacherStartup, TlsWithServerCertificate) {
       "ext.cnf && "
       "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 -extfile "
       "ext.cnf "
-      "-out server.pem 2>/dev/null";
+      "-out server.pem 2>/dev/null && openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj "
+      "/CN=other-ca -keyout other_ca.key -out other_ca.pem 2>/dev/null";
   ASSERT_EQ(Shell(gen), 0);
   const auto secret = WriteSecret(dir, kSecret);
   opd::rpc::TlsClientOptions tls;
@@ -596,14 +607,14 @@ TEST(TeacherStartup, TlsWithServerCertificate) {
   EXPECT_TRUE(info.ok()) << info.status();
   auto scores = (*opd::rpc::TeacherClient::Create(opts))->Score({{{1, 2, 3}, 1}});
   EXPECT_TRUE(scores.ok()) << scores.status();
-  // Plaintext to a TLS port fails; so does TLS with the wrong CA (the server's own certificate is
-  // not a CA).
+  // Plaintext to a TLS port fails; so does TLS with a CA that did not sign the server's
+  // certificate.
   opts = Options(*teacher);
   opts.timeout = absl::Seconds(5);
   EXPECT_EQ((*opd::rpc::TeacherClient::Create(opts))->Info().status().code(),
             absl::StatusCode::kUnavailable);
   opts.tls = tls;
-  opts.tls.ca_file = d + "/server.pem";
+  opts.tls.ca_file = d + "/other_ca.pem";
   EXPECT_EQ((*opd::rpc::TeacherClient::Create(opts))->Info().status().code(),
             absl::StatusCode::kUnavailable);
   fs::remove_all(dir);
@@ -910,7 +921,8 @@ TEST_F(RolloutService, InterruptedOrWrongUpdatesLeaveOldWeightsServing) {
 }
 
 TEST(RolloutStartup, WithoutSecretUpdateWeightsIsDisabled) {
-  auto rollout = ServerProcess::Start(Binary("rollout/opd-rollout"), {"--model=" + FixtureModel()});
+  auto rollout = ServerProcess::Start(Binary("rollout/opd-rollout"),
+                                      {"--model=" + FixtureModel(), "--threads=1"});
   ASSERT_NE(rollout, nullptr);
   auto c = *opd::rpc::RolloutClient::Create(Options(*rollout, "anything"));
   EXPECT_TRUE(c->Generate({{1, 2}}, Sampling(0)).ok());  // open without a secret
@@ -1038,6 +1050,7 @@ TEST(Scorer, QueueBoundCancellationAndDeadline) {
                   .ok());
   EXPECT_EQ(scorer.Submit(Job({{1}}), [](auto) {}).code(), absl::StatusCode::kResourceExhausted);
   release.set_value();
+  while (scorer.queued() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   auto r = scorer.Score(Job({{1, 2}}));
   EXPECT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(cancelled, 1);

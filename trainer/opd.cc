@@ -130,6 +130,7 @@ class OpdJob {
   int64_t last_checkpoint_step_ = -1;
   bool done_ = false;
   nlohmann::json stage_summaries_ = nlohmann::json::array();
+  nlohmann::json swapped_ = nlohmann::json::object();  // stage -> endpoints set by swap-teacher
 };
 
 absl::Status OpdJob::LoadStudent(const std::string& dir) {
@@ -202,6 +203,7 @@ absl::Status OpdJob::ApplyPendingSwap() {
   for (auto& s : c_.stages) {
     if (s.name != swap->stage) continue;
     s.teachers = swap->endpoints;
+    swapped_[s.name] = s.teachers;
     if (&s == &c_.stages[stage_]) teachers_ = std::move(swap->pool);
     progress_->Log(absl::StrFormat("teacher swap applied at step %d: stage '%s' now uses %s", step_, s.name,
                                    absl::StrJoin(s.teachers, ", ")));
@@ -428,11 +430,7 @@ nlohmann::json OpdJob::TrainerState() const {
           {"stage_done", done_},
           {"convergence", tracker_->ToJson()},
           {"stage_summaries", stage_summaries_},
-          {"teachers", [&] {
-             nlohmann::json t = nlohmann::json::object();
-             for (const auto& s : c_.stages) t[s.name] = s.teachers;
-             return t;
-           }()},
+          {"swapped_teachers", swapped_},
           {"weight_version", weight_version_},
           {"data_cursor", nlohmann::json::parse(cursor_.ToJson())},
           {"rng", CaptureRngState()},
@@ -472,8 +470,10 @@ absl::Status OpdJob::Resume(const std::string& checkpoint) {
   nonfinite_consecutive_ = state.at("nonfinite").at("consecutive").get<int64_t>();
   nonfinite_total_ = state.at("nonfinite").at("total").get<int64_t>();
   stage_summaries_ = state.at("stage_summaries");
+  // Endpoints swapped in through the admin RPC outlive a restart; the config's others stand.
+  swapped_ = state.value("swapped_teachers", nlohmann::json::object());
   for (auto& s : c_.stages) {
-    if (state["teachers"].contains(s.name)) s.teachers = state["teachers"][s.name].get<std::vector<std::string>>();
+    if (swapped_.contains(s.name)) s.teachers = swapped_[s.name].get<std::vector<std::string>>();
   }
   stage_ = state.at("stage").get<size_t>();
   if (stage_ >= c_.stages.size() || c_.stages[stage_].name != state.at("stage_name").get<std::string>()) {
@@ -520,10 +520,19 @@ absl::Status OpdJob::Init(const JobArgs& args) {
   if (resumed) RETURN_IF_ERROR(prompts_->Seek(cursor_));
   cursor_ = prompts_->cursor();
   RETURN_IF_ERROR(ConnectRollout());
-  RETURN_IF_ERROR(StartStage(stage_, false));
-  if (resumed) {
+  ASSIGN_OR_RETURN(const int64_t served, rollout_->MaxWeightVersion());
+  weight_version_ = std::max(weight_version_, served);  // versions only grow, across restarts too
+  if (!resumed) {
+    RETURN_IF_ERROR(StartStage(stage_, false));
+  } else {
     ASSIGN_OR_RETURN(nlohmann::json state, ReadTrainerState(resume_from));
-    tracker_->FromJson(state.at("convergence"));
+    const bool stage_finished = !state.at("convergence").at("reason").get<std::string>().empty();
+    if (stage_finished && !done_) {
+      RETURN_IF_ERROR(StartStage(stage_ + 1, false));
+    } else {
+      RETURN_IF_ERROR(StartStage(stage_, false));
+      tracker_->FromJson(state.at("convergence"));
+    }
   }
   if (!c_.admin.listen.empty()) {
     LearnerServerOptions ao;
@@ -596,15 +605,11 @@ absl::Status OpdJob::Run() {
                                                 nonfinite_consecutive_, step_));
     }
     if (stage_over) {
-      const bool last = stage_ + 1 == c_.stages.size();
-      done_ = last;
+      // The checkpoint records the finished stage (its rule says why); a resume from it starts
+      // the next stage. The next stage's teachers are checked before any step is spent on them.
+      done_ = stage_ + 1 == c_.stages.size();
       RETURN_IF_ERROR(SaveCheckpoint());
-      if (!last) {
-        // The next stage's teachers are checked before any step is spent on them.
-        RETURN_IF_ERROR(StartStage(stage_ + 1, false));
-        last_checkpoint_step_ = -1;  // the stage index changed: the next checkpoint must be written
-        RETURN_IF_ERROR(SaveCheckpoint());
-      }
+      if (!done_) RETURN_IF_ERROR(StartStage(stage_ + 1, false));
     } else if (c_.checkpoint.every > 0 && step_ % c_.checkpoint.every == 0) {
       RETURN_IF_ERROR(SaveCheckpoint());
     }

@@ -64,6 +64,16 @@ absl::StatusOr<std::vector<rpc::GeneratedSample>> RolloutPool::Generate(
   return out;
 }
 
+absl::StatusOr<int64_t> RolloutPool::MaxWeightVersion() {
+  int64_t v = 0;
+  for (auto& c : clients_) {
+    auto info = c->Info();
+    if (!info.ok()) return info.status();
+    v = std::max<int64_t>(v, info->weight_version());
+  }
+  return v;
+}
+
 absl::Status RolloutPool::PushWeights(torch::nn::Module& model, int64_t version) {
   auto weights = rpc::WeightsOf(model);
   std::vector<std::future<absl::StatusOr<opd::v1::UpdateWeightsResponse>>> calls;

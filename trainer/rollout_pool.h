@@ -30,6 +30,9 @@ class RolloutPool {
   // Sends every parameter of `model` to every worker as weight version `version` (in parallel).
   absl::Status PushWeights(torch::nn::Module& model, int64_t version);
 
+  // The highest weight version any worker serves (a restarted learner continues above it).
+  absl::StatusOr<int64_t> MaxWeightVersion();
+
   size_t size() const { return clients_.size(); }
 
  private:

@@ -1,9 +1,5 @@
 #include "trainer/sft.h"
 
-#include <sys/resource.h>
-
-#include <ATen/autocast_mode.h>
-#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <chrono>
@@ -27,6 +23,8 @@
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "trainer/checkpoint.h"
+#include "trainer/fused_nll.h"
+#include "trainer/job_util.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
 #include "trainer/progress.h"
@@ -38,63 +36,9 @@ namespace trainer {
 namespace {
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
-
-// Tokenizer files copied into every checkpoint's model/ so that it loads as a complete HF model.
-constexpr const char* kTokenizerFiles[] = {"tokenizer.json",      "tokenizer_config.json",
-                                           "vocab.json",          "merges.txt",
-                                           "special_tokens_map.json", "chat_template.jinja",
-                                           "generation_config.json"};
-
-double Seconds(Clock::time_point since) {
-  return std::chrono::duration<double>(Clock::now() - since).count();
-}
-
-double PeakRssMb() {
-  struct rusage ru = {};
-  getrusage(RUSAGE_SELF, &ru);
-  return static_cast<double>(ru.ru_maxrss) / 1024.0;  // Linux reports KiB
-}
-
-// bf16 autocast for CUDA forwards (weights stay fp32); nothing on the CPU.
-class AutocastGuard {
- public:
-  explicit AutocastGuard(bool enabled) : enabled_(enabled) {
-    if (!enabled_) return;
-    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
-    at::autocast::set_autocast_enabled(at::kCUDA, true);
-  }
-  ~AutocastGuard() {
-    if (!enabled_) return;
-    at::autocast::set_autocast_enabled(at::kCUDA, false);
-    at::autocast::clear_cache();
-  }
-  AutocastGuard(const AutocastGuard&) = delete;
-  AutocastGuard& operator=(const AutocastGuard&) = delete;
-
- private:
-  bool enabled_;
-};
-
-absl::StatusOr<torch::Device> PickDevice(const std::string& name) {
-  const bool cuda = torch::cuda::is_available();
-  if (name == "cuda" && !cuda) return absl::FailedPreconditionError("train.device: cuda is not available");
-  return (name == "cuda" || (name == "auto" && cuda)) ? torch::Device(torch::kCUDA, 0)
-                                                     : torch::Device(torch::kCPU);
-}
 
 std::string TokenizerPath(const SftConfig& c) {
   return c.model.tokenizer.empty() ? c.model.path : c.model.tokenizer;
-}
-
-std::vector<std::string> TokenizerFiles(const std::string& path) {
-  if (fs::is_regular_file(path)) return {path};
-  std::vector<std::string> files;
-  for (const char* name : kTokenizerFiles) {
-    const fs::path f = fs::path(path) / name;
-    if (fs::is_regular_file(f)) files.push_back(f.string());
-  }
-  return files;
 }
 
 lm::SftDatasetOptions DatasetOptions(const SftConfig& c, const std::vector<SftSourceConfig>& sources,
@@ -386,7 +330,7 @@ torch::Tensor SftJob::MicroBatchLoss(const HostMicroBatch& mb, const StepBatch& 
   torch::Tensor hidden = model_->Forward(ToDevice(mb, device_), fwd);
   auto rows = torch::tensor(mb.rows, torch::kInt64).to(device_);
   auto targets = torch::tensor(mb.targets, torch::kInt64).to(device_);
-  torch::Tensor ce = -lm::TokenLogprobs(hidden.index_select(0, rows), model_->LmHeadWeight(), targets).sum();
+  torch::Tensor ce = FusedNllSum(hidden.index_select(0, rows), model_->LmHeadWeight(), targets);
   *ce_sum = ce.item<double>();
   // A step without any trained token contributes no cross-entropy (not 0/0).
   torch::Tensor loss = ce / static_cast<double>(std::max<int64_t>(b.trained, 1));

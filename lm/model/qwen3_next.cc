@@ -38,17 +38,18 @@ torch::Tensor L2Normalize(const torch::Tensor& x) {
 
 // The per-chunk terms of the chunked form that need no state: everything but the scan.
 struct ChunkTerms {
-  torch::Tensor u, w;       // UT-transformed values and decayed keys  [N, H, C, dv], [N, H, C, dk]
-  torch::Tensor attn;       // (Q K^T) * D, causal within the chunk      [N, H, C, C]
-  torch::Tensor q_decayed;  // exp(G) Q                                  [N, H, C, dk]
-  torch::Tensor k_decayed;  // exp(G_C - G) K                            [N, H, C, dk]
-  torch::Tensor chunk_decay;  // exp(G_C)                                  [N, H, 1, 1]
+  torch::Tensor u;            // UT-transformed values beta V                [N, H, C, dv]
+  torch::Tensor wq;           // [W | exp(G) Q]: the two reads of the state  [N, H, 2C, dk]
+  torch::Tensor attn;         // (Q K^T) * D, causal within the chunk        [N, H, C, C]
+  torch::Tensor k_decayed_t;  // (exp(G_C - G) K)^T                          [N, H, dk, C]
+  torch::Tensor chunk_decay;  // exp(G_C)                                    [N, H, 1, 1]
 };
 
 ChunkTerms IntraChunk(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                       const torch::Tensor& g, const torch::Tensor& beta) {
-  const int64_t C = q.size(2), dv = v.size(3), dk = k.size(3);
+  const int64_t C = q.size(2);
   auto G = g.cumsum(-1);  // [N, H, C]: log of the decay from the chunk start to each position
+  auto G_exp = G.exp().unsqueeze(-1);
   // D_ij = exp(G_i - G_j) for j <= i; the upper triangle is masked before exp (it would overflow).
   auto upper = torch::ones({C, C}, q.options().dtype(torch::kBool)).triu(1);
   auto D = (G.unsqueeze(-1) - G.unsqueeze(-2))
@@ -56,17 +57,18 @@ ChunkTerms IntraChunk(const torch::Tensor& q, const torch::Tensor& k, const torc
                .exp();
   auto b = beta.unsqueeze(-1);
   auto kb = k * b;
+  // (I + strict_lower(kkt))^-1 once per chunk, then two batched matmuls: cheaper than solving
+  // against the 2 * d right-hand sides (small triangular solves run far below matmul speed).
   auto kkt = torch::matmul(kb, k.transpose(-1, -2)) * D;  // only its strict lower triangle is used
-  auto rhs = torch::cat({v * b, kb * G.exp().unsqueeze(-1)}, -1);
-  auto uw = torch::linalg_solve_triangular(kkt, rhs, /*upper=*/false, /*left=*/true,
-                                           /*unitriangular=*/true);
+  auto eye = torch::eye(C, q.options()).expand_as(kkt);
+  auto inv = torch::linalg_solve_triangular(kkt, eye, /*upper=*/false, /*left=*/true,
+                                            /*unitriangular=*/true);
   ChunkTerms t;
-  t.u = uw.narrow(-1, 0, dv);
-  t.w = uw.narrow(-1, dv, dk);
+  t.u = torch::matmul(inv, v * b);
+  t.wq = torch::cat({torch::matmul(inv, kb * G_exp), q * G_exp}, 2);
   t.attn = torch::matmul(q, k.transpose(-1, -2)) * D;
   auto G_last = G.narrow(-1, C - 1, 1);  // [N, H, 1]
-  t.q_decayed = q * G.exp().unsqueeze(-1);
-  t.k_decayed = k * (G_last - G).exp().unsqueeze(-1);
+  t.k_decayed_t = (k * (G_last - G).exp().unsqueeze(-1)).transpose(-1, -2);
   t.chunk_decay = G_last.exp().unsqueeze(-1);
   return t;
 }
@@ -141,21 +143,23 @@ torch::Tensor GatedDeltaRuleChunked(const torch::Tensor& q, const torch::Tensor&
                             ToChunks(beta, layout));
   // The scan: step s advances every document that has an s-th chunk; those are the first n of the
   // previous step's documents, so the state batch S [n, H, dk, dv] only shrinks.
+  const int64_t C = layout.chunk;
   std::vector<torch::Tensor> outs;
   torch::Tensor S;
   for (size_t s = 0; s + 1 < layout.step_offsets.size(); ++s) {
     const int64_t off = layout.step_offsets[s], n = layout.step_offsets[s + 1] - off;
     auto u = c.u.narrow(0, off, n), attn = c.attn.narrow(0, off, n);
-    auto k_decayed = c.k_decayed.narrow(0, off, n).transpose(-1, -2);
+    auto k_decayed_t = c.k_decayed_t.narrow(0, off, n);
     if (s == 0) {  // zero state: V' = U and the old state contributes nothing
       outs.push_back(torch::matmul(attn, u));
-      S = torch::matmul(k_decayed, u);
+      S = torch::matmul(k_decayed_t, u);
       continue;
     }
     S = S.narrow(0, 0, n);
-    auto v_new = u - torch::matmul(c.w.narrow(0, off, n), S);
-    outs.push_back(torch::matmul(c.q_decayed.narrow(0, off, n), S) + torch::matmul(attn, v_new));
-    S = S * c.chunk_decay.narrow(0, off, n) + torch::matmul(k_decayed, v_new);
+    auto reads = torch::matmul(c.wq.narrow(0, off, n), S);  // [W S | exp(G) Q S]
+    auto v_new = u - reads.narrow(2, 0, C);
+    outs.push_back(reads.narrow(2, C, C) + torch::matmul(attn, v_new));
+    S = S * c.chunk_decay.narrow(0, off, n) + torch::matmul(k_decayed_t, v_new);
   }
   return FromChunks(torch::cat(outs, 0), layout);
 }
@@ -170,12 +174,21 @@ torch::Tensor CausalConv1dImpl::forward(const torch::Tensor& x, const torch::Ten
   const int64_t T = x.size(0), K = weight.size(2);
   auto w = weight.squeeze(1);  // [C, K]; tap K-1 sees x_t, tap K-1-j sees x_{t-j}
   auto y = x * w.select(1, K - 1);
-  for (int64_t j = 1; j < K; ++j) {
-    auto earlier = torch::constant_pad_nd(x, {0, 0, j, 0}).narrow(0, 0, T);  // x_{t-j}
-    auto same_doc = (doc_pos >= j).unsqueeze(1).to(x.scalar_type());
-    y = y + earlier * same_doc * w.select(1, K - 1 - j);
+  for (int64_t j = 1; j < std::min(K, T); ++j) {
+    y.narrow(0, j, T - j).addcmul_(x.narrow(0, 0, T - j), w.select(1, K - 1 - j));
   }
-  return y;
+  // Rows less than K-1 tokens into a document other than the first took taps from the previous
+  // document: recompute them the same way with those taps' inputs zeroed (exactly as if alone).
+  auto t = torch::arange(T, doc_pos.options());
+  auto rows = torch::nonzero((doc_pos < K - 1) & (t > doc_pos)).squeeze(1);
+  if (rows.numel() == 0) return y;
+  auto pos = doc_pos.index_select(0, rows).unsqueeze(1);
+  auto fixed = x.index_select(0, rows) * w.select(1, K - 1);
+  for (int64_t j = 1; j < K; ++j) {
+    auto earlier = x.index_select(0, (rows - j).clamp_min(0)) * (pos >= j).to(x.scalar_type());
+    fixed.addcmul_(earlier, w.select(1, K - 1 - j));
+  }
+  return y.index_copy(0, rows, fixed);
 }
 
 RMSNormGatedImpl::RMSNormGatedImpl(int64_t dim, double eps) : eps(eps) {

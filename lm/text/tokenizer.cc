@@ -687,6 +687,12 @@ absl::Status Tokenizer::Builder::ParsePreTokenizer(const json& p, const std::str
   return absl::OkStatus();
 }
 
+// True when `key` is absent, null or "" (tokenizers writes null for unset string options).
+static bool NullOrEmptyString(const json& obj, const char* key) {
+  auto it = obj.find(key);
+  return it == obj.end() || it->is_null() || (it->is_string() && it->get<std::string>().empty());
+}
+
 absl::Status Tokenizer::Builder::ParseTokenizerJson(const json& j, const std::string& where) {
   if (!j.is_object() || !j.contains("model"))
     return absl::InvalidArgumentError(where + ": not a tokenizer.json (no model)");
@@ -694,8 +700,8 @@ absl::Status Tokenizer::Builder::ParseTokenizerJson(const json& j, const std::st
   if (model.value("type", "BPE") != "BPE")
     return absl::UnimplementedError(where + ": only BPE models are supported");
   if (!model.value("dropout", json()).is_null() || model.value("byte_fallback", false) ||
-      !model.value("continuing_subword_prefix", json("")).get<std::string>().empty() ||
-      !model.value("end_of_word_suffix", json("")).get<std::string>().empty())
+      !NullOrEmptyString(model, "continuing_subword_prefix") ||
+      !NullOrEmptyString(model, "end_of_word_suffix"))
     return absl::UnimplementedError(where +
                                     ": BPE options (dropout, byte_fallback, prefixes) "
                                     "are not supported");
@@ -897,7 +903,12 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& di
   if (fs::is_regular_file(path, ec) || fs::exists(path / "tokenizer.json", ec)) {
     const fs::path file = fs::is_regular_file(path, ec) ? path : path / "tokenizer.json";
     ASSIGN_OR_RETURN(json j, ReadJson(file));
-    RETURN_IF_ERROR(builder.ParseTokenizerJson(j, file.string()));
+    // A field of an unexpected JSON type must be an error naming the file, never a crash.
+    try {
+      RETURN_IF_ERROR(builder.ParseTokenizerJson(j, file.string()));
+    } catch (const json::exception& e) {
+      return absl::InvalidArgumentError(absl::StrCat(file.string(), ": malformed tokenizer.json: ", e.what()));
+    }
   } else if (fs::exists(path / "vocab.json", ec) && fs::exists(path / "merges.txt", ec)) {
     RETURN_IF_ERROR(builder.LoadVocabMerges(path));
   } else {

@@ -41,21 +41,22 @@ def write_data(path, n, words_per_conv, seed=0):
 
 
 def run_ours(args, model_dir, data, run_dir):
-    sets = {
-        "model.path": model_dir, "model.tokenizer": args.tokenizer, "model.chat_format": "qwen2",
-        "data.train": f"[{{files: [{data}]}}]", "data.max_seq_len": args.len,
-        "train.max_steps": args.steps + 1, "train.global_batch_size": args.batch,
-        "train.micro_batch_size": args.batch, "train.threads": args.threads,
-        "optim.lr": 1e-5, "optim.warmup_steps": 0, "eval.every": 0,
-        "checkpoint.every": 0, "checkpoint.at_end": "false", "debug.dump_batches": "true",
-        "run.dir": run_dir, "run.resume": "never",
-    }
-    cmd = [os.path.join(args.build, "trainer", "opd-trainer"), "sft", "--config",
-           os.path.join(os.path.dirname(__file__), "..", "..", "configs", "sft", "tiny.yaml")]
-    for k, v in sets.items():
-        cmd += ["--set", f"{k}={v}"]
+    config = os.path.join(args.workdir, "sft_bench.yaml")
+    with open(config, "w") as f:
+        json.dump({  # JSON is YAML
+            "model": {"path": model_dir, "tokenizer": args.tokenizer, "chat_format": "qwen2"},
+            "data": {"train": [{"files": [data]}], "max_seq_len": args.len},
+            "train": {"max_steps": args.steps + 1, "global_batch_size": args.batch,
+                      "micro_batch_size": args.batch, "threads": args.threads},
+            "optim": {"lr": 1e-5, "min_lr": 1e-6},
+            "eval": {"every": 0},
+            "checkpoint": {"every": 0, "at_end": False},
+            "debug": {"dump_batches": True},
+            "run": {"dir": run_dir, "resume": "never"},
+        }, f, indent=2)
+    cmd = [os.path.join(args.build, "trainer", "opd-trainer"), "sft", "--config", config]
     subprocess.run(["rm", "-rf", run_dir], check=True)
-    subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stderr=open(run_dir + ".log", "w"))
     metrics = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if "train/loss" in l]
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     steps = metrics[1:]

@@ -44,14 +44,14 @@ def write_jsonl(path, rows):
             f.write(json.dumps(r) + "\n")
 
 
-def make_tokenizer(out_dir, corpus):
+def make_tokenizer(out_dir, corpus, vocab_size):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus, trainer)
     os.makedirs(out_dir, exist_ok=True)
@@ -84,6 +84,7 @@ def main():
     ap.add_argument("--student-examples", type=int, default=3000)
     ap.add_argument("--prompts", type=int, default=4000)
     ap.add_argument("--eval", type=int, default=256)
+    ap.add_argument("--tokenizer-vocab", type=int, default=320, help="BPE vocabulary size target")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     os.makedirs(args.out, exist_ok=True)
@@ -114,7 +115,7 @@ def main():
                 [{"messages": chat(q), "answer": a, "domain": "arithmetic"} for q, a in eval_set.items()])
 
     corpus = [f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n" for q, a in teacher]
-    vocab = make_tokenizer(os.path.join(args.out, "tokenizer"), corpus)
+    vocab = make_tokenizer(os.path.join(args.out, "tokenizer"), corpus, args.tokenizer_vocab)
     padded = (vocab + 63) // 64 * 64  # embedding rows padded like Qwen's
     mdir = os.path.join(args.out, "models")
     os.makedirs(mdir, exist_ok=True)

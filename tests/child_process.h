@@ -1,0 +1,103 @@
+// A child process for multi-process tests: spawned with its output in a log file, and stopped
+// (SIGTERM, then SIGKILL) when the object goes away, so a failing test never leaks a process.
+#pragma once
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+extern char** environ;
+
+namespace testing_util {
+
+class ChildProcess {
+ public:
+  // Starts argv[0] with `argv`; stdout and stderr go to `log`.
+  ChildProcess(std::vector<std::string> argv, std::string log) : log_(std::move(log)) {
+    std::vector<char*> args;
+    for (auto& a : argv) args.push_back(a.data());
+    args.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    if (posix_spawn(&pid_, argv[0].c_str(), &fa, nullptr, args.data(), environ) != 0) pid_ = -1;
+    posix_spawn_file_actions_destroy(&fa);
+  }
+  ~ChildProcess() { Stop(); }
+  ChildProcess(const ChildProcess&) = delete;
+  ChildProcess& operator=(const ChildProcess&) = delete;
+
+  bool started() const { return pid_ > 0 || exited_; }
+  bool Running() {
+    if (pid_ <= 0) return false;
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      Reap(status);
+      return false;
+    }
+    return true;
+  }
+  void Kill(int sig) {
+    if (pid_ > 0) kill(pid_, sig);
+  }
+  // Waits up to `timeout` for the exit; returns the exit code (128 + signal), or -1 on timeout.
+  int Wait(std::chrono::seconds timeout) {
+    const auto end = std::chrono::steady_clock::now() + timeout;
+    while (Running() && std::chrono::steady_clock::now() < end) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    return Running() ? -1 : exit_code_;
+  }
+  int Stop() {
+    if (pid_ <= 0) return exit_code_;
+    Kill(SIGTERM);
+    if (Wait(std::chrono::seconds(10)) < 0) {
+      Kill(SIGKILL);
+      int status = 0;
+      waitpid(pid_, &status, 0);
+      Reap(status);
+    }
+    return exit_code_;
+  }
+  std::string Log() const {
+    std::ifstream in(log_);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+
+ private:
+  void Reap(int status) {
+    exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    exited_ = true;
+    pid_ = -1;
+  }
+  std::string log_;
+  pid_t pid_ = -1;
+  int exit_code_ = -1;
+  bool exited_ = false;
+};
+
+// Waits for a server's port file; 0 when it does not appear within `timeout` or the child died.
+inline int WaitForPort(ChildProcess& p, const std::string& port_file, std::chrono::seconds timeout) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < end) {
+    int port = 0;
+    std::ifstream in(port_file);
+    if (in >> port && port > 0) return port;
+    if (!p.Running()) return 0;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return 0;
+}
+
+}  // namespace testing_util

@@ -1,0 +1,66 @@
+#include "trainer/fused_nll.h"
+
+#include <torch/torch.h>
+
+namespace trainer {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::tensor_list;
+
+// Per chunk of rows h [n, H]:
+//   logits = h W^T (fp32), lse = logsumexp(logits), loss += sum(lse - logits[target])
+//   dlogits = softmax(logits) - onehot(target)          (d loss / d logits)
+//   dh = dlogits W,  dW += dlogits^T h
+class FusedNll : public torch::autograd::Function<FusedNll> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
+                               const torch::Tensor& weight, const torch::Tensor& targets,
+                               int64_t chunk) {
+    const bool grads = hidden.requires_grad() || weight.requires_grad();
+    const int64_t N = hidden.size(0);
+    auto loss = torch::zeros({}, hidden.options().dtype(torch::kFloat32));
+    torch::Tensor dhidden, dweight;
+    if (grads) {
+      dhidden = torch::empty_like(hidden);
+      dweight = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
+    }
+    for (int64_t s = 0; s < N; s += chunk) {
+      const int64_t n = std::min(chunk, N - s);
+      auto h = hidden.narrow(0, s, n);
+      auto t = targets.narrow(0, s, n).unsqueeze(1);
+      auto logits = torch::mm(h, weight.t()).to(torch::kFloat32);  // [n, V]
+      auto lse = logits.logsumexp(1, /*keepdim=*/true);
+      loss += (lse - logits.gather(1, t)).sum();
+      if (!grads) continue;
+      auto dlogits = logits.sub_(lse).exp_();  // softmax, in place of the logits
+      dlogits.scatter_add_(1, t, torch::full({n, 1}, -1.0, dlogits.options()));
+      auto dl = dlogits.to(hidden.scalar_type());
+      auto dh = dhidden.narrow(0, s, n);
+      torch::mm_out(dh, dl, weight);
+      dweight.addmm_(dl.t(), h);
+    }
+    ctx->save_for_backward({dhidden, dweight});
+    ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    return loss;
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grad_outputs) {
+    auto saved = ctx->get_saved_variables();
+    const auto g = grad_outputs[0];  // 0-dim: the loss is a sum
+    const auto dtype = static_cast<torch::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
+    // In place: the saved gradients are used once (the graph is not retained).
+    auto dhidden = saved[0].mul_(g.to(saved[0].scalar_type()));
+    auto dweight = saved[1].mul_(g).to(dtype);
+    return {dhidden, dweight, torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor FusedNllSum(const torch::Tensor& hidden, const torch::Tensor& weight,
+                          const torch::Tensor& targets, int64_t chunk_rows) {
+  return FusedNll::apply(hidden, weight, targets, chunk_rows);
+}
+
+}  // namespace trainer
