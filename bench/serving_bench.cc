@@ -1,12 +1,13 @@
 // The service side of scripts/bench/teacher.py and scripts/bench/rollout.py: times teacher
-// scoring or rollout sampling either through a running service (gRPC, --addr; the secret comes
-// from $OPD_SECRET) or in-process with the same domain objects (--model), on the same inputs.
-//   bench_serving --mode score    --ids FILE (--addr HOST:PORT | --model DIR) [--repeats R]
-//   bench_serving --mode generate --ids FILE (--addr HOST:PORT | --model DIR) [--samples 2]
+// scoring or rollout sampling through a running service (gRPC, --addr; the secret comes from
+// $OPD_SECRET) and/or in-process with the same domain objects (--model), on the same inputs;
+// with both, runs alternate so that both see the same machine load.
+//   bench_serving --mode score    --ids FILE [--addr HOST:PORT] [--model DIR] [--repeats R]
+//   bench_serving --mode generate --ids FILE [--addr HOST:PORT] [--model DIR] [--samples 2]
 //                 [--max-new-tokens 256] [--seed 0]
 // FILE: token ids, JSON [[...], ...] (sequences to score, or prompts). Prints one JSON line:
-// {"tokens_per_s": ..., "seconds": [...], "checksum": ...}; tokens are scored tokens, or
-// generated tokens.
+// {"grpc"|"inprocess": {"tokens_per_s": ..., "seconds": [...], "checksum": ...}}; tokens are
+// scored tokens, or generated tokens.
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -17,11 +18,11 @@
 #include <torch/torch.h>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "lm/model/model.h"
 #include "nlohmann/json.hpp"
 #include "rollout/sampler.h"
 #include "rpc/client.h"
+#include "rpc/server.h"
 #include "teacher_service/scorer.h"
 
 ABSL_FLAG(std::string, mode, "score", "score | generate");
@@ -39,27 +40,37 @@ namespace {
 // One timed run: returns (tokens, checksum).
 using RunFn = std::function<absl::StatusOr<std::pair<int64_t, double>>()>;
 
-int Time(const RunFn& run, int repeats) {
+struct Side {
+  std::string name;  // "grpc" | "inprocess"
+  RunFn run;
   std::vector<double> secs;
   int64_t tokens = 0;
   double checksum = 0;
+};
+
+// Runs the sides alternately (one warm-up each, then `repeats` timed rounds), so that a machine
+// whose load drifts affects both alike; prints {name: {tokens_per_s, seconds, checksum}}.
+int Time(std::vector<Side>& sides, int repeats) {
   for (int r = 0; r <= repeats; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    auto res = run();
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (!res.ok()) {
-      std::cerr << "bench_serving: " << res.status() << "\n";
-      return 1;
+    for (auto& side : sides) {
+      const auto t0 = std::chrono::steady_clock::now();
+      auto res = side.run();
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (!res.ok()) {
+        std::cerr << "bench_serving (" << side.name << "): " << res.status() << "\n";
+        return 1;
+      }
+      std::tie(side.tokens, side.checksum) = *res;
+      if (r > 0) side.secs.push_back(s);  // the first run warms caches and allocators
     }
-    std::tie(tokens, checksum) = *res;
-    if (r > 0) secs.push_back(s);  // the first run warms caches and allocators
   }
-  const double best = *std::min_element(secs.begin(), secs.end());
-  std::cout << nlohmann::json{{"tokens_per_s", tokens / best},
-                              {"seconds", secs},
-                              {"checksum", checksum}}
-                   .dump()
-            << std::endl;
+  nlohmann::json out;
+  for (const auto& side : sides) {
+    const double best = *std::min_element(side.secs.begin(), side.secs.end());
+    out[side.name] = {
+        {"tokens_per_s", side.tokens / best}, {"seconds", side.secs}, {"checksum", side.checksum}};
+  }
+  std::cout << out.dump() << std::endl;
   return 0;
 }
 
@@ -83,95 +94,106 @@ std::shared_ptr<lm::CausalLM> Model() {
   return *m;
 }
 
+double Sum(const std::vector<float>& v) {
+  double s = 0;
+  for (float x : v) s += x;
+  return s;
+}
+
 int BenchScore(const std::vector<std::vector<int64_t>>& seqs) {
   int64_t scored = 0;
   for (const auto& s : seqs) scored += static_cast<int64_t>(s.size()) - 1;
+  std::vector<Side> sides;
+  std::unique_ptr<opd::rpc::TeacherClient> client;
+  std::vector<opd::rpc::ScoreInput> in;
   if (!absl::GetFlag(FLAGS_addr).empty()) {
-    auto client = opd::rpc::TeacherClient::Create(Client());
-    if (!client.ok()) return std::cerr << client.status() << "\n", 1;
-    std::vector<opd::rpc::ScoreInput> in;
+    auto c = opd::rpc::TeacherClient::Create(Client());
+    if (!c.ok()) return std::cerr << c.status() << "\n", 1;
+    client = std::move(*c);
     for (const auto& s : seqs) in.push_back({std::vector<int32_t>(s.begin(), s.end()), 1});
-    return Time(
-        [&]() -> absl::StatusOr<std::pair<int64_t, double>> {
-          auto r = (*client)->Score(in);
-          if (!r.ok()) return r.status();
-          double sum = 0;
-          for (const auto& o : *r)
-            for (float x : o.logprobs) sum += x;
-          return std::make_pair(scored, sum);
-        },
-        absl::GetFlag(FLAGS_repeats));
+    sides.push_back({"grpc", [&]() -> absl::StatusOr<std::pair<int64_t, double>> {
+                       auto r = client->Score(in);
+                       if (!r.ok()) return r.status();
+                       double sum = 0;
+                       for (const auto& o : *r) sum += Sum(o.logprobs);
+                       return std::make_pair(scored, sum);
+                     }});
   }
-  teacher::ScorerOptions so;
-  so.max_batch_tokens = scored + static_cast<int64_t>(seqs.size());
-  teacher::Scorer scorer(Model(), so);
-  return Time(
-      [&]() -> absl::StatusOr<std::pair<int64_t, double>> {
-        teacher::ScoreJob job;
-        job.sequences = seqs;
-        job.response_starts.assign(seqs.size(), 1);
-        auto r = scorer.Score(std::move(job));
-        if (!r.ok()) return r.status();
-        double sum = 0;
-        for (const auto& o : *r)
-          for (float x : o.logprobs) sum += x;
-        return std::make_pair(scored, sum);
-      },
-      absl::GetFlag(FLAGS_repeats));
+  std::unique_ptr<teacher::Scorer> scorer;
+  if (!absl::GetFlag(FLAGS_model).empty()) {
+    teacher::ScorerOptions so;
+    so.max_batch_tokens = scored + static_cast<int64_t>(seqs.size());
+    scorer = std::make_unique<teacher::Scorer>(Model(), so);
+    sides.push_back({"inprocess", [&]() -> absl::StatusOr<std::pair<int64_t, double>> {
+                       teacher::ScoreJob job;
+                       job.sequences = seqs;
+                       job.response_starts.assign(seqs.size(), 1);
+                       auto r = scorer->Score(std::move(job));
+                       if (!r.ok()) return r.status();
+                       double sum = 0;
+                       for (const auto& o : *r) sum += Sum(o.logprobs);
+                       return std::make_pair(scored, sum);
+                     }});
+  }
+  return Time(sides, absl::GetFlag(FLAGS_repeats));
 }
 
 int BenchGenerate(const std::vector<std::vector<int64_t>>& prompts) {
+  std::vector<Side> sides;
+  std::unique_ptr<opd::rpc::RolloutClient> client;
+  std::vector<std::vector<int32_t>> in;
+  opd::rpc::GenerateOptions g;
+  g.samples_per_prompt = absl::GetFlag(FLAGS_samples);
+  g.max_new_tokens = absl::GetFlag(FLAGS_max_new_tokens);
+  g.seed = absl::GetFlag(FLAGS_seed);
   if (!absl::GetFlag(FLAGS_addr).empty()) {
-    auto client = opd::rpc::RolloutClient::Create(Client());
-    if (!client.ok()) return std::cerr << client.status() << "\n", 1;
-    std::vector<std::vector<int32_t>> in;
+    auto c = opd::rpc::RolloutClient::Create(Client());
+    if (!c.ok()) return std::cerr << c.status() << "\n", 1;
+    client = std::move(*c);
     for (const auto& p : prompts) in.emplace_back(p.begin(), p.end());
-    opd::rpc::GenerateOptions g;
-    g.samples_per_prompt = absl::GetFlag(FLAGS_samples);
-    g.max_new_tokens = absl::GetFlag(FLAGS_max_new_tokens);
-    g.seed = absl::GetFlag(FLAGS_seed);
-    return Time(
-        [&]() -> absl::StatusOr<std::pair<int64_t, double>> {
-          auto r = (*client)->Generate(in, g);
-          if (!r.ok()) return r.status();
-          int64_t n = 0;
-          double sum = 0;
-          for (const auto& s : *r) {
-            n += static_cast<int64_t>(s.tokens.size());
-            for (float x : s.logprobs) sum += x;
-          }
-          return std::make_pair(n, sum);
-        },
-        absl::GetFlag(FLAGS_repeats));
+    sides.push_back({"grpc", [&]() -> absl::StatusOr<std::pair<int64_t, double>> {
+                       auto r = client->Generate(in, g);
+                       if (!r.ok()) return r.status();
+                       int64_t n = 0;
+                       double sum = 0;
+                       for (const auto& s : *r) {
+                         n += static_cast<int64_t>(s.tokens.size());
+                         sum += Sum(s.logprobs);
+                       }
+                       return std::make_pair(n, sum);
+                     }});
   }
-  auto model = Model();
+  std::shared_ptr<lm::CausalLM> model;
   rollout::SamplingParams p;
-  p.samples_per_prompt = absl::GetFlag(FLAGS_samples);
-  p.max_new_tokens = absl::GetFlag(FLAGS_max_new_tokens);
-  p.seed = absl::GetFlag(FLAGS_seed);
-  return Time(
-      [&]() -> absl::StatusOr<std::pair<int64_t, double>> {
-        int64_t n = 0;
-        double sum = 0;
-        auto st = rollout::SampleResponses(*model, prompts, p, [&](rollout::Sample s) {
-          n += static_cast<int64_t>(s.tokens.size());
-          for (float x : s.logprobs) sum += x;
-        });
-        if (!st.ok()) return st.status();
-        return std::make_pair(n, sum);
-      },
-      absl::GetFlag(FLAGS_repeats));
+  p.samples_per_prompt = g.samples_per_prompt;
+  p.max_new_tokens = g.max_new_tokens;
+  p.seed = g.seed;
+  if (!absl::GetFlag(FLAGS_model).empty()) {
+    model = Model();
+    sides.push_back({"inprocess", [&]() -> absl::StatusOr<std::pair<int64_t, double>> {
+                       int64_t n = 0;
+                       double sum = 0;
+                       auto st =
+                           rollout::SampleResponses(*model, prompts, p, [&](rollout::Sample s) {
+                             n += static_cast<int64_t>(s.tokens.size());
+                             sum += Sum(s.logprobs);
+                           });
+                       if (!st.ok()) return st.status();
+                       return std::make_pair(n, sum);
+                     }});
+  }
+  return Time(sides, absl::GetFlag(FLAGS_repeats));
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  opd::rpc::ParseFlags(argc, argv, "bench_serving: times teacher scoring / rollout sampling");
   std::ifstream in(absl::GetFlag(FLAGS_ids));
   if (!in) return std::cerr << "bench_serving: cannot read --ids\n", 1;
   const auto seqs = nlohmann::json::parse(in).get<std::vector<std::vector<int64_t>>>();
-  if (absl::GetFlag(FLAGS_addr).empty() == absl::GetFlag(FLAGS_model).empty()) {
-    std::cerr << "bench_serving: give exactly one of --addr and --model\n";
+  if (absl::GetFlag(FLAGS_addr).empty() && absl::GetFlag(FLAGS_model).empty()) {
+    std::cerr << "bench_serving: give --addr, --model or both\n";
     return 2;
   }
   return absl::GetFlag(FLAGS_mode) == "generate" ? BenchGenerate(seqs) : BenchScore(seqs);

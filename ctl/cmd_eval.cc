@@ -25,20 +25,30 @@ constexpr const char* kUsage =
     "usage: opd-ctl eval --model DIR --prompts FILE [--tokenizer DIR] [--teachers DIR,DIR]\n"
     "                    [--samples 1] [--temperature 1.0] [--max-new-tokens 32] [--seed 0] [--threads N]\n";
 
-// Per-token reverse KL of the samples to `teacher`: mean of (model lp - teacher lp).
+// Per-token reverse KL of the samples to `teacher`: mean of (model lp - teacher lp). The teacher
+// scores the samples in packed batches of up to 256 sequences.
 double ReverseKl(lm::CausalLM& teacher, const std::vector<lm::PromptExample>& prompts,
                  const std::vector<rollout::Sample>& samples) {
   torch::NoGradGuard no_grad;
   double sum = 0;
   int64_t n = 0;
-  for (const auto& s : samples) {
-    std::vector<int64_t> seq(prompts[s.prompt_index].prompt_ids.begin(), prompts[s.prompt_index].prompt_ids.end());
-    const size_t p = seq.size();
-    seq.insert(seq.end(), s.tokens.begin(), s.tokens.end());
-    auto lp = lm::SequenceLogprobs(teacher, lm::PackedBatch::FromSequences({seq}));
-    auto* t = lp.data_ptr<float>();
-    for (size_t i = 0; i < s.tokens.size(); ++i) sum += s.logprobs[i] - t[p - 1 + i];
-    n += static_cast<int64_t>(s.tokens.size());
+  for (size_t begin = 0; begin < samples.size(); begin += 256) {
+    const size_t end = std::min(samples.size(), begin + 256);
+    std::vector<std::vector<int64_t>> seqs;
+    for (size_t i = begin; i < end; ++i) {
+      const auto& p = prompts[samples[i].prompt_index].prompt_ids;
+      seqs.emplace_back(p.begin(), p.end());
+      seqs.back().insert(seqs.back().end(), samples[i].tokens.begin(), samples[i].tokens.end());
+    }
+    auto lp = lm::SequenceLogprobs(teacher, lm::PackedBatch::FromSequences(seqs));
+    const float* t = lp.data_ptr<float>();
+    for (size_t i = begin; i < end; ++i) {
+      // Entries of sequence i: L - 1 of them; its response tokens are the last |response|.
+      const size_t len = seqs[i - begin].size(), r = samples[i].tokens.size();
+      for (size_t j = 0; j < r; ++j) sum += samples[i].logprobs[j] - t[len - 1 - r + j];
+      t += len - 1;
+      n += static_cast<int64_t>(r);
+    }
   }
   return n ? sum / static_cast<double>(n) : 0.0;
 }

@@ -23,11 +23,12 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr const char* kUsage =
-    "usage: opd-ctl init-model --config CONFIG.json --out DIR [--seed N] [--std 0.02] [--tokenizer PATH]\n";
+    "usage: opd-ctl init-model --config CONFIG.json --out DIR [--seed N] [--std 0.02] [--tokenizer "
+    "PATH]\n";
 
-constexpr const char* kTokenizerFiles[] = {"tokenizer.json", "tokenizer_config.json", "vocab.json",
-                                           "merges.txt", "special_tokens_map.json",
-                                           "chat_template.jinja"};
+constexpr const char* kTokenizerFiles[] = {
+    "tokenizer.json", "tokenizer_config.json",   "vocab.json",
+    "merges.txt",     "special_tokens_map.json", "chat_template.jinja"};
 
 absl::StatusOr<lm::ModelConfig> ReadConfig(const std::string& path) {
   std::ifstream in(path);
@@ -35,7 +36,8 @@ absl::StatusOr<lm::ModelConfig> ReadConfig(const std::string& path) {
   auto j = nlohmann::json::parse(in, nullptr, false);
   if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(path, ": not JSON"));
   auto config = lm::ParseModelConfig(j);
-  if (!config.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", config.status().message()));
+  if (!config.ok())
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", config.status().message()));
   return config;
 }
 
@@ -44,7 +46,8 @@ absl::StatusOr<std::vector<fs::path>> TokenizerFiles(const std::string& path, in
   ASSIGN_OR_RETURN(auto tokenizer, lm::Tokenizer::Load(path));
   if (tokenizer->vocab_size() > vocab)
     return absl::InvalidArgumentError(absl::StrCat("the tokenizer has ", tokenizer->vocab_size(),
-                                                   " ids, more than the model's vocab_size ", vocab));
+                                                   " ids, more than the model's vocab_size ",
+                                                   vocab));
   if (fs::is_regular_file(path)) return std::vector<fs::path>{path};
   std::vector<fs::path> files;
   for (const char* name : kTokenizerFiles) {
@@ -70,7 +73,8 @@ absl::Status InitModel(const Args& args) {
   }
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
-  std::cerr << "opd-ctl init-model: " << config.model_type << " with " << params << " parameters -> " << out << "\n";
+  std::cerr << "opd-ctl init-model: " << config.model_type << " with " << params
+            << " parameters -> " << out << "\n";
   return absl::OkStatus();
 }
 

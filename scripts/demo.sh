@@ -93,7 +93,7 @@ S1=$RUN/opd/checkpoints/$(printf 'step_%06d' "$S1_STEP")/model
 S2=$RUN/opd/checkpoints/$(printf 'step_%06d' "$S2_STEP")/model
 for m in "student_sft:$ST" "student_stage1:$S1" "student_stage2:$S2" "teacher_small:$TS" "teacher_large:$TL"; do
   name=${m%%:*}; dir=${m#*:}
-  $CTL eval --model "$dir" --tokenizer "$T/tokenizer" --prompts "$T/eval_prompts.jsonl" --samples 4 \
+  $CTL eval --model "$dir" --tokenizer "$T/tokenizer" --prompts "$T/eval_prompts.jsonl" --samples 2 \
     --temperature 1.0 --max-new-tokens 8 --teachers "$TS,$TL" --threads 2 2>/dev/null > "$RUN/eval_$name.json"
 done
 $PY scripts/demo/report.py --run "$RUN" --teacher-small "$TS" --teacher-large "$TL"

@@ -28,9 +28,11 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_format.h"
+#include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "nlohmann/json.hpp"
 #include "trainer/config.h"
+#include "trainer/fused_nll.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
 #include "trainer/progress.h"
@@ -144,10 +146,11 @@ std::string TestDir() {
 // A random tiny student with the fixture tokenizer (opd-ctl init-model).
 std::string MakeStudent(const std::string& dir, double std = 0.05, int seed = 1) {
   const std::string out = dir + "/student";
-  auto r = RunTool({kCtl, "init-model", "--config", std::string(OPD_SOURCE_DIR) + "/configs/sft/tiny_model.json",
-                    "--out", out, "--tokenizer", kFixtures + "/tokenizer", "--std", std::to_string(std),
-                    "--seed", std::to_string(seed)},
-                   dir + "/init.log");
+  auto r = RunTool(
+      {kCtl, "init-model", "--config", std::string(OPD_SOURCE_DIR) + "/configs/sft/tiny_model.json",
+       "--out", out, "--tokenizer", kFixtures + "/tokenizer", "--std", std::to_string(std),
+       "--seed", std::to_string(seed)},
+      dir + "/init.log");
   EXPECT_EQ(r.code, 0) << r.log;
   return out;
 }
@@ -160,7 +163,9 @@ std::vector<std::string> SftArgs(const std::string& student, const std::string& 
   std::vector<std::string> all = {"model.path=" + student,
                                   "data.train.0.files=[" + kFixtures + "/data/train.jsonl]",
                                   "data.eval.0.files=[" + kFixtures + "/data/eval.jsonl]",
-                                  "run.dir=" + run_dir, "train.threads=1", "logging.log_every=1000"};
+                                  "run.dir=" + run_dir,
+                                  "train.threads=1",
+                                  "logging.log_every=1000"};
   all.insert(all.end(), sets.begin(), sets.end());
   for (const auto& s : all) {
     argv.push_back("--set");
@@ -169,7 +174,8 @@ std::vector<std::string> SftArgs(const std::string& student, const std::string& 
   return argv;
 }
 
-Result RunSftJob(const std::string& student, const std::string& run_dir, const std::vector<std::string>& sets) {
+Result RunSftJob(const std::string& student, const std::string& run_dir,
+                 const std::vector<std::string>& sets) {
   return RunTool(SftArgs(student, run_dir, sets), run_dir + ".log");
 }
 
@@ -177,7 +183,8 @@ Result RunSftJob(const std::string& student, const std::string& run_dir, const s
 std::vector<std::tuple<int64_t, double, double>> LossCurve(const std::string& run_dir) {
   std::vector<std::tuple<int64_t, double, double>> out;
   for (const json& m : ReadJsonl(run_dir + "/metrics.jsonl")) {
-    out.emplace_back(m["step"].get<int64_t>(), m.value("train/loss", -1.0), m.value("eval/loss", -1.0));
+    out.emplace_back(m["step"].get<int64_t>(), m.value("train/loss", -1.0),
+                     m.value("eval/loss", -1.0));
   }
   return out;
 }
@@ -195,7 +202,8 @@ double MaxWeightDiff(const std::string& a, const std::string& b) {
   auto wa = Weights(a), wb = Weights(b);
   EXPECT_EQ(wa.size(), wb.size());
   double worst = 0;
-  for (const auto& [name, t] : wa) worst = std::max(worst, (t - wb.at(name)).abs().max().item<double>());
+  for (const auto& [name, t] : wa)
+    worst = std::max(worst, (t - wb.at(name)).abs().max().item<double>());
   return worst;
 }
 
@@ -211,7 +219,8 @@ bool WaitFor(const std::function<bool()>& cond, double seconds) {
 // ---------------------------------------------------------------------------------------------
 // Config: strict keys, overrides, round trip.
 
-absl::StatusOr<SftConfig> Decode(const std::string& yaml, const std::vector<std::string>& sets = {}) {
+absl::StatusOr<SftConfig> Decode(const std::string& yaml,
+                                 const std::vector<std::string>& sets = {}) {
   auto root = ParseYaml(yaml, "test.yaml");
   if (!root.ok()) return root.status();
   for (const auto& s : sets) {
@@ -249,7 +258,8 @@ TEST(Config, UnknownKeysAreErrorsNamingTheirPath) {
 }
 
 TEST(Config, OverridesAreTypeChecked) {
-  auto c = Decode("optim: {lr: 1e-4}", {"optim.lr=3e-3", "train.max_steps=7", "data.train=[{files: [x.jsonl], weight: 2}]",
+  auto c = Decode("optim: {lr: 1e-4}", {"optim.lr=3e-3", "train.max_steps=7",
+                                        "data.train=[{files: [x.jsonl], weight: 2}]",
                                         "data.train.0.name=web", "debug.nan_steps=[2, 5]"});
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->optim.lr, 3e-3);
@@ -270,7 +280,8 @@ TEST(Config, OverridesAreTypeChecked) {
            {"noequals", "expected key.path=value"}}) {
     auto bad = Decode("optim: {lr: 1e-4}", {set});
     ASSERT_FALSE(bad.ok()) << set;
-    EXPECT_NE(bad.status().message().find(expected), std::string::npos) << set << ": " << bad.status();
+    EXPECT_NE(bad.status().message().find(expected), std::string::npos)
+        << set << ": " << bad.status();
   }
 }
 
@@ -289,12 +300,16 @@ TEST(Config, ResolvedConfigRoundTrips) {
 }
 
 TEST(Config, ValidationNamesTheKey) {
-  auto c = Decode("model: {path: m}\ndata: {train: [{files: [a]}]}\nrun: {dir: r}\ntrain: {global_batch_size: 10, micro_batch_size: 4}");
+  auto c = Decode(
+      "model: {path: m}\ndata: {train: [{files: [a]}]}\nrun: {dir: r}\ntrain: {global_batch_size: "
+      "10, micro_batch_size: 4}");
   ASSERT_TRUE(c.ok());
   auto s = ValidateSftConfig(*c);
   ASSERT_FALSE(s.ok());
-  EXPECT_NE(s.message().find("train.global_batch_size: 10 is not divisible by train.micro_batch_size (4)"),
-            std::string::npos) << s;
+  EXPECT_NE(s.message().find(
+                "train.global_batch_size: 10 is not divisible by train.micro_batch_size (4)"),
+            std::string::npos)
+      << s;
   c->train.micro_batch_size = 5;
   EXPECT_TRUE(ValidateSftConfig(*c).ok());
   c->model.path = "";
@@ -323,11 +338,11 @@ TEST(Metrics, Crc32cAndMasking) {
 
 TEST(Optim, CosineScheduleFormula) {
   CosineSchedule s{1e-3, 1e-4, 10, 110};
-  EXPECT_DOUBLE_EQ(s.LrAt(0), 1e-4);   // warm-up: peak * (s + 1) / W
+  EXPECT_DOUBLE_EQ(s.LrAt(0), 1e-4);  // warm-up: peak * (s + 1) / W
   EXPECT_DOUBLE_EQ(s.LrAt(9), 1e-3);
-  EXPECT_DOUBLE_EQ(s.LrAt(10), 1e-3);  // cosine starts at the peak
+  EXPECT_DOUBLE_EQ(s.LrAt(10), 1e-3);                   // cosine starts at the peak
   EXPECT_NEAR(s.LrAt(60), 1e-4 + 0.9e-3 * 0.5, 1e-15);  // half-way: the mean
-  EXPECT_DOUBLE_EQ(s.LrAt(110), 1e-4);  // and ends at min_lr
+  EXPECT_DOUBLE_EQ(s.LrAt(110), 1e-4);                  // and ends at min_lr
   EXPECT_DOUBLE_EQ(s.LrAt(500), 1e-4);
   CosineSchedule no_warmup{1e-5, 1e-6, 0, 4000};
   EXPECT_DOUBLE_EQ(no_warmup.LrAt(0), 1e-5);
@@ -348,6 +363,25 @@ TEST(Optim, WeightDecayGroupsAndClipping) {
   b.mutable_grad() = torch::full({4}, std::nan(""));
   EXPECT_TRUE(std::isnan(ClipGradNorm({a, b}, 1.0)));
   EXPECT_TRUE(std::isfinite(a.grad().sum().item<double>()));  // left alone: the step is skipped
+}
+
+// The fused training loss equals -sum(TokenLogprobs) in value and in both gradients, also with a
+// chunk size that does not divide the rows and a non-unit upstream gradient.
+TEST(FusedNll, MatchesTokenLogprobs) {
+  torch::manual_seed(0);
+  auto h1 = torch::randn({37, 16}).requires_grad_(), w1 = torch::randn({50, 16}).requires_grad_();
+  auto h2 = h1.detach().clone().requires_grad_(), w2 = w1.detach().clone().requires_grad_();
+  auto targets = torch::randint(0, 50, {37}, torch::kInt64);
+  auto fused = FusedNllSum(h1, w1, targets, /*chunk_rows=*/8);
+  auto reference = -lm::TokenLogprobs(h2, w2, targets).sum();
+  EXPECT_NEAR(fused.item<double>(), reference.item<double>(), 1e-4);
+  (fused * 0.25).backward();
+  (reference * 0.25).backward();
+  EXPECT_LE((h1.grad() - h2.grad()).abs().max().item<double>(), 1e-5);
+  EXPECT_LE((w1.grad() - w2.grad()).abs().max().item<double>(), 1e-5);
+  torch::NoGradGuard no_grad;  // evaluation: no gradient work, same value
+  EXPECT_NEAR(FusedNllSum(h1.detach(), w1.detach(), targets).item<double>(),
+              reference.item<double>(), 1e-4);
 }
 
 TEST(Progress, LineAndEta) {
@@ -375,9 +409,10 @@ TEST(Sft, MatchesPythonReference) {
   const std::string dir = TestDir();
   const std::string student = MakeStudent(dir, 0.15, 3);
   // 4 micro-batches of one packed sequence each: different token counts per micro-batch.
-  const std::vector<std::string> sets = {"train.max_steps=4", "train.global_batch_size=4", "optim.lr=1e-3",
-                                         "optim.min_lr=1e-4", "optim.warmup_steps=1", "optim.max_grad_norm=0.5",
-                                         "eval.every=0", "debug.dump_batches=true"};
+  const std::vector<std::string> sets = {"train.max_steps=4",    "train.global_batch_size=4",
+                                         "optim.lr=1e-3",        "optim.min_lr=1e-4",
+                                         "optim.warmup_steps=1", "optim.max_grad_norm=0.5",
+                                         "eval.every=0",         "debug.dump_batches=true"};
   auto with = [&](std::vector<std::string> extra) {
     extra.insert(extra.begin(), sets.begin(), sets.end());
     return extra;
@@ -398,24 +433,30 @@ TEST(Sft, MatchesPythonReference) {
   // Token-level normalisation: the cross-entropy part of the step is the same whatever the split
   // (measured: losses within ~1e-6, weights ~6e-6, summation order). The load-balancing loss is
   // per micro-batch by design (as transformers computes it per forward), so it is off here.
-  r = RunSftJob(student, dir + "/ce_micro1", with({"train.micro_batch_size=1", "train.aux_loss_coef=0"}));
+  r = RunSftJob(student, dir + "/ce_micro1",
+                with({"train.micro_batch_size=1", "train.aux_loss_coef=0"}));
   ASSERT_EQ(r.code, 0) << r.log;
-  r = RunSftJob(student, dir + "/ce_micro4", with({"train.micro_batch_size=4", "train.aux_loss_coef=0"}));
+  r = RunSftJob(student, dir + "/ce_micro4",
+                with({"train.micro_batch_size=4", "train.aux_loss_coef=0"}));
   ASSERT_EQ(r.code, 0) << r.log;
   auto c1 = LossCurve(dir + "/ce_micro1"), c4 = LossCurve(dir + "/ce_micro4");
   ASSERT_EQ(c1.size(), c4.size());
-  for (size_t i = 0; i < c1.size(); ++i) EXPECT_NEAR(std::get<1>(c1[i]), std::get<1>(c4[i]), 5e-6) << i;
-  EXPECT_LE(MaxWeightDiff(dir + "/ce_micro1/checkpoints/step_000004/model", dir + "/ce_micro4/checkpoints/step_000004/model"),
+  for (size_t i = 0; i < c1.size(); ++i)
+    EXPECT_NEAR(std::get<1>(c1[i]), std::get<1>(c4[i]), 5e-6) << i;
+  EXPECT_LE(MaxWeightDiff(dir + "/ce_micro1/checkpoints/step_000004/model",
+                          dir + "/ce_micro4/checkpoints/step_000004/model"),
             2e-5);
 
   const std::string final1 = dir + "/micro1/checkpoints/step_000004/model";
-  const std::string out = Capture(std::string(OPD_PYTHON) + " " + OPD_SOURCE_DIR + "/tests/python/sft_reference.py --run " +
-                                  dir + "/micro1 --model " + student + " --ours " + final1 + " 2>" + dir + "/reference.log");
+  const std::string out = Capture(
+      std::string(OPD_PYTHON) + " " + OPD_SOURCE_DIR + "/tests/python/sft_reference.py --run " +
+      dir + "/micro1 --model " + student + " --ours " + final1 + " 2>" + dir + "/reference.log");
   auto j = json::parse(out, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << out << ReadFile(dir + "/reference.log");
-  std::printf("reference: max |loss diff| %.3g, max |weight diff| %.3g (%s), grad-norm rel diff %.3g\n",
-              j["max_loss_diff"].get<double>(), j["max_weight_diff"].get<double>(),
-              j["worst_param"].get<std::string>().c_str(), j["max_grad_norm_rel_diff"].get<double>());
+  std::printf(
+      "reference: max |loss diff| %.3g, max |weight diff| %.3g (%s), grad-norm rel diff %.3g\n",
+      j["max_loss_diff"].get<double>(), j["max_weight_diff"].get<double>(),
+      j["worst_param"].get<std::string>().c_str(), j["max_grad_norm_rel_diff"].get<double>());
   EXPECT_EQ(j["steps"].get<int>(), 4);
   EXPECT_LE(j["max_loss_diff"].get<double>(), 1e-5);
   EXPECT_LE(j["max_grad_norm_rel_diff"].get<double>(), 1e-5);
@@ -430,7 +471,8 @@ TEST(Sft, MatchesPythonReference) {
 TEST(Sft, ResumeAfterSigkillIsExact) {
   const std::string dir = TestDir();
   const std::string student = MakeStudent(dir);
-  const std::vector<std::string> sets = {"train.max_steps=12", "eval.every=4", "checkpoint.every=5", "checkpoint.keep_last=2"};
+  const std::vector<std::string> sets = {"train.max_steps=12", "eval.every=4", "checkpoint.every=5",
+                                         "checkpoint.keep_last=2"};
   auto r = RunSftJob(student, dir + "/straight", sets);
   ASSERT_EQ(r.code, 0) << r.log;
 
@@ -438,7 +480,8 @@ TEST(Sft, ResumeAfterSigkillIsExact) {
   auto slow = sets;
   slow.push_back("debug.step_sleep_ms=150");
   Child child(SftArgs(student, run, slow), run + ".log");
-  ASSERT_TRUE(WaitFor([&] { return fs::exists(run + "/checkpoints/step_000005/trainer_state.json"); }, 60));
+  ASSERT_TRUE(
+      WaitFor([&] { return fs::exists(run + "/checkpoints/step_000005/trainer_state.json"); }, 60));
   // Let it get into step 6 or 7 (metrics beyond the checkpoint must be rewritten).
   ASSERT_TRUE(WaitFor([&] { return LastTrainStep(run) >= 6; }, 30));
   child.Signal(SIGKILL);
@@ -446,22 +489,27 @@ TEST(Sft, ResumeAfterSigkillIsExact) {
   ASSERT_FALSE(fs::exists(run + "/checkpoints/step_000010"));
   // A crash during a later checkpoint write: neither of these may be taken for a checkpoint.
   fs::create_directories(run + "/checkpoints/.tmp-step_000010-1234/model");
-  std::ofstream(run + "/checkpoints/.tmp-step_000010-1234/trainer_state.json") << "{\"version\": 1, \"step\": 10}";
+  std::ofstream(run + "/checkpoints/.tmp-step_000010-1234/trainer_state.json")
+      << "{\"version\": 1, \"step\": 10}";
   fs::create_directories(run + "/checkpoints/step_000011/model");
 
   r = RunSftJob(student, run, sets);  // automatic resume from the run directory
   ASSERT_EQ(r.code, 0) << r.log;
-  EXPECT_NE(r.log.find("resumed from " + run + "/checkpoints/step_000005 at step 5"), std::string::npos) << r.log;
+  EXPECT_NE(r.log.find("resumed from " + run + "/checkpoints/step_000005 at step 5"),
+            std::string::npos)
+      << r.log;
   EXPECT_FALSE(fs::exists(run + "/checkpoints/.tmp-step_000010-1234"));
 
   EXPECT_EQ(LossCurve(dir + "/straight"), LossCurve(run));
   for (const char* file : {"/model/model.safetensors", "/optimizer.safetensors"}) {
-    EXPECT_EQ(ReadFile(dir + "/straight/checkpoints/step_000012" + file), ReadFile(run + "/checkpoints/step_000012" + file))
+    EXPECT_EQ(ReadFile(dir + "/straight/checkpoints/step_000012" + file),
+              ReadFile(run + "/checkpoints/step_000012" + file))
         << file << " differs";
   }
   // keep_last 2: steps 10 and 12 remain.
   std::vector<std::string> kept;
-  for (const auto& e : fs::directory_iterator(dir + "/straight/checkpoints")) kept.push_back(e.path().filename());
+  for (const auto& e : fs::directory_iterator(dir + "/straight/checkpoints"))
+    kept.push_back(e.path().filename());
   std::sort(kept.begin(), kept.end());
   EXPECT_EQ(kept, (std::vector<std::string>{"step_000010", "step_000012"}));
 }
@@ -469,7 +517,8 @@ TEST(Sft, ResumeAfterSigkillIsExact) {
 TEST(Sft, LearnsSyntheticChat) {
   const std::string dir = TestDir();
   const std::string student = MakeStudent(dir);
-  auto r = RunSftJob(student, dir + "/run", {"train.max_steps=150", "eval.every=50", "checkpoint.every=0"});
+  auto r = RunSftJob(student, dir + "/run",
+                     {"train.max_steps=150", "eval.every=50", "checkpoint.every=0"});
   ASSERT_EQ(r.code, 0) << r.log;
   const json summary = json::parse(ReadFile(dir + "/run/summary.json"));
   const double first = summary["first_eval_loss"], last = summary["final_eval_loss"];
@@ -491,9 +540,11 @@ TEST(Sft, BadConfigsFailBeforeTraining) {
   const std::vector<Case> cases = {
       {{"data.train.0.files=[" + dir + "/missing.jsonl]"}, "missing.jsonl"},
       {{"optim.lrr=1"}, "unknown key 'optim.lrr'"},
-      {{"train.micro_batch_size=3"}, "train.global_batch_size: 8 is not divisible by train.micro_batch_size (3)"},
+      {{"train.micro_batch_size=3"},
+       "train.global_batch_size: 8 is not divisible by train.micro_batch_size (3)"},
       {{"model.path=" + dir}, "model.path: " + dir + "/config.json"},
-      {{"model.path=" + dir + "/broken_model", "model.tokenizer=" + kFixtures + "/tokenizer"}, "model.safetensors"},
+      {{"model.path=" + dir + "/broken_model", "model.tokenizer=" + kFixtures + "/tokenizer"},
+       "model.safetensors"},
       {{"model.tokenizer=" + dir}, "model.tokenizer: " + dir},
       {{"train.max_steps=many"}, "train.max_steps: expected an integer"},
   };
@@ -501,7 +552,9 @@ TEST(Sft, BadConfigsFailBeforeTraining) {
     const std::string run = dir + "/run" + std::to_string(i);
     auto r = RunSftJob(student, run, cases[i].sets);
     EXPECT_NE(r.code, 0) << cases[i].message;
-    EXPECT_NE(r.log.find(cases[i].message), std::string::npos) << "expected '" << cases[i].message << "' in:\n" << r.log;
+    EXPECT_NE(r.log.find(cases[i].message), std::string::npos)
+        << "expected '" << cases[i].message << "' in:\n"
+        << r.log;
     EXPECT_FALSE(fs::exists(run + "/metrics.jsonl")) << "training started: " << cases[i].message;
   }
   auto r = RunTool({kTrainer, "sft", "--config", dir + "/nope.yaml"}, dir + "/nope.log");
@@ -525,21 +578,24 @@ TEST(Sft, MetricsJsonlAndTensorBoard) {
     if (m.contains("train/loss")) train_loss[m["step"]] = m["train/loss"];
     if (m.contains("eval/loss")) eval_loss[m["step"]] = m["eval/loss"];
     if (m.contains("train/loss")) {
-      for (const char* key : {"train/lr", "train/tokens_per_s", "train/grad_norm", "train/aux_loss"})
+      for (const char* key :
+           {"train/lr", "train/tokens_per_s", "train/grad_norm", "train/aux_loss"})
         EXPECT_TRUE(m.contains(key)) << key;
     }
   }
   EXPECT_EQ(train_loss.size(), 6u);
   EXPECT_EQ(eval_loss.size(), 3u);  // steps 0, 3, 6
 
-  const std::string out = Capture(std::string(OPD_PYTHON) + " " + OPD_SOURCE_DIR + "/tests/python/read_tensorboard.py " +
-                                  run + "/tensorboard 2>" + dir + "/tb.log");
+  const std::string out =
+      Capture(std::string(OPD_PYTHON) + " " + OPD_SOURCE_DIR +
+              "/tests/python/read_tensorboard.py " + run + "/tensorboard 2>" + dir + "/tb.log");
   auto tb = json::parse(out, nullptr, false);
   ASSERT_FALSE(tb.is_discarded()) << out << ReadFile(dir + "/tb.log");
   ASSERT_TRUE(tb.contains("train/loss"));
   ASSERT_EQ(tb["train/loss"].size(), 6u);
   for (const auto& e : tb["train/loss"]) {
-    EXPECT_NEAR(e[1].get<double>(), train_loss.at(e[0].get<int64_t>()), 1e-6 * std::abs(e[1].get<double>()));
+    EXPECT_NEAR(e[1].get<double>(), train_loss.at(e[0].get<int64_t>()),
+                1e-6 * std::abs(e[1].get<double>()));
   }
   ASSERT_EQ(tb["eval/loss"].size(), 3u);
   EXPECT_TRUE(tb.contains("train/lr"));
@@ -550,27 +606,46 @@ TEST(Sft, SigtermWritesCheckpointAndExitsNonZero) {
   const std::string dir = TestDir();
   const std::string student = MakeStudent(dir);
   const std::string run = dir + "/run";
-  Child child(SftArgs(student, run, {"train.max_steps=100", "checkpoint.every=0", "eval.every=0", "debug.step_sleep_ms=100"}),
-              run + ".log");
+  const std::vector<std::string> sets = {"train.max_steps=30", "checkpoint.every=0",
+                                         "eval.every=0"};
+  auto slow = sets;
+  slow.push_back("debug.step_sleep_ms=100");
+  Child child(SftArgs(student, run, slow), run + ".log");
   ASSERT_TRUE(WaitFor([&] { return LastTrainStep(run) >= 3; }, 60));
   child.Signal(SIGTERM);
   EXPECT_EQ(child.Wait(), 128 + SIGTERM);
   const std::string log = ReadFile(run + ".log");
   EXPECT_NE(log.find("stopped by SIGTERM at step"), std::string::npos) << log;
   const int64_t last = LastTrainStep(run);
-  EXPECT_LT(last, 100);
-  const json state = json::parse(ReadFile(run + "/checkpoints/" + absl::StrFormat("step_%06d", last) + "/trainer_state.json"));
+  EXPECT_LT(last, 30);
+  const json state = json::parse(
+      ReadFile(run + "/checkpoints/" + absl::StrFormat("step_%06d", last) + "/trainer_state.json"));
   EXPECT_EQ(state["step"].get<int64_t>(), last);
-  EXPECT_TRUE(state.contains("data_cursor"));
-  EXPECT_TRUE(state.contains("rng"));
-  EXPECT_TRUE(state.contains("schedule"));
+  for (const char* key : {"data_cursor", "rng", "schedule", "config", "nonfinite"})
+    EXPECT_TRUE(state.contains(key)) << key;
+
+  // --resume continues from there to the end.
+  auto argv = SftArgs(student, run, sets);
+  argv.push_back("--resume");
+  auto r = RunTool(argv, run + ".resumed.log");
+  ASSERT_EQ(r.code, 0) << r.log;
+  EXPECT_NE(r.log.find(absl::StrFormat("at step %d", last)), std::string::npos) << r.log;
+  EXPECT_EQ(LastTrainStep(run), 30);
+  EXPECT_EQ(TrainLines(run).size(), 30u);
+  // --resume where there is nothing to resume is an error.
+  argv = SftArgs(student, dir + "/empty", sets);
+  argv.push_back("--resume");
+  r = RunTool(argv, dir + "/empty.log");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.log.find("no complete checkpoint"), std::string::npos) << r.log;
 }
 
 TEST(Sft, NonFiniteStepsAreSkippedThenStop) {
   const std::string dir = TestDir();
   const std::string student = MakeStudent(dir);
-  auto r = RunSftJob(student, dir + "/skip", {"train.max_steps=6", "eval.every=0", "debug.nan_steps=[2, 3]",
-                                              "train.max_consecutive_nonfinite=3"});
+  auto r = RunSftJob(student, dir + "/skip",
+                     {"train.max_steps=6", "eval.every=0", "debug.nan_steps=[2, 3]",
+                      "train.max_consecutive_nonfinite=3"});
   ASSERT_EQ(r.code, 0) << r.log;
   auto metrics = TrainLines(dir + "/skip");
   ASSERT_EQ(metrics.size(), 6u);
@@ -582,10 +657,12 @@ TEST(Sft, NonFiniteStepsAreSkippedThenStop) {
   EXPECT_TRUE(std::isfinite(metrics.back()["train/loss"].get<double>()));  // training went on
   EXPECT_NE(r.log.find("update skipped (2 in a row, 2 in total)"), std::string::npos) << r.log;
 
-  r = RunSftJob(student, dir + "/stop", {"train.max_steps=6", "eval.every=0", "debug.nan_steps=[2, 3, 4]",
-                                         "train.max_consecutive_nonfinite=3"});
+  r = RunSftJob(student, dir + "/stop",
+                {"train.max_steps=6", "eval.every=0", "debug.nan_steps=[2, 3, 4]",
+                 "train.max_consecutive_nonfinite=3"});
   EXPECT_EQ(r.code, 1);
-  EXPECT_NE(r.log.find("3 consecutive steps with a non-finite loss or gradient"), std::string::npos) << r.log;
+  EXPECT_NE(r.log.find("3 consecutive steps with a non-finite loss or gradient"), std::string::npos)
+      << r.log;
   EXPECT_EQ(TrainLines(dir + "/stop").size(), 4u);
 }
 

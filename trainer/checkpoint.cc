@@ -35,15 +35,17 @@ absl::Status SaveOptimizer(const AdamW& optimizer, const std::string& path) {
     out.push_back({name, lm::DType::kF32, t.sizes().vec(), t.data_ptr(),
                    static_cast<size_t>(t.numel() * t.element_size())});
   }
-  return lm::WriteSafetensors(path, out,
-                              {{"format", "opd-adamw"}, {"steps", std::to_string(optimizer.steps())}});
+  return lm::WriteSafetensors(
+      path, out, {{"format", "opd-adamw"}, {"steps", std::to_string(optimizer.steps())}});
 }
 
 absl::Status CopyFiles(const std::vector<std::string>& files, const std::string& dir) {
   for (const std::string& f : files) {
     std::error_code ec;
-    fs::copy_file(f, fs::path(dir) / fs::path(f).filename(), fs::copy_options::overwrite_existing, ec);
-    if (ec) return absl::InternalError(absl::StrCat(f, ": cannot copy into ", dir, ": ", ec.message()));
+    fs::copy_file(f, fs::path(dir) / fs::path(f).filename(), fs::copy_options::overwrite_existing,
+                  ec);
+    if (ec)
+      return absl::InternalError(absl::StrCat(f, ": cannot copy into ", dir, ": ", ec.message()));
   }
   return absl::OkStatus();
 }
@@ -77,7 +79,8 @@ std::string TensorToBase64(const torch::Tensor& t) {
 
 absl::StatusOr<torch::Tensor> Base64ToByteTensor(const std::string& text) {
   std::string bytes;
-  if (!absl::Base64Unescape(text, &bytes)) return absl::InvalidArgumentError("bad base64 RNG state");
+  if (!absl::Base64Unescape(text, &bytes))
+    return absl::InvalidArgumentError("bad base64 RNG state");
   auto t = torch::empty({static_cast<int64_t>(bytes.size())}, torch::kUInt8);
   std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
   return t;
@@ -85,7 +88,9 @@ absl::StatusOr<torch::Tensor> Base64ToByteTensor(const std::string& text) {
 
 }  // namespace
 
-std::string StepDirName(int64_t step) { return absl::StrFormat("step_%06d", step); }
+std::string StepDirName(int64_t step) {
+  return absl::StrFormat("step_%06d", step);
+}
 
 absl::Status CheckpointManager::Save(int64_t step, lm::CausalLM& model, const AdamW& optimizer,
                                      nlohmann::json state,
@@ -158,15 +163,17 @@ absl::StatusOr<nlohmann::json> ReadTrainerState(const std::string& checkpoint_di
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
   nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
-  if (j.is_discarded() || !j.is_object()) return absl::DataLossError(absl::StrCat(path, ": not JSON"));
+  if (j.is_discarded() || !j.is_object())
+    return absl::DataLossError(absl::StrCat(path, ": not JSON"));
   if (j.value("version", 0) != kTrainerStateVersion)
-    return absl::FailedPreconditionError(
-        absl::StrCat(path, ": trainer state version ", j.value("version", 0), ", expected ",
-                     kTrainerStateVersion));
+    return absl::FailedPreconditionError(absl::StrCat(path, ": trainer state version ",
+                                                      j.value("version", 0), ", expected ",
+                                                      kTrainerStateVersion));
   return j;
 }
 
-absl::Status LoadOptimizerState(const std::string& checkpoint_dir, int64_t steps, AdamW* optimizer) {
+absl::Status LoadOptimizerState(const std::string& checkpoint_dir, int64_t steps,
+                                AdamW* optimizer) {
   ASSIGN_OR_RETURN(auto file, lm::SafetensorsFile::Open(checkpoint_dir + "/" + kOptimizerFile));
   std::map<std::string, torch::Tensor> tensors;
   for (const auto& [name, view] : file->tensors()) tensors[name] = lm::TensorFromView(view, file);
@@ -179,8 +186,8 @@ nlohmann::json CaptureRngState() {
   nlohmann::json j;
   j["cpu"] = TensorToBase64(at::detail::getDefaultCPUGenerator().get_state());
   if (torch::cuda::is_available()) {
-    j["cuda"] = TensorToBase64(
-        at::globalContext().defaultGenerator(at::Device(at::kCUDA, 0)).get_state());
+    j["cuda"] =
+        TensorToBase64(at::globalContext().defaultGenerator(at::Device(at::kCUDA, 0)).get_state());
   }
   return j;
 }

@@ -36,8 +36,8 @@ class CheckpointManager {
   // Saves a checkpoint for `step` (a no-op when a complete one for that step exists). `state`
   // becomes trainer_state.json (a "version" and "step" are added); `model_extra_files` (tokenizer
   // files) are copied into model/.
-  absl::Status Save(int64_t step, lm::CausalLM& model, const AdamW& optimizer,
-                    nlohmann::json state, const std::vector<std::string>& model_extra_files);
+  absl::Status Save(int64_t step, lm::CausalLM& model, const AdamW& optimizer, nlohmann::json state,
+                    const std::vector<std::string>& model_extra_files);
 
   // Complete checkpoints, oldest first: (step, directory).
   std::vector<std::pair<int64_t, std::string>> List() const;

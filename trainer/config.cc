@@ -37,7 +37,8 @@ absl::StatusOr<YAML::Node> ParseYaml(const std::string& text, const std::string&
   try {
     YAML::Node root = YAML::Load(text);
     if (root.IsNull() || !root.IsDefined()) return YAML::Node(YAML::NodeType::Map);
-    if (!root.IsMap()) return absl::InvalidArgumentError(label + ": the top level must be a mapping");
+    if (!root.IsMap())
+      return absl::InvalidArgumentError(label + ": the top level must be a mapping");
     return root;
   } catch (const YAML::Exception& e) {
     return absl::InvalidArgumentError(YamlError(label, e));
@@ -72,19 +73,20 @@ absl::Status ApplyOverride(YAML::Node& root, const std::string& assignment) {
   std::string path;
   for (size_t i = 0; i + 1 < parts.size(); ++i) {
     path = config_internal::JoinPath(path, parts[i]);
-    if (parts[i].empty()) return absl::InvalidArgumentError("--set " + key + ": empty key component");
+    if (parts[i].empty())
+      return absl::InvalidArgumentError("--set " + key + ": empty key component");
     if (node.IsSequence() && IsIndex(parts[i])) {
       const size_t idx = std::stoul(parts[i]);
       if (idx >= node.size())
-        return absl::InvalidArgumentError(absl::StrCat("--set ", key, ": ", path, " is out of range (",
-                                                       node.size(), " items)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("--set ", key, ": ", path, " is out of range (", node.size(), " items)"));
       YAML::Node next = node[idx];
       node.reset(next);
       continue;
     }
     if (!node.IsMap() && !node.IsNull())
-      return absl::InvalidArgumentError(
-          absl::StrCat("--set ", key, ": cannot set a key inside ", path, ", which is ", Describe(node)));
+      return absl::InvalidArgumentError(absl::StrCat("--set ", key, ": cannot set a key inside ",
+                                                     path, ", which is ", Describe(node)));
     YAML::Node next = node[parts[i]];
     if (!next.IsDefined() || next.IsNull()) next = YAML::Node(YAML::NodeType::Map);
     node.reset(next);
@@ -100,8 +102,8 @@ absl::Status ApplyOverride(YAML::Node& root, const std::string& assignment) {
   }
   if (!node.IsMap() && !node.IsNull())
     return absl::InvalidArgumentError(absl::StrCat("--set ", key, ": cannot set a key inside ",
-                                                   path.empty() ? "the config" : path, ", which is ",
-                                                   Describe(node)));
+                                                   path.empty() ? "the config" : path,
+                                                   ", which is ", Describe(node)));
   node[last] = value;
   return absl::OkStatus();
 }
@@ -144,8 +146,8 @@ std::string JoinPath(const std::string& path, const std::string& key) {
 
 absl::Status ExpectMap(const YAML::Node& node, const std::string& path) {
   if (node.IsMap()) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(path.empty() ? "config" : path,
-                                                 ": expected a mapping, got ", Describe(node)));
+  return absl::InvalidArgumentError(
+      absl::StrCat(path.empty() ? "config" : path, ": expected a mapping, got ", Describe(node)));
 }
 
 absl::Status ExpectSequence(const YAML::Node& node, const std::string& path) {
@@ -160,9 +162,8 @@ absl::Status CheckKnownKeys(const YAML::Node& node, const std::string& path,
     if (known.count(key)) continue;
     std::vector<std::string> names(known.begin(), known.end());
     std::sort(names.begin(), names.end());
-    return absl::InvalidArgumentError(absl::StrCat("unknown key '", JoinPath(path, key),
-                                                   "' (known here: ", absl::StrJoin(names, ", "),
-                                                   ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown key '", JoinPath(path, key), "' (known here: ", absl::StrJoin(names, ", "), ")"));
   }
   return absl::OkStatus();
 }
@@ -214,9 +215,15 @@ absl::Status DecodeScalar(const YAML::Node& node, const std::string& path, std::
   return absl::OkStatus();
 }
 
-void EmitScalar(YAML::Emitter& out, bool v) { out << (v ? "true" : "false"); }
-void EmitScalar(YAML::Emitter& out, int32_t v) { out << v; }
-void EmitScalar(YAML::Emitter& out, int64_t v) { out << static_cast<long long>(v); }
+void EmitScalar(YAML::Emitter& out, bool v) {
+  out << (v ? "true" : "false");
+}
+void EmitScalar(YAML::Emitter& out, int32_t v) {
+  out << v;
+}
+void EmitScalar(YAML::Emitter& out, int64_t v) {
+  out << static_cast<long long>(v);
+}
 
 void EmitScalar(YAML::Emitter& out, double v) {
   if (std::isnan(v)) {
@@ -239,7 +246,9 @@ void EmitScalar(YAML::Emitter& out, double v) {
   out << text;
 }
 
-void EmitScalar(YAML::Emitter& out, const std::string& v) { out << YAML::DoubleQuoted << v; }
+void EmitScalar(YAML::Emitter& out, const std::string& v) {
+  out << YAML::DoubleQuoted << v;
+}
 
 }  // namespace config_internal
 }  // namespace trainer

@@ -45,8 +45,8 @@ absl::Status ApplyOverride(YAML::Node& root, const std::string& assignment);
 struct JobArgs {
   std::string config_path;
   std::vector<std::string> overrides;
-  bool resume = false;       // --resume: a checkpoint must be found and resumed
-  std::string resume_from;   // --resume=DIR: that checkpoint directory
+  bool resume = false;      // --resume: a checkpoint must be found and resumed
+  std::string resume_from;  // --resume=DIR: that checkpoint directory
 };
 absl::StatusOr<JobArgs> ParseJobArgs(const std::vector<std::string>& words);
 

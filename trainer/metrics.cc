@@ -49,7 +49,9 @@ void PutFixed(std::string* out, T v) {  // little-endian, as the wire format wan
 }
 
 // Field tag: (number << 3) | wire type (0 varint, 1 fixed64, 2 length-delimited, 5 fixed32).
-void PutTag(std::string* out, int field, int wire_type) { PutVarint(out, (field << 3) | wire_type); }
+void PutTag(std::string* out, int field, int wire_type) {
+  PutVarint(out, (field << 3) | wire_type);
+}
 
 void PutBytes(std::string* out, int field, const std::string& bytes) {
   PutTag(out, field, 2);
@@ -102,7 +104,8 @@ uint32_t MaskedCrc32c(const void* data, size_t n) {
   return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
 }
 
-absl::StatusOr<std::unique_ptr<TensorBoardWriter>> TensorBoardWriter::Create(const std::string& dir) {
+absl::StatusOr<std::unique_ptr<TensorBoardWriter>> TensorBoardWriter::Create(
+    const std::string& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   // The name pattern is what TensorBoard globs for; the pid keeps restarts apart.
@@ -118,7 +121,9 @@ absl::StatusOr<std::unique_ptr<TensorBoardWriter>> TensorBoardWriter::Create(con
   return w;
 }
 
-TensorBoardWriter::~TensorBoardWriter() { std::fclose(file_); }
+TensorBoardWriter::~TensorBoardWriter() {
+  std::fclose(file_);
+}
 
 void TensorBoardWriter::WriteRecord(const std::string& payload) {
   std::string rec;
@@ -169,7 +174,9 @@ absl::StatusOr<std::unique_ptr<JsonlWriter>> JsonlWriter::Open(const std::string
   return std::unique_ptr<JsonlWriter>(new JsonlWriter(f));
 }
 
-JsonlWriter::~JsonlWriter() { std::fclose(file_); }
+JsonlWriter::~JsonlWriter() {
+  std::fclose(file_);
+}
 
 void JsonlWriter::Write(int64_t step, const Scalars& scalars) {
   nlohmann::ordered_json j;
@@ -195,7 +202,8 @@ absl::StatusOr<MetricsLogger> MetricsLogger::Open(const std::string& jsonl_path,
   if (!jsonl.ok()) return jsonl.status();
   m.jsonl_ = std::move(*jsonl);
   if (tensorboard) {
-    absl::StatusOr<std::unique_ptr<TensorBoardWriter>> tb = TensorBoardWriter::Create(tensorboard_dir);
+    absl::StatusOr<std::unique_ptr<TensorBoardWriter>> tb =
+        TensorBoardWriter::Create(tensorboard_dir);
     if (!tb.ok()) return tb.status();
     m.tensorboard_ = std::move(*tb);
     if (resume_step >= 0) m.tensorboard_->SessionStart(resume_step + 1);

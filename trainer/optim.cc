@@ -19,8 +19,9 @@ double CosineSchedule::LrAt(int64_t step) const {
 
 bool UsesWeightDecay(const std::string& name, const torch::Tensor& param) {
   const std::string bias = ".bias";
-  const bool is_bias = name == "bias" || (name.size() >= bias.size() &&
-                                          name.compare(name.size() - bias.size(), bias.size(), bias) == 0);
+  const bool is_bias =
+      name == "bias" || (name.size() >= bias.size() &&
+                         name.compare(name.size() - bias.size(), bias.size(), bias) == 0);
   return param.dim() >= 2 && !is_bias;
 }
 
@@ -92,8 +93,8 @@ absl::Status AdamW::LoadState(const std::map<std::string, torch::Tensor>& tensor
         if (it == tensors.end())
           return absl::NotFoundError(absl::StrCat("optimizer state has no ", prefix, g->names[i]));
         if (it->second.sizes() != dst->sizes())
-          return absl::InvalidArgumentError(absl::StrCat("optimizer state ", prefix, g->names[i],
-                                                         " has the wrong shape"));
+          return absl::InvalidArgumentError(
+              absl::StrCat("optimizer state ", prefix, g->names[i], " has the wrong shape"));
         dst->copy_(it->second);
       }
       g->steps[i].fill_(static_cast<double>(steps));

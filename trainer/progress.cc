@@ -38,7 +38,9 @@ Progress::Progress(int64_t total_steps, int64_t log_every)
 Progress::Progress(int64_t total_steps, int64_t log_every, bool tty)
     : total_(total_steps), log_every_(log_every < 1 ? 1 : log_every), tty_(tty) {}
 
-Progress::~Progress() { Finish(); }
+Progress::~Progress() {
+  Finish();
+}
 
 std::string Progress::Line(const StepReport& r) const {
   return absl::StrFormat("step %d/%d | loss %.4f | lr %.3g | grad %.3g | %.0f tok/s | ETA %s%s",

@@ -34,7 +34,8 @@ absl::Status RunDir::SaveConfig(const std::string& yaml) const {
 
 absl::Status SyncPath(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return absl::InternalError(absl::StrCat(path, ": open for sync: ", std::strerror(errno)));
+  if (fd < 0)
+    return absl::InternalError(absl::StrCat(path, ": open for sync: ", std::strerror(errno)));
   const int rc = ::fsync(fd);
   const int err = errno;
   ::close(fd);

@@ -10,14 +10,14 @@ namespace trainer {
 
 // AdamW + cosine schedule + clipping (trainer/optim.h). Defaults: the paper's SFT recipe.
 struct OptimConfig {
-  double lr = 1e-5;             // peak learning rate
-  double min_lr = 1e-6;         // the cosine ends here
-  int64_t warmup_steps = 0;     // linear warm-up to `lr` over this many steps
-  double weight_decay = 0.1;    // not applied to 1-D parameters (norms) and biases
+  double lr = 1e-5;           // peak learning rate
+  double min_lr = 1e-6;       // the cosine ends here
+  int64_t warmup_steps = 0;   // linear warm-up to `lr` over this many steps
+  double weight_decay = 0.1;  // not applied to 1-D parameters (norms) and biases
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;
-  double max_grad_norm = 1.0;   // global L2 norm clipping; <= 0 disables it
+  double max_grad_norm = 1.0;  // global L2 norm clipping; <= 0 disables it
 };
 
 template <class V>
@@ -34,9 +34,9 @@ void VisitFields(V& v, OptimConfig& c) {
 
 // Where the run lives and whether it continues an earlier one.
 struct RunConfig {
-  std::string dir;               // run directory (created); required
-  std::string resume = "auto";   // auto: continue from the latest checkpoint if there is one;
-                                 // never: refuse to start in a run directory with checkpoints
+  std::string dir;              // run directory (created); required
+  std::string resume = "auto";  // auto: continue from the latest checkpoint if there is one;
+                                // never: refuse to start in a run directory with checkpoints
 };
 
 template <class V>
@@ -46,9 +46,9 @@ void VisitFields(V& v, RunConfig& c) {
 }
 
 struct CheckpointConfig {
-  int64_t every = 500;   // steps between checkpoints (0: only at the end and on a stop)
-  int64_t keep_last = 3; // complete checkpoints kept; older ones are deleted (0: keep all)
-  bool at_end = true;    // also after the last step (off for throwaway runs: benchmarks)
+  int64_t every = 500;    // steps between checkpoints (0: only at the end and on a stop)
+  int64_t keep_last = 3;  // complete checkpoints kept; older ones are deleted (0: keep all)
+  bool at_end = true;     // also after the last step (off for throwaway runs: benchmarks)
 };
 
 template <class V>
@@ -59,8 +59,8 @@ void VisitFields(V& v, CheckpointConfig& c) {
 }
 
 struct LoggingConfig {
-  int64_t log_every = 1;   // steps between plain log lines when stderr is not a terminal
-  bool tensorboard = true; // event files under <run>/tensorboard
+  int64_t log_every = 1;    // steps between plain log lines when stderr is not a terminal
+  bool tensorboard = true;  // event files under <run>/tensorboard
 };
 
 template <class V>

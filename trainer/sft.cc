@@ -41,31 +41,37 @@ std::string TokenizerPath(const SftConfig& c) {
   return c.model.tokenizer.empty() ? c.model.path : c.model.tokenizer;
 }
 
-lm::SftDatasetOptions DatasetOptions(const SftConfig& c, const std::vector<SftSourceConfig>& sources,
-                                     bool shuffle) {
+lm::SftDatasetOptions DatasetOptions(const SftConfig& c,
+                                     const std::vector<SftSourceConfig>& sources, bool shuffle) {
   lm::SftDatasetOptions o;
   for (const auto& s : sources) o.sources.push_back({s.name, s.files, s.weight});
   o.max_seq_len = static_cast<int32_t>(c.data.max_seq_len);
-  o.overlong = c.data.overlong == "drop" ? lm::OverlongPolicy::kDrop : lm::OverlongPolicy::kTruncate;
+  o.overlong =
+      c.data.overlong == "drop" ? lm::OverlongPolicy::kDrop : lm::OverlongPolicy::kTruncate;
   o.skip_bad_lines = c.data.skip_bad_lines;
   o.shuffle = shuffle;
   o.seed = static_cast<uint64_t>(c.data.seed);
-  o.chat_format = c.model.chat_format == "qwen2" ? lm::ChatFormat::Qwen2() : lm::ChatFormat::Qwen3();
+  o.chat_format =
+      c.model.chat_format == "qwen2" ? lm::ChatFormat::Qwen2() : lm::ChatFormat::Qwen3();
   return o;
 }
 
 // Cheap checks of every input before anything heavy is loaded: data files exist, the model's
 // config.json parses, the tokenizer loads and fits the model's vocabulary.
 absl::Status CheckInputs(const SftConfig& c) {
-  for (const auto& [key, sources] : {std::pair{"data.train", &c.data.train}, {"data.eval", &c.data.eval}}) {
+  for (const auto& [key, sources] :
+       {std::pair{"data.train", &c.data.train}, {"data.eval", &c.data.eval}}) {
     for (size_t i = 0; i < sources->size(); ++i) {
       absl::StatusOr<std::vector<std::string>> files = lm::ExpandDataFiles((*sources)[i].files);
       if (!files.ok())
-        return absl::Status(files.status().code(), absl::StrCat(key, "[", i, "].files: ", files.status().message()));
+        return absl::Status(files.status().code(),
+                            absl::StrCat(key, "[", i, "].files: ", files.status().message()));
     }
   }
   absl::StatusOr<lm::ModelConfig> model = lm::LoadModelConfig(c.model.path);
-  if (!model.ok()) return absl::Status(model.status().code(), absl::StrCat("model.path: ", model.status().message()));
+  if (!model.ok())
+    return absl::Status(model.status().code(),
+                        absl::StrCat("model.path: ", model.status().message()));
   return absl::OkStatus();
 }
 
@@ -143,7 +149,7 @@ class SftJob {
   CosineSchedule schedule_;
   double aux_coef_ = 0;
 
-  int64_t step_ = 0;  // completed steps
+  int64_t step_ = 0;       // completed steps
   lm::DataCursor cursor_;  // data cursor after the last completed step
   int64_t nonfinite_consecutive_ = 0, nonfinite_total_ = 0;
   int64_t tokens_seen_ = 0, trained_tokens_seen_ = 0;
@@ -156,7 +162,8 @@ class SftJob {
 absl::StatusOr<std::string> SftJob::FindResumeCheckpoint(const JobArgs& args) const {
   if (!args.resume_from.empty()) {
     if (!fs::exists(fs::path(args.resume_from) / "trainer_state.json"))
-      return absl::NotFoundError(absl::StrCat("--resume=", args.resume_from, ": not a complete checkpoint"));
+      return absl::NotFoundError(
+          absl::StrCat("--resume=", args.resume_from, ": not a complete checkpoint"));
     return args.resume_from;
   }
   absl::StatusOr<std::string> latest = checkpoints_.Latest();
@@ -170,14 +177,18 @@ absl::StatusOr<std::string> SftJob::FindResumeCheckpoint(const JobArgs& args) co
 absl::Status SftJob::LoadData() {
   absl::StatusOr<std::unique_ptr<lm::Tokenizer>> tokenizer = lm::Tokenizer::Load(TokenizerPath(c_));
   if (!tokenizer.ok())
-    return absl::Status(tokenizer.status().code(),
-                        absl::StrCat(c_.model.tokenizer.empty() ? "model.tokenizer (default: model.path)" : "model.tokenizer",
-                                     ": ", tokenizer.status().message()));
+    return absl::Status(
+        tokenizer.status().code(),
+        absl::StrCat(c_.model.tokenizer.empty() ? "model.tokenizer (default: model.path)"
+                                                : "model.tokenizer",
+                     ": ", tokenizer.status().message()));
   tokenizer_ = std::move(*tokenizer);
-  ASSIGN_OR_RETURN(train_, lm::SftDataset::Load(*tokenizer_, DatasetOptions(c_, c_.data.train, c_.data.shuffle)));
+  ASSIGN_OR_RETURN(train_, lm::SftDataset::Load(
+                               *tokenizer_, DatasetOptions(c_, c_.data.train, c_.data.shuffle)));
   lm::log::Info("train data: " + train_->stats().Summary());
   if (!c_.data.eval.empty()) {
-    ASSIGN_OR_RETURN(eval_, lm::SftDataset::Load(*tokenizer_, DatasetOptions(c_, c_.data.eval, false)));
+    ASSIGN_OR_RETURN(eval_,
+                     lm::SftDataset::Load(*tokenizer_, DatasetOptions(c_, c_.data.eval, false)));
     lm::log::Info("eval data: " + eval_->stats().Summary());
   }
   return absl::OkStatus();
@@ -188,13 +199,16 @@ absl::Status SftJob::LoadModel(const std::string& dir) {
   opts.dtype = torch::kFloat32;  // master weights; GPUs compute in bf16 under autocast
   opts.device = device_;
   absl::StatusOr<std::shared_ptr<lm::CausalLM>> model = lm::LoadModel(dir, opts);
-  if (!model.ok()) return absl::Status(model.status().code(), absl::StrCat("model ", dir, ": ", model.status().message()));
+  if (!model.ok())
+    return absl::Status(model.status().code(),
+                        absl::StrCat("model ", dir, ": ", model.status().message()));
   model_ = *model;
   model_->train();
   const lm::ModelConfig& mc = model_->config();
   if (tokenizer_->vocab_size() > mc.vocab_size)
     return absl::InvalidArgumentError(absl::StrCat("the tokenizer has ", tokenizer_->vocab_size(),
-                                                   " ids but the model's vocabulary has only ", mc.vocab_size));
+                                                   " ids but the model's vocabulary has only ",
+                                                   mc.vocab_size));
   aux_coef_ = c_.train.aux_loss_coef >= 0 ? c_.train.aux_loss_coef : mc.router_aux_loss_coef;
   if (mc.num_experts == 0) aux_coef_ = 0;
   std::vector<std::pair<std::string, torch::Tensor>> params;
@@ -204,9 +218,11 @@ absl::Status SftJob::LoadModel(const std::string& dir) {
     count += p.value().numel();
   }
   optimizer_ = std::make_unique<AdamW>(params, c_.optim);
-  lm::log::Info(absl::StrFormat("model %s: %s, %d parameters (%d tensors with weight decay, %d without), aux loss coef %g, device %s",
-                                dir, mc.model_type, count, optimizer_->num_decay(), optimizer_->num_no_decay(),
-                                aux_coef_, device_.str()));
+  lm::log::Info(
+      absl::StrFormat("model %s: %s, %d parameters (%d tensors with weight decay, %d without), aux "
+                      "loss coef %g, device %s",
+                      dir, mc.model_type, count, optimizer_->num_decay(),
+                      optimizer_->num_no_decay(), aux_coef_, device_.str()));
   return absl::OkStatus();
 }
 
@@ -214,21 +230,25 @@ absl::StatusOr<int64_t> SftJob::PlanSteps() {
   if (c_.train.max_steps > 0) return c_.train.max_steps;
   // One epoch = as many conversations drawn as the sources hold; the last step may be partial
   // in data terms and is completed from the next epoch's order.
-  const uint64_t draws = static_cast<uint64_t>(std::ceil(c_.train.epochs * train_->stats().conversations));
+  const uint64_t draws =
+      static_cast<uint64_t>(std::ceil(c_.train.epochs * train_->stats().conversations));
   ASSIGN_OR_RETURN(int64_t packs, CountPacks(*train_, draws));
   const int64_t steps = (packs + c_.train.global_batch_size - 1) / c_.train.global_batch_size;
-  lm::log::Info(absl::StrFormat("%g epoch(s): %d conversations in %d packed sequences -> %d steps of %d sequences",
-                                c_.train.epochs, draws, packs, steps, c_.train.global_batch_size));
+  lm::log::Info(absl::StrFormat(
+      "%g epoch(s): %d conversations in %d packed sequences -> %d steps of %d sequences",
+      c_.train.epochs, draws, packs, steps, c_.train.global_batch_size));
   return std::max<int64_t>(steps, 1);
 }
 
 void SftJob::PrepareEvalSet() {
   if (!eval_) return;
-  const int64_t micro = c_.eval.micro_batch_size > 0 ? c_.eval.micro_batch_size : c_.train.micro_batch_size;
+  const int64_t micro =
+      c_.eval.micro_batch_size > 0 ? c_.eval.micro_batch_size : c_.train.micro_batch_size;
   std::vector<lm::PackedSequence> packs;
   const uint64_t pass = static_cast<uint64_t>(eval_->stats().conversations);
-  while (eval_->cursor().step < pass &&
-         (c_.eval.max_sequences == 0 || static_cast<int64_t>(packs.size()) < c_.eval.max_sequences)) {
+  while (
+      eval_->cursor().step < pass &&
+      (c_.eval.max_sequences == 0 || static_cast<int64_t>(packs.size()) < c_.eval.max_sequences)) {
     packs.push_back(eval_->NextPacked());
   }
   int64_t trained = 0;
@@ -236,7 +256,8 @@ void SftJob::PrepareEvalSet() {
     eval_set_.push_back(AssembleMicroBatch(packs, i, std::min(packs.size(), i + micro)));
     trained += eval_set_.back().trained();
   }
-  lm::log::Info(absl::StrFormat("held-out set: %d packed sequences, %d trained tokens", packs.size(), trained));
+  lm::log::Info(absl::StrFormat("held-out set: %d packed sequences, %d trained tokens",
+                                packs.size(), trained));
 }
 
 absl::Status SftJob::Resume(const std::string& checkpoint) {
@@ -245,13 +266,16 @@ absl::Status SftJob::Resume(const std::string& checkpoint) {
   step_ = state.at("step").get<int64_t>();
   const int64_t saved_total = state.at("total_steps").get<int64_t>();
   if (saved_total != schedule_.total_steps) {
-    lm::log::Warn(absl::StrFormat("the checkpoint planned %d steps, the config now gives %d: keeping %d so that the schedule continues",
-                                  saved_total, schedule_.total_steps, saved_total));
+    lm::log::Warn(
+        absl::StrFormat("the checkpoint planned %d steps, the config now gives %d: keeping %d so "
+                        "that the schedule continues",
+                        saved_total, schedule_.total_steps, saved_total));
     schedule_.total_steps = saved_total;
   }
   ASSIGN_OR_RETURN(cursor_, lm::DataCursor::FromJson(state.at("data_cursor").dump()));
   RETURN_IF_ERROR(train_->Seek(cursor_));
-  RETURN_IF_ERROR(LoadOptimizerState(checkpoint, state.at("optimizer_steps").get<int64_t>(), optimizer_.get()));
+  RETURN_IF_ERROR(
+      LoadOptimizerState(checkpoint, state.at("optimizer_steps").get<int64_t>(), optimizer_.get()));
   RETURN_IF_ERROR(RestoreRngState(state.at("rng")));
   nonfinite_consecutive_ = state.at("nonfinite").at("consecutive").get<int64_t>();
   nonfinite_total_ = state.at("nonfinite").at("total").get<int64_t>();
@@ -279,14 +303,14 @@ absl::Status SftJob::Init(const JobArgs& args) {
     RETURN_IF_ERROR(Resume(resume_from));
   }
   PrepareEvalSet();
-  ASSIGN_OR_RETURN(MetricsLogger m, MetricsLogger::Open(run_.metrics_jsonl(), run_.tensorboard(),
-                                                        c_.logging.tensorboard,
-                                                        resume_from.empty() ? -1 : step_));
+  ASSIGN_OR_RETURN(MetricsLogger m,
+                   MetricsLogger::Open(run_.metrics_jsonl(), run_.tensorboard(),
+                                       c_.logging.tensorboard, resume_from.empty() ? -1 : step_));
   metrics_ = std::make_unique<MetricsLogger>(std::move(m));
   if (c_.debug.dump_batches) {
     fs::create_directories(run_.debug());
-    batch_dump_ = std::make_unique<std::ofstream>(run_.debug() + "/batches.jsonl",
-                                                  resume_from.empty() ? std::ios::trunc : std::ios::app);
+    batch_dump_ = std::make_unique<std::ofstream>(
+        run_.debug() + "/batches.jsonl", resume_from.empty() ? std::ios::trunc : std::ios::app);
   }
   progress_ = std::make_unique<Progress>(schedule_.total_steps, c_.logging.log_every);
   return absl::OkStatus();
@@ -311,8 +335,11 @@ StepBatch SftJob::NextStepBatch() {
 void SftJob::DumpBatches(const StepBatch& b) {
   if (!batch_dump_) return;
   for (size_t i = 0; i < b.docs.size(); ++i) {
-    *batch_dump_ << nlohmann::json{{"step", step_ + 1}, {"micro", i}, {"num_micro", b.micro.size()},
-                                   {"step_trained_tokens", b.trained}, {"docs", b.docs[i]}}
+    *batch_dump_ << nlohmann::json{{"step", step_ + 1},
+                                   {"micro", i},
+                                   {"num_micro", b.micro.size()},
+                                   {"step_trained_tokens", b.trained},
+                                   {"docs", b.docs[i]}}
                         .dump()
                  << "\n";
   }
@@ -399,12 +426,16 @@ absl::Status SftJob::AfterStep(const StepOutcome& o, const StepBatch& b, double 
                         {"train/nonfinite_total", static_cast<double>(nonfinite_total_)}});
   progress_->Update({step_, o.loss, o.lr, tps, o.grad_norm, o.skipped}, seconds);
   if (o.skipped) {
-    progress_->Log(absl::StrFormat("step %d: non-finite loss (%g) or gradient norm (%g): update skipped (%d in a row, %d in total)",
-                                   step_, o.loss, o.grad_norm, nonfinite_consecutive_, nonfinite_total_));
+    progress_->Log(
+        absl::StrFormat("step %d: non-finite loss (%g) or gradient norm (%g): update skipped (%d "
+                        "in a row, %d in total)",
+                        step_, o.loss, o.grad_norm, nonfinite_consecutive_, nonfinite_total_));
   }
   if (nonfinite_consecutive_ >= c_.train.max_consecutive_nonfinite) {
-    return absl::AbortedError(absl::StrFormat("%d consecutive steps with a non-finite loss or gradient (train.max_consecutive_nonfinite = %d): stopping at step %d",
-                                              nonfinite_consecutive_, c_.train.max_consecutive_nonfinite, step_));
+    return absl::AbortedError(
+        absl::StrFormat("%d consecutive steps with a non-finite loss or gradient "
+                        "(train.max_consecutive_nonfinite = %d): stopping at step %d",
+                        nonfinite_consecutive_, c_.train.max_consecutive_nonfinite, step_));
   }
   return absl::OkStatus();
 }
@@ -419,7 +450,9 @@ double SftJob::Evaluate(int64_t* tokens) {
     torch::Tensor hidden = model_->Forward(ToDevice(mb, device_));
     auto rows = torch::tensor(mb.rows, torch::kInt64).to(device_);
     auto targets = torch::tensor(mb.targets, torch::kInt64).to(device_);
-    sum -= lm::TokenLogprobs(hidden.index_select(0, rows), model_->LmHeadWeight(), targets).sum().item<double>();
+    sum -= lm::TokenLogprobs(hidden.index_select(0, rows), model_->LmHeadWeight(), targets)
+               .sum()
+               .item<double>();
     count += mb.trained();
   }
   *tokens = count;
@@ -435,21 +468,27 @@ void SftJob::LogEval() {
   last_eval_loss_ = loss;
   last_eval_step_ = step_;
   metrics_->Log(step_, {{"eval/loss", loss}, {"eval/tokens", static_cast<double>(tokens)}});
-  progress_->Log(absl::StrFormat("step %d: held-out loss %.4f over %d tokens (%.1fs)", step_, loss, tokens, Seconds(t0)));
+  progress_->Log(absl::StrFormat("step %d: held-out loss %.4f over %d tokens (%.1fs)", step_, loss,
+                                 tokens, Seconds(t0)));
 }
 
 nlohmann::json SftJob::TrainerState() const {
   return {{"job", "sft"},
           {"total_steps", schedule_.total_steps},
-          {"schedule", {{"type", "cosine"}, {"peak_lr", schedule_.peak_lr}, {"min_lr", schedule_.min_lr},
-                        {"warmup_steps", schedule_.warmup_steps}, {"total_steps", schedule_.total_steps},
-                        {"next_lr", schedule_.LrAt(step_)}}},
+          {"schedule",
+           {{"type", "cosine"},
+            {"peak_lr", schedule_.peak_lr},
+            {"min_lr", schedule_.min_lr},
+            {"warmup_steps", schedule_.warmup_steps},
+            {"total_steps", schedule_.total_steps},
+            {"next_lr", schedule_.LrAt(step_)}}},
           {"data_cursor", nlohmann::json::parse(cursor_.ToJson())},
           {"rng", CaptureRngState()},
           {"nonfinite", {{"consecutive", nonfinite_consecutive_}, {"total", nonfinite_total_}}},
           {"tokens_seen", tokens_seen_},
           {"trained_tokens_seen", trained_tokens_seen_},
-          {"first_eval_loss", std::isnan(first_eval_loss_) ? nlohmann::json() : nlohmann::json(first_eval_loss_)},
+          {"first_eval_loss",
+           std::isnan(first_eval_loss_) ? nlohmann::json() : nlohmann::json(first_eval_loss_)},
           {"config", config_yaml_}};
 }
 
@@ -466,19 +505,23 @@ absl::Status SftJob::SaveCheckpoint() {
 
 absl::Status SftJob::StopForSignal() {
   const int sig = StopSignal();
-  progress_->Log(absl::StrFormat("received %s: the step in progress is abandoned; writing a checkpoint of step %d",
-                                 sig == SIGINT ? "SIGINT" : "SIGTERM", step_));
+  progress_->Log(absl::StrFormat(
+      "received %s: the step in progress is abandoned; writing a checkpoint of step %d",
+      sig == SIGINT ? "SIGINT" : "SIGTERM", step_));
   RETURN_IF_ERROR(SaveCheckpoint());
-  return absl::CancelledError(absl::StrFormat("stopped by %s at step %d of %d; resume with the same command",
-                                              sig == SIGINT ? "SIGINT" : "SIGTERM", step_, schedule_.total_steps));
+  return absl::CancelledError(
+      absl::StrFormat("stopped by %s at step %d of %d; resume with the same command",
+                      sig == SIGINT ? "SIGINT" : "SIGTERM", step_, schedule_.total_steps));
 }
 
 void SftJob::WriteSummary(double wall_s) {
   const nlohmann::json s = {
       {"steps", step_},
       {"total_steps", schedule_.total_steps},
-      {"first_eval_loss", std::isnan(first_eval_loss_) ? nlohmann::json() : nlohmann::json(first_eval_loss_)},
-      {"final_eval_loss", std::isnan(last_eval_loss_) ? nlohmann::json() : nlohmann::json(last_eval_loss_)},
+      {"first_eval_loss",
+       std::isnan(first_eval_loss_) ? nlohmann::json() : nlohmann::json(first_eval_loss_)},
+      {"final_eval_loss",
+       std::isnan(last_eval_loss_) ? nlohmann::json() : nlohmann::json(last_eval_loss_)},
       {"tokens_per_s", step_seconds_sum_ > 0 ? step_tokens_sum_ / step_seconds_sum_ : 0.0},
       {"nonfinite_total", nonfinite_total_},
       {"peak_rss_mb", PeakRssMb()},
@@ -489,11 +532,12 @@ void SftJob::WriteSummary(double wall_s) {
 absl::Status SftJob::Train() {
   InstallStopHandlers();
   const auto start = Clock::now();
-  lm::log::Info(absl::StrFormat("training steps %d..%d: %d sequences per step in %d micro-batches of %d, lr %g -> %g (warm-up %d)",
-                                step_ + 1, schedule_.total_steps, c_.train.global_batch_size,
-                                c_.train.global_batch_size / c_.train.micro_batch_size,
-                                c_.train.micro_batch_size, schedule_.peak_lr, schedule_.min_lr,
-                                schedule_.warmup_steps));
+  lm::log::Info(absl::StrFormat(
+      "training steps %d..%d: %d sequences per step in %d micro-batches of %d, lr %g -> %g "
+      "(warm-up %d)",
+      step_ + 1, schedule_.total_steps, c_.train.global_batch_size,
+      c_.train.global_batch_size / c_.train.micro_batch_size, c_.train.micro_batch_size,
+      schedule_.peak_lr, schedule_.min_lr, schedule_.warmup_steps));
   if (step_ == 0) LogEval();
   while (step_ < schedule_.total_steps) {
     if (StopRequested()) return StopForSignal();
@@ -504,16 +548,19 @@ absl::Status SftJob::Train() {
     if (outcome.abandoned) return StopForSignal();
     RETURN_IF_ERROR(AfterStep(outcome, batch, Seconds(t0)));
     if (c_.eval.every > 0 && step_ % c_.eval.every == 0) LogEval();
-    if (c_.checkpoint.every > 0 && step_ % c_.checkpoint.every == 0) RETURN_IF_ERROR(SaveCheckpoint());
-    if (c_.debug.step_sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(c_.debug.step_sleep_ms));
+    if (c_.checkpoint.every > 0 && step_ % c_.checkpoint.every == 0)
+      RETURN_IF_ERROR(SaveCheckpoint());
+    if (c_.debug.step_sleep_ms > 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds(c_.debug.step_sleep_ms));
   }
   LogEval();
   if (c_.checkpoint.at_end) RETURN_IF_ERROR(SaveCheckpoint());
   progress_->Finish();
   WriteSummary(Seconds(start));
-  lm::log::Info(absl::StrFormat("done: %d steps, held-out loss %.4f -> %.4f, %.0f tokens/s, peak RSS %.0f MiB",
-                                step_, first_eval_loss_, last_eval_loss_,
-                                step_seconds_sum_ > 0 ? step_tokens_sum_ / step_seconds_sum_ : 0.0, PeakRssMb()));
+  lm::log::Info(absl::StrFormat(
+      "done: %d steps, held-out loss %.4f -> %.4f, %.0f tokens/s, peak RSS %.0f MiB", step_,
+      first_eval_loss_, last_eval_loss_,
+      step_seconds_sum_ > 0 ? step_tokens_sum_ / step_seconds_sum_ : 0.0, PeakRssMb()));
   return absl::OkStatus();
 }
 
@@ -525,7 +572,8 @@ absl::Status RunSft(const SftConfig& config, const JobArgs& args) {
   ASSIGN_OR_RETURN(RunDir run, RunDir::Open(config.run.dir));
   const std::string yaml = EncodeConfig(config);
   RETURN_IF_ERROR(run.SaveConfig(yaml));
-  lm::log::Info(absl::StrCat("opd-trainer sft: run directory ", run.path(), ", resolved config in ", run.config_file()));
+  lm::log::Info(absl::StrCat("opd-trainer sft: run directory ", run.path(), ", resolved config in ",
+                             run.config_file()));
   SftJob job(config, run, yaml);
   RETURN_IF_ERROR(job.Init(args));
   return job.Train();
@@ -533,10 +581,12 @@ absl::Status RunSft(const SftConfig& config, const JobArgs& args) {
 
 int SftMain(const std::vector<std::string>& words) {
   constexpr const char* kUsage =
-      "usage: opd-trainer sft --config configs/sft/NAME.yaml [--set key.path=value ...] [--resume[=CHECKPOINT_DIR]]\n";
+      "usage: opd-trainer sft --config configs/sft/NAME.yaml [--set key.path=value ...] "
+      "[--resume[=CHECKPOINT_DIR]]\n";
   absl::StatusOr<JobArgs> args = ParseJobArgs(words);
   if (!args.ok()) {
-    std::fprintf(stderr, "opd-trainer sft: %s\n%s", std::string(args.status().message()).c_str(), kUsage);
+    std::fprintf(stderr, "opd-trainer sft: %s\n%s", std::string(args.status().message()).c_str(),
+                 kUsage);
     return 2;
   }
   absl::StatusOr<SftConfig> config = LoadConfig<SftConfig>(args->config_path, args->overrides);

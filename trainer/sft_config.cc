@@ -31,7 +31,8 @@ absl::Status CheckSources(const std::string& key, const std::vector<SftSourceCon
 
 absl::Status CheckOptim(const OptimConfig& o) {
   if (!(o.lr > 0)) return Invalid("optim.lr", "must be > 0");
-  if (!(o.min_lr >= 0 && o.min_lr <= o.lr)) return Invalid("optim.min_lr", "must be in [0, optim.lr]");
+  if (!(o.min_lr >= 0 && o.min_lr <= o.lr))
+    return Invalid("optim.min_lr", "must be in [0, optim.lr]");
   if (o.warmup_steps < 0) return Invalid("optim.warmup_steps", "must be >= 0");
   if (!(o.weight_decay >= 0)) return Invalid("optim.weight_decay", "must be >= 0");
   if (!(o.beta1 >= 0 && o.beta1 < 1)) return Invalid("optim.beta1", "must be in [0, 1)");
@@ -44,33 +45,40 @@ absl::Status CheckTrain(const SftTrainConfig& t) {
   if (t.global_batch_size <= 0) return Invalid("train.global_batch_size", "must be > 0");
   if (t.micro_batch_size <= 0) return Invalid("train.micro_batch_size", "must be > 0");
   if (t.global_batch_size % t.micro_batch_size != 0)
-    return Invalid("train.global_batch_size",
-                   absl::StrCat(t.global_batch_size, " is not divisible by train.micro_batch_size (",
-                                t.micro_batch_size, "): every step must be whole micro-batches"));
+    return Invalid(
+        "train.global_batch_size",
+        absl::StrCat(t.global_batch_size, " is not divisible by train.micro_batch_size (",
+                     t.micro_batch_size, "): every step must be whole micro-batches"));
   if (t.max_steps < 0) return Invalid("train.max_steps", "must be >= 0");
-  if (t.max_steps == 0 && !(t.epochs > 0)) return Invalid("train.epochs", "must be > 0 (or set train.max_steps)");
+  if (t.max_steps == 0 && !(t.epochs > 0))
+    return Invalid("train.epochs", "must be > 0 (or set train.max_steps)");
   if (t.threads < 0) return Invalid("train.threads", "must be >= 0");
-  if (t.max_consecutive_nonfinite < 1) return Invalid("train.max_consecutive_nonfinite", "must be >= 1");
+  if (t.max_consecutive_nonfinite < 1)
+    return Invalid("train.max_consecutive_nonfinite", "must be >= 1");
   return OneOf("train.device", t.device, {"auto", "cpu", "cuda"});
 }
 
 }  // namespace
 
 absl::Status ValidateSftConfig(const SftConfig& c) {
-  if (c.model.path.empty()) return Invalid("model.path", "required (the student's HF model directory)");
-  if (absl::Status s = OneOf("model.chat_format", c.model.chat_format, {"qwen3", "qwen2"}); !s.ok()) return s;
+  if (c.model.path.empty())
+    return Invalid("model.path", "required (the student's HF model directory)");
+  if (absl::Status s = OneOf("model.chat_format", c.model.chat_format, {"qwen3", "qwen2"}); !s.ok())
+    return s;
   if (c.data.train.empty()) return Invalid("data.train", "required (at least one source)");
   if (absl::Status s = CheckSources("data.train", c.data.train); !s.ok()) return s;
   if (absl::Status s = CheckSources("data.eval", c.data.eval); !s.ok()) return s;
   if (c.data.max_seq_len < 8) return Invalid("data.max_seq_len", "must be >= 8");
-  if (absl::Status s = OneOf("data.overlong", c.data.overlong, {"truncate", "drop"}); !s.ok()) return s;
+  if (absl::Status s = OneOf("data.overlong", c.data.overlong, {"truncate", "drop"}); !s.ok())
+    return s;
   if (absl::Status s = CheckTrain(c.train); !s.ok()) return s;
   if (absl::Status s = CheckOptim(c.optim); !s.ok()) return s;
   if (c.eval.every < 0) return Invalid("eval.every", "must be >= 0");
   if (c.eval.max_sequences < 0) return Invalid("eval.max_sequences", "must be >= 0");
   if (c.eval.micro_batch_size < 0) return Invalid("eval.micro_batch_size", "must be >= 0");
   if (c.checkpoint.every < 0) return Invalid("checkpoint.every", "must be >= 0");
-  if (c.checkpoint.keep_last < 0) return Invalid("checkpoint.keep_last", "must be >= 0 (0 keeps all)");
+  if (c.checkpoint.keep_last < 0)
+    return Invalid("checkpoint.keep_last", "must be >= 0 (0 keeps all)");
   if (c.logging.log_every < 1) return Invalid("logging.log_every", "must be >= 1");
   if (c.run.dir.empty()) return Invalid("run.dir", "required (the run directory)");
   if (absl::Status s = OneOf("run.resume", c.run.resume, {"auto", "never"}); !s.ok()) return s;

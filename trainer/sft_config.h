@@ -14,9 +14,9 @@
 namespace trainer {
 
 struct SftModelConfig {
-  std::string path;                  // HF model directory of the student (required)
-  std::string tokenizer;             // tokenizer.json or a directory; default: `path`
-  std::string chat_format = "qwen3"; // qwen3 (no default system message) | qwen2
+  std::string path;                   // HF model directory of the student (required)
+  std::string tokenizer;              // tokenizer.json or a directory; default: `path`
+  std::string chat_format = "qwen3";  // qwen3 (no default system message) | qwen2
 };
 
 template <class V>
@@ -45,8 +45,8 @@ struct SftDataConfig {
   int64_t max_seq_len = 8192;          // packed sequence length (the max context)
   std::string overlong = "truncate";   // truncate | drop conversations above max_seq_len
   bool shuffle = true;
-  int64_t seed = 0;                    // data order
-  bool skip_bad_lines = false;         // else a malformed line is an error naming file:line
+  int64_t seed = 0;             // data order
+  bool skip_bad_lines = false;  // else a malformed line is an error naming file:line
 };
 
 template <class V>
@@ -61,15 +61,15 @@ void VisitFields(V& v, SftDataConfig& c) {
 }
 
 struct SftTrainConfig {
-  double epochs = 1.0;                 // passes over the training conversations
-  int64_t max_steps = 0;               // > 0: exactly this many steps (overrides epochs)
-  int64_t global_batch_size = 512;     // packed sequences per optimizer step
-  int64_t micro_batch_size = 1;        // sequences per forward/backward (gradient accumulation)
-  std::string device = "auto";         // auto (cuda when available) | cpu | cuda
-  int64_t threads = 0;                 // intra-op CPU threads; 0: LibTorch's default
-  double aux_loss_coef = -1;           // router load-balancing loss weight; < 0: the model's
+  double epochs = 1.0;                     // passes over the training conversations
+  int64_t max_steps = 0;                   // > 0: exactly this many steps (overrides epochs)
+  int64_t global_batch_size = 512;         // packed sequences per optimizer step
+  int64_t micro_batch_size = 1;            // sequences per forward/backward (gradient accumulation)
+  std::string device = "auto";             // auto (cuda when available) | cpu | cuda
+  int64_t threads = 0;                     // intra-op CPU threads; 0: LibTorch's default
+  double aux_loss_coef = -1;               // router load-balancing loss weight; < 0: the model's
   int64_t max_consecutive_nonfinite = 10;  // skipped NaN/Inf steps in a row before giving up
-  int64_t seed = 0;                    // torch's RNG (saved and restored with checkpoints)
+  int64_t seed = 0;                        // torch's RNG (saved and restored with checkpoints)
 };
 
 template <class V>
@@ -100,9 +100,9 @@ void VisitFields(V& v, SftEvalConfig& c) {
 
 // Test and debugging hooks; all off by default.
 struct SftDebugConfig {
-  bool dump_batches = false;        // <run>/debug/batches.jsonl: every micro-batch's documents
-  std::vector<int64_t> nan_steps;   // 1-based steps whose loss is poisoned with NaN
-  int64_t step_sleep_ms = 0;        // pause after each step (makes kill tests deterministic)
+  bool dump_batches = false;       // <run>/debug/batches.jsonl: every micro-batch's documents
+  std::vector<int64_t> nan_steps;  // 1-based steps whose loss is poisoned with NaN
+  int64_t step_sleep_ms = 0;       // pause after each step (makes kill tests deterministic)
 };
 
 template <class V>

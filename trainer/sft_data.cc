@@ -35,14 +35,16 @@ HostMicroBatch AssembleMicroBatch(const std::vector<lm::PackedSequence>& seqs, s
   return mb;
 }
 
-nlohmann::json DocumentsJson(const std::vector<lm::PackedSequence>& seqs, size_t begin, size_t end) {
+nlohmann::json DocumentsJson(const std::vector<lm::PackedSequence>& seqs, size_t begin,
+                             size_t end) {
   nlohmann::json docs = nlohmann::json::array();
   for (size_t s = begin; s < end; ++s) {
     const lm::PackedSequence& p = seqs[s];
     for (int32_t d = 0; d < p.num_documents(); ++d) {
       const auto a = p.cu_seqlens[d], b = p.cu_seqlens[d + 1];
-      docs.push_back({{"ids", std::vector<int32_t>(p.input_ids.begin() + a, p.input_ids.begin() + b)},
-                      {"labels", std::vector<int32_t>(p.labels.begin() + a, p.labels.begin() + b)}});
+      docs.push_back(
+          {{"ids", std::vector<int32_t>(p.input_ids.begin() + a, p.input_ids.begin() + b)},
+           {"labels", std::vector<int32_t>(p.labels.begin() + a, p.labels.begin() + b)}});
     }
   }
   return docs;

@@ -26,7 +26,7 @@ struct HostMicroBatch {
 
   int64_t tokens() const { return static_cast<int64_t>(input_ids.size()); }
   int64_t trained() const { return static_cast<int64_t>(rows.size()); }
-  int64_t max_id() const;             // largest input or target id (vocabulary check)
+  int64_t max_id() const;  // largest input or target id (vocabulary check)
 };
 
 // Micro-batch from sequences [begin, end) of `seqs`.

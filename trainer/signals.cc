@@ -8,7 +8,9 @@ namespace {
 // Only a lock-free atomic object may be written from a signal handler.
 volatile std::sig_atomic_t g_signal = 0;
 
-void OnSignal(int signo) { g_signal = signo; }
+void OnSignal(int signo) {
+  g_signal = signo;
+}
 
 }  // namespace
 
@@ -21,8 +23,12 @@ void InstallStopHandlers() {
   sigaction(SIGTERM, &sa, nullptr);
 }
 
-bool StopRequested() { return g_signal != 0; }
-int StopSignal() { return g_signal; }
+bool StopRequested() {
+  return g_signal != 0;
+}
+int StopSignal() {
+  return g_signal;
+}
 
 void ResetStopForTest() {
   g_signal = 0;

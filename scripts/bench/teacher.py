@@ -47,8 +47,10 @@ def main():
     with running_service(os.path.join(args.build, "teacher_service", "opd-teacher"),
                          [f"--model={model_dir}", f"--threads={args.threads}",
                           f"--max-batch-tokens={tokens}"], secret) as addr:
-        grpc_side = run_bench(args.build, [*common, f"--addr={addr}"], env=dict(os.environ, OPD_SECRET=secret))
-    inproc = run_bench(args.build, [*common, f"--model={model_dir}", f"--threads={args.threads}"])
+        # Both sides in one process, alternating, so that both see the same machine load.
+        both = run_bench(args.build, [*common, f"--addr={addr}", f"--model={model_dir}", f"--threads={args.threads}"],
+                         env=dict(os.environ, OPD_SECRET=secret))
+    grpc_side, inproc = both["grpc"], both["inprocess"]
 
     model = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     times, checksum = [], 0.0
