@@ -51,9 +51,9 @@ sft() {  # name, config json, training file, steps, seed
 }
 
 log "SFT: the weaker teacher, the stronger teacher, and (briefly) the student"
-sft teacher_small "$T/models/teacher_small.json" "$T/sft_teacher.jsonl" 300 11
+sft teacher_small "$T/models/teacher_small.json" "$T/sft_teacher.jsonl" 220 11
 sft teacher_large "$T/models/teacher_large.json" "$T/sft_teacher.jsonl" 400 12
-sft student "$T/models/student.json" "$T/sft_student.jsonl" 60 13
+sft student "$T/models/student.json" "$T/sft_student.jsonl" 120 13
 TS=$(final_model "$RUN/sft/teacher_small"); TL=$(final_model "$RUN/sft/teacher_large"); ST=$(final_model "$RUN/sft/student")
 
 log "services: two teachers and one rollout worker on loopback"

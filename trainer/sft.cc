@@ -283,6 +283,7 @@ absl::Status SftJob::Resume(const std::string& checkpoint) {
   trained_tokens_seen_ = state.at("trained_tokens_seen").get<int64_t>();
   first_eval_loss_ = state.value("first_eval_loss", std::nan(""));
   last_checkpoint_step_ = step_;
+  last_eval_step_ = step_;  // an evaluation due at this step ran before the checkpoint was written
   lm::log::Info(absl::StrCat("resumed from ", checkpoint, " at step ", step_));
   return absl::OkStatus();
 }
