@@ -37,6 +37,34 @@ struct Draws {
   std::vector<float> logprobs;
 };
 
+constexpr int64_t kBlock = 1024;  // probabilities summed per block for the two-level search
+
+// Inverse-CDF draw from one row of probabilities: the first token whose cumulative probability
+// exceeds u * total, found through the row's block sums and then within one block (in fp64). A
+// token of probability 0 never adds mass, so it can never be the one chosen.
+int64_t DrawFromRow(const float* probs, const double* block_sums, int64_t V, double u) {
+  const int64_t blocks = (V + kBlock - 1) / kBlock;
+  double total = 0;
+  for (int64_t j = 0; j < blocks; ++j) total += block_sums[j];
+  const double target = u * total;
+  double acc = 0;
+  int64_t j = 0;
+  while (j + 1 < blocks && acc + block_sums[j] <= target) acc += block_sums[j++];
+  int64_t last_positive = -1;
+  for (int64_t i = j * kBlock; i < std::min(V, (j + 1) * kBlock); ++i) {
+    if (probs[i] <= 0) continue;
+    acc += probs[i];
+    last_positive = i;
+    if (acc > target) return i;
+  }
+  // Rounding left the target just above this block's mass: the last token with mass.
+  if (last_positive >= 0) return last_positive;
+  for (int64_t i = V - 1; i >= 0; --i) {
+    if (probs[i] > 0) return i;
+  }
+  return 0;
+}
+
 // One token per row of logits [B, V], row i drawn with slots[i]'s generator.
 Draws Draw(const torch::Tensor& logits, std::vector<Slot>& slots, const SamplingParams& p) {
   const int64_t B = logits.size(0), V = logits.size(1);
@@ -47,24 +75,20 @@ Draws Draw(const torch::Tensor& logits, std::vector<Slot>& slots, const Sampling
     d.logprobs.assign(B, 0.0f);  // a point mass
     return d;
   }
-  auto lp = FilteredLogprobs(logits, p.temperature, p.top_k, p.top_p);
-  // Inverse CDF in fp64: the first token whose cumulative probability exceeds u * total. A
-  // filtered token (probability 0) never adds mass, so it can never be the first to exceed.
-  auto cdf = lp.exp().to(torch::kFloat64).cumsum(-1);
-  std::vector<double> u(B);
-  for (int64_t i = 0; i < B; ++i) u[i] = Uniform(slots[i].rng);
-  auto target = torch::tensor(u, torch::kFloat64).unsqueeze(1) * cdf.narrow(1, V - 1, 1);
-  auto idx = torch::searchsorted(cdf, target, /*out_int32=*/false, /*right=*/true).clamp_max(V - 1);
-  auto chosen = lp.gather(1, idx).squeeze(1).contiguous();
-  idx = idx.squeeze(1).contiguous();
-  d.tokens.assign(idx.data_ptr<int64_t>(), idx.data_ptr<int64_t>() + B);
-  d.logprobs.assign(chosen.data_ptr<float>(), chosen.data_ptr<float>() + B);
+  // softmax, not exp(log_softmax): LibTorch's standalone exp is several times slower on CPU, and
+  // this runs over [B, vocab] every step.
+  const auto probs =
+      torch::softmax(FilteredLogits(logits, p.temperature, p.top_k, p.top_p), -1).contiguous();
+  const int64_t blocks = (V + kBlock - 1) / kBlock;
+  const auto padded = torch::constant_pad_nd(probs, {0, blocks * kBlock - V});
+  const auto sums =
+      padded.view({B, blocks, kBlock}).sum(-1, /*keepdim=*/false, torch::kFloat64).contiguous();
+  const float* pp = probs.data_ptr<float>();
+  const double* sp = sums.data_ptr<double>();
   for (int64_t i = 0; i < B; ++i) {
-    // u * total can round up to total itself; fall back to the most likely token then.
-    if (!std::isfinite(d.logprobs[i])) {
-      d.tokens[i] = lp[i].argmax().item<int64_t>();
-      d.logprobs[i] = lp[i][d.tokens[i]].item<float>();
-    }
+    const int64_t tok = DrawFromRow(pp + i * V, sp + i * blocks, V, Uniform(slots[i].rng));
+    d.tokens.push_back(tok);
+    d.logprobs.push_back(static_cast<float>(std::log(static_cast<double>(pp[i * V + tok]))));
   }
   return d;
 }
@@ -144,14 +168,14 @@ absl::Status Validate(const std::vector<std::vector<int64_t>>& prompts, const Sa
   return absl::OkStatus();
 }
 
-torch::Tensor FilteredLogprobs(const torch::Tensor& logits, double temperature, int64_t top_k,
-                               double top_p) {
+torch::Tensor FilteredLogits(const torch::Tensor& logits, double temperature, int64_t top_k,
+                             double top_p) {
   auto x = logits.to(torch::kFloat32);
   if (temperature != 1.0) x = x / temperature;
   const int64_t V = x.size(-1);
   const bool use_k = top_k > 0 && top_k < V;
   const bool use_p = top_p > 0 && top_p < 1;
-  if (!use_k && !use_p) return torch::log_softmax(x, -1);
+  if (!use_k && !use_p) return x;
   // Candidates, most likely first: the top k, or the whole (sorted) vocabulary for top-p alone.
   auto [vals, idx] = use_k ? x.topk(top_k, -1, /*largest=*/true, /*sorted=*/true)
                            : x.sort(-1, /*descending=*/true);
@@ -161,9 +185,12 @@ torch::Tensor FilteredLogprobs(const torch::Tensor& logits, double temperature, 
     auto mass_before = probs.cumsum(-1) - probs;
     vals = vals.masked_fill(mass_before >= top_p, -std::numeric_limits<float>::infinity());
   }
-  auto filtered =
-      torch::full_like(x, -std::numeric_limits<float>::infinity()).scatter(-1, idx, vals);
-  return torch::log_softmax(filtered, -1);
+  return torch::full_like(x, -std::numeric_limits<float>::infinity()).scatter(-1, idx, vals);
+}
+
+torch::Tensor FilteredLogprobs(const torch::Tensor& logits, double temperature, int64_t top_k,
+                               double top_p) {
+  return torch::log_softmax(FilteredLogits(logits, temperature, top_k, top_p), -1);
 }
 
 absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,

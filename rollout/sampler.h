@@ -7,9 +7,10 @@
 //      batch (KVCache::Select) and are reported at once.
 //
 // Randomness: sample s of prompt p draws from its own generator seeded by (seed, p, s), one
-// uniform per token (inverse-CDF sampling), so a sample does not depend on which other prompts
-// or samples share its batch. The log-prob reported for a token is under the distribution it was
-// drawn from: temperature-scaled, then top-k, then top-p filtered and renormalised (0 for greedy).
+// uniform per token (inverse-CDF sampling over the softmax, through per-1024-token block sums),
+// so a sample does not depend on which other prompts or samples share its batch. The log-prob
+// reported for a token is under the distribution it was drawn from: temperature-scaled, then top-k,
+// then top-p filtered and renormalised (0 for greedy).
 #pragma once
 
 #include <cstdint>
@@ -72,9 +73,12 @@ absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
                                              const std::function<void(Sample)>& on_sample,
                                              const std::function<bool()>& cancelled = nullptr);
 
-// Log-probs [B, V] (fp32) of the distribution sampled from, given logits [B, V]: logits /
-// temperature, keep the top_k largest (exactly k; 0 = all), then the smallest most-likely set
-// whose probability reaches top_p; everything else is -inf. temperature must be > 0.
+// The logits [B, V] (fp32) of the distribution sampled from: logits / temperature, keep the
+// top_k largest (exactly k; 0 = all), then the smallest most-likely set whose probability
+// reaches top_p; everything else is -inf. temperature must be > 0.
+torch::Tensor FilteredLogits(const torch::Tensor& logits, double temperature, int64_t top_k,
+                             double top_p);
+// log_softmax of FilteredLogits: the log-probs of every token under that distribution.
 torch::Tensor FilteredLogprobs(const torch::Tensor& logits, double temperature, int64_t top_k,
                                double top_p);
 

@@ -364,6 +364,23 @@ TEST(NextModel, ScoringOnlyNoKVCache) {
   EXPECT_THROW(model->Forward(PackedBatch::FromSequences({{1, 2}}), opts), c10::Error);
 }
 
+// The teacher may be served in bf16: the delta rule still runs in fp32 and the logits stay close
+// to the fp32 reference (bf16 keeps ~3 significant digits, hence the loose bound).
+TEST(NextModel, Bf16ForwardStaysClose) {
+  torch::NoGradGuard no_grad;
+  Fixture f = LoadFixture("next_sparse2_ratio3");
+  LoadOptions bf16;
+  bf16.dtype = torch::kBFloat16;
+  auto model = LoadModel(f.dir + "/model", bf16);
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto logits = (*model)->Logits((*model)->Forward(PackedBatch::FromSequences(f.seqs)));
+  EXPECT_EQ(logits.scalar_type(), torch::kBFloat16);
+  const double d = MaxAbsDiff(logits.to(torch::kFloat32), f.ref["logits"]);
+  std::printf("bf16 max |logits diff| = %.3g (max |logit| %.3g)\n", d,
+              f.ref["logits"].abs().max().item<double>());
+  EXPECT_LE(d, 0.25);
+}
+
 TEST(NextModel, ParameterNamesAreTheCheckpoints) {
   auto model = MustLoad(kFixtures + "/next_full_first_ratio4/model");
   ASSERT_TRUE(model);

@@ -273,7 +273,7 @@ class TeacherService : public ::testing::Test {
     teacher_ =
         ServerProcess::Start(Binary("teacher_service/opd-teacher"),
                              {"--model=" + FixtureModel(), "--secret-file=" + secret.string(),
-                              "--threads=1", "--max-batch-tokens=64"})
+                              "--threads=1", "--max-batch-tokens=64", "--max-message-mb=1"})
             .release();
   }
   static void TearDownTestSuite() {
@@ -423,6 +423,9 @@ TEST_F(TeacherService, BadInputGetsInvalidArgumentAndServerKeepsServing) {
   so = {};
   so.top_k = 1000000;
   expect({{{1, 2}, 1}}, so, "top_k");
+  // A request above the server's message limit (1 MiB here) is RESOURCE_EXHAUSTED.
+  auto huge = c->Score({{std::vector<int32_t>(1500000, 1), 1}});
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
   // An expired deadline is the client's DEADLINE_EXCEEDED.
   auto opts = Options(*teacher_);
   opts.timeout = absl::Microseconds(1);

@@ -18,6 +18,6 @@ namespace trainer {
 // hidden [N, H], weight [V, H], targets [N] int64 -> 0-dim fp32 sum of -log p(target). Gradients
 // flow to hidden and weight (computed during the forward when either requires grad).
 torch::Tensor FusedNllSum(const torch::Tensor& hidden, const torch::Tensor& weight,
-                          const torch::Tensor& targets, int64_t chunk_rows = 1024);
+                          const torch::Tensor& targets, int64_t chunk_rows = 512);
 
 }  // namespace trainer
