@@ -23,7 +23,8 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: opd-ctl eval --model DIR --prompts FILE [--tokenizer DIR] [--teachers DIR,DIR]\n"
-    "                    [--samples 1] [--temperature 1.0] [--max-new-tokens 32] [--seed 0] [--threads N]\n";
+    "                    [--samples 1] [--temperature 1.0] [--max-new-tokens 32] [--seed 0] "
+    "[--threads N]\n";
 
 // Per-token reverse KL of the samples to `teacher`: mean of (model lp - teacher lp). The teacher
 // scores the samples in packed batches of up to 256 sequences.
@@ -56,8 +57,8 @@ double ReverseKl(lm::CausalLM& teacher, const std::vector<lm::PromptExample>& pr
 }  // namespace
 
 int RunEval(const std::vector<std::string>& words) {
-  auto args = Args::Parse(words, {"model", "prompts", "tokenizer", "teachers", "samples", "temperature",
-                                  "max-new-tokens", "seed", "threads"});
+  auto args = Args::Parse(words, {"model", "prompts", "tokenizer", "teachers", "samples",
+                                  "temperature", "max-new-tokens", "seed", "threads"});
   if (!args.ok() || !args->Has("model") || !args->Has("prompts")) {
     std::cerr << (args.ok() ? "" : std::string(args.status().message()) + "\n") << kUsage;
     return 2;
@@ -93,7 +94,8 @@ int RunEval(const std::vector<std::string>& words) {
   for (const auto& p : prompts) ids.emplace_back(p.prompt_ids.begin(), p.prompt_ids.end());
   std::vector<rollout::Sample> samples;
   torch::NoGradGuard no_grad;
-  auto stats = rollout::SampleResponses(**model, ids, sp, [&](rollout::Sample s) { samples.push_back(std::move(s)); });
+  auto stats = rollout::SampleResponses(
+      **model, ids, sp, [&](rollout::Sample s) { samples.push_back(std::move(s)); });
   if (!stats.ok()) return fail("sampling", stats.status());
 
   int64_t correct = 0, with_answer = 0, tokens = 0;
@@ -106,14 +108,17 @@ int RunEval(const std::vector<std::string>& words) {
     const std::string text = (*tokenizer)->Decode(resp, /*skip_special=*/true);
     correct += absl::StripAsciiWhitespace(text) == absl::StripAsciiWhitespace(*answer);
   }
-  nlohmann::json out = {{"model", args->Get("model")},
-                        {"prompts", prompts.size()},
-                        {"samples", samples.size()},
-                        {"accuracy", with_answer ? static_cast<double>(correct) / with_answer : 0.0},
-                        {"mean_response_tokens", samples.empty() ? 0.0 : static_cast<double>(tokens) / samples.size()},
-                        {"reverse_kl", nlohmann::json::object()}};
+  nlohmann::json out = {
+      {"model", args->Get("model")},
+      {"prompts", prompts.size()},
+      {"samples", samples.size()},
+      {"accuracy", with_answer ? static_cast<double>(correct) / with_answer : 0.0},
+      {"mean_response_tokens",
+       samples.empty() ? 0.0 : static_cast<double>(tokens) / samples.size()},
+      {"reverse_kl", nlohmann::json::object()}};
   if (args->Has("teachers")) {
-    for (const std::string& dir : std::vector<std::string>(absl::StrSplit(args->Get("teachers"), ',', absl::SkipEmpty()))) {
+    for (const std::string& dir :
+         std::vector<std::string>(absl::StrSplit(args->Get("teachers"), ',', absl::SkipEmpty()))) {
       auto teacher = lm::LoadModel(dir);
       if (!teacher.ok()) return fail("teacher", teacher.status());
       (*teacher)->eval();

@@ -17,7 +17,8 @@ namespace ctl {
 
 int RunSwapTeacher(const std::vector<std::string>& words) {
   constexpr const char* kUsage =
-      "usage: opd-ctl swap-teacher --learner HOST:PORT --stage NAME --endpoints A,B [--secret-file F] [--timeout S]\n"
+      "usage: opd-ctl swap-teacher --learner HOST:PORT --stage NAME --endpoints A,B [--secret-file "
+      "F] [--timeout S]\n"
       "  the secret comes from --secret-file or $OPD_SECRET\n";
   auto args = Args::Parse(words, {"learner", "stage", "endpoints", "secret-file", "timeout"});
   if (!args.ok() || !args->Has("learner") || !args->Has("stage") || !args->Has("endpoints")) {
@@ -41,13 +42,16 @@ int RunSwapTeacher(const std::vector<std::string>& words) {
   auto stub = opd::v1::Learner::NewStub(*channel);
   opd::v1::SwapTeacherRequest req;
   req.set_stage(args->Get("stage"));
-  for (const std::string& e : std::vector<std::string>(absl::StrSplit(args->Get("endpoints"), ',', absl::SkipEmpty()))) req.add_endpoints(e);
+  for (const std::string& e :
+       std::vector<std::string>(absl::StrSplit(args->Get("endpoints"), ',', absl::SkipEmpty())))
+    req.add_endpoints(e);
   opd::v1::SwapTeacherResponse resp;
   grpc::ClientContext ctx;
   opd::rpc::PrepareContext(opts, &ctx);
   grpc::Status s = stub->SwapTeacher(&ctx, req, &resp);
   if (!s.ok()) {
-    std::cerr << "opd-ctl swap-teacher: " << opts.address << ": " << s.error_code() << " " << s.error_message() << "\n";
+    std::cerr << "opd-ctl swap-teacher: " << opts.address << ": " << s.error_code() << " "
+              << s.error_message() << "\n";
     return 1;
   }
   std::cout << "stage '" << resp.stage() << "': " << resp.message() << "\n";

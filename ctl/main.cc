@@ -18,8 +18,10 @@ constexpr ctl::Command kCommands[] = {
     {"generate", "samples from a running rollout worker", ctl::RunGenerate},
     {"push-weights", "send a model directory's weights to a rollout worker", ctl::RunPushWeights},
     {"init-model", "a random model (HF directory) from a config.json", ctl::RunInitModel},
-    {"eval", "task accuracy (and reverse KL to teachers) of a model on prompts with answers", ctl::RunEval},
-    {"swap-teacher", "make a running OPD learner use other teacher replicas for a stage", ctl::RunSwapTeacher},
+    {"eval", "task accuracy (and reverse KL to teachers) of a model on prompts with answers",
+     ctl::RunEval},
+    {"swap-teacher", "make a running OPD learner use other teacher replicas for a stage",
+     ctl::RunSwapTeacher},
 };
 
 void PrintUsage() {

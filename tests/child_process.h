@@ -54,7 +54,8 @@ class ChildProcess {
   // Waits up to `timeout` for the exit; returns the exit code (128 + signal), or -1 on timeout.
   int Wait(std::chrono::seconds timeout) {
     const auto end = std::chrono::steady_clock::now() + timeout;
-    while (Running() && std::chrono::steady_clock::now() < end) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    while (Running() && std::chrono::steady_clock::now() < end)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
     return Running() ? -1 : exit_code_;
   }
   int Stop() {
@@ -88,7 +89,8 @@ class ChildProcess {
 };
 
 // Waits for a server's port file; 0 when it does not appear within `timeout` or the child died.
-inline int WaitForPort(ChildProcess& p, const std::string& port_file, std::chrono::seconds timeout) {
+inline int WaitForPort(ChildProcess& p, const std::string& port_file,
+                       std::chrono::seconds timeout) {
   const auto end = std::chrono::steady_clock::now() + timeout;
   while (std::chrono::steady_clock::now() < end) {
     int port = 0;

@@ -28,7 +28,9 @@ using testing_util::WaitForPort;
 const std::string kBin = OPD_BINARY_DIR;
 const std::string kSecret = "opd-test-secret-4f1c";
 
-int Shell(const std::string& cmd) { return std::system(cmd.c_str()); }
+int Shell(const std::string& cmd) {
+  return std::system(cmd.c_str());
+}
 
 class Opd : public ::testing::Test {
  protected:
@@ -37,14 +39,20 @@ class Opd : public ::testing::Test {
     fs::create_directories(dir_);
     const std::string py = OPD_PYTHON, src = OPD_SOURCE_DIR, d = dir_.string();
     // Two task directories: the second's tokenizer is trained on other text (another fingerprint).
-    ASSERT_EQ(Shell(py + " " + src + "/scripts/demo/make_task.py --out " + d + "/task --teacher-examples 400 "
-                  "--student-examples 50 --prompts 200 --eval 16 > /dev/null"), 0);
-    ASSERT_EQ(Shell(py + " " + src + "/scripts/demo/make_task.py --out " + d + "/other --seed 7 --tokenizer-vocab 270 "
-                  "--teacher-examples 400 --student-examples 10 --prompts 10 --eval 4 > /dev/null"), 0);
+    ASSERT_EQ(Shell(py + " " + src + "/scripts/demo/make_task.py --out " + d +
+                    "/task --teacher-examples 400 "
+                    "--student-examples 50 --prompts 200 --eval 16 > /dev/null"),
+              0);
+    ASSERT_EQ(
+        Shell(py + " " + src + "/scripts/demo/make_task.py --out " + d +
+              "/other --seed 7 --tokenizer-vocab 270 "
+              "--teacher-examples 400 --student-examples 10 --prompts 10 --eval 4 > /dev/null"),
+        0);
     for (auto [name, seed] : {std::pair{"student", 1}, {"teacher_small", 2}}) {
-      ASSERT_EQ(Shell(kBin + "/ctl/opd-ctl init-model --config " + d + "/task/models/" + name + ".json --out " + d +
-                    "/" + name + " --tokenizer " + d + "/task/tokenizer --seed " + std::to_string(seed) +
-                    " 2>/dev/null"), 0);
+      ASSERT_EQ(Shell(kBin + "/ctl/opd-ctl init-model --config " + d + "/task/models/" + name +
+                      ".json --out " + d + "/" + name + " --tokenizer " + d +
+                      "/task/tokenizer --seed " + std::to_string(seed) + " 2>/dev/null"),
+                0);
     }
     std::ofstream(dir_ / "secret") << kSecret << "\n";
     chmod((dir_ / "secret").c_str(), 0600);
@@ -52,21 +60,22 @@ class Opd : public ::testing::Test {
   static void TearDownTestSuite() { fs::remove_all(dir_); }
 
   // An opd-teacher or opd-rollout on an ephemeral port; returns "127.0.0.1:PORT" or "".
-  std::string StartService(const std::string& tag, const std::string& binary, const std::string& model,
-                           const std::string& tokenizer) {
+  std::string StartService(const std::string& tag, const std::string& binary,
+                           const std::string& model, const std::string& tokenizer) {
     const std::string port_file = (dir_ / (tag + ".port")).string();
     fs::remove(port_file);
     services_.push_back(std::make_unique<ChildProcess>(
-        std::vector<std::string>{binary, "--model=" + model, "--tokenizer=" + tokenizer, "--listen=127.0.0.1:0",
-                                 "--port-file=" + port_file, "--secret-file=" + (dir_ / "secret").string(),
-                                 "--threads=1"},
+        std::vector<std::string>{binary, "--model=" + model, "--tokenizer=" + tokenizer,
+                                 "--listen=127.0.0.1:0", "--port-file=" + port_file,
+                                 "--secret-file=" + (dir_ / "secret").string(), "--threads=1"},
         (dir_ / (tag + ".log")).string()));
     const int port = WaitForPort(*services_.back(), port_file, std::chrono::seconds(60));
     EXPECT_GT(port, 0) << services_.back()->Log();
     return port > 0 ? "127.0.0.1:" + std::to_string(port) : "";
   }
   std::string StartTeacher(const std::string& tag, const std::string& tokenizer = "") {
-    return StartService(tag, kBin + "/teacher_service/opd-teacher", (dir_ / "teacher_small").string(),
+    return StartService(tag, kBin + "/teacher_service/opd-teacher",
+                        (dir_ / "teacher_small").string(),
                         tokenizer.empty() ? (dir_ / "task/tokenizer").string() : tokenizer);
   }
   std::string StartRollout() {
@@ -87,17 +96,38 @@ class Opd : public ::testing::Test {
   }
 
   // The opd-trainer command line of a small two-stage run.
-  std::vector<std::string> TrainerArgs(const std::string& run, const std::string& rollout, const std::string& t1,
-                                       const std::string& t2, int steps_per_stage) {
+  std::vector<std::string> TrainerArgs(const std::string& run, const std::string& rollout,
+                                       const std::string& t1, const std::string& t2,
+                                       int steps_per_stage) {
     const std::string d = dir_.string();
-    return {kBin + "/trainer/opd-trainer", "opd", "--config", std::string(OPD_SOURCE_DIR) + "/configs/demo/opd.yaml",
-            "--set", "run.dir=" + run, "--set", "model.path=" + d + "/student",
-            "--set", "prompts.sources=[{files: [" + d + "/task/opd_prompts.jsonl]}]",
-            "--set", "rollout.endpoints=[" + rollout + "]", "--set", "stages.0.teachers=[" + t1 + "]",
-            "--set", "stages.1.teachers=[" + t2 + "]", "--set", "stages.0.max_steps=" + std::to_string(steps_per_stage),
-            "--set", "stages.0.plateau.enabled=false", "--set", "stages.1.max_steps=" + std::to_string(steps_per_stage),
-            "--set", "train.prompts_per_step=8", "--set", "checkpoint.every=1",
-            "--set", "auth.secret_file=" + (dir_ / "secret").string()};
+    return {kBin + "/trainer/opd-trainer",
+            "opd",
+            "--config",
+            std::string(OPD_SOURCE_DIR) + "/configs/demo/opd.yaml",
+            "--set",
+            "run.dir=" + run,
+            "--set",
+            "model.path=" + d + "/student",
+            "--set",
+            "prompts.sources=[{files: [" + d + "/task/opd_prompts.jsonl]}]",
+            "--set",
+            "rollout.endpoints=[" + rollout + "]",
+            "--set",
+            "stages.0.teachers=[" + t1 + "]",
+            "--set",
+            "stages.1.teachers=[" + t2 + "]",
+            "--set",
+            "stages.0.max_steps=" + std::to_string(steps_per_stage),
+            "--set",
+            "stages.0.plateau.enabled=false",
+            "--set",
+            "stages.1.max_steps=" + std::to_string(steps_per_stage),
+            "--set",
+            "train.prompts_per_step=8",
+            "--set",
+            "checkpoint.every=1",
+            "--set",
+            "auth.secret_file=" + (dir_ / "secret").string()};
   }
 
   static inline fs::path dir_;
@@ -136,7 +166,8 @@ TEST_F(Opd, TeacherReplicaKilledMidStepEverySequenceScoredOnce) {
   auto scores = (*pool)->Score(inputs, {});
   killer.join();
   ASSERT_TRUE(scores.ok()) << scores.status();
-  EXPECT_GE((*pool)->failovers(), 1) << "the replica died after the work was done: make the batch larger";
+  EXPECT_GE((*pool)->failovers(), 1)
+      << "the replica died after the work was done: make the batch larger";
   EXPECT_EQ((*pool)->healthy_count(), 1);
 
   torch::NoGradGuard no_grad;
@@ -148,7 +179,8 @@ TEST_F(Opd, TeacherReplicaKilledMidStepEverySequenceScoredOnce) {
     auto lp = lm::SequenceLogprobs(**teacher, lm::PackedBatch::FromSequences({seq}));
     auto ref = lp.narrow(0, inputs[i].response_start - 1, seq.size() - inputs[i].response_start);
     ASSERT_EQ((*scores)[i].logprobs.size(), static_cast<size_t>(ref.numel())) << i;
-    worst = std::max(worst, (torch::tensor((*scores)[i].logprobs) - ref).abs().max().item<double>());
+    worst =
+        std::max(worst, (torch::tensor((*scores)[i].logprobs) - ref).abs().max().item<double>());
   }
   EXPECT_LE(worst, 1e-4);
 }
@@ -175,7 +207,8 @@ TEST_F(Opd, TeacherWithAnotherTokenizerIsRefusedAtConnectAndAtSwap) {
   ASSERT_FALSE(good.empty() || bad.empty());
   auto other = lm::Tokenizer::Load((dir_ / "other/tokenizer").string());
   ASSERT_TRUE(other.ok());
-  ASSERT_NE((*other)->Fingerprint(), Requirements().tokenizer_fingerprint) << "the test needs two tokenizers";
+  ASSERT_NE((*other)->Fingerprint(), Requirements().tokenizer_fingerprint)
+      << "the test needs two tokenizers";
   auto pool = opd::TeacherPool::Connect("stage2", {bad}, Requirements(), PoolOptions());
   ASSERT_FALSE(pool.ok());
   EXPECT_EQ(pool.status().code(), absl::StatusCode::kFailedPrecondition);
@@ -207,8 +240,9 @@ TEST_F(Opd, TeacherWithAnotherTokenizerIsRefusedAtConnectAndAtSwap) {
   EXPECT_NE(read_out().find("16"), std::string::npos) << read_out();  // grpc::UNAUTHENTICATED
   EXPECT_FALSE((*learner)->TakePendingSwap().has_value());
   // Unknown stage.
-  EXPECT_NE(Shell(kBin + "/ctl/opd-ctl swap-teacher --learner " + addr + " --stage nope --endpoints " + good + secret +
-                " > " + out + " 2>&1"), 0);
+  EXPECT_NE(Shell(kBin + "/ctl/opd-ctl swap-teacher --learner " + addr +
+                  " --stage nope --endpoints " + good + secret + " > " + out + " 2>&1"),
+            0);
   // A compatible teacher: accepted and queued for the next step boundary.
   EXPECT_EQ(Shell(ctl + "--endpoints " + good + secret + " > " + out + " 2>&1"), 0) << read_out();
   auto swap = (*learner)->TakePendingSwap();
@@ -220,7 +254,8 @@ TEST_F(Opd, TeacherWithAnotherTokenizerIsRefusedAtConnectAndAtSwap) {
 // A two-stage run: the stage switch happens by the rule, metrics are complete, and a SIGKILLed
 // learner resumes from its last checkpoint and finishes the cascade with every step logged once.
 TEST_F(Opd, TwoStageRunSurvivesSigkillOfTheLearner) {
-  const std::string t1 = StartTeacher("teacher_1"), t2 = StartTeacher("teacher_2"), ro = StartRollout();
+  const std::string t1 = StartTeacher("teacher_1"), t2 = StartTeacher("teacher_2"),
+                    ro = StartRollout();
   ASSERT_FALSE(t1.empty() || t2.empty() || ro.empty());
   const fs::path run = dir_ / "run";
   {
@@ -257,7 +292,8 @@ TEST_F(Opd, TwoStageRunSurvivesSigkillOfTheLearner) {
 // A stage whose teacher has another tokenizer stops the run at the switch, before any of its
 // steps: the last logged step is the previous stage's last.
 TEST_F(Opd, MismatchedNextStageTeacherStopsTheRunBeforeItsFirstStep) {
-  const std::string t1 = StartTeacher("teacher_s1"), bad = StartTeacher("teacher_s2", (dir_ / "other/tokenizer").string());
+  const std::string t1 = StartTeacher("teacher_s1"),
+                    bad = StartTeacher("teacher_s2", (dir_ / "other/tokenizer").string());
   const std::string ro = StartRollout();
   ASSERT_FALSE(t1.empty() || bad.empty() || ro.empty());
   const fs::path run = dir_ / "run_bad";
@@ -265,7 +301,8 @@ TEST_F(Opd, MismatchedNextStageTeacherStopsTheRunBeforeItsFirstStep) {
   EXPECT_EQ(p.Wait(std::chrono::seconds(300)), 1) << p.Log();
   EXPECT_NE(p.Log().find("fingerprint"), std::string::npos) << p.Log();
   int last = 0;
-  for (const auto& m : ReadJsonl(run / "metrics.jsonl")) last = std::max(last, m["step"].get<int>());
+  for (const auto& m : ReadJsonl(run / "metrics.jsonl"))
+    last = std::max(last, m["step"].get<int>());
   EXPECT_EQ(last, 2);
 }
 

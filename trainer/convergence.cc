@@ -13,7 +13,8 @@ bool ConvergenceTracker::Update(double value) {
     reason_ = "max_steps";
     return true;
   }
-  if (rule_.plateau && steps_ >= rule_.min_steps && static_cast<int64_t>(history_.size()) == rule_.window + 1) {
+  if (rule_.plateau && steps_ >= rule_.min_steps &&
+      static_cast<int64_t>(history_.size()) == rule_.window + 1) {
     const double before = history_.front(), now = history_.back();
     const double improvement = (before - now) / std::max(std::abs(before), 1e-12);
     if (improvement < rule_.min_rel_improvement) {
@@ -25,7 +26,9 @@ bool ConvergenceTracker::Update(double value) {
 }
 
 nlohmann::json ConvergenceTracker::ToJson() const {
-  return {{"steps", steps_}, {"ema", ema_}, {"history", std::vector<double>(history_.begin(), history_.end())},
+  return {{"steps", steps_},
+          {"ema", ema_},
+          {"history", std::vector<double>(history_.begin(), history_.end())},
           {"reason", reason_}};
 }
 

@@ -25,8 +25,10 @@ double PeakRssMb() {
 
 absl::StatusOr<torch::Device> PickDevice(const std::string& name) {
   const bool cuda = torch::cuda::is_available();
-  if (name == "cuda" && !cuda) return absl::FailedPreconditionError("train.device: cuda is not available");
-  return (name == "cuda" || (name == "auto" && cuda)) ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+  if (name == "cuda" && !cuda)
+    return absl::FailedPreconditionError("train.device: cuda is not available");
+  return (name == "cuda" || (name == "auto" && cuda)) ? torch::Device(torch::kCUDA, 0)
+                                                      : torch::Device(torch::kCPU);
 }
 
 AutocastGuard::AutocastGuard(bool enabled) : enabled_(enabled) {
@@ -42,9 +44,13 @@ AutocastGuard::~AutocastGuard() {
 }
 
 std::vector<std::string> TokenizerFiles(const std::string& path) {
-  static constexpr const char* kFiles[] = {"tokenizer.json",          "tokenizer_config.json", "vocab.json",
-                                           "merges.txt",              "special_tokens_map.json",
-                                           "chat_template.jinja",     "generation_config.json"};
+  static constexpr const char* kFiles[] = {"tokenizer.json",
+                                           "tokenizer_config.json",
+                                           "vocab.json",
+                                           "merges.txt",
+                                           "special_tokens_map.json",
+                                           "chat_template.jinja",
+                                           "generation_config.json"};
   if (fs::is_regular_file(path)) return {path};
   std::vector<std::string> files;
   for (const char* name : kFiles) {

@@ -39,8 +39,8 @@ void LearnerServer::SetStatus(LearnerStatusSnapshot s) {
 
 absl::Status LearnerServer::Swap(const opd::v1::SwapTeacherRequest& req) {
   if (std::find(opts_.stages.begin(), opts_.stages.end(), req.stage()) == opts_.stages.end()) {
-    return absl::NotFoundError(absl::StrCat("no stage named '", req.stage(), "' (stages: ",
-                                            absl::StrJoin(opts_.stages, ", "), ")"));
+    return absl::NotFoundError(absl::StrCat("no stage named '", req.stage(),
+                                            "' (stages: ", absl::StrJoin(opts_.stages, ", "), ")"));
   }
   if (req.endpoints().empty()) return absl::InvalidArgumentError("no endpoints given");
   std::vector<std::string> endpoints(req.endpoints().begin(), req.endpoints().end());
@@ -66,8 +66,8 @@ grpc::ServerUnaryReactor* LearnerServer::SwapTeacher(grpc::CallbackServerContext
     resp->set_stage(req->stage());
     *resp->mutable_endpoints() = req->endpoints();
     resp->set_message("accepted: takes effect at the next step boundary");
-    lm::log::Info(absl::StrCat("swap-teacher accepted for stage '", req->stage(), "': ",
-                               absl::StrJoin(req->endpoints(), ", ")));
+    lm::log::Info(absl::StrCat("swap-teacher accepted for stage '", req->stage(),
+                               "': ", absl::StrJoin(req->endpoints(), ", ")));
   } else {
     lm::log::Warn(absl::StrCat("swap-teacher refused: ", s.message()));
   }

@@ -27,9 +27,9 @@ struct PendingSwap {
 };
 
 struct LearnerServerOptions {
-  std::string listen;     // host:port (port 0: any free port)
-  std::string port_file;  // the bound port is written here when set
-  std::string secret;     // required for every call; empty refuses every call
+  std::string listen;              // host:port (port 0: any free port)
+  std::string port_file;           // the bound port is written here when set
+  std::string secret;              // required for every call; empty refuses every call
   opd::rpc::ClientOptions client;  // how to reach teachers (secret, TLS, deadline)
   opd::TeacherRequirements requirements;
   std::vector<std::string> stages;  // known stage names
@@ -52,9 +52,11 @@ class LearnerServer final : public opd::v1::Learner::CallbackService {
   void SetStatus(LearnerStatusSnapshot s);
   int port() const { return server_.port; }
 
-  grpc::ServerUnaryReactor* SwapTeacher(grpc::CallbackServerContext* ctx, const opd::v1::SwapTeacherRequest* req,
+  grpc::ServerUnaryReactor* SwapTeacher(grpc::CallbackServerContext* ctx,
+                                        const opd::v1::SwapTeacherRequest* req,
                                         opd::v1::SwapTeacherResponse* resp) override;
-  grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* ctx, const opd::v1::LearnerStatusRequest* req,
+  grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* ctx,
+                                      const opd::v1::LearnerStatusRequest* req,
                                       opd::v1::LearnerStatus* resp) override;
 
  private:

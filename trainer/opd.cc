@@ -18,10 +18,10 @@
 #include "lm/text/tokenizer.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
+#include "rpc/auth.h"
 #include "trainer/checkpoint.h"
 #include "trainer/convergence.h"
 #include "trainer/job_util.h"
-#include "rpc/auth.h"
 #include "trainer/learner_service.h"
 #include "trainer/metrics.h"
 #include "trainer/opd_loss.h"
@@ -75,7 +75,9 @@ std::vector<int32_t> Concat(const std::vector<int32_t>& a, const std::vector<int
 class OpdJob {
  public:
   OpdJob(OpdConfig config, RunDir run, std::string yaml)
-      : c_(std::move(config)), run_(std::move(run)), yaml_(std::move(yaml)),
+      : c_(std::move(config)),
+        run_(std::move(run)),
+        yaml_(std::move(yaml)),
         checkpoints_(run_.checkpoints(), c_.checkpoint.keep_last) {}
 
   absl::Status Init(const JobArgs& args);
@@ -89,11 +91,13 @@ class OpdJob {
   absl::Status Resume(const std::string& checkpoint);
   absl::Status ApplyPendingSwap();
 
-  absl::StatusOr<Rollouts> Sample(std::vector<lm::PromptExample> prompts, lm::DataCursor cursor_after);
+  absl::StatusOr<Rollouts> Sample(std::vector<lm::PromptExample> prompts,
+                                  lm::DataCursor cursor_after);
   std::vector<lm::PromptExample> DrawPrompts(lm::DataCursor* cursor_after);
   absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> Score(const Rollouts& r);
   std::vector<MicroBatch> MakeMicroBatches(const Rollouts& r);
-  absl::Status Learn(const Rollouts& r, const std::vector<opd::rpc::ScoreOutput>& scores, StepStats* st);
+  absl::Status Learn(const Rollouts& r, const std::vector<opd::rpc::ScoreOutput>& scores,
+                     StepStats* st);
   absl::Status PushWeights();
   void LogStep(const StepStats& st);
   bool FinishStageIfConverged(double reverse_kl);
@@ -146,9 +150,9 @@ absl::Status OpdJob::LoadPrompts() {
   const std::string tok = c_.model.tokenizer.empty() ? c_.model.path : c_.model.tokenizer;
   ASSIGN_OR_RETURN(tokenizer_, lm::Tokenizer::Load(tok));
   if (tokenizer_->vocab_size() > model_->config().vocab_size) {
-    return absl::FailedPreconditionError(absl::StrCat("the tokenizer (", tokenizer_->vocab_size(),
-                                                      " ids) does not fit the student's vocabulary (",
-                                                      model_->config().vocab_size, ")"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the tokenizer (", tokenizer_->vocab_size(),
+        " ids) does not fit the student's vocabulary (", model_->config().vocab_size, ")"));
   }
   lm::PromptDatasetOptions o;
   for (const auto& s : c_.prompts.sources) o.sources.push_back({s.name, s.files, s.weight});
@@ -156,7 +160,8 @@ absl::Status OpdJob::LoadPrompts() {
   o.skip_bad_lines = c_.prompts.skip_bad_lines;
   o.shuffle = c_.prompts.shuffle;
   o.seed = static_cast<uint64_t>(c_.prompts.seed);
-  o.chat_format = c_.model.chat_format == "qwen2" ? lm::ChatFormat::Qwen2() : lm::ChatFormat::Qwen3();
+  o.chat_format =
+      c_.model.chat_format == "qwen2" ? lm::ChatFormat::Qwen2() : lm::ChatFormat::Qwen3();
   o.drop_final_assistant = true;
   ASSIGN_OR_RETURN(prompts_, lm::PromptDataset::Load(*tokenizer_, o));
   lm::log::Info(absl::StrCat("prompts: ", prompts_->stats().Summary()));
@@ -167,8 +172,9 @@ absl::Status OpdJob::ConnectRollout() {
   opd::rpc::ClientOptions base;
   base.secret = secret_;
   base.timeout = absl::Seconds(c_.rollout.timeout_s);
-  ASSIGN_OR_RETURN(rollout_, opd::RolloutPool::Connect(c_.rollout.endpoints, base, tokenizer_->Fingerprint(),
-                                                       model_->config().vocab_size));
+  ASSIGN_OR_RETURN(rollout_,
+                   opd::RolloutPool::Connect(c_.rollout.endpoints, base, tokenizer_->Fingerprint(),
+                                             model_->config().vocab_size));
   return absl::OkStatus();
 }
 
@@ -190,8 +196,8 @@ absl::Status OpdJob::StartStage(size_t index, bool resumed) {
     tracker_ = std::make_unique<opd::ConvergenceTracker>(rule);
   }
   stage_ = index;
-  lm::log::Info(absl::StrFormat("stage %d/%d '%s': teachers %s", index + 1, c_.stages.size(), s.name,
-                                absl::StrJoin(s.teachers, ", ")));
+  lm::log::Info(absl::StrFormat("stage %d/%d '%s': teachers %s", index + 1, c_.stages.size(),
+                                s.name, absl::StrJoin(s.teachers, ", ")));
   return absl::OkStatus();
 }
 
@@ -205,8 +211,8 @@ absl::Status OpdJob::ApplyPendingSwap() {
     s.teachers = swap->endpoints;
     swapped_[s.name] = s.teachers;
     if (&s == &c_.stages[stage_]) teachers_ = std::move(swap->pool);
-    progress_->Log(absl::StrFormat("teacher swap applied at step %d: stage '%s' now uses %s", step_, s.name,
-                                   absl::StrJoin(s.teachers, ", ")));
+    progress_->Log(absl::StrFormat("teacher swap applied at step %d: stage '%s' now uses %s", step_,
+                                   s.name, absl::StrJoin(s.teachers, ", ")));
   }
   return absl::OkStatus();
 }
@@ -217,7 +223,8 @@ std::vector<lm::PromptExample> OpdJob::DrawPrompts(lm::DataCursor* cursor_after)
   return prompts;
 }
 
-absl::StatusOr<Rollouts> OpdJob::Sample(std::vector<lm::PromptExample> prompts, lm::DataCursor cursor_after) {
+absl::StatusOr<Rollouts> OpdJob::Sample(std::vector<lm::PromptExample> prompts,
+                                        lm::DataCursor cursor_after) {
   const auto t0 = Clock::now();
   Rollouts r;
   r.prompts = std::move(prompts);
@@ -238,7 +245,8 @@ absl::StatusOr<Rollouts> OpdJob::Sample(std::vector<lm::PromptExample> prompts, 
   ASSIGN_OR_RETURN(r.samples, rollout_->Generate(ids, g));
   for (const auto& s : r.samples) {
     if (s.tokens.empty() || s.tokens.size() != s.logprobs.size()) {
-      return absl::InternalError(absl::StrCat("rollout returned a malformed sample for prompt ", s.prompt_index));
+      return absl::InternalError(
+          absl::StrCat("rollout returned a malformed sample for prompt ", s.prompt_index));
     }
   }
   r.seconds = Seconds(t0);
@@ -258,7 +266,8 @@ absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> OpdJob::Score(const Rollouts&
   ASSIGN_OR_RETURN(auto scores, teachers_->Score(inputs, so, [] { return StopRequested(); }));
   for (size_t i = 0; i < scores.size(); ++i) {
     if (scores[i].logprobs.size() != r.samples[i].tokens.size()) {
-      return absl::InternalError(absl::StrCat("teacher returned ", scores[i].logprobs.size(), " scores for a response of ",
+      return absl::InternalError(absl::StrCat("teacher returned ", scores[i].logprobs.size(),
+                                              " scores for a response of ",
                                               r.samples[i].tokens.size(), " tokens"));
     }
   }
@@ -314,11 +323,13 @@ std::vector<MicroBatch> OpdJob::MakeMicroBatches(const Rollouts& r) {
   return out;
 }
 
-absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<opd::rpc::ScoreOutput>& scores, StepStats* st) {
+absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<opd::rpc::ScoreOutput>& scores,
+                           StepStats* st) {
   const auto t0 = Clock::now();
   for (const auto& s : r.samples) {
     st->response_tokens += static_cast<int64_t>(s.tokens.size());
-    st->total_tokens += static_cast<int64_t>(r.prompts[s.prompt_index].prompt_ids.size() + s.tokens.size());
+    st->total_tokens +=
+        static_cast<int64_t>(r.prompts[s.prompt_index].prompt_ids.size() + s.tokens.size());
     st->max_response = std::max<int64_t>(st->max_response, static_cast<int64_t>(s.tokens.size()));
   }
   const double normaliser = static_cast<double>(std::max<int64_t>(st->response_tokens, 1));
@@ -352,7 +363,8 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<opd::rpc::ScoreO
       auto logits_k = (hidden.unsqueeze(1) * w).sum(-1) / c_.rollout.temperature;
       auto teacher_k = torch::tensor(topk_lp).view({n, k}).to(device_);
       loss = opd::TopKLoss(logits_k, teacher_k, normaliser, divergence_, c_.loss.alpha);
-      opd::SampledTokenLoss(lp.detach(), lp_old, lp_teacher, normaliser, loss_opts_, &st->loss);  // stats only
+      opd::SampledTokenLoss(lp.detach(), lp_old, lp_teacher, normaliser, loss_opts_,
+                            &st->loss);  // stats only
     } else {
       loss = opd::SampledTokenLoss(lp, lp_old, lp_teacher, normaliser, loss_opts_, &st->loss);
     }
@@ -379,34 +391,36 @@ absl::Status OpdJob::PushWeights() {
 
 void OpdJob::LogStep(const StepStats& st) {
   const double n = static_cast<double>(std::max<int64_t>(st.response_tokens, 1));
-  const double samples = static_cast<double>(c_.train.prompts_per_step * c_.rollout.samples_per_prompt);
-  metrics_->Log(step_, {{"opd/reverse_kl", st.loss.reverse_kl_sum / n},
-                        {"opd/loss", st.loss_value},
-                        {"opd/teacher_logprob", st.teacher_lp_sum / n},
-                        {"opd/student_logprob", st.student_lp_sum / n},
-                        {"opd/student_entropy", st.entropy_sum / n},
-                        {"opd/response_len_mean", static_cast<double>(st.response_tokens) / samples},
-                        {"opd/response_len_max", static_cast<double>(st.max_response)},
-                        {"opd/ratio_mean", st.loss.ratio_sum / n},
-                        {"opd/ratio_min", st.loss.ratio_min},
-                        {"opd/ratio_max", st.loss.ratio_max},
-                        {"opd/clip_frac", st.loss.clipped / n},
-                        {"opd/sampler_learner_abs_diff", st.loss.mismatch_abs_sum / n},
-                        {"opd/stage", static_cast<double>(stage_)},
-                        {"opd/smoothed_reverse_kl", tracker_->smoothed()},
-                        {"opd/weight_version", static_cast<double>(weight_version_)},
-                        {"opd/teacher_failovers", static_cast<double>(teachers_->failovers())},
-                        {"optim/lr", st.lr},
-                        {"optim/grad_norm", st.grad_norm},
-                        {"optim/skipped", st.skipped ? 1.0 : 0.0},
-                        {"time/sample_s", st.sample_s},
-                        {"time/score_s", st.score_s},
-                        {"time/learn_s", st.learn_s},
-                        {"time/push_s", st.push_s},
-                        {"time/step_s", st.step_s},
-                        {"throughput/tokens_per_s", static_cast<double>(st.total_tokens) / st.step_s}});
-  progress_->Update({step_, st.loss.reverse_kl_sum / n, st.lr, static_cast<double>(st.total_tokens) / st.step_s,
-                     st.grad_norm, st.skipped},
+  const double samples =
+      static_cast<double>(c_.train.prompts_per_step * c_.rollout.samples_per_prompt);
+  metrics_->Log(step_,
+                {{"opd/reverse_kl", st.loss.reverse_kl_sum / n},
+                 {"opd/loss", st.loss_value},
+                 {"opd/teacher_logprob", st.teacher_lp_sum / n},
+                 {"opd/student_logprob", st.student_lp_sum / n},
+                 {"opd/student_entropy", st.entropy_sum / n},
+                 {"opd/response_len_mean", static_cast<double>(st.response_tokens) / samples},
+                 {"opd/response_len_max", static_cast<double>(st.max_response)},
+                 {"opd/ratio_mean", st.loss.ratio_sum / n},
+                 {"opd/ratio_min", st.loss.ratio_min},
+                 {"opd/ratio_max", st.loss.ratio_max},
+                 {"opd/clip_frac", st.loss.clipped / n},
+                 {"opd/sampler_learner_abs_diff", st.loss.mismatch_abs_sum / n},
+                 {"opd/stage", static_cast<double>(stage_)},
+                 {"opd/smoothed_reverse_kl", tracker_->smoothed()},
+                 {"opd/weight_version", static_cast<double>(weight_version_)},
+                 {"opd/teacher_failovers", static_cast<double>(teachers_->failovers())},
+                 {"optim/lr", st.lr},
+                 {"optim/grad_norm", st.grad_norm},
+                 {"optim/skipped", st.skipped ? 1.0 : 0.0},
+                 {"time/sample_s", st.sample_s},
+                 {"time/score_s", st.score_s},
+                 {"time/learn_s", st.learn_s},
+                 {"time/push_s", st.push_s},
+                 {"time/step_s", st.step_s},
+                 {"throughput/tokens_per_s", static_cast<double>(st.total_tokens) / st.step_s}});
+  progress_->Update({step_, st.loss.reverse_kl_sum / n, st.lr,
+                     static_cast<double>(st.total_tokens) / st.step_s, st.grad_norm, st.skipped},
                     st.step_s);
 }
 
@@ -414,12 +428,16 @@ void OpdJob::LogStep(const StepStats& st) {
 bool OpdJob::FinishStageIfConverged(double reverse_kl) {
   if (!tracker_->Update(reverse_kl)) return false;
   const auto& s = c_.stages[stage_];
-  nlohmann::json summary = {{"stage", s.name},         {"steps", tracker_->steps()},
-                            {"end_step", step_},       {"reason", tracker_->reason()},
-                            {"smoothed_reverse_kl", tracker_->smoothed()}, {"teachers", s.teachers}};
+  nlohmann::json summary = {{"stage", s.name},
+                            {"steps", tracker_->steps()},
+                            {"end_step", step_},
+                            {"reason", tracker_->reason()},
+                            {"smoothed_reverse_kl", tracker_->smoothed()},
+                            {"teachers", s.teachers}};
   stage_summaries_.push_back(summary);
-  progress_->Log(absl::StrFormat("stage '%s' finished after %d steps (%s): smoothed reverse KL %.4f", s.name,
-                                 tracker_->steps(), tracker_->reason(), tracker_->smoothed()));
+  progress_->Log(
+      absl::StrFormat("stage '%s' finished after %d steps (%s): smoothed reverse KL %.4f", s.name,
+                      tracker_->steps(), tracker_->reason(), tracker_->smoothed()));
   return true;
 }
 
@@ -442,25 +460,29 @@ absl::Status OpdJob::SaveCheckpoint() {
   if (last_checkpoint_step_ == step_) return absl::OkStatus();
   const auto t0 = Clock::now();
   const std::string tok = c_.model.tokenizer.empty() ? c_.model.path : c_.model.tokenizer;
-  RETURN_IF_ERROR(checkpoints_.Save(step_, *model_, *optimizer_, TrainerState(), TokenizerFiles(tok)));
+  RETURN_IF_ERROR(
+      checkpoints_.Save(step_, *model_, *optimizer_, TrainerState(), TokenizerFiles(tok)));
   last_checkpoint_step_ = step_;
-  progress_->Log(absl::StrFormat("step %d: checkpoint %s/%s (%.1fs)", step_, checkpoints_.dir(), StepDirName(step_),
-                                 Seconds(t0)));
+  progress_->Log(absl::StrFormat("step %d: checkpoint %s/%s (%.1fs)", step_, checkpoints_.dir(),
+                                 StepDirName(step_), Seconds(t0)));
   return absl::OkStatus();
 }
 
 absl::Status OpdJob::StopForSignal() {
   const int sig = StopSignal();
-  progress_->Log(absl::StrFormat("received %s: the step in progress is abandoned; writing a checkpoint of step %d",
-                                 sig == SIGINT ? "SIGINT" : "SIGTERM", step_));
+  progress_->Log(absl::StrFormat(
+      "received %s: the step in progress is abandoned; writing a checkpoint of step %d",
+      sig == SIGINT ? "SIGINT" : "SIGTERM", step_));
   RETURN_IF_ERROR(SaveCheckpoint());
-  return absl::CancelledError(absl::StrFormat("stopped by %s at step %d; resume with the same command",
-                                              sig == SIGINT ? "SIGINT" : "SIGTERM", step_));
+  return absl::CancelledError(
+      absl::StrFormat("stopped by %s at step %d; resume with the same command",
+                      sig == SIGINT ? "SIGINT" : "SIGTERM", step_));
 }
 
 absl::Status OpdJob::Resume(const std::string& checkpoint) {
   ASSIGN_OR_RETURN(nlohmann::json state, ReadTrainerState(checkpoint));
-  if (state.value("job", "") != "opd") return absl::FailedPreconditionError(checkpoint + ": not an OPD checkpoint");
+  if (state.value("job", "") != "opd")
+    return absl::FailedPreconditionError(checkpoint + ": not an OPD checkpoint");
   RETURN_IF_ERROR(LoadStudent(checkpoint + "/model"));
   step_ = state.at("step").get<int64_t>();
   RETURN_IF_ERROR(LoadOptimizerState(checkpoint, optimizer_->steps() + step_, optimizer_.get()));
@@ -476,13 +498,16 @@ absl::Status OpdJob::Resume(const std::string& checkpoint) {
     if (swapped_.contains(s.name)) s.teachers = swapped_[s.name].get<std::vector<std::string>>();
   }
   stage_ = state.at("stage").get<size_t>();
-  if (stage_ >= c_.stages.size() || c_.stages[stage_].name != state.at("stage_name").get<std::string>()) {
-    return absl::FailedPreconditionError(absl::StrCat(checkpoint, ": stage '", state.at("stage_name").get<std::string>(),
-                                                      "' is not stage ", stage_ + 1, " of the config"));
+  if (stage_ >= c_.stages.size() ||
+      c_.stages[stage_].name != state.at("stage_name").get<std::string>()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(checkpoint, ": stage '", state.at("stage_name").get<std::string>(),
+                     "' is not stage ", stage_ + 1, " of the config"));
   }
   done_ = state.at("stage_done").get<bool>();
   last_checkpoint_step_ = step_;
-  lm::log::Info(absl::StrFormat("resumed from %s at step %d (stage '%s')", checkpoint, step_, c_.stages[stage_].name));
+  lm::log::Info(absl::StrFormat("resumed from %s at step %d (stage '%s')", checkpoint, step_,
+                                c_.stages[stage_].name));
   return absl::OkStatus();
 }
 
@@ -504,10 +529,13 @@ absl::Status OpdJob::Init(const JobArgs& args) {
   checkpoints_.RemoveIncomplete();
   std::string resume_from = args.resume_from;
   if (resume_from.empty() && (args.resume || c_.run.resume == "auto")) {
-    if (auto latest = checkpoints_.Latest(); latest.ok()) resume_from = *latest;
-    else if (args.resume) return absl::NotFoundError(absl::StrCat("--resume: no checkpoint in ", checkpoints_.dir()));
+    if (auto latest = checkpoints_.Latest(); latest.ok())
+      resume_from = *latest;
+    else if (args.resume)
+      return absl::NotFoundError(absl::StrCat("--resume: no checkpoint in ", checkpoints_.dir()));
   } else if (resume_from.empty() && !checkpoints_.List().empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(run_.path(), " has checkpoints and run.resume is 'never'"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(run_.path(), " has checkpoints and run.resume is 'never'"));
   }
   bool resumed = !resume_from.empty();
   if (resumed) {
@@ -544,15 +572,17 @@ absl::Status OpdJob::Init(const JobArgs& args) {
     for (const auto& s : c_.stages) ao.stages.push_back(s.name);
     ASSIGN_OR_RETURN(admin_, LearnerServer::Start(ao));
   }
-  ASSIGN_OR_RETURN(MetricsLogger m, MetricsLogger::Open(run_.metrics_jsonl(), run_.tensorboard(), c_.logging.tensorboard,
-                                                        resumed ? step_ : -1));
+  ASSIGN_OR_RETURN(MetricsLogger m,
+                   MetricsLogger::Open(run_.metrics_jsonl(), run_.tensorboard(),
+                                       c_.logging.tensorboard, resumed ? step_ : -1));
   metrics_ = std::make_unique<MetricsLogger>(std::move(m));
   progress_ = std::make_unique<Progress>(schedule_.total_steps, c_.logging.log_every);
   // The workers serve the student we start from (the SFT model, or the resumed checkpoint).
   const auto t0 = Clock::now();
   RETURN_IF_ERROR(PushWeights());
-  lm::log::Info(absl::StrFormat("pushed the student's weights to %d rollout worker(s) as version %d (%.1fs)",
-                                rollout_->size(), weight_version_, Seconds(t0)));
+  lm::log::Info(
+      absl::StrFormat("pushed the student's weights to %d rollout worker(s) as version %d (%.1fs)",
+                      rollout_->size(), weight_version_, Seconds(t0)));
   return absl::OkStatus();
 }
 
@@ -596,13 +626,16 @@ absl::Status OpdJob::Run() {
     cursor_ = r.cursor_after;
     nonfinite_consecutive_ = st.skipped ? nonfinite_consecutive_ + 1 : 0;
     nonfinite_total_ += st.skipped;
-    if (admin_) admin_->SetStatus({c_.stages[stage_].name, step_, c_.stages[stage_].teachers, weight_version_});
-    const double reverse_kl = st.loss.reverse_kl_sum / static_cast<double>(std::max<int64_t>(st.response_tokens, 1));
+    if (admin_)
+      admin_->SetStatus(
+          {c_.stages[stage_].name, step_, c_.stages[stage_].teachers, weight_version_});
+    const double reverse_kl =
+        st.loss.reverse_kl_sum / static_cast<double>(std::max<int64_t>(st.response_tokens, 1));
     const bool stage_over = FinishStageIfConverged(reverse_kl);
     LogStep(st);
     if (nonfinite_consecutive_ >= c_.train.max_consecutive_nonfinite) {
-      return absl::AbortedError(absl::StrFormat("%d consecutive non-finite steps: stopping at step %d",
-                                                nonfinite_consecutive_, step_));
+      return absl::AbortedError(absl::StrFormat(
+          "%d consecutive non-finite steps: stopping at step %d", nonfinite_consecutive_, step_));
     }
     if (stage_over) {
       // The checkpoint records the finished stage (its rule says why); a resume from it starts
@@ -616,7 +649,8 @@ absl::Status OpdJob::Run() {
   }
   if (prefetch) (void)prefetch->get();
   progress_->Finish();
-  nlohmann::json summary = {{"steps", step_}, {"stages", stage_summaries_}, {"peak_rss_mb", PeakRssMb()}};
+  nlohmann::json summary = {
+      {"steps", step_}, {"stages", stage_summaries_}, {"peak_rss_mb", PeakRssMb()}};
   (void)WriteFileAtomic(run_.path() + "/summary.json", summary.dump(2) + "\n");
   lm::log::Info(absl::StrFormat("done: %d steps over %d stage(s)", step_, stage_summaries_.size()));
   return absl::OkStatus();
@@ -637,10 +671,12 @@ absl::Status RunOpd(const OpdConfig& config, const JobArgs& args) {
 
 int OpdMain(const std::vector<std::string>& words) {
   constexpr const char* kUsage =
-      "usage: opd-trainer opd --config configs/opd/NAME.yaml [--set key.path=value ...] [--resume[=CHECKPOINT_DIR]]\n";
+      "usage: opd-trainer opd --config configs/opd/NAME.yaml [--set key.path=value ...] "
+      "[--resume[=CHECKPOINT_DIR]]\n";
   absl::StatusOr<JobArgs> args = ParseJobArgs(words);
   if (!args.ok()) {
-    std::fprintf(stderr, "opd-trainer opd: %s\n%s", std::string(args.status().message()).c_str(), kUsage);
+    std::fprintf(stderr, "opd-trainer opd: %s\n%s", std::string(args.status().message()).c_str(),
+                 kUsage);
     return 2;
   }
   absl::StatusOr<OpdConfig> config = LoadConfig<OpdConfig>(args->config_path, args->overrides);

@@ -14,8 +14,9 @@
 namespace trainer {
 
 struct OpdPromptsConfig {
-  std::vector<SftSourceConfig> sources;  // JSONL prompts (messages without the final assistant turn, or "prompt")
-  int64_t max_prompt_len = 2048;         // longer prompts are dropped and counted
+  std::vector<SftSourceConfig>
+      sources;  // JSONL prompts (messages without the final assistant turn, or "prompt")
+  int64_t max_prompt_len = 2048;  // longer prompts are dropped and counted
   bool shuffle = true;
   int64_t seed = 0;
   bool skip_bad_lines = false;
@@ -86,16 +87,16 @@ void VisitFields(V& v, OpdStageConfig& c) {
 }
 
 struct OpdLossConfig {
-  std::string form = "sampled";       // sampled (per-token reverse KL, policy gradient) | topk
-  std::string correction = "tis";     // none | tis (truncated importance ratio) | ppo (clip)
+  std::string form = "sampled";    // sampled (per-token reverse KL, policy gradient) | topk
+  std::string correction = "tis";  // none | tis (truncated importance ratio) | ppo (clip)
   double kl_coef = 1.0;
   double tis_cap = 2.0;
   double clip_low = 0.2;
   double clip_high = 0.28;
-  int64_t top_k = 64;                 // topk form: teacher support size
-  std::string divergence = "mixed";   // topk form: forward | reverse | mixed
-  double alpha = 0.5;                 // mixed: alpha * forward + (1 - alpha) * reverse
-  double teacher_temperature = 1.0;   // explicit scoring temperature
+  int64_t top_k = 64;                // topk form: teacher support size
+  std::string divergence = "mixed";  // topk form: forward | reverse | mixed
+  double alpha = 0.5;                // mixed: alpha * forward + (1 - alpha) * reverse
+  double teacher_temperature = 1.0;  // explicit scoring temperature
 };
 
 template <class V>
@@ -120,7 +121,7 @@ struct OpdTrainConfig {
   int64_t threads = 0;
   int64_t max_consecutive_nonfinite = 10;
   int64_t seed = 0;
-  double teacher_timeout_s = 600;      // deadline of one Score call
+  double teacher_timeout_s = 600;  // deadline of one Score call
 };
 
 template <class V>
@@ -136,7 +137,8 @@ void VisitFields(V& v, OpdTrainConfig& c) {
 }
 
 struct OpdAuthConfig {
-  // The services' shared secret: this file (mode 0600), else $OPD_SECRET; never a command-line flag.
+  // The services' shared secret: this file (mode 0600), else $OPD_SECRET; never a command-line
+  // flag.
   std::string secret_file;
 };
 
@@ -146,7 +148,7 @@ void VisitFields(V& v, OpdAuthConfig& c) {
 }
 
 struct OpdAdminConfig {
-  std::string listen;  // learner admin RPC (swap-teacher), e.g. 127.0.0.1:0; empty: off
+  std::string listen;     // learner admin RPC (swap-teacher), e.g. 127.0.0.1:0; empty: off
   std::string port_file;  // when set, the bound port is written here (for port 0)
 };
 

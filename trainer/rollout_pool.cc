@@ -8,10 +8,9 @@
 
 namespace opd {
 
-absl::StatusOr<std::unique_ptr<RolloutPool>> RolloutPool::Connect(const std::vector<std::string>& endpoints,
-                                                                  const rpc::ClientOptions& base,
-                                                                  const std::string& tokenizer_fingerprint,
-                                                                  int64_t vocab_size) {
+absl::StatusOr<std::unique_ptr<RolloutPool>> RolloutPool::Connect(
+    const std::vector<std::string>& endpoints, const rpc::ClientOptions& base,
+    const std::string& tokenizer_fingerprint, int64_t vocab_size) {
   if (endpoints.empty()) return absl::InvalidArgumentError("no rollout worker endpoints");
   auto pool = std::make_unique<RolloutPool>();
   for (const auto& ep : endpoints) {
@@ -22,14 +21,15 @@ absl::StatusOr<std::unique_ptr<RolloutPool>> RolloutPool::Connect(const std::vec
     auto info = (*client)->Info();
     if (!info.ok()) return info.status();
     if (info->vocab_size() != vocab_size) {
-      return absl::FailedPreconditionError(absl::StrCat("rollout worker ", ep, " serves vocabulary size ",
-                                                        info->vocab_size(), ", the student has ", vocab_size));
+      return absl::FailedPreconditionError(
+          absl::StrCat("rollout worker ", ep, " serves vocabulary size ", info->vocab_size(),
+                       ", the student has ", vocab_size));
     }
     if (!tokenizer_fingerprint.empty() && info->tokenizer_fingerprint() != "none" &&
         info->tokenizer_fingerprint() != tokenizer_fingerprint) {
-      return absl::FailedPreconditionError(absl::StrCat("rollout worker ", ep, " has tokenizer fingerprint ",
-                                                        info->tokenizer_fingerprint(), ", the student's is ",
-                                                        tokenizer_fingerprint));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rollout worker ", ep, " has tokenizer fingerprint ", info->tokenizer_fingerprint(),
+          ", the student's is ", tokenizer_fingerprint));
     }
     pool->clients_.push_back(std::move(*client));
   }

@@ -8,8 +8,8 @@
 // one returns or `stop` is set; it never hands back partial scores.
 #pragma once
 
-#include <functional>
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,11 +38,11 @@ class TeacherPool {
  public:
   // Connects to every endpoint and checks its Info() against `req`: a mismatch (or an endpoint
   // that cannot be reached) is an error naming the endpoint, before any step is spent on it.
-  TeacherPool(std::string stage, TeacherPoolOptions opts) : stage_(std::move(stage)), opts_(std::move(opts)) {}
-  static absl::StatusOr<std::unique_ptr<TeacherPool>> Connect(const std::string& stage,
-                                                              const std::vector<std::string>& endpoints,
-                                                              const TeacherRequirements& req,
-                                                              const TeacherPoolOptions& opts);
+  TeacherPool(std::string stage, TeacherPoolOptions opts)
+      : stage_(std::move(stage)), opts_(std::move(opts)) {}
+  static absl::StatusOr<std::unique_ptr<TeacherPool>> Connect(
+      const std::string& stage, const std::vector<std::string>& endpoints,
+      const TeacherRequirements& req, const TeacherPoolOptions& opts);
 
   // Scores every input (one output per input, in order). Cancelled if `stop()` returns true while
   // waiting for a healthy replica.

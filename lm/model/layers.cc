@@ -77,11 +77,12 @@ torch::Tensor Rope::Apply(const torch::Tensor& x, const torch::Tensor& cos,
 namespace {
 
 // Causal attention of one document: q/k/v [L, H, D] -> [L, Hq, D].
-torch::Tensor DocumentAttention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                double scale) {
-  auto o = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                            v.transpose(0, 1).unsqueeze(0), /*attn_mask=*/{}, 0.0,
-                                            /*is_causal=*/true, scale, /*enable_gqa=*/q.size(1) != k.size(1));
+torch::Tensor DocumentAttention(const torch::Tensor& q, const torch::Tensor& k,
+                                const torch::Tensor& v, double scale) {
+  auto o = at::scaled_dot_product_attention(
+      q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+      v.transpose(0, 1).unsqueeze(0), /*attn_mask=*/{}, 0.0,
+      /*is_causal=*/true, scale, /*enable_gqa=*/q.size(1) != k.size(1));
   return o.squeeze(0).transpose(0, 1);
 }
 
@@ -96,12 +97,13 @@ std::vector<Bucket> MakeBuckets(const std::vector<int64_t>& cu_seqlens) {
   std::vector<int64_t> order(cu_seqlens.size() - 1);
   std::iota(order.begin(), order.end(), 0);
   auto len = [&](int64_t b) { return cu_seqlens[b + 1] - cu_seqlens[b]; };
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len(a) < len(b); });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return len(a) < len(b); });
   std::vector<Bucket> buckets;
   for (int64_t b : order) {
     const int64_t l = len(b);
-    if (buckets.empty() ||
-        4 * static_cast<int64_t>(buckets.back().docs.size() + 1) * l > 5 * (buckets.back().tokens + l)) {
+    if (buckets.empty() || 4 * static_cast<int64_t>(buckets.back().docs.size() + 1) * l >
+                               5 * (buckets.back().tokens + l)) {
       buckets.emplace_back();
     }
     Bucket& k = buckets.back();
@@ -114,9 +116,9 @@ std::vector<Bucket> MakeBuckets(const std::vector<int64_t>& cu_seqlens) {
 
 // Attention of a bucket: rows gathered into [n, Lmax] (padding reads a zero row), causal mask
 // restricted to each document's valid keys, valid rows returned in bucket order.
-torch::Tensor BucketAttention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                              const std::vector<int64_t>& cu_seqlens, const Bucket& bucket, double scale,
-                              std::vector<int64_t>* rows_out) {
+torch::Tensor BucketAttention(const torch::Tensor& q, const torch::Tensor& k,
+                              const torch::Tensor& v, const std::vector<int64_t>& cu_seqlens,
+                              const Bucket& bucket, double scale, std::vector<int64_t>* rows_out) {
   const int64_t n = static_cast<int64_t>(bucket.docs.size()), L = bucket.max_len, T = q.size(0);
   std::vector<int64_t> gather(n * L, T), lengths(n);
   std::vector<int64_t> valid;  // positions in the [n * L] layout that are real tokens
@@ -136,8 +138,8 @@ torch::Tensor BucketAttention(const torch::Tensor& q, const torch::Tensor& k, co
   };
   auto lens = torch::tensor(lengths, torch::kInt64).to(q.device());
   auto pos = torch::arange(L, lens.options());
-  auto causal = pos.unsqueeze(1) >= pos.unsqueeze(0);                          // [L, L]
-  auto key_ok = (pos.unsqueeze(0) < lens.unsqueeze(1)).view({n, 1, 1, L});     // [n, 1, 1, L]
+  auto causal = pos.unsqueeze(1) >= pos.unsqueeze(0);                       // [L, L]
+  auto key_ok = (pos.unsqueeze(0) < lens.unsqueeze(1)).view({n, 1, 1, L});  // [n, 1, 1, L]
   auto mask = causal.view({1, 1, L, L}) & key_ok;
   auto o = at::scaled_dot_product_attention(pad(q), pad(k), pad(v), mask, 0.0, false, scale,
                                             /*enable_gqa=*/q.size(1) != k.size(1));
@@ -157,7 +159,8 @@ torch::Tensor VarlenCausalAttention(const torch::Tensor& q, const torch::Tensor&
   for (const Bucket& bucket : MakeBuckets(cu_seqlens)) {
     if (bucket.docs.size() == 1) {
       const int64_t s = cu_seqlens[bucket.docs[0]], l = bucket.max_len;
-      outs.push_back(DocumentAttention(q.narrow(0, s, l), k.narrow(0, s, l), v.narrow(0, s, l), scale));
+      outs.push_back(
+          DocumentAttention(q.narrow(0, s, l), k.narrow(0, s, l), v.narrow(0, s, l), scale));
       for (int64_t t = 0; t < l; ++t) rows.push_back(s + t);
     } else {
       outs.push_back(BucketAttention(q, k, v, cu_seqlens, bucket, scale, &rows));

@@ -907,7 +907,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& di
     try {
       RETURN_IF_ERROR(builder.ParseTokenizerJson(j, file.string()));
     } catch (const json::exception& e) {
-      return absl::InvalidArgumentError(absl::StrCat(file.string(), ": malformed tokenizer.json: ", e.what()));
+      return absl::InvalidArgumentError(
+          absl::StrCat(file.string(), ": malformed tokenizer.json: ", e.what()));
     }
   } else if (fs::exists(path / "vocab.json", ec) && fs::exists(path / "merges.txt", ec)) {
     RETURN_IF_ERROR(builder.LoadVocabMerges(path));
