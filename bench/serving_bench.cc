@@ -37,13 +37,13 @@ ABSL_FLAG(uint64_t, seed, 0, "sampling seed");
 
 namespace {
 
-// One timed run: returns (tokens, checksum).
-using RunFn = std::function<absl::StatusOr<std::pair<int64_t, double>>()>;
+// One run: returns (tokens, checksum). `warmup` runs may be shortened.
+using RunFn = std::function<absl::StatusOr<std::pair<int64_t, double>>(bool warmup)>;
 
 struct Side {
   std::string name;  // "grpc" | "inprocess"
   RunFn run;
-  std::vector<double> secs;
+  std::vector<double> secs = {};
   int64_t tokens = 0;
   double checksum = 0;
 };
@@ -54,7 +54,7 @@ int Time(std::vector<Side>& sides, int repeats) {
   for (int r = 0; r <= repeats; ++r) {
     for (auto& side : sides) {
       const auto t0 = std::chrono::steady_clock::now();
-      auto res = side.run();
+      auto res = side.run(r == 0);
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (!res.ok()) {
         std::cerr << "bench_serving (" << side.name << "): " << res.status() << "\n";
@@ -111,7 +111,7 @@ int BenchScore(const std::vector<std::vector<int64_t>>& seqs) {
     if (!c.ok()) return std::cerr << c.status() << "\n", 1;
     client = std::move(*c);
     for (const auto& s : seqs) in.push_back({std::vector<int32_t>(s.begin(), s.end()), 1});
-    sides.push_back({"grpc", [&]() -> absl::StatusOr<std::pair<int64_t, double>> {
+    sides.push_back({"grpc", [&](bool warmup) -> absl::StatusOr<std::pair<int64_t, double>> {
                        auto r = client->Score(in);
                        if (!r.ok()) return r.status();
                        double sum = 0;
@@ -124,7 +124,7 @@ int BenchScore(const std::vector<std::vector<int64_t>>& seqs) {
     teacher::ScorerOptions so;
     so.max_batch_tokens = scored + static_cast<int64_t>(seqs.size());
     scorer = std::make_unique<teacher::Scorer>(Model(), so);
-    sides.push_back({"inprocess", [&]() -> absl::StatusOr<std::pair<int64_t, double>> {
+    sides.push_back({"inprocess", [&](bool warmup) -> absl::StatusOr<std::pair<int64_t, double>> {
                        teacher::ScoreJob job;
                        job.sequences = seqs;
                        job.response_starts.assign(seqs.size(), 1);
@@ -146,13 +146,16 @@ int BenchGenerate(const std::vector<std::vector<int64_t>>& prompts) {
   g.samples_per_prompt = absl::GetFlag(FLAGS_samples);
   g.max_new_tokens = absl::GetFlag(FLAGS_max_new_tokens);
   g.seed = absl::GetFlag(FLAGS_seed);
+  // Warm-up runs generate a few tokens only: enough to touch every code path and allocation.
+  opd::rpc::GenerateOptions short_g = g;
+  short_g.max_new_tokens = std::min(g.max_new_tokens, 4);
   if (!absl::GetFlag(FLAGS_addr).empty()) {
     auto c = opd::rpc::RolloutClient::Create(Client());
     if (!c.ok()) return std::cerr << c.status() << "\n", 1;
     client = std::move(*c);
     for (const auto& p : prompts) in.emplace_back(p.begin(), p.end());
-    sides.push_back({"grpc", [&]() -> absl::StatusOr<std::pair<int64_t, double>> {
-                       auto r = client->Generate(in, g);
+    sides.push_back({"grpc", [&](bool warmup) -> absl::StatusOr<std::pair<int64_t, double>> {
+                       auto r = client->Generate(in, warmup ? short_g : g);
                        if (!r.ok()) return r.status();
                        int64_t n = 0;
                        double sum = 0;
@@ -168,13 +171,15 @@ int BenchGenerate(const std::vector<std::vector<int64_t>>& prompts) {
   p.samples_per_prompt = g.samples_per_prompt;
   p.max_new_tokens = g.max_new_tokens;
   p.seed = g.seed;
+  rollout::SamplingParams short_p = p;
+  short_p.max_new_tokens = short_g.max_new_tokens;
   if (!absl::GetFlag(FLAGS_model).empty()) {
     model = Model();
-    sides.push_back({"inprocess", [&]() -> absl::StatusOr<std::pair<int64_t, double>> {
+    sides.push_back({"inprocess", [&](bool warmup) -> absl::StatusOr<std::pair<int64_t, double>> {
                        int64_t n = 0;
                        double sum = 0;
-                       auto st =
-                           rollout::SampleResponses(*model, prompts, p, [&](rollout::Sample s) {
+                       auto st = rollout::SampleResponses(
+                           *model, prompts, warmup ? short_p : p, [&](rollout::Sample s) {
                              n += static_cast<int64_t>(s.tokens.size());
                              sum += Sum(s.logprobs);
                            });

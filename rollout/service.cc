@@ -48,14 +48,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
   // Starts sampling on a thread of its own; the caller has taken a generation slot for it.
   void Start(Snapshot snapshot, std::vector<std::vector<int64_t>> prompts, SamplingParams params) {
     holds_slot_ = true;
-    thread_ =
-        std::thread([this, snapshot = std::move(snapshot), prompts = std::move(prompts), params] {
-          auto stats = SampleResponses(
-              *snapshot.model, prompts, params,
-              [this, &snapshot](Sample s) { Queue(ToProto(s, snapshot.version)); },
-              [this] { return broken_.load() || ctx_->IsCancelled(); });
-          SamplerDone(stats.status());
-        });
+    thread_ = std::thread([this, snapshot = std::move(snapshot), prompts = std::move(prompts),
+                           params] { SamplerDone(RunSampler(snapshot, prompts, params)); });
   }
 
   void Refuse(const grpc::Status& why) { Finish(why); }
@@ -76,6 +70,20 @@ class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
   }
 
  private:
+  absl::Status RunSampler(const Snapshot& snapshot,
+                          const std::vector<std::vector<int64_t>>& prompts,
+                          const SamplingParams& params) {
+    try {
+      return SampleResponses(
+                 *snapshot.model, prompts, params,
+                 [&](Sample s) { Queue(ToProto(s, snapshot.version)); },
+                 [this] { return broken_.load() || ctx_->IsCancelled(); })
+          .status();
+    } catch (const std::exception& e) {  // LibTorch reports failures (e.g. OOM) by throwing
+      return absl::InternalError(absl::StrCat("sampling failed: ", e.what()));
+    }
+  }
+
   void Queue(opd::v1::Sample m) {
     absl::MutexLock lock(&mu_);
     queue_.push_back(std::move(m));

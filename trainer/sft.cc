@@ -56,8 +56,9 @@ lm::SftDatasetOptions DatasetOptions(const SftConfig& c,
   return o;
 }
 
-// Cheap checks of every input before anything heavy is loaded: data files exist, the model's
-// config.json parses, the tokenizer loads and fits the model's vocabulary.
+// Cheap checks of every input before anything heavy is loaded: data files exist and the model's
+// config.json parses. (The tokenizer, and that its ids fit the model's vocabulary, are checked
+// when they are loaded, still before the first step.)
 absl::Status CheckInputs(const SftConfig& c) {
   for (const auto& [key, sources] :
        {std::pair{"data.train", &c.data.train}, {"data.eval", &c.data.eval}}) {

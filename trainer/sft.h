@@ -11,7 +11,8 @@
 // mean over all the step's tokens whatever the micro-batch split and whatever their token counts
 // (token-level normalisation, as a single big batch would compute it; not a mean of per-batch
 // means). The load-balancing loss is computed per micro-batch over its tokens, as transformers
-// computes it per forward.
+// computes it per forward. The cross-entropy goes through FusedNllSum (trainer/fused_nll.h):
+// chunked over the vocabulary, with its gradients formed in the forward.
 //
 // fp32 on the CPU. On a GPU the weights (and the optimizer) stay fp32 and the forward runs under
 // bf16 autocast.
