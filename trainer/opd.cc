@@ -54,7 +54,9 @@ struct StepStats {
   double grad_norm = 0, lr = 0;
   bool skipped = false;
   int64_t response_tokens = 0, total_tokens = 0, max_response = 0;
-  double sample_s = 0, score_s = 0, learn_s = 0, push_s = 0, step_s = 0;
+  // sample_s is the wait for this step's samples; sample_work_s how long sampling them took
+  // (the same when synchronous; with one-step-off the work overlapped the previous step).
+  double sample_s = 0, sample_work_s = 0, score_s = 0, learn_s = 0, push_s = 0, step_s = 0;
 };
 
 // Response positions of one micro-batch: rows of the packed hidden states that predict the
@@ -414,6 +416,7 @@ void OpdJob::LogStep(const StepStats& st) {
                  {"optim/grad_norm", st.grad_norm},
                  {"optim/skipped", st.skipped ? 1.0 : 0.0},
                  {"time/sample_s", st.sample_s},
+                 {"time/sample_work_s", st.sample_work_s},
                  {"time/score_s", st.score_s},
                  {"time/learn_s", st.learn_s},
                  {"time/push_s", st.push_s},
@@ -605,6 +608,7 @@ absl::Status OpdJob::Run() {
     prefetch.reset();
     ASSIGN_OR_RETURN(Rollouts r, current.get());
     st.sample_s = Seconds(t0);
+    st.sample_work_s = r.seconds;
     // One-step-off: the next step's sampling runs on the current weights while this step learns.
     if (c_.train.async) prefetch = launch();
     auto t1 = Clock::now();

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""One OPD step, split into its parts, synchronous vs one-step-off (train.async).
+
+A fixed small setup: the demo's addition task (its tokenizer and prompts), a random demo-sized
+student served by one opd-rollout and a random teacher served by one opd-teacher, on loopback.
+`opd-trainer opd` runs --steps steps twice on the same inputs, once synchronous and once
+one-step-off, each process with --threads threads. From the runs' metrics.jsonl (steps after the
+first) it prints the mean time of sampling / scoring / learning / weight push and of the whole
+step, the async speed-up, and the overlap efficiency:
+
+    overlap = async step time / max(sampling, scoring + learning + push)
+
+1.0 means the one-step-off step takes exactly as long as its longer half (perfect overlap); the
+synchronous step takes the sum of both halves. On a machine with fewer cores than the processes
+use, the halves compete for the CPU and the figure shows it.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from service_util import new_secret, running_service  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PARTS = ("sample_work_s", "score_s", "learn_s", "push_s")
+
+
+def prepare(args, build):
+    task = os.path.join(args.workdir, "opd_task")
+    py = sys.executable
+    subprocess.run([py, os.path.join(ROOT, "scripts/demo/make_task.py"), "--out", task, "--teacher-examples",
+                    "2000", "--student-examples", "100", "--prompts", "2000"], check=True, stdout=subprocess.DEVNULL)
+    ctl = os.path.join(build, "ctl", "opd-ctl")
+    models = {}
+    for name, seed in (("student", 1), ("teacher_large", 2)):
+        out = os.path.join(args.workdir, "opd_" + name)
+        if not os.path.exists(os.path.join(out, "config.json")):
+            subprocess.run([ctl, "init-model", "--config", os.path.join(task, "models", name + ".json"), "--out", out,
+                            "--tokenizer", os.path.join(task, "tokenizer"), "--seed", str(seed)], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        models[name] = out
+    return task, models
+
+
+def run(args, build, task, models, rollout, teacher, secret_file, asynchronous):
+    run_dir = os.path.join(args.workdir, "opd_async" if asynchronous else "opd_sync")
+    config = {
+        "model": {"path": models["student"], "chat_format": "qwen3"},
+        "prompts": {"sources": [{"files": [os.path.join(task, "opd_prompts.jsonl")]}], "max_prompt_len": 64},
+        "rollout": {"endpoints": [rollout], "samples_per_prompt": 2, "max_new_tokens": args.new_tokens},
+        "stages": [{"name": "bench", "teachers": [teacher], "max_steps": args.steps}],
+        "train": {"prompts_per_step": args.prompts, "threads": args.threads, "async": asynchronous},
+        "optim": {"lr": 1e-4, "min_lr": 1e-4},
+        "checkpoint": {"every": 0},
+        "logging": {"log_every": 1000, "tensorboard": False},
+        "auth": {"secret_file": secret_file},
+        "run": {"dir": run_dir, "resume": "never"},
+    }
+    os.makedirs(args.workdir, exist_ok=True)
+    cfg_path = run_dir + ".yaml"
+    with open(cfg_path, "w") as f:
+        yaml.safe_dump(config, f)
+    subprocess.run([os.path.join(build, "trainer", "opd-trainer"), "opd", "--config", cfg_path], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    rows = [r for r in rows if "time/step_s" in r][1:]  # the first step warms up
+    mean = {p: sum(r["time/" + p] for r in rows) / len(rows) for p in (*PARTS, "step_s")}
+    mean["tokens_per_s"] = sum(r["throughput/tokens_per_s"] for r in rows) / len(rows)
+    return mean
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--workdir", default="build/bench")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--prompts", type=int, default=32, help="prompts per step (2 samples each)")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1, help="threads of each process")
+    args = ap.parse_args()
+    build = os.path.abspath(args.build)
+    args.workdir = os.path.abspath(args.workdir)
+    os.makedirs(args.workdir, exist_ok=True)
+    task, models = prepare(args, build)
+    secret = new_secret()
+    secret_file = os.path.join(args.workdir, "opd_secret")
+    fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(fd, secret.encode())
+    os.close(fd)
+    threads = [f"--threads={args.threads}"]
+    with running_service(os.path.join(build, "rollout", "opd-rollout"), [f"--model={models['student']}", *threads],
+                         secret) as rollout, \
+            running_service(os.path.join(build, "teacher_service", "opd-teacher"),
+                            [f"--model={models['teacher_large']}", *threads], secret) as teacher:
+        sync = run(args, build, task, models, rollout, teacher, secret_file, False)
+        asy = run(args, build, task, models, rollout, teacher, secret_file, True)
+
+    print(f"OPD step: {args.prompts} prompts x 2 samples x <= {args.new_tokens} new tokens, demo student and "
+          f"teacher (random weights), {args.threads} thread(s) per process, mean of steps 2..{args.steps}")
+    print(f"  {'':14}{'sample':>9}{'score':>9}{'learn':>9}{'push':>9}{'step':>9}{'tokens/s':>10}")
+    for name, m in (("synchronous", sync), ("one-step-off", asy)):
+        print(f"  {name:14}" + "".join(f"{m[p]:9.3f}" for p in (*PARTS, "step_s")) + f"{m['tokens_per_s']:10.1f}")
+    rest = asy["score_s"] + asy["learn_s"] + asy["push_s"]
+    bound = max(asy["sample_work_s"], rest)
+    print(f"  speed-up of one-step-off: {sync['step_s'] / asy['step_s']:.2f}x")
+    print(f"  overlap efficiency: async step {asy['step_s']:.3f}s / max(sample {asy['sample_work_s']:.3f}s, "
+          f"score+learn+push {rest:.3f}s) = {asy['step_s'] / bound:.2f}  (1.0 = perfect overlap)")
+
+
+if __name__ == "__main__":
+    main()
