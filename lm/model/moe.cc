@@ -4,6 +4,10 @@
 
 #include <torch/torch.h>
 
+#ifdef OPD_CUDA_KERNELS
+#include "kernels/moe_cuda.h"
+#endif
+
 namespace lm {
 namespace {
 
@@ -14,7 +18,15 @@ std::array<MoeExpertsFn, static_cast<size_t>(torch::DeviceType::COMPILE_TIME_MAX
 Registry() {
   static std::array<MoeExpertsFn,
                     static_cast<size_t>(torch::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>
-      fns{};
+      fns = [] {
+        std::array<MoeExpertsFn,
+                   static_cast<size_t>(torch::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>
+            f{};
+#ifdef OPD_CUDA_KERNELS
+        f[static_cast<size_t>(torch::kCUDA)] = &kernels::MoeExpertsCuda;  // kernels/
+#endif
+        return f;
+      }();
   return fns;
 }
 
@@ -84,6 +96,14 @@ Routing Route(const torch::Tensor& x, const torch::Tensor& gate_weight, int64_t 
               bool norm_topk_prob) {
   Routing r;
   r.logits = torch::linear(x, gate_weight);
+#ifdef OPD_CUDA_KERNELS
+  // CUDA without autograd (sampling, scoring): the fused softmax + top-k kernel.
+  if (r.logits.is_cuda() && !(torch::GradMode::is_enabled() && r.logits.requires_grad()) &&
+      kernels::RouteTopkCuda(r.logits, top_k, norm_topk_prob, &r.weights, &r.ids)) {
+    r.weights = r.weights.to(x.scalar_type());
+    return r;
+  }
+#endif
   auto probs = torch::softmax(r.logits, -1, torch::kFloat32);
   auto [top_p, top_i] = probs.topk(top_k, -1);
   if (norm_topk_prob) top_p = top_p / top_p.sum(-1, /*keepdim=*/true);
@@ -114,7 +134,8 @@ torch::Tensor MoeExperts(const torch::Tensor& x, const torch::Tensor& ids,
                          const torch::Tensor& weights, const torch::Tensor& gate_up,
                          const torch::Tensor& down) {
   if (MoeExpertsFn fn = Registry()[static_cast<size_t>(x.device().type())]) {
-    return fn(x, ids, weights, gate_up, down);
+    auto y = fn(x, ids, weights, gate_up, down);
+    if (y.defined()) return y;  // undefined: inputs the implementation does not handle
   }
   return MoeExpertsCpu(x, ids, weights, gate_up, down);
 }

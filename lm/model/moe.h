@@ -35,7 +35,7 @@ torch::Tensor MoeExpertsCpu(const torch::Tensor& x, const torch::Tensor& ids,
                             const torch::Tensor& weights, const torch::Tensor& gate_up,
                             const torch::Tensor& down);
 
-// A device implementation of MoeExperts (same contract). Registered once at start-up.
+// A device implementation of MoeExperts, registered at start-up; undefined result: library path.
 using MoeExpertsFn = torch::Tensor (*)(const torch::Tensor& x, const torch::Tensor& ids,
                                        const torch::Tensor& weights, const torch::Tensor& gate_up,
                                        const torch::Tensor& down);
