@@ -10,15 +10,29 @@
 #      after stage 1 and after stage 2, next to both teachers; report.json, PNG plots, TensorBoard
 # Every process started here is stopped at the end, also on Ctrl-C.
 #   RUN=runs/demo ./scripts/demo.sh        (re-running reuses finished SFT models)
+# DEMO_SCALE=mini runs the miniature the test suite checks (a smaller stronger teacher, shorter
+# SFT and stages; a few minutes). BUILD=DIR uses binaries already built there (no set-up/build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/demo}
+SCALE=${DEMO_SCALE:-full}
 PY=.venv/bin/python
-./scripts/setup.sh
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null 2>&1
-cmake --build build -j"$(nproc)" --target opd-trainer opd-ctl opd-teacher opd-rollout
-CTL=build/ctl/opd-ctl
-TRAINER=build/trainer/opd-trainer
+if [ -z "${BUILD:-}" ]; then
+  BUILD=build
+  ./scripts/setup.sh
+  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null 2>&1
+  cmake --build build -j"$(nproc)" --target opd-trainer opd-ctl opd-teacher opd-rollout
+fi
+CTL=$BUILD/ctl/opd-ctl
+TRAINER=$BUILD/trainer/opd-trainer
+# SFT steps of the weaker teacher, the stronger teacher and the student; changes to the task and
+# to configs/demo/opd.yaml.
+case $SCALE in
+  full) SFT_STEPS=(220 400 120) TASK_ARGS=() OPD_SET=() ;;
+  mini) SFT_STEPS=(220 300 120) TASK_ARGS=(--scale mini --teacher-examples 8000 --prompts 2000 --eval 128)
+        OPD_SET=() ;;
+  *) echo "DEMO_SCALE must be full or mini, not '$SCALE'"; exit 2 ;;
+esac
 mkdir -p "$RUN/logs"
 log() { printf '\n== %s ==\n' "$*"; }
 
@@ -31,7 +45,7 @@ trap cleanup EXIT
 trap 'echo "interrupted"; exit 130' INT TERM
 
 log "task data, tokenizer and model configs"
-$PY scripts/demo/make_task.py --out "$RUN/task"
+$PY scripts/demo/make_task.py --out "$RUN/task" "${TASK_ARGS[@]}"
 T=$RUN/task
 
 final_model() { ls -d "$1"/checkpoints/step_*/model | sort | tail -1; }
@@ -51,9 +65,9 @@ sft() {  # name, config json, training file, steps, seed
 }
 
 log "SFT: the weaker teacher, the stronger teacher, and (briefly) the student"
-sft teacher_small "$T/models/teacher_small.json" "$T/sft_teacher.jsonl" 220 11
-sft teacher_large "$T/models/teacher_large.json" "$T/sft_teacher.jsonl" 400 12
-sft student "$T/models/student.json" "$T/sft_student.jsonl" 120 13
+sft teacher_small "$T/models/teacher_small.json" "$T/sft_teacher.jsonl" "${SFT_STEPS[0]}" 11
+sft teacher_large "$T/models/teacher_large.json" "$T/sft_teacher.jsonl" "${SFT_STEPS[1]}" 12
+sft student "$T/models/student.json" "$T/sft_student.jsonl" "${SFT_STEPS[2]}" 13
 TS=$(final_model "$RUN/sft/teacher_small"); TL=$(final_model "$RUN/sft/teacher_large"); ST=$(final_model "$RUN/sft/student")
 
 log "services: two teachers and one rollout worker on loopback"
@@ -66,9 +80,9 @@ start() {  # name, binary, model
     >"$RUN/logs/$1.log" 2>&1 &
   PIDS+=($!)
 }
-start teacher_small build/teacher_service/opd-teacher "$TS"
-start teacher_large build/teacher_service/opd-teacher "$TL"
-start rollout build/rollout/opd-rollout "$ST"
+start teacher_small "$BUILD/teacher_service/opd-teacher" "$TS"
+start teacher_large "$BUILD/teacher_service/opd-teacher" "$TL"
+start rollout "$BUILD/rollout/opd-rollout" "$ST"
 for f in teacher_small teacher_large rollout; do
   for _ in $(seq 300); do [ -s "$RUN/$f.port" ] && break; sleep 0.1; done
   [ -s "$RUN/$f.port" ] || { echo "$f did not start: see $RUN/logs/$f.log"; exit 1; }
@@ -80,7 +94,7 @@ echo "teacher (small) $EP_TS, teacher (large) $EP_TL, rollout $EP_RO"
 
 log "cascaded on-policy distillation"
 rm -rf "$RUN/opd"
-$TRAINER opd --config configs/demo/opd.yaml --set run.dir="$RUN/opd" --set model.path="$ST" \
+$TRAINER opd --config configs/demo/opd.yaml "${OPD_SET[@]}" --set run.dir="$RUN/opd" --set model.path="$ST" \
   --set "prompts.sources=[{files: [$T/opd_prompts.jsonl]}]" --set "rollout.endpoints=[$EP_RO]" \
   --set "stages.0.teachers=[$EP_TS]" --set "stages.1.teachers=[$EP_TL]" --set auth.secret_file="$RUN/secret" \
   2>&1 | tee "$RUN/logs/opd.log" | grep -vE "^\s*$" | grep -E "stage|done|error|step [0-9]+/" || true
@@ -97,3 +111,6 @@ for m in "student_sft:$ST" "student_stage1:$S1" "student_stage2:$S2" "teacher_sm
     --temperature 1.0 --max-new-tokens 8 --teachers "$TS,$TL" --threads 2 2>/dev/null > "$RUN/eval_$name.json"
 done
 $PY scripts/demo/report.py --run "$RUN" --teacher-small "$TS" --teacher-large "$TL"
+
+log "checks: reverse KL falls in each stage, stages end by their rule, accuracy above post-SFT"
+$PY scripts/demo/check_run.py --run "$RUN"

@@ -44,7 +44,7 @@ def rule_fires_at(values, stage_cfg):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", required=True, help="the demo's RUN directory")
-    ap.add_argument("--edge", type=int, default=5, help="steps averaged at each end of a stage")
+    ap.add_argument("--edge", type=int, default=10, help="steps averaged at each end of a stage")
     args = ap.parse_args()
     failures = []
     report = json.load(open(os.path.join(args.run, "report.json")))

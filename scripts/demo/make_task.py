@@ -85,6 +85,8 @@ def main():
     ap.add_argument("--prompts", type=int, default=4000)
     ap.add_argument("--eval", type=int, default=256)
     ap.add_argument("--tokenizer-vocab", type=int, default=320, help="BPE vocabulary size target")
+    ap.add_argument("--scale", choices=["full", "mini"], default="full",
+                    help="mini: a smaller stronger teacher, for the miniature demo in the test suite")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     os.makedirs(args.out, exist_ok=True)
@@ -125,6 +127,8 @@ def main():
         "teacher_small": model_config(padded, 96, 2, 4, 2, 8, 2, 96),
         "teacher_large": model_config(padded, 128, 4, 4, 2, 16, 4, 128),
     }
+    if args.scale == "mini":  # fewer layers and experts: the same width at a fraction of the cost
+        configs["teacher_large"] = model_config(padded, 128, 2, 4, 2, 8, 2, 128)
     for name, cfg in configs.items():
         with open(os.path.join(mdir, f"{name}.json"), "w") as f:
             json.dump(cfg, f, indent=2)
