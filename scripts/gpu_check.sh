@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# Builds the CUDA MoE kernels with their test and benchmark (a CMake configuration with
+# -DOPD_KERNELS_ONLY=ON: lm, kernels/, moe_kernels_test, bench_moe_kernels; no gRPC) and runs
+# them on a GPU machine, in well under 5 minutes on 16 cores. Results: gpu_check.txt (and
+# moe_kernels_bench.jsonl, moe_kernels_test.xml) in $OUT when the device tool runs it, else in
+# build-gpu/.
+#
+#   scripts/gpu_check.sh                 on the GPU machine (its python3 has torch 2.11 + CUDA)
+#   scripts/gpu_check.sh --sanitize      also runs small test cases under compute-sanitizer
+#   scripts/gpu_check.sh --fetch-debs    on a machine with apt (Debian 12): downloads into
+#                                        .gpu_debs/ (git-ignored through .git/info/exclude) the
+#                                        packages lm builds against, for GPU machines that lack
+#                                        them; carry .gpu_debs along (the script unpacks them
+#                                        into a private prefix, never into /)
+#
+# Environment: OPD_PYTHON (a python with torch), OPD_BUILD_DIR (default build-gpu),
+# OPD_CUDA_ARCHITECTURES (default "80;90a"), OPD_JOBS (default: all cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+DEBS=(libabsl-dev libabsl20220623 libspdlog-dev libspdlog1.10 libfmt-dev libfmt9
+  nlohmann-json3-dev libpcre2-dev libpcre2-8-0 libutf8proc-dev libutf8proc2 libgtest-dev
+  pkgconf pkgconf-bin libpkgconf3)
+
+die() {
+  echo "gpu_check: $*" >&2
+  exit 1
+}
+
+if [[ "${1:-}" == "--fetch-debs" ]]; then
+  command -v apt-get >/dev/null || die "--fetch-debs needs apt-get (a Debian/Ubuntu machine)"
+  [[ "$(uname -m)" == "x86_64" ]] || die "--fetch-debs: run it on x86-64 (the GPU machine is)"
+  mkdir -p .gpu_debs
+  if [[ -d .git ]] && ! grep -qx '/.gpu_debs/' .git/info/exclude 2>/dev/null; then
+    echo '/.gpu_debs/' >>.git/info/exclude
+  fi
+  (cd .gpu_debs && apt-get download "${DEBS[@]}" &&
+    for f in *.deb; do [[ "$f" == "${f//[^A-Za-z0-9._-]/_}" ]] || mv "$f" "${f//[^A-Za-z0-9._-]/_}"; done)
+  du -sh .gpu_debs
+  echo "gpu_check: carry .gpu_debs to the GPU machine and run scripts/gpu_check.sh there"
+  exit 0
+fi
+
+SANITIZE=0
+[[ "${1:-}" == "--sanitize" ]] && SANITIZE=1
+[[ $# -le 1 ]] || die "usage: scripts/gpu_check.sh [--sanitize | --fetch-debs]"
+
+BUILD=${OPD_BUILD_DIR:-$ROOT/build-gpu}
+RESULTS_DIR=${OUT:-$BUILD}
+mkdir -p "$BUILD" "$RESULTS_DIR"
+RESULTS=$RESULTS_DIR/gpu_check.txt
+: >"$RESULTS"
+say() { echo "$*" | tee -a "$RESULTS"; }
+START=$(date +%s)
+elapsed() { echo $(($(date +%s) - START)); }
+
+say "== gpu_check $(date -u +%FT%TZ) on ${HOSTNAME:-?}, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 |
+    tee -a "$RESULTS" || true
+else
+  say "nvidia-smi not found"
+fi
+
+# A python whose torch is the LibTorch we build against.
+PY=""
+for cand in "${OPD_PYTHON:-}" "$ROOT/.venv/bin/python" python3 /opt/torch/.venv/bin/python3; do
+  [[ -n "$cand" ]] || continue
+  if "$cand" -c "import torch" >/dev/null 2>&1; then
+    PY=$(command -v "$cand")
+    break
+  fi
+done
+[[ -n "$PY" ]] || die "no python with torch found (set OPD_PYTHON)"
+say "python: $PY, $("$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())')"
+
+# nvcc: on PATH, or the toolkit's default place.
+if [[ -z "${CUDACXX:-}" ]]; then
+  if command -v nvcc >/dev/null; then
+    export CUDACXX=$(command -v nvcc)
+  elif [[ -x /usr/local/cuda/bin/nvcc ]]; then
+    export CUDACXX=/usr/local/cuda/bin/nvcc
+  else
+    die "nvcc not found (set CUDACXX)"
+  fi
+fi
+say "nvcc: $CUDACXX ($("$CUDACXX" --version | tail -1))"
+command -v cmake >/dev/null || die "cmake not found"
+command -v ninja >/dev/null || die "ninja not found"
+
+# Build dependencies of lm that the GPU image may lack, from carried Debian packages unpacked
+# into a private prefix.
+CMAKE_EXTRA=()
+if compgen -G "$ROOT/.gpu_debs/*.deb" >/dev/null; then
+  DEPS=/tmp/opd-gpu-deps
+  rm -rf "$DEPS"
+  mkdir -p "$DEPS"
+  for deb in "$ROOT"/.gpu_debs/*.deb; do dpkg-deb -x "$deb" "$DEPS"; done
+  LIBDIR=$DEPS/usr/lib/x86_64-linux-gnu
+  export CMAKE_PREFIX_PATH=$DEPS/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
+  export PKG_CONFIG_LIBDIR=$LIBDIR/pkgconfig:$DEPS/usr/share/pkgconfig
+  export PKG_CONFIG_SYSROOT_DIR=$DEPS
+  export LD_LIBRARY_PATH=$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  if ! command -v pkg-config >/dev/null; then
+    CMAKE_EXTRA+=("-DPKG_CONFIG_EXECUTABLE=$DEPS/usr/bin/pkgconf")
+  fi
+  say "unpacked $(ls "$ROOT"/.gpu_debs/*.deb | wc -l) carried packages into $DEPS"
+fi
+
+JOBS=${OPD_JOBS:-$(nproc)}
+say "== configure + build (jobs $JOBS), t=$(elapsed)s"
+set -o pipefail
+timeout 300 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DOPD_KERNELS_ONLY=ON \
+  -DOPD_PYTHON="$PY" -DOPD_CUDA_ARCHITECTURES="${OPD_CUDA_ARCHITECTURES:-80;90a}" \
+  "${CMAKE_EXTRA[@]}" >"$BUILD/configure.log" 2>&1 ||
+  { tail -40 "$BUILD/configure.log" | tee -a "$RESULTS"; die "configure failed (log: $BUILD/configure.log; missing packages? see --fetch-debs)"; }
+timeout 600 cmake --build "$BUILD" -j "$JOBS" --target moe_kernels_test bench_moe_kernels \
+  >"$BUILD/build.log" 2>&1 ||
+  { tail -60 "$BUILD/build.log" | tee -a "$RESULTS"; die "build failed (log: $BUILD/build.log)"; }
+say "built in $(elapsed)s"
+
+status=0
+say "== moe_kernels_test, t=$(elapsed)s"
+timeout 300 "$BUILD/tests/moe_kernels_test" --gtest_color=no \
+  --gtest_output="xml:$RESULTS_DIR/moe_kernels_test.xml" 2>&1 | tee -a "$RESULTS" || status=$?
+say "moe_kernels_test exit status $status, t=$(elapsed)s"
+
+if [[ $SANITIZE == 1 ]]; then
+  SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  for tool in memcheck racecheck synccheck; do
+    say "== compute-sanitizer --tool $tool, t=$(elapsed)s"
+    timeout 300 "$SAN" --tool "$tool" --error-exitcode 9 "$BUILD/tests/moe_kernels_test" \
+      --gtest_color=no --gtest_filter='*Align*:*Topk*:*Backward*:*Fp32Layer*' 2>&1 |
+      tail -25 | tee -a "$RESULTS" || status=$?
+  done
+fi
+
+say "== bench_moe_kernels, t=$(elapsed)s"
+rm -f "$RESULTS_DIR/moe_kernels_bench.jsonl"
+timeout 240 "$BUILD/bench/bench_moe_kernels" --iters 20 \
+  --json "$RESULTS_DIR/moe_kernels_bench.jsonl" 2>&1 | tee -a "$RESULTS" || {
+  rc=$?
+  say "bench_moe_kernels exit status $rc"
+  [[ $status != 0 ]] || status=$rc
+}
+say "== done in $(elapsed)s, status $status; results in $RESULTS"
+exit "$status"
