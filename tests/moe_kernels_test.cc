@@ -527,25 +527,49 @@ TEST(MoeKernels, BackwardMatchesCpuPath) {
 // A student model on GPU (kernels) against the same model on CPU (library path).
 // ---------------------------------------------------------------------------------------------
 
-TEST(MoeKernels, StudentModelForwardAndGradientsGpuEqualCpu) {
-  REQUIRE_GPU();
+// A tiny Marco-style student (64 experts, top-8) with random weights, and a packed batch.
+struct Student {
+  std::shared_ptr<lm::CausalLM> model;
+  lm::PackedBatch batch;
+};
+
+Student MakeStudent() {
   auto config = lm::ParseModelConfig(nlohmann::json::parse(R"({
     "model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
     "num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": 64,
     "norm_topk_prob": true, "tie_word_embeddings": false, "rms_norm_eps": 1e-6})"));
-  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_TRUE(config.ok()) << config.status();
   auto created = lm::CreateModel(*config);
-  ASSERT_TRUE(created.ok()) << created.status();
-  auto model = *created;
-  model->InitWeights(0.05, 11);
+  EXPECT_TRUE(created.ok()) << created.status();
+  Student s;
+  s.model = *created;
+  s.model->InitWeights(0.05, 11);
   torch::manual_seed(9);
   std::vector<std::vector<int64_t>> seqs;
   for (int64_t len : {17, 40, 5}) {
     auto t = torch::randint(0, 512, {len}, torch::kInt64);
     seqs.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + len);
   }
-  auto batch = lm::PackedBatch::FromSequences(seqs);
+  s.batch = lm::PackedBatch::FromSequences(seqs);
+  return s;
+}
+
+// The GPU test's student runs on the CPU (so that its set-up is checked everywhere).
+TEST(MoeKernelsBuild, StudentModelRunsOnCpu) {
+  Student s = MakeStudent();
+  auto logits = s.model->Logits(s.model->Forward(s.batch));
+  EXPECT_EQ(logits.size(0), 62);
+  EXPECT_EQ(logits.size(1), 512);
+  auto grads = torch::autograd::grad({logits.square().sum()}, s.model->parameters());
+  EXPECT_EQ(grads.size(), s.model->parameters().size());
+}
+
+TEST(MoeKernels, StudentModelForwardAndGradientsGpuEqualCpu) {
+  REQUIRE_GPU();
+  Student s = MakeStudent();
+  auto& model = s.model;
+  auto& batch = s.batch;
 
   auto cpu_logits = model->Logits(model->Forward(batch));
   auto target = torch::randn(cpu_logits.sizes());
