@@ -87,6 +87,8 @@ void CheckLayerShapes(const torch::Tensor& x, const torch::Tensor& ids,
               ids.sizes());
   TORCH_CHECK(weights.sizes() == ids.sizes(), "kernels: weights ", weights.sizes(),
               " must match ids ", ids.sizes());
+  TORCH_CHECK(weights.device() == x.device(), "kernels: weights on ", weights.device(), ", x on ",
+              x.device());
   TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(2) == x.size(1) && gate_up.size(1) % 2 == 0,
               "kernels: gate_up must be [E, 2I, H], got ", gate_up.sizes());
   TORCH_CHECK(down.dim() == 3 && down.size(0) == gate_up.size(0) && down.size(1) == x.size(1) &&
@@ -111,7 +113,11 @@ torch::Tensor Forward(const torch::Tensor& x_in, const torch::Tensor& ids_in,
   auto x = Aligned(x_in), gate_up = Aligned(gate_up_in), down = Aligned(down_in);
   auto ids = ids_in.scalar_type() == torch::kInt32 ? ids_in.contiguous()
                                                    : ids_in.to(torch::kInt64).contiguous();
-  auto weights = weights_in.to(torch::kFloat32).contiguous();
+  // Routing weights are read as they come when they are in x's dtype (bf16 from lm::Route),
+  // else as fp32.
+  const bool bf16_weights = IsBf16(x) && IsBf16(weights_in);
+  auto weights =
+      bf16_weights ? weights_in.contiguous() : weights_in.to(torch::kFloat32).contiguous();
   const TileConfig config = ConfigFor(x, T * k, E, forced_config);
   CheckConfigMatchesDtype(config, x);
   const MoePlan plan = MakeMoePlan(T, k, E, H, I, config);
@@ -122,20 +128,26 @@ torch::Tensor Forward(const torch::Tensor& x_in, const torch::Tensor& ids_in,
   const bool i32 = ids.scalar_type() == torch::kInt32;
   cudaError_t err;
   if (IsBf16(x)) {
-    using T16 = __nv_bfloat16;
-    err = i32 ? MoeExpertsForward<T16, int32_t>(plan, Ptr<T16>(x), Ptr<int32_t>(ids),
-                                                Ptr<float>(weights), Ptr<T16>(gate_up),
-                                                Ptr<T16>(down), b.Raw(), Ptr<T16>(y), stream)
-              : MoeExpertsForward<T16, int64_t>(plan, Ptr<T16>(x), Ptr<int64_t>(ids),
-                                                Ptr<float>(weights), Ptr<T16>(gate_up),
-                                                Ptr<T16>(down), b.Raw(), Ptr<T16>(y), stream);
+    using B = __nv_bfloat16;
+    auto run = [&](auto id_tag, auto weight_tag) {
+      using IdT = decltype(id_tag);
+      using WT = decltype(weight_tag);
+      return MoeExpertsForward<B, IdT, WT>(plan, Ptr<B>(x), Ptr<IdT>(ids), Ptr<WT>(weights),
+                                           Ptr<B>(gate_up), Ptr<B>(down), b.Raw(), Ptr<B>(y),
+                                           stream);
+    };
+    if (bf16_weights) {
+      err = i32 ? run(int32_t{}, B{}) : run(int64_t{}, B{});
+    } else {
+      err = i32 ? run(int32_t{}, float{}) : run(int64_t{}, float{});
+    }
   } else {
-    err = i32 ? MoeExpertsForward<float, int32_t>(plan, Ptr<float>(x), Ptr<int32_t>(ids),
-                                                  Ptr<float>(weights), Ptr<float>(gate_up),
-                                                  Ptr<float>(down), b.Raw(), Ptr<float>(y), stream)
-              : MoeExpertsForward<float, int64_t>(plan, Ptr<float>(x), Ptr<int64_t>(ids),
-                                                  Ptr<float>(weights), Ptr<float>(gate_up),
-                                                  Ptr<float>(down), b.Raw(), Ptr<float>(y), stream);
+    err = i32 ? MoeExpertsForward<float, int32_t, float>(
+                    plan, Ptr<float>(x), Ptr<int32_t>(ids), Ptr<float>(weights),
+                    Ptr<float>(gate_up), Ptr<float>(down), b.Raw(), Ptr<float>(y), stream)
+              : MoeExpertsForward<float, int64_t, float>(
+                    plan, Ptr<float>(x), Ptr<int64_t>(ids), Ptr<float>(weights),
+                    Ptr<float>(gate_up), Ptr<float>(down), b.Raw(), Ptr<float>(y), stream);
   }
   Check(err, "MoeExpertsForward");
   return y;

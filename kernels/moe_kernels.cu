@@ -249,61 +249,58 @@ __device__ __forceinline__ int ValidExpert(const IdT* ids, int64_t pair, int64_t
   return (v >= 0 && v < experts) ? static_cast<int>(v) : -1;
 }
 
+// One warp counts the pairs of the chunk starting at `base`: cnt[e] += pairs of expert e
+// (cnt zeroed by the caller; the warp's lanes are the only writers).
 template <typename IdT>
-__global__ void __launch_bounds__(kAlignWarps * 32)
-    AlignCountKernel(const IdT* __restrict__ ids, int64_t pairs, int experts, int64_t num_chunks,
-                     int32_t* __restrict__ chunk_counts) {
-  __shared__ int32_t counts[kAlignWarps][kMaxExperts];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kAlignWarps + warp;
-  if (chunk >= num_chunks) return;  // uniform across the warp; only warp-level sync below
-  int32_t* cnt = counts[warp];
-  for (int e = lane; e < experts; e += 32) cnt[e] = 0;
-  __syncwarp();
-  const int64_t base = chunk * kAlignChunk;
+__device__ __forceinline__ void CountChunk(const IdT* __restrict__ ids, int64_t pairs, int experts,
+                                           int64_t base, int lane, int32_t* cnt) {
   for (int j = 0; j < kAlignChunk / 32; ++j) {
     const int id = ValidExpert(ids, base + j * 32 + lane, pairs, experts);
     const unsigned peers = __match_any_sync(kFullMask, id);
     if (id >= 0 && lane == 31 - __clz(peers)) cnt[id] += __popc(peers);
     __syncwarp();
   }
-  for (int e = lane; e < experts; e += 32) chunk_counts[chunk * experts + e] = cnt[e];
 }
 
-__global__ void __launch_bounds__(kMaxExperts)
-    AlignScanKernel(int experts, int64_t num_chunks, int block_m, int64_t max_tiles,
-                    int32_t* __restrict__ chunk_counts, int32_t* __restrict__ expert_offsets,
-                    int32_t* __restrict__ sorted_rows, int32_t* __restrict__ tile_expert) {
+// One warp places the pairs of the chunk starting at `base` in pair order: next[e] is the row
+// of the chunk's first pair of expert e and advances past each pair placed.
+template <typename IdT>
+__device__ __forceinline__ void ScatterChunk(const IdT* __restrict__ ids, int64_t pairs,
+                                             int experts, int64_t base, int lane, int32_t* next,
+                                             int32_t* __restrict__ sorted_rows,
+                                             int32_t* __restrict__ row_of_pair) {
+  for (int j = 0; j < kAlignChunk / 32; ++j) {
+    const int64_t pair = base + j * 32 + lane;
+    const int id = ValidExpert(ids, pair, pairs, experts);
+    const unsigned peers = __match_any_sync(kFullMask, id);
+    if (id >= 0) {
+      const int32_t row = next[id] + __popc(peers & LaneMaskLt());
+      sorted_rows[row] = static_cast<int32_t>(pair);
+      row_of_pair[pair] = row;
+    } else if (pair < pairs) {
+      row_of_pair[pair] = -1;
+    }
+    __syncwarp();
+    if (id >= 0 && lane == 31 - __clz(peers)) next[id] += __popc(peers);
+    __syncwarp();
+  }
+}
+
+// Called by all kMaxExperts threads of a block, thread e holding `count` = rows of expert e
+// (0 for e >= experts): exclusive scan of the counts rounded up to block_m; writes
+// expert_offsets, -1 into padding rows, tile_expert (-1 past the rows in use). Returns expert
+// e's first row.
+__device__ __forceinline__ int32_t PadAndMapExperts(int32_t count, int experts, int block_m,
+                                                    int64_t max_tiles,
+                                                    int32_t* __restrict__ expert_offsets,
+                                                    int32_t* __restrict__ sorted_rows,
+                                                    int32_t* __restrict__ tile_expert) {
   constexpr int kWarps = kMaxExperts / 32;
   __shared__ int32_t warp_prefix[kWarps];
   __shared__ int32_t total_rows;
   const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
-
-  // Exclusive prefix over chunks, per expert (coalesced across experts), loads batched.
-  int32_t count = 0;
-  if (e < experts) {
-    int32_t* p = chunk_counts + e;
-    int64_t c = 0;
-    for (; c + 8 <= num_chunks; c += 8) {
-      int32_t v[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) v[u] = p[(c + u) * experts];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        p[(c + u) * experts] = count;
-        count += v[u];
-      }
-    }
-    for (; c < num_chunks; ++c) {
-      const int32_t v = p[c * experts];
-      p[c * experts] = count;
-      count += v;
-    }
-  }
   const int32_t padded = (count + block_m - 1) / block_m * block_m;
-
-  // Exclusive scan of the padded counts over the block (warp scans, then a scan of warp sums).
-  int32_t incl = padded;
+  int32_t incl = padded;  // warp scans, then a scan of the warp sums
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
     const int32_t y = __shfl_up_sync(kFullMask, incl, off);
@@ -325,16 +322,63 @@ __global__ void __launch_bounds__(kMaxExperts)
   __syncthreads();
   const int32_t start = warp_prefix[warp] + incl - padded;
   const int32_t total = total_rows;
-
   if (e < experts) {
     expert_offsets[e] = start;
     for (int32_t r = start + count; r < start + padded; ++r) sorted_rows[r] = -1;
     for (int32_t t = start / block_m; t < (start + padded) / block_m; ++t) tile_expert[t] = e;
   }
   if (e == 0) expert_offsets[experts] = total;
-  for (int64_t t = total / block_m + e; t < max_tiles; t += blockDim.x) tile_expert[t] = -1;
+  for (int64_t t = total / block_m + e; t < max_tiles; t += kMaxExperts) tile_expert[t] = -1;
+  return start;
 }
 
+// a) count, chunk c by warp c.
+template <typename IdT>
+__global__ void __launch_bounds__(kAlignWarps * 32)
+    AlignCountKernel(const IdT* __restrict__ ids, int64_t pairs, int experts, int64_t num_chunks,
+                     int32_t* __restrict__ chunk_counts) {
+  __shared__ int32_t counts[kAlignWarps][kMaxExperts];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kAlignWarps + warp;
+  if (chunk >= num_chunks) return;  // uniform across the warp; only warp-level sync below
+  int32_t* cnt = counts[warp];
+  for (int e = lane; e < experts; e += 32) cnt[e] = 0;
+  __syncwarp();
+  CountChunk(ids, pairs, experts, chunk * kAlignChunk, lane, cnt);
+  for (int e = lane; e < experts; e += 32) chunk_counts[chunk * experts + e] = cnt[e];
+}
+
+// b) scan, one block of kMaxExperts threads.
+__global__ void __launch_bounds__(kMaxExperts)
+    AlignScanKernel(int experts, int64_t num_chunks, int block_m, int64_t max_tiles,
+                    int32_t* __restrict__ chunk_counts, int32_t* __restrict__ expert_offsets,
+                    int32_t* __restrict__ sorted_rows, int32_t* __restrict__ tile_expert) {
+  const int e = threadIdx.x;
+  // Exclusive prefix over chunks, per expert (coalesced across experts), loads batched.
+  int32_t count = 0;
+  if (e < experts) {
+    int32_t* p = chunk_counts + e;
+    int64_t c = 0;
+    for (; c + 8 <= num_chunks; c += 8) {
+      int32_t v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v[u] = p[(c + u) * experts];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        p[(c + u) * experts] = count;
+        count += v[u];
+      }
+    }
+    for (; c < num_chunks; ++c) {
+      const int32_t v = p[c * experts];
+      p[c * experts] = count;
+      count += v;
+    }
+  }
+  PadAndMapExperts(count, experts, block_m, max_tiles, expert_offsets, sorted_rows, tile_expert);
+}
+
+// c) scatter, chunk c by warp c.
 template <typename IdT>
 __global__ void __launch_bounds__(kAlignWarps * 32)
     AlignScatterKernel(const IdT* __restrict__ ids, int64_t pairs, int experts, int64_t num_chunks,
@@ -350,22 +394,28 @@ __global__ void __launch_bounds__(kAlignWarps * 32)
     next[e] = expert_offsets[e] + chunk_prefix[chunk * experts + e];
   }
   __syncwarp();
-  const int64_t base = chunk * kAlignChunk;
-  for (int j = 0; j < kAlignChunk / 32; ++j) {
-    const int64_t pair = base + j * 32 + lane;
-    const int id = ValidExpert(ids, pair, pairs, experts);
-    const unsigned peers = __match_any_sync(kFullMask, id);
-    if (id >= 0) {
-      const int32_t row = next[id] + __popc(peers & LaneMaskLt());
-      sorted_rows[row] = static_cast<int32_t>(pair);
-      row_of_pair[pair] = row;
-    } else if (pair < pairs) {
-      row_of_pair[pair] = -1;
-    }
-    __syncwarp();
-    if (id >= 0 && lane == 31 - __clz(peers)) next[id] += __popc(peers);
-    __syncwarp();
-  }
+  ScatterChunk(ids, pairs, experts, chunk * kAlignChunk, lane, next, sorted_rows, row_of_pair);
+}
+
+// a) + b) + c) in one block when all pairs fit in one chunk (decode): one launch instead of three.
+template <typename IdT>
+__global__ void __launch_bounds__(kMaxExperts)
+    AlignSmallKernel(const IdT* __restrict__ ids, int64_t pairs, int experts, int block_m,
+                     int64_t max_tiles, int32_t* __restrict__ expert_offsets,
+                     int32_t* __restrict__ sorted_rows, int32_t* __restrict__ tile_expert,
+                     int32_t* __restrict__ row_of_pair) {
+  __shared__ int32_t counts[kMaxExperts];  // pairs per expert, then each expert's next row
+  const int e = threadIdx.x;
+  counts[e] = 0;
+  __syncthreads();
+  if (e < 32) CountChunk(ids, pairs, experts, 0, e, counts);
+  __syncthreads();
+  const int32_t count = e < experts ? counts[e] : 0;
+  const int32_t start = PadAndMapExperts(count, experts, block_m, max_tiles, expert_offsets,
+                                         sorted_rows, tile_expert);
+  counts[e] = start;  // thread e alone read counts[e] since the barrier after counting
+  __syncthreads();
+  if (e < 32) ScatterChunk(ids, pairs, experts, 0, e, counts, sorted_rows, row_of_pair);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -628,16 +678,16 @@ __global__ void __launch_bounds__(Fp32Tile::THREADS)
 // ---------------------------------------------------------------------------------------------
 // 5. Combine: one block per token; 8 columns per thread; the k slots in order, fp32.
 // ---------------------------------------------------------------------------------------------
-template <typename T>
+template <typename T, typename WT>
 __global__ void __launch_bounds__(kCombineThreads)
     CombineKernel(const T* __restrict__ expert_out, const int32_t* __restrict__ row_of_pair,
-                  const float* __restrict__ weights, int top_k, int64_t hidden, T* __restrict__ y) {
+                  const WT* __restrict__ weights, int top_k, int64_t hidden, T* __restrict__ y) {
   __shared__ int32_t rows[kMaxTopK];
   __shared__ float ws[kMaxTopK];
   const int64_t t = blockIdx.x;
   if (threadIdx.x < top_k) {
     rows[threadIdx.x] = row_of_pair[t * top_k + threadIdx.x];
-    ws[threadIdx.x] = weights[t * top_k + threadIdx.x];
+    ws[threadIdx.x] = ToFloat(weights[t * top_k + threadIdx.x]);
   }
   __syncthreads();
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * 8; c < hidden; c += kCombineThreads * 8) {
@@ -802,6 +852,12 @@ cudaError_t AlignRows(const MoePlan& plan, const IdT* ids, const MoeBuffers& b,
   }
   if (plan.pairs == 0) return cudaSuccess;
   const int E = static_cast<int>(plan.experts);
+  if (plan.num_chunks == 1) {
+    AlignSmallKernel<IdT><<<1, kMaxExperts, 0, stream>>>(
+        ids, plan.pairs, E, plan.block_m, plan.max_tiles, b.expert_offsets, b.sorted_rows,
+        b.tile_expert, b.row_of_pair);
+    return cudaGetLastError();
+  }
   const unsigned blocks = static_cast<unsigned>((plan.num_chunks + kAlignWarps - 1) / kAlignWarps);
   AlignCountKernel<IdT><<<blocks, kAlignWarps * 32, 0, stream>>>(ids, plan.pairs, E,
                                                                  plan.num_chunks, b.chunk_counts);
@@ -832,21 +888,21 @@ cudaError_t GroupedDown(const MoePlan& plan, const T* down, const MoeBuffers& b,
                               static_cast<T*>(b.expert_out), stream);
 }
 
-template <typename T>
-cudaError_t Combine(const MoePlan& plan, const float* weights, const MoeBuffers& b, T* y,
+template <typename T, typename WT>
+cudaError_t Combine(const MoePlan& plan, const WT* weights, const MoeBuffers& b, T* y,
                     cudaStream_t stream) {
   if (!ValidPlan(plan) || !Aligned16(b.expert_out) || !Aligned16(y) || b.row_of_pair == nullptr) {
     return cudaErrorInvalidValue;
   }
   if (plan.tokens == 0) return cudaSuccess;
-  CombineKernel<T><<<static_cast<unsigned>(plan.tokens), kCombineThreads, 0, stream>>>(
+  CombineKernel<T, WT><<<static_cast<unsigned>(plan.tokens), kCombineThreads, 0, stream>>>(
       static_cast<const T*>(b.expert_out), b.row_of_pair, weights, static_cast<int>(plan.top_k),
       plan.hidden, y);
   return cudaGetLastError();
 }
 
-template <typename T, typename IdT>
-cudaError_t MoeExpertsForward(const MoePlan& plan, const T* x, const IdT* ids, const float* weights,
+template <typename T, typename IdT, typename WT>
+cudaError_t MoeExpertsForward(const MoePlan& plan, const T* x, const IdT* ids, const WT* weights,
                               const T* gate_up, const T* down, const MoeBuffers& b, T* y,
                               cudaStream_t stream) {
   cudaError_t err = AlignRows(plan, ids, b, stream);
@@ -866,30 +922,39 @@ const char* CompiledArchitectures() {
 #endif
 }
 
-// Explicit instantiations: bf16 and float, int32 and int64 ids.
+// Explicit instantiations: bf16 and float elements, int32 and int64 ids, weights in fp32 or in
+// the element type.
 #define OPD_KERNELS_INSTANTIATE_ID(IdT)                                                           \
   template cudaError_t TopkSoftmax<float, IdT>(const float*, int64_t, int, int, bool, float*,     \
                                                IdT*, cudaStream_t);                               \
   template cudaError_t TopkSoftmax<bf16, IdT>(const bf16*, int64_t, int, int, bool, float*, IdT*, \
                                               cudaStream_t);                                      \
-  template cudaError_t AlignRows<IdT>(const MoePlan&, const IdT*, const MoeBuffers&,              \
-                                      cudaStream_t);                                              \
-  template cudaError_t MoeExpertsForward<float, IdT>(const MoePlan&, const float*, const IdT*,    \
-                                                     const float*, const float*, const float*,    \
-                                                     const MoeBuffers&, float*, cudaStream_t);    \
-  template cudaError_t MoeExpertsForward<bf16, IdT>(const MoePlan&, const bf16*, const IdT*,      \
-                                                    const float*, const bf16*, const bf16*,       \
-                                                    const MoeBuffers&, bf16*, cudaStream_t);
+  template cudaError_t AlignRows<IdT>(const MoePlan&, const IdT*, const MoeBuffers&, cudaStream_t);
 OPD_KERNELS_INSTANTIATE_ID(int32_t)
 OPD_KERNELS_INSTANTIATE_ID(int64_t)
 
-#define OPD_KERNELS_INSTANTIATE_T(T)                                                              \
-  template cudaError_t GroupedSwiGlu<T>(const MoePlan&, const T*, const T*, const MoeBuffers&,    \
-                                        cudaStream_t);                                            \
-  template cudaError_t GroupedDown<T>(const MoePlan&, const T*, const MoeBuffers&, cudaStream_t); \
-  template cudaError_t Combine<T>(const MoePlan&, const float*, const MoeBuffers&, T*,            \
-                                  cudaStream_t);
+#define OPD_KERNELS_INSTANTIATE_T(T)                                                           \
+  template cudaError_t GroupedSwiGlu<T>(const MoePlan&, const T*, const T*, const MoeBuffers&, \
+                                        cudaStream_t);                                         \
+  template cudaError_t GroupedDown<T>(const MoePlan&, const T*, const MoeBuffers&, cudaStream_t);
 OPD_KERNELS_INSTANTIATE_T(float)
 OPD_KERNELS_INSTANTIATE_T(bf16)
+
+#define OPD_KERNELS_INSTANTIATE_LAYER(T, IdT, WT)                                          \
+  template cudaError_t MoeExpertsForward<T, IdT, WT>(const MoePlan&, const T*, const IdT*, \
+                                                     const WT*, const T*, const T*,        \
+                                                     const MoeBuffers&, T*, cudaStream_t);
+OPD_KERNELS_INSTANTIATE_LAYER(float, int32_t, float)
+OPD_KERNELS_INSTANTIATE_LAYER(float, int64_t, float)
+OPD_KERNELS_INSTANTIATE_LAYER(bf16, int32_t, float)
+OPD_KERNELS_INSTANTIATE_LAYER(bf16, int64_t, float)
+OPD_KERNELS_INSTANTIATE_LAYER(bf16, int32_t, bf16)
+OPD_KERNELS_INSTANTIATE_LAYER(bf16, int64_t, bf16)
+template cudaError_t Combine<float, float>(const MoePlan&, const float*, const MoeBuffers&, float*,
+                                           cudaStream_t);
+template cudaError_t Combine<bf16, float>(const MoePlan&, const float*, const MoeBuffers&, bf16*,
+                                          cudaStream_t);
+template cudaError_t Combine<bf16, bf16>(const MoePlan&, const bf16*, const MoeBuffers&, bf16*,
+                                         cudaStream_t);
 
 }  // namespace kernels

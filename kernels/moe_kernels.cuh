@@ -101,14 +101,14 @@ template <typename T>
 cudaError_t GroupedDown(const MoePlan& plan, const T* down, const MoeBuffers& buffers,
                         cudaStream_t stream);
 
-// 5. buffers.expert_out, weights [T, k] fp32 -> y [T, H].
-template <typename T>
-cudaError_t Combine(const MoePlan& plan, const float* weights, const MoeBuffers& buffers, T* y,
+// 5. buffers.expert_out, weights [T, k] (WT: float, or T itself) -> y [T, H].
+template <typename T, typename WT>
+cudaError_t Combine(const MoePlan& plan, const WT* weights, const MoeBuffers& buffers, T* y,
                     cudaStream_t stream);
 
 // 2-5 in order: the experts computation of the layer.
-template <typename T, typename IdT>
-cudaError_t MoeExpertsForward(const MoePlan& plan, const T* x, const IdT* ids, const float* weights,
+template <typename T, typename IdT, typename WT>
+cudaError_t MoeExpertsForward(const MoePlan& plan, const T* x, const IdT* ids, const WT* weights,
                               const T* gate_up, const T* down, const MoeBuffers& buffers, T* y,
                               cudaStream_t stream);
 

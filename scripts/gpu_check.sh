@@ -96,7 +96,15 @@ if compgen -G "$ROOT/.gpu_debs/*.deb" >/dev/null; then
   DEPS=/tmp/opd-gpu-deps
   rm -rf "$DEPS"
   mkdir -p "$DEPS"
-  for deb in "$ROOT"/.gpu_debs/*.deb; do dpkg-deb -x "$deb" "$DEPS"; done
+  for deb in "$ROOT"/.gpu_debs/*.deb; do
+    if command -v dpkg-deb >/dev/null; then
+      dpkg-deb -x "$deb" "$DEPS"
+    else  # a .deb is an ar archive holding data.tar.*
+      tmp=$(mktemp -d)
+      (cd "$tmp" && ar x "$deb" && tar -xf data.tar.* -C "$DEPS")
+      rm -rf "$tmp"
+    fi
+  done
   LIBDIR=$DEPS/usr/lib/x86_64-linux-gnu
   export CMAKE_PREFIX_PATH=$DEPS/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
   export PKG_CONFIG_LIBDIR=$LIBDIR/pkgconfig:$DEPS/usr/share/pkgconfig

@@ -364,6 +364,10 @@ void CheckLayer(const Layer& l, const torch::Tensor& x, const torch::Tensor& ids
     EXPECT_TRUE(torch::equal(via_lm, y)) << what << ": lm::MoeExperts did not run the kernels";
     auto again = kernels::MoeExpertsCudaForward(x, ids, w, l.gate_up, l.down, opts);
     EXPECT_TRUE(torch::equal(again, y)) << what << ": not deterministic";
+    // fp32 routing weights take the other Combine instantiation; bf16 -> fp32 is exact.
+    auto fp32_weights =
+        kernels::MoeExpertsCudaForward(x, ids, w.to(torch::kFloat32), l.gate_up, l.down, opts);
+    EXPECT_TRUE(torch::equal(fp32_weights, y)) << what << ": fp32 weights";
   }
   auto ref =
       lm::MoeExpertsCpu(x.to(torch::kFloat32), ids, w.to(torch::kFloat32), l.gate_up32, l.down32);
