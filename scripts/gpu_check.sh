@@ -14,7 +14,8 @@
 #                                        into a private prefix, never into /)
 #
 # Environment: OPD_PYTHON (a python with torch), OPD_BUILD_DIR (default build-gpu),
-# OPD_CUDA_ARCHITECTURES (default "80;90a"), OPD_JOBS (default: all cores).
+# OPD_CUDA_ARCHITECTURES (default "80;90a"), OPD_JOBS (default: all cores). Where nvidia-smi
+# exists, OPD_REQUIRE_GPU=1 turns a GPU test that finds no CUDA device into a failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -59,6 +60,7 @@ say "== gpu_check $(date -u +%FT%TZ) on ${HOSTNAME:-?}, commit $(git rev-parse -
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 |
     tee -a "$RESULTS" || true
+  export OPD_REQUIRE_GPU=1  # a GPU machine: GPU tests that cannot find the device fail
 else
   say "nvidia-smi not found"
 fi

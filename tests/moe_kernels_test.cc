@@ -10,6 +10,7 @@
 //   model forward on GPU against CPU.
 // The MoeKernelsBuild cases run everywhere; every other case skips without a CUDA device.
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -30,10 +31,15 @@ namespace {
 constexpr int kSmall = 0, kMedium = 1, kLarge = 2, kFp32 = 3;  // kernels::TileConfig
 const std::vector<int> kBf16Configs = {kSmall, kMedium, kLarge};
 
-#define REQUIRE_GPU()                                                        \
-  do {                                                                       \
-    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device here"; \
-    at::globalContext().setAllowTF32CuBLAS(false); /* fp32 references */     \
+// Skips without a CUDA device, unless OPD_REQUIRE_GPU is set (scripts/gpu_check.sh on a GPU
+// machine): then a missing device is a failure, not a silent skip.
+#define REQUIRE_GPU()                                                             \
+  do {                                                                            \
+    if (!torch::cuda::is_available()) {                                           \
+      if (std::getenv("OPD_REQUIRE_GPU") != nullptr) FAIL() << "no CUDA device";  \
+      GTEST_SKIP() << "no CUDA device here";                                      \
+    }                                                                             \
+    at::globalContext().setAllowTF32CuBLAS(false); /* fp32 references are fp32 */ \
   } while (0)
 
 torch::Device Gpu() {
