@@ -32,3 +32,7 @@ $PY scripts/bench/rollout.py --build build --workdir build/bench
 echo "== SFT training step (forward + backward + optimizer) =="
 cmake --build build -j"$(nproc)" --target opd-trainer >/dev/null
 $PY scripts/bench/sft.py --build build --workdir build/bench
+
+echo "== OPD step: sampling / scoring / learning / push, synchronous vs one-step-off =="
+cmake --build build -j"$(nproc)" --target opd-ctl >/dev/null
+$PY scripts/bench/opd.py --build build --workdir build/bench

@@ -21,6 +21,7 @@
 #include "rpc/auth.h"
 #include "trainer/checkpoint.h"
 #include "trainer/convergence.h"
+#include "trainer/job_main.h"
 #include "trainer/job_util.h"
 #include "trainer/learner_service.h"
 #include "trainer/metrics.h"
@@ -674,26 +675,7 @@ absl::Status RunOpd(const OpdConfig& config, const JobArgs& args) {
 }
 
 int OpdMain(const std::vector<std::string>& words) {
-  constexpr const char* kUsage =
-      "usage: opd-trainer opd --config configs/opd/NAME.yaml [--set key.path=value ...] "
-      "[--resume[=CHECKPOINT_DIR]]\n";
-  absl::StatusOr<JobArgs> args = ParseJobArgs(words);
-  if (!args.ok()) {
-    std::fprintf(stderr, "opd-trainer opd: %s\n%s", std::string(args.status().message()).c_str(),
-                 kUsage);
-    return 2;
-  }
-  absl::StatusOr<OpdConfig> config = LoadConfig<OpdConfig>(args->config_path, args->overrides);
-  absl::Status s = config.ok() ? ValidateOpdConfig(*config) : config.status();
-  if (!s.ok()) {
-    lm::log::Error(absl::StrCat("opd-trainer opd: bad config: ", s.message()));
-    return 2;
-  }
-  s = RunOpd(*config, *args);
-  if (s.ok()) return 0;
-  lm::log::Error(absl::StrCat("opd-trainer opd: ", s.message()));
-  if (absl::IsCancelled(s) && StopSignal() != 0) return 128 + StopSignal();
-  return 1;
+  return JobMain<OpdConfig>({"opd", "configs/opd/NAME.yaml", ValidateOpdConfig, RunOpd}, words);
 }
 
 }  // namespace trainer

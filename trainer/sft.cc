@@ -24,6 +24,7 @@
 #include "lm/util/status.h"
 #include "trainer/checkpoint.h"
 #include "trainer/fused_nll.h"
+#include "trainer/job_main.h"
 #include "trainer/job_util.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
@@ -582,26 +583,7 @@ absl::Status RunSft(const SftConfig& config, const JobArgs& args) {
 }
 
 int SftMain(const std::vector<std::string>& words) {
-  constexpr const char* kUsage =
-      "usage: opd-trainer sft --config configs/sft/NAME.yaml [--set key.path=value ...] "
-      "[--resume[=CHECKPOINT_DIR]]\n";
-  absl::StatusOr<JobArgs> args = ParseJobArgs(words);
-  if (!args.ok()) {
-    std::fprintf(stderr, "opd-trainer sft: %s\n%s", std::string(args.status().message()).c_str(),
-                 kUsage);
-    return 2;
-  }
-  absl::StatusOr<SftConfig> config = LoadConfig<SftConfig>(args->config_path, args->overrides);
-  absl::Status s = config.ok() ? ValidateSftConfig(*config) : config.status();
-  if (!s.ok()) {
-    lm::log::Error(absl::StrCat("opd-trainer sft: bad config: ", s.message()));
-    return 2;
-  }
-  s = RunSft(*config, *args);
-  if (s.ok()) return 0;
-  lm::log::Error(absl::StrCat("opd-trainer sft: ", s.message()));
-  if (absl::IsCancelled(s) && StopSignal() != 0) return 128 + StopSignal();
-  return 1;
+  return JobMain<SftConfig>({"sft", "configs/sft/NAME.yaml", ValidateSftConfig, RunSft}, words);
 }
 
 }  // namespace trainer

@@ -1,0 +1,92 @@
+#include "rpc/model_server.h"
+
+#include <iostream>
+
+#include <torch/torch.h>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "lm/util/log.h"
+#include "lm/util/status.h"
+#include "rpc/auth.h"
+#include "rpc/server.h"
+#include "rpc/service_info.h"
+#include "rpc/tensor_codec.h"
+
+ABSL_FLAG(std::string, model, "", "Hugging Face model directory (config.json + safetensors)");
+ABSL_FLAG(std::string, listen, "127.0.0.1:0", "host:port to listen on (port 0: any free port)");
+ABSL_FLAG(std::string, port_file, "", "write the bound port to this file once serving");
+ABSL_FLAG(std::string, tokenizer, "",
+          "tokenizer directory or file for the fingerprint (default: the model directory when it "
+          "has tokenizer files, else none)");
+ABSL_FLAG(std::string, dtype, "float32", "parameter dtype: float32 or bfloat16");
+ABSL_FLAG(int, threads, 0, "compute threads (0: LibTorch's default)");
+ABSL_FLAG(int, max_message_mb, 64, "largest message accepted, MiB");
+ABSL_FLAG(std::string, secret_file, "",
+          "file (mode 0600) holding the shared secret; else $OPD_SECRET");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: enables TLS");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
+ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA: require client certificates signed by it");
+ABSL_FLAG(int, grace_seconds, 10, "how long calls in flight may finish at shutdown");
+
+namespace opd::rpc {
+
+opd::v1::ServiceInfo LoadedModel::Info(const std::string& service, int64_t max_seq_len) const {
+  return MakeServiceInfo({service, model_dir, tokenizer_fingerprint, max_seq_len, dtype, threads},
+                         config);
+}
+
+absl::StatusOr<LoadedModel> LoadServedModel() {
+  LoadedModel m;
+  m.model_dir = absl::GetFlag(FLAGS_model);
+  if (m.model_dir.empty()) return absl::InvalidArgumentError("--model is required");
+  if (absl::GetFlag(FLAGS_threads) > 0) torch::set_num_threads(absl::GetFlag(FLAGS_threads));
+  m.threads = torch::get_num_threads();
+  ASSIGN_OR_RETURN(m.secret, LoadSecret(absl::GetFlag(FLAGS_secret_file)));
+  m.dtype = absl::GetFlag(FLAGS_dtype);
+  lm::LoadOptions load;
+  ASSIGN_OR_RETURN(load.dtype, DtypeFromName(m.dtype));
+  ASSIGN_OR_RETURN(m.model, lm::LoadModel(m.model_dir, load));
+  m.model->eval();
+  m.config = m.model->config();
+  ASSIGN_OR_RETURN(m.tokenizer_fingerprint,
+                   TokenizerFingerprint(absl::GetFlag(FLAGS_tokenizer), m.model_dir));
+  return m;
+}
+
+absl::Status ServeUntilSignal(const char* program, const std::string& service_name,
+                              grpc::Service* service, const LoadedModel& loaded,
+                              const std::function<void()>& after_shutdown) {
+  ServerOptions opts;
+  opts.listen = absl::GetFlag(FLAGS_listen);
+  opts.port_file = absl::GetFlag(FLAGS_port_file);
+  opts.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
+  opts.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+              absl::GetFlag(FLAGS_tls_client_ca)};
+  ASSIGN_OR_RETURN(auto server, StartServer(opts, {service}, {service_name}));
+  const lm::ModelConfig& config = loaded.config;
+  lm::log::Info(absl::StrCat(program, ": serving ", loaded.model_dir, " (", config.model_type,
+                             ", vocab ", config.vocab_size, ") on port ", server.port, " (",
+                             opts.listen, ", ", opts.tls.enabled() ? "TLS" : "plaintext", ", ",
+                             loaded.threads, " threads)"));
+  const int sig = WaitForShutdownSignal();
+  lm::log::Info(absl::StrCat(program, ": signal ", sig, ", shutting down"));
+  server.SetServing({service_name}, false);
+  server.server->Shutdown(
+      absl::ToChronoTime(absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_grace_seconds))));
+  if (after_shutdown) after_shutdown();
+  return absl::OkStatus();
+}
+
+int ModelServerMain(int argc, char** argv, const char* program, const char* default_listen,
+                    const char* usage, const std::function<absl::Status()>& run) {
+  BlockShutdownSignals();
+  absl::SetFlag(&FLAGS_listen, default_listen);
+  ParseFlags(argc, argv, usage);
+  const absl::Status st = run();
+  if (st.ok()) return 0;
+  std::cerr << program << ": " << st << "\n";
+  return 1;
+}
+
+}  // namespace opd::rpc

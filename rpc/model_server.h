@@ -1,0 +1,46 @@
+// What opd-teacher and opd-rollout share: the flags both take (model, listen address, port file,
+// tokenizer, dtype, threads, shared secret, TLS, grace period), loading the served model, and
+// serving until SIGINT/SIGTERM. Each program's main adds its own flags and builds its service.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <grpcpp/impl/service_type.h>
+
+#include "absl/status/statusor.h"
+#include "lm/model/model.h"
+#include "opd/v1/common.pb.h"
+
+namespace opd::rpc {
+
+struct LoadedModel {
+  std::string model_dir;
+  std::shared_ptr<lm::CausalLM> model;  // in eval mode (a service may take it over)
+  lm::ModelConfig config;
+  std::string secret;  // empty: calls are not authenticated
+  std::string tokenizer_fingerprint;
+  std::string dtype;
+  int threads = 0;
+  // The ServiceInfo of `service` ("opd.v1.Teacher" | "opd.v1.Rollout") serving this model.
+  opd::v1::ServiceInfo Info(const std::string& service, int64_t max_seq_len) const;
+};
+
+// Sets the thread count, reads the secret, loads --model (with --dtype) and fingerprints the
+// tokenizer, from the shared flags.
+absl::StatusOr<LoadedModel> LoadServedModel();
+
+// Starts `service` (named `service_name`) with health and reflection on --listen, logs a line
+// naming `program` and the model, blocks until SIGINT/SIGTERM, then stops taking calls, lets
+// calls in flight finish for up to --grace-seconds, and calls `after_shutdown`.
+absl::Status ServeUntilSignal(const char* program, const std::string& service_name,
+                              grpc::Service* service, const LoadedModel& loaded,
+                              const std::function<void()>& after_shutdown = {});
+
+// A program's main: blocks the shutdown signals, parses the flags (--listen defaults to
+// `default_listen`), runs `run` and prints its error.
+int ModelServerMain(int argc, char** argv, const char* program, const char* default_listen,
+                    const char* usage, const std::function<absl::Status()>& run);
+
+}  // namespace opd::rpc

@@ -1,0 +1,52 @@
+// The entry point every learner job shares: parse the words after the sub-command, load the YAML
+// config with its --set overrides, validate it, run the job, and turn the outcome into an exit
+// code: 0 done; 2 bad usage or config (nothing was started); 128 + signal when a signal stopped
+// the job (it checkpointed first); 1 any other failure.
+#pragma once
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "lm/util/log.h"
+#include "trainer/config.h"
+#include "trainer/signals.h"
+
+namespace trainer {
+
+template <class Config>
+struct Job {
+  const char* name;  // "sft", "opd": messages read "opd-trainer <name>: ..."
+  const char* config_example;
+  absl::Status (*validate)(const Config&);
+  absl::Status (*run)(const Config&, const JobArgs&);
+};
+
+template <class Config>
+int JobMain(const Job<Config>& job, const std::vector<std::string>& words) {
+  const std::string me = absl::StrCat("opd-trainer ", job.name);
+  absl::StatusOr<JobArgs> args = ParseJobArgs(words);
+  if (!args.ok()) {
+    std::fprintf(stderr,
+                 "%s: %s\nusage: %s --config %s [--set key.path=value ...] "
+                 "[--resume[=CHECKPOINT_DIR]]\n",
+                 me.c_str(), std::string(args.status().message()).c_str(), me.c_str(),
+                 job.config_example);
+    return 2;
+  }
+  absl::StatusOr<Config> config = LoadConfig<Config>(args->config_path, args->overrides);
+  absl::Status s = config.ok() ? job.validate(*config) : config.status();
+  if (!s.ok()) {
+    lm::log::Error(absl::StrCat(me, ": bad config: ", s.message()));
+    return 2;
+  }
+  s = job.run(*config, *args);
+  if (s.ok()) return 0;
+  lm::log::Error(absl::StrCat(me, ": ", s.message()));
+  if (absl::IsCancelled(s) && StopSignal() != 0) return 128 + StopSignal();
+  return 1;
+}
+
+}  // namespace trainer
