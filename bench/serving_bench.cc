@@ -19,6 +19,7 @@
 
 #include "absl/flags/flag.h"
 #include "lm/model/model.h"
+#include "lm/util/threads.h"
 #include "nlohmann/json.hpp"
 #include "rollout/sampler.h"
 #include "rpc/client.h"
@@ -85,6 +86,9 @@ opd::rpc::ClientOptions Client() {
 
 std::shared_ptr<lm::CausalLM> Model() {
   torch::set_num_threads(absl::GetFlag(FLAGS_threads));
+  // In-process scoring computes on the Scorer's worker thread, as the service does: the main
+  // thread keeps no OpenMP pool of its own (lm/util/threads.h). Sampling runs here.
+  if (absl::GetFlag(FLAGS_mode) == "score") lm::SetThreadsForThisThread(1);
   auto m = lm::LoadModel(absl::GetFlag(FLAGS_model));
   if (!m.ok()) {
     std::cerr << "bench_serving: " << m.status() << "\n";

@@ -6,6 +6,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "lm/util/threads.h"
 #include "rpc/codec.h"
 #include "rpc/status.h"
 
@@ -132,6 +133,9 @@ class UpdateReactor final : public grpc::ServerReadReactor<opd::v1::WeightChunk>
   void Refuse(const grpc::Status& why) { Finish(why); }
 
   void OnReadDone(bool ok) override {
+    // A gRPC thread: tensor copies here run single-threaded so that it never keeps an OpenMP
+    // pool that would slow the sampling threads down (lm/util/threads.h).
+    lm::SetThreadsForThisThread(1);
     if (!ok) return EndOfStream();
     absl::Status st = Apply();
     if (!st.ok()) return Finish(opd::rpc::ToGrpc(st));  // the staged copy is dropped with us

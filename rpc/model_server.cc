@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
+#include "lm/util/threads.h"
 #include "rpc/auth.h"
 #include "rpc/server.h"
 #include "rpc/service_info.h"
@@ -41,7 +42,9 @@ absl::StatusOr<LoadedModel> LoadServedModel() {
   m.model_dir = absl::GetFlag(FLAGS_model);
   if (m.model_dir.empty()) return absl::InvalidArgumentError("--model is required");
   if (absl::GetFlag(FLAGS_threads) > 0) torch::set_num_threads(absl::GetFlag(FLAGS_threads));
-  m.threads = torch::get_num_threads();
+  m.threads = torch::get_num_threads();  // what the service's compute threads will use
+  // This thread only loads and then waits for a signal: one thread, no OpenMP pool of its own.
+  lm::SetThreadsForThisThread(1);
   ASSIGN_OR_RETURN(m.secret, LoadSecret(absl::GetFlag(FLAGS_secret_file)));
   m.dtype = absl::GetFlag(FLAGS_dtype);
   lm::LoadOptions load;
