@@ -441,6 +441,20 @@ __device__ __forceinline__ int WarpBRow(int wn, int nt) {
   }
 }
 
+// The weight row that row r of a B tile (BN rows) loads, and the output column it feeds. A SwiGLU
+// tile holds the gate rows of BN/2 columns followed by the up rows of the same columns (rows N..2N
+// of the expert's gate_up), so that one tile computes both halves of its columns.
+template <bool kSwiGlu, int BN>
+__device__ __forceinline__ int64_t TileWeightRow(int r, int64_t n0, int64_t N, int64_t* col) {
+  if constexpr (kSwiGlu) {
+    const int up = r >= BN / 2;
+    *col = n0 + r - up * (BN / 2);
+    return up * N + *col;
+  }
+  *col = n0 + r;
+  return *col;
+}
+
 template <class Cfg, bool kSwiGlu>
 __global__ void __launch_bounds__(Cfg::THREADS)
     GroupedGemmBf16Kernel(const bf16* __restrict__ A, int64_t K, int top_k,
@@ -481,15 +495,8 @@ __global__ void __launch_bounds__(Cfg::THREADS)
     bf16* b = sB + stage * BN * LDS;
     for (int c = tid; c < BN * kChunksPerRow; c += Cfg::THREADS) {
       const int r = c / kChunksPerRow, kc = (c % kChunksPerRow) * 8;
-      int64_t col, wrow;
-      if constexpr (kSwiGlu) {
-        const int up = r >= BN / 2;
-        col = n0 + r - up * (BN / 2);
-        wrow = up * N + col;
-      } else {
-        col = n0 + r;
-        wrow = col;
-      }
+      int64_t col;
+      const int64_t wrow = TileWeightRow<kSwiGlu, BN>(r, n0, N, &col);
       const bool ok = col < N && k0 + kc < K;
       CpAsync16(SmemAddr(b + r * LDS + kc), ok ? We + wrow * K + k0 + kc : W, ok);
     }
@@ -632,15 +639,8 @@ __global__ void __launch_bounds__(Fp32Tile::THREADS)
     }
     for (int i = tid; i < BN * BK; i += THREADS) {
       const int r = i / BK, kk = i % BK;
-      int64_t col, wrow;
-      if constexpr (kSwiGlu) {
-        const int up = r >= BN / 2;
-        col = n0 + r - up * (BN / 2);
-        wrow = up * N + col;
-      } else {
-        col = n0 + r;
-        wrow = col;
-      }
+      int64_t col;
+      const int64_t wrow = TileWeightRow<kSwiGlu, BN>(r, n0, N, &col);
       sB[kk][r] = (col < N && k0 + kk < K) ? We[wrow * K + k0 + kk] : 0.0f;
     }
     __syncthreads();

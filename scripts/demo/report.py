@@ -42,8 +42,9 @@ def main():
 
     print(f"{'model':<28} {'accuracy':>9} {'rev. KL to small':>17} {'rev. KL to large':>17}")
     for r in rows:
-        print(f"{r['model']:<28} {100 * r['accuracy']:8.1f}% {r['reverse_kl_to_small_teacher']:17.4f} "
-              f"{r['reverse_kl_to_large_teacher']:17.4f}")
+        # A model's KL to itself comes out as +-1e-9 (float noise): print it as the 0 it is.
+        kl = [0.0 if abs(v) < 5e-5 else v for v in (r['reverse_kl_to_small_teacher'], r['reverse_kl_to_large_teacher'])]
+        print(f"{r['model']:<28} {100 * r['accuracy']:8.1f}% {kl[0]:17.4f} {kl[1]:17.4f}")
     for s in opd_summary["stages"]:
         print(f"stage {s['stage']}: {s['steps']} steps, ended by {s['reason']} at step {s['end_step']}, "
               f"smoothed reverse KL {s['smoothed_reverse_kl']:.4f}")
