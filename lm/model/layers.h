@@ -13,6 +13,14 @@
 
 namespace lm {
 
+// x W^T for x [rows, in], W [out, in]. A decode step has few rows, and for those (W x^T)^T is
+// the faster CPU call: MKL then streams W instead of repacking it on every call (1.4-1.8x for <= 32
+// rows, e.g. a 64-expert MoE layer or the LM head at decode; scripts/bench/rollout.py). Other
+// shapes and devices take the usual call. The result is contiguous either way.
+torch::Tensor MatmulWeightT(const torch::Tensor& x, const torch::Tensor& w);
+// The same into `out` [rows, out] (a slice of a larger buffer).
+void MatmulWeightTOut(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w);
+
 // y = x W^T, no bias (Qwen projections have none). Weights start uninitialised: they are loaded
 // from a checkpoint or set by InitWeights.
 class LinearImpl : public torch::nn::Module {

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "lm/model/batch.h"
 #include "lm/model/config.h"
+#include "lm/model/layers.h"
 
 namespace lm {
 
@@ -37,7 +38,7 @@ class CausalLM : public torch::nn::Module {
   // The output projection [V, H] (the embedding matrix when tied).
   virtual torch::Tensor LmHeadWeight() = 0;
   torch::Tensor Logits(const torch::Tensor& hidden) {
-    return torch::linear(hidden, LmHeadWeight());
+    return MatmulWeightT(hidden, LmHeadWeight());
   }
 
   // Names of parameters that are the same tensor under another name (tied lm_head).

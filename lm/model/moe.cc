@@ -4,6 +4,8 @@
 
 #include <torch/torch.h>
 
+#include "lm/model/layers.h"
+
 #ifdef OPD_CUDA_KERNELS
 #include "kernels/moe_cuda.h"
 #endif
@@ -47,10 +49,10 @@ class GroupedSwiGlu : public torch::autograd::Function<GroupedSwiGlu> {
       const int64_t s = offsets[e], n = offsets[e + 1] - s;
       if (n == 0) continue;
       auto gu_e = gu.narrow(0, s, n);
-      torch::mm_out(gu_e, x.narrow(0, s, n), gate_up[e].t());
+      MatmulWeightTOut(gu_e, x.narrow(0, s, n), gate_up[e]);
       auto h = torch::silu(gu_e.narrow(1, 0, I)) * gu_e.narrow(1, I, I);
       auto y_e = y.narrow(0, s, n);
-      torch::mm_out(y_e, h, down[e].t());
+      MatmulWeightTOut(y_e, h, down[e]);
     }
     ctx->save_for_backward({x, gate_up, down, gu});
     ctx->saved_data["offsets"] = c10::IValue(offsets);
