@@ -17,6 +17,7 @@ use, the halves compete for the CPU and the figure shows it.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -64,8 +65,11 @@ def run(args, build, task, models, rollout, teacher, secret_file, asynchronous):
     cfg_path = run_dir + ".yaml"
     with open(cfg_path, "w") as f:
         yaml.safe_dump(config, f)
-    subprocess.run([os.path.join(build, "trainer", "opd-trainer"), "opd", "--config", cfg_path], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    shutil.rmtree(run_dir, ignore_errors=True)  # each run starts fresh (the learner refuses to overwrite)
+    done = subprocess.run([os.path.join(build, "trainer", "opd-trainer"), "opd", "--config", cfg_path],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        sys.exit("opd-trainer failed:\n" + done.stdout.decode()[-3000:])
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     rows = [r for r in rows if "time/step_s" in r][1:]  # the first step warms up
     mean = {p: sum(r["time/" + p] for r in rows) / len(rows) for p in (*PARTS, "step_s")}
