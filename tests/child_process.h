@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -22,16 +23,25 @@ namespace testing_util {
 
 class ChildProcess {
  public:
-  // Starts argv[0] with `argv`; stdout and stderr go to `log`.
-  ChildProcess(std::vector<std::string> argv, std::string log) : log_(std::move(log)) {
+  // Starts argv[0] with `argv` and this process's environment plus `extra_env` ("K=V");
+  // stdout and stderr go to `log`.
+  ChildProcess(std::vector<std::string> argv, std::string log,
+               const std::vector<std::string>& extra_env = {})
+      : log_(std::move(log)) {
     std::vector<char*> args;
     for (auto& a : argv) args.push_back(a.data());
     args.push_back(nullptr);
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e; ++e) env_strings.emplace_back(*e);
+    env_strings.insert(env_strings.end(), extra_env.begin(), extra_env.end());
+    std::vector<char*> envp;
+    for (auto& e : env_strings) envp.push_back(e.data());
+    envp.push_back(nullptr);
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_addopen(&fa, 1, log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     posix_spawn_file_actions_adddup2(&fa, 1, 2);
-    if (posix_spawn(&pid_, argv[0].c_str(), &fa, nullptr, args.data(), environ) != 0) pid_ = -1;
+    if (posix_spawn(&pid_, argv[0].c_str(), &fa, nullptr, args.data(), envp.data()) != 0) pid_ = -1;
     posix_spawn_file_actions_destroy(&fa);
   }
   ~ChildProcess() { Stop(); }
@@ -68,6 +78,19 @@ class ChildProcess {
       Reap(status);
     }
     return exit_code_;
+  }
+  // Resident memory (kB) from /proc; -1 when not running.
+  int64_t RssKb() const {
+    std::ifstream in("/proc/" + std::to_string(pid_) + "/status");
+    std::string key;
+    while (in >> key) {
+      if (key == "VmRSS:") {
+        int64_t kb = 0;
+        in >> kb;
+        return kb;
+      }
+    }
+    return -1;
   }
   std::string Log() const {
     std::ifstream in(log_);

@@ -8,9 +8,7 @@
 // keeps serving; 16 concurrent clients for OPD_LOAD_SECONDS (default 30) see only
 // RESOURCE_EXHAUSTED as errors, serial-equal results and bounded memory; health, reflection and
 // TLS work. The Scorer is also tested in-process (batching, cancellation, queue bound).
-#include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -29,14 +27,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "child_process.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "nlohmann/json.hpp"
 #include "rpc/client.h"
 #include "rpc/tensor_codec.h"
 #include "teacher_service/scorer.h"
-
-extern char** environ;
 
 namespace {
 
@@ -88,36 +85,16 @@ class ServerProcess {
     }
     args.push_back("--listen=127.0.0.1:0");
     args.push_back("--port-file=" + port_file.string());
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    std::vector<std::string> env_strings;
-    for (char** e = environ; *e; ++e) env_strings.emplace_back(*e);
-    env_strings.insert(env_strings.end(), extra_env.begin(), extra_env.end());
-    std::vector<char*> envp;
-    for (auto& e : env_strings) envp.push_back(e.data());
-    envp.push_back(nullptr);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&fa, 1, 2);
-    const int rc = posix_spawn(&p->pid_, binary.c_str(), &fa, nullptr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&fa);
-    if (rc != 0) {
+    p->child_ = std::make_unique<testing_util::ChildProcess>(args, log.string(), extra_env);
+    if (!p->child_->started()) {
       ADD_FAILURE() << "cannot spawn " << binary;
       return nullptr;
     }
     // Up to 60 s for the port file (model load), failing early if the process died.
-    for (int i = 0; i < 1200 && !fs::exists(port_file); ++i) {
-      if (!p->Running()) {
-        ADD_FAILURE() << binary << " exited at start:\n" << ReadAll(log);
-        return nullptr;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    std::ifstream(port_file) >> p->port_;
+    p->port_ = testing_util::WaitForPort(*p->child_, port_file.string(), std::chrono::seconds(60));
     if (p->port_ <= 0) {
-      ADD_FAILURE() << binary << " wrote no port:\n" << ReadAll(log);
+      ADD_FAILURE() << binary << (p->Running() ? " wrote no port:\n" : " exited at start:\n")
+                    << ReadAll(log);
       return nullptr;
     }
     ClientOptions o;
@@ -136,55 +113,18 @@ class ServerProcess {
     fs::remove_all(dir_);
   }
 
-  // SIGTERM (graceful), then SIGKILL after 10 s; returns the exit status.
-  int Stop() {
-    if (pid_ <= 0) return exit_status_;
-    kill(pid_, SIGTERM);
-    for (int i = 0; i < 200 && Running(); ++i)
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    if (Running()) {
-      kill(pid_, SIGKILL);
-      int status = 0;
-      waitpid(pid_, &status, 0);
-      exit_status_ = status;
-    }
-    pid_ = -1;
-    return exit_status_;
-  }
-
-  bool Running() {
-    if (pid_ <= 0) return false;
-    int status = 0;
-    if (waitpid(pid_, &status, WNOHANG) == pid_) {
-      exit_status_ = status;
-      pid_ = -1;
-      return false;
-    }
-    return true;
-  }
-
-  // Resident memory (kB) from /proc.
-  int64_t RssKb() const {
-    std::ifstream in("/proc/" + std::to_string(pid_) + "/status");
-    std::string key;
-    while (in >> key) {
-      if (key == "VmRSS:") {
-        int64_t kb = 0;
-        in >> kb;
-        return kb;
-      }
-    }
-    return -1;
-  }
+  // SIGTERM (graceful), then SIGKILL after 10 s; returns the exit code (128 + signal).
+  int Stop() { return child_ ? child_->Stop() : -1; }
+  bool Running() { return child_ && child_->Running(); }
+  int64_t RssKb() const { return child_->RssKb(); }
 
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
   std::string log() const { return ReadAll(dir_ / "log"); }
 
  private:
   ServerProcess() = default;
-  pid_t pid_ = -1;
+  std::unique_ptr<testing_util::ChildProcess> child_;
   int port_ = 0;
-  int exit_status_ = -1;
   fs::path dir_;
 };
 
