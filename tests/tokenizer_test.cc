@@ -50,6 +50,20 @@ void EnsureReference() {
   ASSERT_TRUE(done) << "tests/python/tokenizer_reference.py failed";
 }
 
+// Every test here reads the real Qwen vocabulary: without it, stop before any test runs with a
+// message naming the folder (instead of dereferencing a tokenizer that failed to load).
+class QwenVocabularyPresent : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    ASSERT_TRUE(fs::exists(fs::path(kVocabDir) / "vocab.json") ||
+                fs::exists(fs::path(kVocabDir) / "tokenizer.json"))
+        << "the Qwen vocabulary is missing: " << kVocabDir;
+  }
+};
+// gtest takes ownership of registered environments.
+::testing::Environment* const kVocabularyCheck =
+    ::testing::AddGlobalTestEnvironment(new QwenVocabularyPresent);
+
 const Tokenizer& Qwen2() {
   static std::unique_ptr<Tokenizer> tok = [] {
     auto t = Tokenizer::Load(kVocabDir);
