@@ -10,6 +10,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "lm/model/model.h"
+#include "lm/util/memory.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, model, "", "model directory");
@@ -22,6 +23,7 @@ ABSL_FLAG(std::string, ids, "",
           "optional file of token ids (JSON [[...], ...]) instead of random ids");
 
 int main(int argc, char** argv) {
+  lm::RetainFreedMemory();
   absl::ParseCommandLine(argc, argv);
   torch::set_num_threads(absl::GetFlag(FLAGS_threads));
   auto model = lm::LoadModel(absl::GetFlag(FLAGS_model));

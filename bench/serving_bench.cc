@@ -19,6 +19,7 @@
 
 #include "absl/flags/flag.h"
 #include "lm/model/model.h"
+#include "lm/util/memory.h"
 #include "lm/util/threads.h"
 #include "nlohmann/json.hpp"
 #include "rollout/sampler.h"
@@ -197,6 +198,7 @@ int BenchGenerate(const std::vector<std::vector<int64_t>>& prompts) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  lm::RetainFreedMemory();
   opd::rpc::ParseFlags(argc, argv, "bench_serving: times teacher scoring / rollout sampling");
   std::ifstream in(absl::GetFlag(FLAGS_ids));
   if (!in) return std::cerr << "bench_serving: cannot read --ids\n", 1;

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "ctl/command.h"
+#include "lm/util/memory.h"
 
 namespace {
 
@@ -32,6 +33,7 @@ void PrintUsage() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  lm::RetainFreedMemory();
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     PrintUsage();
     return argc < 2 ? 2 : 0;

@@ -7,6 +7,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "lm/util/log.h"
+#include "lm/util/memory.h"
 #include "lm/util/status.h"
 #include "lm/util/threads.h"
 #include "rpc/auth.h"
@@ -83,6 +84,7 @@ absl::Status ServeUntilSignal(const char* program, const std::string& service_na
 
 int ModelServerMain(int argc, char** argv, const char* program, const char* default_listen,
                     const char* usage, const std::function<absl::Status()>& run) {
+  lm::RetainFreedMemory();
   BlockShutdownSignals();
   absl::SetFlag(&FLAGS_listen, default_listen);
   ParseFlags(argc, argv, usage);

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "lm/util/memory.h"
 #include "trainer/command.h"
 
 namespace {
@@ -22,6 +23,7 @@ void PrintUsage() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  lm::RetainFreedMemory();
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     PrintUsage();
     return argc < 2 ? 2 : 0;

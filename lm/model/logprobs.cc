@@ -2,15 +2,38 @@
 
 #include <torch/torch.h>
 
+#include "lm/model/layers.h"
+
 namespace lm {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::tensor_list;
 
-torch::Tensor ChunkLogits(const torch::Tensor& h, const torch::Tensor& w, double temperature) {
-  auto logits = torch::linear(h, w).to(torch::kFloat32);
-  return temperature == 1.0 ? logits : logits / temperature;
+// One chunk's logits [n, V] in fp32, written into rows [0, n) of `scratch` [chunk, V]. The scratch
+// is allocated once per call and reused by every chunk: a fresh [chunk, V] buffer per chunk cost
+// more in page faults than the log-softmax arithmetic.
+torch::Tensor ChunkLogits(torch::Tensor& scratch, const torch::Tensor& h, const torch::Tensor& w,
+                          double temperature) {
+  auto logits = scratch.narrow(0, 0, h.size(0));
+  if (h.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32) {
+    MatmulWeightTOut(logits, h, w);
+  } else {
+    logits.copy_(torch::linear(h, w));  // bf16 on GPU: the matmul in bf16, the softmax in fp32
+  }
+  return temperature == 1.0 ? logits : logits.div_(temperature);
+}
+
+torch::Tensor Scratch(const torch::Tensor& hidden, const torch::Tensor& weight, int64_t chunk) {
+  return torch::empty({std::min(chunk, hidden.size(0)), weight.size(0)},
+                      hidden.options().dtype(torch::kFloat32));
+}
+
+// logsumexp of each row of `logits`, which it overwrites with exp(logits - max): three passes
+// over the chunk and no temporaries of its size.
+torch::Tensor LogsumexpInPlace(torch::Tensor& logits) {
+  auto max = logits.amax(1, /*keepdim=*/true);
+  return logits.sub_(max).exp_().sum(1).log_().add_(max.squeeze(1));
 }
 
 // log p(target) per row, chunked; saves only (hidden, weight, targets, logsumexp) for backward:
@@ -23,13 +46,14 @@ class ChunkedTokenLogprob : public torch::autograd::Function<ChunkedTokenLogprob
     const int64_t N = hidden.size(0);
     auto out = torch::empty({N}, hidden.options().dtype(torch::kFloat32));
     auto lse = torch::empty({N}, out.options());
+    auto scratch = Scratch(hidden, weight, chunk);
     for (int64_t s = 0; s < N; s += chunk) {
       const int64_t n = std::min(chunk, N - s);
-      auto logits = ChunkLogits(hidden.narrow(0, s, n), weight, temperature);
-      auto l = logits.logsumexp(-1);
+      auto logits = ChunkLogits(scratch, hidden.narrow(0, s, n), weight, temperature);
+      auto target_logit = logits.gather(1, targets.narrow(0, s, n).unsqueeze(1)).squeeze(1);
+      auto l = LogsumexpInPlace(logits);
       lse.narrow(0, s, n).copy_(l);
-      out.narrow(0, s, n).copy_(logits.gather(1, targets.narrow(0, s, n).unsqueeze(1)).squeeze(1) -
-                                l);
+      out.narrow(0, s, n).copy_(target_logit - l);
     }
     ctx->save_for_backward({hidden, weight, targets, lse});
     ctx->saved_data["temperature"] = temperature;
@@ -46,17 +70,19 @@ class ChunkedTokenLogprob : public torch::autograd::Function<ChunkedTokenLogprob
     const int64_t N = hidden.size(0);
     auto dhidden = torch::empty_like(hidden);
     auto dweight = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
+    auto scratch = Scratch(hidden, weight, chunk);
     for (int64_t s = 0; s < N; s += chunk) {
       const int64_t n = std::min(chunk, N - s);
       auto h = hidden.narrow(0, s, n);
-      auto logits = ChunkLogits(h, weight, temperature);
+      auto logits = ChunkLogits(scratch, h, weight, temperature);
       auto gs = g.narrow(0, s, n).unsqueeze(1);  // [n, 1]
-      // dlogits = g * (onehot - softmax), then the 1/temperature of the scaling.
-      auto dlogits = (logits - lse.narrow(0, s, n).unsqueeze(1)).exp_().mul_(-gs);
+      // dlogits = g * (onehot - softmax), then the 1/temperature of the scaling; in place.
+      auto dlogits = logits.sub_(lse.narrow(0, s, n).unsqueeze(1)).exp_().mul_(-gs);
       dlogits.scatter_add_(1, targets.narrow(0, s, n).unsqueeze(1), gs);
       if (temperature != 1.0) dlogits.div_(temperature);
       dlogits = dlogits.to(hidden.scalar_type());
-      dhidden.narrow(0, s, n).copy_(torch::mm(dlogits, weight));
+      auto dh = dhidden.narrow(0, s, n);
+      torch::mm_out(dh, dlogits, weight);
       dweight.addmm_(dlogits.t(), h);
     }
     return {dhidden, dweight.to(weight.scalar_type()), torch::Tensor(), torch::Tensor(),
@@ -73,10 +99,11 @@ torch::Tensor TokenLogprobs(const torch::Tensor& hidden, const torch::Tensor& we
     torch::NoGradGuard no_grad;
     const int64_t N = hidden.size(0);
     *entropy = torch::empty({N}, hidden.options().dtype(torch::kFloat32));
+    auto scratch = Scratch(hidden, weight, opts.chunk_rows);
     for (int64_t s = 0; s < N; s += opts.chunk_rows) {
       const int64_t n = std::min(opts.chunk_rows, N - s);
-      auto lp =
-          torch::log_softmax(ChunkLogits(hidden.narrow(0, s, n), weight, opts.temperature), -1);
+      auto lp = ChunkLogits(scratch, hidden.narrow(0, s, n), weight, opts.temperature);
+      lp.sub_(lp.logsumexp(1, /*keepdim=*/true));
       entropy->narrow(0, s, n).copy_(-(lp.exp() * lp).sum(-1));
     }
   }
@@ -89,9 +116,11 @@ TopKLogprobs TopK(const torch::Tensor& hidden, const torch::Tensor& weight, int6
   const int64_t N = hidden.size(0);
   TopKLogprobs r{torch::empty({N, k}, hidden.options().dtype(torch::kInt64)),
                  torch::empty({N, k}, hidden.options().dtype(torch::kFloat32))};
+  auto scratch = Scratch(hidden, weight, opts.chunk_rows);
   for (int64_t s = 0; s < N; s += opts.chunk_rows) {
     const int64_t n = std::min(opts.chunk_rows, N - s);
-    auto lp = torch::log_softmax(ChunkLogits(hidden.narrow(0, s, n), weight, opts.temperature), -1);
+    auto lp = ChunkLogits(scratch, hidden.narrow(0, s, n), weight, opts.temperature);
+    lp.sub_(lp.logsumexp(1, /*keepdim=*/true));
     auto [v, i] = lp.topk(k, -1);
     r.ids.narrow(0, s, n).copy_(i);
     r.logprobs.narrow(0, s, n).copy_(v);
