@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include "lm/io/checkpoint.h"
+#include "lm/model/cpu_kernels.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
@@ -367,6 +368,58 @@ TEST(Moe, SortedGroupedPathEqualsPlainLoop) {
   auto gref = torch::autograd::grad({ref}, {x, gu, dn}, {gy});
   for (int i = 0; i < 3; ++i) EXPECT_LE(MaxAbsDiff(grads[i], gref[i]), 1e-3) << i;
   EXPECT_EQ(grads[1].narrow(0, 5, 4).abs().sum().item<double>(), 0.0);  // idle experts: no gradient
+}
+
+// The few-row kernel behind the fused decode experts: every remainder of the 4-row and 2-column
+// tiles, strided rows, and a K long enough to use many vector steps.
+TEST(CpuKernels, MatmulWeightTEqualsLibraryMatmul) {
+  if (!cpu::HasAvx2Fma()) GTEST_SKIP() << "no AVX2/FMA on this CPU";
+  torch::manual_seed(2);
+  for (int64_t m : {1, 2, 3, 4, 5, 7, 9, 33}) {
+    for (int64_t N : {1, 2, 63, 130}) {
+      for (int64_t K : {8, 64, 520}) {
+        auto a = torch::randn({m, K + 8}).narrow(1, 0, K);  // rows K + 8 floats apart
+        auto w = torch::randn({N, K});
+        auto out = torch::full({m, N + 3}, 7.0f);
+        cpu::MatmulWeightT(a.data_ptr<float>(), K + 8, m, w.data_ptr<float>(), N, K,
+                           out.data_ptr<float>(), N + 3);
+        auto ref = torch::mm(a, w.t());
+        EXPECT_LE(MaxAbsDiff(out.narrow(1, 0, N), ref), 2e-5 * std::sqrt(double(K)))
+            << m << "x" << N << "x" << K;
+        EXPECT_TRUE(torch::all(out.narrow(1, N, 3) == 7.0f).item<bool>()) << "wrote past N";
+      }
+    }
+  }
+}
+
+// Inference with few tokens takes the fused CPU experts (lm/model/cpu_kernels.h); it must equal
+// the grouped-GEMM path the model is tested with, for any thread count, with idle experts and
+// with rows that share an expert in several slots.
+TEST(Moe, FusedDecodePathEqualsGroupedPath) {
+  if (!cpu::HasAvx2Fma()) GTEST_SKIP() << "no AVX2/FMA on this CPU";
+  torch::NoGradGuard no_grad;
+  torch::manual_seed(3);
+  const int64_t H = 64, I = 24, E = 12, k = 3;
+  auto gu = torch::randn({E, 2 * I, H}) * 0.1, dn = torch::randn({E, H, I}) * 0.1;
+  const int threads = torch::get_num_threads();
+  for (int64_t T : {1, 5, 32, 64}) {
+    auto x = torch::randn({T, H});
+    auto logits = torch::randn({T, E});
+    logits.narrow(1, 5, 4).fill_(-1e4);  // experts 5..8 receive no tokens
+    auto [w, ids] = torch::softmax(logits, -1).topk(k, -1);
+    auto ref = MoeExpertsCpu(x, ids, w, gu, dn);
+    torch::set_num_threads(1);
+    auto one = MoeExperts(x, ids, w, gu, dn);
+    torch::set_num_threads(std::max(2, threads));
+    auto many = MoeExperts(x, ids, w, gu, dn);
+    EXPECT_LE(MaxAbsDiff(one, ref), 1e-5) << "T=" << T;
+    EXPECT_TRUE(torch::equal(one, many)) << "T=" << T << ": depends on the thread count";
+  }
+  torch::set_num_threads(threads);
+  // An id outside [0, E) is an error, not a read past the weights.
+  auto x = torch::randn({2, H});
+  auto bad = torch::tensor({{0, 1, 2}, {3, 4, 12}}, torch::kInt64);
+  EXPECT_THROW(MoeExperts(x, bad, torch::ones({2, k}), gu, dn), c10::Error);
 }
 
 TEST(Logprobs, ChunkedEqualsFullSoftmaxWithTemperatureAndGradients) {

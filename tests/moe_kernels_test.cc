@@ -100,8 +100,9 @@ TEST(MoeKernelsBuild, CpuTensorsTakeTheLibraryPath) {
   EXPECT_FALSE(kernels::MoeCudaSupports(x, ids, gu, dn));
   torch::Tensor rw, ri;
   EXPECT_FALSE(kernels::RouteTopkCuda(torch::randn({T, E}), k, true, &rw, &ri));
-  EXPECT_TRUE(
-      torch::equal(lm::MoeExperts(x, ids, w, gu, dn), lm::MoeExpertsCpu(x, ids, w, gu, dn)));
+  // CPU inference may take the fused few-row path (lm/model/cpu_kernels.h): same sums, other order.
+  EXPECT_TRUE(torch::allclose(lm::MoeExperts(x, ids, w, gu, dn),
+                              lm::MoeExpertsCpu(x, ids, w, gu, dn), 1e-5, 1e-5));
 }
 
 // ---------------------------------------------------------------------------------------------

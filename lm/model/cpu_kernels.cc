@@ -1,0 +1,116 @@
+#include "lm/model/cpu_kernels.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+
+// Only these functions use AVX2/FMA instructions (per-function target, not a per-file -mavx2, so
+// that no inline function shared with other files is compiled for AVX2 by accident).
+#define OPD_AVX2 __attribute__((target("avx2,fma")))
+
+namespace lm::cpu {
+namespace {
+
+constexpr int kRowBlock = 4;          // activation rows per tile: 4 x 2 accumulators + 3 operands
+constexpr int64_t kWeightBlock = 64;  // weight rows kept in L2 while every row block passes
+
+OPD_AVX2 inline float HorizontalSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// R activation rows x C weight rows (C = 1 or 2): R * C dot products of length K. The next C
+// weight rows are prefetched meanwhile: at decode the weights stream from DRAM, and the hardware
+// prefetcher alone left half of the bandwidth unused (measured: 13.6 of 25.8 GB/s on 2 cores).
+template <int R, int C>
+OPD_AVX2 void Tile(const float* a, int64_t lda, const float* w, int64_t K, float* out,
+                   int64_t ldo) {
+  __m256 acc[R][C];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  const float* next = w + C * K;
+  for (int64_t k = 0; k < K; k += 8) {
+    if ((k & 15) == 0) {
+#pragma GCC unroll 2
+      for (int c = 0; c < C; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(next + c * K + k), _MM_HINT_T0);
+    }
+    __m256 wv[C];
+#pragma GCC unroll 2
+    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + c * K + k);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 av = _mm256_loadu_ps(a + r * lda + k);
+#pragma GCC unroll 2
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(av, wv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = HorizontalSum(acc[r][c]);
+}
+
+template <int R>
+OPD_AVX2 void RowBlock(const float* a, int64_t lda, const float* w, int64_t n0, int64_t n1,
+                       int64_t K, float* out, int64_t ldo) {
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) Tile<R, 2>(a, lda, w + n * K, K, out + n, ldo);
+  if (n < n1) Tile<R, 1>(a, lda, w + n * K, K, out + n, ldo);
+}
+
+OPD_AVX2 void MatmulWeightTAvx2(const float* a, int64_t lda, int64_t m, const float* w, int64_t N,
+                                int64_t K, float* out, int64_t ldo) {
+  for (int64_t n0 = 0; n0 < N; n0 += kWeightBlock) {
+    const int64_t n1 = std::min(N, n0 + kWeightBlock);
+    int64_t r = 0;
+    for (; r + kRowBlock <= m; r += kRowBlock)
+      RowBlock<kRowBlock>(a + r * lda, lda, w, n0, n1, K, out + r * ldo, ldo);
+    const float* ar = a + r * lda;
+    float* outr = out + r * ldo;
+    switch (m - r) {
+      case 3:
+        RowBlock<3>(ar, lda, w, n0, n1, K, outr, ldo);
+        break;
+      case 2:
+        RowBlock<2>(ar, lda, w, n0, n1, K, outr, ldo);
+        break;
+      case 1:
+        RowBlock<1>(ar, lda, w, n0, n1, K, outr, ldo);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+}  // namespace
+
+bool HasAvx2Fma() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+
+void MatmulWeightT(const float* a, int64_t lda, int64_t m, const float* w, int64_t N, int64_t K,
+                   float* out, int64_t ldo) {
+  MatmulWeightTAvx2(a, lda, m, w, N, K, out, ldo);
+}
+
+void ExpertSwiGlu(const float* x, int64_t m, int64_t H, const float* gate_up, const float* down,
+                  int64_t I, float* scratch, float* y) {
+  // scratch row r: [gate (I) | up (I)]; the activation overwrites the gate half in place.
+  MatmulWeightT(x, H, m, gate_up, 2 * I, H, scratch, 2 * I);
+  for (int64_t r = 0; r < m; ++r) {
+    float* g = scratch + r * 2 * I;
+    const float* u = g + I;
+    for (int64_t j = 0; j < I; ++j) g[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+  }
+  MatmulWeightT(scratch, 2 * I, m, down, H, I, y, H);
+}
+
+}  // namespace lm::cpu

@@ -1,0 +1,31 @@
+// fp32 CPU kernels for decode-sized work: a handful of activation rows against a large weight.
+//
+// At decode a MoE layer gives each expert ~T*k/E rows (4 for 32 sequences, top-8 of 64). A library
+// GEMM call per expert then costs more in packing the weight and in its thread fork/join than in
+// arithmetic, and the step is bound by streaming the weights from memory. These kernels compute
+// out = a W^T as dot products of each weight row with every activation row, so each weight byte is
+// read once, and leave threading to the caller, which runs all experts in one parallel region.
+//
+// AVX2 + FMA only (checked at run time); callers fall back to the library path elsewhere. No
+// LibTorch here: plain row-major float arrays.
+#pragma once
+
+#include <cstdint>
+
+namespace lm::cpu {
+
+// Whether this CPU runs the kernels below. Calling them when it is false is undefined.
+bool HasAvx2Fma();
+
+// out[r, n] = sum_k a[r, k] * w[n, k] for r < m, n < N (w row-major [N, K]); rows of `a` are `lda`
+// floats apart, rows of `out` `ldo`. K must be a multiple of 8. Single-threaded.
+void MatmulWeightT(const float* a, int64_t lda, int64_t m, const float* w, int64_t N, int64_t K,
+                   float* out, int64_t ldo);
+
+// One SwiGLU expert for m rows of x [m, H]: y [m, H] = down (silu(gate x) * (up x)), with
+// gate_up [2I, H] (gate rows first, as in the checkpoint's fused layout) and down [H, I].
+// `scratch` holds m * 2I floats. H and I must be multiples of 8.
+void ExpertSwiGlu(const float* x, int64_t m, int64_t H, const float* gate_up, const float* down,
+                  int64_t I, float* scratch, float* y);
+
+}  // namespace lm::cpu
