@@ -3,15 +3,20 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <random>
 
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "lm/model/decode_cpu.h"
 #include "lm/model/model.h"
 
 namespace rollout {
 namespace {
+
+// Up to this many slots a decode step's LM head runs on the packed few-row kernel.
+constexpr int64_t kPackedHeadMaxRows = 64;
 
 uint64_t SplitMix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;
@@ -197,7 +202,8 @@ absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
                                              const std::vector<std::vector<int64_t>>& prompts,
                                              const SamplingParams& params,
                                              const std::function<void(Sample)>& on_sample,
-                                             const std::function<bool()>& cancelled) {
+                                             const std::function<bool()>& cancelled,
+                                             const lm::PackedLinear* lm_head) {
   torch::NoGradGuard no_grad;
   const int64_t P = static_cast<int64_t>(prompts.size()), n = params.samples_per_prompt;
   int64_t longest = 0;
@@ -205,6 +211,18 @@ absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
     longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
   SamplerStats stats;
   if (cancelled && cancelled()) return absl::CancelledError("cancelled before the prefill");
+
+  // Decode steps (few rows) compute logits on the packed LM head where it applies; many rows (a
+  // large batch, the prefill) are a real GEMM, where the library is faster.
+  std::optional<lm::PackedLinear> own_head;
+  if (!lm_head && P * n <= kPackedHeadMaxRows) {
+    own_head = lm::PackedLinear::Pack(model.LmHeadWeight());
+    if (own_head) lm_head = &*own_head;
+  }
+  auto decode_logits = [&](const torch::Tensor& hidden) {
+    if (lm_head && hidden.size(0) <= kPackedHeadMaxRows) return (*lm_head)(hidden);
+    return model.Logits(hidden).to(torch::kFloat32);
+  };
 
   lm::KVCache cache = model.NewKVCache(P, longest + params.max_new_tokens);
   auto logits = Prefill(model, prompts, cache, stats).repeat_interleave(n, 0);
@@ -252,7 +270,7 @@ absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
     const auto hidden = model.Decode(torch::tensor(next, torch::kInt64), cache);
     ++stats.decode_steps;
     stats.decoded_tokens += static_cast<int64_t>(keep.size());
-    logits = model.Logits(hidden).to(torch::kFloat32);
+    logits = decode_logits(hidden);
   }
   return stats;
 }

@@ -23,7 +23,8 @@
 
 namespace lm {
 class CausalLM;
-}
+class PackedLinear;
+}  // namespace lm
 
 namespace rollout {
 
@@ -66,12 +67,15 @@ absl::Status Validate(const std::vector<std::vector<int64_t>>& prompts,
 
 // Samples every prompt; `on_sample` receives each sample as it finishes (on the calling thread).
 // `cancelled` is polled between decode steps; when it returns true, sampling stops with
-// CANCELLED. Prompts and params must have passed Validate().
+// CANCELLED. Prompts and params must have passed Validate(). `lm_head`: the model's LM head
+// already packed for the CPU decode kernel (a WeightStore snapshot's); without one it is packed
+// here when that kernel applies.
 absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
                                              const std::vector<std::vector<int64_t>>& prompts,
                                              const SamplingParams& params,
                                              const std::function<void(Sample)>& on_sample,
-                                             const std::function<bool()>& cancelled = nullptr);
+                                             const std::function<bool()>& cancelled = nullptr,
+                                             const lm::PackedLinear* lm_head = nullptr);
 
 // The logits [B, V] (fp32) of the distribution sampled from: logits / temperature, keep the
 // top_k largest (exactly k; 0 = all), then the smallest most-likely set whose probability

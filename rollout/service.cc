@@ -78,7 +78,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
       return SampleResponses(
                  *snapshot.model, prompts, params,
                  [&](Sample s) { Queue(ToProto(s, snapshot.version)); },
-                 [this] { return broken_.load() || ctx_->IsCancelled(); })
+                 [this] { return broken_.load() || ctx_->IsCancelled(); }, snapshot.lm_head.get())
           .status();
     } catch (const std::exception& e) {  // LibTorch reports failures (e.g. OOM) by throwing
       return absl::InternalError(absl::StrCat("sampling failed: ", e.what()));

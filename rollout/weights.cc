@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "lm/model/decode_cpu.h"
 #include "lm/model/model.h"
 #include "lm/util/status.h"
 #include "rpc/tensor_codec.h"
@@ -91,12 +92,23 @@ absl::Status StagedWeights::CheckComplete() const {
                    missing.size() > shown ? ", ..." : ""));
 }
 
+namespace {
+
+std::shared_ptr<const lm::PackedLinear> PackLmHead(lm::CausalLM& model) {
+  torch::NoGradGuard no_grad;
+  auto packed = lm::PackedLinear::Pack(model.LmHeadWeight());
+  if (!packed) return nullptr;
+  return std::make_shared<const lm::PackedLinear>(std::move(*packed));
+}
+
+}  // namespace
+
 WeightStore::WeightStore(std::shared_ptr<lm::CausalLM> model, int64_t version)
-    : model_(std::move(model)), version_(version) {}
+    : model_(std::move(model)), lm_head_(PackLmHead(*model_)), version_(version) {}
 
 Snapshot WeightStore::Current() const {
   absl::MutexLock lock(&mu_);
-  return Snapshot{model_, version_};
+  return Snapshot{model_, version_, lm_head_};
 }
 
 absl::StatusOr<std::unique_ptr<StagedWeights>> WeightStore::Stage(int64_t version) const {
@@ -117,14 +129,19 @@ absl::StatusOr<std::unique_ptr<StagedWeights>> WeightStore::Stage(int64_t versio
 
 absl::Status WeightStore::Commit(std::unique_ptr<StagedWeights> staged) {
   RETURN_IF_ERROR(staged->CheckComplete());
+  // Packed before taking the lock: generations keep running on the old version meanwhile.
+  std::shared_ptr<const lm::PackedLinear> lm_head = PackLmHead(*staged->model_);
   std::shared_ptr<lm::CausalLM> old;  // released outside the lock
+  std::shared_ptr<const lm::PackedLinear> old_head;
   absl::MutexLock lock(&mu_);
   if (staged->version() <= version_) {
     return absl::FailedPreconditionError(absl::StrCat(
         "weight version ", staged->version(), " is not above the serving version ", version_));
   }
   old = std::move(model_);
+  old_head = std::move(lm_head_);
   model_ = std::move(staged->model_);
+  lm_head_ = std::move(lm_head);
   version_ = staged->version();
   return absl::OkStatus();
 }

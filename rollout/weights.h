@@ -23,13 +23,17 @@
 
 namespace lm {
 class CausalLM;
-}
+class PackedLinear;
+}  // namespace lm
 
 namespace rollout {
 
 struct Snapshot {
   std::shared_ptr<lm::CausalLM> model;
   int64_t version = 0;
+  // The model's LM head packed for the CPU decode kernel (lm/model/decode_cpu.h), built once per
+  // version and shared by its generations; null where that kernel does not apply.
+  std::shared_ptr<const lm::PackedLinear> lm_head;
 };
 
 // One chunk of one tensor, as it arrives (views into the message).
@@ -91,6 +95,7 @@ class WeightStore {
  private:
   mutable absl::Mutex mu_;
   std::shared_ptr<lm::CausalLM> model_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const lm::PackedLinear> lm_head_ ABSL_GUARDED_BY(mu_);
   int64_t version_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -13,6 +13,7 @@
 
 #include "lm/io/checkpoint.h"
 #include "lm/model/cpu_kernels.h"
+#include "lm/model/decode_cpu.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
@@ -390,6 +391,27 @@ TEST(CpuKernels, MatmulWeightTEqualsLibraryMatmul) {
       }
     }
   }
+}
+
+// The LM head packed for decode: every row remainder of the 6-row tile, a last panel that is
+// partly padding, and a K that is not a multiple of 8.
+TEST(CpuKernels, PackedLinearEqualsLibraryMatmul) {
+  if (!cpu::HasAvx2Fma()) GTEST_SKIP() << "no AVX2/FMA on this CPU";
+  torch::manual_seed(4);
+  for (int64_t N : {1, 16, 37, 1000}) {
+    for (int64_t K : {5, 64, 520}) {
+      auto w = torch::randn({N, K});
+      auto packed = PackedLinear::Pack(w);
+      ASSERT_TRUE(packed.has_value());
+      for (int64_t m : {1, 5, 6, 7, 13, 64}) {
+        auto x = torch::randn({m, K});
+        EXPECT_LE(MaxAbsDiff((*packed)(x), torch::mm(x, w.t())), 2e-5 * std::sqrt(double(K)))
+            << m << "x" << N << "x" << K;
+      }
+      EXPECT_THROW((*packed)(torch::randn({2, K + 1})), c10::Error);  // wrong width
+    }
+  }
+  EXPECT_FALSE(PackedLinear::Pack(torch::randn({4, 8}, torch::kFloat64)).has_value());
 }
 
 // Inference with few tokens takes the fused CPU experts (lm/model/cpu_kernels.h); it must equal

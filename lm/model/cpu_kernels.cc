@@ -89,6 +89,79 @@ OPD_AVX2 void MatmulWeightTAvx2(const float* a, int64_t lda, int64_t m, const fl
   }
 }
 
+// R activation rows x one 16-wide panel: 2R accumulators, the panel row loaded once per k and
+// each activation broadcast. `cols` < 16 only in the last panel (the rest is padding). The
+// accumulators are named variables, not an array: GCC keeps an array of them in memory, and the
+// stores after every FMA halved the kernel's speed.
+template <int R>
+OPD_AVX2 void PanelTile(const float* a, int64_t lda, const float* panel, int64_t K, float* out,
+                        int64_t ldo, int64_t cols) {
+  static_assert(R >= 1 && R <= 6);
+  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0,
+         l4 = l0, h4 = l0, l5 = l0, h5 = l0;
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
+    const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    auto step = [&](const float* row, __m256& lo, __m256& hi) OPD_AVX2 {
+      const __m256 av = _mm256_broadcast_ss(row + k);
+      lo = _mm256_fmadd_ps(av, w0, lo);
+      hi = _mm256_fmadd_ps(av, w1, hi);
+    };
+    step(a, l0, h0);
+    if constexpr (R > 1) step(a + lda, l1, h1);
+    if constexpr (R > 2) step(a + 2 * lda, l2, h2);
+    if constexpr (R > 3) step(a + 3 * lda, l3, h3);
+    if constexpr (R > 4) step(a + 4 * lda, l4, h4);
+    if constexpr (R > 5) step(a + 5 * lda, l5, h5);
+  }
+  const __m256 lo[6] = {l0, l1, l2, l3, l4, l5}, hi[6] = {h0, h1, h2, h3, h4, h5};
+  for (int r = 0; r < R; ++r) {
+    if (cols == kPanel) {
+      _mm256_storeu_ps(out + r * ldo, lo[r]);
+      _mm256_storeu_ps(out + r * ldo + 8, hi[r]);
+    } else {
+      alignas(32) float row[kPanel];
+      _mm256_store_ps(row, lo[r]);
+      _mm256_store_ps(row + 8, hi[r]);
+      std::copy_n(row, cols, out + r * ldo);
+    }
+  }
+}
+
+OPD_AVX2 void MatmulPackedPanelsAvx2(const float* a, int64_t lda, int64_t m, const float* packed,
+                                     int64_t N, int64_t K, int64_t p0, int64_t p1, float* out,
+                                     int64_t ldo) {
+  constexpr int kRows = 6;  // 12 accumulators + 2 panel registers + 1 broadcast = 15 of 16
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* panel = packed + p * kPanel * K;
+    const int64_t n = p * kPanel, cols = std::min(kPanel, N - n);
+    int64_t r = 0;
+    for (; r + kRows <= m; r += kRows)
+      PanelTile<kRows>(a + r * lda, lda, panel, K, out + r * ldo + n, ldo, cols);
+    const float* ar = a + r * lda;
+    float* outr = out + r * ldo + n;
+    switch (m - r) {
+      case 5:
+        PanelTile<5>(ar, lda, panel, K, outr, ldo, cols);
+        break;
+      case 4:
+        PanelTile<4>(ar, lda, panel, K, outr, ldo, cols);
+        break;
+      case 3:
+        PanelTile<3>(ar, lda, panel, K, outr, ldo, cols);
+        break;
+      case 2:
+        PanelTile<2>(ar, lda, panel, K, outr, ldo, cols);
+        break;
+      case 1:
+        PanelTile<1>(ar, lda, panel, K, outr, ldo, cols);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
 }  // namespace
 
 bool HasAvx2Fma() {
@@ -99,6 +172,26 @@ bool HasAvx2Fma() {
 void MatmulWeightT(const float* a, int64_t lda, int64_t m, const float* w, int64_t N, int64_t K,
                    float* out, int64_t ldo) {
   MatmulWeightTAvx2(a, lda, m, w, N, K, out, ldo);
+}
+
+void PackPanels(const float* w, int64_t N, int64_t K, int64_t p0, int64_t p1, float* packed) {
+  for (int64_t p = p0; p < p1; ++p) {
+    float* panel = packed + p * kPanel * K;
+    for (int64_t c = 0; c < kPanel; ++c) {
+      const int64_t n = p * kPanel + c;
+      if (n < N) {
+        const float* row = w + n * K;
+        for (int64_t k = 0; k < K; ++k) panel[k * kPanel + c] = row[k];
+      } else {
+        for (int64_t k = 0; k < K; ++k) panel[k * kPanel + c] = 0.0f;
+      }
+    }
+  }
+}
+
+void MatmulPackedPanels(const float* a, int64_t lda, int64_t m, const float* packed, int64_t N,
+                        int64_t K, int64_t p0, int64_t p1, float* out, int64_t ldo) {
+  MatmulPackedPanelsAvx2(a, lda, m, packed, N, K, p0, p1, out, ldo);
 }
 
 void ExpertSwiGlu(const float* x, int64_t m, int64_t H, const float* gate_up, const float* down,

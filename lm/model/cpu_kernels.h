@@ -28,4 +28,18 @@ void MatmulWeightT(const float* a, int64_t lda, int64_t m, const float* w, int64
 void ExpertSwiGlu(const float* x, int64_t m, int64_t H, const float* gate_up, const float* down,
                   int64_t I, float* scratch, float* y);
 
+// The same product against a weight repacked once into panels of kPanel rows, each stored
+// transposed ([K][kPanel], zero past N): the layout a register-blocked kernel reads contiguously
+// (6 activation rows x 16 outputs per step, no horizontal sums). For a weight used by every
+// decode step (the LM head), packing once per generation pays for itself in the first step.
+constexpr int64_t kPanel = 16;
+inline int64_t PackedPanelsFloats(int64_t N, int64_t K) {
+  return (N + kPanel - 1) / kPanel * kPanel * K;
+}
+// Panels [p0, p1) of w [N, K] into `packed` (PackedPanelsFloats(N, K) floats in all).
+void PackPanels(const float* w, int64_t N, int64_t K, int64_t p0, int64_t p1, float* packed);
+// out[r, n] for r < m and n in panels [p0, p1) (n < N). Single-threaded; any K.
+void MatmulPackedPanels(const float* a, int64_t lda, int64_t m, const float* packed, int64_t N,
+                        int64_t K, int64_t p0, int64_t p1, float* out, int64_t ldo);
+
 }  // namespace lm::cpu
