@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <thread>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -17,6 +18,7 @@
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
+#include "lm/util/threads.h"
 #include "nlohmann/json.hpp"
 
 namespace lm {
@@ -412,6 +414,29 @@ TEST(CpuKernels, PackedLinearEqualsLibraryMatmul) {
     }
   }
   EXPECT_FALSE(PackedLinear::Pack(torch::randn({4, 8}, torch::kFloat64)).has_value());
+}
+
+// A thread limited to one compute thread must not start an OpenMP pool from the kernels that
+// run at::parallel_for inline (decode_cpu.cc keeps its own copy of LibTorch's lazy thread-count
+// initialisation): a pool's idle workers make every other pool's barriers sleep (threads.h).
+TEST(CpuKernels, OneThreadSettingHoldsForInlineParallelLoops) {
+  if (!cpu::HasAvx2Fma()) GTEST_SKIP() << "no AVX2/FMA on this CPU";
+  if (torch::get_num_threads() < 2) GTEST_SKIP() << "needs 2 or more threads";
+  torch::set_num_threads(torch::get_num_threads());  // an explicit setting, as the services make
+  auto count_threads = [] {
+    return std::distance(std::filesystem::directory_iterator("/proc/self/task"),
+                         std::filesystem::directory_iterator{});
+  };
+  std::ptrdiff_t before = 0, after = 0;
+  std::thread t([&] {
+    SetThreadsForThisThread(1);
+    before = count_threads();
+    auto packed = PackedLinear::Pack(torch::randn({4096, 64}));
+    ASSERT_TRUE(packed.has_value());
+    after = count_threads();
+  });
+  t.join();
+  EXPECT_EQ(after, before) << "PackedLinear::Pack started OpenMP workers on a 1-thread thread";
 }
 
 // Inference with few tokens takes the fused CPU experts (lm/model/cpu_kernels.h); it must equal

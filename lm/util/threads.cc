@@ -22,8 +22,11 @@ void SetThreadsForThisThread(int n) {
   static const SetFn omp_set = Lookup<SetFn>("omp_set_num_threads");
   static const MklSetLocalFn mkl_set_local = Lookup<MklSetLocalFn>("mkl_set_num_threads_local_");
   // LibTorch sets a thread's OpenMP count from its global setting the first time the thread asks
-  // (lazily); make that happen now, so that it does not overwrite what is set here later.
+  // (lazily); make that happen now, so that it does not overwrite what is set here later. The
+  // flag that records it lives in an inline function: libtorch has one copy and every binary
+  // that calls at::parallel_for inline (lm/model/decode_cpu.cc) another, so trigger both.
   at::get_num_threads();
+  at::internal::lazy_init_num_threads();
   if (omp_set) omp_set(n);
   if (mkl_set_local) mkl_set_local(&n);
 }
