@@ -1,15 +1,21 @@
 #include "lm/model/cpu_kernels.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+
+// The kernels are x86 (AVX2 + FMA); elsewhere HasAvx2Fma() is false and callers never reach them.
+#if defined(__x86_64__) || defined(__i386__)
+#define OPD_X86 1
+#include <immintrin.h>
+#endif
 
 // Only these functions use AVX2/FMA instructions (per-function target, not a per-file -mavx2, so
 // that no inline function shared with other files is compiled for AVX2 by accident).
 #define OPD_AVX2 __attribute__((target("avx2,fma")))
 
 namespace lm::cpu {
+#ifdef OPD_X86
 namespace {
 
 constexpr int kRowBlock = 4;          // activation rows per tile: 4 x 2 accumulators + 3 operands
@@ -174,6 +180,24 @@ void MatmulWeightT(const float* a, int64_t lda, int64_t m, const float* w, int64
   MatmulWeightTAvx2(a, lda, m, w, N, K, out, ldo);
 }
 
+void MatmulPackedPanels(const float* a, int64_t lda, int64_t m, const float* packed, int64_t N,
+                        int64_t K, int64_t p0, int64_t p1, float* out, int64_t ldo) {
+  MatmulPackedPanelsAvx2(a, lda, m, packed, N, K, p0, p1, out, ldo);
+}
+#else  // not x86: no kernels; HasAvx2Fma() keeps every caller on the library path
+bool HasAvx2Fma() {
+  return false;
+}
+void MatmulWeightT(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*,
+                   int64_t) {
+  std::abort();
+}
+void MatmulPackedPanels(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t,
+                        int64_t, float*, int64_t) {
+  std::abort();
+}
+#endif
+
 void PackPanels(const float* w, int64_t N, int64_t K, int64_t p0, int64_t p1, float* packed) {
   for (int64_t p = p0; p < p1; ++p) {
     float* panel = packed + p * kPanel * K;
@@ -187,11 +211,6 @@ void PackPanels(const float* w, int64_t N, int64_t K, int64_t p0, int64_t p1, fl
       }
     }
   }
-}
-
-void MatmulPackedPanels(const float* a, int64_t lda, int64_t m, const float* packed, int64_t N,
-                        int64_t K, int64_t p0, int64_t p1, float* out, int64_t ldo) {
-  MatmulPackedPanelsAvx2(a, lda, m, packed, N, K, p0, p1, out, ldo);
 }
 
 void ExpertSwiGlu(const float* x, int64_t m, int64_t H, const float* gate_up, const float* down,
