@@ -16,7 +16,8 @@ constexpr trainer::Command kCommands[] = {
 };
 
 void PrintUsage() {
-  std::fprintf(stderr, "usage: opd-trainer <job> --config FILE [--set key=value ...] [--resume]\n\njobs:\n");
+  std::fprintf(
+      stderr, "usage: opd-trainer <job> --config FILE [--set key=value ...] [--resume]\n\njobs:\n");
   for (const auto& c : kCommands) std::fprintf(stderr, "  %-6s %s\n", c.name, c.summary);
 }
 
@@ -29,7 +30,8 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   for (const auto& c : kCommands) {
-    if (std::strcmp(argv[1], c.name) == 0) return c.run(std::vector<std::string>(argv + 2, argv + argc));
+    if (std::strcmp(argv[1], c.name) == 0)
+      return c.run(std::vector<std::string>(argv + 2, argv + argc));
   }
   std::fprintf(stderr, "opd-trainer: unknown job '%s'\n\n", argv[1]);
   PrintUsage();

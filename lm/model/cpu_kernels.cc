@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <type_traits>
 
 // The kernels are x86 (AVX2 + FMA); elsewhere HasAvx2Fma() is false and callers never reach them.
 #if defined(__x86_64__) || defined(__i386__)
@@ -62,6 +63,24 @@ OPD_AVX2 void Tile(const float* a, int64_t lda, const float* w, int64_t K, float
     for (int c = 0; c < C; ++c) out[r * ldo + c] = HorizontalSum(acc[r][c]);
 }
 
+// Calls f(rows, r) for the row blocks [r, r + rows) that cover [0, m): full blocks of kMax rows,
+// then one block of the remainder. `rows` is a std::integral_constant, so that each block size
+// gets its own fully unrolled tile.
+template <int R, class F>
+OPD_AVX2 inline void RemainderBlock(int64_t rest, int64_t r, F& f) {
+  if constexpr (R > 0) {
+    if (rest == R) return f(std::integral_constant<int, R>{}, r);
+    RemainderBlock<R - 1>(rest, r, f);
+  }
+}
+
+template <int kMax, class F>
+OPD_AVX2 inline void ForRowBlocks(int64_t m, F&& f) {
+  int64_t r = 0;
+  for (; r + kMax <= m; r += kMax) f(std::integral_constant<int, kMax>{}, r);
+  RemainderBlock<kMax - 1>(m - r, r, f);
+}
+
 template <int R>
 OPD_AVX2 void RowBlock(const float* a, int64_t lda, const float* w, int64_t n0, int64_t n1,
                        int64_t K, float* out, int64_t ldo) {
@@ -74,24 +93,9 @@ OPD_AVX2 void MatmulWeightTAvx2(const float* a, int64_t lda, int64_t m, const fl
                                 int64_t K, float* out, int64_t ldo) {
   for (int64_t n0 = 0; n0 < N; n0 += kWeightBlock) {
     const int64_t n1 = std::min(N, n0 + kWeightBlock);
-    int64_t r = 0;
-    for (; r + kRowBlock <= m; r += kRowBlock)
-      RowBlock<kRowBlock>(a + r * lda, lda, w, n0, n1, K, out + r * ldo, ldo);
-    const float* ar = a + r * lda;
-    float* outr = out + r * ldo;
-    switch (m - r) {
-      case 3:
-        RowBlock<3>(ar, lda, w, n0, n1, K, outr, ldo);
-        break;
-      case 2:
-        RowBlock<2>(ar, lda, w, n0, n1, K, outr, ldo);
-        break;
-      case 1:
-        RowBlock<1>(ar, lda, w, n0, n1, K, outr, ldo);
-        break;
-      default:
-        break;
-    }
+    ForRowBlocks<kRowBlock>(m, [&](auto rows, int64_t r) OPD_AVX2 {
+      RowBlock<rows()>(a + r * lda, lda, w, n0, n1, K, out + r * ldo, ldo);
+    });
   }
 }
 
@@ -141,30 +145,9 @@ OPD_AVX2 void MatmulPackedPanelsAvx2(const float* a, int64_t lda, int64_t m, con
   for (int64_t p = p0; p < p1; ++p) {
     const float* panel = packed + p * kPanel * K;
     const int64_t n = p * kPanel, cols = std::min(kPanel, N - n);
-    int64_t r = 0;
-    for (; r + kRows <= m; r += kRows)
-      PanelTile<kRows>(a + r * lda, lda, panel, K, out + r * ldo + n, ldo, cols);
-    const float* ar = a + r * lda;
-    float* outr = out + r * ldo + n;
-    switch (m - r) {
-      case 5:
-        PanelTile<5>(ar, lda, panel, K, outr, ldo, cols);
-        break;
-      case 4:
-        PanelTile<4>(ar, lda, panel, K, outr, ldo, cols);
-        break;
-      case 3:
-        PanelTile<3>(ar, lda, panel, K, outr, ldo, cols);
-        break;
-      case 2:
-        PanelTile<2>(ar, lda, panel, K, outr, ldo, cols);
-        break;
-      case 1:
-        PanelTile<1>(ar, lda, panel, K, outr, ldo, cols);
-        break;
-      default:
-        break;
-    }
+    ForRowBlocks<kRows>(m, [&](auto rows, int64_t r) OPD_AVX2 {
+      PanelTile<rows()>(a + r * lda, lda, panel, K, out + r * ldo + n, ldo, cols);
+    });
   }
 }
 
