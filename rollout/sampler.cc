@@ -9,7 +9,7 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
-#include "lm/model/decode_cpu.h"
+#include "lm/model/cpu_inference.h"
 #include "lm/model/model.h"
 
 namespace rollout {

@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "lm/model/decode_cpu.h"
+#include "lm/model/cpu_inference.h"
 #include "lm/model/model.h"
 #include "lm/util/status.h"
 #include "rpc/tensor_codec.h"

@@ -13,8 +13,8 @@
 #include <torch/torch.h>
 
 #include "lm/io/checkpoint.h"
+#include "lm/model/cpu_inference.h"
 #include "lm/model/cpu_kernels.h"
-#include "lm/model/decode_cpu.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
@@ -416,8 +416,42 @@ TEST(CpuKernels, PackedLinearEqualsLibraryMatmul) {
   EXPECT_FALSE(PackedLinear::Pack(torch::randn({4, 8}, torch::kFloat64)).has_value());
 }
 
+// The scoring log-sum-exp (two reads, polynomial exp) against the library's, on lengths that end
+// in every vector remainder, across the range of logits, with -inf entries, and on a vocabulary-
+// sized row; all rows of a strided [rows, V] view in parallel.
+TEST(CpuKernels, LogSumExpEqualsLibrary) {
+  if (!cpu::HasAvx2Fma()) GTEST_SKIP() << "no AVX2/FMA on this CPU";
+  torch::manual_seed(4);
+  for (int64_t n : {1, 7, 8, 9, 15, 16, 17, 33, 1023, 1024, 1025, 4099, 151936}) {
+    for (double scale : {0.1, 10.0, 60.0}) {
+      auto x = torch::randn({n}) * scale;
+      const double want = torch::logsumexp(x.to(torch::kFloat64), 0).item<double>();
+      const double got = cpu::LogSumExp(x.data_ptr<float>(), n);
+      // fp32 rounding of x - max is ~6e-8 |max|; the sum's own error is far below 1e-6.
+      EXPECT_NEAR(got, want, 1e-6 + 1e-7 * std::abs(want)) << "n=" << n << " x" << scale;
+    }
+  }
+  // The exp itself, through log(1 + exp(d)) on a vector of [0, d, -inf...]: its error shows
+  // undiluted (about half its relative error), across the polynomial's whole range.
+  for (float d = -6.0f; d <= 0.0f; d += 0.01f) {
+    float x8[8] = {0.0f, d, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    EXPECT_NEAR(cpu::LogSumExp(x8, 8), std::log1p(std::exp(double{d})), 3e-7) << "d=" << d;
+  }
+  auto x = torch::randn({100});
+  x.narrow(0, 10, 50).fill_(-INFINITY);
+  EXPECT_NEAR(cpu::LogSumExp(x.data_ptr<float>(), 100), torch::logsumexp(x, 0).item<float>(), 1e-5);
+  x.fill_(-INFINITY);
+  EXPECT_EQ(cpu::LogSumExp(x.data_ptr<float>(), 100), -INFINITY);
+
+  auto wide = torch::randn({6, 3000}) * 5;
+  auto rows = wide.narrow(1, 0, 2999);  // rows 3000 floats apart
+  ASSERT_TRUE(UseCpuLogSumExpRows(rows));
+  EXPECT_LE(MaxAbsDiff(LogSumExpRowsCpu(rows), torch::logsumexp(rows, 1)), 1e-5);
+  EXPECT_FALSE(UseCpuLogSumExpRows(wide.t()));  // columns are not rows
+}
+
 // A thread limited to one compute thread must not start an OpenMP pool from the kernels that
-// run at::parallel_for inline (decode_cpu.cc keeps its own copy of LibTorch's lazy thread-count
+// run at::parallel_for inline (cpu_inference.cc keeps its own copy of LibTorch's lazy thread-count
 // initialisation): a pool's idle workers make every other pool's barriers sleep (threads.h).
 TEST(CpuKernels, OneThreadSettingHoldsForInlineParallelLoops) {
   if (!cpu::HasAvx2Fma()) GTEST_SKIP() << "no AVX2/FMA on this CPU";
@@ -439,17 +473,18 @@ TEST(CpuKernels, OneThreadSettingHoldsForInlineParallelLoops) {
   EXPECT_EQ(after, before) << "PackedLinear::Pack started OpenMP workers on a 1-thread thread";
 }
 
-// Inference with few tokens takes the fused CPU experts (lm/model/cpu_kernels.h); it must equal
-// the grouped-GEMM path the model is tested with, for any thread count, with idle experts and
-// with rows that share an expert in several slots.
-TEST(Moe, FusedDecodePathEqualsGroupedPath) {
+// Inference takes the expert-parallel CPU path (lm/model/cpu_inference.h); it must equal the
+// grouped-GEMM path the model is tested with, for any thread count, with idle experts, with rows
+// that share an expert in several slots, at decode sizes (the streaming kernel), and at prefill
+// sizes (the library GEMM, busy experts split into several tasks).
+TEST(Moe, InferencePathEqualsGroupedPath) {
   if (!cpu::HasAvx2Fma()) GTEST_SKIP() << "no AVX2/FMA on this CPU";
   torch::NoGradGuard no_grad;
   torch::manual_seed(3);
   const int64_t H = 64, I = 24, E = 12, k = 3;
   auto gu = torch::randn({E, 2 * I, H}) * 0.1, dn = torch::randn({E, H, I}) * 0.1;
   const int threads = torch::get_num_threads();
-  for (int64_t T : {1, 5, 32, 64}) {
+  for (int64_t T : {1, 5, 32, 64, 700}) {
     auto x = torch::randn({T, H});
     auto logits = torch::randn({T, E});
     logits.narrow(1, 5, 4).fill_(-1e4);  // experts 5..8 receive no tokens

@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "lm/io/checkpoint.h"
+#include "lm/model/cpu_inference.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "lm/model/qwen3_next.h"
@@ -233,6 +234,46 @@ TEST(DeltaRule, PackedDocumentsDoNotLeak) {
     auto alone = GatedDeltaRuleChunked(part(in.q), part(in.k), part(in.v), part(in.g),
                                        part(in.beta), DeltaRuleLayout::Make(one, torch::kCPU));
     EXPECT_LE(MaxAbsDiff(part(packed), alone), 1e-6) << "document " << b;
+  }
+}
+
+// The inference path (lm/model/cpu_inference.h: one task per document and head, chunks in order,
+// a short last chunk at its length) against the per-token reference, with grouped key heads read
+// in place (3 value heads per key head), on lengths around the chunk size, for 1 and 2 threads.
+TEST(DeltaRule, InferencePathEqualsRecurrent) {
+  torch::NoGradGuard no_grad;
+  const std::vector<int64_t> lengths{1, 63, 64, 65, 130, 7, 300};
+  const auto cu = CuSeqlens(lengths);
+  const int64_t T = cu.back(), Hk = 2, r = 3;
+  const int threads = torch::get_num_threads();
+  for (double max_A : {0.05, 16.0}) {
+    for (auto [dk, dv] : {std::pair<int64_t, int64_t>{16, 8}, {8, 24}}) {
+      auto in = RandomRule(T, Hk * r, dk, dv, max_A, 13);
+      // Value heads h and h' with h / r == h' / r share their key head.
+      auto qk = in.q.narrow(1, 0, Hk).contiguous(), kk = in.k.narrow(1, 0, Hk).contiguous();
+      ASSERT_TRUE(UseCpuInferenceDeltaRule(qk, kk, in.v, in.g, in.beta));
+      auto ref = GatedDeltaRuleRecurrent(qk.repeat_interleave(r, 1), kk.repeat_interleave(r, 1),
+                                         in.v, in.g, in.beta, cu);
+      torch::set_num_threads(1);
+      auto one = GatedDeltaRuleInferenceCpu(qk, kk, in.v, in.g, in.beta, cu);
+      torch::set_num_threads(std::max(2, threads));
+      auto many = GatedDeltaRuleInferenceCpu(qk, kk, in.v, in.g, in.beta, cu);
+      EXPECT_LE(MaxAbsDiff(one, ref), 1e-5) << "max_A " << max_A << " dk " << dk << " dv " << dv;
+      EXPECT_TRUE(torch::equal(one, many)) << "depends on the thread count";
+    }
+  }
+  torch::set_num_threads(threads);
+  // Gradients keep the library path; a bad shape is refused with the shapes named.
+  auto in = RandomRule(10, 2, 8, 8, 1.0, 1);
+  {
+    torch::AutoGradMode grad(true);
+    EXPECT_FALSE(UseCpuInferenceDeltaRule(in.q.requires_grad_(), in.k, in.v, in.g, in.beta));
+  }
+  try {
+    GatedDeltaRuleInferenceCpu(in.q.detach(), in.k, in.v, in.g.narrow(0, 0, 9), in.beta, {0, 10});
+    ADD_FAILURE() << "mismatched g accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[9, 2]"), std::string::npos) << e.what();
   }
 }
 

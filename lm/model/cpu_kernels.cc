@@ -151,6 +151,59 @@ OPD_AVX2 void MatmulPackedPanelsAvx2(const float* a, int64_t lda, int64_t m, con
   }
 }
 
+OPD_AVX2 inline float HorizontalMax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// exp(x) for x <= 88: 2^n e^r with n = round(x / ln 2) and r = x - n ln 2 in [-ln2/2, ln2/2]
+// (ln 2 split in two so that r is exact), e^r by Cephes' degree-7 polynomial. Below -87.3 the
+// result is clamped at ~1e-38, which a sum that includes exp(0) = 1 does not see.
+OPD_AVX2 inline __m256 Exp(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+OPD_AVX2 float LogSumExpAvx2(const float* x, int64_t n) {
+  const int64_t n8 = n / 8 * 8;
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n8; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + j));
+  float mx = HorizontalMax(mv);
+  for (int64_t j = n8; j < n; ++j) mx = std::max(mx, x[j]);
+  if (std::isinf(mx)) return mx;    // all -inf (or a +inf logit)
+  constexpr int64_t kBlock = 1024;  // floats per float partial sum
+  const __m256 shift = _mm256_set1_ps(mx);
+  double sum = 0.0;
+  for (int64_t b = 0; b < n8; b += kBlock) {
+    const int64_t end = std::min(n8, b + kBlock);
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+    int64_t j = b;
+    for (; j + 16 <= end; j += 16) {
+      s0 = _mm256_add_ps(s0, Exp(_mm256_sub_ps(_mm256_loadu_ps(x + j), shift)));
+      s1 = _mm256_add_ps(s1, Exp(_mm256_sub_ps(_mm256_loadu_ps(x + j + 8), shift)));
+    }
+    if (j < end) s0 = _mm256_add_ps(s0, Exp(_mm256_sub_ps(_mm256_loadu_ps(x + j), shift)));
+    sum += HorizontalSum(_mm256_add_ps(s0, s1));
+  }
+  for (int64_t j = n8; j < n; ++j) sum += std::exp(x[j] - mx);
+  return mx + static_cast<float>(std::log(sum));
+}
+
 }  // namespace
 
 bool HasAvx2Fma() {
@@ -167,6 +220,10 @@ void MatmulPackedPanels(const float* a, int64_t lda, int64_t m, const float* pac
                         int64_t K, int64_t p0, int64_t p1, float* out, int64_t ldo) {
   MatmulPackedPanelsAvx2(a, lda, m, packed, N, K, p0, p1, out, ldo);
 }
+
+float LogSumExp(const float* x, int64_t n) {
+  return LogSumExpAvx2(x, n);
+}
 #else  // not x86: no kernels; HasAvx2Fma() keeps every caller on the library path
 bool HasAvx2Fma() {
   return false;
@@ -177,6 +234,9 @@ void MatmulWeightT(const float*, int64_t, int64_t, const float*, int64_t, int64_
 }
 void MatmulPackedPanels(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t,
                         int64_t, float*, int64_t) {
+  std::abort();
+}
+float LogSumExp(const float*, int64_t) {
   std::abort();
 }
 #endif

@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include "lm/model/cpu_inference.h"
 #include "lm/model/layers.h"
 
 namespace lm {
@@ -51,7 +52,7 @@ class ChunkedTokenLogprob : public torch::autograd::Function<ChunkedTokenLogprob
       const int64_t n = std::min(chunk, N - s);
       auto logits = ChunkLogits(scratch, hidden.narrow(0, s, n), weight, temperature);
       auto target_logit = logits.gather(1, targets.narrow(0, s, n).unsqueeze(1)).squeeze(1);
-      auto l = LogsumexpInPlace(logits);
+      auto l = UseCpuLogSumExpRows(logits) ? LogSumExpRowsCpu(logits) : LogsumexpInPlace(logits);
       lse.narrow(0, s, n).copy_(l);
       out.narrow(0, s, n).copy_(target_logit - l);
     }

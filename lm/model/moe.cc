@@ -4,7 +4,7 @@
 
 #include <torch/torch.h>
 
-#include "lm/model/decode_cpu.h"
+#include "lm/model/cpu_inference.h"
 #include "lm/model/layers.h"
 
 #ifdef OPD_CUDA_KERNELS
@@ -140,8 +140,8 @@ torch::Tensor MoeExperts(const torch::Tensor& x, const torch::Tensor& ids,
     auto y = fn(x, ids, weights, gate_up, down);
     if (y.defined()) return y;  // undefined: inputs the implementation does not handle
   }
-  if (UseFusedCpuExperts(x, weights, gate_up, down))  // decode-sized CPU inference
-    return MoeExpertsFusedCpu(x, ids, weights, gate_up, down);
+  if (UseCpuInferenceExperts(x, weights, gate_up, down))
+    return MoeExpertsInferenceCpu(x, ids, weights, gate_up, down);
   return MoeExpertsCpu(x, ids, weights, gate_up, down);
 }
 

@@ -7,6 +7,8 @@
 
 #include <torch/torch.h>
 
+#include "lm/model/cpu_inference.h"
+
 namespace lm {
 namespace {
 
@@ -93,6 +95,7 @@ DeltaRuleLayout DeltaRuleLayout::Make(const std::vector<int64_t>& cu_seqlens, to
 
   DeltaRuleLayout layout;
   layout.chunk = chunk;
+  layout.cu_seqlens = cu_seqlens;
   std::vector<int64_t> gather, scatter(T);
   layout.step_offsets.push_back(0);
   const int64_t steps = B > 0 ? chunks[order[0]] : 0;
@@ -245,12 +248,18 @@ torch::Tensor Qwen3NextGatedDeltaNetImpl::forward(const torch::Tensor& x,
   // The rule runs in fp32 with L2-normalised q/k; each key head serves r consecutive value heads.
   auto qf = L2Normalize(q.to(torch::kFloat32)) * (1.0 / std::sqrt(static_cast<double>(dk)));
   auto kf = L2Normalize(k.to(torch::kFloat32));
-  if (r > 1) {
-    qf = qf.repeat_interleave(r, 1);
-    kf = kf.repeat_interleave(r, 1);
+  auto vf = v.to(torch::kFloat32), bf = beta.to(torch::kFloat32);
+  torch::Tensor o;
+  if (UseCpuInferenceDeltaRule(qf, kf, vf, g, bf)) {  // reads key head h / r itself
+    o = GatedDeltaRuleInferenceCpu(qf, kf, vf, g, bf, layout.cu_seqlens, layout.chunk);
+  } else {
+    if (r > 1) {
+      qf = qf.repeat_interleave(r, 1);
+      kf = kf.repeat_interleave(r, 1);
+    }
+    o = GatedDeltaRuleChunked(qf, kf, vf, g, bf, layout);
   }
-  auto o = GatedDeltaRuleChunked(qf, kf, v.to(torch::kFloat32), g, beta.to(torch::kFloat32), layout)
-               .to(x.scalar_type());
+  o = o.to(x.scalar_type());
   return out_proj(norm(o, z).reshape({T, num_v_heads_ * dv}));
 }
 

@@ -59,6 +59,7 @@ struct DeltaRuleLayout {
   torch::Tensor gather;               // [N * chunk] int64: token of each chunk slot (T = padding)
   torch::Tensor scatter;              // [T] int64: chunk slot of each token
   std::vector<int64_t> step_offsets;  // [steps + 1] first chunk of each scan step
+  std::vector<int64_t> cu_seqlens;    // [B + 1] the documents it was made for
 
   int64_t num_chunks() const { return step_offsets.empty() ? 0 : step_offsets.back(); }
   static DeltaRuleLayout Make(const std::vector<int64_t>& cu_seqlens, torch::Device device,
