@@ -529,6 +529,47 @@ TEST(Logprobs, ChunkedEqualsFullSoftmaxWithTemperatureAndGradients) {
   EXPECT_LE(MaxAbsDiff(top.logprobs, v), 1e-5);
 }
 
+// Scoring without gradients takes the vocabulary-tiled path (lm/model/cpu_inference.h); it must
+// equal the full log-softmax across row blocks and vocabulary tiles (256 rows, 512 entries per
+// tile: sizes on both sides of each), with a temperature, targets on tile edges, for any thread
+// count, and refuse an out-of-range target.
+TEST(Logprobs, InferencePathEqualsFullSoftmax) {
+  if (!cpu::HasAvx2Fma()) GTEST_SKIP() << "no AVX2/FMA on this CPU";
+  torch::NoGradGuard no_grad;
+  torch::manual_seed(6);
+  const int threads = torch::get_num_threads();
+  for (int64_t N : {1, 7, 300}) {
+    for (int64_t V : {100, 512, 1500}) {
+      auto h = torch::randn({N, 32}), w = torch::randn({V, 32});
+      auto t = torch::randint(0, V, {N}, torch::kInt64);
+      t[0] = V - 1;
+      if (N > 1) t[1] = std::min<int64_t>(V - 1, 512);
+      ASSERT_TRUE(UseCpuInferenceLogprobs(h, w));
+      LogprobOptions o;
+      o.temperature = 0.7;
+      auto full = torch::log_softmax(torch::mm(h, w.t()) / 0.7, -1);
+      auto ref = full.gather(1, t.unsqueeze(1)).squeeze(1);
+      torch::set_num_threads(1);
+      auto one = TokenLogprobs(h, w, t, o);
+      torch::set_num_threads(std::max(2, threads));
+      auto many = TokenLogprobs(h, w, t, o);
+      EXPECT_LE(MaxAbsDiff(one, ref), 2e-5) << "N=" << N << " V=" << V;
+      EXPECT_TRUE(torch::equal(one, many)) << "N=" << N << " V=" << V << ": thread count";
+    }
+  }
+  torch::set_num_threads(threads);
+  auto h = torch::randn({2, 8}), w = torch::randn({10, 8});
+  try {
+    TokenLogprobsInferenceCpu(h, w, torch::tensor({3, 10}, torch::kInt64), 1.0);
+    ADD_FAILURE() << "target 10 of a 10-word vocabulary accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("target id 10 out of range [0, 10)"), std::string::npos)
+        << e.what();
+  }
+  torch::AutoGradMode grad(true);
+  EXPECT_FALSE(UseCpuInferenceLogprobs(h.requires_grad_(), w));  // training keeps the chunked path
+}
+
 // opd-ctl logprobs prints, per input line, the log-probs transformers computed.
 TEST(OpdCtl, LogprobsMatchesReference) {
   Fixture f = LoadFixture("moe_untied_top1_sparse2");

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <initializer_list>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -10,19 +11,72 @@
 
 #include "lm/model/cpu_kernels.h"
 
+// The Fortran BLAS sgemm of the library LibTorch links (MKL in the x86 wheels). Weak: where a
+// build does not export it, the paths that need it are not taken (HasBlas()).
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const float* alpha, const float* a, const int* lda,
+                       const float* b, const int* ldb, const float* beta, float* c, const int* ldc)
+    __attribute__((weak));
+
 namespace lm {
 namespace {
 
-// An expert with at most this many rows runs the streaming kernel (cpu::ExpertSwiGlu): too few
-// rows for the library GEMM to amortise packing the weight. More rows take the library GEMM.
+// ---- shared ----
+
+bool HasBlas() {
+  return sgemm_ != nullptr;
+}
+
+// Row-major C = alpha op(A) op(B) + beta C, with op(A) [m, k] and op(B) [k, n]; `ta` means A is
+// stored as [k, m], `tb` that B is stored as [n, k]. BLAS is column-major, so this asks it for
+// C^T = op(B)^T op(A)^T. Called directly rather than through a tensor op: a chunk's products take
+// a few microseconds, about what an op costs in dispatch alone. Inside a parallel region the
+// library runs on the calling thread.
+void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+          int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const char transa = tb ? 'T' : 'N', transb = ta ? 'T' : 'N';
+  const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
+  const int LDA = static_cast<int>(ldb), LDB = static_cast<int>(lda), LDC = static_cast<int>(ldc);
+  sgemm_(&transa, &transb, &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
+}
+
+bool NeedsGrad(std::initializer_list<const torch::Tensor*> ts) {
+  if (!torch::GradMode::is_enabled()) return false;
+  return std::any_of(ts.begin(), ts.end(),
+                     [](const torch::Tensor* t) { return t->requires_grad(); });
+}
+
+bool AllFp32Cpu(std::initializer_list<const torch::Tensor*> ts) {
+  return std::all_of(ts.begin(), ts.end(), [](const torch::Tensor* t) {
+    return t->is_cpu() && t->scalar_type() == torch::kFloat32;
+  });
+}
+
+// Runs task(i, state) for i in [0, n) on the intra-op threads, handing out indices one at a time
+// in order. Callers put the largest tasks first, so the threads finish together (a static split of
+// uneven tasks left one thread waiting at the barrier). Each thread makes its `state` (buffers)
+// once. The region always has every intra-op thread, even for a single task: inside it the library
+// GEMM runs sequentially, so a task computes the same bits however many tasks there are (outside
+// it the library would split a lone task's product across threads, rounding differently).
+template <class MakeState, class Task>
+void ParallelTasks(int64_t n, const MakeState& make_state, const Task& task) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    if (next >= n) return;
+    auto state = make_state();
+    for (int64_t i = next++; i < n; i = next++) task(i, state);
+  });
+}
+
+// ---- MoE experts ----
+
+// An expert task with at most this many rows runs the streaming kernel (cpu::ExpertSwiGlu): too
+// few rows for the library GEMM to amortise packing the weight. More rows take the library GEMM.
 constexpr int64_t kKernelMaxRows = 32;
 
-// Rows of one expert per task. Bounds the task's working set (about 1.5 MiB of activations at
-// hidden 512) and splits busy experts, so threads finish together.
+// Rows of one expert per task: bounds a task's buffers (1.5 MiB at hidden 512) and splits busy
+// experts, so that no single task holds the threads up at the end.
 constexpr int64_t kRowsPerTask = 128;
-
-// LM-head panels per parallel task: a few hundred KiB of weight each.
-constexpr int64_t kPanelsPerTask = 16;
 
 // The (token, slot) pairs routed to each expert, expert-major and in token order within one
 // expert: pairs of expert e are pair[offset[e] .. offset[e + 1]).
@@ -46,50 +100,38 @@ ExpertRows GroupByExpert(const torch::Tensor& ids, int64_t E) {
   return r;
 }
 
-struct Task {
+struct ExpertTask {
   int64_t expert, begin, end;  // indices into ExpertRows::pair
 };
 
-// Tasks of at most kRowsPerTask rows, largest first: handed out one at a time from an atomic
-// counter, the threads then finish together (a static split of unevenly loaded experts left one
-// thread waiting at the barrier).
-std::vector<Task> MakeTasks(const ExpertRows& rows) {
-  std::vector<Task> tasks;
+// Tasks of at most kRowsPerTask rows, largest first.
+std::vector<ExpertTask> MakeExpertTasks(const ExpertRows& rows) {
+  std::vector<ExpertTask> tasks;
   for (int64_t e = 0; e + 1 < static_cast<int64_t>(rows.offset.size()); ++e) {
     for (int64_t b = rows.offset[e]; b < rows.offset[e + 1]; b += kRowsPerTask)
       tasks.push_back({e, b, std::min(b + kRowsPerTask, rows.offset[e + 1])});
   }
-  std::stable_sort(tasks.begin(), tasks.end(),
-                   [](const Task& a, const Task& b) { return a.end - a.begin > b.end - b.begin; });
+  std::stable_sort(tasks.begin(), tasks.end(), [](const ExpertTask& a, const ExpertTask& b) {
+    return a.end - a.begin > b.end - b.begin;
+  });
   return tasks;
 }
 
-// Per-thread buffers of one task: its gathered rows, [gate | up], and its output rows.
-struct TaskBuffers {
-  torch::Tensor xs, gu, ys;
-  void Reserve(int64_t m, int64_t H, int64_t I) {
-    if (xs.defined() && xs.size(0) >= m) return;
-    xs = torch::empty({m, H});
-    gu = torch::empty({m, 2 * I});
-    ys = torch::empty({m, H});
-  }
+// One thread's buffers: a task's gathered rows, their [gate | up] and their outputs.
+struct ExpertBuffers {
+  ExpertBuffers(int64_t H, int64_t I)
+      : xs(kRowsPerTask * H), gu(kRowsPerTask * 2 * I), ys(kRowsPerTask * H) {}
+  std::vector<float> xs, gu, ys;
 };
 
-// SwiGLU of expert e on the m gathered rows in b: y = (silu(x G^T) * (x U^T)) D^T.
-void ExpertMlp(TaskBuffers& b, int64_t m, const torch::Tensor& gate_up, const torch::Tensor& down,
-               int64_t e) {
-  const int64_t H = gate_up.size(2), I = down.size(2);
-  if (m <= kKernelMaxRows) {
-    cpu::ExpertSwiGlu(b.xs.data_ptr<float>(), m, H, gate_up.data_ptr<float>() + e * 2 * I * H,
-                      down.data_ptr<float>() + e * H * I, I, b.gu.data_ptr<float>(),
-                      b.ys.data_ptr<float>());
-    return;
-  }
-  auto gu = b.gu.narrow(0, 0, m), ys = b.ys.narrow(0, 0, m);
-  torch::mm_out(gu, b.xs.narrow(0, 0, m), gate_up[e].t());
-  auto act = gu.narrow(1, 0, I);
-  torch::silu_(act).mul_(gu.narrow(1, I, I));
-  torch::mm_out(ys, act, down[e].t());
+// The SwiGLU MLP of one expert on m rows: y = (silu(x G^T) * (x U^T)) D^T, with the expert's
+// gate_up [2I, H] and down [H, I].
+void ExpertMlp(const float* x, int64_t m, int64_t H, const float* gate_up, const float* down,
+               int64_t I, float* gu, float* y) {
+  if (m <= kKernelMaxRows) return cpu::ExpertSwiGlu(x, m, H, gate_up, down, I, gu, y);
+  Gemm(false, true, m, 2 * I, H, 1.0f, x, H, gate_up, H, 0.0f, gu, 2 * I);
+  cpu::SiluMulInPlace(gu, m, I);
+  Gemm(false, true, m, H, I, 1.0f, gu, 2 * I, down, I, 0.0f, y, H);
 }
 
 // out[t] = sum_s weights[t, s] * y[t * k + s], the slots added in order: the result does not
@@ -115,47 +157,31 @@ torch::Tensor SumSlots(const torch::Tensor& y, const torch::Tensor& weights) {
   return out;
 }
 
-// The Fortran BLAS sgemm of the library LibTorch links (MKL in the x86 wheels). Weak: where a
-// build does not export it, the delta rule keeps its library-op path (UseCpuInferenceDeltaRule).
-extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
-                       const int* k, const float* alpha, const float* a, const int* lda,
-                       const float* b, const int* ldb, const float* beta, float* c, const int* ldc)
-    __attribute__((weak));
+// ---- gated delta rule ----
 
-// Row-major C = alpha op(A) op(B) + beta C, with op(A) [m, k] and op(B) [k, n]; `ta` means A is
-// stored as [k, m], `tb` that B is stored as [n, k]. BLAS is column-major, so this asks it for
-// C^T = op(B)^T op(A)^T. Inside a parallel region the library runs on the calling thread. Called
-// directly because the small products of one chunk are a few microseconds each, about what a
-// tensor op costs in dispatch alone.
-void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
-          int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  const char transa = tb ? 'T' : 'N', transb = ta ? 'T' : 'N';
-  const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
-  const int LDA = static_cast<int>(ldb), LDB = static_cast<int>(lda), LDC = static_cast<int>(ldc);
-  sgemm_(&transa, &transb, &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
-}
-
-// One (document, value head) of the delta rule: where its rows are and how far apart.
+// One (document, value head) of the rule: its first row in each input and the floats between
+// consecutive tokens.
 struct DeltaRuleHead {
-  const float *q, *k, *v, *g, *beta;  // first row of the document for this head
+  const float *q, *k, *v, *g, *beta;
   float* o;
   int64_t len;                             // tokens in the document
-  int64_t qk_stride, v_stride, gb_stride;  // floats between consecutive tokens
+  int64_t qk_stride, v_stride, gb_stride;  // q/k rows, v/o rows, g/beta entries
 };
 
-// The per-thread buffers of the chunked rule for chunk size C, key dim dk, value dim dv.
+// One thread's matrices of the chunked rule, for chunk size C, key dim dk, value dim dv.
 struct DeltaRuleScratch {
   DeltaRuleScratch(int64_t C, int64_t dk, int64_t dv) : C(C), dk(dk), dv(dv) {
     float** parts[] = {&S, &G, &D, &A, &Tinv, &R, &UW, &QG, &KD, &Attn, &VNew};
     const int64_t sizes[] = {dk * dv,       C,      C * C,  C * C, C * C, C * (dv + dk),
                              C * (dv + dk), C * dk, C * dk, C * C, C * dv};
+    auto padded = [](int64_t n) { return (n + 15) / 16 * 16; };  // each part 64-byte aligned
     int64_t total = 0;
-    for (int64_t n : sizes) total += (n + 15) / 16 * 16;  // each part 64-byte aligned
-    buf_ = torch::empty({total});                         // 64-byte aligned
+    for (int64_t n : sizes) total += padded(n);
+    buf_ = torch::empty({total});  // 64-byte aligned itself
     float* p = buf_.data_ptr<float>();
-    for (int i = 0; i < 11; ++i) {
+    for (size_t i = 0; i < std::size(parts); ++i) {
       *parts[i] = p;
-      p += (sizes[i] + 15) / 16 * 16;
+      p += padded(sizes[i]);
     }
   }
   DeltaRuleScratch(const DeltaRuleScratch&) = delete;
@@ -178,87 +204,104 @@ struct DeltaRuleScratch {
   torch::Tensor buf_;
 };
 
-// The chunked delta rule of lm/model/qwen3_next.h for one (document, head), chunk by chunk: the
-// same algebra as GatedDeltaRuleChunked, but its matrices stay in this thread's cache and a
-// short last chunk is computed at its length rather than padded.
-void RunDeltaRuleHead(const DeltaRuleHead& h, DeltaRuleScratch& s) {
+// The state-free terms of the L tokens from c0 (lm/model/qwen3_next.h): D, U and W by the UT
+// transform, the causal (Q K^T) * D, exp(G) Q and exp(G_last - G) K.
+void IntraChunk(const DeltaRuleHead& h, int64_t c0, int64_t L, DeltaRuleScratch& s) {
   const int64_t C = s.C, dk = s.dk, dv = s.dv, ldr = dv + dk;
-  float *S = s.S, *G = s.G, *D = s.D, *A = s.A, *Tinv = s.Tinv, *R = s.R, *UW = s.UW, *QG = s.QG,
-        *KD = s.KD, *Attn = s.Attn, *VNew = s.VNew;
-  for (int64_t c0 = 0; c0 < h.len; c0 += C) {
-    const int64_t L = std::min(C, h.len - c0);
-    const float* q = h.q + c0 * h.qk_stride;
-    const float* k = h.k + c0 * h.qk_stride;
-    const float* v = h.v + c0 * h.v_stride;
-    float* o = h.o + c0 * h.v_stride;
-    float acc = 0.0f;
-    for (int64_t i = 0; i < L; ++i) G[i] = acc += h.g[(c0 + i) * h.gb_stride];
-    for (int64_t i = 0; i < L; ++i)
-      for (int64_t j = 0; j <= i; ++j) D[i * C + j] = std::exp(G[i] - G[j]);
-    // R = [beta V | beta exp(G) K]; (beta K) is kept in R's second half first, for A.
-    for (int64_t i = 0; i < L; ++i) {
-      const float b = h.beta[(c0 + i) * h.gb_stride], eg = std::exp(G[i]);
-      float* r = R + i * ldr;
-      for (int64_t j = 0; j < dv; ++j) r[j] = b * v[i * h.v_stride + j];
-      for (int64_t j = 0; j < dk; ++j) r[dv + j] = b * k[i * h.qk_stride + j];
-      for (int64_t j = 0; j < dk; ++j) QG[i * dk + j] = eg * q[i * h.qk_stride + j];
+  const float* q = h.q + c0 * h.qk_stride;
+  const float* k = h.k + c0 * h.qk_stride;
+  const float* v = h.v + c0 * h.v_stride;
+  float acc = 0.0f;
+  for (int64_t i = 0; i < L; ++i) s.G[i] = acc += h.g[(c0 + i) * h.gb_stride];
+  for (int64_t i = 0; i < L; ++i)
+    for (int64_t j = 0; j <= i; ++j) s.D[i * C + j] = std::exp(s.G[i] - s.G[j]);
+  // R = [beta V | beta K]; the second half gets its exp(G) after it served (beta K) K^T.
+  for (int64_t i = 0; i < L; ++i) {
+    const float b = h.beta[(c0 + i) * h.gb_stride];
+    float* r = s.R + i * ldr;
+    for (int64_t j = 0; j < dv; ++j) r[j] = b * v[i * h.v_stride + j];
+    for (int64_t j = 0; j < dk; ++j) r[dv + j] = b * k[i * h.qk_stride + j];
+  }
+  Gemm(false, true, L, L, dk, 1.0f, s.R + dv, ldr, k, h.qk_stride, 0.0f, s.A, C);
+  const float g_last = s.G[L - 1];
+  for (int64_t i = 0; i < L; ++i) {
+    const float eg = std::exp(s.G[i]), ed = std::exp(g_last - s.G[i]);
+    for (int64_t j = 0; j < dk; ++j) {
+      s.R[i * ldr + dv + j] *= eg;
+      s.QG[i * dk + j] = eg * q[i * h.qk_stride + j];
+      s.KD[i * dk + j] = ed * k[i * h.qk_stride + j];
     }
-    Gemm(false, true, L, L, dk, 1.0f, R + dv, ldr, k, h.qk_stride, 0.0f, A, C);  // (beta K) K^T
-    for (int64_t i = 0; i < L; ++i) {
-      const float eg = std::exp(G[i]);
-      for (int64_t j = 0; j < dk; ++j) R[i * ldr + dv + j] *= eg;
+  }
+  // Tinv = (I + L)^-1 for L the strict lower triangle of A * D, by forward substitution:
+  // row i of Tinv is e_i - sum_{m < i} L_im (row m of Tinv).
+  for (int64_t i = 0; i < L; ++i) {
+    float* ti = s.Tinv + i * C;
+    std::fill_n(ti, L, 0.0f);
+    ti[i] = 1.0f;
+    for (int64_t m = 0; m < i; ++m) {
+      const float lim = s.A[i * C + m] * s.D[i * C + m];
+      const float* tm = s.Tinv + m * C;
+      for (int64_t j = 0; j <= m; ++j) ti[j] -= lim * tm[j];
     }
-    // Tinv = (I + L)^-1 for L the strict lower triangle of A * D, by forward substitution:
-    // row i of Tinv is e_i - sum_{m < i} L_im (row m of Tinv).
-    for (int64_t i = 0; i < L; ++i) {
-      float* ti = Tinv + i * C;
-      std::fill_n(ti, L, 0.0f);
-      ti[i] = 1.0f;
-      for (int64_t m = 0; m < i; ++m) {
-        const float lim = A[i * C + m] * D[i * C + m];
-        const float* tm = Tinv + m * C;
-        for (int64_t j = 0; j <= m; ++j) ti[j] -= lim * tm[j];
-      }
-    }
-    Gemm(false, false, L, ldr, L, 1.0f, Tinv, C, R, ldr, 0.0f, UW, ldr);  // [U | W]
-    Gemm(false, true, L, L, dk, 1.0f, q, h.qk_stride, k, h.qk_stride, 0.0f, Attn, C);
-    for (int64_t i = 0; i < L; ++i) {
-      for (int64_t j = 0; j <= i; ++j) Attn[i * C + j] *= D[i * C + j];
-      std::fill_n(Attn + i * C + i + 1, L - i - 1, 0.0f);
-    }
-    for (int64_t i = 0; i < L; ++i)
-      for (int64_t j = 0; j < dv; ++j) VNew[i * dv + j] = UW[i * ldr + j];
-    const bool first = c0 == 0;  // the state is zero: it reads nothing
-    if (!first) Gemm(false, false, L, dv, dk, -1.0f, UW + dv, ldr, S, dv, 1.0f, VNew, dv);
-    // O = exp(G) Q S + Attn V'
-    if (first) {
-      for (int64_t i = 0; i < L; ++i) std::fill_n(o + i * h.v_stride, dv, 0.0f);
-    } else {
-      Gemm(false, false, L, dv, dk, 1.0f, QG, dk, S, dv, 0.0f, o, h.v_stride);
-    }
-    Gemm(false, false, L, dv, L, 1.0f, Attn, C, VNew, dv, 1.0f, o, h.v_stride);
-    // S = exp(G_last) S + (exp(G_last - G) K)^T V'
-    const float g_last = G[L - 1];
-    for (int64_t i = 0; i < L; ++i) {
-      const float e = std::exp(g_last - G[i]);
-      for (int64_t j = 0; j < dk; ++j) KD[i * dk + j] = e * k[i * h.qk_stride + j];
-    }
-    Gemm(true, false, dk, dv, L, 1.0f, KD, dk, VNew, dv, first ? 0.0f : std::exp(g_last), S, dv);
+  }
+  Gemm(false, false, L, ldr, L, 1.0f, s.Tinv, C, s.R, ldr, 0.0f, s.UW, ldr);  // [U | W]
+  Gemm(false, true, L, L, dk, 1.0f, q, h.qk_stride, k, h.qk_stride, 0.0f, s.Attn, C);
+  for (int64_t i = 0; i < L; ++i) {
+    for (int64_t j = 0; j <= i; ++j) s.Attn[i * C + j] *= s.D[i * C + j];
+    std::fill_n(s.Attn + i * C + i + 1, L - i - 1, 0.0f);
   }
 }
+
+// The scan step of the chunk at c0 against the state S at its start (zero when `first`):
+//   V' = U - W S,  O = exp(G) Q S + Attn V',  S = exp(G_last) S + (exp(G_last - G) K)^T V'.
+void AdvanceChunk(const DeltaRuleHead& h, int64_t c0, int64_t L, bool first, DeltaRuleScratch& s) {
+  const int64_t C = s.C, dk = s.dk, dv = s.dv, ldr = dv + dk;
+  float* o = h.o + c0 * h.v_stride;
+  for (int64_t i = 0; i < L; ++i) std::copy_n(s.UW + i * ldr, dv, s.VNew + i * dv);
+  if (first) {
+    for (int64_t i = 0; i < L; ++i) std::fill_n(o + i * h.v_stride, dv, 0.0f);
+  } else {
+    Gemm(false, false, L, dv, dk, -1.0f, s.UW + dv, ldr, s.S, dv, 1.0f, s.VNew, dv);
+    Gemm(false, false, L, dv, dk, 1.0f, s.QG, dk, s.S, dv, 0.0f, o, h.v_stride);
+  }
+  Gemm(false, false, L, dv, L, 1.0f, s.Attn, C, s.VNew, dv, 1.0f, o, h.v_stride);
+  const float decay = first ? 0.0f : std::exp(s.G[L - 1]);
+  Gemm(true, false, dk, dv, L, 1.0f, s.KD, dk, s.VNew, dv, decay, s.S, dv);
+}
+
+// The chunked rule for one (document, head), chunk by chunk: GatedDeltaRuleChunked's algebra,
+// with the chunk's matrices and the state in this thread's cache, and a short last chunk computed
+// at its length rather than padded.
+void RunDeltaRuleHead(const DeltaRuleHead& h, DeltaRuleScratch& s) {
+  for (int64_t c0 = 0; c0 < h.len; c0 += s.C) {
+    const int64_t L = std::min(s.C, h.len - c0);
+    IntraChunk(h, c0, L, s);
+    AdvanceChunk(h, c0, L, /*first=*/c0 == 0, s);
+  }
+}
+
+// ---- LM head ----
+
+// The scoring LM head's tiles: kVocabPerTask weight rows per task (1 MiB at hidden 512, kept in
+// cache while every block of hidden rows passes), kRowsPerProduct hidden rows per product (its
+// 512 KiB block of logits is still in the core's L2 when the log-sum-exp reads it). Neighbouring
+// sizes (256-1024 x 64-256) measured the same within the machine's noise.
+constexpr int64_t kVocabPerTask = 512;
+constexpr int64_t kRowsPerProduct = 256;
+
+// LM-head panels per parallel task of PackedLinear: a few hundred KiB of weight each.
+constexpr int64_t kPanelsPerTask = 16;
+
 }  // namespace
+
+// ---- MoE experts ----
 
 bool UseCpuInferenceExperts(const torch::Tensor& x, const torch::Tensor& weights,
                             const torch::Tensor& gate_up, const torch::Tensor& down) {
-  const bool needs_grad =
-      torch::GradMode::is_enabled() && (x.requires_grad() || weights.requires_grad() ||
-                                        gate_up.requires_grad() || down.requires_grad());
-  auto fp32_cpu = [](const torch::Tensor& t) {
-    return t.is_cpu() && t.scalar_type() == torch::kFloat32;
-  };
-  return !needs_grad && fp32_cpu(x) && fp32_cpu(weights) && fp32_cpu(gate_up) && fp32_cpu(down) &&
-         gate_up.is_contiguous() && down.is_contiguous() && x.size(1) % 8 == 0 &&
-         down.size(2) % 8 == 0 && cpu::HasAvx2Fma();
+  return !NeedsGrad({&x, &weights, &gate_up, &down}) &&
+         AllFp32Cpu({&x, &weights, &gate_up, &down}) && gate_up.is_contiguous() &&
+         down.is_contiguous() && x.size(1) % 8 == 0 && down.size(2) % 8 == 0 && cpu::HasAvx2Fma() &&
+         HasBlas();
 }
 
 torch::Tensor MoeExpertsInferenceCpu(const torch::Tensor& x_in, const torch::Tensor& ids_in,
@@ -268,44 +311,33 @@ torch::Tensor MoeExpertsInferenceCpu(const torch::Tensor& x_in, const torch::Ten
   const auto ids = ids_in.to(torch::kInt64).contiguous();
   const int64_t T = x.size(0), k = ids.size(1), H = x.size(1), I = down.size(2);
   const ExpertRows rows = GroupByExpert(ids, gate_up.size(0));
-  const std::vector<Task> tasks = MakeTasks(rows);
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  std::atomic<int64_t> next{0};
+  const std::vector<ExpertTask> tasks = MakeExpertTasks(rows);
 
   auto y = torch::empty({T * k, H}, x.options());  // one output row per (token, slot) pair
   const float* xp = x.data_ptr<float>();
+  const float* gup = gate_up.data_ptr<float>();
+  const float* dp = down.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // One task per thread at a time; nested library calls inside run on their thread alone.
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1,
-                   [&](int64_t, int64_t) {
-                     torch::NoGradGuard no_grad;  // grad mode is per thread
-                     TaskBuffers b;
-                     b.Reserve(kRowsPerTask, H, I);
-                     for (int64_t i = next++; i < num_tasks; i = next++) {
-                       const Task& t = tasks[i];
-                       const int64_t m = t.end - t.begin;
-                       const int64_t* pair = rows.pair.data() + t.begin;
-                       float* xs = b.xs.data_ptr<float>();
-                       for (int64_t r = 0; r < m; ++r)
-                         std::copy_n(xp + (pair[r] / k) * H, H, xs + r * H);
-                       ExpertMlp(b, m, gate_up, down, t.expert);
-                       const float* ys = b.ys.data_ptr<float>();
-                       for (int64_t r = 0; r < m; ++r) std::copy_n(ys + r * H, H, yp + pair[r] * H);
-                     }
-                   });
+  ParallelTasks(
+      static_cast<int64_t>(tasks.size()), [&] { return ExpertBuffers(H, I); },
+      [&](int64_t i, ExpertBuffers& b) {
+        const ExpertTask& t = tasks[i];
+        const int64_t m = t.end - t.begin;
+        const int64_t* pair = rows.pair.data() + t.begin;
+        for (int64_t r = 0; r < m; ++r) std::copy_n(xp + (pair[r] / k) * H, H, &b.xs[r * H]);
+        ExpertMlp(b.xs.data(), m, H, gup + t.expert * 2 * I * H, dp + t.expert * H * I, I,
+                  b.gu.data(), b.ys.data());
+        for (int64_t r = 0; r < m; ++r) std::copy_n(&b.ys[r * H], H, yp + pair[r] * H);
+      });
   return SumSlots(y, weights);
 }
+
+// ---- gated delta rule ----
 
 bool UseCpuInferenceDeltaRule(const torch::Tensor& q, const torch::Tensor& k,
                               const torch::Tensor& v, const torch::Tensor& g,
                               const torch::Tensor& beta) {
-  const bool needs_grad = torch::GradMode::is_enabled() &&
-                          (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
-                           g.requires_grad() || beta.requires_grad());
-  for (const auto* t : {&q, &k, &v, &g, &beta}) {
-    if (!t->is_cpu() || t->scalar_type() != torch::kFloat32) return false;
-  }
-  return !needs_grad && sgemm_ != nullptr;
+  return !NeedsGrad({&q, &k, &v, &g, &beta}) && AllFp32Cpu({&q, &k, &v, &g, &beta}) && HasBlas();
 }
 
 torch::Tensor GatedDeltaRuleInferenceCpu(const torch::Tensor& q_in, const torch::Tensor& k_in,
@@ -314,51 +346,51 @@ torch::Tensor GatedDeltaRuleInferenceCpu(const torch::Tensor& q_in, const torch:
                                          const std::vector<int64_t>& cu_seqlens, int64_t chunk) {
   const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const auto g = g_in.contiguous(), beta = beta_in.contiguous();
+  TORCH_CHECK(q.dim() == 3 && v.dim() == 3 && g.dim() == 2 && q.sizes() == k.sizes() &&
+                  k.size(0) == v.size(0) && v.size(1) % k.size(1) == 0 && g.size(0) == v.size(0) &&
+                  g.size(1) == v.size(1) && beta.sizes() == g.sizes(),
+              "delta rule: expected q, k [T, Hk, dk], v [T, Hv, dv] with Hv a multiple of Hk, and "
+              "g, beta [T, Hv]; got q ",
+              q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), ", g ", g.sizes(), ", beta ",
+              beta.sizes());
   const int64_t T = v.size(0), Hv = v.size(1), dv = v.size(2), Hk = k.size(1), dk = k.size(2);
-  TORCH_CHECK(
-      q.sizes() == k.sizes() && Hv % Hk == 0 && g.size(0) == T && g.size(1) == Hv &&
-          beta.sizes() == g.sizes() && k.size(0) == T,
-      "delta rule: q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv] with Hv % Hk == 0; got ",
-      q.sizes(), ", ", k.sizes(), ", ", v.sizes(), ", ", g.sizes(), ", ", beta.sizes());
   TORCH_CHECK(!cu_seqlens.empty() && cu_seqlens.front() == 0 && cu_seqlens.back() == T,
               "delta rule: cu_seqlens must run from 0 to ", T);
   auto o = torch::empty_like(v);
-  // Tasks are (document, value head) pairs, longest documents first: they finish together.
+  // Tasks are (document, value head) pairs, longest documents first.
+  auto len = [&](int64_t b) { return cu_seqlens[b + 1] - cu_seqlens[b]; };
   std::vector<std::pair<int64_t, int64_t>> tasks;
   for (int64_t b = 0; b + 1 < static_cast<int64_t>(cu_seqlens.size()); ++b) {
-    if (cu_seqlens[b + 1] > cu_seqlens[b])
+    if (len(b) > 0)
       for (int64_t h = 0; h < Hv; ++h) tasks.emplace_back(b, h);
   }
-  auto len = [&](int64_t b) { return cu_seqlens[b + 1] - cu_seqlens[b]; };
   std::stable_sort(tasks.begin(), tasks.end(),
                    [&](const auto& x, const auto& y) { return len(x.first) > len(y.first); });
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size()), r = Hv / Hk;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1,
-                   [&](int64_t, int64_t) {
-                     DeltaRuleScratch scratch(chunk, dk, dv);
-                     for (int64_t i = next++; i < num_tasks; i = next++) {
-                       const auto [b, h] = tasks[i];
-                       const int64_t t0 = cu_seqlens[b];
-                       const DeltaRuleHead head{q.data_ptr<float>() + (t0 * Hk + h / r) * dk,
-                                                k.data_ptr<float>() + (t0 * Hk + h / r) * dk,
-                                                v.data_ptr<float>() + (t0 * Hv + h) * dv,
-                                                g.data_ptr<float>() + t0 * Hv + h,
-                                                beta.data_ptr<float>() + t0 * Hv + h,
-                                                o.data_ptr<float>() + (t0 * Hv + h) * dv,
-                                                len(b),
-                                                Hk * dk,
-                                                Hv * dv,
-                                                Hv};
-                       RunDeltaRuleHead(head, scratch);
-                     }
-                   });
+  const int64_t r = Hv / Hk;  // value head h reads key head h / r
+  ParallelTasks(
+      static_cast<int64_t>(tasks.size()), [&] { return DeltaRuleScratch(chunk, dk, dv); },
+      [&](int64_t i, DeltaRuleScratch& scratch) {
+        const auto [b, h] = tasks[i];
+        const int64_t t0 = cu_seqlens[b];
+        const DeltaRuleHead head{q.data_ptr<float>() + (t0 * Hk + h / r) * dk,
+                                 k.data_ptr<float>() + (t0 * Hk + h / r) * dk,
+                                 v.data_ptr<float>() + (t0 * Hv + h) * dv,
+                                 g.data_ptr<float>() + t0 * Hv + h,
+                                 beta.data_ptr<float>() + t0 * Hv + h,
+                                 o.data_ptr<float>() + (t0 * Hv + h) * dv,
+                                 len(b),
+                                 Hk * dk,
+                                 Hv * dv,
+                                 Hv};
+        RunDeltaRuleHead(head, scratch);
+      });
   return o;
 }
 
+// ---- LM head ----
+
 bool UseCpuLogSumExpRows(const torch::Tensor& logits) {
-  return logits.is_cpu() && logits.scalar_type() == torch::kFloat32 && logits.dim() == 2 &&
-         logits.stride(1) == 1 && cpu::HasAvx2Fma();
+  return AllFp32Cpu({&logits}) && logits.dim() == 2 && logits.stride(1) == 1 && cpu::HasAvx2Fma();
 }
 
 torch::Tensor LogSumExpRowsCpu(const torch::Tensor& logits) {
@@ -371,6 +403,59 @@ torch::Tensor LogSumExpRowsCpu(const torch::Tensor& logits) {
   });
   return out;
 }
+
+bool UseCpuInferenceLogprobs(const torch::Tensor& hidden, const torch::Tensor& weight) {
+  return !NeedsGrad({&hidden, &weight}) && AllFp32Cpu({&hidden, &weight}) && hidden.dim() == 2 &&
+         weight.dim() == 2 && cpu::HasAvx2Fma() && HasBlas();
+}
+
+torch::Tensor TokenLogprobsInferenceCpu(const torch::Tensor& hidden_in,
+                                        const torch::Tensor& weight_in,
+                                        const torch::Tensor& targets_in, double temperature) {
+  const auto hidden = hidden_in.contiguous(), weight = weight_in.contiguous();
+  const auto targets = targets_in.to(torch::kInt64).contiguous();
+  const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
+  TORCH_CHECK(weight.size(1) == H && targets.dim() == 1 && targets.size(0) == N,
+              "LM head log-probs: expected hidden [N, H], weight [V, H], targets [N]; got ",
+              hidden.sizes(), ", ", weight.sizes(), ", ", targets.sizes());
+  TORCH_CHECK(temperature > 0, "LM head log-probs: temperature must be positive, got ",
+              temperature);
+  const int64_t* target = targets.data_ptr<int64_t>();
+  for (int64_t r = 0; r < N; ++r) {
+    TORCH_CHECK(target[r] >= 0 && target[r] < V, "target id ", target[r], " out of range [0, ", V,
+                ")");
+  }
+  // Each task: one vocabulary tile against every row, leaving the tile's log-sum-exp per row and
+  // the target's logit where the tile holds it. The tiles' log-sum-exps are combined at the end.
+  const int64_t tiles = (V + kVocabPerTask - 1) / kVocabPerTask;
+  std::vector<float> tile_lse(N * tiles), target_logit(N);
+  const float* h = hidden.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const float alpha = static_cast<float>(1.0 / temperature);
+  ParallelTasks(
+      tiles, [] { return std::vector<float>(kRowsPerProduct * kVocabPerTask); },
+      [&](int64_t t, std::vector<float>& logits) {
+        const int64_t v0 = t * kVocabPerTask, nv = std::min(kVocabPerTask, V - v0);
+        for (int64_t r0 = 0; r0 < N; r0 += kRowsPerProduct) {
+          const int64_t nr = std::min(kRowsPerProduct, N - r0);
+          Gemm(false, true, nr, nv, H, alpha, h + r0 * H, H, w + v0 * H, H, 0.0f, logits.data(),
+               nv);
+          for (int64_t r = 0; r < nr; ++r) {
+            const float* row = logits.data() + r * nv;
+            tile_lse[(r0 + r) * tiles + t] = cpu::LogSumExp(row, nv);
+            const int64_t j = target[r0 + r] - v0;
+            if (j >= 0 && j < nv) target_logit[r0 + r] = row[j];
+          }
+        }
+      });
+  auto out = torch::empty({N}, hidden.options());
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < N; ++r)
+    o[r] = target_logit[r] - cpu::LogSumExp(tile_lse.data() + r * tiles, tiles);
+  return out;
+}
+
+// ---- packed LM head for decode ----
 
 std::optional<PackedLinear> PackedLinear::Pack(const torch::Tensor& weight) {
   if (!weight.is_cpu() || weight.scalar_type() != torch::kFloat32 || weight.dim() != 2 ||

@@ -1,10 +1,15 @@
-// CPU fast paths for inference (rollout sampling, teacher scoring), each tested against the
-// library path it replaces (tests/model_test.cc):
-//   - the MoE experts, parallel over experts rather than inside each GEMM: one OpenMP region per
-//     layer instead of two per expert, each thread keeping its expert's rows in its own cache.
-//     Decode-sized experts run the plain-array kernel of lm/model/cpu_kernels.h, which streams the
-//     weight once where a library GEMM would spend its time packing it;
-//   - a packed LM head for decode-sized row counts.
+// CPU fast paths for inference (teacher scoring, rollout sampling). Each replaces a chain of small
+// library ops with tasks that run whole on one thread, handed out busiest first: one parallel
+// region per layer instead of a fork/join per op, and each task's working set stays in its core's
+// cache. Each is tested against the library path it replaces (tests/model_test.cc,
+// tests/qwen3_next_test.cc), which stays in use for gradients and other devices.
+//   - MoE experts: tasks of up to 128 rows of one expert. Decode-sized tasks run the streaming
+//     kernel of lm/model/cpu_kernels.h, which reads the expert's weight once where a library GEMM
+//     would spend its time packing it; larger ones run the library GEMM on their thread.
+//   - Gated delta rule (Qwen3-Next): one task per (document, value head), its chunks in order.
+//   - LM-head log-probs for scoring: one task per vocabulary tile, each [rows, tile] block of
+//     logits reduced to a log-sum-exp while still in cache; [rows, vocab] never exists.
+//   - A packed LM head for decode-sized row counts.
 //
 // This is the one file of `lm` compiled with -fopenmp: at::parallel_for's region is compiled
 // inline in its caller, and silently runs on one thread without the flag.
@@ -18,41 +23,48 @@
 
 namespace lm {
 
+// Whether MoeExperts may take MoeExpertsInferenceCpu: no gradient needed, fp32 on CPU, dimensions
+// the kernels handle, an AVX2 CPU.
+bool UseCpuInferenceExperts(const torch::Tensor& x, const torch::Tensor& weights,
+                            const torch::Tensor& gate_up, const torch::Tensor& down);
+
+// MoeExperts (lm/model/moe.h). Slots are summed in a fixed order, so the result does not depend
+// on the thread count.
+torch::Tensor MoeExpertsInferenceCpu(const torch::Tensor& x, const torch::Tensor& ids,
+                                     const torch::Tensor& weights, const torch::Tensor& gate_up,
+                                     const torch::Tensor& down);
+
 // Whether the Gated DeltaNet may take GatedDeltaRuleInferenceCpu: no gradient needed, fp32 on CPU.
 bool UseCpuInferenceDeltaRule(const torch::Tensor& q, const torch::Tensor& k,
                               const torch::Tensor& v, const torch::Tensor& g,
                               const torch::Tensor& beta);
 
-// GatedDeltaRuleChunked (lm/model/qwen3_next.h) for inference, with (document, value head) pairs
-// as the parallel tasks: each runs its chunks in order on one thread, its chunk matrices and state
-// staying in that thread's cache, instead of every small batched op forking the thread pool.
-// q, k [T, Hk, dk] may have fewer heads than v [T, Hv, dv]: value head h reads key head
-// h / (Hv / Hk), so grouped heads need not be repeated. g, beta [T, Hv]; returns o [T, Hv, dv].
+// GatedDeltaRuleChunked (lm/model/qwen3_next.h), a short last chunk computed at its length. q, k
+// [T, Hk, dk] may have fewer heads than v [T, Hv, dv]: value head h reads key head h / (Hv / Hk),
+// so grouped heads need not be repeated. g, beta [T, Hv]; returns o [T, Hv, dv]. The result does
+// not depend on the thread count.
 torch::Tensor GatedDeltaRuleInferenceCpu(const torch::Tensor& q, const torch::Tensor& k,
                                          const torch::Tensor& v, const torch::Tensor& g,
                                          const torch::Tensor& beta,
                                          const std::vector<int64_t>& cu_seqlens,
                                          int64_t chunk = 64);
 
-// Whether MoeExperts may take the inference path for these inputs: no gradient needed, fp32 on
-// CPU, dimensions the kernels handle, and an AVX2 CPU.
-bool UseCpuInferenceExperts(const torch::Tensor& x, const torch::Tensor& weights,
-                            const torch::Tensor& gate_up, const torch::Tensor& down);
+// Whether TokenLogprobs (lm/model/logprobs.h) may take TokenLogprobsInferenceCpu: no gradient
+// needed, fp32 on CPU, an AVX2 CPU.
+bool UseCpuInferenceLogprobs(const torch::Tensor& hidden, const torch::Tensor& weight);
 
-// MoeExperts (lm/model/moe.h) with experts as the parallel tasks: each task gathers up to 128 of
-// an expert's rows and runs its whole SwiGLU MLP on one thread (the streaming kernel for up to 32
-// rows, the library GEMM above). Slots are summed in a fixed order, so the result does not depend
-// on the thread count.
-torch::Tensor MoeExpertsInferenceCpu(const torch::Tensor& x, const torch::Tensor& ids,
-                                     const torch::Tensor& weights, const torch::Tensor& gate_up,
-                                     const torch::Tensor& down);
+// log p(target) per row: hidden [N, H], weight [V, H], targets [N] in [0, V) -> [N] fp32, from
+// logits / temperature. Memory beyond the inputs: a 512 KiB block per thread and N x V / 512
+// floats.
+torch::Tensor TokenLogprobsInferenceCpu(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                        const torch::Tensor& targets, double temperature);
 
 // Whether LogSumExpRowsCpu applies: fp32 CPU [rows, V] with contiguous rows, an AVX2 CPU.
 bool UseCpuLogSumExpRows(const torch::Tensor& logits);
 
 // logsumexp of each row of logits [rows, V] -> [rows], rows in parallel (cpu::LogSumExp): two
-// reads of the logits instead of the library's four passes over memory, and no writes. Scoring
-// runs it on every chunk of [rows, vocab] logits.
+// reads of the logits instead of the library's four passes over memory, and no writes. The
+// training path's chunked log-probs use it.
 torch::Tensor LogSumExpRowsCpu(const torch::Tensor& logits);
 
 // A weight [N, K] (fp32, CPU) packed for few-row products x W^T: the rollout worker's LM head, per

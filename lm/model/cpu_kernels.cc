@@ -258,14 +258,17 @@ void PackPanels(const float* w, int64_t N, int64_t K, int64_t p0, int64_t p1, fl
 
 void ExpertSwiGlu(const float* x, int64_t m, int64_t H, const float* gate_up, const float* down,
                   int64_t I, float* scratch, float* y) {
-  // scratch row r: [gate (I) | up (I)]; the activation overwrites the gate half in place.
   MatmulWeightT(x, H, m, gate_up, 2 * I, H, scratch, 2 * I);
+  SiluMulInPlace(scratch, m, I);
+  MatmulWeightT(scratch, 2 * I, m, down, H, I, y, H);
+}
+
+void SiluMulInPlace(float* gu, int64_t m, int64_t I) {
   for (int64_t r = 0; r < m; ++r) {
-    float* g = scratch + r * 2 * I;
+    float* g = gu + r * 2 * I;
     const float* u = g + I;
     for (int64_t j = 0; j < I; ++j) g[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
   }
-  MatmulWeightT(scratch, 2 * I, m, down, H, I, y, H);
 }
 
 }  // namespace lm::cpu

@@ -1,4 +1,5 @@
-// fp32 CPU kernels for decode-sized work: a handful of activation rows against a large weight.
+// fp32 CPU kernels, for decode-sized products (a handful of activation rows against a large
+// weight) and for the log-sum-exp of scoring.
 //
 // At decode a MoE layer gives each expert ~T*k/E rows (4 for 32 sequences, top-8 of 64). A library
 // GEMM call per expert then costs more in packing the weight and in its thread fork/join than in
@@ -21,6 +22,9 @@ bool HasAvx2Fma();
 // floats apart, rows of `out` `ldo`. K must be a multiple of 8. Single-threaded.
 void MatmulWeightT(const float* a, int64_t lda, int64_t m, const float* w, int64_t N, int64_t K,
                    float* out, int64_t ldo);
+
+// gu [m, 2I], each row [gate | up]: the gate half becomes silu(gate) * up (the SwiGLU activation).
+void SiluMulInPlace(float* gu, int64_t m, int64_t I);
 
 // One SwiGLU expert for m rows of x [m, H]: y [m, H] = down (silu(gate x) * (up x)), with
 // gate_up [2I, H] (gate rows first, as in the checkpoint's fused layout) and down [H, I].

@@ -108,6 +108,8 @@ torch::Tensor TokenLogprobs(const torch::Tensor& hidden, const torch::Tensor& we
       entropy->narrow(0, s, n).copy_(-(lp.exp() * lp).sum(-1));
     }
   }
+  if (!entropy && UseCpuInferenceLogprobs(hidden, weight))  // scoring on CPU
+    return TokenLogprobsInferenceCpu(hidden, weight, targets, opts.temperature);
   return ChunkedTokenLogprob::apply(hidden, weight, targets, opts.temperature, opts.chunk_rows);
 }
 
