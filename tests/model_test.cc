@@ -450,6 +450,23 @@ TEST(CpuKernels, LogSumExpEqualsLibrary) {
   EXPECT_FALSE(UseCpuLogSumExpRows(wide.t()));  // columns are not rows
 }
 
+// The SwiGLU activation of the experts, in place on [gate | up] rows: against the library's
+// silu(gate) * up, with a width that leaves a scalar tail and gates far into both saturations.
+TEST(CpuKernels, SiluMulEqualsLibrary) {
+  torch::manual_seed(5);
+  const int64_t m = 3, I = 21;
+  auto gu = torch::randn({m, 2 * I}) * 4;
+  gu[0][0] = 100.0f;
+  gu[0][1] = -100.0f;
+  gu[0][2] = -1000.0f;
+  auto want = torch::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
+  auto got = gu.clone();
+  cpu::SiluMulInPlace(got.data_ptr<float>(), m, I);
+  EXPECT_TRUE(torch::allclose(got.narrow(1, 0, I), want, 1e-6, 1e-6))
+      << MaxAbsDiff(got.narrow(1, 0, I), want);
+  EXPECT_TRUE(torch::equal(got.narrow(1, I, I), gu.narrow(1, I, I)));  // up untouched
+}
+
 // A thread limited to one compute thread must not start an OpenMP pool from the kernels that
 // run at::parallel_for inline (cpu_inference.cc keeps its own copy of LibTorch's lazy thread-count
 // initialisation): a pool's idle workers make every other pool's barriers sleep (threads.h).

@@ -158,11 +158,11 @@ OPD_AVX2 inline float HorizontalMax(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-// exp(x) for x <= 88: 2^n e^r with n = round(x / ln 2) and r = x - n ln 2 in [-ln2/2, ln2/2]
-// (ln 2 split in two so that r is exact), e^r by Cephes' degree-7 polynomial. Below -87.3 the
-// result is clamped at ~1e-38, which a sum that includes exp(0) = 1 does not see.
+// exp(x): 2^n e^r with n = round(x / ln 2) and r = x - n ln 2 in [-ln2/2, ln2/2] (ln 2 split in
+// two so that r is exact), e^r by Cephes' degree-7 polynomial. x is clamped to [-87.3, 88.3]: the
+// results there (~1e-38, ~2e38) stand in for 0 and overflow, and 2^n stays a normal float.
 OPD_AVX2 inline __m256 Exp(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -177,6 +177,19 @@ OPD_AVX2 inline __m256 Exp(__m256 x) {
   const __m256i e =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// gate <- silu(gate) * up = gate / (1 + exp(-gate)) * up, 8 at a time.
+OPD_AVX2 void SiluMulAvx2(float* gate, const float* up, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + j);
+    const __m256 e = Exp(_mm256_sub_ps(zero, g));
+    _mm256_storeu_ps(
+        gate + j, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + j)));
+  }
+  for (; j < n; ++j) gate[j] = gate[j] / (1.0f + std::exp(-gate[j])) * up[j];
 }
 
 OPD_AVX2 float LogSumExpAvx2(const float* x, int64_t n) {
@@ -266,6 +279,12 @@ void ExpertSwiGlu(const float* x, int64_t m, int64_t H, const float* gate_up, co
 void SiluMulInPlace(float* gu, int64_t m, int64_t I) {
   for (int64_t r = 0; r < m; ++r) {
     float* g = gu + r * 2 * I;
+#ifdef OPD_X86
+    if (HasAvx2Fma()) {
+      SiluMulAvx2(g, g + I, I);
+      continue;
+    }
+#endif
     const float* u = g + I;
     for (int64_t j = 0; j < I; ++j) g[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
   }
