@@ -46,6 +46,16 @@ int main(int argc, char** argv) {
       seqs.emplace_back(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + row.numel());
     }
   }
+  const int64_t vocab = (*model)->config().vocab_size;
+  for (const auto& seq : seqs) {
+    for (int64_t id : seq) {
+      if (id < 0 || id >= vocab) {
+        std::cerr << "bench_forward: token id " << id << " is outside the model's vocabulary [0, "
+                  << vocab << ")\n";
+        return 1;
+      }
+    }
+  }
   auto batch = lm::PackedBatch::FromSequences(seqs);
   torch::NoGradGuard no_grad;
   std::vector<double> secs;
