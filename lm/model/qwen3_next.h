@@ -3,36 +3,39 @@
 // attention; every layer's MLP is a sparse MoE plus a gated shared expert.
 //
 //   h = embed(ids)
-//   per layer:  h += Mixer(input_layernorm(h))         GatedDeltaNet or gated attention
-//   (layer_types)
-//               h += Mlp(post_attention_layernorm(h))  MoE + shared expert, or a dense SwiGLU MLP
+//   per layer (layer_types):
+//     h += Mixer(input_layernorm(h))          GatedDeltaNet or gated attention
+//     h += Mlp(post_attention_layernorm(h))   MoE + shared expert, or a dense SwiGLU MLP
 //   logits = lm_head(norm(h))
 //
-// Zero-centred RMSNorm (all norms but the gated one):  y = x * rsqrt(mean(x^2) + eps) * (1 + w),
-// fp32.
+// Zero-centred RMSNorm (all norms but the gated one), in fp32:
+//   y = x * rsqrt(mean(x^2) + eps) * (1 + w)
 //
 // Gated attention, x [T, H]:
-//   [q | gate] = q_proj(x) split per head          q, gate [T, Hq, D]
-//   k = k_proj(x), v = v_proj(x)                   [T, Hkv, D]
-//   q, k = RoPE(q_norm(q)), RoPE(k_norm(k))        RoPE on the first D * partial_rotary_factor dims
+//   [q | gate] = q_proj(x) split per head     q, gate [T, Hq, D]
+//   k = k_proj(x), v = v_proj(x)              [T, Hkv, D]
+//   q, k = RoPE(q_norm(q)), RoPE(k_norm(k))   RoPE on the first D * partial_rotary_factor dims
 //   out  = o_proj(CausalAttention(q, k, v) * sigmoid(gate))
 //
-// Gated DeltaNet, x [T, H]; Hk key heads of dim dk, Hv = r * Hk value heads of dim dv:
-//   in_proj_qkvz(x), per key head:  [q (dk) | k (dk) | v (r dv) | z (r dv)]   value head = key head
-//   * r + j in_proj_ba(x),   per key head:  [b (r) | a (r)] [q | k | v] = silu(conv1d(q | k | v))
-//   causal depthwise conv over time, kernel K, per document q = l2norm(q) / sqrt(dk), k =
-//   l2norm(k); each key head serves its r value heads beta = sigmoid(b), g = -exp(A_log) *
-//   softplus(a + dt_bias)           [T, Hv], g <= 0 per value head a state S [dk, dv], zero at
-//   every document start (fp32):
-//     S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t     (the delta
-//     rule)
-//   out = out_proj(norm(o) * silu(z))      norm: plain RMSNorm over dv with weight w (not 1 + w)
+// Gated DeltaNet, x [T, H]; Hk key heads of dim dk, Hv = r * Hk value heads of dim dv (value
+// head j of key head i is head i * r + j):
+//   in_proj_qkvz(x), per key head:  [q (dk) | k (dk) | v (r dv) | z (r dv)]
+//   in_proj_ba(x), per key head:    [b (r) | a (r)]
+//   [q | k | v] = silu(conv1d(q | k | v))      causal depthwise conv over time, kernel K, per
+//                                              document
+//   q = l2norm(q) / sqrt(dk), k = l2norm(k)    each key head serves its r value heads
+//   beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)    [T, Hv], g <= 0
+//   per value head a state S [dk, dv], zero at every document start (fp32), the delta rule:
+//     S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
+//   out = out_proj(norm(o) * silu(z))          norm: plain RMSNorm over dv, weight w (not 1 + w)
 //
 // MoE:  y = sum_k p_k Expert_k(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)
 //       (router as Qwen3-MoE: softmax in fp32, top-k, renormalised when norm_topk_prob)
 //
 // The delta rule runs chunked for prefill (see GatedDeltaRuleChunked); the per-token recurrence is
-// kept as the reference. This teacher only scores: there is no KV-cache decode.
+// kept as the reference. On CPU without gradients (scoring) the layer takes the same algebra as
+// one task per document and head (GatedDeltaRuleInferenceCpu, lm/model/cpu_inference.h). This
+// teacher only scores: there is no KV-cache decode.
 //
 // Member names are the checkpoint's names (model.layers.N.linear_attn.in_proj_qkvz.weight, ...);
 // `mtp.*` tensors of published checkpoints are skipped by LoadModel.
