@@ -100,7 +100,8 @@ TEST(MoeKernelsBuild, CpuTensorsTakeTheLibraryPath) {
   EXPECT_FALSE(kernels::MoeCudaSupports(x, ids, gu, dn));
   torch::Tensor rw, ri;
   EXPECT_FALSE(kernels::RouteTopkCuda(torch::randn({T, E}), k, true, &rw, &ri));
-  // CPU inference may take the fused few-row path (lm/model/cpu_kernels.h): same sums, other order.
+  // CPU inference takes the expert-parallel path (lm/model/cpu_inference.h): same sums, other
+  // order.
   EXPECT_TRUE(torch::allclose(lm::MoeExperts(x, ids, w, gu, dn),
                               lm::MoeExpertsCpu(x, ids, w, gu, dn), 1e-5, 1e-5));
 }

@@ -458,10 +458,7 @@ torch::Tensor TokenLogprobsInferenceCpu(const torch::Tensor& hidden_in,
 // ---- packed LM head for decode ----
 
 std::optional<PackedLinear> PackedLinear::Pack(const torch::Tensor& weight) {
-  if (!weight.is_cpu() || weight.scalar_type() != torch::kFloat32 || weight.dim() != 2 ||
-      !cpu::HasAvx2Fma()) {
-    return std::nullopt;
-  }
+  if (!AllFp32Cpu({&weight}) || weight.dim() != 2 || !cpu::HasAvx2Fma()) return std::nullopt;
   const auto w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), panels = (N + cpu::kPanel - 1) / cpu::kPanel;
   auto packed = torch::empty({cpu::PackedPanelsFloats(N, K)}, w.options());
