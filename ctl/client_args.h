@@ -4,7 +4,6 @@
 #pragma once
 
 #include <iostream>
-#include <set>
 #include <string>
 
 #include "absl/time/time.h"
@@ -14,36 +13,52 @@
 
 namespace ctl {
 
-inline const std::set<std::string> kClientFlags = {
-    "addr", "secret-file", "tls-ca", "tls-cert", "tls-key", "tls-server-name", "timeout"};
-
 inline constexpr const char* kClientUsage =
     "  --addr HOST:PORT        the service\n"
     "  --secret-file F         shared secret (mode 0600); default $OPD_SECRET\n"
     "  --tls-ca F              verify the server with this CA (enables TLS)\n"
-    "  --tls-cert F --tls-key F  client certificate (mutual TLS)\n"
+    "  --tls-cert F --tls-key F  client certificate (mutual TLS; needs --tls-ca)\n"
     "  --tls-server-name N     name to expect in the server certificate\n"
     "  --timeout S             deadline of each call in seconds (default 120)\n";
 
-// `known` plus the client flags.
-inline std::set<std::string> WithClientFlags(std::set<std::string> known) {
-  known.insert(kClientFlags.begin(), kClientFlags.end());
-  return known;
+// `spec` plus the client flags; the service's address is `address_flag`.
+inline FlagSpec WithClientFlags(FlagSpec spec, const std::string& address_flag = "addr") {
+  for (const char* name : {"secret-file", "tls-ca", "tls-cert", "tls-key", "tls-server-name"})
+    spec[name] = Kind::kString;
+  spec[address_flag] = Kind::kString;
+  spec["timeout"] = Kind::kNumber;
+  return spec;
 }
 
-inline absl::StatusOr<opd::rpc::ClientOptions> ClientOptionsFrom(const Args& args) {
+// Fills `*out` from the client flags. Returns -1 to go on, else the exit code after printing the
+// error: 2 for flags that do not fit together (no address, a partial TLS set, a timeout <= 0),
+// 1 when the secret cannot be read.
+inline int ClientOptionsFrom(const char* command, const Args& args, opd::rpc::ClientOptions* out,
+                             const std::string& address_flag = "addr",
+                             double default_timeout_s = 120) {
   opd::rpc::ClientOptions o;
-  o.address = args.Get("addr");
-  if (o.address.empty()) return absl::InvalidArgumentError("--addr is required");
-  auto secret = opd::rpc::LoadSecret(args.Get("secret-file"));
-  if (!secret.ok()) return secret.status();
-  o.secret = *secret;
+  o.address = args.Get(address_flag);
   o.tls.ca_file = args.Get("tls-ca");
   o.tls.cert_file = args.Get("tls-cert");
   o.tls.key_file = args.Get("tls-key");
   o.tls.server_name = args.Get("tls-server-name");
-  o.timeout = absl::Seconds(std::stod(args.Get("timeout", "120")));
-  return o;
+  const double timeout = args.Number("timeout", default_timeout_s);
+  absl::Status st = opd::rpc::CheckClientTls(o.tls);
+  if (o.address.empty()) st = absl::InvalidArgumentError("--" + address_flag + " is required");
+  if (st.ok() && timeout <= 0) st = absl::InvalidArgumentError("--timeout must be > 0");
+  if (!st.ok()) {
+    std::cerr << "opd-ctl " << command << ": " << st.message() << "\n";
+    return 2;
+  }
+  o.timeout = absl::Seconds(timeout);
+  auto secret = opd::rpc::LoadSecret(args.Get("secret-file"));
+  if (!secret.ok()) {
+    std::cerr << "opd-ctl " << command << ": " << secret.status().message() << "\n";
+    return 1;
+  }
+  o.secret = *secret;
+  *out = std::move(o);
+  return -1;
 }
 
 // Prints "opd-ctl <command>: <status>" (the status names the address and the gRPC code).

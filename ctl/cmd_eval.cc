@@ -24,7 +24,16 @@ namespace {
 constexpr const char* kUsage =
     "usage: opd-ctl eval --model DIR --prompts FILE [--tokenizer DIR] [--teachers DIR,DIR]\n"
     "                    [--samples 1] [--temperature 1.0] [--max-new-tokens 32] [--seed 0] "
-    "[--threads N]\n";
+    "[--threads N]\n"
+    "  --model DIR             the model evaluated (HF directory)\n"
+    "  --prompts FILE          JSON lines of prompts with an \"answer\"\n"
+    "  --tokenizer DIR         default: the model directory\n"
+    "  --teachers DIR,DIR      also the per-token reverse KL to each of these models\n"
+    "  --samples N             samples per prompt (1)\n"
+    "  --temperature T         (1.0)\n"
+    "  --max-new-tokens N      (32)\n"
+    "  --seed S                sampling seed (0)\n"
+    "  --threads N             compute threads (LibTorch's default)\n";
 
 // Per-token reverse KL of the samples to `teacher`: mean of (model lp - teacher lp). The teacher
 // scores the samples in packed batches of up to 256 sequences.
@@ -57,24 +66,25 @@ double ReverseKl(lm::CausalLM& teacher, const std::vector<lm::PromptExample>& pr
 }  // namespace
 
 int RunEval(const std::vector<std::string>& words) {
-  auto args = Args::Parse(words, {"model", "prompts", "tokenizer", "teachers", "samples",
-                                  "temperature", "max-new-tokens", "seed", "threads"});
-  if (!args.ok() || !args->Has("model") || !args->Has("prompts")) {
-    std::cerr << (args.ok() ? "" : std::string(args.status().message()) + "\n") << kUsage;
-    return 2;
-  }
-  if (args->Has("threads")) torch::set_num_threads(std::stoi(args->Get("threads")));
+  Args args;
+  const FlagSpec spec = {
+      {"model", Kind::kString},         {"prompts", Kind::kString}, {"tokenizer", Kind::kString},
+      {"teachers", Kind::kString},      {"samples", Kind::kInt64},  {"temperature", Kind::kNumber},
+      {"max-new-tokens", Kind::kInt64}, {"seed", Kind::kUint64},    {"threads", Kind::kInt}};
+  if (int rc = ParseCommandArgs("eval", words, spec, {"model", "prompts"}, kUsage, &args); rc >= 0)
+    return rc;
+  if (args.Int("threads", 0) > 0) torch::set_num_threads(args.Int("threads", 0));
   auto fail = [](const std::string& what, const absl::Status& s) {
     std::cerr << "opd-ctl eval: " << what << ": " << s.message() << "\n";
     return 1;
   };
-  auto model = lm::LoadModel(args->Get("model"));
+  auto model = lm::LoadModel(args.Get("model"));
   if (!model.ok()) return fail("model", model.status());
   (*model)->eval();
-  auto tokenizer = lm::Tokenizer::Load(args->Get("tokenizer", args->Get("model")));
+  auto tokenizer = lm::Tokenizer::Load(args.Get("tokenizer", args.Get("model")));
   if (!tokenizer.ok()) return fail("tokenizer", tokenizer.status());
   lm::PromptDatasetOptions po;
-  po.sources.push_back({"eval", {args->Get("prompts")}, 1.0});
+  po.sources.push_back({"eval", {args.Get("prompts")}, 1.0});
   po.shuffle = false;
   po.drop_final_assistant = true;
   auto data = lm::PromptDataset::Load(**tokenizer, po);
@@ -83,10 +93,10 @@ int RunEval(const std::vector<std::string>& words) {
   std::vector<lm::PromptExample> prompts = (*data)->NextBatch(n);
 
   rollout::SamplingParams sp;
-  sp.samples_per_prompt = std::stoll(args->Get("samples", "1"));
-  sp.temperature = std::stod(args->Get("temperature", "1.0"));
-  sp.max_new_tokens = std::stoll(args->Get("max-new-tokens", "32"));
-  sp.seed = std::stoull(args->Get("seed", "0"));
+  sp.samples_per_prompt = args.Int64("samples", 1);
+  sp.temperature = args.Number("temperature", 1.0);
+  sp.max_new_tokens = args.Int64("max-new-tokens", 32);
+  sp.seed = args.Uint64("seed", 0);
   for (const char* stop : {"<|im_end|>", "<|endoftext|>"}) {
     if (auto id = (*tokenizer)->TokenId(stop); id.ok()) sp.stop_ids.push_back(*id);
   }
@@ -109,16 +119,16 @@ int RunEval(const std::vector<std::string>& words) {
     correct += absl::StripAsciiWhitespace(text) == absl::StripAsciiWhitespace(*answer);
   }
   nlohmann::json out = {
-      {"model", args->Get("model")},
+      {"model", args.Get("model")},
       {"prompts", prompts.size()},
       {"samples", samples.size()},
       {"accuracy", with_answer ? static_cast<double>(correct) / with_answer : 0.0},
       {"mean_response_tokens",
        samples.empty() ? 0.0 : static_cast<double>(tokens) / samples.size()},
       {"reverse_kl", nlohmann::json::object()}};
-  if (args->Has("teachers")) {
+  if (args.Has("teachers")) {
     for (const std::string& dir :
-         std::vector<std::string>(absl::StrSplit(args->Get("teachers"), ',', absl::SkipEmpty()))) {
+         std::vector<std::string>(absl::StrSplit(args.Get("teachers"), ',', absl::SkipEmpty()))) {
       auto teacher = lm::LoadModel(dir);
       if (!teacher.ok()) return fail("teacher", teacher.status());
       (*teacher)->eval();

@@ -14,9 +14,18 @@
 namespace ctl {
 namespace {
 
-constexpr const char* kUsage =
-    "usage: opd-ctl generate --addr HOST:PORT --input FILE|- [--samples N] [--temperature T]\n"
-    "         [--top-p P] [--top-k K] [--max-new-tokens N] [--stop-ids 1,2] [--seed S]\n";
+const std::string kUsage =
+    std::string(
+        "usage: opd-ctl generate --addr HOST:PORT --input FILE|- [--samples N] [--temperature T]\n"
+        "         [--top-p P] [--top-k K] [--max-new-tokens N] [--stop-ids 1,2] [--seed S]\n"
+        "  --input FILE|-          JSON lines {\"tokens\": [...]}, one prompt each\n"
+        "  --samples N             samples per prompt (1)\n"
+        "  --temperature T         0: greedy (1.0)\n"
+        "  --top-p P --top-k K     nucleus / top-k sampling (1.0, 0: off)\n"
+        "  --max-new-tokens N      (256)\n"
+        "  --stop-ids 1,2          token ids that end a sample\n"
+        "  --seed S                sampling seed (0)\n") +
+    kClientUsage;
 
 absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& csv) {
   std::vector<int32_t> ids;
@@ -32,36 +41,43 @@ absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& csv) {
 }  // namespace
 
 int RunGenerate(const std::vector<std::string>& words) {
-  auto args = Args::Parse(words, WithClientFlags({"input", "samples", "temperature", "top-p",
-                                                  "top-k", "max-new-tokens", "stop-ids", "seed"}));
-  if (!args.ok() || !args->Has("input")) {
-    std::cerr << (args.ok() ? "" : std::string(args.status().message()) + "\n") << kUsage
-              << kClientUsage;
+  Args args;
+  const FlagSpec spec = WithClientFlags({{"input", Kind::kString},
+                                         {"samples", Kind::kInt},
+                                         {"temperature", Kind::kNumber},
+                                         {"top-p", Kind::kNumber},
+                                         {"top-k", Kind::kInt},
+                                         {"max-new-tokens", Kind::kInt},
+                                         {"stop-ids", Kind::kString},
+                                         {"seed", Kind::kUint64}});
+  if (int rc = ParseCommandArgs("generate", words, spec, {"input"}, kUsage, &args); rc >= 0)
+    return rc;
+  auto stops = ParseIds(args.Get("stop-ids"));
+  if (!stops.ok()) {
+    std::cerr << "opd-ctl generate: " << stops.status().message() << "\n" << kUsage;
     return 2;
   }
-  auto opts = ClientOptionsFrom(*args);
-  if (!opts.ok()) return Fail("generate", opts.status());
+  opd::rpc::ClientOptions opts;
+  if (int rc = ClientOptionsFrom("generate", args, &opts); rc >= 0) return rc;
   opd::rpc::GenerateOptions go;
-  go.samples_per_prompt = std::stoi(args->Get("samples", "1"));
-  go.temperature = std::stof(args->Get("temperature", "1.0"));
-  go.top_p = std::stof(args->Get("top-p", "1.0"));
-  go.top_k = std::stoi(args->Get("top-k", "0"));
-  go.max_new_tokens = std::stoi(args->Get("max-new-tokens", "256"));
-  go.seed = std::stoull(args->Get("seed", "0"));
-  auto stops = ParseIds(args->Get("stop-ids"));
-  if (!stops.ok()) return Fail("generate", stops.status());
+  go.samples_per_prompt = args.Int("samples", 1);
+  go.temperature = static_cast<float>(args.Number("temperature", 1.0));
+  go.top_p = static_cast<float>(args.Number("top-p", 1.0));
+  go.top_k = args.Int("top-k", 0);
+  go.max_new_tokens = args.Int("max-new-tokens", 256);
+  go.seed = args.Uint64("seed", 0);
   go.stop_token_ids = *stops;
 
   std::vector<std::vector<int32_t>> prompts;
   absl::Status st =
-      ForEachJsonLine(args->Get("input"), [&](const nlohmann::json& j, const std::string&) {
+      ForEachJsonLine(args.Get("input"), [&](const nlohmann::json& j, const std::string&) {
         auto tokens = TokensOf(j);
         if (!tokens.ok()) return tokens.status();
         prompts.push_back(std::move(*tokens));
         return absl::OkStatus();
       });
   if (!st.ok()) return Fail("generate", st);
-  auto client = opd::rpc::RolloutClient::Create(*opts);
+  auto client = opd::rpc::RolloutClient::Create(opts);
   if (!client.ok()) return Fail("generate", client.status());
   auto samples = (*client)->Generate(prompts, go);
   if (!samples.ok()) return Fail("generate", samples.status());

@@ -11,8 +11,11 @@
 namespace ctl {
 namespace {
 
-constexpr const char* kUsage =
-    "usage: opd-ctl info --addr HOST:PORT [--service auto|teacher|rollout]\n";
+const std::string kUsage =
+    std::string(
+        "usage: opd-ctl info --addr HOST:PORT [--service auto|teacher|rollout]\n"
+        "  --service S             which service to ask (auto: teacher, then rollout)\n") +
+    kClientUsage;
 
 absl::StatusOr<opd::v1::ServiceInfo> FetchInfo(const opd::rpc::ClientOptions& opts,
                                                const std::string& service) {
@@ -34,16 +37,20 @@ absl::StatusOr<opd::v1::ServiceInfo> FetchInfo(const opd::rpc::ClientOptions& op
 }  // namespace
 
 int RunInfo(const std::vector<std::string>& words) {
-  auto args = Args::Parse(words, WithClientFlags({"service"}));
-  const std::string service = args.ok() ? args->Get("service", "auto") : "";
-  if (!args.ok() || (service != "auto" && service != "teacher" && service != "rollout")) {
-    std::cerr << (args.ok() ? "" : std::string(args.status().message()) + "\n") << kUsage
-              << kClientUsage;
+  Args args;
+  if (int rc = ParseCommandArgs("info", words, WithClientFlags({{"service", Kind::kString}}), {},
+                                kUsage, &args);
+      rc >= 0)
+    return rc;
+  const std::string service = args.Get("service", "auto");
+  if (service != "auto" && service != "teacher" && service != "rollout") {
+    std::cerr << "opd-ctl info: --service: auto, teacher or rollout, got '" << service << "'\n"
+              << kUsage;
     return 2;
   }
-  auto opts = ClientOptionsFrom(*args);
-  if (!opts.ok()) return Fail("info", opts.status());
-  auto info = FetchInfo(*opts, service);
+  opd::rpc::ClientOptions opts;
+  if (int rc = ClientOptionsFrom("info", args, &opts); rc >= 0) return rc;
+  auto info = FetchInfo(opts, service);
   if (!info.ok()) return Fail("info", info.status());
   google::protobuf::util::JsonPrintOptions jo;
   jo.always_print_primitive_fields = true;

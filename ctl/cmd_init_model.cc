@@ -24,7 +24,12 @@ namespace fs = std::filesystem;
 
 constexpr const char* kUsage =
     "usage: opd-ctl init-model --config CONFIG.json --out DIR [--seed N] [--std 0.02] [--tokenizer "
-    "PATH]\n";
+    "PATH]\n"
+    "  --config CONFIG.json    Hugging Face model config\n"
+    "  --out DIR               the model directory written\n"
+    "  --seed N                initialisation seed (0)\n"
+    "  --std S                 standard deviation of the matrices (0.02)\n"
+    "  --tokenizer PATH        tokenizer directory or tokenizer.json to copy in\n";
 
 constexpr const char* kTokenizerFiles[] = {
     "tokenizer.json", "tokenizer_config.json",   "vocab.json",
@@ -63,7 +68,7 @@ absl::Status InitModel(const Args& args) {
     ASSIGN_OR_RETURN(tokenizer_files, TokenizerFiles(args.Get("tokenizer"), config.vocab_size));
   }
   ASSIGN_OR_RETURN(auto model, lm::CreateModel(config));
-  model->InitWeights(std::stod(args.Get("std", "0.02")), std::stoull(args.Get("seed", "0")));
+  model->InitWeights(args.Number("std", 0.02), args.Uint64("seed", 0));
   const std::string out = args.Get("out");
   RETURN_IF_ERROR(lm::SaveModel(*model, out));
   for (const fs::path& f : tokenizer_files) {
@@ -81,17 +86,16 @@ absl::Status InitModel(const Args& args) {
 }  // namespace
 
 int RunInitModel(const std::vector<std::string>& words) {
-  auto args = Args::Parse(words, {"config", "out", "seed", "std", "tokenizer"});
-  if (!args.ok() || !args->Has("config") || !args->Has("out")) {
-    std::cerr << (args.ok() ? "" : std::string(args.status().message()) + "\n") << kUsage;
-    return 2;
-  }
-  absl::Status s;
-  try {
-    s = InitModel(*args);
-  } catch (const std::invalid_argument&) {
-    s = absl::InvalidArgumentError("--seed and --std take numbers");
-  }
+  Args args;
+  const FlagSpec spec = {{"config", Kind::kString},
+                         {"out", Kind::kString},
+                         {"seed", Kind::kUint64},
+                         {"std", Kind::kNumber},
+                         {"tokenizer", Kind::kString}};
+  if (int rc = ParseCommandArgs("init-model", words, spec, {"config", "out"}, kUsage, &args);
+      rc >= 0)
+    return rc;
+  const absl::Status s = InitModel(args);
   if (!s.ok()) {
     std::cerr << "opd-ctl init-model: " << s.message() << "\n";
     return 1;

@@ -16,7 +16,11 @@ namespace ctl {
 namespace {
 
 constexpr const char* kUsage =
-    "usage: opd-ctl logprobs --model DIR --input FILE|- [--threads N] [--temperature T]\n";
+    "usage: opd-ctl logprobs --model DIR --input FILE|- [--threads N] [--temperature T]\n"
+    "  --model DIR             HF model directory\n"
+    "  --input FILE|-          JSON lines {\"tokens\": [...]}\n"
+    "  --threads N             compute threads (LibTorch's default)\n"
+    "  --temperature T         (1.0)\n";
 
 // Parses one input line into token ids, checked against the vocabulary.
 absl::StatusOr<std::vector<int64_t>> ParseTokens(const std::string& line, int64_t vocab) {
@@ -41,22 +45,25 @@ absl::StatusOr<std::vector<int64_t>> ParseTokens(const std::string& line, int64_
 }  // namespace
 
 int RunLogprobs(const std::vector<std::string>& words) {
-  auto args = Args::Parse(words, {"model", "input", "threads", "temperature"});
-  if (!args.ok() || !args->Has("model") || !args->Has("input")) {
-    std::cerr << (args.ok() ? "" : std::string(args.status().message()) + "\n") << kUsage;
-    return 2;
-  }
-  if (args->Has("threads")) torch::set_num_threads(std::stoi(args->Get("threads")));
-  auto model = lm::LoadModel(args->Get("model"));
+  Args args;
+  const FlagSpec spec = {{"model", Kind::kString},
+                         {"input", Kind::kString},
+                         {"threads", Kind::kInt},
+                         {"temperature", Kind::kNumber}};
+  if (int rc = ParseCommandArgs("logprobs", words, spec, {"model", "input"}, kUsage, &args);
+      rc >= 0)
+    return rc;
+  if (args.Int("threads", 0) > 0) torch::set_num_threads(args.Int("threads", 0));
+  auto model = lm::LoadModel(args.Get("model"));
   if (!model.ok()) {
     std::cerr << "opd-ctl logprobs: " << model.status().message() << "\n";
     return 1;
   }
   (*model)->eval();
-  const double temperature = std::stod(args->Get("temperature", "1.0"));
+  const double temperature = args.Number("temperature", 1.0);
 
   std::ifstream file;
-  const std::string input = args->Get("input");
+  const std::string input = args.Get("input");
   if (input != "-") {
     file.open(input);
     if (!file) {

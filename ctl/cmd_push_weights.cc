@@ -14,29 +14,42 @@
 namespace ctl {
 
 int RunPushWeights(const std::vector<std::string>& words) {
-  auto args = Args::Parse(words, WithClientFlags({"from", "version", "chunk-mb", "dtype"}));
-  if (!args.ok() || !args->Has("from") || !args->Has("version")) {
-    std::cerr
-        << (args.ok() ? "" : std::string(args.status().message()) + "\n")
-        << "usage: opd-ctl push-weights --addr HOST:PORT --from DIR --version V [--chunk-mb N] "
-           "[--dtype float32|bfloat16]\n"
-        << kClientUsage;
+  const std::string usage =
+      std::string(
+          "usage: opd-ctl push-weights --addr HOST:PORT --from DIR --version V [--chunk-mb N] "
+          "[--dtype float32|bfloat16]\n"
+          "  --from DIR              model directory whose weights are sent\n"
+          "  --version V             weight version the worker will serve\n"
+          "  --chunk-mb N            size of each streamed chunk, MiB (4)\n"
+          "  --dtype D               float32 | bfloat16 (float32)\n") +
+      kClientUsage;
+  Args args;
+  const FlagSpec spec = WithClientFlags({{"from", Kind::kString},
+                                         {"version", Kind::kInt64},
+                                         {"chunk-mb", Kind::kNumber},
+                                         {"dtype", Kind::kString}});
+  if (int rc = ParseCommandArgs("push-weights", words, spec, {"from", "version"}, usage, &args);
+      rc >= 0)
+    return rc;
+  const double chunk_mb = args.Number("chunk-mb", 4);
+  if (chunk_mb <= 0) {
+    std::cerr << "opd-ctl push-weights: --chunk-mb must be > 0\n" << usage;
     return 2;
   }
-  auto opts = ClientOptionsFrom(*args);
-  if (!opts.ok()) return Fail("push-weights", opts.status());
+  opd::rpc::ClientOptions opts;
+  if (int rc = ClientOptionsFrom("push-weights", args, &opts); rc >= 0) return rc;
   lm::LoadOptions load;
-  auto dtype = opd::rpc::DtypeFromName(args->Get("dtype", "float32"));
+  auto dtype = opd::rpc::DtypeFromName(args.Get("dtype", "float32"));
   if (!dtype.ok()) return Fail("push-weights", dtype.status());
   load.dtype = *dtype;
-  auto model = lm::LoadModel(args->Get("from"), load);
+  auto model = lm::LoadModel(args.Get("from"), load);
   if (!model.ok()) return Fail("push-weights", model.status());
-  auto client = opd::rpc::RolloutClient::Create(*opts);
+  auto client = opd::rpc::RolloutClient::Create(opts);
   if (!client.ok()) return Fail("push-weights", client.status());
   const auto weights = opd::rpc::WeightsOf(**model);
-  const size_t chunk = static_cast<size_t>(std::stod(args->Get("chunk-mb", "4")) * (1 << 20));
-  auto resp = (*client)->UpdateWeights(std::stoll(args->Get("version")), weights.views,
-                                       std::max<size_t>(chunk, 1));
+  const size_t chunk = static_cast<size_t>(chunk_mb * (1 << 20));
+  auto resp =
+      (*client)->UpdateWeights(args.Int64("version", 0), weights.views, std::max<size_t>(chunk, 1));
   if (!resp.ok()) return Fail("push-weights", resp.status());
   std::cout << nlohmann::json{{"version", resp->version()},
                               {"tensors", resp->tensors()},

@@ -12,9 +12,15 @@
 namespace ctl {
 namespace {
 
-constexpr const char* kUsage =
-    "usage: opd-ctl score --addr HOST:PORT --input FILE|- [--top-k K] [--temperature T] [--batch "
-    "N]\n";
+const std::string kUsage = std::string(
+                               "usage: opd-ctl score --addr HOST:PORT --input FILE|- [--top-k K] "
+                               "[--temperature T] [--batch N]\n"
+                               "  --input FILE|-          JSON lines {\"tokens\": [...], "
+                               "\"response_start\": S}\n"
+                               "  --top-k K               also the top-k ids and log-probs (0)\n"
+                               "  --temperature T         scoring temperature (1.0)\n"
+                               "  --batch N               sequences per call (64)\n") +
+                           kClientUsage;
 
 void PrintScores(const opd::rpc::ScoreOutput& s, int k) {
   nlohmann::json out{{"logprobs", s.logprobs}};
@@ -35,20 +41,20 @@ void PrintScores(const opd::rpc::ScoreOutput& s, int k) {
 }  // namespace
 
 int RunScore(const std::vector<std::string>& words) {
-  auto args = Args::Parse(words, WithClientFlags({"input", "top-k", "temperature", "batch"}));
-  if (!args.ok() || !args->Has("input")) {
-    std::cerr << (args.ok() ? "" : std::string(args.status().message()) + "\n") << kUsage
-              << kClientUsage;
-    return 2;
-  }
-  auto opts = ClientOptionsFrom(*args);
-  if (!opts.ok()) return Fail("score", opts.status());
-  auto client = opd::rpc::TeacherClient::Create(*opts);
+  Args args;
+  const FlagSpec spec = WithClientFlags({{"input", Kind::kString},
+                                         {"top-k", Kind::kInt},
+                                         {"temperature", Kind::kNumber},
+                                         {"batch", Kind::kInt}});
+  if (int rc = ParseCommandArgs("score", words, spec, {"input"}, kUsage, &args); rc >= 0) return rc;
+  opd::rpc::ClientOptions opts;
+  if (int rc = ClientOptionsFrom("score", args, &opts); rc >= 0) return rc;
+  auto client = opd::rpc::TeacherClient::Create(opts);
   if (!client.ok()) return Fail("score", client.status());
   opd::rpc::ScoreOptions so;
-  so.top_k = std::stoi(args->Get("top-k", "0"));
-  so.temperature = std::stof(args->Get("temperature", "1.0"));
-  const size_t batch = std::max(1, std::stoi(args->Get("batch", "64")));
+  so.top_k = args.Int("top-k", 0);
+  so.temperature = static_cast<float>(args.Number("temperature", 1.0));
+  const size_t batch = std::max(1, args.Int("batch", 64));
 
   std::vector<opd::rpc::ScoreInput> pending;
   auto flush = [&]() -> absl::Status {
@@ -60,7 +66,7 @@ int RunScore(const std::vector<std::string>& words) {
     return absl::OkStatus();
   };
   absl::Status st =
-      ForEachJsonLine(args->Get("input"), [&](const nlohmann::json& j, const std::string&) {
+      ForEachJsonLine(args.Get("input"), [&](const nlohmann::json& j, const std::string&) {
         auto tokens = TokensOf(j);
         if (!tokens.ok()) return tokens.status();
         pending.push_back({std::move(*tokens), j.value("response_start", 1)});

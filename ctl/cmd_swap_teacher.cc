@@ -1,4 +1,5 @@
 // opd-ctl swap-teacher --learner ADDR --stage NAME --endpoints A,B [--secret-file F] [--timeout S]
+//                      [--tls-ca F [--tls-cert F --tls-key F] [--tls-server-name N]]
 // Asks a running OPD learner to use other teacher replicas for a stage. The learner checks them
 // (tokenizer fingerprint, vocabulary) before accepting; the swap takes effect at the next step.
 #include <iostream>
@@ -7,33 +8,34 @@
 
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
-#include "ctl/args.h"
+#include "ctl/client_args.h"
 #include "ctl/command.h"
 #include "opd/v1/learner.grpc.pb.h"
-#include "rpc/auth.h"
 #include "rpc/client.h"
 
 namespace ctl {
 
 int RunSwapTeacher(const std::vector<std::string>& words) {
-  constexpr const char* kUsage =
+  const std::string usage =
       "usage: opd-ctl swap-teacher --learner HOST:PORT --stage NAME --endpoints A,B [--secret-file "
       "F] [--timeout S]\n"
-      "  the secret comes from --secret-file or $OPD_SECRET\n";
-  auto args = Args::Parse(words, {"learner", "stage", "endpoints", "secret-file", "timeout"});
-  if (!args.ok() || !args->Has("learner") || !args->Has("stage") || !args->Has("endpoints")) {
-    std::cerr << (args.ok() ? "" : std::string(args.status().message()) + "\n") << kUsage;
-    return 2;
-  }
-  auto secret = opd::rpc::LoadSecret(args->Get("secret-file"));
-  if (!secret.ok()) {
-    std::cerr << "opd-ctl swap-teacher: " << secret.status().message() << "\n";
-    return 2;
-  }
+      "  --learner HOST:PORT     the learner's admin service (admin.listen)\n"
+      "  --stage NAME            the stage whose teachers change\n"
+      "  --endpoints A,B         the new teacher replicas (host:port)\n"
+      "  --secret-file F         shared secret (mode 0600); default $OPD_SECRET\n"
+      "  --tls-ca F              verify the learner with this CA (enables TLS)\n"
+      "  --tls-cert F --tls-key F  client certificate (mutual TLS; needs --tls-ca)\n"
+      "  --tls-server-name N     name to expect in the learner's certificate\n"
+      "  --timeout S             deadline in seconds (default 60)\n";
+  Args args;
+  const FlagSpec spec =
+      WithClientFlags({{"stage", Kind::kString}, {"endpoints", Kind::kString}}, "learner");
+  if (int rc = ParseCommandArgs("swap-teacher", words, spec, {"learner", "stage", "endpoints"},
+                                usage, &args);
+      rc >= 0)
+    return rc;
   opd::rpc::ClientOptions opts;
-  opts.address = args->Get("learner");
-  opts.secret = *secret;
-  opts.timeout = absl::Seconds(std::stod(args->Get("timeout", "60")));
+  if (int rc = ClientOptionsFrom("swap-teacher", args, &opts, "learner", 60); rc >= 0) return rc;
   auto channel = opd::rpc::MakeChannel(opts);
   if (!channel.ok()) {
     std::cerr << "opd-ctl swap-teacher: " << channel.status().message() << "\n";
@@ -41,9 +43,9 @@ int RunSwapTeacher(const std::vector<std::string>& words) {
   }
   auto stub = opd::v1::Learner::NewStub(*channel);
   opd::v1::SwapTeacherRequest req;
-  req.set_stage(args->Get("stage"));
+  req.set_stage(args.Get("stage"));
   for (const std::string& e :
-       std::vector<std::string>(absl::StrSplit(args->Get("endpoints"), ',', absl::SkipEmpty())))
+       std::vector<std::string>(absl::StrSplit(args.Get("endpoints"), ',', absl::SkipEmpty())))
     req.add_endpoints(e);
   opd::v1::SwapTeacherResponse resp;
   grpc::ClientContext ctx;

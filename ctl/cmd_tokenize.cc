@@ -26,11 +26,19 @@ using json = nlohmann::json;
 constexpr char kTokenizeUsage[] =
     "usage: opd-ctl tokenize --tokenizer DIR [--qwen3] [--input FILE] [--json]\n"
     "  Reads text lines (stdin by default; with --json, lines {\"text\": \"...\"}) and prints\n"
-    "  one line {\"ids\": [...]} per input line. --qwen3 adds Qwen3's added tokens.\n";
+    "  one line {\"ids\": [...]} per input line.\n"
+    "  --tokenizer DIR         tokenizer directory or tokenizer.json\n"
+    "  --qwen3                 add Qwen3's added tokens\n"
+    "  --input FILE            read this file instead of stdin\n"
+    "  --json                  input lines are {\"text\": \"...\"}\n";
 constexpr char kDetokenizeUsage[] =
     "usage: opd-ctl detokenize --tokenizer DIR [--qwen3] [--input FILE] [--skip-special]\n"
     "  Reads lines {\"ids\": [...]} (stdin by default) and prints one line {\"text\": \"...\"}\n"
-    "  per input line.\n";
+    "  per input line.\n"
+    "  --tokenizer DIR         tokenizer directory or tokenizer.json\n"
+    "  --qwen3                 add Qwen3's added tokens\n"
+    "  --input FILE            read this file instead of stdin\n"
+    "  --skip-special          drop special tokens from the text\n";
 
 // Parsed flags and the opened input shared by both commands.
 struct Setup {
@@ -44,19 +52,10 @@ struct Setup {
 // Returns an exit code when the command should stop (bad flags: 2, load failure: 1).
 int Prepare(const std::vector<std::string>& words, const std::set<std::string>& bool_flags,
             const char* usage, const char* command, Setup* s) {
-  std::set<std::string> known = {"tokenizer", "qwen3", "input", "help"};
-  known.insert(bool_flags.begin(), bool_flags.end());
-  std::set<std::string> bools = bool_flags;
-  bools.insert({"qwen3", "help"});
-  auto args = Args::Parse(words, known, bools);
-  if (!args.ok() || args->Flag("help") || !args->Has("tokenizer")) {
-    if (!args.ok())
-      std::fprintf(stderr, "opd-ctl %s: %s\n", command,
-                   std::string(args.status().message()).c_str());
-    std::fputs(usage, stderr);
-    return args.ok() && args->Flag("help") ? 0 : 2;
-  }
-  s->args = *args;
+  FlagSpec spec = {{"tokenizer", Kind::kString}, {"qwen3", Kind::kBool}, {"input", Kind::kString}};
+  for (const auto& b : bool_flags) spec[b] = Kind::kBool;
+  if (int rc = ParseCommandArgs(command, words, spec, {"tokenizer"}, usage, &s->args); rc >= 0)
+    return rc;
   auto tok = lm::Tokenizer::Load(s->args.Get("tokenizer"),
                                  lm::TokenizerOptions::Qwen3(s->args.Flag("qwen3")));
   if (!tok.ok()) {

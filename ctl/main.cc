@@ -25,9 +25,11 @@ constexpr ctl::Command kCommands[] = {
      ctl::RunSwapTeacher},
 };
 
-void PrintUsage() {
-  std::fprintf(stderr, "usage: opd-ctl <command> [flags]\n\ncommands:\n");
-  for (const auto& c : kCommands) std::fprintf(stderr, "  %-12s %s\n", c.name, c.summary);
+void PrintUsage(std::FILE* out) {
+  std::fprintf(
+      out,
+      "usage: opd-ctl <command> [flags]   (opd-ctl <command> --help: its flags)\n\ncommands:\n");
+  for (const auto& c : kCommands) std::fprintf(out, "  %-12s %s\n", c.name, c.summary);
 }
 
 }  // namespace
@@ -35,7 +37,7 @@ void PrintUsage() {
 int main(int argc, char** argv) {
   lm::RetainFreedMemory();
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
-    PrintUsage();
+    PrintUsage(argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
   }
   for (const auto& c : kCommands) {
@@ -43,6 +45,6 @@ int main(int argc, char** argv) {
       return c.run(std::vector<std::string>(argv + 2, argv + argc));
   }
   std::fprintf(stderr, "opd-ctl: unknown command '%s'\n\n", argv[1]);
-  PrintUsage();
+  PrintUsage(stderr);
   return 2;
 }

@@ -4,8 +4,8 @@
 //   opd-rollout --model DIR --listen 127.0.0.1:7002 [--secret-file F] [--threads N] ...
 //
 // The shared secret comes from --secret-file or $OPD_SECRET; without one, UpdateWeights is
-// refused. SIGINT/SIGTERM stop it gracefully. The flags every model server takes are in
-// rpc/model_server.cc.
+// refused, and it listens only on loopback unless --insecure. SIGINT/SIGTERM stop it gracefully.
+// The flags every model server takes are in rpc/model_server.cc.
 #include "absl/flags/flag.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
@@ -51,5 +51,8 @@ absl::Status Run() {
 int main(int argc, char** argv) {
   return opd::rpc::ModelServerMain(
       argc, argv, "opd-rollout", "127.0.0.1:7002",
-      "samples from a student model over gRPC: opd-rollout --model DIR --listen ADDR", Run);
+      "samples from a student model over gRPC:\n"
+      "  opd-rollout --model DIR [--listen 127.0.0.1:7002] [--secret-file F] [--tls-cert F "
+      "--tls-key F]",
+      Run);
 }

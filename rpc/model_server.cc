@@ -30,8 +30,59 @@ ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: enables TLS");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
 ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA: require client certificates signed by it");
 ABSL_FLAG(int, grace_seconds, 10, "how long calls in flight may finish at shutdown");
+ABSL_FLAG(bool, insecure, false,
+          "allow listening on a non-loopback address without a shared secret (unauthenticated "
+          "calls from any host that reaches it)");
 
 namespace opd::rpc {
+namespace {
+
+// The server options the flags describe.
+ServerOptions ServingOptions(bool has_secret) {
+  ServerOptions opts;
+  opts.listen = absl::GetFlag(FLAGS_listen);
+  opts.port_file = absl::GetFlag(FLAGS_port_file);
+  opts.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
+  opts.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+              absl::GetFlag(FLAGS_tls_client_ca)};
+  opts.has_secret = has_secret;
+  opts.insecure = absl::GetFlag(FLAGS_insecure);
+  return opts;
+}
+
+// Checks what can be checked before the (slow) model load: the TLS flag set, the secret, whether
+// the listen address may be used without one. Returns -1 to go on, else the exit code (2: bad
+// flags, 1: the secret cannot be read), after printing the reason.
+int CheckServingFlags(const char* program) {
+  ServerOptions opts = ServingOptions(false);
+  absl::Status st = CheckServerTls(opts.tls);
+  if (st.ok() && absl::GetFlag(FLAGS_max_message_mb) < 1)
+    st = absl::InvalidArgumentError("--max-message-mb must be >= 1");
+  if (st.ok() && absl::GetFlag(FLAGS_threads) < 0)
+    st = absl::InvalidArgumentError("--threads must be >= 0");
+  if (!st.ok()) {
+    std::cerr << program << ": " << st.message() << "\n";
+    return 2;
+  }
+  absl::StatusOr<std::string> secret = LoadSecret(absl::GetFlag(FLAGS_secret_file));
+  if (!secret.ok()) {
+    std::cerr << program << ": " << secret.status() << "\n";
+    return 1;
+  }
+  opts.has_secret = !secret->empty();
+  if (st = CheckListenAuth(opts); !st.ok()) {
+    std::cerr << program << ": " << st.message() << "\n";
+    return 2;
+  }
+  if (opts.has_secret && !opts.tls.enabled() && !IsLoopbackListen(opts.listen)) {
+    lm::log::Warn(absl::StrCat(program, ": listening on ", opts.listen,
+                               " in plaintext: the shared secret travels in clear (set "
+                               "--tls-cert and --tls-key)"));
+  }
+  return -1;
+}
+
+}  // namespace
 
 opd::v1::ServiceInfo LoadedModel::Info(const std::string& service, int64_t max_seq_len) const {
   return MakeServiceInfo({service, model_dir, tokenizer_fingerprint, max_seq_len, dtype, threads},
@@ -61,12 +112,7 @@ absl::StatusOr<LoadedModel> LoadServedModel() {
 absl::Status ServeUntilSignal(const char* program, const std::string& service_name,
                               grpc::Service* service, const LoadedModel& loaded,
                               const std::function<void()>& after_shutdown) {
-  ServerOptions opts;
-  opts.listen = absl::GetFlag(FLAGS_listen);
-  opts.port_file = absl::GetFlag(FLAGS_port_file);
-  opts.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
-  opts.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
-              absl::GetFlag(FLAGS_tls_client_ca)};
+  const ServerOptions opts = ServingOptions(!loaded.secret.empty());
   ASSIGN_OR_RETURN(auto server, StartServer(opts, {service}, {service_name}));
   const lm::ModelConfig& config = loaded.config;
   lm::log::Info(absl::StrCat(program, ": serving ", loaded.model_dir, " (", config.model_type,
@@ -87,7 +133,8 @@ int ModelServerMain(int argc, char** argv, const char* program, const char* defa
   lm::RetainFreedMemory();
   BlockShutdownSignals();
   absl::SetFlag(&FLAGS_listen, default_listen);
-  ParseFlags(argc, argv, usage);
+  if (const int code = ParseFlagsOrExitCode(argc, argv, usage); code >= 0) return code;
+  if (const int code = CheckServingFlags(program); code >= 0) return code;
   const absl::Status st = run();
   if (st.ok()) return 0;
   std::cerr << program << ": " << st << "\n";

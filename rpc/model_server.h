@@ -39,7 +39,9 @@ absl::Status ServeUntilSignal(const char* program, const std::string& service_na
                               const std::function<void()>& after_shutdown = {});
 
 // A program's main: blocks the shutdown signals, parses the flags (--listen defaults to
-// `default_listen`), runs `run` and prints its error.
+// `default_listen`; --help prints every flag and exits 0, a bad flag exits 2), checks the
+// serving flags before any model is loaded (inconsistent TLS flags, or a non-loopback --listen
+// without a secret and without --insecure: exit 2), runs `run` and prints its error (exit 1).
 int ModelServerMain(int argc, char** argv, const char* program, const char* default_listen,
                     const char* usage, const std::function<absl::Status()>& run);
 

@@ -17,6 +17,12 @@ namespace opd::rpc {
 struct ServerOptions {
   std::string listen = "127.0.0.1:0";  // host:port; port 0 picks a free one
   TlsServerOptions tls;
+  // Whether the services check a shared secret. Without one only a loopback listen is allowed,
+  // unless `insecure`; the refusal names `secret_source` and `insecure_option`.
+  bool has_secret = false;
+  bool insecure = false;
+  std::string secret_source = "--secret-file or $OPD_SECRET";
+  std::string insecure_option = "--insecure";
   int max_message_bytes = 64 << 20;  // largest request accepted (bigger ones: RESOURCE_EXHAUSTED)
   std::string port_file;  // when set, the bound port is written here once serving (tests, scripts)
 };
@@ -29,8 +35,16 @@ struct RunningServer {
   void SetServing(const std::vector<std::string>& services, bool serving);
 };
 
+// True for 127.0.0.0/8, [::1], localhost and unix: sockets; false for anything another host may
+// reach (0.0.0.0, [::], a host name, an empty host).
+bool IsLoopbackListen(const std::string& listen);
+
+// FAILED_PRECONDITION when the server would accept unauthenticated calls from other hosts: a
+// non-loopback `listen` without a secret and without `insecure`. OK otherwise.
+absl::Status CheckListenAuth(const ServerOptions& opts);
+
 // Builds and starts a server for `services` (not owned; they must outlive it), with health and
-// reflection, and marks the services SERVING.
+// reflection, and marks the services SERVING. Checks the TLS options and CheckListenAuth first.
 absl::StatusOr<RunningServer> StartServer(const ServerOptions& opts,
                                           const std::vector<grpc::Service*>& services,
                                           const std::vector<std::string>& service_names);
@@ -41,8 +55,13 @@ void BlockShutdownSignals();
 // Blocks until SIGINT or SIGTERM; returns the signal number.
 int WaitForShutdownSignal();
 
-// absl::ParseCommandLine, also accepting the hyphenated spelling of flag names
-// (--max-batch-tokens for --max_batch_tokens), which is what the rest of the project's tools use.
+// Parses the Abseil flags of a program: `--name=value`, `--name value`, `--bool-flag`,
+// `--nobool-flag`, in the hyphenated spelling (--max-batch-tokens) as well as the declared one.
+// Returns -1 to go on, 0 after printing the usage and every flag to stdout (--help, -h), or 2
+// after printing to stderr an error that names the flag (unknown flag, missing or bad value, a
+// positional argument). Flags declared by Abseil itself are neither listed nor accepted.
+int ParseFlagsOrExitCode(int argc, char** argv, const char* usage);
+// ParseFlagsOrExitCode that exits the process with its code (for mains without clean-up).
 void ParseFlags(int argc, char** argv, const char* usage);
 
 // The version string of this build (git revision when known).

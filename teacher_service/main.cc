@@ -3,7 +3,8 @@
 //   opd-teacher --model DIR --listen 127.0.0.1:7001 [--secret-file F] [--threads N] ...
 //
 // The shared secret comes from --secret-file or $OPD_SECRET (never a flag value: `ps` shows
-// flags). SIGINT/SIGTERM stop it gracefully: no new calls, calls in flight finish (up to
+// flags); without one it listens only on loopback unless --insecure. SIGINT/SIGTERM stop it
+// gracefully: no new calls, calls in flight finish (up to
 // --grace-seconds), then the process exits. The flags every model server takes are in
 // rpc/model_server.cc.
 #include "absl/flags/flag.h"
@@ -54,5 +55,8 @@ absl::Status Run() {
 int main(int argc, char** argv) {
   return opd::rpc::ModelServerMain(
       argc, argv, "opd-teacher", "127.0.0.1:7001",
-      "serves a teacher model's log-probs over gRPC: opd-teacher --model DIR --listen ADDR", Run);
+      "serves a teacher model's log-probs over gRPC:\n"
+      "  opd-teacher --model DIR [--listen 127.0.0.1:7001] [--secret-file F] [--tls-cert F "
+      "--tls-key F]",
+      Run);
 }

@@ -14,10 +14,16 @@ absl::StatusOr<std::unique_ptr<LearnerServer>> LearnerServer::Start(LearnerServe
   opd::rpc::ServerOptions so;
   so.listen = server->opts_.listen;
   so.port_file = server->opts_.port_file;
+  so.tls = server->opts_.tls;
+  so.has_secret = !server->opts_.secret.empty();
+  so.insecure = server->opts_.insecure;
+  so.secret_source = "auth.secret_file or $OPD_SECRET";
+  so.insecure_option = "admin.insecure: true";
   auto running = opd::rpc::StartServer(so, {server.get()}, {"opd.v1.Learner"});
   if (!running.ok()) return running.status();
   server->server_ = std::move(*running);
-  lm::log::Info(absl::StrCat("learner admin service on port ", server->server_.port));
+  lm::log::Info(absl::StrCat("learner admin service on port ", server->server_.port, " (",
+                             so.tls.enabled() ? "TLS" : "plaintext", ")"));
   return server;
 }
 

@@ -30,6 +30,8 @@ struct LearnerServerOptions {
   std::string listen;              // host:port (port 0: any free port)
   std::string port_file;           // the bound port is written here when set
   std::string secret;              // required for every call; empty refuses every call
+  opd::rpc::TlsServerOptions tls;  // the admin service's certificate (none: plaintext)
+  bool insecure = false;           // allow a non-loopback listen without a secret
   opd::rpc::ClientOptions client;  // how to reach teachers (secret, TLS, deadline)
   opd::TeacherRequirements requirements;
   std::vector<std::string> stages;  // known stage names

@@ -15,10 +15,10 @@ constexpr trainer::Command kCommands[] = {
     {"opd", "cascaded on-policy distillation (configs/opd/*.yaml)", trainer::OpdMain},
 };
 
-void PrintUsage() {
+void PrintUsage(std::FILE* out) {
   std::fprintf(
-      stderr, "usage: opd-trainer <job> --config FILE [--set key=value ...] [--resume]\n\njobs:\n");
-  for (const auto& c : kCommands) std::fprintf(stderr, "  %-6s %s\n", c.name, c.summary);
+      out, "usage: opd-trainer <job> --config FILE [--set key=value ...] [--resume]\n\njobs:\n");
+  for (const auto& c : kCommands) std::fprintf(out, "  %-6s %s\n", c.name, c.summary);
 }
 
 }  // namespace
@@ -26,7 +26,7 @@ void PrintUsage() {
 int main(int argc, char** argv) {
   lm::RetainFreedMemory();
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
-    PrintUsage();
+    PrintUsage(argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
   }
   for (const auto& c : kCommands) {
@@ -34,6 +34,6 @@ int main(int argc, char** argv) {
       return c.run(std::vector<std::string>(argv + 2, argv + argc));
   }
   std::fprintf(stderr, "opd-trainer: unknown job '%s'\n\n", argv[1]);
-  PrintUsage();
+  PrintUsage(stderr);
   return 2;
 }

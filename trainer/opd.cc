@@ -174,6 +174,7 @@ absl::Status OpdJob::LoadPrompts() {
 absl::Status OpdJob::ConnectRollout() {
   opd::rpc::ClientOptions base;
   base.secret = secret_;
+  base.tls = ClientTls(c_.auth);
   base.timeout = absl::Seconds(c_.rollout.timeout_s);
   ASSIGN_OR_RETURN(rollout_,
                    opd::RolloutPool::Connect(c_.rollout.endpoints, base, tokenizer_->Fingerprint(),
@@ -185,6 +186,7 @@ absl::Status OpdJob::StartStage(size_t index, bool resumed) {
   const OpdStageConfig& s = c_.stages[index];
   opd::TeacherPoolOptions po;
   po.client.secret = secret_;
+  po.client.tls = ClientTls(c_.auth);
   po.client.timeout = absl::Seconds(c_.train.teacher_timeout_s);
   opd::TeacherRequirements req{tokenizer_->Fingerprint(), model_->config().vocab_size};
   ASSIGN_OR_RETURN(teachers_, opd::TeacherPool::Connect(s.name, s.teachers, req, po));
@@ -573,6 +575,9 @@ absl::Status OpdJob::Init(const JobArgs& args) {
     ao.port_file = c_.admin.port_file;
     ao.requirements = {tokenizer_->Fingerprint(), model_->config().vocab_size};
     ao.client.secret = secret_;
+    ao.client.tls = ClientTls(c_.auth);
+    ao.tls = AdminTls(c_.auth);
+    ao.insecure = c_.admin.insecure;
     for (const auto& s : c_.stages) ao.stages.push_back(s.name);
     ASSIGN_OR_RETURN(admin_, LearnerServer::Start(ao));
   }

@@ -71,6 +71,7 @@ absl::Status ValidateOpdConfig(const OpdConfig& c) {
   }
   if (c.optim.lr <= 0) return Bad("optim.lr", "must be > 0");
   if (absl::Status s = ValidateStages(c); !s.ok()) return s;
+  if (absl::Status s = ValidateAuthConfig(c.auth, c.admin.listen); !s.ok()) return s;
   return ValidateLoss(c.loss);
 }
 

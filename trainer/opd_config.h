@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "trainer/auth_config.h"
 #include "trainer/sections.h"
 #include "trainer/sft_config.h"
 
@@ -136,26 +137,19 @@ void VisitFields(V& v, OpdTrainConfig& c) {
   v("teacher_timeout_s", c.teacher_timeout_s);
 }
 
-struct OpdAuthConfig {
-  // The services' shared secret: this file (mode 0600), else $OPD_SECRET; never a command-line
-  // flag.
-  std::string secret_file;
-};
-
-template <class V>
-void VisitFields(V& v, OpdAuthConfig& c) {
-  v("secret_file", c.secret_file);
-}
-
 struct OpdAdminConfig {
   std::string listen;     // learner admin RPC (swap-teacher), e.g. 127.0.0.1:0; empty: off
   std::string port_file;  // when set, the bound port is written here (for port 0)
+  // A non-loopback listen needs a shared secret unless this is set (calls stay refused without
+  // one: this only allows the listen).
+  bool insecure = false;
 };
 
 template <class V>
 void VisitFields(V& v, OpdAdminConfig& c) {
   v("listen", c.listen);
   v("port_file", c.port_file);
+  v("insecure", c.insecure);
 }
 
 // OPD's optimizer defaults: constant lr 1e-6 (min_lr = lr), otherwise AdamW as in SFT.
