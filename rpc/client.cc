@@ -25,6 +25,31 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& 
   return grpc::CreateCustomChannel(opts.address, creds, args);
 }
 
+void CallCanceller::Cancel() {
+  absl::MutexLock lock(&mu_);
+  cancelled_ = true;
+  for (grpc::ClientContext* ctx : calls_) ctx->TryCancel();
+}
+
+bool CallCanceller::cancelled() const {
+  absl::MutexLock lock(&mu_);
+  return cancelled_;
+}
+
+CallCanceller::Scope::Scope(CallCanceller* c, grpc::ClientContext* ctx) : c_(c), ctx_(ctx) {
+  if (!c_) return;
+  absl::MutexLock lock(&c_->mu_);
+  // A context cancelled before its call starts makes the call fail CANCELLED without sending.
+  if (c_->cancelled_) ctx_->TryCancel();
+  c_->calls_.insert(ctx_);
+}
+
+CallCanceller::Scope::~Scope() {
+  if (!c_) return;
+  absl::MutexLock lock(&c_->mu_);
+  c_->calls_.erase(ctx_);
+}
+
 void PrepareContext(const ClientOptions& opts, grpc::ClientContext* ctx) {
   ctx->set_deadline(absl::ToChronoTime(absl::Now() + opts.timeout));
   if (!opts.secret.empty()) ctx->AddMetadata(kAuthMetadataKey, BearerValue(opts.secret));
@@ -45,6 +70,7 @@ absl::StatusOr<std::unique_ptr<TeacherClient>> TeacherClient::Create(const Clien
 absl::StatusOr<opd::v1::ServiceInfo> TeacherClient::Info() {
   grpc::ClientContext ctx;
   PrepareContext(opts_, &ctx);
+  CallCanceller::Scope cancel_scope(opts_.canceller.get(), &ctx);
   opd::v1::ServiceInfo info;
   RETURN_IF_ERROR(FromGrpc(stub_->Info(&ctx, opd::v1::InfoRequest(), &info), opts_.address));
   return info;
@@ -62,6 +88,7 @@ absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::Score(const std::vector<
   }
   grpc::ClientContext ctx;
   PrepareContext(opts_, &ctx);
+  CallCanceller::Scope cancel_scope(opts_.canceller.get(), &ctx);
   opd::v1::ScoreResponse resp;
   RETURN_IF_ERROR(FromGrpc(stub_->Score(&ctx, req, &resp), opts_.address));
   if (resp.sequences_size() != static_cast<int>(seqs.size())) {
@@ -98,6 +125,7 @@ absl::StatusOr<std::unique_ptr<RolloutClient>> RolloutClient::Create(const Clien
 absl::StatusOr<opd::v1::ServiceInfo> RolloutClient::Info() {
   grpc::ClientContext ctx;
   PrepareContext(opts_, &ctx);
+  CallCanceller::Scope cancel_scope(opts_.canceller.get(), &ctx);
   opd::v1::ServiceInfo info;
   RETURN_IF_ERROR(FromGrpc(stub_->Info(&ctx, opd::v1::InfoRequest(), &info), opts_.address));
   return info;
@@ -138,6 +166,7 @@ absl::StatusOr<std::vector<GeneratedSample>> RolloutClient::Generate(
     const std::function<void(const GeneratedSample&)>& on_sample) {
   grpc::ClientContext ctx;
   PrepareContext(opts_, &ctx);
+  CallCanceller::Scope cancel_scope(opts_.canceller.get(), &ctx);
   auto reader = stub_->Generate(&ctx, MakeGenerateRequest(prompts, opts));
   std::vector<GeneratedSample> samples;
   opd::v1::Sample msg;
@@ -165,6 +194,7 @@ absl::StatusOr<opd::v1::UpdateWeightsResponse> RolloutClient::UpdateWeights(
     int64_t version, const std::vector<WeightTensor>& tensors, size_t chunk_bytes) {
   grpc::ClientContext ctx;
   PrepareContext(opts_, &ctx);
+  CallCanceller::Scope cancel_scope(opts_.canceller.get(), &ctx);
   opd::v1::UpdateWeightsResponse resp;
   auto writer = stub_->UpdateWeights(&ctx, &resp);
   bool open = true;
@@ -197,6 +227,7 @@ absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> CheckHealth
   auto stub = grpc::health::v1::Health::NewStub(channel);
   grpc::ClientContext ctx;
   PrepareContext(opts, &ctx);
+  CallCanceller::Scope cancel_scope(opts.canceller.get(), &ctx);
   grpc::health::v1::HealthCheckRequest req;
   req.set_service(service);
   grpc::health::v1::HealthCheckResponse resp;

@@ -8,12 +8,14 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
 #include <grpcpp/channel.h>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "opd/v1/rollout.grpc.pb.h"
@@ -22,12 +24,41 @@
 
 namespace opd::rpc {
 
+// Cancels calls in flight from another thread (the learner's stop path, where a call's deadline
+// can be an hour): every call made with ClientOptions::canceller registers its context while it
+// runs. After Cancel(), calls in flight end CANCELLED at once and later calls fail CANCELLED
+// without waiting for the server.
+class CallCanceller {
+ public:
+  void Cancel();
+  bool cancelled() const;
+
+  // Registers `ctx` (a call about to start) for the scope's lifetime; `c` may be null.
+  class Scope {
+   public:
+    Scope(CallCanceller* c, grpc::ClientContext* ctx);
+    ~Scope();
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    CallCanceller* c_;
+    grpc::ClientContext* ctx_;
+  };
+
+ private:
+  mutable absl::Mutex mu_;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  std::set<grpc::ClientContext*> calls_ ABSL_GUARDED_BY(mu_);
+};
+
 struct ClientOptions {
   std::string address;  // host:port
   std::string secret;   // sent as "authorization: Bearer <secret>"; empty sends nothing
   TlsClientOptions tls;
   absl::Duration timeout = absl::Seconds(120);  // deadline of each call
   int max_message_bytes = 256 << 20;
+  std::shared_ptr<CallCanceller> canceller;  // when set, Cancel() ends this client's calls
 };
 
 // --- teacher ---

@@ -49,6 +49,7 @@ class ChildProcess {
   ChildProcess& operator=(const ChildProcess&) = delete;
 
   bool started() const { return pid_ > 0 || exited_; }
+  pid_t pid() const { return pid_; }  // -1 once reaped
   bool Running() {
     if (pid_ <= 0) return false;
     int status = 0;

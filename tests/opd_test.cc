@@ -2,21 +2,38 @@
 // connect time and at swap, the admin RPC's authentication, a full two-stage run, and resume
 // after the learner is SIGKILLed. Models are tiny random Qwen3-MoE students/teachers with the
 // demo's small tokenizer (scripts/demo/make_task.py); every process is on 127.0.0.1.
+//
+// The failure paths (bounded retries with backoff, cool-downs, cancellation on stop, replies that
+// fail validation) use in-process fake services whose every reply the test scripts, and a fake
+// clock where backoffs are checked, so nothing depends on the machine's speed.
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <random>
 #include <thread>
 
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "absl/synchronization/mutex.h"
 #include "child_process.h"
 #include "lm/model/model.h"
 #include "lm/text/tokenizer.h"
 #include "nlohmann/json.hpp"
+#include "opd/v1/rollout.grpc.pb.h"
+#include "opd/v1/teacher.grpc.pb.h"
+#include "rpc/codec.h"
+#include "rpc/server.h"
+#include "rpc/tensor_codec.h"
 #include "trainer/learner_service.h"
+#include "trainer/rollout_pool.h"
+#include "trainer/signals.h"
 #include "trainer/teacher_pool.h"
 
 namespace {
@@ -30,6 +47,254 @@ const std::string kSecret = "opd-test-secret-4f1c";
 
 int Shell(const std::string& cmd) {
   return std::system(cmd.c_str());
+}
+
+// Waits (a failure bound, not a synchronisation) for `done()`, checking every 20 ms.
+bool WaitFor(const std::function<bool()>& done, std::chrono::seconds limit) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return true;
+}
+
+// The scheduler state of a process ('T' when stopped), from /proc.
+char ProcessState(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), {});
+  const size_t paren = stat.rfind(')');
+  return paren == std::string::npos || paren + 2 >= stat.size() ? '?' : stat[paren + 2];
+}
+
+// A Score call that stays open until its caller cancels it (or the server shuts down). gRPC owns
+// it: it deletes itself when done, as the callback API's reactors do.
+class HangingReactor final : public grpc::ServerUnaryReactor {
+ public:
+  void OnCancel() override { Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled")); }
+  void OnDone() override { delete this; }
+};
+
+// An in-process opd.v1.Teacher whose Score calls do what the test's script says for each call
+// (numbered from 0): answer (log-prob -1 at every position; top-k ids 0..k-1), fail with a
+// status, hang until cancelled, or answer with a reply that `corrupt` damaged.
+class FakeTeacher final : public opd::v1::Teacher::CallbackService {
+ public:
+  struct Action {
+    grpc::Status status = grpc::Status::OK;
+    bool hang = false;
+    std::function<void(opd::v1::ScoreResponse*)> corrupt;
+  };
+  using Script = std::function<Action(int call)>;
+  FakeTeacher(std::string fingerprint, Script script)
+      : fingerprint_(std::move(fingerprint)), script_(std::move(script)) {}
+
+  grpc::ServerUnaryReactor* Score(grpc::CallbackServerContext* ctx,
+                                  const opd::v1::ScoreRequest* req,
+                                  opd::v1::ScoreResponse* resp) override {
+    int call;
+    {
+      absl::MutexLock lock(&mu_);
+      call = calls_++;
+      deadlines_s_.push_back(
+          absl::ToDoubleSeconds(absl::FromChrono(ctx->deadline()) - absl::Now()));
+    }
+    const Action a = script_(call);
+    if (a.hang) {
+      auto* hanging = new HangingReactor();  // deletes itself in OnDone
+      absl::MutexLock lock(&mu_);
+      ++hung_;
+      return hanging;
+    }
+    auto* reactor = ctx->DefaultReactor();
+    if (!a.status.ok()) {
+      reactor->Finish(a.status);
+      return reactor;
+    }
+    resp->set_top_k(req->top_k());
+    for (const auto& seq : req->sequences()) {
+      const size_t n = static_cast<size_t>(seq.tokens_size() - seq.response_start());
+      const size_t k = static_cast<size_t>(req->top_k());
+      auto* m = resp->add_sequences();
+      *m->mutable_logprobs() = opd::rpc::PackArray(std::vector<float>(n, -1.0f));
+      std::vector<int32_t> ids;
+      for (size_t i = 0; i < n * k; ++i) ids.push_back(static_cast<int32_t>(i % k));
+      *m->mutable_topk_ids() = opd::rpc::PackArray(ids);
+      *m->mutable_topk_logprobs() = opd::rpc::PackArray(std::vector<float>(n * k, -1.0f));
+    }
+    if (a.corrupt) a.corrupt(resp);
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+  grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* ctx, const opd::v1::InfoRequest*,
+                                 opd::v1::ServiceInfo* info) override {
+    info->set_service("opd.v1.Teacher");
+    info->set_model_name("fake");
+    info->set_architecture("fake");
+    info->set_vocab_size(320);
+    info->set_tokenizer_fingerprint(fingerprint_);
+    auto* reactor = ctx->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+  int calls() const {
+    absl::MutexLock lock(&mu_);
+    return calls_;
+  }
+  std::vector<double> deadlines_s() const {
+    absl::MutexLock lock(&mu_);
+    return deadlines_s_;
+  }
+  // Blocks until a call is hanging (true), or `limit` passes (false: a failure bound).
+  bool AwaitHang(absl::Duration limit) const {
+    absl::MutexLock lock(&mu_);
+    return mu_.AwaitWithTimeout(absl::Condition(
+                                    +[](const int* hung) { return *hung > 0; }, &hung_),
+                                limit);
+  }
+
+ private:
+  const std::string fingerprint_;
+  const Script script_;
+  mutable absl::Mutex mu_;
+  int calls_ ABSL_GUARDED_BY(mu_) = 0;
+  int hung_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<double> deadlines_s_ ABSL_GUARDED_BY(mu_);
+};
+
+// An in-process opd.v1.Rollout: every prompt gets its samples with the response {5, 6} (log-probs
+// -1), the weight version it was last pushed, and then `corrupt` damages them as the test wants.
+class FakeRollout final : public opd::v1::Rollout::Service {
+ public:
+  explicit FakeRollout(std::string fingerprint) : fingerprint_(std::move(fingerprint)) {}
+  std::function<void(std::vector<opd::v1::Sample>*)> corrupt;
+
+  grpc::Status Generate(grpc::ServerContext*, const opd::v1::GenerateRequest* req,
+                        grpc::ServerWriter<opd::v1::Sample>* writer) override {
+    std::vector<opd::v1::Sample> out;
+    for (int p = 0; p < req->prompts_size(); ++p) {
+      for (int s = 0; s < std::max(1, req->samples_per_prompt()); ++s) {
+        opd::v1::Sample m;
+        m.set_prompt_index(p);
+        m.set_sample_index(s);
+        m.add_tokens(5);
+        m.add_tokens(6);
+        *m.mutable_logprobs() = opd::rpc::PackArray(std::vector<float>{-1.0f, -1.0f});
+        m.set_finish_reason(opd::v1::FINISH_REASON_STOP);
+        m.set_weight_version(version_.load());
+        out.push_back(std::move(m));
+      }
+    }
+    if (corrupt) corrupt(&out);
+    for (const auto& m : out) writer->Write(m);
+    return grpc::Status::OK;
+  }
+  grpc::Status UpdateWeights(grpc::ServerContext*, grpc::ServerReader<opd::v1::WeightChunk>* reader,
+                             opd::v1::UpdateWeightsResponse* resp) override {
+    opd::v1::WeightChunk chunk;
+    int64_t version = 0;
+    while (reader->Read(&chunk)) version = chunk.version();
+    version_ = version;
+    resp->set_version(version);
+    return grpc::Status::OK;
+  }
+  grpc::Status Info(grpc::ServerContext*, const opd::v1::InfoRequest*,
+                    opd::v1::ServiceInfo* info) override {
+    info->set_service("opd.v1.Rollout");
+    info->set_vocab_size(320);
+    info->set_tokenizer_fingerprint(fingerprint_);
+    info->set_weight_version(version_.load());
+    return grpc::Status::OK;
+  }
+
+ private:
+  const std::string fingerprint_;
+  std::atomic<int64_t> version_{0};
+};
+
+// A fake service on 127.0.0.1 (any free port), shut down (calls in flight cancelled) at the end.
+template <class Service>
+class InProcessServer {
+ public:
+  template <class... Args>
+  InProcessServer(const std::string& name, Args&&... args) : service(std::forward<Args>(args)...) {
+    opd::rpc::ServerOptions so;
+    so.listen = "127.0.0.1:0";
+    auto running = opd::rpc::StartServer(so, {&service}, {name});
+    EXPECT_TRUE(running.ok()) << running.status();
+    if (!running.ok()) return;
+    server_ = std::move(*running);
+    address = "127.0.0.1:" + std::to_string(server_.port);
+  }
+  ~InProcessServer() {
+    if (server_.server) server_.server->Shutdown(std::chrono::system_clock::now());
+  }
+  Service service;
+  std::string address;
+
+ private:
+  opd::rpc::RunningServer server_;
+};
+using FakeTeacherServer = InProcessServer<FakeTeacher>;
+
+// Time for a TeacherPool that only moves when the pool waits: backoffs and cool-downs are then
+// exact, whatever the machine's speed.
+struct FakeClock {
+  absl::Mutex mu;
+  absl::Time now = absl::UnixEpoch();
+  std::vector<absl::Duration> waits;
+  void Drive(opd::TeacherPoolOptions* o) {
+    o->clock = [this] {
+      absl::MutexLock lock(&mu);
+      return now;
+    };
+    o->wait = [this](absl::Duration d, const std::function<bool()>& stopped) {
+      absl::MutexLock lock(&mu);
+      now += d;
+      waits.push_back(d);
+      return !stopped();
+    };
+  }
+  absl::Time Now() {
+    absl::MutexLock lock(&mu);
+    return now;
+  }
+  void Advance(absl::Duration d) {
+    absl::MutexLock lock(&mu);
+    now += d;
+  }
+};
+
+std::vector<opd::rpc::ScoreInput> SomeInputs(int n) {
+  std::vector<opd::rpc::ScoreInput> out;
+  for (int i = 0; i < n; ++i) out.push_back({{1, 2, 3, 4 + i % 5}, 2});
+  return out;
+}
+
+FakeTeacher::Action Fail(grpc::StatusCode code, const std::string& message) {
+  FakeTeacher::Action a;
+  a.status = grpc::Status(code, message);
+  return a;
+}
+
+// Reads the complete lines of a JSON-lines file that is still being written.
+std::vector<nlohmann::json> ReadCompleteJsonl(const std::filesystem::path& p) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(p);
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_discarded()) out.push_back(std::move(j));
+  }
+  return out;
+}
+
+int LastLoggedStep(const std::filesystem::path& metrics) {
+  int last = 0;
+  for (const auto& m : ReadCompleteJsonl(metrics)) {
+    if (m.contains("opd/reverse_kl")) last = std::max(last, m["step"].get<int>());
+  }
+  return last;
 }
 
 class Opd : public ::testing::Test {
@@ -98,37 +363,45 @@ class Opd : public ::testing::Test {
   // The opd-trainer command line of a small two-stage run.
   std::vector<std::string> TrainerArgs(const std::string& run, const std::string& rollout,
                                        const std::string& t1, const std::string& t2,
-                                       int steps_per_stage) {
+                                       int steps_per_stage,
+                                       const std::vector<std::string>& extra_sets = {}) {
     const std::string d = dir_.string();
-    return {kBin + "/trainer/opd-trainer",
-            "opd",
-            "--config",
-            std::string(OPD_SOURCE_DIR) + "/configs/demo/opd.yaml",
-            "--set",
-            "run.dir=" + run,
-            "--set",
-            "model.path=" + d + "/student",
-            "--set",
-            "prompts.sources=[{files: [" + d + "/task/opd_prompts.jsonl]}]",
-            "--set",
-            "rollout.endpoints=[" + rollout + "]",
-            "--set",
-            "stages.0.teachers=[" + t1 + "]",
-            "--set",
-            "stages.1.teachers=[" + t2 + "]",
-            "--set",
-            "stages.0.max_steps=" + std::to_string(steps_per_stage),
-            "--set",
-            "stages.0.plateau.enabled=false",
-            "--set",
-            "stages.1.max_steps=" + std::to_string(steps_per_stage),
-            "--set",
-            "train.prompts_per_step=8",
-            "--set",
-            "checkpoint.every=1",
-            "--set",
-            "auth.secret_file=" + (dir_ / "secret").string()};
+    std::vector<std::string> args = {
+        kBin + "/trainer/opd-trainer",
+        "opd",
+        "--config",
+        std::string(OPD_SOURCE_DIR) + "/configs/demo/opd.yaml",
+        "--set",
+        "run.dir=" + run,
+        "--set",
+        "model.path=" + d + "/student",
+        "--set",
+        "prompts.sources=[{files: [" + d + "/task/opd_prompts.jsonl]}]",
+        "--set",
+        "rollout.endpoints=[" + rollout + "]",
+        "--set",
+        "stages.0.teachers=[" + t1 + "]",
+        "--set",
+        "stages.1.teachers=[" + t2 + "]",
+        "--set",
+        "stages.0.max_steps=" + std::to_string(steps_per_stage),
+        "--set",
+        "stages.0.plateau.enabled=false",
+        "--set",
+        "stages.1.max_steps=" + std::to_string(steps_per_stage),
+        "--set",
+        "train.prompts_per_step=8",
+        "--set",
+        "checkpoint.every=1",
+        "--set",
+        "auth.secret_file=" + (dir_ / "secret").string()};
+    for (const auto& e : extra_sets) {
+      args.push_back("--set");
+      args.push_back(e);
+    }
+    return args;
   }
+  std::string Fingerprint() { return Requirements().tokenizer_fingerprint; }
 
   static inline fs::path dir_;
   std::vector<std::unique_ptr<ChildProcess>> services_;
@@ -145,11 +418,16 @@ std::vector<nlohmann::json> ReadJsonl(const fs::path& p) {
 
 // Kill one of two replicas while a step's scoring is in flight: the call still returns every
 // sequence's scores, each equal to the in-process teacher's (so none was lost or mixed up).
+// Replica b is frozen (SIGSTOP) before the step, so it holds its first shares unanswered; it is
+// killed once replica a has delivered scores, i.e. mid-step, whatever the machine's speed.
 TEST_F(Opd, TeacherReplicaKilledMidStepEverySequenceScoredOnce) {
   const std::string a = StartTeacher("teacher_a"), b = StartTeacher("teacher_b");
   ASSERT_FALSE(a.empty() || b.empty());
   auto opts = PoolOptions();
   opts.max_sequences_per_call = 2;
+  opts.client.timeout =
+      absl::Seconds(600);               // b's frozen calls must end by the kill, not a deadline
+  opts.readmit_after = absl::Hours(1);  // the killed replica does not come back
   auto pool = opd::TeacherPool::Connect("s", {a, b}, Requirements(), opts);
   ASSERT_TRUE(pool.ok()) << pool.status();
   std::vector<opd::rpc::ScoreInput> inputs;
@@ -159,16 +437,25 @@ TEST_F(Opd, TeacherReplicaKilledMidStepEverySequenceScoredOnce) {
     for (auto& x : t) x = static_cast<int32_t>(rng() % 280);
     inputs.push_back({t, 5 + i % 7});
   }
-  std::thread killer([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    services_[1]->Kill(SIGKILL);
+  ChildProcess& replica_b = *services_[1];
+  replica_b.Kill(SIGSTOP);
+  ASSERT_TRUE(
+      WaitFor([&] { return ProcessState(replica_b.pid()) == 'T'; }, std::chrono::seconds(30)));
+  std::atomic<bool> finished{false};
+  absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> scores;
+  std::thread scorer([&] {
+    scores = (*pool)->Score(inputs, {});
+    finished = true;
   });
-  auto scores = (*pool)->Score(inputs, {});
-  killer.join();
+  // a has answered part of the step; b cannot have answered anything.
+  EXPECT_TRUE(WaitFor([&] { return (*pool)->sequences_scored() > 0; }, std::chrono::seconds(120)));
+  EXPECT_FALSE(finished.load()) << "the step cannot end while b holds a share";
+  replica_b.Kill(SIGKILL);
+  scorer.join();
   ASSERT_TRUE(scores.ok()) << scores.status();
-  EXPECT_GE((*pool)->failovers(), 1)
-      << "the replica died after the work was done: make the batch larger";
+  EXPECT_GE((*pool)->failovers(), 1);
   EXPECT_EQ((*pool)->healthy_count(), 1);
+  EXPECT_EQ((*pool)->sequences_scored(), static_cast<int64_t>(inputs.size()));
 
   torch::NoGradGuard no_grad;
   auto teacher = lm::LoadModel((dir_ / "teacher_small").string());
@@ -218,8 +505,6 @@ TEST_F(Opd, TeacherWithAnotherTokenizerIsRefusedAtConnectAndAtSwap) {
   trainer::LearnerServerOptions lo;
   lo.listen = "127.0.0.1:0";
   lo.secret = kSecret;
-  lo.client.secret = kSecret;
-  lo.requirements = Requirements();
   lo.stages = {"stage1", "stage2"};
   auto learner = trainer::LearnerServer::Start(lo);
   ASSERT_TRUE(learner.ok()) << learner.status();
@@ -231,24 +516,109 @@ TEST_F(Opd, TeacherWithAnotherTokenizerIsRefusedAtConnectAndAtSwap) {
     std::ifstream in(out);
     return std::string((std::istreambuf_iterator<char>(in)), {});
   };
-  // Wrong tokenizer: refused, nothing queued.
-  EXPECT_NE(Shell(ctl + "--endpoints " + bad + secret + " > " + out + " 2>&1"), 0);
-  EXPECT_NE(read_out().find("fingerprint"), std::string::npos) << read_out();
-  EXPECT_FALSE((*learner)->TakePendingSwap().has_value());
-  // No secret: UNAUTHENTICATED, nothing queued.
+  // A swap call stays open until the training loop's step boundary answers it: opd-ctl runs as
+  // a child while the test plays the training loop (ServePendingSwap connects and checks).
+  auto swap_call = [&](const std::string& endpoints, const std::string& tag) {
+    return std::make_unique<ChildProcess>(
+        std::vector<std::string>{kBin + "/ctl/opd-ctl", "swap-teacher", "--learner", addr,
+                                 "--stage", "stage2", "--endpoints", endpoints, "--secret-file",
+                                 (dir_ / "secret").string()},
+        (dir_ / (tag + ".log")).string());
+  };
+  std::vector<std::string> applied;
+  auto step_boundary = [&] {
+    return (*learner)->ServePendingSwap([&](const trainer::SwapRequest& r) -> absl::Status {
+      auto p = opd::TeacherPool::Connect(r.stage, r.endpoints, Requirements(), PoolOptions());
+      if (!p.ok()) return p.status();
+      applied = r.endpoints;
+      return absl::OkStatus();
+    });
+  };
+  auto queued = [&] {
+    return WaitFor([&] { return (*learner)->swap_pending(); }, std::chrono::seconds(60));
+  };
+  // Wrong tokenizer: refused at the boundary, the caller is told why, nothing applied.
+  {
+    auto call = swap_call(bad, "swap_bad");
+    ASSERT_TRUE(queued()) << call->Log();
+    EXPECT_TRUE(step_boundary());
+    EXPECT_EQ(call->Wait(std::chrono::seconds(60)), 1) << call->Log();
+    EXPECT_NE(call->Log().find("fingerprint"), std::string::npos) << call->Log();
+    EXPECT_TRUE(applied.empty());
+  }
+  // No secret: UNAUTHENTICATED at once, nothing queued.
   EXPECT_NE(Shell("env -u OPD_SECRET " + ctl + "--endpoints " + good + " > " + out + " 2>&1"), 0);
   EXPECT_NE(read_out().find("16"), std::string::npos) << read_out();  // grpc::UNAUTHENTICATED
-  EXPECT_FALSE((*learner)->TakePendingSwap().has_value());
+  EXPECT_FALSE((*learner)->swap_pending());
   // Unknown stage.
   EXPECT_NE(Shell(kBin + "/ctl/opd-ctl swap-teacher --learner " + addr +
                   " --stage nope --endpoints " + good + secret + " > " + out + " 2>&1"),
             0);
-  // A compatible teacher: accepted and queued for the next step boundary.
-  EXPECT_EQ(Shell(ctl + "--endpoints " + good + secret + " > " + out + " 2>&1"), 0) << read_out();
-  auto swap = (*learner)->TakePendingSwap();
-  ASSERT_TRUE(swap.has_value());
-  EXPECT_EQ(swap->stage, "stage2");
-  EXPECT_EQ(swap->endpoints, std::vector<std::string>{good});
+  EXPECT_FALSE((*learner)->swap_pending());
+  // A compatible teacher: applied at the boundary, the caller gets OK.
+  {
+    auto call = swap_call(good, "swap_good");
+    ASSERT_TRUE(queued()) << call->Log();
+    EXPECT_TRUE(step_boundary());
+    EXPECT_EQ(call->Wait(std::chrono::seconds(60)), 0) << call->Log();
+    EXPECT_EQ(applied, std::vector<std::string>{good});
+  }
+  EXPECT_FALSE(step_boundary()) << "nothing is queued any more";
+}
+
+// One swap per step boundary: a second one while the first is queued is FAILED_PRECONDITION
+// (instead of silently replacing it), the swap is applied on the thread that serves the step
+// boundary, and a caller that gives up withdraws its swap.
+TEST_F(Opd, SecondSwapBeforeTheStepBoundaryIsRefused) {
+  FakeTeacherServer t1("opd.v1.Teacher", Fingerprint(), [](int) { return FakeTeacher::Action(); });
+  FakeTeacherServer t2("opd.v1.Teacher", Fingerprint(), [](int) { return FakeTeacher::Action(); });
+  trainer::LearnerServerOptions lo;
+  lo.listen = "127.0.0.1:0";
+  lo.secret = kSecret;
+  lo.stages = {"stage1"};
+  auto learner = trainer::LearnerServer::Start(lo);
+  ASSERT_TRUE(learner.ok()) << learner.status();
+  const std::string addr = "127.0.0.1:" + std::to_string((*learner)->port());
+  auto swap_args = [&](const std::string& endpoints) {
+    return std::vector<std::string>{kBin + "/ctl/opd-ctl",
+                                    "swap-teacher",
+                                    "--learner",
+                                    addr,
+                                    "--stage",
+                                    "stage1",
+                                    "--endpoints",
+                                    endpoints,
+                                    "--secret-file",
+                                    (dir_ / "secret").string()};
+  };
+  ChildProcess first(swap_args(t1.address), (dir_ / "swap_first.log").string());
+  ASSERT_TRUE(WaitFor([&] { return (*learner)->swap_pending(); }, std::chrono::seconds(60)))
+      << first.Log();
+  ChildProcess second(swap_args(t2.address), (dir_ / "swap_second.log").string());
+  EXPECT_EQ(second.Wait(std::chrono::seconds(60)), 1) << second.Log();
+  EXPECT_NE(second.Log().find(" 9 "), std::string::npos) << second.Log();  // FAILED_PRECONDITION
+  EXPECT_NE(second.Log().find("already queued"), std::string::npos) << second.Log();
+
+  std::vector<std::string> applied;
+  std::thread::id applied_on;
+  EXPECT_TRUE((*learner)->ServePendingSwap([&](const trainer::SwapRequest& r) {
+    applied = r.endpoints;
+    applied_on = std::this_thread::get_id();
+    return absl::OkStatus();
+  }));
+  EXPECT_EQ(first.Wait(std::chrono::seconds(60)), 0) << first.Log();
+  EXPECT_EQ(applied, std::vector<std::string>{t1.address}) << "the first swap stands";
+  EXPECT_EQ(applied_on, std::this_thread::get_id());
+
+  // A caller that goes away before the boundary withdraws its swap.
+  ChildProcess gone(swap_args(t2.address), (dir_ / "swap_gone.log").string());
+  ASSERT_TRUE(WaitFor([&] { return (*learner)->swap_pending(); }, std::chrono::seconds(60)));
+  gone.Kill(SIGKILL);
+  EXPECT_TRUE(WaitFor([&] { return !(*learner)->swap_pending(); }, std::chrono::seconds(60)));
+  EXPECT_FALSE((*learner)->ServePendingSwap([](const trainer::SwapRequest&) {
+    ADD_FAILURE() << "a withdrawn swap was applied";
+    return absl::OkStatus();
+  }));
 }
 
 // A two-stage run: the stage switch happens by the rule, metrics are complete, and a SIGKILLed
@@ -304,6 +674,381 @@ TEST_F(Opd, MismatchedNextStageTeacherStopsTheRunBeforeItsFirstStep) {
   for (const auto& m : ReadJsonl(run / "metrics.jsonl"))
     last = std::max(last, m["step"].get<int>());
   EXPECT_EQ(last, 2);
+}
+
+// --- retries, cool-downs, stop (fake teachers, fake time) ---
+
+opd::TeacherPoolOptions FakePoolOptions(FakeClock* clock) {
+  opd::TeacherPoolOptions o;
+  o.client.secret = kSecret;
+  o.client.timeout = absl::Seconds(60);
+  o.backoff_initial = absl::Milliseconds(100);
+  o.backoff_max = absl::Seconds(10);
+  o.readmit_after = absl::Seconds(1);
+  o.max_attempts = 4;
+  clock->Drive(&o);
+  return o;
+}
+
+// A share that keeps failing transiently is retried a bounded number of times, with a doubling
+// backoff, and the step then fails naming the last error. Before, it was retried without end
+// (the fake teachers here give in after 50 calls, so an unbounded pool would succeed).
+TEST_F(Opd, TransientTeacherErrorsAreRetriedWithBackoffAFixedNumberOfTimes) {
+  FakeClock clock;
+  std::vector<absl::Time> at;
+  FakeTeacherServer busy("opd.v1.Teacher", Fingerprint(), [&](int call) {
+    at.push_back(clock.Now());  // calls of one share come one after another
+    return call < 50 ? Fail(grpc::StatusCode::RESOURCE_EXHAUSTED, "queue full")
+                     : FakeTeacher::Action();
+  });
+  auto pool =
+      opd::TeacherPool::Connect("s", {busy.address}, Requirements(), FakePoolOptions(&clock));
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  auto r = (*pool)->Score(SomeInputs(1), {});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_NE(r.status().message().find("failed 4 times"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("queue full"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find(busy.address), std::string::npos) << r.status();
+  EXPECT_EQ(busy.service.calls(), 4);
+  ASSERT_EQ(at.size(), 4u);
+  EXPECT_EQ(at[1] - at[0], absl::Milliseconds(100));
+  EXPECT_EQ(at[2] - at[1], absl::Milliseconds(200));
+  EXPECT_EQ(at[3] - at[2], absl::Milliseconds(400));
+
+  // INTERNAL (a replica that crashes on this input, say) is bounded the same way; the replica
+  // is out of rotation between tries and comes back through its health check.
+  FakeTeacherServer broken("opd.v1.Teacher", Fingerprint(), [](int call) {
+    return call < 50 ? Fail(grpc::StatusCode::INTERNAL, "boom") : FakeTeacher::Action();
+  });
+  auto pool2 =
+      opd::TeacherPool::Connect("s", {broken.address}, Requirements(), FakePoolOptions(&clock));
+  ASSERT_TRUE(pool2.ok()) << pool2.status();
+  auto r2 = (*pool2)->Score(SomeInputs(1), {});
+  EXPECT_EQ(r2.status().code(), absl::StatusCode::kInternal) << r2.status();
+  EXPECT_NE(r2.status().message().find("boom"), std::string::npos) << r2.status();
+  EXPECT_EQ(broken.service.calls(), 4);
+}
+
+// A replica that failed stays out of rotation for its cool-down even though its health check
+// passes at once (before, the next round re-admitted it), and comes back after it.
+TEST_F(Opd, FailedTeacherReplicaIsReadmittedOnlyAfterItsCoolDown) {
+  FakeClock clock;
+  const absl::Time back = clock.Now() + absl::Hours(1);
+  FakeTeacherServer flaky("opd.v1.Teacher", Fingerprint(), [&](int) {
+    // Scoring fails until the cool-down is over (its health check passes all along).
+    return clock.Now() < back ? Fail(grpc::StatusCode::UNAVAILABLE, "flaky")
+                              : FakeTeacher::Action();
+  });
+  FakeTeacherServer steady("opd.v1.Teacher", Fingerprint(),
+                           [](int) { return FakeTeacher::Action(); });
+  auto o = FakePoolOptions(&clock);
+  o.max_sequences_per_call = 1;
+  o.readmit_after = absl::Hours(1);
+  auto pool = opd::TeacherPool::Connect("s", {flaky.address, steady.address}, Requirements(), o);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  auto r = (*pool)->Score(SomeInputs(20), {});
+  ASSERT_TRUE(r.ok()) << r.status();
+  // At most the first round's two calls (two shares per replica per round) reach it.
+  EXPECT_LE(flaky.service.calls(), 2) << "re-admitted during its cool-down";
+  const int before = flaky.service.calls();
+  EXPECT_EQ(steady.service.calls(), 20);
+  EXPECT_EQ((*pool)->healthy_count(), 1);
+
+  clock.Advance(back - clock.Now() + absl::Seconds(1));
+  auto r2 = (*pool)->Score(SomeInputs(20), {});
+  ASSERT_TRUE(r2.ok()) << r2.status();
+  EXPECT_GT(flaky.service.calls(), before) << "not re-admitted after its cool-down";
+  EXPECT_EQ((*pool)->healthy_count(), 2);
+}
+
+// A deterministic failure is not retried: the step ends with the teacher's error, named.
+TEST_F(Opd, DeterministicTeacherErrorEndsTheStepNamingTheTeacher) {
+  FakeClock clock;
+  FakeTeacherServer refusing("opd.v1.Teacher", Fingerprint(), [](int) {
+    return Fail(grpc::StatusCode::INVALID_ARGUMENT, "sequence 0: id 999 is outside [0, 320)");
+  });
+  auto pool = opd::TeacherPool::Connect("stage_x", {refusing.address}, Requirements(),
+                                        FakePoolOptions(&clock));
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  auto r = (*pool)->Score(SomeInputs(3), {});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("stage 'stage_x'"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find(refusing.address), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("id 999"), std::string::npos) << r.status();
+  EXPECT_EQ(refusing.service.calls(), 1);
+}
+
+// `stop` is checked between retries too (before, only while no replica was healthy).
+TEST_F(Opd, StopEndsScoringBetweenRetries) {
+  FakeClock clock;
+  FakeTeacherServer busy("opd.v1.Teacher", Fingerprint(), [](int call) {
+    return call < 50 ? Fail(grpc::StatusCode::RESOURCE_EXHAUSTED, "queue full")
+                     : FakeTeacher::Action();
+  });
+  auto o = FakePoolOptions(&clock);
+  o.max_attempts = 1000;
+  auto pool = opd::TeacherPool::Connect("s", {busy.address}, Requirements(), o);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  auto r = (*pool)->Score(SomeInputs(1), {}, [&] { return busy.service.calls() >= 3; });
+  EXPECT_TRUE(absl::IsCancelled(r.status())) << r.status();
+  EXPECT_EQ(busy.service.calls(), 3);
+}
+
+// A stop signal cancels a Score in flight at once (its deadline here is an hour): the signal's
+// helper thread runs the StopCallback, which cancels every registered call.
+TEST_F(Opd, StopSignalCancelsAScoreInFlight) {
+  FakeTeacherServer stuck("opd.v1.Teacher", Fingerprint(), [](int) {
+    FakeTeacher::Action a;
+    a.hang = true;
+    return a;
+  });
+  auto canceller = std::make_shared<opd::rpc::CallCanceller>();
+  auto o = PoolOptions();
+  o.client.timeout = absl::Hours(1);
+  o.client.canceller = canceller;
+  auto pool = opd::TeacherPool::Connect("s", {stuck.address}, Requirements(), o);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  trainer::ResetStopForTest();
+  trainer::StopCallback cancel_on_stop([canceller] { canceller->Cancel(); });
+  auto scoring = std::async(std::launch::async, [&] {
+    return (*pool)->Score(SomeInputs(2), {}, [] { return trainer::StopRequested(); });
+  });
+  ASSERT_TRUE(stuck.service.AwaitHang(absl::Seconds(60)));
+  trainer::RaiseStopForTest(SIGTERM);
+  ASSERT_EQ(scoring.wait_for(std::chrono::seconds(60)), std::future_status::ready);
+  auto r = scoring.get();
+  EXPECT_TRUE(absl::IsCancelled(r.status())) << r.status();
+  EXPECT_EQ(stuck.service.calls(), 1);
+  trainer::ResetStopForTest();
+}
+
+// --- what crosses the wire is checked ---
+
+std::vector<float> Floats(const std::string& bytes) {
+  return *opd::rpc::UnpackArray<float>(bytes, static_cast<int64_t>(bytes.size() / 4), "x");
+}
+std::vector<int32_t> Ints(const std::string& bytes) {
+  return *opd::rpc::UnpackArray<int32_t>(bytes, static_cast<int64_t>(bytes.size() / 4), "x");
+}
+
+TEST_F(Opd, TeacherRepliesThatFailValidationAreRefusedNamingTheField) {
+  struct Case {
+    std::function<void(opd::v1::ScoreResponse*)> corrupt;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {[](opd::v1::ScoreResponse* r) {
+         auto ids = Ints(r->sequences(0).topk_ids());
+         ids[3] = 400;
+         *r->mutable_sequences(0)->mutable_topk_ids() = opd::rpc::PackArray(ids);
+       },
+       "topk_ids[3] = 400 is outside the vocabulary [0, 320)"},
+      {[](opd::v1::ScoreResponse* r) {
+         auto ids = Ints(r->sequences(0).topk_ids());
+         ids[0] = -1;
+         *r->mutable_sequences(0)->mutable_topk_ids() = opd::rpc::PackArray(ids);
+       },
+       "topk_ids[0] = -1"},
+      {[](opd::v1::ScoreResponse* r) {
+         auto lp = Floats(r->sequences(0).logprobs());
+         lp[1] = std::nanf("");
+         *r->mutable_sequences(0)->mutable_logprobs() = opd::rpc::PackArray(lp);
+       },
+       "logprobs[1] = nan is not a log-probability"},
+      {[](opd::v1::ScoreResponse* r) {
+         auto lp = Floats(r->sequences(0).topk_logprobs());
+         lp[2] = 3.0f;
+         *r->mutable_sequences(0)->mutable_topk_logprobs() = opd::rpc::PackArray(lp);
+       },
+       "topk_logprobs[2] = 3 is not a log-probability"},
+  };
+  for (const auto& c : cases) {
+    FakeTeacherServer t("opd.v1.Teacher", Fingerprint(), [&](int) {
+      FakeTeacher::Action a;
+      a.corrupt = c.corrupt;
+      return a;
+    });
+    FakeClock clock;
+    auto pool =
+        opd::TeacherPool::Connect("s", {t.address}, Requirements(), FakePoolOptions(&clock));
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    auto r = (*pool)->Score(SomeInputs(1), {1.0f, 2});
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
+    EXPECT_NE(r.status().message().find(c.expected), std::string::npos) << r.status();
+    EXPECT_NE(r.status().message().find(t.address), std::string::npos) << r.status();
+  }
+}
+
+TEST_F(Opd, RolloutRepliesThatFailValidationAreRefusedNamingTheField) {
+  struct Case {
+    std::function<void(std::vector<opd::v1::Sample>*)> corrupt;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {nullptr, ""},
+      {[](auto* v) { (*v)[0].set_prompt_index(9); }, "prompt_index 9 is outside [0, 2)"},
+      {[](auto* v) { (*v)[1] = (*v)[0]; }, "(prompt_index 0, sample_index 0) is duplicated"},
+      {[](auto* v) { (*v)[2].set_sample_index(5); }, "sample_index 5 is outside [0, 2)"},
+      {[](auto* v) { (*v)[0].set_tokens(1, 320); },
+       "tokens[1] = 320 is outside the vocabulary [0, 320)"},
+      {[](auto* v) { (*v)[3].set_weight_version(1); }, "weight_version 1 is not in [3, 3]"},
+      {[](auto* v) { v->pop_back(); }, "sent 3 samples for 2 prompts x 2 samples"},
+  };
+  torch::nn::Linear weights(2, 2);
+  for (const auto& c : cases) {
+    InProcessServer<FakeRollout> worker("opd.v1.Rollout", Fingerprint());
+    worker.service.corrupt = c.corrupt;
+    opd::rpc::ClientOptions base;
+    base.secret = kSecret;
+    auto pool = opd::RolloutPool::Connect({worker.address}, base, Fingerprint(), 320);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    ASSERT_TRUE((*pool)->PushWeights(*weights, 3).ok());
+    opd::rpc::GenerateOptions g;
+    g.samples_per_prompt = 2;
+    auto r = (*pool)->Generate({{1, 2}, {3, 4}}, g);
+    if (c.expected.empty()) {
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(r->size(), 4u);
+      continue;
+    }
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
+    EXPECT_NE(r.status().message().find(c.expected), std::string::npos) << r.status();
+    EXPECT_NE(r.status().message().find(worker.address), std::string::npos) << r.status();
+  }
+}
+
+TEST(SampleStats, StalenessAndTruncation) {
+  std::vector<opd::rpc::GeneratedSample> samples(4);
+  const int64_t versions[] = {3, 2, 2, 3};
+  for (size_t i = 0; i < samples.size(); ++i) {
+    samples[i].weight_version = versions[i];
+    samples[i].finish_reason = i == 0 ? opd::v1::FINISH_REASON_LENGTH : opd::v1::FINISH_REASON_STOP;
+  }
+  const opd::SampleStats st = opd::SummarizeSamples(samples, 3);
+  EXPECT_DOUBLE_EQ(st.staleness_mean, 0.5);
+  EXPECT_DOUBLE_EQ(st.staleness_max, 1.0);
+  EXPECT_DOUBLE_EQ(st.truncated_frac, 0.25);
+}
+
+// --- the trainer's stop and failure paths (real processes) ---
+
+// SIGTERM while a Score is in flight (deadline an hour): the call is cancelled, the last
+// completed step is checkpointed and the trainer exits 128 + SIGTERM within seconds.
+TEST_F(Opd, SigtermWhileAScoreHangsCheckpointsAndExits) {
+  FakeTeacherServer teacher("opd.v1.Teacher", Fingerprint(), [](int call) {
+    FakeTeacher::Action a;
+    a.hang = call >= 1;  // step 1 is scored, step 2's Score never answers
+    return a;
+  });
+  const std::string ro = StartRollout();
+  ASSERT_FALSE(ro.empty());
+  const fs::path run = dir_ / "run_sigterm";
+  ChildProcess p(
+      TrainerArgs(run.string(), ro, teacher.address, teacher.address, 50,
+                  {"checkpoint.every=0", "train.teacher_timeout_s=3600", "rollout.timeout_s=3600"}),
+      (dir_ / "opd_sigterm.log").string());
+  ASSERT_TRUE(teacher.service.AwaitHang(absl::Seconds(300))) << p.Log();
+  p.Kill(SIGTERM);
+  EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 128 + SIGTERM) << p.Log();
+  EXPECT_NE(p.Log().find("stopped by SIGTERM"), std::string::npos) << p.Log();
+  EXPECT_TRUE(fs::exists(run / "checkpoints/step_000001/trainer_state.json")) << p.Log();
+}
+
+// The rollout worker dies mid-run: the trainer checkpoints its last completed step before it
+// exits (checkpoint.every is 0, so no other checkpoint exists). A resume from a checkpoint whose
+// state lacks a field is then an error naming it, not an abort.
+TEST_F(Opd, RolloutFailureCheckpointsTheLastCompletedStep) {
+  const std::string t1 = StartTeacher("teacher_r1"), ro = StartRollout();
+  ASSERT_FALSE(t1.empty() || ro.empty());
+  const fs::path run = dir_ / "run_rollout_dies";
+  const auto args = TrainerArgs(run.string(), ro, t1, t1, 50, {"checkpoint.every=0"});
+  {
+    ChildProcess p(args, (dir_ / "opd_rollout_dies.log").string());
+    ASSERT_TRUE(WaitFor([&] { return LastLoggedStep(run / "metrics.jsonl") >= 1 || !p.Running(); },
+                        std::chrono::seconds(300)))
+        << p.Log();
+    services_.back()->Kill(SIGKILL);  // the rollout worker
+    EXPECT_EQ(p.Wait(std::chrono::seconds(120)), 1) << p.Log();
+    EXPECT_NE(p.Log().find("is checkpointed"), std::string::npos) << p.Log();
+  }
+  const int logged = LastLoggedStep(run / "metrics.jsonl");
+  int latest = -1;
+  for (const auto& e : fs::directory_iterator(run / "checkpoints")) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step_", 0) == 0) latest = std::max(latest, std::stoi(name.substr(5)));
+  }
+  EXPECT_GE(latest, std::max(logged, 1)) << "a completed step was lost";
+
+  char name[32];
+  std::snprintf(name, sizeof(name), "step_%06d", latest);
+  const fs::path state_file = run / "checkpoints" / name / "trainer_state.json";
+  auto state = nlohmann::json::parse(std::ifstream(state_file));
+  EXPECT_EQ(state["step"].get<int>(), latest);
+  state.erase("nonfinite");
+  std::ofstream(state_file) << state.dump();
+  ChildProcess q(args, (dir_ / "opd_bad_state.log").string());
+  EXPECT_EQ(q.Wait(std::chrono::seconds(120)), 1) << q.Log();
+  EXPECT_NE(q.Log().find("nonfinite"), std::string::npos) << q.Log();
+}
+
+// swap-teacher on a running job: applied at a step boundary, and the new pool keeps the
+// stage's teacher_timeout_s (the fake teacher sees each call's deadline).
+TEST_F(Opd, SwappedTeachersKeepTheStageTimeout) {
+  const std::string t1 = StartTeacher("teacher_sw"), ro = StartRollout();
+  ASSERT_FALSE(t1.empty() || ro.empty());
+  FakeTeacherServer fake("opd.v1.Teacher", Fingerprint(),
+                         [](int) { return FakeTeacher::Action(); });
+  const fs::path run = dir_ / "run_swap";
+  const std::string port_file = (dir_ / "admin.port").string();
+  ChildProcess p(TrainerArgs(run.string(), ro, t1, t1, 1000,
+                             {"admin.listen=127.0.0.1:0", "admin.port_file=" + port_file,
+                              "train.teacher_timeout_s=900", "checkpoint.every=0"}),
+                 (dir_ / "opd_swap.log").string());
+  const int port = WaitForPort(p, port_file, std::chrono::seconds(300));
+  ASSERT_GT(port, 0) << p.Log();
+  ChildProcess ctl(
+      {kBin + "/ctl/opd-ctl", "swap-teacher", "--learner", "127.0.0.1:" + std::to_string(port),
+       "--stage", "stage1_small_teacher", "--endpoints", fake.address, "--secret-file",
+       (dir_ / "secret").string(), "--timeout", "600"},
+      (dir_ / "ctl_swap.log").string());
+  EXPECT_EQ(ctl.Wait(std::chrono::seconds(600)), 0) << ctl.Log() << p.Log();
+  ASSERT_TRUE(WaitFor([&] { return fake.service.calls() > 0; }, std::chrono::seconds(300)))
+      << p.Log();
+  const double deadline = fake.service.deadlines_s().at(0);
+  EXPECT_GT(deadline, 800) << "the swapped pool's deadline is not train.teacher_timeout_s";
+  EXPECT_LE(deadline, 902);  // the wire rounds a deadline up to whole seconds
+  p.Kill(SIGTERM);
+  EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 128 + SIGTERM) << p.Log();
+}
+
+// SIGTERM while a server is still loading its model (here: blocked reading a config.json that
+// is a FIFO nobody writes) ends it at once; before, the signal waited for the load to finish.
+TEST_F(Opd, SigtermWhileAServerLoadsItsModelEndsItPromptly) {
+  for (const std::string binary :
+       {kBin + "/teacher_service/opd-teacher", kBin + "/rollout/opd-rollout"}) {
+    const fs::path model = dir_ / "fifo_model";
+    fs::remove_all(model);
+    fs::create_directories(model);
+    const std::string fifo = (model / "config.json").string();
+    ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+    ChildProcess server({binary, "--model=" + model.string(), "--listen=127.0.0.1:0",
+                         "--secret-file=" + (dir_ / "secret").string(), "--threads=1"},
+                        (dir_ / "loading.log").string());
+    // Opening the FIFO's write end succeeds once the server has opened it to read: it is loading.
+    int fd = -1;
+    ASSERT_TRUE(WaitFor(
+        [&] {
+          fd = open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+          return fd >= 0 || !server.Running();
+        },
+        std::chrono::seconds(60)));
+    ASSERT_GE(fd, 0) << server.Log();
+    server.Kill(SIGTERM);
+    EXPECT_EQ(server.Wait(std::chrono::seconds(30)), 128 + SIGTERM) << binary << server.Log();
+    EXPECT_NE(server.Log().find("while loading the model"), std::string::npos) << server.Log();
+    close(fd);
+  }
 }
 
 }  // namespace

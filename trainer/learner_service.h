@@ -1,11 +1,20 @@
 // The learner's admin endpoint (opd.v1.Learner): swap a stage's teachers while the job runs.
 //
-// A SwapTeacher call is authenticated (always), then the new endpoints are connected and checked
-// against the student (tokenizer fingerprint, vocabulary) on the gRPC thread; only a swap that
-// passes is queued. The training loop takes it at the next step boundary (TakePendingSwap), so a
-// step never mixes two teacher sets.
+// A SwapTeacher call is authenticated (always) and checked for what needs no network (a known
+// stage, at least one endpoint), then queued; the call stays open. The training loop serves it
+// at the next step boundary (ServePendingSwap), on its own thread: it connects to the new
+// endpoints with the stage's own pool options (deadline, TLS, secret), checks them against the
+// student (tokenizer fingerprint, vocabulary) and installs them, and the caller gets that outcome
+// (OK, or the error naming the endpoint). So a step never mixes two teacher sets, and no gRPC
+// thread blocks on a connection.
+//
+// One swap at a time: a second SwapTeacher while one is queued is refused with
+// FAILED_PRECONDITION (it would otherwise silently replace the first); send it again once the
+// first has been answered. A caller that gives up (deadline, Ctrl-C) before the boundary
+// withdraws its swap: nothing changes. A job that ends first answers ABORTED.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -16,24 +25,20 @@
 #include "opd/v1/learner.grpc.pb.h"
 #include "rpc/auth.h"
 #include "rpc/server.h"
-#include "trainer/teacher_pool.h"
 
 namespace trainer {
 
-struct PendingSwap {
+struct SwapRequest {
   std::string stage;
   std::vector<std::string> endpoints;
-  std::unique_ptr<opd::TeacherPool> pool;  // connected and checked
 };
 
 struct LearnerServerOptions {
-  std::string listen;              // host:port (port 0: any free port)
-  std::string port_file;           // the bound port is written here when set
-  std::string secret;              // required for every call; empty refuses every call
-  opd::rpc::TlsServerOptions tls;  // the admin service's certificate (none: plaintext)
-  bool insecure = false;           // allow a non-loopback listen without a secret
-  opd::rpc::ClientOptions client;  // how to reach teachers (secret, TLS, deadline)
-  opd::TeacherRequirements requirements;
+  std::string listen;               // host:port (port 0: any free port)
+  std::string port_file;            // the bound port is written here when set
+  std::string secret;               // required for every call; empty refuses every call
+  opd::rpc::TlsServerOptions tls;   // TLS of the admin port (unset: plaintext)
+  bool insecure = false;            // allow a non-loopback listen without a secret
   std::vector<std::string> stages;  // known stage names
 };
 
@@ -50,7 +55,10 @@ class LearnerServer final : public opd::v1::Learner::CallbackService {
   ~LearnerServer() override;
   static absl::StatusOr<std::unique_ptr<LearnerServer>> Start(LearnerServerOptions opts);
 
-  std::optional<PendingSwap> TakePendingSwap();
+  // At a step boundary, on the training thread: when a swap is queued, runs `apply` on it (here)
+  // and answers its caller with apply's status. Returns whether there was one.
+  bool ServePendingSwap(const std::function<absl::Status(const SwapRequest&)>& apply);
+  bool swap_pending() const;
   void SetStatus(LearnerStatusSnapshot s);
   int port() const { return server_.port; }
 
@@ -62,13 +70,19 @@ class LearnerServer final : public opd::v1::Learner::CallbackService {
                                       opd::v1::LearnerStatus* resp) override;
 
  private:
-  absl::Status Swap(const opd::v1::SwapTeacherRequest& req);
+  class SwapCall;
+  struct Pending {
+    SwapRequest request;
+    SwapCall* call;  // owned by gRPC; finished exactly once, by whoever takes it from pending_
+  };
+  absl::Status Check(const opd::v1::SwapTeacherRequest& req) const;
+  void Withdraw(SwapCall* call);  // the caller cancelled
 
   LearnerServerOptions opts_;
   opd::rpc::Authenticator auth_;
   opd::rpc::RunningServer server_;
-  absl::Mutex mu_;
-  std::optional<PendingSwap> pending_ ABSL_GUARDED_BY(mu_);
+  mutable absl::Mutex mu_;
+  std::optional<Pending> pending_ ABSL_GUARDED_BY(mu_);
   LearnerStatusSnapshot status_ ABSL_GUARDED_BY(mu_);
 };
 
