@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "lm/io/checkpoint.h"
 #include "lm/io/safetensors.h"
+#include "lm/dist/process_group.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "trainer/run_dir.h"
@@ -26,18 +27,6 @@ namespace fs = std::filesystem;
 
 constexpr char kTmpPrefix[] = ".tmp-";
 constexpr char kStateFile[] = "trainer_state.json";
-constexpr char kOptimizerFile[] = "optimizer.safetensors";
-
-absl::Status SaveOptimizer(const AdamW& optimizer, const std::string& path) {
-  const std::map<std::string, torch::Tensor> tensors = optimizer.StateTensors();
-  std::vector<lm::TensorToWrite> out;
-  for (const auto& [name, t] : tensors) {
-    out.push_back({name, lm::DType::kF32, t.sizes().vec(), t.data_ptr(),
-                   static_cast<size_t>(t.numel() * t.element_size())});
-  }
-  return lm::WriteSafetensors(
-      path, out, {{"format", "opd-adamw"}, {"steps", std::to_string(optimizer.steps())}});
-}
 
 absl::Status CopyFiles(const std::vector<std::string>& files, const std::string& dir) {
   for (const std::string& f : files) {
@@ -92,34 +81,76 @@ std::string StepDirName(int64_t step) {
   return absl::StrFormat("step_%06d", step);
 }
 
-absl::Status CheckpointManager::Save(int64_t step, lm::CausalLM& model, const AdamW& optimizer,
-                                     nlohmann::json state,
-                                     const std::vector<std::string>& model_extra_files) {
-  const std::string final_dir = dir_ + "/" + StepDirName(step);
-  if (fs::exists(fs::path(final_dir) / kStateFile)) return absl::OkStatus();
-  const std::string tmp = absl::StrCat(dir_, "/", kTmpPrefix, StepDirName(step), "-", ::getpid());
-  std::error_code ec;
-  fs::remove_all(tmp, ec);
-  fs::create_directories(tmp + "/model", ec);
-  if (ec) return absl::InternalError(absl::StrCat(tmp, ": cannot create: ", ec.message()));
+namespace {
 
-  lm::SaveOptions save;
-  save.dtype = torch::kFloat32;  // master weights: an exact resume needs every bit
-  RETURN_IF_ERROR(lm::SaveModel(model, tmp + "/model", save));
-  RETURN_IF_ERROR(CopyFiles(model_extra_files, tmp + "/model"));
-  RETURN_IF_ERROR(SaveOptimizer(optimizer, tmp + "/" + kOptimizerFile));
-  state["version"] = kTrainerStateVersion;
-  state["step"] = step;
-  state["optimizer_steps"] = optimizer.steps();
-  RETURN_IF_ERROR(WriteFileAtomic(tmp + "/" + kStateFile, state.dump(2) + "\n"));
-  RETURN_IF_ERROR(SyncTree(tmp));
-
-  fs::remove_all(final_dir, ec);  // an incomplete directory of that name, if any
-  fs::rename(tmp, final_dir, ec);
-  if (ec) return absl::InternalError(absl::StrCat(final_dir, ": rename failed: ", ec.message()));
-  RETURN_IF_ERROR(SyncPath(dir_));
-  Prune();
+// The outcome of a step every rank took part in: an error on any rank is an error on all (the
+// others learn which rank failed; its own message stays in its log).
+absl::Status AgreeOnOutcome(absl::Status mine, lm::dist::ProcessGroup& group, const char* what) {
+  if (group.size() == 1) return mine;
+  std::vector<double> flags(static_cast<size_t>(group.size()), 0.0);
+  flags[static_cast<size_t>(group.rank())] = mine.ok() ? 0.0 : 1.0;
+  ASSIGN_OR_RETURN(flags, group.AllReduceDoubles(flags));
+  if (!mine.ok()) return mine;
+  for (size_t r = 0; r < flags.size(); ++r) {
+    if (flags[r] > 0)
+      return absl::InternalError(absl::StrCat(what, " failed on rank ", r, " (see its log)"));
+  }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckpointManager::Save(int64_t step, lm::CausalLM& model,
+                                     const DistributedOptimizer& optimizer, nlohmann::json state,
+                                     const std::vector<std::string>& model_extra_files,
+                                     lm::dist::ProcessGroup& group) {
+  const std::string final_dir = dir_ + "/" + StepDirName(step);
+  // Rank 0 decides and names the temporary directory; every rank then writes into it.
+  std::string tmp;
+  absl::Status prepared = absl::OkStatus();
+  if (group.is_root()) {
+    if (!fs::exists(fs::path(final_dir) / kStateFile)) {
+      tmp = absl::StrCat(dir_, "/", kTmpPrefix, StepDirName(step), "-", ::getpid());
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+      fs::create_directories(tmp + "/model", ec);
+      if (ec) prepared = absl::InternalError(absl::StrCat(tmp, ": cannot create: ", ec.message()));
+    }
+  }
+  RETURN_IF_ERROR(AgreeOnOutcome(prepared, group, "creating the checkpoint directory"));
+  RETURN_IF_ERROR(group.BroadcastBytes(&tmp));
+  if (tmp.empty()) return absl::OkStatus();  // a complete checkpoint of this step exists
+
+  auto write = [&]() -> absl::Status {
+    RETURN_IF_ERROR(optimizer.SaveState(tmp));
+    if (!group.is_root()) return absl::OkStatus();
+    lm::SaveOptions save;
+    save.dtype = torch::kFloat32;  // master weights: an exact resume needs every bit
+    RETURN_IF_ERROR(lm::SaveModel(model, tmp + "/model", save));
+    RETURN_IF_ERROR(CopyFiles(model_extra_files, tmp + "/model"));
+    state["version"] = kTrainerStateVersion;
+    state["step"] = step;
+    state["optimizer_steps"] = optimizer.steps();
+    state["world_size"] = group.size();
+    return WriteFileAtomic(tmp + "/" + kStateFile, state.dump(2) + "\n");
+  };
+  RETURN_IF_ERROR(AgreeOnOutcome(write(), group, "writing the checkpoint"));
+
+  absl::Status published = absl::OkStatus();
+  if (group.is_root()) {
+    published = [&]() -> absl::Status {
+      RETURN_IF_ERROR(SyncTree(tmp));  // every rank's shard is written: flush all, then rename
+      std::error_code ec;
+      fs::remove_all(final_dir, ec);  // an incomplete directory of that name, if any
+      fs::rename(tmp, final_dir, ec);
+      if (ec)
+        return absl::InternalError(absl::StrCat(final_dir, ": rename failed: ", ec.message()));
+      RETURN_IF_ERROR(SyncPath(dir_));
+      Prune();
+      return absl::OkStatus();
+    }();
+  }
+  return AgreeOnOutcome(published, group, "publishing the checkpoint");
 }
 
 std::vector<std::pair<int64_t, std::string>> CheckpointManager::List() const {
@@ -170,16 +201,6 @@ absl::StatusOr<nlohmann::json> ReadTrainerState(const std::string& checkpoint_di
                                                       j.value("version", 0), ", expected ",
                                                       kTrainerStateVersion));
   return j;
-}
-
-absl::Status LoadOptimizerState(const std::string& checkpoint_dir, int64_t steps,
-                                AdamW* optimizer) {
-  ASSIGN_OR_RETURN(auto file, lm::SafetensorsFile::Open(checkpoint_dir + "/" + kOptimizerFile));
-  std::map<std::string, torch::Tensor> tensors;
-  for (const auto& [name, view] : file->tensors()) tensors[name] = lm::TensorFromView(view, file);
-  absl::Status s = optimizer->LoadState(tensors, steps);
-  if (!s.ok()) return absl::DataLossError(absl::StrCat(file->path(), ": ", s.message()));
-  return absl::OkStatus();
 }
 
 nlohmann::json CaptureRngState() {

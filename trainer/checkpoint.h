@@ -3,13 +3,17 @@
 //   step_000100/
 //     model/                  HF model directory (lm::SaveModel, fp32: the master weights),
 //                             plus the tokenizer files, so transformers loads it as it is
-//     optimizer.safetensors   AdamW moments by parameter name (exp_avg.<name>, exp_avg_sq.<name>)
+//     optimizer.safetensors   AdamW moments by parameter name (exp_avg.<name>, exp_avg_sq.<name>),
+//                             or with N ranks optimizer-RRRRR-of-NNNNN.safetensors, one per rank
+//                             (trainer/parallel.h); either loads on any world size
 //     trainer_state.json      step, scheduler, RNG states, data cursor, counters, config (the job
 //                             decides what goes in; see trainer/sft.cc)
 //
 // Written under a temporary name (.tmp-step_000100), flushed to disk, then renamed: a crash
 // mid-write leaves a .tmp- directory that is never mistaken for a checkpoint (and is removed by
-// the next run). After each save only the last `keep_last` checkpoints are kept.
+// the next run). After each save only the last `keep_last` checkpoints are kept. With several ranks
+// (a shared file system) rank 0 writes the model and the state, every rank its optimizer shard,
+// and rank 0 renames the directory once every shard is on disk.
 #pragma once
 
 #include <cstdint>
@@ -20,7 +24,11 @@
 #include "absl/status/statusor.h"
 #include "lm/model/model.h"
 #include "nlohmann/json.hpp"
-#include "trainer/optim.h"
+#include "trainer/parallel.h"
+
+namespace lm::dist {
+class ProcessGroup;
+}
 
 namespace trainer {
 
@@ -34,10 +42,11 @@ class CheckpointManager {
       : dir_(std::move(dir)), keep_last_(keep_last) {}
 
   // Saves a checkpoint for `step` (a no-op when a complete one for that step exists). `state`
-  // becomes trainer_state.json (a "version" and "step" are added); `model_extra_files` (tokenizer
-  // files) are copied into model/.
-  absl::Status Save(int64_t step, lm::CausalLM& model, const AdamW& optimizer, nlohmann::json state,
-                    const std::vector<std::string>& model_extra_files);
+  // becomes trainer_state.json (a "version", "step" and "world_size" are added);
+  // `model_extra_files` (tokenizer files) are copied into model/. Collective over `group`.
+  absl::Status Save(int64_t step, lm::CausalLM& model, const DistributedOptimizer& optimizer,
+                    nlohmann::json state, const std::vector<std::string>& model_extra_files,
+                    lm::dist::ProcessGroup& group);
 
   // Complete checkpoints, oldest first: (step, directory).
   std::vector<std::pair<int64_t, std::string>> List() const;
@@ -56,8 +65,6 @@ class CheckpointManager {
 
 // A checkpoint's trainer_state.json (its version checked).
 absl::StatusOr<nlohmann::json> ReadTrainerState(const std::string& checkpoint_dir);
-// Restores AdamW moments and step count from a checkpoint.
-absl::Status LoadOptimizerState(const std::string& checkpoint_dir, int64_t steps, AdamW* optimizer);
 
 // The default generators' states (CPU, and CUDA when present) as JSON (base64), and back.
 nlohmann::json CaptureRngState();

@@ -2,10 +2,12 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <csignal>
 #include <filesystem>
 #include <future>
+#include <limits>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
@@ -27,6 +29,7 @@
 #include "trainer/metrics.h"
 #include "trainer/opd_loss.h"
 #include "trainer/optim.h"
+#include "trainer/parallel.h"
 #include "trainer/progress.h"
 #include "trainer/rollout_pool.h"
 #include "trainer/run_dir.h"
@@ -58,6 +61,7 @@ struct StepStats {
   // sample_s is the wait for this step's samples; sample_work_s how long sampling them took
   // (the same when synchronous; with one-step-off the work overlapped the previous step).
   double sample_s = 0, sample_work_s = 0, score_s = 0, learn_s = 0, push_s = 0, step_s = 0;
+  opd::SampleStats samples;  // weight-version lag and truncation of the step's samples
 };
 
 // Response positions of one micro-batch: rows of the packed hidden states that predict the
@@ -108,6 +112,13 @@ class OpdJob {
   nlohmann::json TrainerState() const;
   absl::Status SaveCheckpoint();
   absl::Status StopForSignal();
+  absl::Status FailStep(const absl::Status& error, const std::string& what);
+
+ public:
+  // After an exception escaped Run(): checkpoints the last completed step when it can.
+  void CheckpointAfterException();
+
+ private:
 
   OpdConfig c_;
   RunDir run_;
@@ -118,7 +129,8 @@ class OpdJob {
   std::unique_ptr<lm::Tokenizer> tokenizer_;
   std::unique_ptr<lm::PromptDataset> prompts_;
   std::shared_ptr<lm::CausalLM> model_;
-  std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<lm::dist::ProcessGroup> group_ = std::make_unique<lm::dist::ProcessGroup>();
+  std::unique_ptr<DistributedOptimizer> optimizer_;
   CosineSchedule schedule_;
   std::unique_ptr<MetricsLogger> metrics_;
   std::unique_ptr<Progress> progress_;
@@ -126,6 +138,8 @@ class OpdJob {
   std::unique_ptr<opd::TeacherPool> teachers_;
   std::unique_ptr<opd::ConvergenceTracker> tracker_;
   std::unique_ptr<LearnerServer> admin_;
+  // Ends every Generate/Score/UpdateWeights in flight when the job stops (a signal or a failure).
+  std::shared_ptr<opd::rpc::CallCanceller> canceller_ = std::make_shared<opd::rpc::CallCanceller>();
   opd::SampledTokenLossOptions loss_opts_;
   opd::TopKDivergence divergence_ = opd::TopKDivergence::kMixed;
 
@@ -145,7 +159,7 @@ absl::Status OpdJob::LoadStudent(const std::string& dir) {
   model_->train();
   std::vector<std::pair<std::string, torch::Tensor>> params;
   for (auto& p : model_->named_parameters()) params.emplace_back(p.key(), p.value());
-  optimizer_ = std::make_unique<AdamW>(params, c_.optim);
+  ASSIGN_OR_RETURN(optimizer_, DistributedOptimizer::Create(params, c_.optim, group_.get()));
   return absl::OkStatus();
 }
 
@@ -176,6 +190,7 @@ absl::Status OpdJob::ConnectRollout() {
   base.secret = secret_;
   base.tls = ClientTls(c_.auth);
   base.timeout = absl::Seconds(c_.rollout.timeout_s);
+  base.canceller = canceller_;
   ASSIGN_OR_RETURN(rollout_,
                    opd::RolloutPool::Connect(c_.rollout.endpoints, base, tokenizer_->Fingerprint(),
                                              model_->config().vocab_size));
@@ -188,6 +203,7 @@ absl::Status OpdJob::StartStage(size_t index, bool resumed) {
   po.client.secret = secret_;
   po.client.tls = ClientTls(c_.auth);
   po.client.timeout = absl::Seconds(c_.train.teacher_timeout_s);
+  po.client.canceller = canceller_;
   opd::TeacherRequirements req{tokenizer_->Fingerprint(), model_->config().vocab_size};
   ASSIGN_OR_RETURN(teachers_, opd::TeacherPool::Connect(s.name, s.teachers, req, po));
   if (!resumed) {
@@ -209,16 +225,27 @@ absl::Status OpdJob::StartStage(size_t index, bool resumed) {
 // Applies a teacher swap requested through the admin RPC (already checked by the handler).
 absl::Status OpdJob::ApplyPendingSwap() {
   if (!admin_) return absl::OkStatus();
-  auto swap = admin_->TakePendingSwap();
-  if (!swap) return absl::OkStatus();
-  for (auto& s : c_.stages) {
-    if (s.name != swap->stage) continue;
-    s.teachers = swap->endpoints;
-    swapped_[s.name] = s.teachers;
-    if (&s == &c_.stages[stage_]) teachers_ = std::move(swap->pool);
-    progress_->Log(absl::StrFormat("teacher swap applied at step %d: stage '%s' now uses %s", step_,
-                                   s.name, absl::StrJoin(s.teachers, ", ")));
-  }
+  // Connected and checked here, on the training thread at a step boundary, with the options of
+  // the running stage's pool (teacher_timeout_s, TLS, secret, the stop canceller); the caller of
+  // swap-teacher is answered with the outcome. A refused swap leaves the teachers as they were.
+  admin_->ServePendingSwap([this](const SwapRequest& swap) -> absl::Status {
+    const opd::TeacherRequirements req{tokenizer_->Fingerprint(), model_->config().vocab_size};
+    ASSIGN_OR_RETURN(std::unique_ptr<opd::TeacherPool> pool,
+                     opd::TeacherPool::Connect(swap.stage, swap.endpoints, req,
+                                               teachers_->options()));
+    for (auto& s : c_.stages) {
+      if (s.name != swap.stage) continue;
+      s.teachers = swap.endpoints;
+      swapped_[s.name] = s.teachers;
+      if (&s == &c_.stages[stage_]) {
+        teachers_ = std::move(pool);
+        tracker_->RestartWindow();  // KL to the new teachers is not comparable with the old ones
+      }
+      progress_->Log(absl::StrFormat("teacher swap applied at step %d: stage '%s' now uses %s",
+                                     step_, s.name, absl::StrJoin(s.teachers, ", ")));
+    }
+    return absl::OkStatus();
+  });
   return absl::OkStatus();
 }
 
@@ -338,6 +365,8 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<opd::rpc::ScoreO
     st->max_response = std::max<int64_t>(st->max_response, static_cast<int64_t>(s.tokens.size()));
   }
   const double normaliser = static_cast<double>(std::max<int64_t>(st->response_tokens, 1));
+  const auto& nan_steps = c_.debug.nan_steps;
+  const bool poison = std::find(nan_steps.begin(), nan_steps.end(), step_ + 1) != nan_steps.end();
   lm::LogprobOptions lo;
   lo.temperature = c_.rollout.temperature;
   AutocastGuard autocast(device_.is_cuda());
@@ -373,16 +402,17 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<opd::rpc::ScoreO
     } else {
       loss = opd::SampledTokenLoss(lp, lp_old, lp_teacher, normaliser, loss_opts_, &st->loss);
     }
+    if (poison) loss = loss * std::numeric_limits<double>::quiet_NaN();  // debug.nan_steps
     loss.backward();
     st->loss_value += loss.item<double>();
     st->teacher_lp_sum += lp_teacher.sum().item<double>();
     st->student_lp_sum += lp.detach().sum().item<double>();
     st->entropy_sum += entropy.sum().item<double>();
   }
-  st->grad_norm = ClipGradNorm(optimizer_->params(), c_.optim.max_grad_norm);
+  ASSIGN_OR_RETURN(st->grad_norm, optimizer_->ReduceAndClip(c_.optim.max_grad_norm));
   st->lr = schedule_.LrAt(step_);
   st->skipped = !std::isfinite(st->loss_value) || !std::isfinite(st->grad_norm);
-  if (!st->skipped) optimizer_->Step(st->lr);
+  if (!st->skipped) RETURN_IF_ERROR(optimizer_->Step(st->lr));
   optimizer_->ZeroGrad();
   st->learn_s = Seconds(t0);
   return absl::OkStatus();
@@ -420,6 +450,9 @@ void OpdJob::LogStep(const StepStats& st) {
                  {"optim/skipped", st.skipped ? 1.0 : 0.0},
                  {"time/sample_s", st.sample_s},
                  {"time/sample_work_s", st.sample_work_s},
+                 {"rollout/staleness_mean", st.samples.staleness_mean},
+                 {"rollout/staleness_max", st.samples.staleness_max},
+                 {"rollout/truncated_frac", st.samples.truncated_frac},
                  {"time/score_s", st.score_s},
                  {"time/learn_s", st.learn_s},
                  {"time/push_s", st.push_s},
@@ -467,7 +500,8 @@ absl::Status OpdJob::SaveCheckpoint() {
   const auto t0 = Clock::now();
   const std::string tok = c_.model.tokenizer.empty() ? c_.model.path : c_.model.tokenizer;
   RETURN_IF_ERROR(
-      checkpoints_.Save(step_, *model_, *optimizer_, TrainerState(), TokenizerFiles(tok)));
+      checkpoints_.Save(step_, *model_, *optimizer_, TrainerState(), TokenizerFiles(tok),
+                        *group_));
   last_checkpoint_step_ = step_;
   progress_->Log(absl::StrFormat("step %d: checkpoint %s/%s (%.1fs)", step_, checkpoints_.dir(),
                                  StepDirName(step_), Seconds(t0)));
@@ -485,13 +519,44 @@ absl::Status OpdJob::StopForSignal() {
                       sig == SIGINT ? "SIGINT" : "SIGTERM", step_));
 }
 
+// A step that cannot finish. When a stop signal is what failed it, stops as for the signal;
+// otherwise ends the calls still in flight (the one-step-off prefetch), checkpoints the last
+// completed step and returns the error saying what failed.
+absl::Status OpdJob::FailStep(const absl::Status& error, const std::string& what) {
+  if (StopRequested()) return StopForSignal();
+  canceller_->Cancel();
+  progress_->Log(absl::StrFormat("%s failed: %s; writing a checkpoint of step %d", what,
+                                 error.message(), step_));
+  const absl::Status saved = SaveCheckpoint();
+  return absl::Status(
+      error.code(),
+      absl::StrCat(what, " failed: ", error.message(),
+                   saved.ok() ? absl::StrFormat("; step %d is checkpointed, resume with the same "
+                                                "command once the cause is fixed",
+                                                step_)
+                              : absl::StrCat("; the checkpoint failed too: ", saved.message())));
+}
+
+void OpdJob::CheckpointAfterException() {
+  canceller_->Cancel();
+  try {
+    optimizer_->ZeroGrad();  // a half-done step's gradients are not part of the state
+    if (absl::Status s = SaveCheckpoint(); !s.ok())
+      lm::log::Error(absl::StrCat("checkpoint after the error failed: ", s.message()));
+  } catch (const std::exception& e) {
+    lm::log::Error(absl::StrCat("checkpoint after the error failed: ", e.what()));
+  }
+}
+
 absl::Status OpdJob::Resume(const std::string& checkpoint) {
   ASSIGN_OR_RETURN(nlohmann::json state, ReadTrainerState(checkpoint));
   if (state.value("job", "") != "opd")
     return absl::FailedPreconditionError(checkpoint + ": not an OPD checkpoint");
   RETURN_IF_ERROR(LoadStudent(checkpoint + "/model"));
   step_ = state.at("step").get<int64_t>();
-  RETURN_IF_ERROR(LoadOptimizerState(checkpoint, optimizer_->steps() + step_, optimizer_.get()));
+  // AdamW's bias correction counts the updates applied, not the steps run: a skipped
+  // (non-finite) step made no update, so step_ would overcount it.
+  RETURN_IF_ERROR(optimizer_->LoadState(checkpoint, state.at("optimizer_steps").get<int64_t>()));
   RETURN_IF_ERROR(RestoreRngState(state.at("rng")));
   ASSIGN_OR_RETURN(cursor_, lm::DataCursor::FromJson(state.at("data_cursor").dump()));
   weight_version_ = state.at("weight_version").get<int64_t>();
@@ -573,9 +638,6 @@ absl::Status OpdJob::Init(const JobArgs& args) {
     ao.listen = c_.admin.listen;
     ao.secret = secret_;
     ao.port_file = c_.admin.port_file;
-    ao.requirements = {tokenizer_->Fingerprint(), model_->config().vocab_size};
-    ao.client.secret = secret_;
-    ao.client.tls = ClientTls(c_.auth);
     ao.tls = AdminTls(c_.auth);
     ao.insecure = c_.admin.insecure;
     for (const auto& s : c_.stages) ao.stages.push_back(s.name);
@@ -597,6 +659,8 @@ absl::Status OpdJob::Init(const JobArgs& args) {
 
 absl::Status OpdJob::Run() {
   InstallStopHandlers();
+  // The signal handler only sets a flag; this ends the calls in flight (deadlines up to an hour).
+  StopCallback cancel_calls([c = canceller_] { c->Cancel(); });
   std::optional<std::future<absl::StatusOr<Rollouts>>> prefetch;
   auto launch = [this] {
     lm::DataCursor after;
@@ -612,24 +676,27 @@ absl::Status OpdJob::Run() {
     StepStats st;
     auto current = prefetch ? std::move(*prefetch) : launch();
     prefetch.reset();
-    ASSIGN_OR_RETURN(Rollouts r, current.get());
+    absl::StatusOr<Rollouts> sampled = current.get();
+    if (!sampled.ok()) return FailStep(sampled.status(), "sampling");
+    Rollouts r = std::move(*sampled);
     st.sample_s = Seconds(t0);
     st.sample_work_s = r.seconds;
+    st.samples = opd::SummarizeSamples(r.samples, weight_version_);
     // One-step-off: the next step's sampling runs on the current weights while this step learns.
     if (c_.train.async) prefetch = launch();
     auto t1 = Clock::now();
     auto scores = Score(r);
-    if (!scores.ok()) {
-      if (absl::IsCancelled(scores.status()) && StopRequested()) return StopForSignal();
-      return scores.status();
-    }
+    if (!scores.ok()) return FailStep(scores.status(), "scoring");
     st.score_s = Seconds(t1);
-    if (absl::Status s = Learn(r, *scores, &st); !s.ok()) {
-      if (absl::IsCancelled(s) && StopRequested()) return StopForSignal();
-      return s;
-    }
+    if (absl::Status s = Learn(r, *scores, &st); !s.ok()) return FailStep(s, "learning");
     t1 = Clock::now();
-    RETURN_IF_ERROR(PushWeights());
+    if (absl::Status pushed = PushWeights(); !pushed.ok()) {
+      // The update is in the learner's weights: the step is complete, only its distribution
+      // failed (a resumed job pushes its weights first), so the checkpoint is of this step.
+      ++step_;
+      cursor_ = r.cursor_after;
+      return FailStep(pushed, "the weight push");
+    }
     st.push_s = Seconds(t1);
     st.step_s = Seconds(t0);
     ++step_;
@@ -670,13 +737,25 @@ absl::Status OpdJob::Run() {
 
 absl::Status RunOpd(const OpdConfig& config, const JobArgs& args) {
   RETURN_IF_ERROR(ValidateOpdConfig(config));
+  for (const std::string& w : OpdConfigWarnings(config)) lm::log::Warn(w);
   ASSIGN_OR_RETURN(RunDir run, RunDir::Open(config.run.dir));
   const std::string yaml = EncodeConfig(config);
   RETURN_IF_ERROR(run.SaveConfig(yaml));
   lm::log::Info(absl::StrCat("opd-trainer opd: run directory ", run.path()));
   OpdJob job(config, run, yaml);
-  RETURN_IF_ERROR(job.Init(args));
-  return job.Run();
+  // A torch or JSON exception (a bad tensor shape, a trainer state without a field) becomes an
+  // error naming it instead of aborting; after Init, the last completed step is checkpointed.
+  try {
+    RETURN_IF_ERROR(job.Init(args));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("while starting the job: ", e.what()));
+  }
+  try {
+    return job.Run();
+  } catch (const std::exception& e) {
+    job.CheckpointAfterException();
+    return absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
+  }
 }
 
 int OpdMain(const std::vector<std::string>& words) {

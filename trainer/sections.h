@@ -69,4 +69,19 @@ void VisitFields(V& v, LoggingConfig& c) {
   v("tensorboard", c.tensorboard);
 }
 
+// Several learner ranks (data parallel over c10d; trainer/parallel.h). The launcher's environment
+// (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) says how many; these say how.
+struct DistConfig {
+  std::string backend = "auto";  // auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+  double timeout_s = 600;        // a collective (or the rendezvous) fails after this long
+  double bucket_mb = 32;         // gradient all-reduce bucket size
+};
+
+template <class V>
+void VisitFields(V& v, DistConfig& c) {
+  v("backend", c.backend);
+  v("timeout_s", c.timeout_s);
+  v("bucket_mb", c.bucket_mb);
+}
+
 }  // namespace trainer

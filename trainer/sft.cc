@@ -12,6 +12,8 @@
 #include <memory>
 #include <thread>
 
+#include <unistd.h>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "lm/data/jsonl.h"
@@ -28,6 +30,7 @@
 #include "trainer/job_util.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
+#include "trainer/parallel.h"
 #include "trainer/progress.h"
 #include "trainer/run_dir.h"
 #include "trainer/sft_data.h"
@@ -128,11 +131,12 @@ class SftJob {
   torch::Tensor MicroBatchLoss(const HostMicroBatch& mb, const StepBatch& b, double* ce_sum,
                                double* aux);
   absl::Status AfterStep(const StepOutcome& o, const StepBatch& b, double seconds);
-  double Evaluate(int64_t* tokens);
-  void LogEval();
+  absl::StatusOr<double> Evaluate(int64_t* tokens);
+  absl::Status LogEval();
   nlohmann::json TrainerState() const;
   absl::Status SaveCheckpoint();
   absl::Status StopForSignal();
+  absl::StatusOr<bool> StopAgreed();
   void WriteSummary(double wall_s);
 
   SftConfig c_;
@@ -140,12 +144,13 @@ class SftJob {
   std::string config_yaml_;
   CheckpointManager checkpoints_;
   torch::Device device_{torch::kCPU};
+  std::unique_ptr<lm::dist::ProcessGroup> group_;  // the job's ranks (one: the trivial group)
   std::unique_ptr<lm::Tokenizer> tokenizer_;
   std::unique_ptr<lm::SftDataset> train_, eval_;
   std::vector<HostMicroBatch> eval_set_;
   std::shared_ptr<lm::CausalLM> model_;
-  std::unique_ptr<AdamW> optimizer_;
-  std::unique_ptr<MetricsLogger> metrics_;
+  std::unique_ptr<DistributedOptimizer> optimizer_;
+  std::unique_ptr<MetricsLogger> metrics_;  // rank 0 only
   std::unique_ptr<Progress> progress_;
   std::unique_ptr<std::ofstream> batch_dump_;
   CosineSchedule schedule_;
@@ -219,7 +224,10 @@ absl::Status SftJob::LoadModel(const std::string& dir) {
     params.emplace_back(p.key(), p.value());
     count += p.value().numel();
   }
-  optimizer_ = std::make_unique<AdamW>(params, c_.optim);
+  ASSIGN_OR_RETURN(optimizer_,
+                   DistributedOptimizer::Create(
+                       params, c_.optim, group_.get(),
+                       static_cast<int64_t>(c_.dist.bucket_mb * (1 << 20) / sizeof(float))));
   lm::log::Info(
       absl::StrFormat("model %s: %s, %d parameters (%d tensors with weight decay, %d without), aux "
                       "loss coef %g, device %s",
@@ -277,13 +285,15 @@ absl::Status SftJob::Resume(const std::string& checkpoint) {
   ASSIGN_OR_RETURN(cursor_, lm::DataCursor::FromJson(state.at("data_cursor").dump()));
   RETURN_IF_ERROR(train_->Seek(cursor_));
   RETURN_IF_ERROR(
-      LoadOptimizerState(checkpoint, state.at("optimizer_steps").get<int64_t>(), optimizer_.get()));
+      optimizer_->LoadState(checkpoint, state.at("optimizer_steps").get<int64_t>()));
   RETURN_IF_ERROR(RestoreRngState(state.at("rng")));
   nonfinite_consecutive_ = state.at("nonfinite").at("consecutive").get<int64_t>();
   nonfinite_total_ = state.at("nonfinite").at("total").get<int64_t>();
   tokens_seen_ = state.at("tokens_seen").get<int64_t>();
   trained_tokens_seen_ = state.at("trained_tokens_seen").get<int64_t>();
-  first_eval_loss_ = state.value("first_eval_loss", std::nan(""));
+  // null when no evaluation has run yet (or none is configured): json::value would throw on it.
+  const nlohmann::json& first_eval = state.value("first_eval_loss", nlohmann::json());
+  first_eval_loss_ = first_eval.is_number() ? first_eval.get<double>() : std::nan("");
   last_checkpoint_step_ = step_;
   last_eval_step_ = step_;  // an evaluation due at this step ran before the checkpoint was written
   lm::log::Info(absl::StrCat("resumed from ", checkpoint, " at step ", step_));
@@ -292,9 +302,24 @@ absl::Status SftJob::Resume(const std::string& checkpoint) {
 
 absl::Status SftJob::Init(const JobArgs& args) {
   if (c_.train.threads > 0) torch::set_num_threads(static_cast<int>(c_.train.threads));
-  ASSIGN_OR_RETURN(device_, PickDevice(c_.train.device));
-  checkpoints_.RemoveIncomplete();
-  ASSIGN_OR_RETURN(const std::string resume_from, FindResumeCheckpoint(args));
+  ASSIGN_OR_RETURN(LearnerPlacement placement,
+                   JoinLearnerGroup(c_.train.device, c_.dist.timeout_s, c_.dist.backend));
+  device_ = placement.device;
+  group_ = std::move(placement.group);
+  if (group_->is_root()) checkpoints_.RemoveIncomplete();
+  // Rank 0 picks the checkpoint (after cleaning up) and every rank resumes from that one.
+  std::string resume_from;
+  absl::Status found = absl::OkStatus();
+  if (group_->is_root()) {
+    absl::StatusOr<std::string> r = FindResumeCheckpoint(args);
+    found = r.status();
+    if (r.ok()) resume_from = *r;
+  }
+  std::string verdict = found.ok() ? "" : std::string(found.message());
+  RETURN_IF_ERROR(group_->BroadcastBytes(&verdict));
+  if (!found.ok()) return found;
+  if (!verdict.empty()) return absl::FailedPreconditionError("rank 0: " + verdict);
+  RETURN_IF_ERROR(group_->BroadcastBytes(&resume_from));
   RETURN_IF_ERROR(LoadData());
   schedule_ = {c_.optim.lr, c_.optim.min_lr, c_.optim.warmup_steps, 1};
   ASSIGN_OR_RETURN(schedule_.total_steps, PlanSteps());
@@ -306,6 +331,9 @@ absl::Status SftJob::Init(const JobArgs& args) {
     RETURN_IF_ERROR(Resume(resume_from));
   }
   PrepareEvalSet();
+  progress_ = std::make_unique<Progress>(schedule_.total_steps, c_.logging.log_every,
+                                         group_->is_root() && ::isatty(STDERR_FILENO) == 1);
+  if (!group_->is_root()) return absl::OkStatus();  // rank 0 writes the run's records
   ASSIGN_OR_RETURN(MetricsLogger m,
                    MetricsLogger::Open(run_.metrics_jsonl(), run_.tensorboard(),
                                        c_.logging.tensorboard, resume_from.empty() ? -1 : step_));
@@ -315,7 +343,6 @@ absl::Status SftJob::Init(const JobArgs& args) {
     batch_dump_ = std::make_unique<std::ofstream>(
         run_.debug() + "/batches.jsonl", resume_from.empty() ? std::ios::trunc : std::ios::app);
   }
-  progress_ = std::make_unique<Progress>(schedule_.total_steps, c_.logging.log_every);
   return absl::OkStatus();
 }
 
@@ -379,28 +406,38 @@ absl::StatusOr<StepOutcome> SftJob::TrainStep(const StepBatch& b) {
   const bool poison = std::find(c_.debug.nan_steps.begin(), c_.debug.nan_steps.end(), this_step) !=
                       c_.debug.nan_steps.end();
   double ce_total = 0, aux_total = 0;
-  for (const HostMicroBatch& mb : b.micro) {
-    if (StopRequested()) {
+  // Rank r runs micro-batches r, r + N, ...; each backpropagates its tokens over the step's
+  // global count, so the gradients summed over ranks are the one-process gradient.
+  const int rank = group_->rank(), ranks = group_->size();
+  for (size_t i = static_cast<size_t>(rank); i < b.micro.size(); i += static_cast<size_t>(ranks)) {
+    // One process may abandon a step at any micro-batch; ranks agree on stops between steps.
+    if (ranks == 1 && StopRequested()) {
       optimizer_->ZeroGrad();
       o.abandoned = true;
       return o;
     }
     double ce = 0, aux = 0;
-    torch::Tensor loss = MicroBatchLoss(mb, b, &ce, &aux);
+    torch::Tensor loss = MicroBatchLoss(b.micro[i], b, &ce, &aux);
     if (poison) {
       loss = loss * std::numeric_limits<double>::quiet_NaN();  // debug hook: NaN loss and grads
       ce = std::numeric_limits<double>::quiet_NaN();
     }
     loss.backward();
+    if (rank == c_.debug.kill_rank && this_step == c_.debug.kill_at_step) {
+      lm::log::Warn(absl::StrFormat("debug.kill_rank: rank %d kills itself in step %d", rank,
+                                    this_step));
+      std::raise(SIGKILL);
+    }
     ce_total += ce;
     aux_total += aux;
   }
-  o.loss = ce_total / static_cast<double>(std::max<int64_t>(b.trained, 1));
-  o.aux_loss = aux_total / static_cast<double>(b.micro.size());
-  o.grad_norm = ClipGradNorm(optimizer_->params(), c_.optim.max_grad_norm);
+  ASSIGN_OR_RETURN(std::vector<double> sums, group_->AllReduceDoubles({ce_total, aux_total}));
+  o.loss = sums[0] / static_cast<double>(std::max<int64_t>(b.trained, 1));
+  o.aux_loss = sums[1] / static_cast<double>(b.micro.size());
+  ASSIGN_OR_RETURN(o.grad_norm, optimizer_->ReduceAndClip(c_.optim.max_grad_norm));
   o.lr = schedule_.LrAt(step_);
   o.skipped = !std::isfinite(o.loss) || !std::isfinite(o.aux_loss) || !std::isfinite(o.grad_norm);
-  if (!o.skipped) optimizer_->Step(o.lr);
+  if (!o.skipped) RETURN_IF_ERROR(optimizer_->Step(o.lr));
   optimizer_->ZeroGrad();
   return o;
 }
@@ -417,7 +454,8 @@ absl::Status SftJob::AfterStep(const StepOutcome& o, const StepBatch& b, double 
   nonfinite_consecutive_ = o.skipped ? nonfinite_consecutive_ + 1 : 0;
   nonfinite_total_ += o.skipped ? 1 : 0;
   const double tps = static_cast<double>(b.tokens) / seconds;
-  metrics_->Log(step_, {{"train/loss", o.loss},
+  if (metrics_)
+    metrics_->Log(step_, {{"train/loss", o.loss},
                         {"train/aux_loss", o.aux_loss},
                         {"train/lr", o.lr},
                         {"train/grad_norm", o.grad_norm},
@@ -443,12 +481,14 @@ absl::Status SftJob::AfterStep(const StepOutcome& o, const StepBatch& b, double 
   return absl::OkStatus();
 }
 
-double SftJob::Evaluate(int64_t* tokens) {
+// The held-out loss; each rank evaluates its share of the set and the sums are combined.
+absl::StatusOr<double> SftJob::Evaluate(int64_t* tokens) {
   torch::NoGradGuard no_grad;
   AutocastGuard autocast(device_.is_cuda());
-  double sum = 0;
-  int64_t count = 0;
-  for (const HostMicroBatch& mb : eval_set_) {
+  double sum = 0, count = 0;
+  for (size_t i = static_cast<size_t>(group_->rank()); i < eval_set_.size();
+       i += static_cast<size_t>(group_->size())) {
+    const HostMicroBatch& mb = eval_set_[i];
     if (mb.trained() == 0) continue;
     torch::Tensor hidden = model_->Forward(ToDevice(mb, device_));
     auto rows = torch::tensor(mb.rows, torch::kInt64).to(device_);
@@ -456,23 +496,26 @@ double SftJob::Evaluate(int64_t* tokens) {
     sum -= lm::TokenLogprobs(hidden.index_select(0, rows), model_->LmHeadWeight(), targets)
                .sum()
                .item<double>();
-    count += mb.trained();
+    count += static_cast<double>(mb.trained());
   }
-  *tokens = count;
-  return count > 0 ? sum / static_cast<double>(count) : std::nan("");
+  ASSIGN_OR_RETURN(std::vector<double> total, group_->AllReduceDoubles({sum, count}));
+  *tokens = static_cast<int64_t>(total[1]);
+  return total[1] > 0 ? total[0] / total[1] : std::nan("");
 }
 
-void SftJob::LogEval() {
-  if (eval_set_.empty() || last_eval_step_ == step_) return;
+absl::Status SftJob::LogEval() {
+  if (eval_set_.empty() || last_eval_step_ == step_) return absl::OkStatus();
   const auto t0 = Clock::now();
   int64_t tokens = 0;
-  const double loss = Evaluate(&tokens);
+  ASSIGN_OR_RETURN(const double loss, Evaluate(&tokens));
   if (std::isnan(first_eval_loss_)) first_eval_loss_ = loss;
   last_eval_loss_ = loss;
   last_eval_step_ = step_;
-  metrics_->Log(step_, {{"eval/loss", loss}, {"eval/tokens", static_cast<double>(tokens)}});
+  if (metrics_)
+    metrics_->Log(step_, {{"eval/loss", loss}, {"eval/tokens", static_cast<double>(tokens)}});
   progress_->Log(absl::StrFormat("step %d: held-out loss %.4f over %d tokens (%.1fs)", step_, loss,
                                  tokens, Seconds(t0)));
+  return absl::OkStatus();
 }
 
 nlohmann::json SftJob::TrainerState() const {
@@ -499,25 +542,34 @@ absl::Status SftJob::SaveCheckpoint() {
   if (last_checkpoint_step_ == step_) return absl::OkStatus();
   const auto t0 = Clock::now();
   RETURN_IF_ERROR(checkpoints_.Save(step_, *model_, *optimizer_, TrainerState(),
-                                    TokenizerFiles(TokenizerPath(c_))));
+                                    TokenizerFiles(TokenizerPath(c_)), *group_));
   last_checkpoint_step_ = step_;
   progress_->Log(absl::StrFormat("step %d: checkpoint %s/%s (%.1fs)", step_, checkpoints_.dir(),
                                  StepDirName(step_), Seconds(t0)));
   return absl::OkStatus();
 }
 
+// A signal on any rank stops every rank at the same step boundary.
+absl::StatusOr<bool> SftJob::StopAgreed() {
+  return group_->AnyRank(StopRequested());
+}
+
 absl::Status SftJob::StopForSignal() {
   const int sig = StopSignal();
+  const std::string what = sig == SIGINT    ? "SIGINT"
+                           : sig == SIGTERM ? "SIGTERM"
+                                            : "a stop signal on another rank";
   progress_->Log(absl::StrFormat(
-      "received %s: the step in progress is abandoned; writing a checkpoint of step %d",
-      sig == SIGINT ? "SIGINT" : "SIGTERM", step_));
+      "received %s: the step in progress is abandoned; writing a checkpoint of step %d", what,
+      step_));
   RETURN_IF_ERROR(SaveCheckpoint());
-  return absl::CancelledError(
-      absl::StrFormat("stopped by %s at step %d of %d; resume with the same command",
-                      sig == SIGINT ? "SIGINT" : "SIGTERM", step_, schedule_.total_steps));
+  return absl::CancelledError(absl::StrFormat(
+      "stopped by %s at step %d of %d; resume with the same command", what, step_,
+      schedule_.total_steps));
 }
 
 void SftJob::WriteSummary(double wall_s) {
+  if (!group_->is_root()) return;
   const nlohmann::json s = {
       {"steps", step_},
       {"total_steps", schedule_.total_steps},
@@ -528,6 +580,8 @@ void SftJob::WriteSummary(double wall_s) {
       {"tokens_per_s", step_seconds_sum_ > 0 ? step_tokens_sum_ / step_seconds_sum_ : 0.0},
       {"nonfinite_total", nonfinite_total_},
       {"peak_rss_mb", PeakRssMb()},
+      {"world_size", group_->size()},
+      {"optimizer_state_bytes_per_rank", optimizer_->state_bytes()},
       {"wall_s", wall_s}};
   (void)WriteFileAtomic(run_.path() + "/summary.json", s.dump(2) + "\n");
 }
@@ -541,22 +595,23 @@ absl::Status SftJob::Train() {
       step_ + 1, schedule_.total_steps, c_.train.global_batch_size,
       c_.train.global_batch_size / c_.train.micro_batch_size, c_.train.micro_batch_size,
       schedule_.peak_lr, schedule_.min_lr, schedule_.warmup_steps));
-  if (step_ == 0) LogEval();
+  if (step_ == 0) RETURN_IF_ERROR(LogEval());
   while (step_ < schedule_.total_steps) {
-    if (StopRequested()) return StopForSignal();
+    ASSIGN_OR_RETURN(const bool stop, StopAgreed());
+    if (stop) return StopForSignal();
     const auto t0 = Clock::now();
     StepBatch batch = NextStepBatch();
     DumpBatches(batch);
     ASSIGN_OR_RETURN(StepOutcome outcome, TrainStep(batch));
     if (outcome.abandoned) return StopForSignal();
     RETURN_IF_ERROR(AfterStep(outcome, batch, Seconds(t0)));
-    if (c_.eval.every > 0 && step_ % c_.eval.every == 0) LogEval();
+    if (c_.eval.every > 0 && step_ % c_.eval.every == 0) RETURN_IF_ERROR(LogEval());
     if (c_.checkpoint.every > 0 && step_ % c_.checkpoint.every == 0)
       RETURN_IF_ERROR(SaveCheckpoint());
     if (c_.debug.step_sleep_ms > 0)
       std::this_thread::sleep_for(std::chrono::milliseconds(c_.debug.step_sleep_ms));
   }
-  LogEval();
+  RETURN_IF_ERROR(LogEval());
   if (c_.checkpoint.at_end) RETURN_IF_ERROR(SaveCheckpoint());
   progress_->Finish();
   WriteSummary(Seconds(start));
@@ -571,10 +626,13 @@ absl::Status SftJob::Train() {
 
 absl::Status RunSft(const SftConfig& config, const JobArgs& args) {
   RETURN_IF_ERROR(ValidateSftConfig(config));
+  RETURN_IF_ERROR(ValidateDistConfig(config.dist));
+  ASSIGN_OR_RETURN(const lm::dist::LaunchEnv env, lm::dist::LaunchEnv::FromEnvironment());
+  lm::log::SetRank(env.rank, env.world_size);
   RETURN_IF_ERROR(CheckInputs(config));
   ASSIGN_OR_RETURN(RunDir run, RunDir::Open(config.run.dir));
   const std::string yaml = EncodeConfig(config);
-  RETURN_IF_ERROR(run.SaveConfig(yaml));
+  if (env.rank == 0) RETURN_IF_ERROR(run.SaveConfig(yaml));
   lm::log::Info(absl::StrCat("opd-trainer sft: run directory ", run.path(), ", resolved config in ",
                              run.config_file()));
   SftJob job(config, run, yaml);

@@ -103,6 +103,8 @@ struct SftDebugConfig {
   bool dump_batches = false;       // <run>/debug/batches.jsonl: every micro-batch's documents
   std::vector<int64_t> nan_steps;  // 1-based steps whose loss is poisoned with NaN
   int64_t step_sleep_ms = 0;       // pause after each step (makes kill tests deterministic)
+  int64_t kill_rank = -1;          // this rank SIGKILLs itself in step kill_at_step, after its
+  int64_t kill_at_step = 0;        // first backward (a rank lost mid-step)
 };
 
 template <class V>
@@ -110,6 +112,8 @@ void VisitFields(V& v, SftDebugConfig& c) {
   v("dump_batches", c.dump_batches);
   v("nan_steps", c.nan_steps);
   v("step_sleep_ms", c.step_sleep_ms);
+  v("kill_rank", c.kill_rank);
+  v("kill_at_step", c.kill_at_step);
 }
 
 struct SftConfig {
@@ -121,6 +125,7 @@ struct SftConfig {
   CheckpointConfig checkpoint;
   LoggingConfig logging;
   RunConfig run;
+  DistConfig dist;
   SftDebugConfig debug;
 };
 
@@ -134,11 +139,21 @@ void VisitFields(V& v, SftConfig& c) {
   v("checkpoint", c.checkpoint);
   v("logging", c.logging);
   v("run", c.run);
+  v("dist", c.dist);
   v("debug", c.debug);
 }
 
 // Checks that need no files: required fields, ranges, enumerations, divisibility. The error
 // names the key.
 absl::Status ValidateSftConfig(const SftConfig& c);
+
+// The sections `sft` and `opd` share (the student model, the optimizer, checkpoints, logging,
+// the run directory), checked the same way for both jobs; ValidateSftConfig and
+// ValidateOpdConfig call it.
+absl::Status ValidateSharedSections(const SftModelConfig& model, const OptimConfig& optim,
+                                    const CheckpointConfig& checkpoint,
+                                    const LoggingConfig& logging, const RunConfig& run);
+// A list of JSONL sources (data.train, data.eval, prompts.sources) under `key`.
+absl::Status ValidateSources(const std::string& key, const std::vector<SftSourceConfig>& sources);
 
 }  // namespace trainer

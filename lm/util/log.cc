@@ -4,6 +4,8 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <string>
+
 namespace lm::log {
 namespace {
 
@@ -33,6 +35,13 @@ void Error(std::string_view msg) {
 }
 void Debug(std::string_view msg) {
   Logger().debug("{}", msg);
+}
+
+void SetRank(int rank, int world_size) {
+  if (world_size <= 1) return;
+  Logger().set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%n] [%^%l%$] [rank " + std::to_string(rank) + "/" +
+                       std::to_string(world_size) + "] %v");
+  if (rank != 0) Logger().set_level(spdlog::level::warn);
 }
 
 bool AddFileSink(const std::string& path) {

@@ -12,6 +12,10 @@ void Warn(std::string_view msg);
 void Error(std::string_view msg);
 void Debug(std::string_view msg);
 
+// In a job of several ranks: every line names its rank, and ranks other than 0 log only warnings
+// and errors (rank 0 speaks for the job; the others report what goes wrong on them).
+void SetRank(int rank, int world_size);
+
 // Also append every message to `path` (a run directory's log file). Returns false on failure.
 bool AddFileSink(const std::string& path);
 

@@ -1,0 +1,353 @@
+// c10d's Gloo backend is compiled into libtorch_cpu; its header needs these switches and Gloo's
+// headers (Debian's libgloo-dev: only declarations are used, every member we touch is a pointer).
+#define USE_C10D_GLOO 1
+#define USE_DISTRIBUTED 1
+
+#include "lm/dist/process_group.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "lm/dist/backends.h"
+
+namespace lm::dist {
+namespace {
+
+std::string FirstLine(const std::string& s) {
+  const size_t nl = s.find('\n');
+  return nl == std::string::npos ? s : s.substr(0, nl);
+}
+
+// The message of whatever c10d threw, without LibTorch's C++ backtrace.
+std::string ErrorText(const std::exception& e) {
+  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e))
+    return FirstLine(c10->what_without_backtrace());
+  return FirstLine(e.what());
+}
+
+absl::StatusOr<int> IntFromEnv(const char* name, int fallback, bool* present = nullptr) {
+  const char* v = std::getenv(name);
+  if (present) *present = v != nullptr && *v != '\0';
+  if (v == nullptr || *v == '\0') return fallback;
+  int out = 0;
+  if (!absl::SimpleAtoi(v, &out))
+    return absl::InvalidArgumentError(absl::StrCat(name, "='", v, "' is not an integer"));
+  return out;
+}
+
+std::chrono::milliseconds Millis(absl::Duration d) {
+  return std::chrono::milliseconds(absl::ToInt64Milliseconds(d));
+}
+
+c10d::ReduceOp ToC10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kMax:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::kMin:
+      return c10d::ReduceOp::MIN;
+    case ReduceOp::kSum:
+      break;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+bool IsLoopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+
+// Rank 0's rendezvous socket, bound to MASTER_ADDR itself (not every interface: a test job on
+// 127.0.0.1 stays on loopback) and handed to the TCPStore, which takes ownership.
+absl::StatusOr<int> ListenOn(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* res = nullptr;
+  const std::string service = std::to_string(port);
+  if (int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &res); rc != 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("MASTER_ADDR='", host, "' does not resolve: ", gai_strerror(rc)));
+  std::string last_error = "no address";
+  for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 128) == 0) {
+      freeaddrinfo(res);
+      return fd;
+    }
+    last_error = std::strerror(errno);
+    ::close(fd);
+  }
+  freeaddrinfo(res);
+  return absl::UnavailableError(absl::StrCat("rank 0 cannot listen on MASTER_ADDR:MASTER_PORT ",
+                                             host, ":", port, ": ", last_error));
+}
+
+}  // namespace
+
+absl::StatusOr<LaunchEnv> LaunchEnv::FromEnvironment() {
+  LaunchEnv env;
+  bool has_world = false, has_rank = false;
+  auto world = IntFromEnv("WORLD_SIZE", 1, &has_world);
+  if (!world.ok()) return world.status();
+  auto rank = IntFromEnv("RANK", 0, &has_rank);
+  if (!rank.ok()) return rank.status();
+  auto local = IntFromEnv("LOCAL_RANK", *rank);
+  if (!local.ok()) return local.status();
+  env.world_size = *world;
+  env.rank = *rank;
+  env.local_rank = *local;
+  if (env.world_size < 1)
+    return absl::InvalidArgumentError(absl::StrCat("WORLD_SIZE=", env.world_size, " is below 1"));
+  if (env.rank < 0 || env.rank >= env.world_size)
+    return absl::InvalidArgumentError(
+        absl::StrCat("RANK=", env.rank, " is outside [0, WORLD_SIZE=", env.world_size, ")"));
+  if (env.local_rank < 0)
+    return absl::InvalidArgumentError(absl::StrCat("LOCAL_RANK=", env.local_rank, " is negative"));
+  if (has_rank && !has_world && env.rank != 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("RANK=", env.rank, " is set but WORLD_SIZE is not"));
+  if (!env.distributed()) return env;
+  const char* addr = std::getenv("MASTER_ADDR");
+  if (addr == nullptr || *addr == '\0')
+    return absl::InvalidArgumentError(
+        absl::StrCat("WORLD_SIZE=", env.world_size, " needs MASTER_ADDR (rank 0's address)"));
+  env.master_addr = addr;
+  bool has_port = false;
+  auto port = IntFromEnv("MASTER_PORT", 0, &has_port);
+  if (!port.ok()) return port.status();
+  if (!has_port)
+    return absl::InvalidArgumentError(
+        absl::StrCat("WORLD_SIZE=", env.world_size, " needs MASTER_PORT (the rendezvous port)"));
+  if (*port < 1 || *port > 65535)
+    return absl::InvalidArgumentError(absl::StrCat("MASTER_PORT=", *port, " is not a TCP port"));
+  env.master_port = *port;
+  return env;
+}
+
+struct ProcessGroup::Impl {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::Backend> backend;
+  std::chrono::milliseconds timeout{0};
+  std::string broken;  // the first failure; the group is unusable after it
+
+  // Runs one collective: launches it, waits for it within the timeout, and turns whatever c10d
+  // throws into a status naming the operation.
+  absl::Status Run(const char* op, int rank, int size,
+                   const std::function<c10::intrusive_ptr<c10d::Work>()>& launch) {
+    if (!broken.empty())
+      return absl::FailedPreconditionError(absl::StrCat(
+          "collective ", op, " on rank ", rank, ": the process group failed earlier: ", broken));
+    try {
+      c10::intrusive_ptr<c10d::Work> work = launch();
+      work->wait(timeout);
+      return absl::OkStatus();
+    } catch (const std::exception& e) {
+      broken = ErrorText(e);
+    }
+    return absl::UnavailableError(absl::StrCat("collective ", op, " failed on rank ", rank, " of ",
+                                               size, " (a peer exited or timed out): ", broken));
+  }
+};
+
+ProcessGroup::ProcessGroup() : impl_(std::make_unique<Impl>()) {}
+ProcessGroup::~ProcessGroup() = default;
+
+absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Create(const LaunchEnv& env,
+                                                                   torch::Device device,
+                                                                   const GroupOptions& options) {
+  auto group = std::make_unique<ProcessGroup>();
+  group->device_ = device;
+  if (!env.distributed()) return group;
+  std::string backend = options.backend;
+  if (backend == "auto") backend = device.is_cuda() ? "nccl" : "gloo";
+  if (backend != "gloo" && backend != "nccl")
+    return absl::InvalidArgumentError(
+        absl::StrCat("process group backend '", options.backend, "': use auto, gloo or nccl"));
+  if (backend == "nccl" && !device.is_cuda())
+    return absl::InvalidArgumentError("the nccl backend needs a CUDA device");
+  group->rank_ = env.rank;
+  group->size_ = env.world_size;
+  group->backend_name_ = backend;
+  Impl& impl = *group->impl_;
+  impl.timeout = Millis(options.timeout);
+
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(env.master_port);
+  so.isServer = env.rank == 0;
+  so.numWorkers = env.world_size;
+  so.waitWorkers = true;
+  so.timeout = impl.timeout;
+  if (so.isServer) {
+    absl::StatusOr<int> fd = ListenOn(env.master_addr, env.master_port);
+    if (!fd.ok()) return fd.status();
+    so.masterListenFd = *fd;
+  }
+  try {
+    impl.store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    if (backend == "gloo") {
+      auto gloo = c10d::ProcessGroupGloo::Options::create(impl.timeout);
+      // Peers reach each other on loopback in a single-host test job; elsewhere through the
+      // interface GLOO_SOCKET_IFNAME names, or the one this host's name resolves to.
+      gloo->devices.push_back(IsLoopback(env.master_addr) && !std::getenv("GLOO_SOCKET_IFNAME")
+                                  ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                  : c10d::ProcessGroupGloo::createDefaultDevice());
+      impl.backend =
+          c10::make_intrusive<c10d::ProcessGroupGloo>(impl.store, env.rank, env.world_size, gloo);
+    } else {
+      absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> nccl =
+          MakeNcclBackend(impl.store, env.rank, env.world_size, impl.timeout);
+      if (!nccl.ok()) return nccl.status();
+      impl.backend = *nccl;
+    }
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("rank ", env.rank, " of ", env.world_size, ": rendezvous at ", env.master_addr,
+                     ":", env.master_port, " failed (every rank must start within the timeout of ",
+                     absl::FormatDuration(options.timeout), "): ", ErrorText(e)));
+  }
+  return group;
+}
+
+absl::Status ProcessGroup::AllReduce(std::vector<torch::Tensor>& tensors, ReduceOp op) {
+  if (size_ == 1 || tensors.empty()) return absl::OkStatus();
+  c10d::AllreduceOptions o;
+  o.reduceOp = ToC10d(op);
+  return impl_->Run("all_reduce", rank_, size_,
+                    [&] { return impl_->backend->allreduce(tensors, o); });
+}
+
+namespace {
+class ReadyCollective : public PendingCollective {
+ public:
+  explicit ReadyCollective(absl::Status s) : status_(std::move(s)) {}
+  absl::Status Wait() override { return status_; }
+
+ private:
+  absl::Status status_;
+};
+}  // namespace
+
+std::unique_ptr<PendingCollective> ProcessGroup::AllReduceAsync(
+    std::vector<torch::Tensor>& tensors) {
+  if (size_ == 1 || tensors.empty()) return std::make_unique<ReadyCollective>(absl::OkStatus());
+  class InFlight : public PendingCollective {
+   public:
+    InFlight(Impl* impl, int rank, int size, c10::intrusive_ptr<c10d::Work> work)
+        : impl_(impl), rank_(rank), size_(size), work_(std::move(work)) {}
+    absl::Status Wait() override {
+      return impl_->Run("all_reduce (bucket)", rank_, size_, [this] { return work_; });
+    }
+
+   private:
+    Impl* impl_;
+    int rank_, size_;
+    c10::intrusive_ptr<c10d::Work> work_;
+  };
+  if (!impl_->broken.empty())
+    return std::make_unique<ReadyCollective>(
+        absl::FailedPreconditionError("the process group failed earlier: " + impl_->broken));
+  try {
+    return std::make_unique<InFlight>(impl_.get(), rank_, size_,
+                                      impl_->backend->allreduce(tensors, {}));
+  } catch (const std::exception& e) {
+    impl_->broken = ErrorText(e);
+    return std::make_unique<ReadyCollective>(absl::UnavailableError(
+        absl::StrCat("collective all_reduce failed on rank ", rank_, ": ", impl_->broken)));
+  }
+}
+
+absl::Status ProcessGroup::Broadcast(std::vector<torch::Tensor>& tensors, int root) {
+  if (size_ == 1 || tensors.empty()) return absl::OkStatus();
+  c10d::BroadcastOptions o;
+  o.rootRank = root;
+  return impl_->Run("broadcast", rank_, size_,
+                    [&] { return impl_->backend->broadcast(tensors, o); });
+}
+
+absl::Status ProcessGroup::ReduceScatterSum(torch::Tensor& output, const torch::Tensor& input) {
+  if (input.numel() != output.numel() * size_)
+    return absl::InvalidArgumentError(absl::StrCat("reduce_scatter: input has ", input.numel(),
+                                                   " elements, expected ", size_, " x ",
+                                                   output.numel()));
+  if (size_ == 1) {
+    output.copy_(input.view_as(output));
+    return absl::OkStatus();
+  }
+  torch::Tensor in = input.contiguous();
+  return impl_->Run("reduce_scatter", rank_, size_,
+                    [&] { return impl_->backend->_reduce_scatter_base(output, in, {}); });
+}
+
+absl::Status ProcessGroup::AllGather(torch::Tensor& output, const torch::Tensor& input) {
+  if (output.numel() != input.numel() * size_)
+    return absl::InvalidArgumentError(absl::StrCat("all_gather: output has ", output.numel(),
+                                                   " elements, expected ", size_, " x ",
+                                                   input.numel()));
+  if (size_ == 1) {
+    output.copy_(input.view_as(output));
+    return absl::OkStatus();
+  }
+  torch::Tensor in = input.contiguous();
+  return impl_->Run("all_gather", rank_, size_,
+                    [&] { return impl_->backend->_allgather_base(output, in, {}); });
+}
+
+absl::Status ProcessGroup::BroadcastBytes(std::string* bytes, int root) {
+  if (size_ == 1) return absl::OkStatus();
+  std::vector<torch::Tensor> len{
+      torch::tensor({static_cast<int64_t>(bytes->size())}, torch::kInt64).to(device_)};
+  if (absl::Status s = Broadcast(len, root); !s.ok()) return s;
+  const int64_t n = len[0].to(torch::kCPU).item<int64_t>();
+  torch::Tensor data = torch::empty({n}, torch::kUInt8);
+  if (rank_ == root) std::memcpy(data.data_ptr(), bytes->data(), static_cast<size_t>(n));
+  std::vector<torch::Tensor> payload{data.to(device_)};
+  if (n > 0) {
+    if (absl::Status s = Broadcast(payload, root); !s.ok()) return s;
+  }
+  if (rank_ != root) {
+    torch::Tensor host = payload[0].to(torch::kCPU).contiguous();
+    bytes->assign(static_cast<const char*>(host.data_ptr()), static_cast<size_t>(n));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ProcessGroup::Barrier() {
+  if (size_ == 1) return absl::OkStatus();
+  // An all-reduce of one element: a barrier that also reports a missing peer as an error.
+  std::vector<torch::Tensor> one{torch::ones({1}, torch::TensorOptions(device_))};
+  return AllReduce(one);
+}
+
+absl::StatusOr<std::vector<double>> ProcessGroup::AllReduceDoubles(std::vector<double> values,
+                                                                   ReduceOp op) {
+  if (size_ == 1 || values.empty()) return values;
+  std::vector<torch::Tensor> t{torch::tensor(values, torch::kFloat64).to(device_)};
+  if (absl::Status s = AllReduce(t, op); !s.ok()) return s;
+  torch::Tensor host = t[0].to(torch::kCPU).contiguous();
+  std::memcpy(values.data(), host.data_ptr(), values.size() * sizeof(double));
+  return values;
+}
+
+absl::StatusOr<bool> ProcessGroup::AnyRank(bool value) {
+  absl::StatusOr<std::vector<double>> v = AllReduceDoubles({value ? 1.0 : 0.0}, ReduceOp::kMax);
+  if (!v.ok()) return v.status();
+  return (*v)[0] > 0;
+}
+
+}  // namespace lm::dist
