@@ -11,6 +11,8 @@
 // so a sample does not depend on which other prompts or samples share its batch. The log-prob
 // reported for a token is under the distribution it was drawn from: temperature-scaled, then top-k,
 // then top-p filtered and renormalised (0 for greedy).
+// OPD refuses the filters (trainer/opd_config.cc): the learner's log-probs are the full softmax,
+// and the importance ratio needs both sides under the same distribution.
 #pragma once
 
 #include <cstdint>

@@ -251,4 +251,60 @@ void EmitScalar(YAML::Emitter& out, const std::string& v) {
 }
 
 }  // namespace config_internal
+
+namespace validate {
+namespace {
+
+absl::Status Bad(const std::string& key, double v, const std::string& want) {
+  return absl::InvalidArgumentError(absl::StrCat(key, ": must be ", want, ", got ", v));
+}
+
+}  // namespace
+
+absl::Status Finite(const std::string& key, double v) {
+  return std::isfinite(v) ? absl::OkStatus() : Bad(key, v, "a finite number");
+}
+
+absl::Status Above(const std::string& key, double v, double lo) {
+  return std::isfinite(v) && v > lo ? absl::OkStatus()
+                                    : Bad(key, v, absl::StrCat("finite and > ", lo));
+}
+
+absl::Status AtLeast(const std::string& key, double v, double lo) {
+  return std::isfinite(v) && v >= lo ? absl::OkStatus()
+                                     : Bad(key, v, absl::StrCat("finite and >= ", lo));
+}
+
+absl::Status InRange(const std::string& key, double v, double lo, double hi) {
+  return v >= lo && v <= hi && std::isfinite(v)
+             ? absl::OkStatus()
+             : Bad(key, v, absl::StrCat("in [", lo, ", ", hi, "]"));
+}
+
+absl::Status InHalfOpen(const std::string& key, double v, double lo, double hi) {
+  return v >= lo && v < hi && std::isfinite(v)
+             ? absl::OkStatus()
+             : Bad(key, v, absl::StrCat("in [", lo, ", ", hi, ")"));
+}
+
+absl::Status IntAtLeast(const std::string& key, int64_t v, int64_t lo) {
+  if (v >= lo) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(key, ": must be >= ", lo, ", got ", v));
+}
+
+absl::Status OneOf(const std::string& key, const std::string& v,
+                   std::initializer_list<const char*> allowed) {
+  for (const char* a : allowed) {
+    if (v == a) return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(key, ": '", v, "' is not one of ", absl::StrJoin(allowed, ", ")));
+}
+
+absl::Status Required(const std::string& key, const std::string& v, const std::string& what) {
+  if (!v.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(key, ": required (", what, ")"));
+}
+
+}  // namespace validate
 }  // namespace trainer

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <unordered_set>
@@ -201,4 +202,20 @@ absl::StatusOr<T> LoadConfig(const std::string& path, const std::vector<std::str
   return config;
 }
 
+// Checks for the Validate*Config functions: each error names the key and the value. Every range
+// check fails on NaN and +-inf too (a NaN compares false with everything, so a bare `x <= 0`
+// test lets `lr: .nan` through).
+namespace validate {
+
+absl::Status Finite(const std::string& key, double v);                            // any finite
+absl::Status Above(const std::string& key, double v, double lo);                  // lo < v
+absl::Status AtLeast(const std::string& key, double v, double lo);                // lo <= v
+absl::Status InRange(const std::string& key, double v, double lo, double hi);     // lo <= v <= hi
+absl::Status InHalfOpen(const std::string& key, double v, double lo, double hi);  // lo <= v < hi
+absl::Status IntAtLeast(const std::string& key, int64_t v, int64_t lo);
+absl::Status OneOf(const std::string& key, const std::string& v,
+                   std::initializer_list<const char*> allowed);
+absl::Status Required(const std::string& key, const std::string& v, const std::string& what);
+
+}  // namespace validate
 }  // namespace trainer

@@ -5,7 +5,9 @@
 namespace opd {
 
 bool ConvergenceTracker::Update(double value) {
-  ema_ = steps_ == 0 ? value : rule_.ema_beta * ema_ + (1.0 - rule_.ema_beta) * value;
+  // An empty history is the first step or the first after RestartWindow(): the average starts at
+  // the value itself instead of mixing in the values before.
+  ema_ = history_.empty() ? value : rule_.ema_beta * ema_ + (1.0 - rule_.ema_beta) * value;
   ++steps_;
   history_.push_back(ema_);
   while (static_cast<int64_t>(history_.size()) > rule_.window + 1) history_.pop_front();
@@ -16,13 +18,17 @@ bool ConvergenceTracker::Update(double value) {
   if (rule_.plateau && steps_ >= rule_.min_steps &&
       static_cast<int64_t>(history_.size()) == rule_.window + 1) {
     const double before = history_.front(), now = history_.back();
-    const double improvement = (before - now) / std::max(std::abs(before), 1e-12);
-    if (improvement < rule_.min_rel_improvement) {
+    const double change = std::abs(before - now) / std::max(std::abs(before), 1e-12);
+    if (change < rule_.min_rel_improvement) {
       reason_ = "plateau";
       return true;
     }
   }
   return false;
+}
+
+void ConvergenceTracker::RestartWindow() {
+  history_.clear();
 }
 
 nlohmann::json ConvergenceTracker::ToJson() const {

@@ -2,8 +2,15 @@
 //
 // Plateau rule: the metric (by default the mean per-token reverse KL, lower is better) is
 // smoothed with an exponential moving average; the stage has converged when, after at least
-// `min_steps`, the smoothed value improved by less than `min_rel_improvement` (a fraction) over
-// the last `window` steps: (ema[t - window] - ema[t]) / |ema[t - window]| < min_rel_improvement.
+// `min_steps`, the smoothed value moved by less than `min_rel_improvement` (a fraction) over the
+// last `window` steps: |ema[t - window] - ema[t]| / |ema[t - window]| < min_rel_improvement.
+// The change is taken in absolute value: a metric that rises (the student drifting away from
+// the teacher, or a new teacher's higher KL) has not plateaued, so it does not end the stage.
+//
+// RestartWindow() (called when the stage's teachers are swapped) forgets the smoothed history:
+// KL to the new teachers is another quantity, and comparing it with KL to the old ones would
+// read a drop or a rise that no training step caused. The step count, and with it max_steps and
+// min_steps, carries on.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +36,8 @@ class ConvergenceTracker {
 
   // Records the metric of the step just finished; returns true when the stage is done.
   bool Update(double value);
+  // Starts the plateau window (and the moving average) afresh from the next value.
+  void RestartWindow();
   // Why the stage ended ("max_steps" | "plateau"), empty while running.
   const std::string& reason() const { return reason_; }
   int64_t steps() const { return steps_; }

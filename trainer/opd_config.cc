@@ -3,6 +3,8 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "lm/util/status.h"
+#include "trainer/config.h"
 #include "trainer/opd_loss.h"
 
 namespace trainer {
@@ -10,6 +12,17 @@ namespace {
 
 absl::Status Bad(const std::string& key, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat(key, ": ", what));
+}
+
+absl::Status ValidatePlateau(const std::string& key, const PlateauConfig& p) {
+  if (p.enabled) {
+    RETURN_IF_ERROR(validate::IntAtLeast(key + ".window", p.window, 1));
+    // 0 could never fire (a change is never < 0): the stage would run forever.
+    RETURN_IF_ERROR(validate::Above(key + ".min_rel_improvement", p.min_rel_improvement, 0));
+  }
+  RETURN_IF_ERROR(validate::Finite(key + ".min_rel_improvement", p.min_rel_improvement));
+  RETURN_IF_ERROR(validate::InHalfOpen(key + ".ema_beta", p.ema_beta, 0, 1));
+  return validate::IntAtLeast(key + ".min_steps", p.min_steps, 0);
 }
 
 absl::Status ValidateStages(const OpdConfig& c) {
@@ -23,56 +36,103 @@ absl::Status ValidateStages(const OpdConfig& c) {
       return Bad(key + ".name", absl::StrCat("duplicate stage name '", s.name, "'"));
     if (s.teachers.empty())
       return Bad(key + ".teachers", "at least one teacher endpoint is required");
-    if (s.max_steps < 0) return Bad(key + ".max_steps", "must be >= 0");
+    RETURN_IF_ERROR(validate::IntAtLeast(key + ".max_steps", s.max_steps, 0));
     if (s.max_steps == 0 && !s.plateau.enabled) {
       return Bad(key, "needs a convergence rule: max_steps > 0 and/or plateau.enabled");
     }
-    if (s.plateau.enabled && s.plateau.window < 1)
-      return Bad(key + ".plateau.window", "must be >= 1");
-    if (s.plateau.ema_beta < 0 || s.plateau.ema_beta >= 1)
-      return Bad(key + ".plateau.ema_beta", "must be in [0, 1)");
+    RETURN_IF_ERROR(ValidatePlateau(key + ".plateau", s.plateau));
   }
   return absl::OkStatus();
 }
 
+// The learner's log-probs (and with them the importance ratio, its truncation or clip, and the
+// logged sampler/learner mismatch) are the full softmax at the rollout temperature, while the
+// sampler reports log-probs renormalised over the top-k / top-p set it drew from. Refusing the
+// filters is the correct choice, not only the simple one: computing the learner's log-probs
+// under the same filter would train the filtered policy (whose support moves with the logits
+// and has no gradient), and the tokens a filter removes are never sampled, so no ratio can
+// correct the reverse-KL estimate for them. On-policy distillation samples from the policy it
+// trains. (top_k >= vocabulary would be harmless but is refused too: the vocabulary is not
+// known here, and 0 says "off" plainly.)
+absl::Status ValidateRollout(const OpdRolloutConfig& r) {
+  if (r.endpoints.empty())
+    return Bad("rollout.endpoints", "at least one rollout worker is required");
+  RETURN_IF_ERROR(validate::IntAtLeast("rollout.samples_per_prompt", r.samples_per_prompt, 1));
+  RETURN_IF_ERROR(validate::IntAtLeast("rollout.max_new_tokens", r.max_new_tokens, 1));
+  RETURN_IF_ERROR(validate::Above("rollout.temperature", r.temperature, 0));
+  if (!(r.top_p == 1.0)) {
+    return Bad("rollout.top_p",
+               absl::StrCat("must be 1.0 for OPD, got ", r.top_p,
+                            ": the learner's log-probs are over the whole vocabulary, so a "
+                            "nucleus filter would bias the importance ratio"));
+  }
+  if (r.top_k != 0) {
+    return Bad("rollout.top_k",
+               absl::StrCat("must be 0 (off) for OPD, got ", r.top_k,
+                            ": the learner's log-probs are over the whole vocabulary, so a "
+                            "top-k filter would bias the importance ratio"));
+  }
+  return validate::Above("rollout.timeout_s", r.timeout_s, 0);
+}
+
+absl::Status ValidateTrain(const OpdTrainConfig& t) {
+  RETURN_IF_ERROR(validate::IntAtLeast("train.prompts_per_step", t.prompts_per_step, 1));
+  RETURN_IF_ERROR(validate::IntAtLeast("train.micro_batch_tokens", t.micro_batch_tokens, 1));
+  RETURN_IF_ERROR(validate::OneOf("train.device", t.device, {"auto", "cpu", "cuda"}));
+  RETURN_IF_ERROR(validate::IntAtLeast("train.threads", t.threads, 0));
+  RETURN_IF_ERROR(
+      validate::IntAtLeast("train.max_consecutive_nonfinite", t.max_consecutive_nonfinite, 1));
+  return validate::Above("train.teacher_timeout_s", t.teacher_timeout_s, 0);
+}
+
 absl::Status ValidateLoss(const OpdLossConfig& l) {
-  if (l.form != "sampled" && l.form != "topk")
-    return Bad("loss.form", absl::StrCat("'", l.form, "' (sampled | topk)"));
+  RETURN_IF_ERROR(validate::OneOf("loss.form", l.form, {"sampled", "topk"}));
   if (auto s = opd::ParseCorrection(l.correction); !s.ok())
     return Bad("loss.correction", std::string(s.status().message()));
   if (auto s = opd::ParseTopKDivergence(l.divergence); !s.ok())
     return Bad("loss.divergence", std::string(s.status().message()));
-  if (l.form == "topk" && l.top_k < 1) return Bad("loss.top_k", "must be >= 1 for the topk form");
-  if (l.alpha < 0 || l.alpha > 1) return Bad("loss.alpha", "must be in [0, 1]");
-  if (l.teacher_temperature <= 0) return Bad("loss.teacher_temperature", "must be > 0");
-  if (l.tis_cap <= 0) return Bad("loss.tis_cap", "must be > 0");
+  if (l.form == "topk") RETURN_IF_ERROR(validate::IntAtLeast("loss.top_k", l.top_k, 1));
+  RETURN_IF_ERROR(validate::Above("loss.kl_coef", l.kl_coef, 0));
+  RETURN_IF_ERROR(validate::Above("loss.tis_cap", l.tis_cap, 0));
+  RETURN_IF_ERROR(validate::InHalfOpen("loss.clip_low", l.clip_low, 0, 1));  // ratio >= 1 - low
+  RETURN_IF_ERROR(validate::AtLeast("loss.clip_high", l.clip_high, 0));
+  RETURN_IF_ERROR(validate::InRange("loss.alpha", l.alpha, 0, 1));
+  return validate::Above("loss.teacher_temperature", l.teacher_temperature, 0);
+}
+
+absl::Status ValidateDebug(const OpdDebugConfig& d) {
+  for (size_t i = 0; i < d.nan_steps.size(); ++i)
+    RETURN_IF_ERROR(
+        validate::IntAtLeast(absl::StrCat("debug.nan_steps[", i, "]"), d.nan_steps[i], 1));
   return absl::OkStatus();
 }
 
 }  // namespace
 
 absl::Status ValidateOpdConfig(const OpdConfig& c) {
-  if (c.model.path.empty()) return Bad("model.path", "required (the student's HF model directory)");
-  if (c.run.dir.empty()) return Bad("run.dir", "required");
-  if (c.run.resume != "auto" && c.run.resume != "never") return Bad("run.resume", "auto | never");
+  RETURN_IF_ERROR(ValidateSharedSections(c.model, c.optim, c.checkpoint, c.logging, c.run));
   if (c.prompts.sources.empty())
     return Bad("prompts.sources", "at least one prompt source is required");
-  if (c.prompts.max_prompt_len < 1) return Bad("prompts.max_prompt_len", "must be >= 1");
-  if (c.rollout.endpoints.empty())
-    return Bad("rollout.endpoints", "at least one rollout worker is required");
-  if (c.rollout.samples_per_prompt < 1) return Bad("rollout.samples_per_prompt", "must be >= 1");
-  if (c.rollout.max_new_tokens < 1) return Bad("rollout.max_new_tokens", "must be >= 1");
-  if (c.rollout.temperature <= 0)
-    return Bad("rollout.temperature", "must be > 0 (on-policy sampling)");
-  if (c.train.prompts_per_step < 1) return Bad("train.prompts_per_step", "must be >= 1");
-  if (c.train.micro_batch_tokens < 1) return Bad("train.micro_batch_tokens", "must be >= 1");
-  if (c.train.device != "auto" && c.train.device != "cpu" && c.train.device != "cuda") {
-    return Bad("train.device", "auto | cpu | cuda");
+  RETURN_IF_ERROR(ValidateSources("prompts.sources", c.prompts.sources));
+  RETURN_IF_ERROR(validate::IntAtLeast("prompts.max_prompt_len", c.prompts.max_prompt_len, 1));
+  RETURN_IF_ERROR(ValidateRollout(c.rollout));
+  RETURN_IF_ERROR(ValidateTrain(c.train));
+  RETURN_IF_ERROR(ValidateStages(c));
+  RETURN_IF_ERROR(ValidateLoss(c.loss));
+  RETURN_IF_ERROR(ValidateAuthConfig(c.auth, c.admin.listen));
+  return ValidateDebug(c.debug);
+}
+
+std::vector<std::string> OpdConfigWarnings(const OpdConfig& c) {
+  std::vector<std::string> out;
+  if (c.loss.teacher_temperature != c.rollout.temperature) {
+    out.push_back(absl::StrCat(
+        "loss.teacher_temperature (", c.loss.teacher_temperature,
+        ") differs from rollout.temperature (", c.rollout.temperature,
+        "): the teacher is scored at another temperature than the student samples and learns "
+        "at, so the reverse KL cannot reach 0 even for a student equal to its teacher"));
   }
-  if (c.optim.lr <= 0) return Bad("optim.lr", "must be > 0");
-  if (absl::Status s = ValidateStages(c); !s.ok()) return s;
-  if (absl::Status s = ValidateAuthConfig(c.auth, c.admin.listen); !s.ok()) return s;
-  return ValidateLoss(c.loss);
+  return out;
 }
 
 }  // namespace trainer

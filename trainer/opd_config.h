@@ -36,7 +36,7 @@ struct OpdRolloutConfig {
   std::vector<std::string> endpoints;  // rollout workers (host:port); required
   int64_t samples_per_prompt = 2;
   double temperature = 1.0;
-  double top_p = 1.0;
+  double top_p = 1.0;  // must stay 1.0 (off) and top_k 0: see ValidateOpdConfig
   int64_t top_k = 0;
   int64_t max_new_tokens = 8192;
   int64_t seed = 0;
@@ -152,6 +152,16 @@ void VisitFields(V& v, OpdAdminConfig& c) {
   v("insecure", c.insecure);
 }
 
+// Test and debugging hooks; all off by default.
+struct OpdDebugConfig {
+  std::vector<int64_t> nan_steps;  // 1-based steps whose loss is poisoned with NaN (skipped)
+};
+
+template <class V>
+void VisitFields(V& v, OpdDebugConfig& c) {
+  v("nan_steps", c.nan_steps);
+}
+
 // OPD's optimizer defaults: constant lr 1e-6 (min_lr = lr), otherwise AdamW as in SFT.
 inline OptimConfig OpdOptimDefaults() {
   OptimConfig o;
@@ -173,6 +183,7 @@ struct OpdConfig {
   RunConfig run;
   OpdAuthConfig auth;
   OpdAdminConfig admin;
+  OpdDebugConfig debug;
 };
 
 template <class V>
@@ -189,9 +200,13 @@ void VisitFields(V& v, OpdConfig& c) {
   v("run", c.run);
   v("auth", c.auth);
   v("admin", c.admin);
+  v("debug", c.debug);
 }
 
-// Cross-field checks, each error naming the key.
+// Cross-field checks, each error naming the key (the sections shared with SFT through
+// ValidateSharedSections).
 absl::Status ValidateOpdConfig(const OpdConfig& c);
+// Settings that are allowed but probably not meant, one sentence each (the job logs them).
+std::vector<std::string> OpdConfigWarnings(const OpdConfig& c);
 
 }  // namespace trainer

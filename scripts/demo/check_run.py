@@ -36,7 +36,8 @@ def rule_fires_at(values, stage_cfg):
         if max_steps and step >= max_steps:
             return step, "max_steps"
         if plateau.get("enabled") and step >= min_steps and len(history) == window + 1:
-            if (history[0] - history[-1]) / max(abs(history[0]), 1e-12) < min_rel:
+            # A rise is not a plateau: the change counts in absolute value (as in convergence.cc).
+            if abs(history[0] - history[-1]) / max(abs(history[0]), 1e-12) < min_rel:
                 return step, "plateau"
     return None, None
 
