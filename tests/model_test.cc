@@ -293,6 +293,179 @@ TEST(Checkpoint, TruncatedFileIsAnError) {
   fs::remove_all(dir);
 }
 
+// --- checkpoint loading on a hand-made parameter set (no fixtures needed) ---
+
+// A fused MoE block of 8 experts (gate_up [8, 4, 3], down [8, 3, 2]) plus a norm, as the model
+// exposes its parameters to LoadParameters.
+std::map<std::string, torch::Tensor> MoeParams() {
+  return {{"m.mlp.experts.gate_up_proj", torch::zeros({8, 4, 3})},
+          {"m.mlp.experts.down_proj", torch::zeros({8, 3, 2})},
+          {"m.norm.weight", torch::zeros({3})}};
+}
+
+// One checkpoint tensor: a name and a value whose entries identify it (for the copy checks).
+struct NamedTensor {
+  std::string name;
+  torch::Tensor value;
+};
+
+// Every per-expert tensor of MoeParams() in the published layout, value = 1 + expert.
+std::vector<NamedTensor> PerExpertTensors() {
+  std::vector<NamedTensor> ts = {{"m.norm.weight", torch::ones({3})}};
+  for (int e = 0; e < 8; ++e) {
+    const std::string base = "m.mlp.experts." + std::to_string(e);
+    ts.push_back({base + ".gate_proj.weight", torch::full({2, 3}, 1.0f + e)});
+    ts.push_back({base + ".up_proj.weight", torch::full({2, 3}, 1.0f + e)});
+    ts.push_back({base + ".down_proj.weight", torch::full({3, 2}, 1.0f + e)});
+  }
+  return ts;
+}
+
+void WriteShard(const fs::path& path, const std::vector<NamedTensor>& ts) {
+  std::vector<TensorToWrite> out;
+  for (const auto& t : ts)
+    out.push_back({t.name, DType::kF32, t.value.sizes().vec(), t.value.data_ptr(),
+                   static_cast<size_t>(t.value.nbytes())});
+  ASSERT_TRUE(WriteSafetensors(path.string(), out).ok()) << path;
+}
+
+// Writes `shards` (file name -> tensors) and their index into `dir`, then loads MoeParams().
+absl::Status LoadShards(const fs::path& dir,
+                        const std::map<std::string, std::vector<NamedTensor>>& shards) {
+  nlohmann::json index = {{"metadata", nlohmann::json::object()},
+                          {"weight_map", nlohmann::json::object()}};
+  for (const auto& [file, ts] : shards) {
+    WriteShard(dir / file, ts);
+    for (const auto& t : ts) index["weight_map"][t.name] = file;
+  }
+  std::ofstream(dir / "model.safetensors.index.json") << index.dump();
+  auto files = OpenCheckpointFiles(dir.string());
+  if (!files.ok()) return files.status();
+  auto params = MoeParams();
+  return LoadParameters(*files, params, {}, {}).status();
+}
+
+TEST(CheckpointFiles, ShardedPerExpertTensorsFillTheFusedParameters) {
+  auto dir = TempDir("ckpt_ok");
+  auto ts = PerExpertTensors();
+  const std::vector<NamedTensor> first(ts.begin(), ts.begin() + 10),
+      second(ts.begin() + 10, ts.end());
+  ASSERT_TRUE(LoadShards(dir, {{"a.safetensors", first}, {"b.safetensors", second}}).ok());
+  auto files = OpenCheckpointFiles(dir.string());
+  ASSERT_TRUE(files.ok()) << files.status();
+  auto params = MoeParams();
+  auto report = LoadParameters(*files, params, {}, {});
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->tensors_loaded, 25);
+  for (int e = 0; e < 8; ++e) {
+    EXPECT_TRUE(
+        torch::equal(params["m.mlp.experts.gate_up_proj"][e], torch::full({4, 3}, 1.0f + e)));
+    EXPECT_TRUE(torch::equal(params["m.mlp.experts.down_proj"][e], torch::full({3, 2}, 1.0f + e)));
+  }
+  fs::remove_all(dir);
+}
+
+// An expert index that does not fit int64 used to throw std::out_of_range out of the loader; one
+// that fits but exceeds num_experts was already an error. Both name the tensor. A very long name
+// used to go through a recursive std::regex.
+TEST(CheckpointFiles, HugeExpertIndexIsANamedError) {
+  for (const std::string index : {"99999999999", "99999999999999999999", "8"}) {
+    auto dir = TempDir("ckpt_huge");
+    auto ts = PerExpertTensors();
+    const std::string name = "m.mlp.experts." + index + ".gate_proj.weight";
+    ts.push_back({name, torch::zeros({2, 3})});
+    auto st = LoadShards(dir, {{"model.safetensors", ts}});
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(st.message().find(name), std::string::npos) << st;
+    EXPECT_NE(st.message().find("expert index " + index), std::string::npos) << st;
+    fs::remove_all(dir);
+  }
+  auto dir = TempDir("ckpt_long");
+  auto ts = PerExpertTensors();
+  const std::string name = std::string(200000, 'x') + ".mlp.experts.1.up_proj.weight";
+  ts.push_back({name, torch::zeros({2, 3})});
+  auto st = LoadShards(dir, {{"model.safetensors", ts}});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("unexpected tensor"), std::string::npos);
+  fs::remove_all(dir);
+}
+
+// Expert 3's gate_proj twice (in two shards) and expert 5's absent: counting slices saw 16 of 16
+// and loaded a model with expert 5's gate rows left at zero. Now the duplicate is named, and so is
+// the missing slice once the duplicate is gone.
+TEST(CheckpointFiles, DuplicateExpertSliceIsNamedAndCannotHideAMissingOne) {
+  auto dir = TempDir("ckpt_dup");
+  auto ts = PerExpertTensors();
+  std::vector<NamedTensor> first, second;
+  for (const auto& t : ts) {
+    if (t.name == "m.mlp.experts.5.gate_proj.weight") continue;
+    (t.name.rfind("m.mlp.experts.3.", 0) == 0 ? second : first).push_back(t);
+  }
+  first.push_back({"m.mlp.experts.3.gate_proj.weight", torch::zeros({2, 3})});
+  auto st = LoadShards(dir, {{"a.safetensors", first}, {"b.safetensors", second}});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("expert 3 gate_proj of 'm.mlp.experts.gate_up_proj'"),
+            std::string::npos)
+      << st;
+  EXPECT_NE(st.message().find("duplicate"), std::string::npos) << st;
+  fs::remove_all(dir);
+
+  // Without the duplicate: the missing slice is named.
+  dir = TempDir("ckpt_missing");
+  first.pop_back();
+  st = LoadShards(dir, {{"a.safetensors", first}, {"b.safetensors", second}});
+  EXPECT_EQ(st.code(), absl::StatusCode::kNotFound) << st;
+  EXPECT_NE(st.message().find("m.mlp.experts.gate_up_proj (expert 5 gate_proj)"), std::string::npos)
+      << st;
+  fs::remove_all(dir);
+
+  // A fused tensor and per-expert slices of the same parameter are duplicates too.
+  dir = TempDir("ckpt_mixed");
+  ts.push_back({"m.mlp.experts.down_proj", torch::zeros({8, 3, 2})});
+  st = LoadShards(dir, {{"model.safetensors", ts}});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("duplicate"), std::string::npos) << st;
+  fs::remove_all(dir);
+}
+
+// Shard names in model.safetensors.index.json come from the file: an absolute path, a ".."
+// component or a symbolic link out of the directory used to be opened wherever they pointed.
+TEST(CheckpointFiles, ShardNamesAreConfinedToTheModelDirectory) {
+  auto outside = TempDir("ckpt_outside");
+  WriteShard(outside / "evil.safetensors", PerExpertTensors());
+  auto dir = TempDir("ckpt_confined");
+  fs::create_directories(dir / "sub");
+  const std::string evil = outside.filename().string() + "/evil.safetensors";
+  for (const std::string& shard : std::vector<std::string>{
+           (outside / "evil.safetensors").string(), "../" + evil, "sub/../../" + evil,
+           "link.safetensors", "sub/link.safetensors", ""}) {
+    fs::remove(dir / "link.safetensors");
+    fs::remove(dir / "sub" / "link.safetensors");
+    fs::create_symlink(outside / "evil.safetensors", dir / "link.safetensors");
+    fs::create_symlink(outside / "evil.safetensors", dir / "sub" / "link.safetensors");
+    nlohmann::json index = {{"weight_map", {{"m.norm.weight", shard}}}};
+    std::ofstream(dir / "model.safetensors.index.json") << index.dump();
+    auto files = OpenCheckpointFiles(dir.string());
+    ASSERT_FALSE(files.ok()) << "shard '" << shard << "' was opened";
+    EXPECT_EQ(files.status().code(), absl::StatusCode::kInvalidArgument) << files.status();
+    EXPECT_NE(files.status().message().find("\"m.norm.weight\""), std::string::npos)
+        << files.status();
+    EXPECT_NE(files.status().message().find("model.safetensors.index.json"), std::string::npos)
+        << files.status();
+  }
+  // A link that stays inside the directory, and a subdirectory, are fine.
+  WriteShard(dir / "sub" / "real.safetensors", PerExpertTensors());
+  fs::create_symlink("sub/real.safetensors", dir / "inside.safetensors");
+  for (const std::string shard : {"inside.safetensors", "sub/real.safetensors"}) {
+    nlohmann::json index = {{"weight_map", {{"m.norm.weight", shard}}}};
+    std::ofstream(dir / "model.safetensors.index.json") << index.dump();
+    auto files = OpenCheckpointFiles(dir.string());
+    EXPECT_TRUE(files.ok()) << shard << ": " << files.status();
+  }
+  fs::remove_all(dir);
+  fs::remove_all(outside);
+}
+
 TEST(Config, ParsesEveryField) {
   auto j = nlohmann::json::parse(R"({
     "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,

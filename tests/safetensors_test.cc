@@ -675,5 +675,70 @@ TEST(SafetensorsFuzz, RandomHeaderMutationsNeverCrash) {
   EXPECT_GT(errors, 1000);
 }
 
+// --- model.safetensors.index.json -------------------------------------------------------------
+
+TEST(SafetensorsIndex, ParsesTheWeightMap) {
+  auto index = ParseSafetensorsIndex(
+      R"({"metadata": {"total_size": 10}, "weight_map": {"a": "m-2.safetensors",
+          "b": "m-1.safetensors", "c": "m-2.safetensors", "d": "sub/m-3.safetensors"}})",
+      "dir/model.safetensors.index.json");
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ(index->shards, (std::vector<std::string>{"m-1.safetensors", "m-2.safetensors",
+                                                     "sub/m-3.safetensors"}));
+  EXPECT_EQ(index->weight_map.at("c"), "m-2.safetensors");
+}
+
+// Shard names are read from a file: each way out of the model directory is refused, naming the
+// file, the entry and the reason.
+TEST(SafetensorsIndex, RefusesShardsOutsideTheDirectory) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"weight_map": {"w": "/etc/passwd"}})", "absolute path"},
+      {R"({"weight_map": {"w": "../x.safetensors"}})", "'..'"},
+      {R"({"weight_map": {"w": "a/../../x.safetensors"}})", "'..'"},
+      {R"({"weight_map": {"w": "a/.."}})", "'..'"},
+      {R"({"weight_map": {"w": ""}})", "empty file name"},
+      {R"({"weight_map": {"w": "a\u0000b"}})", "NUL"},
+      {R"({"weight_map": {"w": 3}})", "expected a file name"},
+      {R"({"weight_map": []})", "no weight_map object"},
+      {R"([1])", "expected an object"},
+      {R"({"weight_map": {"w": "x")", "not valid JSON"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const auto& [text, reason] = cases[i];
+    auto index = ParseSafetensorsIndex(text, "dir/index.json");
+    ASSERT_FALSE(index.ok()) << text;
+    EXPECT_EQ(index.status().code(), absl::StatusCode::kInvalidArgument) << text;
+    EXPECT_TRUE(absl::StartsWith(index.status().message(), "dir/index.json: ")) << index.status();
+    EXPECT_TRUE(Contains(index.status().message(), reason)) << text;
+    if (i < 7) {  // the cases about the entry "w" name it
+      EXPECT_TRUE(Contains(index.status().message(), "weight_map entry \"w\"")) << index.status();
+    }
+  }
+}
+
+TEST(SafetensorsIndex, CheckpointFilePathsResolvesLinks) {
+  TempDir dir, outside;
+  ASSERT_TRUE(WriteSafetensors(outside.File("x.safetensors"), SampleTensors()).ok());
+  ASSERT_TRUE(WriteSafetensors(dir.File("in.safetensors"), SampleTensors()).ok());
+  fs::create_symlink(outside.File("x.safetensors"), dir.File("out.safetensors"));
+  fs::create_symlink("in.safetensors", dir.File("alias.safetensors"));
+  const auto write_index = [&](const std::string& shard) {
+    std::ofstream(dir.File("model.safetensors.index.json"))
+        << R"({"weight_map": {"t": ")" << shard << R"("}})";
+  };
+  write_index("alias.safetensors");
+  auto paths = CheckpointFilePaths(dir.File(""));
+  ASSERT_TRUE(paths.ok()) << paths.status();
+  EXPECT_EQ(*paths, std::vector<std::string>{dir.File("alias.safetensors")});
+  write_index("out.safetensors");
+  paths = CheckpointFilePaths(dir.File(""));
+  ASSERT_FALSE(paths.ok());
+  EXPECT_TRUE(Contains(paths.status().message(), "weight_map entry \"t\"")) << paths.status();
+  EXPECT_TRUE(Contains(paths.status().message(), "outside the model directory")) << paths.status();
+  // Without an index: model.safetensors, or NotFound naming the directory.
+  fs::remove(dir.File("model.safetensors.index.json"));
+  EXPECT_EQ(CheckpointFilePaths(dir.File("")).status().code(), absl::StatusCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace lm

@@ -362,6 +362,110 @@ TEST(TokenizerTest, LoadErrorsAreClear) {
   EXPECT_NE(bad_json.status().message().find("tokenizer.json"), std::string::npos);
 }
 
+// GPT-2's byte-level spelling of byte `b` (bytes_to_unicode), as UTF-8.
+std::string ByteLevelSpelling(int b) {
+  const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
+  int cp = b;
+  if (!printable) {
+    cp = 256;
+    for (int i = 0; i < b; ++i) {
+      if (!((i >= 33 && i <= 126) || (i >= 161 && i <= 172) || (i >= 174 && i <= 255))) ++cp;
+    }
+  }
+  std::string out;
+  if (cp < 0x80) {
+    out.push_back(static_cast<char>(cp));
+  } else {
+    out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
+    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  }
+  return out;
+}
+
+// The smallest loadable tokenizer.json: the 256 byte tokens (ids 0..255), no merges, GPT-2's
+// byte-level pre-tokenizer, and `added_tokens` as given.
+json MinimalTokenizerJson(const json& added_tokens) {
+  json vocab = json::object();
+  for (int b = 0; b < 256; ++b) vocab[ByteLevelSpelling(b)] = b;
+  return json{{"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", json::array()}}},
+              {"added_tokens", added_tokens},
+              {"normalizer", nullptr},
+              {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}}}};
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> FromJson(const json& j) {
+  return Tokenizer::FromTokenizerJson(j.dump(), "test/tokenizer.json");
+}
+
+TEST(TokenizerTest, MinimalTokenizerJsonLoads) {
+  auto tok =
+      FromJson(MinimalTokenizerJson({{{"id", 300}, {"content", "<ok>"}, {"special", true}}}));
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_EQ((*tok)->vocab_size(), 301);
+  EXPECT_EQ((*tok)->Encode("a<ok>"), (std::vector<int32_t>{'a', 300}));
+  EXPECT_EQ((*tok)->Decode(std::vector<int32_t>{'h', 'i', 300}, /*skip_special=*/true), "hi");
+}
+
+// A negative added-token id used to index the id tables (an out-of-bounds write); huge ones were
+// truncated to int32 or overflowed the table size. Each is refused, naming the token and the id.
+TEST(TokenizerTest, OutOfRangeAddedTokenIdsAreRefused) {
+  for (const std::string id : {"-5", "-1", "16777216", "2147483647", "99999999999",
+                               "18446744073709551615", "1e3", "2.5"}) {
+    const json added = json::parse(R"([{"id": )" + id + R"(, "content": "<bad>"}])");
+    auto tok = FromJson(MinimalTokenizerJson(added));
+    ASSERT_FALSE(tok.ok()) << "id " << id << " was accepted";
+    EXPECT_EQ(tok.status().code(), absl::StatusCode::kInvalidArgument) << tok.status();
+    const std::string message(tok.status().message());
+    EXPECT_NE(message.find("'<bad>'"), std::string::npos) << tok.status();
+    EXPECT_NE(message.find("test/tokenizer.json"), std::string::npos) << tok.status();
+    if (id.find_first_of(".e") == std::string::npos) {
+      EXPECT_NE(message.find("id " + id), std::string::npos) << tok.status();
+    }
+  }
+  // A sparse id of a real vocabulary's size loads (the tables grow to it).
+  auto sparse = FromJson(MinimalTokenizerJson({{{"id", 262143}, {"content", "<far>"}}}));
+  ASSERT_TRUE(sparse.ok()) << sparse.status();
+  EXPECT_EQ((*sparse)->vocab_size(), 262144);
+}
+
+TEST(TokenizerTest, OutOfRangeVocabIdsAreRefused) {
+  json j = MinimalTokenizerJson(json::array());
+  j["model"]["vocab"]["zz"] = int64_t{1} << 30;
+  auto tok = FromJson(j);
+  ASSERT_FALSE(tok.ok());
+  EXPECT_NE(tok.status().message().find("'zz' has id 1073741824"), std::string::npos)
+      << tok.status();
+
+  // The vocab.json + merges.txt + tokenizer_config.json form checks the same way.
+  const fs::path dir = fs::path(OPD_BINARY_DIR) / "tokenizer_test_ids";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::ofstream(dir / "merges.txt") << "#version: 0.2\n";
+  json vocab = j["model"]["vocab"];
+  vocab["zz"] = -7;
+  std::ofstream(dir / "vocab.json") << vocab.dump();
+  auto negative = Tokenizer::Load(dir.string());
+  ASSERT_FALSE(negative.ok());
+  EXPECT_NE(negative.status().message().find("'zz' has id -7"), std::string::npos)
+      << negative.status();
+  vocab.erase("zz");
+  std::ofstream(dir / "vocab.json") << vocab.dump();
+  for (const std::string id : {"-3", "2147483647", "99999999999"}) {
+    std::ofstream(dir / "tokenizer_config.json")
+        << json{{"added_tokens_decoder", {{id, {{"content", "<cfg>"}}}}}}.dump();
+    auto tok2 = Tokenizer::Load(dir.string());
+    ASSERT_FALSE(tok2.ok()) << id;
+    EXPECT_NE(tok2.status().message().find("'<cfg>'"), std::string::npos) << tok2.status();
+    EXPECT_NE(tok2.status().message().find(id), std::string::npos) << tok2.status();
+  }
+  // A tokenizer_config.json of the wrong shape is an error, not an uncaught exception.
+  std::ofstream(dir / "tokenizer_config.json") << "[1, 2]";
+  auto shape = Tokenizer::Load(dir.string());
+  ASSERT_FALSE(shape.ok());
+  EXPECT_EQ(shape.status().code(), absl::StatusCode::kInvalidArgument) << shape.status();
+  fs::remove_all(dir);
+}
+
 // opd-ctl tokenize / detokenize, when the CLI has been built next to this test.
 TEST(TokenizerTest, CommandLineRoundTrip) {
   const fs::path ctl = fs::path(OPD_BINARY_DIR) / "ctl" / "opd-ctl";

@@ -45,6 +45,12 @@ absl::Status ForEachJsonLine(const std::string& path, bool skip_bad_lines, Jsonl
                              const std::function<absl::Status(const json&)>& fn) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  return ForEachJsonLine(in, path, skip_bad_lines, stats, fn);
+}
+
+absl::Status ForEachJsonLine(std::istream& in, const std::string& path, bool skip_bad_lines,
+                             JsonlStats* stats,
+                             const std::function<absl::Status(const json&)>& fn) {
   std::string line;
   int64_t line_no = 0, skipped = 0;
   while (std::getline(in, line)) {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <istream>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,11 @@ struct JsonlStats {
 // InvalidArgument "path:line: reason", or, with `skip_bad_lines`, a warning and a count. Any other
 // error from `fn` is returned as it is.
 absl::Status ForEachJsonLine(const std::string& path, bool skip_bad_lines, JsonlStats* stats,
+                             const std::function<absl::Status(const nlohmann::json&)>& fn);
+
+// The same over an open stream; `label` stands for the path in messages.
+absl::Status ForEachJsonLine(std::istream& in, const std::string& label, bool skip_bad_lines,
+                             JsonlStats* stats,
                              const std::function<absl::Status(const nlohmann::json&)>& fn);
 
 // The files of a source: directories expanded to their *.jsonl files in name order.

@@ -2,12 +2,12 @@
 
 #include <filesystem>
 #include <fstream>
-#include <regex>
-#include <set>
-#include <sstream>
+#include <string_view>
 
 #include <torch/torch.h>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -51,20 +51,117 @@ struct Target {
   enum Part { kWhole, kGate, kUp, kDown } part = kWhole;
 };
 
-Target Resolve(const std::string& name) {
-  static const std::regex kExpert(
-      R"(^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$)");
-  std::smatch m;
-  if (!std::regex_match(name, m, kExpert)) return {name};
-  const std::string base = m[1], proj = m[3];
-  const int64_t e = std::stoll(m[2]);
-  if (proj == "down_proj") return {base + ".down_proj", e, Target::kDown};
-  return {base + ".gate_up_proj", e, proj == "gate_proj" ? Target::kGate : Target::kUp};
+const char* PartName(Target::Part part) {
+  switch (part) {
+    case Target::kGate:
+      return "gate_proj";
+    case Target::kUp:
+      return "up_proj";
+    case Target::kDown:
+      return "down_proj";
+    case Target::kWhole:
+      break;
+  }
+  return "whole";
 }
+
+bool EndsWith(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+// `...mlp.experts.E.{gate,up,down}_proj.weight` -> the fused parameter and expert E; any other
+// name -> the parameter of that name. Parsed by hand: the names come from files, and a regex
+// over a long hostile name recurses deeply. An index that does not fit int64 is an error.
+absl::StatusOr<Target> Resolve(const std::string& name) {
+  static constexpr std::string_view kExperts = ".mlp.experts.";
+  for (const Target::Part part : {Target::kGate, Target::kUp, Target::kDown}) {
+    const std::string suffix = absl::StrCat(".", PartName(part), ".weight");
+    if (!EndsWith(name, suffix)) continue;
+    const std::string rest = name.substr(0, name.size() - suffix.size());
+    size_t digits = 0;
+    while (digits < rest.size() && absl::ascii_isdigit(rest[rest.size() - 1 - digits])) ++digits;
+    const size_t head = rest.size() - digits;  // rest[0, head) ends with ".mlp.experts."
+    if (digits == 0 || !EndsWith(std::string_view(rest).substr(0, head), kExperts)) break;
+    const std::string index = rest.substr(head);
+    int64_t expert = 0;
+    if (!absl::SimpleAtoi(index, &expert))
+      return absl::InvalidArgumentError(absl::StrCat("expert index ", index, " is out of range"));
+    const std::string base = rest.substr(0, head - 1);  // "...mlp.experts"
+    if (part == Target::kDown) return Target{base + ".down_proj", expert, part};
+    return Target{base + ".gate_up_proj", expert, part};
+  }
+  return Target{name};
+}
+
+// Which checkpoint tensor filled each part of a parameter: the whole of it, or (fused experts)
+// each expert's slices. Remembering names, not counts, is what lets a duplicate be told apart
+// from the slice it hides.
+class Coverage {
+ public:
+  // Records that `tensor` filled `t` of a parameter with `num_experts` rows; an error naming both
+  // tensors when that part was filled before.
+  absl::Status Add(const Target& t, const std::string& tensor, int64_t num_experts) {
+    if (t.expert < 0) {
+      if (!whole_.empty())
+        return Duplicate(tensor, whole_, absl::StrCat("parameter '", t.param, "'"));
+      if (!slices_.empty())
+        return Duplicate(tensor, FirstSlice(), absl::StrCat("parameter '", t.param, "'"));
+      whole_ = tensor;
+      return absl::OkStatus();
+    }
+    if (!whole_.empty())
+      return Duplicate(tensor, whole_, absl::StrCat("parameter '", t.param, "'"));
+    parts_ = t.part == Target::kDown ? 1 : 2;
+    slices_.resize(static_cast<size_t>(num_experts * parts_));
+    std::string& slot = slices_[static_cast<size_t>(t.expert * parts_ + (t.part == Target::kUp))];
+    if (!slot.empty())
+      return Duplicate(
+          tensor, slot,
+          absl::StrCat("expert ", t.expert, " ", PartName(t.part), " of '", t.param, "'"));
+    slot = tensor;
+    return absl::OkStatus();
+  }
+
+  // The slices nobody filled, e.g. "expert 5 gate_proj"; empty when the parameter is complete.
+  std::vector<std::string> Missing() const {
+    std::vector<std::string> missing;
+    if (!whole_.empty()) return missing;
+    for (size_t i = 0; i < slices_.size(); ++i) {
+      if (!slices_[i].empty()) continue;
+      const Target::Part part =
+          parts_ == 1 ? Target::kDown : (i % 2 == 0 ? Target::kGate : Target::kUp);
+      missing.push_back(absl::StrCat("expert ", i / parts_, " ", PartName(part)));
+    }
+    return missing;
+  }
+
+ private:
+  static absl::Status Duplicate(const std::string& tensor, const std::string& before,
+                                const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor, "' fills ", what,
+                                                   ", which tensor '", before,
+                                                   "' already filled (duplicate)"));
+  }
+  std::string FirstSlice() const {
+    for (const std::string& s : slices_) {
+      if (!s.empty()) return s;
+    }
+    return "";
+  }
+
+  std::string whole_;
+  std::vector<std::string> slices_;  // expert * parts_ + (up ? 1 : 0) -> tensor name
+  int64_t parts_ = 1;
+};
 
 // The slice of `param` that `t` fills; nullopt with an error when shapes disagree.
 absl::StatusOr<torch::Tensor> Destination(const Target& t, torch::Tensor& param) {
   if (t.expert < 0) return param;
+  if (param.dim() != 3) {
+    return absl::InvalidArgumentError(absl::StrCat("parameter '", t.param, "' has shape ",
+                                                   ShapeStr(param.sizes()),
+                                                   ", not a fused [experts, rows, columns] one"));
+  }
   if (t.expert >= param.size(0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("expert index ", t.expert, " >= num_experts ", param.size(0)));
@@ -82,43 +179,14 @@ bool HasPrefix(const std::string& s, const std::vector<std::string>& prefixes) {
   return false;
 }
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 }  // namespace
 
 absl::StatusOr<std::vector<std::shared_ptr<const SafetensorsFile>>> OpenCheckpointFiles(
     const std::string& dir) {
-  std::vector<std::string> names;
-  const std::string index = dir + "/model.safetensors.index.json";
-  if (fs::exists(index)) {
-    ASSIGN_OR_RETURN(std::string text, ReadFile(index));
-    auto j = nlohmann::json::parse(text, nullptr, false);
-    if (j.is_discarded() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(index, ": not a valid index (no weight_map object)"));
-    }
-    std::set<std::string> shards;
-    for (auto& [tensor, file] : j["weight_map"].items()) {
-      if (!file.is_string())
-        return absl::InvalidArgumentError(absl::StrCat(index, ": bad entry for ", tensor));
-      shards.insert(file.get<std::string>());
-    }
-    names.assign(shards.begin(), shards.end());
-  } else if (fs::exists(dir + "/model.safetensors")) {
-    names.push_back("model.safetensors");
-  } else {
-    return absl::NotFoundError(
-        absl::StrCat(dir, ": no model.safetensors or model.safetensors.index.json"));
-  }
+  ASSIGN_OR_RETURN(const std::vector<std::string> paths, CheckpointFilePaths(dir));
   std::vector<std::shared_ptr<const SafetensorsFile>> files;
-  for (const auto& n : names) {
-    ASSIGN_OR_RETURN(auto f, SafetensorsFile::Open(dir + "/" + n));
+  for (const auto& path : paths) {
+    ASSIGN_OR_RETURN(auto f, SafetensorsFile::Open(path));
     files.push_back(std::move(f));
   }
   return files;
@@ -136,11 +204,7 @@ absl::StatusOr<LoadReport> LoadParameters(
     const std::vector<std::string>& ignore_prefixes) {
   torch::NoGradGuard no_grad;
   LoadReport report;
-  struct Fill {
-    bool whole = false;
-    int64_t slices = 0, slices_needed = 0;
-  };
-  std::map<std::string, Fill> filled;
+  std::map<std::string, Coverage> filled;
   for (const auto& file : files) {
     for (const auto& [name, view] : file->tensors()) {
       if (HasPrefix(name, ignore_prefixes) ||
@@ -148,7 +212,11 @@ absl::StatusOr<LoadReport> LoadParameters(
         ++report.tensors_ignored;
         continue;
       }
-      const Target t = Resolve(name);
+      const absl::StatusOr<Target> resolved = Resolve(name);
+      if (!resolved.ok())
+        return absl::InvalidArgumentError(
+            absl::StrCat(file->path(), ": tensor '", name, "': ", resolved.status().message()));
+      const Target& t = *resolved;
       auto it = params.find(t.param);
       if (it == params.end()) {
         return absl::InvalidArgumentError(absl::StrCat(file->path(), ": unexpected tensor '", name,
@@ -164,14 +232,10 @@ absl::StatusOr<LoadReport> LoadParameters(
                                                        "' has shape ", ShapeStr(src.sizes()),
                                                        ", expected ", ShapeStr(dest->sizes())));
       }
+      const int64_t rows = t.expert < 0 ? 0 : it->second.size(0);
+      if (absl::Status s = filled[t.param].Add(t, name, rows); !s.ok())
+        return absl::InvalidArgumentError(absl::StrCat(file->path(), ": ", s.message()));
       dest->copy_(src);
-      Fill& f = filled[t.param];
-      if (t.expert < 0) {
-        f.whole = true;
-      } else {
-        f.slices += 1;
-        f.slices_needed = it->second.size(0) * (t.part == Target::kDown ? 1 : 2);
-      }
       ++report.tensors_loaded;
     }
   }
@@ -179,8 +243,13 @@ absl::StatusOr<LoadReport> LoadParameters(
   std::vector<std::string> missing;
   for (auto& [name, p] : params) {
     const auto it = filled.find(name);
-    if (it == filled.end() || it->second.whole) continue;
-    if (it->second.slices < it->second.slices_needed) missing.push_back(name);
+    if (it == filled.end()) continue;
+    const std::vector<std::string> slices = it->second.Missing();
+    if (slices.empty()) continue;
+    const size_t shown = std::min<size_t>(slices.size(), 4);
+    missing.push_back(absl::StrCat(
+        name, " (", absl::StrJoin(slices.begin(), slices.begin() + shown, ", "),
+        slices.size() > shown ? absl::StrCat(", ... ", slices.size(), " slices in all") : "", ")"));
   }
   for (auto& [name, p] : params) {
     if (!filled.count(name)) missing.push_back(name);

@@ -8,13 +8,17 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <set>
+#include <sstream>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "lm/util/status.h"
 #include "nlohmann/json.hpp"
 
@@ -554,6 +558,129 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorT
   guard.Commit();
   SyncParentDir(path);
   return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sharded checkpoints: model.safetensors.index.json
+
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr char kIndexFile[] = "model.safetensors.index.json";
+
+// A name for an error message: JSON-quoted (so control bytes show) and shortened.
+std::string QuoteName(const std::string& s) {
+  constexpr size_t kShown = 200;
+  std::string shown =
+      json(s.substr(0, kShown)).dump(-1, ' ', false, json::error_handler_t::replace);
+  return s.size() > kShown ? shown + "..." : shown;
+}
+
+// Why `file` may not name a shard, or "" when it may.
+std::string BadShardName(const std::string& file) {
+  if (file.empty()) return "an empty file name";
+  if (file.find('\0') != std::string::npos) return "a NUL byte in the file name";
+  if (file[0] == '/') return "an absolute path (shards must be inside the model directory)";
+  for (absl::string_view part : absl::StrSplit(file, '/')) {
+    if (part == "..") return "a '..' component (shards must be inside the model directory)";
+  }
+  return "";
+}
+
+absl::StatusOr<std::string> ReadText(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) return absl::DataLossError(absl::StrCat(path, ": read error"));
+  return ss.str();
+}
+
+// `path` with every symbolic link resolved, and whether that worked.
+absl::StatusOr<fs::path> Resolved(const fs::path& path) {
+  std::error_code ec;
+  fs::path real = fs::weakly_canonical(path, ec);
+  if (ec) return absl::NotFoundError(absl::StrCat(path.string(), ": ", ec.message()));
+  return real;
+}
+
+// True when `path` is `dir` or below it (both already resolved).
+bool IsInside(const fs::path& path, const fs::path& dir) {
+  auto p = path.begin();
+  for (auto d = dir.begin(); d != dir.end(); ++d, ++p) {
+    if (d->empty()) continue;  // a trailing separator
+    if (p == path.end() || *p != *d) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::StatusOr<SafetensorsIndex> ParseSafetensorsIndex(std::string_view text,
+                                                       const std::string& label) {
+  const json root = json::parse(text.begin(), text.end(), /*cb=*/nullptr,
+                                /*allow_exceptions=*/false);
+  if (root.is_discarded())
+    return FileError(absl::StatusCode::kInvalidArgument, label, "not valid JSON");
+  if (!root.is_object())
+    return FileError(absl::StatusCode::kInvalidArgument, label,
+                     absl::StrCat("the index is ", Describe(root), ", expected an object"));
+  const auto map = root.find("weight_map");
+  if (map == root.end() || !map->is_object())
+    return FileError(absl::StatusCode::kInvalidArgument, label,
+                     "not a valid index (no weight_map object)");
+  SafetensorsIndex index;
+  std::set<std::string> shards;
+  for (const auto& [tensor, file] : map->items()) {
+    const std::string entry = absl::StrCat("weight_map entry ", QuoteName(tensor));
+    if (!file.is_string())
+      return FileError(absl::StatusCode::kInvalidArgument, label,
+                       absl::StrCat(entry, " is ", Describe(file), ", expected a file name"));
+    const std::string& name = file.get_ref<const std::string&>();
+    const std::string bad = BadShardName(name);
+    if (!bad.empty())
+      return FileError(absl::StatusCode::kInvalidArgument, label,
+                       absl::StrCat(entry, " names shard ", QuoteName(name), ": ", bad));
+    index.weight_map.emplace(tensor, name);
+    shards.insert(name);
+  }
+  index.shards.assign(shards.begin(), shards.end());
+  return index;
+}
+
+absl::StatusOr<std::vector<std::string>> CheckpointFilePaths(const std::string& dir) {
+  const std::string index_path = (fs::path(dir) / kIndexFile).string();
+  std::error_code ec;
+  if (!fs::exists(index_path, ec)) {
+    const std::string single = (fs::path(dir) / "model.safetensors").string();
+    if (fs::exists(single, ec)) return std::vector<std::string>{single};
+    return absl::NotFoundError(absl::StrCat(dir, ": no model.safetensors or ", kIndexFile));
+  }
+  ASSIGN_OR_RETURN(const std::string text, ReadText(index_path));
+  ASSIGN_OR_RETURN(const SafetensorsIndex index, ParseSafetensorsIndex(text, index_path));
+  ASSIGN_OR_RETURN(const fs::path root, Resolved(dir));
+  std::vector<std::string> paths;
+  for (const std::string& shard : index.shards) {
+    const fs::path path = fs::path(dir) / shard;
+    ASSIGN_OR_RETURN(const fs::path real, Resolved(path));
+    if (!IsInside(real, root)) {
+      // Name one tensor that lives there, so the entry can be found in the index.
+      std::string tensor;
+      for (const auto& [t, f] : index.weight_map) {
+        if (f == shard) {
+          tensor = t;
+          break;
+        }
+      }
+      return FileError(absl::StatusCode::kInvalidArgument, index_path,
+                       absl::StrCat("weight_map entry ", QuoteName(tensor), " names shard ",
+                                    QuoteName(shard), ", which resolves to ", real.string(),
+                                    ", outside the model directory ", root.string()));
+    }
+    paths.push_back(path.string());
+  }
+  return paths;
 }
 
 }  // namespace lm

@@ -1,7 +1,8 @@
 // Safetensors files: a memory-mapped, validating reader and a writer.
 //
 // Format: 8-byte little-endian header length N, then N bytes of JSON
-//   {"name": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, ..., "__metadata__": {..}}
+//   {"name": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, ..., "__metadata__":
+//   {..}}
 // then the data block; offsets are relative to the data block start.
 // This file has no LibTorch dependency: tensors are byte views into the mapping.
 #pragma once
@@ -11,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -73,5 +75,23 @@ struct TensorToWrite {
 // name order). Writes to `path + ".tmp"` then renames, so a crash never leaves a half file.
 absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
                               const std::map<std::string, std::string>& metadata = {});
+
+// model.safetensors.index.json of a sharded checkpoint: which shard file holds each tensor.
+struct SafetensorsIndex {
+  std::map<std::string, std::string> weight_map;  // tensor -> shard file, relative to the directory
+  std::vector<std::string> shards;                // the distinct shard files, sorted
+};
+
+// Parses the text of an index ({"weight_map": {tensor: file}, "metadata": {...}}). A shard name
+// comes from a file anyone can edit, so it must be a relative path that stays inside the model
+// directory: not empty, no NUL byte, not absolute, no ".." component. Errors name `label` and
+// the offending entry.
+absl::StatusOr<SafetensorsIndex> ParseSafetensorsIndex(std::string_view text,
+                                                       const std::string& label);
+
+// The safetensors files of the model directory `dir`, in the order to open them: the shards of
+// model.safetensors.index.json, or model.safetensors. A shard that resolves outside `dir` (through
+// a symbolic link) is refused like a ".." name, with an error naming the entry.
+absl::StatusOr<std::vector<std::string>> CheckpointFilePaths(const std::string& dir);
 
 }  // namespace lm

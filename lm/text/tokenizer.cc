@@ -14,6 +14,8 @@
 #include <limits>
 #include <sstream>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "lm/util/status.h"
@@ -40,6 +42,45 @@ absl::string_view Av(std::string_view s) {
 
 constexpr int32_t kNoRank = std::numeric_limits<int32_t>::max();
 constexpr char kReplacement[] = "\xEF\xBF\xBD";  // U+FFFD
+
+// Largest token id accepted from a file. The id tables are dense (one entry per id up to the
+// largest), so an id is also an allocation size: 2^24 is ~64x the largest published vocabulary
+// (Gemma's 262,144) and keeps a hostile file from asking for gigabytes or overflowing int32.
+constexpr int64_t kMaxTokenId = (int64_t{1} << 24) - 1;
+
+// A token's text for an error message: quoted, shortened, and safe to print.
+std::string QuoteToken(std::string_view token) {
+  constexpr size_t kShown = 64;
+  std::string out = "'";
+  out.append(token.substr(0, kShown));
+  if (token.size() > kShown) out += "...";
+  return out + "'";
+}
+
+// `id` as a token id, or an error naming the token and the id.
+absl::StatusOr<int32_t> CheckedTokenId(int64_t id, std::string_view token, std::string_view what,
+                                       std::string_view where) {
+  if (id < 0 || id > kMaxTokenId)
+    return absl::InvalidArgumentError(absl::StrCat(Av(where), where.empty() ? "" : ": ", Av(what),
+                                                   " ", QuoteToken(token), " has id ", id,
+                                                   "; ids must be in [0, ", kMaxTokenId, "]"));
+  return static_cast<int32_t>(id);
+}
+
+// A JSON id of `token`: an integer in [0, kMaxTokenId]. Unsigned values beyond int64 and floats
+// are refused too (nlohmann's get<int32_t>() would silently truncate them).
+absl::StatusOr<int32_t> TokenIdFromJson(const nlohmann::json& v, std::string_view token,
+                                        std::string_view what, std::string_view where) {
+  if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(kMaxTokenId))
+    return absl::InvalidArgumentError(absl::StrCat(Av(where), ": ", Av(what), " ",
+                                                   QuoteToken(token), " has id ", v.get<uint64_t>(),
+                                                   "; ids must be in [0, ", kMaxTokenId, "]"));
+  if (!v.is_number_integer())
+    return absl::InvalidArgumentError(absl::StrCat(Av(where), ": ", Av(what), " ",
+                                                   QuoteToken(token), " has a non-integer id (",
+                                                   v.type_name(), ")"));
+  return CheckedTokenId(v.get<int64_t>(), token, what, where);
+}
 
 // ---------------------------------------------------------------------------------------------
 // SHA-256 (FIPS 180-4), for the fingerprint. Small and dependency-free.
@@ -489,7 +530,9 @@ class VocabSax : public json::json_sax_t {
     key_ = std::move(k);
     return true;
   }
-  bool number_unsigned(number_unsigned_t v) override { return Id(static_cast<int64_t>(v)); }
+  bool number_unsigned(number_unsigned_t v) override {
+    return Id(v > static_cast<uint64_t>(kMaxTokenId) ? kMaxTokenId + 1 : static_cast<int64_t>(v));
+  }
   bool number_integer(number_integer_t v) override { return Id(v); }
   bool start_object(std::size_t) override { return Fail(depth_++ != 0, "nested object"); }
   bool end_object() override { return --depth_, true; }
@@ -509,8 +552,12 @@ class VocabSax : public json::json_sax_t {
 
  private:
   bool Id(int64_t v) {
-    if (v < 0 || v > (1 << 30)) return Fail(true, "id out of range");
-    out_->emplace_back(std::move(key_), static_cast<int32_t>(v));
+    auto id = CheckedTokenId(v, key_, "token", "");
+    if (!id.ok()) {
+      if (error_.empty()) error_ = std::string(id.status().message());
+      return false;
+    }
+    out_->emplace_back(std::move(key_), *id);
     return true;
   }
   bool Fail(bool failed, const char* what) {
@@ -598,10 +645,9 @@ struct Tokenizer::Builder {
   absl::Status ParseVocab(const json& j, const std::string& where) {
     if (!j.is_object()) return absl::InvalidArgumentError(where + ": vocab is not an object");
     vocab.reserve(j.size());
-    for (const auto& [token, id] : j.items()) {
-      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > (1 << 30))
-        return absl::InvalidArgumentError(absl::StrCat(where, ": bad id for '", token, "'"));
-      vocab.emplace_back(token, id.get<int32_t>());
+    for (const auto& [token, id_json] : j.items()) {
+      ASSIGN_OR_RETURN(const int32_t id, TokenIdFromJson(id_json, token, "vocab token", where));
+      vocab.emplace_back(token, id);
     }
     return absl::OkStatus();
   }
@@ -633,6 +679,16 @@ struct Tokenizer::Builder {
   absl::Status LoadVocabMerges(const fs::path& dir);
   absl::Status AddQwen3Tokens();
   absl::StatusOr<std::unique_ptr<Tokenizer>> Build();
+
+  // The options' extra tokens, then Build; every error names `label` (the files read).
+  absl::StatusOr<std::unique_ptr<Tokenizer>> Finish(const TokenizerOptions& options,
+                                                    const std::string& label) {
+    const absl::Status added = options.qwen3_added_tokens ? AddQwen3Tokens() : absl::OkStatus();
+    absl::StatusOr<std::unique_ptr<Tokenizer>> tok =
+        added.ok() ? Build() : absl::StatusOr<std::unique_ptr<Tokenizer>>(added);
+    if (tok.ok() || absl::StartsWith(tok.status().message(), label + ": ")) return tok;
+    return absl::Status(tok.status().code(), absl::StrCat(label, ": ", tok.status().message()));
+  }
 };
 
 absl::Status Tokenizer::Builder::ParseNormalizer(const json& n, const std::string& where) {
@@ -719,9 +775,12 @@ absl::Status Tokenizer::Builder::ParseTokenizerJson(const json& j, const std::st
     }
   }
   for (const json& t : j.value("added_tokens", json::array())) {
-    if (!t.contains("id") || !t["id"].is_number_integer())
+    if (!t.is_object() || !t.contains("id"))
       return absl::InvalidArgumentError(where + ": added token without id");
-    RETURN_IF_ERROR(ParseAddedToken(t, t["id"].get<int32_t>(), where));
+    const json& content = t.value("content", json());
+    const std::string name = content.is_string() ? content.get<std::string>() : "";
+    ASSIGN_OR_RETURN(const int32_t id, TokenIdFromJson(t["id"], name, "added token", where));
+    RETURN_IF_ERROR(ParseAddedToken(t, id, where));
   }
   RETURN_IF_ERROR(ParseNormalizer(j.value("normalizer", json()), where));
   const json pre = j.value("pre_tokenizer", json());
@@ -753,10 +812,15 @@ absl::Status Tokenizer::Builder::LoadVocabMerges(const fs::path& dir) {
   ASSIGN_OR_RETURN(json config, ReadJson(config_path));
   const json decoder = config.value("added_tokens_decoder", json::object());
   for (const auto& [id_text, t] : decoder.items()) {
-    int32_t id = 0;
-    if (!absl::SimpleAtoi(id_text, &id) || id < 0)
-      return absl::InvalidArgumentError(
-          absl::StrCat(config_path.string(), ": bad added token id '", id_text, "'"));
+    const json& content = t.is_object() ? t.value("content", json()) : json();
+    const std::string name = content.is_string() ? content.get<std::string>() : "";
+    int64_t wide = 0;
+    if (!absl::SimpleAtoi(id_text, &wide))
+      return absl::InvalidArgumentError(absl::StrCat(config_path.string(), ": added token ",
+                                                     QuoteToken(name), " has a bad id '", id_text,
+                                                     "'"));
+    ASSIGN_OR_RETURN(const int32_t id,
+                     CheckedTokenId(wide, name, "added token", config_path.string()));
     RETURN_IF_ERROR(ParseAddedToken(t, id, config_path.string()));
   }
   return absl::OkStatus();
@@ -898,26 +962,45 @@ Tokenizer::~Tokenizer() = default;
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& dir_or_file,
                                                            const TokenizerOptions& options) {
   const fs::path path(dir_or_file);
-  Builder builder;
   std::error_code ec;
   if (fs::is_regular_file(path, ec) || fs::exists(path / "tokenizer.json", ec)) {
     const fs::path file = fs::is_regular_file(path, ec) ? path : path / "tokenizer.json";
-    ASSIGN_OR_RETURN(json j, ReadJson(file));
-    // A field of an unexpected JSON type must be an error naming the file, never a crash.
+    ASSIGN_OR_RETURN(const std::string text, ReadFile(file));
+    return FromTokenizerJson(text, file.string(), options);
+  }
+  Builder builder;
+  if (fs::exists(path / "vocab.json", ec) && fs::exists(path / "merges.txt", ec)) {
+    // A field of an unexpected JSON type (tokenizer_config.json) must be an error, never a crash.
     try {
-      RETURN_IF_ERROR(builder.ParseTokenizerJson(j, file.string()));
+      RETURN_IF_ERROR(builder.LoadVocabMerges(path));
     } catch (const json::exception& e) {
       return absl::InvalidArgumentError(
-          absl::StrCat(file.string(), ": malformed tokenizer.json: ", e.what()));
+          absl::StrCat(dir_or_file, ": malformed tokenizer files: ", e.what()));
     }
-  } else if (fs::exists(path / "vocab.json", ec) && fs::exists(path / "merges.txt", ec)) {
-    RETURN_IF_ERROR(builder.LoadVocabMerges(path));
   } else {
     return absl::NotFoundError(absl::StrCat(
         dir_or_file, ": no tokenizer.json, and no vocab.json + merges.txt, found there"));
   }
-  if (options.qwen3_added_tokens) RETURN_IF_ERROR(builder.AddQwen3Tokens());
-  return builder.Build();
+  return builder.Finish(options, dir_or_file);
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromTokenizerJson(
+    std::string_view text, const std::string& label, const TokenizerOptions& options) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(label, ": bad JSON: ", e.what()));
+  }
+  Builder builder;
+  // A field of an unexpected JSON type must be an error naming the file, never a crash.
+  try {
+    RETURN_IF_ERROR(builder.ParseTokenizerJson(j, label));
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(label, ": malformed tokenizer.json: ", e.what()));
+  }
+  return builder.Finish(options, label);
 }
 
 std::vector<AddedToken> Tokenizer::Qwen3AddedTokens() {

@@ -62,6 +62,10 @@ class Tokenizer {
   static absl::StatusOr<std::unique_ptr<Tokenizer>> Load(const std::string& dir_or_file,
                                                          const TokenizerOptions& options = {});
 
+  // The same from the text of a tokenizer.json; `label` names it in errors (e.g. its path).
+  static absl::StatusOr<std::unique_ptr<Tokenizer>> FromTokenizerJson(
+      std::string_view text, const std::string& label, const TokenizerOptions& options = {});
+
   // Qwen3's added tokens in id order, with their `special` flags as Qwen3 ships them.
   static std::vector<AddedToken> Qwen3AddedTokens();
 
