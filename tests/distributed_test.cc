@@ -316,6 +316,50 @@ TEST(DistributedOptimizer, NRanksMakeTheUpdatesOfOneAndHoldAnNthOfTheState) {
   }
 }
 
+// Through autograd: a chain of layers, two micro-batches per rank. The buckets of the last layers
+// go out while the backward is still in the first ones, and the result is one rank's.
+TEST(DistributedOptimizer, BucketsGoOutDuringTheLastBackward) {
+  torch::set_num_threads(1);
+  torch::manual_seed(3);
+  std::vector<std::pair<std::string, torch::Tensor>> init;
+  for (int l = 0; l < 6; ++l)
+    init.emplace_back("layer" + std::to_string(l) + ".weight", torch::randn({8, 8}) * 0.3);
+  const torch::Tensor inputs = torch::randn({4, 3, 8});  // 4 micro-batches of 3 rows
+  auto run = [&](ProcessGroup& g, int64_t bucket, int64_t* overlapped, int64_t* buckets) {
+    auto params = Clone(init);
+    for (auto& [n, t] : params) t.set_requires_grad(true);
+    auto opt = trainer::DistributedOptimizer::Create(params, Optim(), &g, bucket);
+    EXPECT_TRUE(opt.ok());
+    for (int step = 0; step < 2; ++step) {
+      (*opt)->ZeroGrad();
+      for (int i = g.rank(); i < 4; i += g.size()) {
+        torch::Tensor x = inputs[i];
+        for (const auto& t : (*opt)->params()) x = torch::tanh(x.matmul(t));
+        if (i + g.size() >= 4) (*opt)->ExpectLastBackward();
+        (x.pow(2).sum() / 12.0).backward();
+      }
+      EXPECT_TRUE((*opt)->ReduceAndClip(1.0).ok());
+      EXPECT_TRUE((*opt)->Step(1e-2).ok());
+    }
+    if (overlapped) *overlapped = (*opt)->overlapped_buckets();
+    if (buckets) *buckets = (*opt)->num_buckets();
+    return Values(**opt);
+  };
+  ProcessGroup single;
+  const auto want = run(single, 64, nullptr, nullptr);
+  std::vector<double> diffs(2);
+  std::vector<int64_t> overlapped(2), buckets(2);
+  RunRanks(2, [&](int rank, ProcessGroup& g) {
+    diffs[rank] = MaxRelDiff(want, run(g, 64, &overlapped[rank], &buckets[rank]));
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_LE(diffs[r], 1e-6) << "rank " << r;
+    EXPECT_EQ(buckets[r], 6) << "one 64-element parameter per bucket";
+    // The first layer's gradient comes last; every bucket before it went out during the backward.
+    EXPECT_GE(overlapped[r], 5) << "rank " << r;
+  }
+}
+
 TEST(DistributedOptimizer, CheckpointsResumeOnAnyWorldSize) {
   torch::set_num_threads(1);
   const Problem p = MakeProblem(4);

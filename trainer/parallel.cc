@@ -10,6 +10,9 @@
 #include <map>
 #include <regex>
 
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -198,13 +201,10 @@ absl::StatusOr<LearnerPlacement> JoinLearnerGroup(const std::string& device, dou
 
 FlatLayout FlatLayout::Of(const std::vector<std::pair<std::string, torch::Tensor>>& params) {
   FlatLayout l;
-  for (bool decay : {true, false}) {
-    for (const auto& [name, p] : params) {
-      if (UsesWeightDecay(name, p) != decay) continue;
-      l.entries.push_back({name, l.total, p.numel(), decay});
-      l.total += p.numel();
-    }
-    if (decay) l.decay_end = l.total;
+  for (auto it = params.rbegin(); it != params.rend(); ++it) {
+    l.entries.push_back(
+        {it->first, l.total, it->second.numel(), UsesWeightDecay(it->first, it->second)});
+    l.total += it->second.numel();
   }
   return l;
 }
@@ -233,7 +233,16 @@ absl::StatusOr<std::unique_ptr<OptimizerStateReader>> OptimizerStateReader::Open
   return NamedReader::Open(dir + "/" + kNamedFile, layout);
 }
 
-DistributedOptimizer::~DistributedOptimizer() = default;
+DistributedOptimizer::~DistributedOptimizer() {
+  if (adamw_) return;
+  // The hooks point at this object; the parameters may outlive it.
+  for (size_t i = 0; i < layout_.entries.size(); ++i)
+    torch::autograd::impl::set_post_acc_grad_hooks(ParamOf(i), nullptr);
+}
+
+torch::Tensor& DistributedOptimizer::ParamOf(size_t entry) {
+  return params_[entry_param_[entry]];
+}
 
 absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Create(
     const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& config,
@@ -246,6 +255,9 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Crea
     o->names_.push_back(name);
     o->params_.push_back(p);
   }
+  for (const auto& e : o->layout_.entries)
+    o->entry_param_.push_back(static_cast<size_t>(
+        std::find(o->names_.begin(), o->names_.end(), e.name) - o->names_.begin()));
   if (group->size() == 1) {
     o->adamw_ = std::make_unique<AdamW>(params, config);
     return o;
@@ -259,7 +271,6 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Crea
                        " is ", c10::toString(p.scalar_type()), " on ", p.device().str()));
   }
   torch::NoGradGuard no_grad;
-  o->bucket_elements_ = std::max<int64_t>(bucket_elements, 1);
   o->shard_ = Shard::Of(o->layout_.total, group->size(), group->rank());
   const int64_t padded = o->shard_.chunk * group->size();
   o->flat_params_ = torch::zeros({padded}, opts);
@@ -275,20 +286,82 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Crea
   const int64_t mine = o->shard_.end - o->shard_.begin;
   o->exp_avg_ = torch::zeros({mine}, opts);
   o->exp_avg_sq_ = torch::zeros({mine}, opts);
-  o->decay_steps_ = torch::zeros({}, opts);
-  o->no_decay_steps_ = torch::zeros({}, opts);
+  for (size_t i = 0; i < o->layout_.entries.size(); ++i)
+    o->entry_steps_.push_back(torch::zeros({}, opts));
+  // Buckets of whole parameters, about bucket_elements each; the last one takes the padding.
+  bucket_elements = std::max<int64_t>(bucket_elements, 1);
+  for (size_t i = 0; i < o->layout_.entries.size(); ++i) {
+    const auto& e = o->layout_.entries[i];
+    if (o->buckets_.empty() || o->buckets_.back().end - o->buckets_.back().begin >= bucket_elements)
+      o->buckets_.push_back({e.offset, e.offset});
+    o->buckets_.back().end = e.offset + e.numel;
+    o->bucket_of_entry_.push_back(o->buckets_.size() - 1);
+  }
+  o->buckets_.back().end = padded;
+  for (Bucket& b : o->buckets_) b.tensors = {o->flat_grads_.narrow(0, b.begin, b.end - b.begin)};
   o->ZeroGrad();
+  o->InstallHooks();
   return o;
+}
+
+namespace {
+// Tells the optimizer that a parameter's gradient for this backward is complete.
+class GradReadyHook : public torch::autograd::PostAccumulateGradHook {
+ public:
+  GradReadyHook(std::function<void()> ready) : ready_(std::move(ready)) {}
+  void operator()(const torch::autograd::Variable&) override { ready_(); }
+
+ private:
+  std::function<void()> ready_;
+};
+}  // namespace
+
+void DistributedOptimizer::InstallHooks() {
+  for (size_t i = 0; i < layout_.entries.size(); ++i) {
+    const torch::Tensor& p = ParamOf(i);
+    torch::autograd::impl::set_post_acc_grad_hooks(
+        p, std::make_unique<GradReadyHook>([this, i] { GradReady(i); }));
+  }
+}
+
+void DistributedOptimizer::ExpectLastBackward() {
+  if (adamw_) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  armed_ = true;
+  for (Bucket& b : buckets_) b.waiting = 0;
+  for (size_t b : bucket_of_entry_) ++buckets_[b].waiting;
+}
+
+void DistributedOptimizer::GradReady(size_t entry) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!armed_) return;
+  --buckets_[bucket_of_entry_[entry]].waiting;
+  LaunchReadyBuckets();
+}
+
+void DistributedOptimizer::LaunchReadyBuckets() {
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].waiting == 0) {
+    Bucket& b = buckets_[next_launch_++];
+    b.pending = group_->AllReduceAsync(b.tensors);
+    ++overlapped_;
+  }
 }
 
 void DistributedOptimizer::ZeroGrad() {
   if (adamw_) return adamw_->ZeroGrad();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    armed_ = false;
+    next_launch_ = 0;
+    overlapped_ = 0;
+    for (Bucket& b : buckets_) b.pending.reset();
+  }
   flat_grads_.zero_();
   // The backward accumulates into these views in place; re-point them in case anything replaced
   // a gradient tensor.
-  for (const auto& e : layout_.entries) {
-    auto it = std::find(names_.begin(), names_.end(), e.name);
-    torch::Tensor& p = params_[static_cast<size_t>(it - names_.begin())];
+  for (size_t i = 0; i < layout_.entries.size(); ++i) {
+    const auto& e = layout_.entries[i];
+    torch::Tensor& p = ParamOf(i);
     torch::Tensor view = flat_grads_.narrow(0, e.offset, e.numel).view(p.sizes());
     if (!p.grad().defined() || p.grad().data_ptr() != view.data_ptr()) p.mutable_grad() = view;
   }
@@ -297,16 +370,20 @@ void DistributedOptimizer::ZeroGrad() {
 absl::StatusOr<double> DistributedOptimizer::ReduceAndClip(double max_norm) {
   if (adamw_) return ClipGradNorm(params_, max_norm);
   torch::NoGradGuard no_grad;
-  // Buckets in flight together: the transport overlaps them with one another.
-  std::vector<std::vector<torch::Tensor>> buckets;
-  const int64_t padded = flat_grads_.numel();
-  for (int64_t b = 0; b < padded; b += bucket_elements_)
-    buckets.push_back({flat_grads_.narrow(0, b, std::min(bucket_elements_, padded - b))});
-  std::vector<std::unique_ptr<lm::dist::PendingCollective>> pending;
-  for (auto& bucket : buckets) pending.push_back(group_->AllReduceAsync(bucket));
+  {
+    // What the backward did not send (all of it on a rank that ran no micro-batch) goes now, in
+    // the same bucket order on every rank.
+    std::lock_guard<std::mutex> lock(mu_);
+    armed_ = false;
+    while (next_launch_ < buckets_.size()) {
+      Bucket& b = buckets_[next_launch_++];
+      b.pending = group_->AllReduceAsync(b.tensors);
+    }
+  }
   absl::Status first = absl::OkStatus();
-  for (auto& p : pending) {
-    absl::Status s = p->Wait();
+  for (Bucket& b : buckets_) {
+    absl::Status s = b.pending->Wait();
+    b.pending.reset();
     if (first.ok() && !s.ok()) first = s;
   }
   RETURN_IF_ERROR(first);
@@ -327,25 +404,25 @@ absl::Status DistributedOptimizer::Step(double lr) {
 
 absl::Status DistributedOptimizer::ShardedStep(double lr) {
   torch::NoGradGuard no_grad;
-  // This rank's slice, cut where the weight-decay group ends.
-  const int64_t cut = std::clamp(layout_.decay_end, shard_.begin, shard_.end);
-  struct Segment {
-    int64_t begin, end;
-    double weight_decay;
-    torch::Tensor* steps;
-  };
-  for (const Segment& seg : {Segment{shard_.begin, cut, config_.weight_decay, &decay_steps_},
-                             Segment{cut, shard_.end, 0.0, &no_decay_steps_}}) {
-    if (seg.begin >= seg.end) continue;
-    const int64_t n = seg.end - seg.begin, local = seg.begin - shard_.begin;
-    std::vector<torch::Tensor> p{flat_params_.narrow(0, seg.begin, n)};
-    std::vector<torch::Tensor> g{flat_grads_.narrow(0, seg.begin, n)};
-    std::vector<torch::Tensor> m{exp_avg_.narrow(0, local, n)};
-    std::vector<torch::Tensor> v{exp_avg_sq_.narrow(0, local, n)};
-    std::vector<torch::Tensor> t{*seg.steps};
+  // This rank's slice of each parameter it meets, one fused AdamW call per decay group.
+  for (bool decay : {true, false}) {
+    std::vector<torch::Tensor> p, g, m, v, t;
+    for (size_t i = 0; i < layout_.entries.size(); ++i) {
+      const auto& e = layout_.entries[i];
+      const int64_t b = std::max(shard_.begin, e.offset);
+      const int64_t end = std::min(shard_.end, e.offset + e.numel);
+      if (e.decay != decay || b >= end) continue;
+      p.push_back(flat_params_.narrow(0, b, end - b));
+      g.push_back(flat_grads_.narrow(0, b, end - b));
+      m.push_back(exp_avg_.narrow(0, b - shard_.begin, end - b));
+      v.push_back(exp_avg_sq_.narrow(0, b - shard_.begin, end - b));
+      t.push_back(entry_steps_[i]);
+    }
+    if (p.empty()) continue;
     at::_foreach_add_(t, 1);
     at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, t, lr, config_.beta1, config_.beta2,
-                      seg.weight_decay, config_.eps, /*amsgrad=*/false, /*maximize=*/false);
+                      decay ? config_.weight_decay : 0.0, config_.eps, /*amsgrad=*/false,
+                      /*maximize=*/false);
   }
   ++steps_;
   const int64_t chunk = shard_.chunk;
@@ -406,8 +483,8 @@ absl::Status DistributedOptimizer::LoadState(const std::string& checkpoint_dir, 
   if (adamw_) {
     std::map<std::string, torch::Tensor> tensors;
     for (const auto& e : layout_.entries) {
-      const torch::Tensor& p = params_[static_cast<size_t>(
-          std::find(names_.begin(), names_.end(), e.name) - names_.begin())];
+      const torch::Tensor& p =
+          params_[entry_param_[static_cast<size_t>(&e - layout_.entries.data())]];
       for (const char* m : kMoments) {
         torch::Tensor t = torch::empty(p.sizes(), torch::kFloat32);
         RETURN_IF_ERROR(reader->Read(m, e.offset, e.offset + e.numel, t.data_ptr<float>()));
@@ -424,8 +501,7 @@ absl::Status DistributedOptimizer::LoadState(const std::string& checkpoint_dir, 
     RETURN_IF_ERROR(reader->Read(m, shard_.begin, shard_.end, host.data_ptr<float>()));
     dst->copy_(host);
   }
-  decay_steps_.fill_(static_cast<double>(steps));
-  no_decay_steps_.fill_(static_cast<double>(steps));
+  for (torch::Tensor& t : entry_steps_) t.fill_(static_cast<double>(steps));
   steps_ = steps;
   return absl::OkStatus();
 }

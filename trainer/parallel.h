@@ -5,14 +5,18 @@
 //   one rank:  AdamW (trainer/optim.h) as before, moments per parameter name.
 //   N ranks:   ZeRO-1. The parameters live in one flat buffer (each parameter a view of it) and
 //              so do their gradients, which the backward accumulates in place. The gradients are
-//              summed over ranks in buckets of `bucket_elements` (all launched, then waited for),
-//              clipped by their global norm, and each rank updates only its own contiguous
-//              1/N slice of the flat space with AdamW, keeping AdamW's moments for that slice
-//              alone; an all-gather then gives every rank the updated weights.
+//              summed over ranks in buckets of about `bucket_elements`: during a rank's last
+//              backward of the step (ExpectLastBackward), a bucket is all-reduced as soon as
+//              every parameter in it has its gradient, overlapping the rest of the backward;
+//              what is left goes out in ReduceAndClip. The sums are clipped by their global norm,
+//              and each rank updates only its own contiguous 1/N slice of the flat space with
+//              AdamW, keeping AdamW's moments for that slice alone; an all-gather then gives every
+//              rank the updated weights.
 //
-// The flat space (FlatLayout) orders the weight-decay parameters first, then the others, each in
-// the model's parameter order, so that a rank's slice meets at most two decay groups (one fused
-// AdamW call each). Checkpoints store the moments as ranges of that space:
+// The flat space (FlatLayout) holds the parameters in reverse model order, the order in which the
+// backward produces their gradients, so the first buckets are ready first (buckets go out in
+// index order on every rank, as the collectives must match). Checkpoints store the moments as
+// ranges of that space:
 //
 //   optimizer.safetensors                 one rank: exp_avg.<name>, exp_avg_sq.<name>
 //   optimizer-RRRRR-of-NNNNN.safetensors  N ranks: exp_avg, exp_avg_sq of [begin, end)
@@ -28,6 +32,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -65,9 +70,8 @@ struct FlatLayout {
     int64_t offset = 0, numel = 0;
     bool decay = false;
   };
-  std::vector<Entry> entries;
+  std::vector<Entry> entries;  // in flat order: the model's parameters last to first
   int64_t total = 0;
-  int64_t decay_end = 0;  // [0, decay_end) takes weight decay
 
   static FlatLayout Of(const std::vector<std::pair<std::string, torch::Tensor>>& params);
   nlohmann::json ToJson() const;  // [[name, numel], ...] in flat order
@@ -105,6 +109,8 @@ class DistributedOptimizer {
 
   // Gradients to zero (several ranks) or undefined (one rank), before a step's first backward.
   void ZeroGrad();
+  // The next backward is this rank's last of the step: reduce buckets as they become ready.
+  void ExpectLastBackward();
   // Collective: sums the gradients over ranks, clips them to `max_norm` by their global L2 norm
   // (as ClipGradNorm) and returns the norm before clipping.
   absl::StatusOr<double> ReduceAndClip(double max_norm);
@@ -112,6 +118,9 @@ class DistributedOptimizer {
   absl::Status Step(double lr);
 
   int64_t steps() const;
+  // Of the last ReduceAndClip's buckets, how many went out during the backward.
+  int64_t overlapped_buckets() const { return overlapped_; }
+  int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
   // Bytes of AdamW state this rank holds (the two moments of its slice).
   int64_t state_bytes() const;
   const std::vector<torch::Tensor>& params() const { return params_; }
@@ -126,21 +135,38 @@ class DistributedOptimizer {
  private:
   DistributedOptimizer() = default;
   absl::Status ShardedStep(double lr);
+  void InstallHooks();
+  torch::Tensor& ParamOf(size_t entry);
+  void GradReady(size_t entry);  // from the autograd engine, after an accumulation
+  void LaunchReadyBuckets();     // under mu_
+
+  struct Bucket {
+    int64_t begin = 0, end = 0;  // range of the flat (padded) buffer
+    int64_t waiting = 0;         // parameters whose gradient has not arrived yet
+    std::vector<torch::Tensor> tensors;
+    std::unique_ptr<lm::dist::PendingCollective> pending;
+  };
 
   lm::dist::ProcessGroup* group_ = nullptr;
   OptimConfig config_;
   FlatLayout layout_;
   std::vector<std::string> names_;
   std::vector<torch::Tensor> params_;
-  std::unique_ptr<AdamW> adamw_;  // one rank
+  std::vector<size_t> entry_param_;  // layout entry -> index into params_
+  std::unique_ptr<AdamW> adamw_;     // one rank
 
   // Several ranks.
   Shard shard_;
-  int64_t bucket_elements_ = 0;
   torch::Tensor flat_params_, flat_grads_;  // padded to world * chunk
   torch::Tensor exp_avg_, exp_avg_sq_;      // this rank's slice
-  torch::Tensor decay_steps_, no_decay_steps_;
+  std::vector<torch::Tensor> entry_steps_;  // AdamW step count per entry (as fused AdamW wants)
   int64_t steps_ = 0;
+  std::vector<Bucket> buckets_;
+  std::vector<size_t> bucket_of_entry_;
+  std::mutex mu_;
+  bool armed_ = false;      // in the last backward of a step
+  size_t next_launch_ = 0;  // buckets [0, next_launch_) are in flight
+  int64_t overlapped_ = 0;
 };
 
 }  // namespace trainer

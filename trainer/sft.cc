@@ -422,6 +422,8 @@ absl::StatusOr<StepOutcome> SftJob::TrainStep(const StepBatch& b) {
       loss = loss * std::numeric_limits<double>::quiet_NaN();  // debug hook: NaN loss and grads
       ce = std::numeric_limits<double>::quiet_NaN();
     }
+    // The last local micro-batch: its backward all-reduces gradient buckets as they complete.
+    if (i + static_cast<size_t>(ranks) >= b.micro.size()) optimizer_->ExpectLastBackward();
     loss.backward();
     if (rank == c_.debug.kill_rank && this_step == c_.debug.kill_at_step) {
       lm::log::Warn(absl::StrFormat("debug.kill_rank: rank %d kills itself in step %d", rank,
