@@ -1,13 +1,17 @@
-// Resuming an SFT or OPD run after a skipped (non-finite) step continues it exactly: AdamW's bias
-// correction must count the updates applied, not the steps run. A tiny random student and
+// Learner runs end to end. Resuming an SFT or OPD run after a skipped (non-finite) step continues
+// it exactly: AdamW's bias correction must count the updates applied, not the steps run. A
+// teacher swap restarts the stage's plateau window. A tiny random student and
 // teacher with the demo's tokenizer and task (scripts/demo/make_task.py); OPD runs against real
 // opd-teacher and opd-rollout processes on 127.0.0.1 with a shared secret, stopped by the test.
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <csignal>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -62,10 +66,10 @@ int64_t OptimizerSteps(const fs::path& checkpoint) {
       .get<int64_t>();
 }
 
-class SkippedStepResume : public ::testing::Test {
+class LearnerRuns : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = fs::temp_directory_path() / ("skipped_step_resume_test_" + std::to_string(::getpid()));
+    dir_ = fs::temp_directory_path() / ("learner_runs_test_" + std::to_string(::getpid()));
     fs::create_directories(dir_);
     const std::string py = OPD_PYTHON, src = OPD_SOURCE_DIR, d = dir_.string();
     ASSERT_EQ(Shell(py + " " + src + "/scripts/demo/make_task.py --out " + d +
@@ -89,6 +93,7 @@ class SkippedStepResume : public ::testing::Test {
   std::string StartService(const std::string& tag, const std::string& binary,
                            const std::string& model) {
     const std::string port_file = (dir_ / (tag + ".port")).string();
+    fs::remove(port_file);  // an earlier test's service of this name wrote one
     services_.push_back(std::make_unique<ChildProcess>(
         std::vector<std::string>{binary, "--model=" + model,
                                  "--tokenizer=" + (dir_ / "task/tokenizer").string(),
@@ -121,10 +126,11 @@ class SkippedStepResume : public ::testing::Test {
     return code;
   }
 
-  // A one-stage run of `steps` steps whose step 2 is poisoned with NaN (and so skipped), with a
-  // checkpoint after every step; `extra` adds arguments (--resume=DIR).
-  int RunOpd(const fs::path& run, int steps, const std::string& rollout, const std::string& teacher,
-             const std::vector<std::string>& extra = {}) {
+  // A one-stage OPD run of `steps` steps with a checkpoint after every step; `extra` adds
+  // arguments (--set k=v, --resume=DIR).
+  std::vector<std::string> OpdArgs(const fs::path& run, int steps, const std::string& rollout,
+                                   const std::string& teacher,
+                                   const std::vector<std::string>& extra) {
     const std::string d = dir_.string();
     std::vector<std::string> args = {
         kBin + "/trainer/opd-trainer",
@@ -147,15 +153,21 @@ class SkippedStepResume : public ::testing::Test {
         "--set",
         "train.async=false",  // one-step-off sampling would draw step 3 before step 2's update
         "--set",
-        "debug.nan_steps=[2]",
-        "--set",
         "checkpoint.every=1",
         "--set",
         "checkpoint.keep_last=0",
         "--set",
         "auth.secret_file=" + (dir_ / "secret").string()};
     args.insert(args.end(), extra.begin(), extra.end());
-    ChildProcess p(args, run.string() + ".log");
+    return args;
+  }
+
+  // OpdArgs with step 2 poisoned with NaN (and so skipped), run to its end.
+  int RunOpd(const fs::path& run, int steps, const std::string& rollout, const std::string& teacher,
+             const std::vector<std::string>& extra = {}) {
+    std::vector<std::string> args = {"--set", "debug.nan_steps=[2]"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    ChildProcess p(OpdArgs(run, steps, rollout, teacher, args), run.string() + ".log");
     const int code = p.Wait(std::chrono::seconds(300));
     EXPECT_EQ(code, 0) << p.Log();
     return code;
@@ -169,7 +181,7 @@ class SkippedStepResume : public ::testing::Test {
 // checkpoint of step 2 (after the skip: 1 update applied) and runs steps 3 and 4. B's final
 // weights and AdamW moments must be A's, bit for bit. With the step count taken as 2 instead of
 // 1 (as OPD's resume did), step 3's bias correction differs and so do the weights.
-TEST_F(SkippedStepResume, Sft) {
+TEST_F(LearnerRuns, SftResumeAfterASkippedStepIsExact) {
   const fs::path a = dir_ / "sft_a", b = dir_ / "sft_b";
   ASSERT_EQ(RunSft(a), 0);
   ExpectStepTwoWasSkipped(a / "checkpoints/step_000002");
@@ -187,7 +199,7 @@ TEST_F(SkippedStepResume, Sft) {
       << "the step count does not reach the weights: this test cannot see the bug";
 }
 
-TEST_F(SkippedStepResume, Opd) {
+TEST_F(LearnerRuns, OpdResumeAfterASkippedStepIsExact) {
   const std::string teacher = StartService("teacher", kBin + "/teacher_service/opd-teacher",
                                            (dir_ / "teacher_small").string());
   const std::string rollout =
@@ -213,6 +225,74 @@ TEST_F(SkippedStepResume, Opd) {
   EXPECT_FALSE(ReadFile(a4 / "model/model.safetensors") ==
                ReadFile(c / "checkpoints/step_000004/model/model.safetensors"))
       << "the step count does not reach the weights: this test cannot see the bug";
+}
+
+// The plateau window restarts when the running stage's teachers are swapped: the checkpoint of
+// the step after the swap holds one smoothed value (KL to the new teachers), the average starts
+// at that step's KL, and the checkpoint before it still has the whole history. The window (50)
+// is longer than the run gets, so only the restart can shorten the history.
+TEST_F(LearnerRuns, TeacherSwapRestartsThePlateauWindow) {
+  const std::string t1 = StartService("teacher_1", kBin + "/teacher_service/opd-teacher",
+                                      (dir_ / "teacher_small").string());
+  const std::string t2 = StartService("teacher_2", kBin + "/teacher_service/opd-teacher",
+                                      (dir_ / "teacher_small").string());
+  const std::string rollout =
+      StartService("rollout", kBin + "/rollout/opd-rollout", (dir_ / "student").string());
+  ASSERT_FALSE(t1.empty() || t2.empty() || rollout.empty());
+  const fs::path run = dir_ / "run_swap";
+  const std::string port_file = (dir_ / "admin.port").string();
+  ChildProcess learner(
+      OpdArgs(run, 1000, rollout, t1,
+              {"--set", "stages.0.plateau={enabled: true, window: 50, min_rel_improvement: 0.5}",
+               "--set", "admin.listen=127.0.0.1:0", "--set", "admin.port_file=" + port_file}),
+      run.string() + ".log");
+  const int port = WaitForPort(learner, port_file, std::chrono::seconds(120));
+  ASSERT_GT(port, 0) << learner.Log();
+  auto wait_for = [&](const fs::path& p) {
+    for (int i = 0; i < 6000 && !fs::exists(p) && learner.Running(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    return fs::exists(p);
+  };
+  auto checkpoint = [&](int step) {
+    char name[32];
+    std::snprintf(name, sizeof(name), "step_%06d", step);
+    return run / "checkpoints" / name / "trainer_state.json";
+  };
+  ASSERT_TRUE(wait_for(checkpoint(2))) << learner.Log();
+  // Answered once the learner has applied the swap at a step boundary.
+  ChildProcess ctl(
+      {kBin + "/ctl/opd-ctl", "swap-teacher", "--learner", "127.0.0.1:" + std::to_string(port),
+       "--stage", "only", "--endpoints", t2, "--secret-file", (dir_ / "secret").string()},
+      (dir_ / "ctl_swap.log").string());
+  ASSERT_EQ(ctl.Wait(std::chrono::seconds(300)), 0) << ctl.Log() << learner.Log();
+  const std::string marker = "teacher swap applied at step ";
+  int swap_step = -1;
+  for (int i = 0; i < 600 && swap_step < 0; ++i) {
+    const std::string log = learner.Log();
+    if (const size_t at = log.find(marker); at != std::string::npos)
+      swap_step = std::stoi(log.substr(at + marker.size()));
+    else
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_GE(swap_step, 2) << learner.Log();
+  ASSERT_TRUE(wait_for(checkpoint(swap_step + 1))) << learner.Log();
+  learner.Kill(SIGTERM);
+  learner.Wait(std::chrono::seconds(60));
+
+  const auto before = nlohmann::json::parse(std::ifstream(checkpoint(swap_step)))["convergence"];
+  const auto after = nlohmann::json::parse(std::ifstream(checkpoint(swap_step + 1)))["convergence"];
+  EXPECT_EQ(before["history"].size(), static_cast<size_t>(swap_step));
+  ASSERT_EQ(after["history"].size(), 1u) << after.dump();
+  EXPECT_EQ(after["steps"], swap_step + 1);  // the stage's step count carries on
+  // The restarted average is the first step's KL to the new teacher itself.
+  double kl = -1;
+  std::ifstream metrics(run / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    auto m = nlohmann::json::parse(line);
+    if (m["step"] == swap_step + 1 && m.contains("opd/reverse_kl"))
+      kl = m["opd/reverse_kl"].get<double>();
+  }
+  EXPECT_DOUBLE_EQ(after["ema"].get<double>(), kl);
 }
 
 }  // namespace
