@@ -45,10 +45,10 @@ def byte_level():
 def tokenizer_json(merges_as_lists=False, split_regex=False, ignore_merges=False, added=True):
     bl = byte_level()
     vocab = {bl[b]: b for b in range(256)}
-    extra = ["he", "ll", "hell", bl[32] + "h", "wo", "wor", "world"]
+    extra = ["he", "ll", "hell", bl[32] + "h", "wo", "wor", "worl", "world"]
     for i, t in enumerate(extra):
         vocab[t] = 256 + i
-    merges = ["h e", "l l", "he ll", bl[32] + " h", "w o", "wo r", "wor l"]
+    merges = ["h e", "l l", "he ll", bl[32] + " h", "w o", "wo r", "wor l", "worl d"]
     if merges_as_lists:
         merges = [m.split(" ") for m in merges]
     j = {
@@ -105,6 +105,10 @@ def main():
           "\0world hello \u4e2d\u6587")
     write(t, "no_added", tokenizer_json(added=False))
     write(t, "bad_id", tokenizer_json().replace('"id": 300', '"id": -3'))
+    # Regression: \C in the pre-tokenizer regex ended matches mid-character (heap over-read).
+    split = json.loads(tokenizer_json(split_regex=True))
+    split["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"a\C|"
+    write(t, "regression_backslash_c", json.dumps(split) + "\0x a\u00e9")
 
     t = "jsonl_fuzzer"
     rows = [

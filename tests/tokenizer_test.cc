@@ -466,6 +466,30 @@ TEST(TokenizerTest, OutOfRangeVocabIdsAreRefused) {
   fs::remove_all(dir);
 }
 
+// Found by fuzz/tokenizer_json_fuzzer: a pre-tokenizer regex with \C (one byte, even inside a
+// UTF-8 character) ended a match mid-character, and stepping over the next character then read
+// past the end of the text. Such a pattern is refused when the tokenizer loads.
+TEST(TokenizerTest, RegexMatchingSingleBytesIsRefused) {
+  json j = MinimalTokenizerJson(json::array());
+  j["pre_tokenizer"] = {
+      {"type", "Sequence"},
+      {"pretokenizers",
+       {{{"type", "Split"}, {"pattern", {{"Regex", "a\\C|"}}}, {"behavior", "Isolated"}},
+        {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}}}};
+  auto tok = FromJson(j);
+  ASSERT_FALSE(tok.ok()) << "a pattern with \\C loaded";
+  EXPECT_NE(tok.status().message().find("test/tokenizer.json: pre-tokenizer regex"),
+            std::string::npos)
+      << tok.status();
+  EXPECT_NE(tok.status().message().find("\\C"), std::string::npos) << tok.status();
+  // The same pattern without \C loads and encodes a text ending inside "é" as a whole.
+  j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "a.|";
+  auto ok = FromJson(j);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  const std::string text = "x a\xC3\xA9";
+  EXPECT_EQ((*ok)->Decode((*ok)->Encode(text)), text);
+}
+
 // opd-ctl tokenize / detokenize, when the CLI has been built next to this test.
 TEST(TokenizerTest, CommandLineRoundTrip) {
   const fs::path ctl = fs::path(OPD_BINARY_DIR) / "ctl" / "opd-ctl";

@@ -209,16 +209,17 @@ void AppendCodepoint(char32_t cp, std::string* out) {
   }
 }
 
-// Decodes the code point at s[i] of valid UTF-8 and advances i.
+// Decodes the code point at s[i] of valid UTF-8 and advances i. Never reads or steps past the
+// end of `s`, even when i is not at a character boundary.
 char32_t NextCodepoint(std::string_view s, size_t* i) {
   const auto b = static_cast<uint8_t>(s[*i]);
   if (b < 0x80) {
     ++*i;
     return b;
   }
-  const int n = b >= 0xF0 ? 3 : b >= 0xE0 ? 2 : 1;
+  const size_t n = std::min<size_t>(b >= 0xF0 ? 3 : b >= 0xE0 ? 2 : 1, s.size() - *i - 1);
   char32_t cp = b & (0x3F >> n);
-  for (int k = 1; k <= n; ++k) cp = (cp << 6) | (static_cast<uint8_t>(s[*i + k]) & 0x3F);
+  for (size_t k = 1; k <= n; ++k) cp = (cp << 6) | (static_cast<uint8_t>(s[*i + k]) & 0x3F);
   *i += n + 1;
   return cp;
 }
@@ -921,9 +922,11 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Builder::Build() {
   int error = 0;
   PCRE2_SIZE error_offset = 0;
   tok->regex_ = std::make_unique<Regex>();
-  tok->regex_->code =
-      pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pcre_pattern.data()), pcre_pattern.size(),
-                    PCRE2_UTF | PCRE2_UCP, &error, &error_offset, nullptr);
+  tok->regex_->code = pcre2_compile(
+      reinterpret_cast<PCRE2_SPTR>(pcre_pattern.data()), pcre_pattern.size(),
+      // \C (one code unit) could end a match inside a character, and every later
+      // step assumes character boundaries; Oniguruma has no such escape either.
+      PCRE2_UTF | PCRE2_UCP | PCRE2_NEVER_BACKSLASH_C, &error, &error_offset, nullptr);
   if (tok->regex_->code == nullptr) {
     PCRE2_UCHAR message[256];
     pcre2_get_error_message(error, message, sizeof(message));
