@@ -8,9 +8,11 @@
 #include <fstream>
 #include <map>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "lm/data/jsonl.h"
 #include "lm/data/mixture.h"
 #include "lm/data/prompt_dataset.h"
 #include "lm/data/sft_dataset.h"
@@ -285,6 +287,28 @@ TEST(DataTest, SkippedAndBlankLinesAreCounted) {
   // A source with nothing usable is an error, not an empty stream.
   o.sources = {{"s", {WriteLines(dir / "none.jsonl", {"bad"})}, 1.0}};
   EXPECT_FALSE(SftDataset::Load(Tok(), o).ok());
+}
+
+// The stream form of ForEachJsonLine (what fuzz/jsonl_fuzzer drives) reads like the file form:
+// every line counted once, a last line without "\n" included, errors naming label:line.
+TEST(DataTest, JsonLinesFromAStreamNameTheLabel) {
+  std::istringstream in(Chat("q", "a") + "\r\n\n{\"x\": 1}\n" + Chat("q2", "a2"));
+  JsonlStats stats;
+  int calls = 0;
+  const auto fn = [&](const nlohmann::json& j) {
+    ++calls;
+    return j.contains("messages") ? absl::OkStatus() : absl::InvalidArgumentError("no messages");
+  };
+  EXPECT_TRUE(ForEachJsonLine(in, "mem.jsonl", /*skip_bad_lines=*/true, &stats, fn).ok());
+  EXPECT_EQ(calls, 3);
+  EXPECT_EQ(stats.accepted, 2);
+  EXPECT_EQ(stats.bad_skipped, 1);
+  EXPECT_EQ(stats.blank, 1);
+  std::istringstream again(Chat("q", "a") + "\n\n{\"x\": 1}\n");
+  JsonlStats strict;
+  const absl::Status s = ForEachJsonLine(again, "mem.jsonl", false, &strict, fn);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(std::string(s.message()), "mem.jsonl:3: no messages");
 }
 
 TEST(DataTest, OverlongConversationsAreTruncatedOrDropped) {
