@@ -227,7 +227,9 @@ class InProcessServer {
     server_ = std::move(*running);
     address = "127.0.0.1:" + std::to_string(server_.port);
   }
-  ~InProcessServer() {
+  ~InProcessServer() { Shutdown(); }
+  // Stops taking calls and cancels those in flight.
+  void Shutdown() {
     if (server_.server) server_.server->Shutdown(std::chrono::system_clock::now());
   }
   Service service;
@@ -816,7 +818,10 @@ TEST_F(Opd, StopSignalCancelsAScoreInFlight) {
   });
   ASSERT_TRUE(stuck.service.AwaitHang(absl::Seconds(60)));
   trainer::RaiseStopForTest(SIGTERM);
-  ASSERT_EQ(scoring.wait_for(std::chrono::seconds(60)), std::future_status::ready);
+  if (scoring.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    stuck.Shutdown();  // so that the failing test ends too
+    FAIL() << "the stop signal did not end the Score in flight";
+  }
   auto r = scoring.get();
   EXPECT_TRUE(absl::IsCancelled(r.status())) << r.status();
   EXPECT_EQ(stuck.service.calls(), 1);
