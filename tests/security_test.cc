@@ -238,6 +238,12 @@ TEST_F(Security, TlsLearnerTalksToTlsServicesAndPlaintextClientsAreRefused) {
   EXPECT_NE(ReadAll(out).find("no stage named 'nope'"), std::string::npos) << ReadAll(out);
   EXPECT_NE(Shell(swap + " > " + out + " 2>&1"), 0);
   EXPECT_EQ(ReadAll(out).find("no stage named"), std::string::npos) << ReadAll(out);
+  // A real swap: the admin service connects to the (mutual-TLS) teacher with the learner's
+  // certificate and checks it before accepting.
+  const std::string good = kBin + "/ctl/opd-ctl swap-teacher --learner " + admin.address +
+                           " --stage stage1_small_teacher --endpoints " + teacher +
+                           " --secret-file " + Path("secret") + " --tls-ca " + Path("ca.pem");
+  EXPECT_EQ(Shell(good + " > " + out + " 2>&1"), 0) << ReadAll(out) << learner.Log();
 
   learner.Kill(SIGTERM);
   EXPECT_EQ(learner.Wait(std::chrono::seconds(120)), 128 + SIGTERM) << learner.Log();
