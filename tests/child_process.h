@@ -3,7 +3,9 @@
 #pragma once
 
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -111,6 +113,20 @@ class ChildProcess {
   int exit_code_ = -1;
   bool exited_ = false;
 };
+
+// A free loopback port: bound, read and released (for a rendezvous that must be told its port
+// before it starts, such as MASTER_PORT; it binds the port again at once).
+inline int FreeLoopbackPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  close(fd);
+  return ok ? ntohs(a.sin_port) : 0;
+}
 
 // Waits for a server's port file; 0 when it does not appear within `timeout` or the child died.
 inline int WaitForPort(ChildProcess& p, const std::string& port_file,

@@ -5,8 +5,6 @@
 // Tolerance: N ranks sum the same gradients in another order, so weights agree with one rank to
 // float rounding: 1e-6 relative (elementwise for the optimizer on its own, per tensor norm for
 // whole training runs; see RelNormDiff).
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -38,23 +36,10 @@ using testing_util::ChildProcess;
 const std::string kBin = OPD_BINARY_DIR;
 const std::string kFixtures = kBin + "/fixtures_sft";
 
-// A free loopback port (bound then released; the rendezvous binds it again at once).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
-
 // Runs fn(rank, group) on `world` threads, each with its own Gloo group on loopback.
 void RunRanks(int world, const std::function<void(int, ProcessGroup&)>& fn,
               absl::Duration timeout = absl::Seconds(60)) {
-  const int port = FreePort();
+  const int port = testing_util::FreeLoopbackPort();
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
@@ -176,7 +161,7 @@ TEST(ProcessGroup, GlooCollectivesOnLoopback) {
 // A rank that leaves the job makes the others' next collective fail with the operation named,
 // long before the group's timeout (set here to far more than the test would ever wait).
 TEST(ProcessGroup, APeerThatLeavesIsAnErrorNotAHang) {
-  const int port = FreePort();
+  const int port = testing_util::FreeLoopbackPort();
   std::thread quitter([&] {
     auto g = ProcessGroup::Create(LaunchEnv{1, 2, 1, "127.0.0.1", port}, torch::kCPU);
     ASSERT_TRUE(g.ok()) << g.status();
@@ -468,7 +453,7 @@ RunResult RunSft(int world, const std::string& student, const std::string& run,
     argv.push_back("--set");
     argv.push_back(s);
   }
-  const std::string port = std::to_string(FreePort());
+  const std::string port = std::to_string(testing_util::FreeLoopbackPort());
   std::vector<std::unique_ptr<ChildProcess>> ranks;
   for (int r = 0; r < world; ++r) {
     std::vector<std::string> env;

@@ -1056,4 +1056,65 @@ TEST_F(Opd, SigtermWhileAServerLoadsItsModelEndsItPromptly) {
   }
 }
 
+// The learner as two ranks (Gloo on loopback, launched as torchrun would): rank 0 samples and
+// pushes, both ranks score and learn their half of every step's micro-batches, and the two-stage
+// run ends with the weights of the one-rank run (same samples: the rollout worker gets the same
+// weights each step, up to float rounding; tolerance as distributed_test's).
+TEST_F(Opd, TwoLearnerRanksTrainAsOne) {
+  const std::string t1 = StartTeacher("dp_teacher_1"), t2 = StartTeacher("dp_teacher_2"),
+                    ro = StartRollout();
+  ASSERT_FALSE(t1.empty() || t2.empty() || ro.empty());
+  // Small micro-batches, so that each rank gets several.
+  const std::vector<std::string> sets = {"train.micro_batch_tokens=96", "dist.timeout_s=120"};
+  auto weights = [](const fs::path& model) {
+    std::vector<torch::Tensor> out;
+    auto m = lm::LoadModel(model.string());
+    EXPECT_TRUE(m.ok()) << m.status();
+    if (m.ok())
+      for (const auto& p : (*m)->named_parameters()) out.push_back(p.value().detach().clone());
+    return out;
+  };
+  const fs::path one = dir_ / "dp_one";
+  {
+    ChildProcess p(TrainerArgs(one.string(), ro, t1, t2, 2, sets), (dir_ / "dp_one.log").string());
+    ASSERT_EQ(p.Wait(std::chrono::seconds(300)), 0) << p.Log();
+  }
+  const fs::path two = dir_ / "dp_two";
+  const std::string port = std::to_string(testing_util::FreeLoopbackPort());
+  std::vector<std::unique_ptr<ChildProcess>> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.push_back(std::make_unique<ChildProcess>(
+        TrainerArgs(two.string(), ro, t1, t2, 2, sets),
+        (dir_ / ("dp_two.rank" + std::to_string(r) + ".log")).string(),
+        std::vector<std::string>{"RANK=" + std::to_string(r), "WORLD_SIZE=2",
+                                 "LOCAL_RANK=" + std::to_string(r), "MASTER_ADDR=127.0.0.1",
+                                 "MASTER_PORT=" + port}));
+  }
+  for (auto& r : ranks) ASSERT_EQ(r->Wait(std::chrono::seconds(300)), 0) << r->Log();
+
+  const auto want = weights(one / "checkpoints/step_000004/model");
+  const auto got = weights(two / "checkpoints/step_000004/model");
+  ASSERT_EQ(want.size(), got.size());
+  for (size_t i = 0; i < want.size(); ++i)
+    EXPECT_LE((want[i] - got[i]).norm().item<double>() / want[i].norm().item<double>(), 1e-6) << i;
+  auto summary = nlohmann::json::parse(std::ifstream(two / "summary.json"));
+  EXPECT_EQ(summary["world_size"], 2);
+  const auto stages_one = nlohmann::json::parse(std::ifstream(one / "summary.json"))["stages"];
+  ASSERT_EQ(summary["stages"].size(), stages_one.size());
+  for (size_t i = 0; i < stages_one.size(); ++i) {
+    EXPECT_EQ(summary["stages"][i]["end_step"], stages_one[i]["end_step"]);
+    EXPECT_EQ(summary["stages"][i]["reason"], stages_one[i]["reason"]);
+    EXPECT_NEAR(summary["stages"][i]["smoothed_reverse_kl"].get<double>(),
+                stages_one[i]["smoothed_reverse_kl"].get<double>(), 1e-6);
+  }
+  // Both ranks took part in scoring and learning: the per-step numbers agree with one rank's.
+  std::vector<double> kl_one, kl_two;
+  for (const auto& m : ReadJsonl(one / "metrics.jsonl"))
+    if (m.contains("opd/reverse_kl")) kl_one.push_back(m["opd/reverse_kl"].get<double>());
+  for (const auto& m : ReadJsonl(two / "metrics.jsonl"))
+    if (m.contains("opd/reverse_kl")) kl_two.push_back(m["opd/reverse_kl"].get<double>());
+  ASSERT_EQ(kl_one.size(), kl_two.size());
+  for (size_t i = 0; i < kl_one.size(); ++i) EXPECT_NEAR(kl_one[i], kl_two[i], 1e-5) << i;
+}
+
 }  // namespace

@@ -2,9 +2,12 @@
 
 #include <torch/torch.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <csignal>
+#include <cstring>
 #include <filesystem>
 #include <future>
 #include <limits>
@@ -101,10 +104,14 @@ class OpdJob {
   absl::StatusOr<Rollouts> Sample(std::vector<lm::PromptExample> prompts,
                                   lm::DataCursor cursor_after);
   std::vector<lm::PromptExample> DrawPrompts(lm::DataCursor* cursor_after);
-  absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> Score(const Rollouts& r);
+  absl::StatusOr<Rollouts> ShareRollouts(absl::StatusOr<Rollouts> mine);
+  absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> Score(const Rollouts& r,
+                                                           const std::vector<MicroBatch>& mine);
+  std::vector<MicroBatch> MyMicroBatches(const Rollouts& r);
+  absl::Status ReduceStats(StepStats* st);
   std::vector<MicroBatch> MakeMicroBatches(const Rollouts& r);
-  absl::Status Learn(const Rollouts& r, const std::vector<opd::rpc::ScoreOutput>& scores,
-                     StepStats* st);
+  absl::Status Learn(const Rollouts& r, const std::vector<MicroBatch>& mine,
+                     const std::vector<opd::rpc::ScoreOutput>& scores, StepStats* st);
   absl::Status PushWeights();
   void LogStep(const StepStats& st);
   bool FinishStageIfConverged(double reverse_kl);
@@ -119,7 +126,6 @@ class OpdJob {
   void CheckpointAfterException();
 
  private:
-
   OpdConfig c_;
   RunDir run_;
   std::string yaml_;
@@ -129,6 +135,8 @@ class OpdJob {
   std::unique_ptr<lm::Tokenizer> tokenizer_;
   std::unique_ptr<lm::PromptDataset> prompts_;
   std::shared_ptr<lm::CausalLM> model_;
+  // The learner's ranks: rank 0 drives the rollout workers and the admin service; every rank
+  // scores and learns its share of each step's micro-batches (one rank: the trivial group).
   std::unique_ptr<lm::dist::ProcessGroup> group_ = std::make_unique<lm::dist::ProcessGroup>();
   std::unique_ptr<DistributedOptimizer> optimizer_;
   CosineSchedule schedule_;
@@ -223,30 +231,60 @@ absl::Status OpdJob::StartStage(size_t index, bool resumed) {
 }
 
 // Applies a teacher swap requested through the admin RPC (already checked by the handler).
+// Applies a teacher swap requested through rank 0's admin RPC, at a step boundary on the training
+// thread: rank 0 announces the swap (stage and endpoints; empty when there is none), every rank
+// connects its own pool with the running stage's options (teacher_timeout_s, TLS, secret, the
+// stop canceller) and checks it against the student, and the swap takes effect only if it worked
+// on every rank. The caller of swap-teacher gets that outcome; a refused swap changes nothing.
 absl::Status OpdJob::ApplyPendingSwap() {
-  if (!admin_) return absl::OkStatus();
-  // Connected and checked here, on the training thread at a step boundary, with the options of
-  // the running stage's pool (teacher_timeout_s, TLS, secret, the stop canceller); the caller of
-  // swap-teacher is answered with the outcome. A refused swap leaves the teachers as they were.
-  admin_->ServePendingSwap([this](const SwapRequest& swap) -> absl::Status {
+  if (group_->size() == 1 && !admin_) return absl::OkStatus();
+  absl::Status collective = absl::OkStatus();
+  auto apply = [this, &collective](std::string announced) -> absl::Status {
+    collective = group_->BroadcastBytes(&announced);
+    if (!collective.ok()) return collective;
+    if (announced.empty()) return absl::OkStatus();
+    const nlohmann::json swap = nlohmann::json::parse(announced);
+    const std::string stage = swap.at("stage").get<std::string>();
+    const auto endpoints = swap.at("endpoints").get<std::vector<std::string>>();
     const opd::TeacherRequirements req{tokenizer_->Fingerprint(), model_->config().vocab_size};
-    ASSIGN_OR_RETURN(std::unique_ptr<opd::TeacherPool> pool,
-                     opd::TeacherPool::Connect(swap.stage, swap.endpoints, req,
-                                               teachers_->options()));
+    absl::StatusOr<std::unique_ptr<opd::TeacherPool>> pool =
+        opd::TeacherPool::Connect(stage, endpoints, req, teachers_->options());
+    std::vector<double> failed(static_cast<size_t>(group_->size()), 0.0);
+    failed[static_cast<size_t>(group_->rank())] = pool.ok() ? 0.0 : 1.0;
+    absl::StatusOr<std::vector<double>> agreed = group_->AllReduceDoubles(failed);
+    if (!agreed.ok()) return collective = agreed.status();
+    if (!pool.ok()) return pool.status();
+    for (size_t r = 0; r < agreed->size(); ++r) {
+      if ((*agreed)[r] > 0)
+        return absl::UnavailableError(
+            absl::StrCat("learner rank ", r, " cannot connect to the new teachers (see its log)"));
+    }
     for (auto& s : c_.stages) {
-      if (s.name != swap.stage) continue;
-      s.teachers = swap.endpoints;
+      if (s.name != stage) continue;
+      s.teachers = endpoints;
       swapped_[s.name] = s.teachers;
       if (&s == &c_.stages[stage_]) {
-        teachers_ = std::move(pool);
+        teachers_ = std::move(*pool);
         tracker_->RestartWindow();  // KL to the new teachers is not comparable with the old ones
       }
       progress_->Log(absl::StrFormat("teacher swap applied at step %d: stage '%s' now uses %s",
                                      step_, s.name, absl::StrJoin(s.teachers, ", ")));
     }
     return absl::OkStatus();
-  });
-  return absl::OkStatus();
+  };
+  if (!group_->is_root()) {
+    (void)apply("");  // receives rank 0's announcement; its outcome is rank 0's to report
+    return collective;
+  }
+  bool served = false;
+  if (admin_) {
+    admin_->ServePendingSwap([&](const SwapRequest& swap) -> absl::Status {
+      served = true;
+      return apply(nlohmann::json{{"stage", swap.stage}, {"endpoints", swap.endpoints}}.dump());
+    });
+  }
+  if (!served) (void)apply("");
+  return collective;
 }
 
 std::vector<lm::PromptExample> OpdJob::DrawPrompts(lm::DataCursor* cursor_after) {
@@ -285,25 +323,169 @@ absl::StatusOr<Rollouts> OpdJob::Sample(std::vector<lm::PromptExample> prompts,
   return r;
 }
 
-absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> OpdJob::Score(const Rollouts& r) {
+// Scores the samples of this rank's micro-batches (every sample on one rank); the result is
+// indexed like r.samples, with the other ranks' samples left empty.
+absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> OpdJob::Score(
+    const Rollouts& r, const std::vector<MicroBatch>& mine) {
+  std::vector<size_t> which;
+  for (const MicroBatch& mb : mine) which.insert(which.end(), mb.samples.begin(), mb.samples.end());
   std::vector<opd::rpc::ScoreInput> inputs;
-  inputs.reserve(r.samples.size());
-  for (const auto& s : r.samples) {
+  inputs.reserve(which.size());
+  for (size_t i : which) {
+    const auto& s = r.samples[i];
     const auto& prompt = r.prompts[s.prompt_index].prompt_ids;
     inputs.push_back({Concat(prompt, s.tokens), static_cast<int32_t>(prompt.size())});
   }
+  std::vector<opd::rpc::ScoreOutput> out(r.samples.size());
+  if (inputs.empty()) return out;
   opd::rpc::ScoreOptions so;
   so.temperature = static_cast<float>(c_.loss.teacher_temperature);
   so.top_k = c_.loss.form == "topk" ? static_cast<int32_t>(c_.loss.top_k) : 0;
   ASSIGN_OR_RETURN(auto scores, teachers_->Score(inputs, so, [] { return StopRequested(); }));
-  for (size_t i = 0; i < scores.size(); ++i) {
-    if (scores[i].logprobs.size() != r.samples[i].tokens.size()) {
-      return absl::InternalError(absl::StrCat("teacher returned ", scores[i].logprobs.size(),
+  for (size_t j = 0; j < scores.size(); ++j) {
+    const size_t i = which[j];
+    if (scores[j].logprobs.size() != r.samples[i].tokens.size()) {
+      return absl::InternalError(absl::StrCat("teacher returned ", scores[j].logprobs.size(),
                                               " scores for a response of ",
                                               r.samples[i].tokens.size(), " tokens"));
     }
+    out[i] = std::move(scores[j]);
   }
-  return scores;
+  return out;
+}
+
+// Rank r learns micro-batches r, r + N, ... of the step (each rank packs them all the same way).
+std::vector<MicroBatch> OpdJob::MyMicroBatches(const Rollouts& r) {
+  std::vector<MicroBatch> all = MakeMicroBatches(r), mine;
+  for (size_t i = static_cast<size_t>(group_->rank()); i < all.size();
+       i += static_cast<size_t>(group_->size()))
+    mine.push_back(std::move(all[i]));
+  return mine;
+}
+
+namespace {
+
+// Rollouts cross from rank 0 to the others as flat little-endian records.
+template <class T>
+void Put(std::string* out, const T& v) {
+  out->append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+template <class T>
+void PutVector(std::string* out, const std::vector<T>& v) {
+  Put<uint64_t>(out, v.size());
+  out->append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+}
+
+std::string EncodeSamples(const std::vector<opd::rpc::GeneratedSample>& samples) {
+  std::string out;
+  Put<uint64_t>(&out, samples.size());
+  for (const auto& s : samples) {
+    Put(&out, s.prompt_index);
+    Put(&out, s.sample_index);
+    Put<int32_t>(&out, static_cast<int32_t>(s.finish_reason));
+    Put(&out, s.weight_version);
+    PutVector(&out, s.tokens);
+    PutVector(&out, s.logprobs);
+  }
+  return out;
+}
+
+class Reader {
+ public:
+  explicit Reader(const std::string& bytes) : p_(bytes.data()), end_(bytes.data() + bytes.size()) {}
+  template <class T>
+  bool Get(T* v) {
+    if (static_cast<size_t>(end_ - p_) < sizeof(T)) return false;
+    std::memcpy(v, p_, sizeof(T));
+    p_ += sizeof(T);
+    return true;
+  }
+  template <class T>
+  bool GetVector(std::vector<T>* v) {
+    uint64_t n = 0;
+    if (!Get(&n) || n > static_cast<uint64_t>(end_ - p_) / sizeof(T)) return false;
+    v->resize(n);
+    std::memcpy(v->data(), p_, n * sizeof(T));
+    p_ += n * sizeof(T);
+    return true;
+  }
+  bool done() const { return p_ == end_; }
+
+ private:
+  const char* p_;
+  const char* end_;
+};
+
+absl::StatusOr<std::vector<opd::rpc::GeneratedSample>> DecodeSamples(const std::string& bytes) {
+  Reader in(bytes);
+  uint64_t n = 0;
+  std::vector<opd::rpc::GeneratedSample> out;
+  bool ok = in.Get(&n);
+  for (uint64_t i = 0; ok && i < n; ++i) {
+    opd::rpc::GeneratedSample s;
+    int32_t reason = 0;
+    ok = in.Get(&s.prompt_index) && in.Get(&s.sample_index) && in.Get(&reason) &&
+         in.Get(&s.weight_version) && in.GetVector(&s.tokens) && in.GetVector(&s.logprobs);
+    s.finish_reason = static_cast<opd::v1::FinishReason>(reason);
+    out.push_back(std::move(s));
+  }
+  if (!ok || !in.done())
+    return absl::DataLossError("the step's samples from rank 0 are truncated or malformed");
+  return out;
+}
+
+}  // namespace
+
+// Rank 0's samples (or its failure) on every rank; the others pass their drawn prompts.
+absl::StatusOr<Rollouts> OpdJob::ShareRollouts(absl::StatusOr<Rollouts> mine) {
+  if (group_->size() == 1) return mine;
+  std::string verdict = group_->is_root() && !mine.ok() ? std::string(mine.status().message()) : "";
+  RETURN_IF_ERROR(group_->BroadcastBytes(&verdict));
+  if (!group_->is_root() && !verdict.empty())
+    return absl::UnavailableError(absl::StrCat("rank 0: ", verdict));
+  if (!mine.ok()) return mine;
+  std::string bytes = group_->is_root() ? EncodeSamples(mine->samples) : "";
+  RETURN_IF_ERROR(group_->BroadcastBytes(&bytes));
+  if (!group_->is_root()) {
+    ASSIGN_OR_RETURN(mine->samples, DecodeSamples(bytes));
+    for (const auto& s : mine->samples) {
+      if (s.prompt_index < 0 || static_cast<size_t>(s.prompt_index) >= mine->prompts.size())
+        return absl::DataLossError(absl::StrCat("rank 0's samples name prompt ", s.prompt_index,
+                                                " of ", mine->prompts.size(),
+                                                ": the ranks drew different prompts"));
+    }
+  }
+  return mine;
+}
+
+// Sums (and extremes) of the step's statistics over the ranks, so every rank logs and decides
+// (convergence, non-finite steps) on the same numbers.
+absl::Status OpdJob::ReduceStats(StepStats* st) {
+  if (group_->size() == 1) return absl::OkStatus();
+  opd::LossStats& l = st->loss;
+  ASSIGN_OR_RETURN(std::vector<double> sums,
+                   group_->AllReduceDoubles({st->loss_value, st->teacher_lp_sum, st->student_lp_sum,
+                                             st->entropy_sum, l.reverse_kl_sum, l.ratio_sum,
+                                             l.clipped, l.mismatch_abs_sum, l.tokens}));
+  const double inf = std::numeric_limits<double>::infinity();
+  ASSIGN_OR_RETURN(
+      std::vector<double> lo,
+      group_->AllReduceDoubles({l.tokens > 0 ? l.ratio_min : inf}, lm::dist::ReduceOp::kMin));
+  ASSIGN_OR_RETURN(
+      std::vector<double> hi,
+      group_->AllReduceDoubles({l.tokens > 0 ? l.ratio_max : -inf}, lm::dist::ReduceOp::kMax));
+  st->loss_value = sums[0];
+  st->teacher_lp_sum = sums[1];
+  st->student_lp_sum = sums[2];
+  st->entropy_sum = sums[3];
+  l.reverse_kl_sum = sums[4];
+  l.ratio_sum = sums[5];
+  l.clipped = sums[6];
+  l.mismatch_abs_sum = sums[7];
+  l.tokens = sums[8];
+  l.ratio_min = std::isfinite(lo[0]) ? lo[0] : 0;
+  l.ratio_max = std::isfinite(hi[0]) ? hi[0] : 0;
+  return absl::OkStatus();
 }
 
 // Packs samples (prompt + response) into micro-batches of at most micro_batch_tokens tokens (a
@@ -355,8 +537,8 @@ std::vector<MicroBatch> OpdJob::MakeMicroBatches(const Rollouts& r) {
   return out;
 }
 
-absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<opd::rpc::ScoreOutput>& scores,
-                           StepStats* st) {
+absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<MicroBatch>& mine,
+                           const std::vector<opd::rpc::ScoreOutput>& scores, StepStats* st) {
   const auto t0 = Clock::now();
   for (const auto& s : r.samples) {
     st->response_tokens += static_cast<int64_t>(s.tokens.size());
@@ -370,8 +552,10 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<opd::rpc::ScoreO
   lm::LogprobOptions lo;
   lo.temperature = c_.rollout.temperature;
   AutocastGuard autocast(device_.is_cuda());
-  for (const MicroBatch& mb : MakeMicroBatches(r)) {
-    if (StopRequested()) {
+  for (size_t m = 0; m < mine.size(); ++m) {
+    const MicroBatch& mb = mine[m];
+    // One process may abandon the step here; several ranks agree on stops at step boundaries.
+    if (group_->size() == 1 && StopRequested()) {
       optimizer_->ZeroGrad();
       return absl::CancelledError("stop requested");
     }
@@ -403,12 +587,14 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<opd::rpc::ScoreO
       loss = opd::SampledTokenLoss(lp, lp_old, lp_teacher, normaliser, loss_opts_, &st->loss);
     }
     if (poison) loss = loss * std::numeric_limits<double>::quiet_NaN();  // debug.nan_steps
+    if (m + 1 == mine.size()) optimizer_->ExpectLastBackward();
     loss.backward();
     st->loss_value += loss.item<double>();
     st->teacher_lp_sum += lp_teacher.sum().item<double>();
     st->student_lp_sum += lp.detach().sum().item<double>();
     st->entropy_sum += entropy.sum().item<double>();
   }
+  RETURN_IF_ERROR(ReduceStats(st));
   ASSIGN_OR_RETURN(st->grad_norm, optimizer_->ReduceAndClip(c_.optim.max_grad_norm));
   st->lr = schedule_.LrAt(step_);
   st->skipped = !std::isfinite(st->loss_value) || !std::isfinite(st->grad_norm);
@@ -418,13 +604,21 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<opd::rpc::ScoreO
   return absl::OkStatus();
 }
 
+// Rank 0 pushes (every rank holds the same weights after a step); all ranks learn the outcome.
 absl::Status OpdJob::PushWeights() {
   torch::NoGradGuard no_grad;
   ++weight_version_;
-  return rollout_->PushWeights(*model_, weight_version_);
+  absl::Status pushed =
+      group_->is_root() ? rollout_->PushWeights(*model_, weight_version_) : absl::OkStatus();
+  std::string verdict = pushed.ok() ? "" : std::string(pushed.message());
+  RETURN_IF_ERROR(group_->BroadcastBytes(&verdict));
+  if (!pushed.ok()) return pushed;
+  if (!verdict.empty()) return absl::UnavailableError(absl::StrCat("rank 0: ", verdict));
+  return absl::OkStatus();
 }
 
 void OpdJob::LogStep(const StepStats& st) {
+  if (!metrics_) return;  // rank 0 keeps the run's records
   const double n = static_cast<double>(std::max<int64_t>(st.response_tokens, 1));
   const double samples =
       static_cast<double>(c_.train.prompts_per_step * c_.rollout.samples_per_prompt);
@@ -500,8 +694,7 @@ absl::Status OpdJob::SaveCheckpoint() {
   const auto t0 = Clock::now();
   const std::string tok = c_.model.tokenizer.empty() ? c_.model.path : c_.model.tokenizer;
   RETURN_IF_ERROR(
-      checkpoints_.Save(step_, *model_, *optimizer_, TrainerState(), TokenizerFiles(tok),
-                        *group_));
+      checkpoints_.Save(step_, *model_, *optimizer_, TrainerState(), TokenizerFiles(tok), *group_));
   last_checkpoint_step_ = step_;
   progress_->Log(absl::StrFormat("step %d: checkpoint %s/%s (%.1fs)", step_, checkpoints_.dir(),
                                  StepDirName(step_), Seconds(t0)));
@@ -510,20 +703,23 @@ absl::Status OpdJob::SaveCheckpoint() {
 
 absl::Status OpdJob::StopForSignal() {
   const int sig = StopSignal();
+  const std::string what = sig == SIGINT    ? "SIGINT"
+                           : sig == SIGTERM ? "SIGTERM"
+                                            : "a stop signal on another rank";
   progress_->Log(absl::StrFormat(
-      "received %s: the step in progress is abandoned; writing a checkpoint of step %d",
-      sig == SIGINT ? "SIGINT" : "SIGTERM", step_));
+      "received %s: the step in progress is abandoned; writing a checkpoint of step %d", what,
+      step_));
   RETURN_IF_ERROR(SaveCheckpoint());
   return absl::CancelledError(
-      absl::StrFormat("stopped by %s at step %d; resume with the same command",
-                      sig == SIGINT ? "SIGINT" : "SIGTERM", step_));
+      absl::StrFormat("stopped by %s at step %d; resume with the same command", what, step_));
 }
 
 // A step that cannot finish. When a stop signal is what failed it, stops as for the signal;
 // otherwise ends the calls still in flight (the one-step-off prefetch), checkpoints the last
 // completed step and returns the error saying what failed.
 absl::Status OpdJob::FailStep(const absl::Status& error, const std::string& what) {
-  if (StopRequested()) return StopForSignal();
+  absl::StatusOr<bool> stop = group_->AnyRank(StopRequested());
+  if (stop.ok() && *stop) return StopForSignal();
   canceller_->Cancel();
   progress_->Log(absl::StrFormat("%s failed: %s; writing a checkpoint of step %d", what,
                                  error.message(), step_));
@@ -584,7 +780,11 @@ absl::Status OpdJob::Resume(const std::string& checkpoint) {
 
 absl::Status OpdJob::Init(const JobArgs& args) {
   if (c_.train.threads > 0) torch::set_num_threads(static_cast<int>(c_.train.threads));
-  ASSIGN_OR_RETURN(device_, PickDevice(c_.train.device));
+  ASSIGN_OR_RETURN(LearnerPlacement placement,
+                   JoinLearnerGroup(c_.train.device, c_.dist.timeout_s, c_.dist.backend));
+  device_ = placement.device;
+  group_ = std::move(placement.group);
+  const bool root = group_->is_root();
   ASSIGN_OR_RETURN(secret_, opd::rpc::LoadSecret(c_.auth.secret_file));
   ASSIGN_OR_RETURN(loss_opts_.correction, opd::ParseCorrection(c_.loss.correction));
   ASSIGN_OR_RETURN(divergence_, opd::ParseTopKDivergence(c_.loss.divergence));
@@ -597,17 +797,27 @@ absl::Status OpdJob::Init(const JobArgs& args) {
   for (const auto& s : c_.stages) total += s.max_steps;
   schedule_.total_steps = std::max<int64_t>(total, 1);
 
-  checkpoints_.RemoveIncomplete();
+  // Rank 0 cleans up and picks the checkpoint; every rank resumes from that one.
   std::string resume_from = args.resume_from;
-  if (resume_from.empty() && (args.resume || c_.run.resume == "auto")) {
-    if (auto latest = checkpoints_.Latest(); latest.ok())
-      resume_from = *latest;
-    else if (args.resume)
-      return absl::NotFoundError(absl::StrCat("--resume: no checkpoint in ", checkpoints_.dir()));
-  } else if (resume_from.empty() && !checkpoints_.List().empty()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(run_.path(), " has checkpoints and run.resume is 'never'"));
+  absl::Status found = absl::OkStatus();
+  if (root) {
+    checkpoints_.RemoveIncomplete();
+    if (resume_from.empty() && (args.resume || c_.run.resume == "auto")) {
+      if (auto latest = checkpoints_.Latest(); latest.ok())
+        resume_from = *latest;
+      else if (args.resume)
+        found =
+            absl::NotFoundError(absl::StrCat("--resume: no checkpoint in ", checkpoints_.dir()));
+    } else if (resume_from.empty() && !checkpoints_.List().empty()) {
+      found = absl::FailedPreconditionError(
+          absl::StrCat(run_.path(), " has checkpoints and run.resume is 'never'"));
+    }
   }
+  std::string verdict = found.ok() ? "" : std::string(found.message());
+  RETURN_IF_ERROR(group_->BroadcastBytes(&verdict));
+  if (!found.ok()) return found;
+  if (!verdict.empty()) return absl::FailedPreconditionError("rank 0: " + verdict);
+  RETURN_IF_ERROR(group_->BroadcastBytes(&resume_from));
   bool resumed = !resume_from.empty();
   if (resumed) {
     RETURN_IF_ERROR(Resume(resume_from));
@@ -618,9 +828,11 @@ absl::Status OpdJob::Init(const JobArgs& args) {
   RETURN_IF_ERROR(LoadPrompts());
   if (resumed) RETURN_IF_ERROR(prompts_->Seek(cursor_));
   cursor_ = prompts_->cursor();
-  RETURN_IF_ERROR(ConnectRollout());
-  ASSIGN_OR_RETURN(const int64_t served, rollout_->MaxWeightVersion());
-  weight_version_ = std::max(weight_version_, served);  // versions only grow, across restarts too
+  if (root) {  // only rank 0 talks to the rollout workers
+    RETURN_IF_ERROR(ConnectRollout());
+    ASSIGN_OR_RETURN(const int64_t served, rollout_->MaxWeightVersion());
+    weight_version_ = std::max(weight_version_, served);  // versions only grow, across restarts
+  }
   if (!resumed) {
     RETURN_IF_ERROR(StartStage(stage_, false));
   } else {
@@ -633,7 +845,7 @@ absl::Status OpdJob::Init(const JobArgs& args) {
       tracker_->FromJson(state.at("convergence"));
     }
   }
-  if (!c_.admin.listen.empty()) {
+  if (root && !c_.admin.listen.empty()) {
     LearnerServerOptions ao;
     ao.listen = c_.admin.listen;
     ao.secret = secret_;
@@ -643,17 +855,21 @@ absl::Status OpdJob::Init(const JobArgs& args) {
     for (const auto& s : c_.stages) ao.stages.push_back(s.name);
     ASSIGN_OR_RETURN(admin_, LearnerServer::Start(ao));
   }
-  ASSIGN_OR_RETURN(MetricsLogger m,
-                   MetricsLogger::Open(run_.metrics_jsonl(), run_.tensorboard(),
-                                       c_.logging.tensorboard, resumed ? step_ : -1));
-  metrics_ = std::make_unique<MetricsLogger>(std::move(m));
-  progress_ = std::make_unique<Progress>(schedule_.total_steps, c_.logging.log_every);
+  if (root) {
+    ASSIGN_OR_RETURN(MetricsLogger m,
+                     MetricsLogger::Open(run_.metrics_jsonl(), run_.tensorboard(),
+                                         c_.logging.tensorboard, resumed ? step_ : -1));
+    metrics_ = std::make_unique<MetricsLogger>(std::move(m));
+  }
+  progress_ = std::make_unique<Progress>(schedule_.total_steps, c_.logging.log_every,
+                                         root && ::isatty(STDERR_FILENO) == 1);
   // The workers serve the student we start from (the SFT model, or the resumed checkpoint).
   const auto t0 = Clock::now();
   RETURN_IF_ERROR(PushWeights());
-  lm::log::Info(
-      absl::StrFormat("pushed the student's weights to %d rollout worker(s) as version %d (%.1fs)",
-                      rollout_->size(), weight_version_, Seconds(t0)));
+  if (root)
+    lm::log::Info(absl::StrFormat(
+        "pushed the student's weights to %d rollout worker(s) as version %d (%.1fs)",
+        rollout_->size(), weight_version_, Seconds(t0)));
   return absl::OkStatus();
 }
 
@@ -662,21 +878,32 @@ absl::Status OpdJob::Run() {
   // The signal handler only sets a flag; this ends the calls in flight (deadlines up to an hour).
   StopCallback cancel_calls([c = canceller_] { c->Cancel(); });
   std::optional<std::future<absl::StatusOr<Rollouts>>> prefetch;
+  // Every rank draws the same prompts; rank 0 samples them and shares the samples at the step.
   auto launch = [this] {
     lm::DataCursor after;
     auto prompts = DrawPrompts(&after);
+    if (!group_->is_root()) {
+      return std::async(std::launch::deferred,
+                        [p = std::move(prompts), after]() mutable -> absl::StatusOr<Rollouts> {
+                          Rollouts r;
+                          r.prompts = std::move(p);
+                          r.cursor_after = std::move(after);
+                          return r;
+                        });
+    }
     return std::async(std::launch::async, [this, p = std::move(prompts), after]() mutable {
       return Sample(std::move(p), std::move(after));
     });
   };
   while (!done_) {
-    if (StopRequested()) return StopForSignal();
+    ASSIGN_OR_RETURN(const bool stop, group_->AnyRank(StopRequested()));
+    if (stop) return StopForSignal();
     RETURN_IF_ERROR(ApplyPendingSwap());
     const auto t0 = Clock::now();
     StepStats st;
     auto current = prefetch ? std::move(*prefetch) : launch();
     prefetch.reset();
-    absl::StatusOr<Rollouts> sampled = current.get();
+    absl::StatusOr<Rollouts> sampled = ShareRollouts(current.get());
     if (!sampled.ok()) return FailStep(sampled.status(), "sampling");
     Rollouts r = std::move(*sampled);
     st.sample_s = Seconds(t0);
@@ -685,10 +912,17 @@ absl::Status OpdJob::Run() {
     // One-step-off: the next step's sampling runs on the current weights while this step learns.
     if (c_.train.async) prefetch = launch();
     auto t1 = Clock::now();
-    auto scores = Score(r);
-    if (!scores.ok()) return FailStep(scores.status(), "scoring");
+    const std::vector<MicroBatch> mine = MyMicroBatches(r);
+    auto scores = Score(r, mine);
+    // A rank whose share could not be scored fails the step for every rank.
+    ASSIGN_OR_RETURN(const bool scoring_failed, group_->AnyRank(!scores.ok()));
+    if (scoring_failed)
+      return FailStep(scores.ok()
+                          ? absl::UnavailableError("another rank's share failed (see its log)")
+                          : scores.status(),
+                      "scoring");
     st.score_s = Seconds(t1);
-    if (absl::Status s = Learn(r, *scores, &st); !s.ok()) return FailStep(s, "learning");
+    if (absl::Status s = Learn(r, mine, *scores, &st); !s.ok()) return FailStep(s, "learning");
     t1 = Clock::now();
     if (absl::Status pushed = PushWeights(); !pushed.ok()) {
       // The update is in the learner's weights: the step is complete, only its distribution
@@ -726,9 +960,13 @@ absl::Status OpdJob::Run() {
   }
   if (prefetch) (void)prefetch->get();
   progress_->Finish();
-  nlohmann::json summary = {
-      {"steps", step_}, {"stages", stage_summaries_}, {"peak_rss_mb", PeakRssMb()}};
-  (void)WriteFileAtomic(run_.path() + "/summary.json", summary.dump(2) + "\n");
+  nlohmann::json summary = {{"steps", step_},
+                            {"stages", stage_summaries_},
+                            {"peak_rss_mb", PeakRssMb()},
+                            {"world_size", group_->size()},
+                            {"optimizer_state_bytes_per_rank", optimizer_->state_bytes()}};
+  if (group_->is_root())
+    (void)WriteFileAtomic(run_.path() + "/summary.json", summary.dump(2) + "\n");
   lm::log::Info(absl::StrFormat("done: %d steps over %d stage(s)", step_, stage_summaries_.size()));
   return absl::OkStatus();
 }
@@ -737,10 +975,13 @@ absl::Status OpdJob::Run() {
 
 absl::Status RunOpd(const OpdConfig& config, const JobArgs& args) {
   RETURN_IF_ERROR(ValidateOpdConfig(config));
+  RETURN_IF_ERROR(ValidateDistConfig(config.dist));
+  ASSIGN_OR_RETURN(const lm::dist::LaunchEnv env, lm::dist::LaunchEnv::FromEnvironment());
+  lm::log::SetRank(env.rank, env.world_size);
   for (const std::string& w : OpdConfigWarnings(config)) lm::log::Warn(w);
   ASSIGN_OR_RETURN(RunDir run, RunDir::Open(config.run.dir));
   const std::string yaml = EncodeConfig(config);
-  RETURN_IF_ERROR(run.SaveConfig(yaml));
+  if (env.rank == 0) RETURN_IF_ERROR(run.SaveConfig(yaml));
   lm::log::Info(absl::StrCat("opd-trainer opd: run directory ", run.path()));
   OpdJob job(config, run, yaml);
   // A torch or JSON exception (a bad tensor shape, a trainer state without a field) becomes an

@@ -183,6 +183,7 @@ struct OpdConfig {
   RunConfig run;
   OpdAuthConfig auth;
   OpdAdminConfig admin;
+  DistConfig dist;
   OpdDebugConfig debug;
 };
 
@@ -200,6 +201,7 @@ void VisitFields(V& v, OpdConfig& c) {
   v("run", c.run);
   v("auth", c.auth);
   v("admin", c.admin);
+  v("dist", c.dist);
   v("debug", c.debug);
 }
 
