@@ -172,5 +172,22 @@ TEST(ConfigValidation, TeacherTemperatureOtherThanRolloutTemperatureWarns) {
   EXPECT_TRUE(Opd({"loss.teacher_temperature=0.5"}).ok());
 }
 
+// The configs in the repository pass the stricter checks (the demo's placeholders are non-empty
+// strings, which is all validation asks of paths and endpoints).
+TEST(ConfigValidation, ShippedConfigsPass) {
+  const std::string root = std::string(OPD_SOURCE_DIR) + "/configs/";
+  for (const char* f : {"opd/marco_nano.yaml", "demo/opd.yaml"}) {
+    auto c = LoadConfig<OpdConfig>(root + f, {});
+    ASSERT_TRUE(c.ok()) << f << ": " << c.status();
+    EXPECT_TRUE(ValidateOpdConfig(*c).ok()) << f << ": " << ValidateOpdConfig(*c);
+    EXPECT_TRUE(OpdConfigWarnings(*c).empty()) << f;
+  }
+  for (const char* f : {"sft/marco_nano.yaml", "sft/tiny.yaml", "demo/sft.yaml"}) {
+    auto c = LoadConfig<SftConfig>(root + f, {});
+    ASSERT_TRUE(c.ok()) << f << ": " << c.status();
+    EXPECT_TRUE(ValidateSftConfig(*c).ok()) << f << ": " << ValidateSftConfig(*c);
+  }
+}
+
 }  // namespace
 }  // namespace trainer
