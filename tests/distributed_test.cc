@@ -567,4 +567,44 @@ TEST(DistributedSft, RankKilledMidStepThenResumeOnAnotherWorldSize) {
   }
 }
 
+// scripts/launch/local.sh: N ranks on this host as torchrun --standalone would start them; one
+// rank's failure ends the job with its exit code instead of leaving the others waiting.
+TEST(LaunchScript, LocalRunsTheRanksAndEndsOnAFailure) {
+  const std::string dir = TestDir();
+  const std::string student = MakeStudent(dir);
+  auto launch = [&](const std::string& run, const std::vector<std::string>& sets) {
+    std::vector<std::string> argv = {"/bin/bash",
+                                     std::string(OPD_SOURCE_DIR) + "/scripts/launch/local.sh",
+                                     "--ranks",
+                                     "2",
+                                     "--log-dir",
+                                     run + ".logs",
+                                     "--",
+                                     kBin + "/trainer/opd-trainer",
+                                     "sft",
+                                     "--config",
+                                     std::string(OPD_SOURCE_DIR) + "/configs/sft/tiny.yaml"};
+    for (const std::string& s : std::vector<std::string>{
+             "model.path=" + student, "data.train.0.files=[" + kFixtures + "/data/train.jsonl]",
+             "data.eval=[]", "run.dir=" + run, "train.threads=1", "train.max_steps=2",
+             "dist.timeout_s=120"}) {
+      argv.push_back("--set");
+      argv.push_back(s);
+    }
+    for (const std::string& s : sets) {
+      argv.push_back("--set");
+      argv.push_back(s);
+    }
+    ChildProcess p(argv, run + ".log");
+    return std::make_pair(p.Wait(std::chrono::seconds(300)), p.Log());
+  };
+  auto [ok, ok_log] = launch(dir + "/ok", {});
+  EXPECT_EQ(ok, 0) << ok_log;
+  EXPECT_TRUE(fs::exists(dir + "/ok/checkpoints/step_000002/optimizer-00001-of-00002.safetensors"));
+  auto [failed, failed_log] =
+      launch(dir + "/killed", {"debug.kill_rank=1", "debug.kill_at_step=2"});
+  EXPECT_NE(failed, 0) << failed_log;
+  EXPECT_TRUE(fs::exists(dir + "/killed.logs/rank1.log"));
+}
+
 }  // namespace
