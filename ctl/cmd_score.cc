@@ -69,6 +69,8 @@ int RunScore(const std::vector<std::string>& words) {
       ForEachJsonLine(args.Get("input"), [&](const nlohmann::json& j, const std::string&) {
         auto tokens = TokensOf(j);
         if (!tokens.ok()) return tokens.status();
+        if (j.contains("response_start") && !j["response_start"].is_number_integer())
+          return absl::InvalidArgumentError("\"response_start\" must be an integer");
         pending.push_back({std::move(*tokens), j.value("response_start", 1)});
         return pending.size() >= batch ? flush() : absl::OkStatus();
       });

@@ -171,6 +171,18 @@ TEST_F(Cli, UnknownFlagsAndStrayWordsExit2) {
   }
 }
 
+// A malformed input line is an error naming the field, not an uncaught exception (the check
+// comes before any call, so no server is needed).
+TEST_F(Cli, ScoreInputWithNonIntegerResponseStartIsAnError) {
+  const std::string input = (dir_ / "score_input.jsonl").string();
+  std::ofstream(input) << "{\"tokens\": [1, 2, 3], \"response_start\": \"two\"}\n";
+  const Result r = Run({kCtl, "score", "--addr=127.0.0.1:1", "--input=" + input});
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("score_input.jsonl:1: \"response_start\" must be an integer"),
+            std::string::npos)
+      << r.output;
+}
+
 // --- TLS flag sets: a partial set is an error naming the flags, never plaintext ---
 
 TEST_F(Cli, InconsistentTlsFlagsExit2NamingTheFlags) {
