@@ -36,3 +36,7 @@ $PY scripts/bench/sft.py --build build --workdir build/bench
 echo "== OPD step: sampling / scoring / learning / push, synchronous vs one-step-off =="
 cmake --build build -j"$(nproc)" --target opd-ctl >/dev/null
 $PY scripts/bench/opd.py --build build --workdir build/bench
+
+echo "== learner collectives: Gloo all-reduce and one ZeRO-1 step, ours vs torch.distributed =="
+cmake --build build -j"$(nproc)" --target bench_dist >/dev/null
+$PY scripts/bench/dist.py --build build --ranks 2
