@@ -17,6 +17,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include "lm/dist/process_group.h"
@@ -397,6 +398,56 @@ TEST(DistributedOptimizer, CheckpointsResumeOnAnyWorldSize) {
   s = (*again)->LoadState(dir, 3);
   EXPECT_FALSE(s.ok());
   EXPECT_NE(std::string(s.message()).find("optimizer-00001-of-00002"), std::string::npos) << s;
+}
+
+// NCCL needs a device per rank: two ranks on two GPUs, as the learner runs on a GPU node. Skips
+// without two CUDA devices (a one-GPU machine too: NCCL refuses two ranks on one device).
+TEST(NcclGroup, CollectivesAndZeroOneOnTwoGpus) {
+  if (!torch::cuda::is_available() || torch::cuda::device_count() < 2)
+    GTEST_SKIP() << "needs two CUDA devices (found "
+                 << (torch::cuda::is_available() ? torch::cuda::device_count() : 0) << ")";
+  const Problem p = MakeProblem(3);
+  ProcessGroup single;
+  auto one = trainer::DistributedOptimizer::Create(Clone(p.params), Optim(), &single);
+  ASSERT_TRUE(one.ok());
+  Train(**one, p, 0, 3, 0, 1);
+  const std::vector<torch::Tensor> want = Values(**one);
+  const int port = testing_util::FreeLoopbackPort();
+  std::vector<double> diffs(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      const torch::Device gpu(torch::kCUDA, static_cast<c10::DeviceIndex>(r));
+      auto g = ProcessGroup::Create(LaunchEnv{r, 2, r, "127.0.0.1", port}, gpu);
+      ASSERT_TRUE(g.ok()) << g.status();
+      EXPECT_EQ((*g)->backend(), "nccl");
+      std::vector<torch::Tensor> t{torch::full({7}, r + 1.0f, torch::TensorOptions(gpu))};
+      ASSERT_TRUE((*g)->AllReduce(t).ok());
+      EXPECT_TRUE(torch::equal(t[0].cpu(), torch::full({7}, 3.0f)));
+      std::string bytes = r == 0 ? "from rank 0" : "";
+      ASSERT_TRUE((*g)->BroadcastBytes(&bytes).ok());
+      EXPECT_EQ(bytes, "from rank 0");
+      std::vector<std::pair<std::string, torch::Tensor>> params;
+      for (const auto& [n, v] : p.params) params.emplace_back(n, v.to(gpu));
+      auto opt = trainer::DistributedOptimizer::Create(params, Optim(), g->get());
+      ASSERT_TRUE(opt.ok()) << opt.status();
+      for (int s = 0; s < 3; ++s) {
+        (*opt)->ZeroGrad();
+        for (size_t i = 0; i < params.size(); ++i) {
+          torch::Tensor param = (*opt)->params()[i];
+          param.mutable_grad().add_(Share(p.grads[s][i], r, 2, s).to(gpu));
+        }
+        ASSERT_TRUE((*opt)->ReduceAndClip(2.0).ok());
+        ASSERT_TRUE((*opt)->Step(1e-2).ok());
+      }
+      std::vector<torch::Tensor> got;
+      for (const auto& t : (*opt)->params()) got.push_back(t.detach().cpu());
+      diffs[r] = MaxRelDiff(want, got);
+    });
+  }
+  for (auto& t : ranks) t.join();
+  // fp32 on the GPU (TF32 plays no part: AdamW is elementwise); reductions in another order.
+  for (int r = 0; r < 2; ++r) EXPECT_LE(diffs[r], 1e-5) << "rank " << r;
 }
 
 // ---------------------------------------------------------------------------------------------
