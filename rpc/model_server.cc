@@ -1,6 +1,11 @@
 #include "rpc/model_server.h"
 
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdlib>
 #include <iostream>
+#include <thread>
 
 #include <torch/torch.h>
 
@@ -82,6 +87,40 @@ int CheckServingFlags(const char* program) {
   return -1;
 }
 
+// SIGINT/SIGTERM are blocked in every thread (the serving loop takes them with sigwait), so
+// while the model loads nothing would take them: this thread does, and a signal then ends the
+// process at once (nothing is served yet, nothing can be lost). End() hands the signals over to
+// the serving loop; a signal already pending stays pending for it.
+class LoadSignalWatch {
+ public:
+  explicit LoadSignalWatch(const char* program) {
+    sigset_t wake;
+    sigemptyset(&wake);
+    sigaddset(&wake, SIGUSR1);  // End()'s wake-up, blocked before the thread exists
+    pthread_sigmask(SIG_BLOCK, &wake, nullptr);
+    thread_ = std::thread([program] {
+      sigset_t set;
+      sigemptyset(&set);
+      for (int s : {SIGINT, SIGTERM, SIGUSR1}) sigaddset(&set, s);
+      int sig = 0;
+      sigwait(&set, &sig);
+      if (sig == SIGUSR1) return;
+      std::cerr << program << ": signal " << sig << " while loading the model: exiting\n";
+      std::_Exit(128 + sig);
+    });
+  }
+  ~LoadSignalWatch() { End(); }
+  void End() {
+    if (!thread_.joinable()) return;
+    pthread_kill(thread_.native_handle(), SIGUSR1);
+    thread_.join();
+  }
+
+ private:
+  std::thread thread_;
+};
+LoadSignalWatch* g_load_watch = nullptr;  // set while ModelServerMain runs
+
 }  // namespace
 
 opd::v1::ServiceInfo LoadedModel::Info(const std::string& service, int64_t max_seq_len) const {
@@ -112,6 +151,7 @@ absl::StatusOr<LoadedModel> LoadServedModel() {
 absl::Status ServeUntilSignal(const char* program, const std::string& service_name,
                               grpc::Service* service, const LoadedModel& loaded,
                               const std::function<void()>& after_shutdown) {
+  if (g_load_watch) g_load_watch->End();  // the signals are WaitForShutdownSignal's from here
   const ServerOptions opts = ServingOptions(!loaded.secret.empty());
   ASSIGN_OR_RETURN(auto server, StartServer(opts, {service}, {service_name}));
   const lm::ModelConfig& config = loaded.config;
@@ -135,7 +175,11 @@ int ModelServerMain(int argc, char** argv, const char* program, const char* defa
   absl::SetFlag(&FLAGS_listen, default_listen);
   if (const int code = ParseFlagsOrExitCode(argc, argv, usage); code >= 0) return code;
   if (const int code = CheckServingFlags(program); code >= 0) return code;
+  LoadSignalWatch watch(program);
+  g_load_watch = &watch;
   const absl::Status st = run();
+  watch.End();
+  g_load_watch = nullptr;
   if (st.ok()) return 0;
   std::cerr << program << ": " << st << "\n";
   return 1;

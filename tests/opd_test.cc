@@ -826,6 +826,8 @@ TEST_F(Opd, StopSignalCancelsAScoreInFlight) {
   EXPECT_TRUE(absl::IsCancelled(r.status())) << r.status();
   EXPECT_EQ(stuck.service.calls(), 1);
   trainer::ResetStopForTest();
+  std::signal(SIGINT, SIG_DFL);  // the rest of this process is not a training job
+  std::signal(SIGTERM, SIG_DFL);
 }
 
 // --- what crosses the wire is checked ---
