@@ -1,7 +1,8 @@
 // opd-ctl swap-teacher --learner ADDR --stage NAME --endpoints A,B [--secret-file F] [--timeout S]
 //                      [--tls-ca F [--tls-cert F --tls-key F] [--tls-server-name N]]
-// Asks a running OPD learner to use other teacher replicas for a stage. The learner checks them
-// (tokenizer fingerprint, vocabulary) before accepting; the swap takes effect at the next step.
+// Asks a running OPD learner to use other teacher replicas for a stage. The learner connects and
+// checks them (tokenizer fingerprint, vocabulary) at its next step boundary and answers then, so
+// the call lasts up to a step; giving up before (--timeout) withdraws the swap.
 #include <iostream>
 
 #include <grpcpp/grpcpp.h>
@@ -26,7 +27,7 @@ int RunSwapTeacher(const std::vector<std::string>& words) {
       "  --tls-ca F              verify the learner with this CA (enables TLS)\n"
       "  --tls-cert F --tls-key F  client certificate (mutual TLS; needs --tls-ca)\n"
       "  --tls-server-name N     name to expect in the learner's certificate\n"
-      "  --timeout S             deadline in seconds (default 60)\n";
+      "  --timeout S             deadline in seconds, at least a training step (default 1800)\n";
   Args args;
   const FlagSpec spec =
       WithClientFlags({{"stage", Kind::kString}, {"endpoints", Kind::kString}}, "learner");
@@ -35,7 +36,7 @@ int RunSwapTeacher(const std::vector<std::string>& words) {
       rc >= 0)
     return rc;
   opd::rpc::ClientOptions opts;
-  if (int rc = ClientOptionsFrom("swap-teacher", args, &opts, "learner", 60); rc >= 0) return rc;
+  if (int rc = ClientOptionsFrom("swap-teacher", args, &opts, "learner", 1800); rc >= 0) return rc;
   auto channel = opd::rpc::MakeChannel(opts);
   if (!channel.ok()) {
     std::cerr << "opd-ctl swap-teacher: " << channel.status().message() << "\n";
