@@ -270,15 +270,22 @@ std::vector<torch::Tensor> Values(const trainer::DistributedOptimizer& o) {
   return out;
 }
 
+// The weights after `steps` updates on one rank (AdamW), and its optimizer state's size.
+std::vector<torch::Tensor> OneRank(const Problem& p, int steps, int64_t* state_bytes = nullptr) {
+  ProcessGroup single;
+  auto one = trainer::DistributedOptimizer::Create(Clone(p.params), Optim(), &single);
+  EXPECT_TRUE(one.ok());
+  if (!one.ok()) return {};
+  Train(**one, p, 0, steps, 0, 1);
+  if (state_bytes) *state_bytes = (*one)->state_bytes();
+  return Values(**one);
+}
+
 TEST(DistributedOptimizer, NRanksMakeTheUpdatesOfOneAndHoldAnNthOfTheState) {
   torch::set_num_threads(1);
   const Problem p = MakeProblem(3);
-  ProcessGroup single;
-  auto one = trainer::DistributedOptimizer::Create(Clone(p.params), Optim(), &single);
-  ASSERT_TRUE(one.ok());
-  Train(**one, p, 0, 3, 0, 1);
-  const std::vector<torch::Tensor> want = Values(**one);
-  const int64_t full_state = (*one)->state_bytes();
+  int64_t full_state = 0;
+  const std::vector<torch::Tensor> want = OneRank(p, 3, &full_state);
 
   for (int world : {2, 4}) {
     std::vector<double> diffs(world);
@@ -349,11 +356,8 @@ TEST(DistributedOptimizer, BucketsGoOutDuringTheLastBackward) {
 TEST(DistributedOptimizer, CheckpointsResumeOnAnyWorldSize) {
   torch::set_num_threads(1);
   const Problem p = MakeProblem(4);
+  const std::vector<torch::Tensor> want = OneRank(p, 4);
   ProcessGroup single;
-  auto straight = trainer::DistributedOptimizer::Create(Clone(p.params), Optim(), &single);
-  ASSERT_TRUE(straight.ok());
-  Train(**straight, p, 0, 4, 0, 1);
-  const std::vector<torch::Tensor> want = Values(**straight);
 
   const std::string root = kBin + "/distributed_test_runs/optimizer";
   fs::remove_all(root);
@@ -407,11 +411,7 @@ TEST(NcclGroup, CollectivesAndZeroOneOnTwoGpus) {
     GTEST_SKIP() << "needs two CUDA devices (found "
                  << (torch::cuda::is_available() ? torch::cuda::device_count() : 0) << ")";
   const Problem p = MakeProblem(3);
-  ProcessGroup single;
-  auto one = trainer::DistributedOptimizer::Create(Clone(p.params), Optim(), &single);
-  ASSERT_TRUE(one.ok());
-  Train(**one, p, 0, 3, 0, 1);
-  const std::vector<torch::Tensor> want = Values(**one);
+  const std::vector<torch::Tensor> want = OneRank(p, 3);
   const int port = testing_util::FreeLoopbackPort();
   std::vector<double> diffs(2);
   std::vector<std::thread> ranks;

@@ -466,6 +466,31 @@ TEST(CheckpointFiles, ShardNamesAreConfinedToTheModelDirectory) {
   fs::remove_all(outside);
 }
 
+// A Hugging Face cache snapshot: the shards are links into the repository's blobs/, which load;
+// a link from the snapshot anywhere else is still refused.
+TEST(CheckpointFiles, HuggingFaceCacheSnapshotsLoad) {
+  auto repo = TempDir("models--org--name");
+  fs::create_directories(repo / "blobs");
+  fs::create_directories(repo / "snapshots" / "abc123");
+  WriteShard(repo / "blobs" / "0f1e2d", PerExpertTensors());
+  const fs::path snapshot = repo / "snapshots" / "abc123";
+  fs::create_symlink("../../blobs/0f1e2d", snapshot / "model-00001-of-00001.safetensors");
+  nlohmann::json index = {{"weight_map", {{"m.norm.weight", "model-00001-of-00001.safetensors"}}}};
+  std::ofstream(snapshot / "model.safetensors.index.json") << index.dump();
+  auto files = OpenCheckpointFiles(snapshot.string());
+  EXPECT_TRUE(files.ok()) << files.status();
+
+  auto outside = TempDir("ckpt_outside_cache");
+  WriteShard(outside / "evil.safetensors", PerExpertTensors());
+  fs::create_symlink(outside / "evil.safetensors", snapshot / "evil.safetensors");
+  index = {{"weight_map", {{"m.norm.weight", "evil.safetensors"}}}};
+  std::ofstream(snapshot / "model.safetensors.index.json") << index.dump();
+  files = OpenCheckpointFiles(snapshot.string());
+  EXPECT_FALSE(files.ok()) << "a link out of the cache repository was opened";
+  fs::remove_all(repo);
+  fs::remove_all(outside);
+}
+
 TEST(Config, ParsesEveryField) {
   auto j = nlohmann::json::parse(R"({
     "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,

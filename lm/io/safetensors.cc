@@ -660,11 +660,17 @@ absl::StatusOr<std::vector<std::string>> CheckpointFilePaths(const std::string& 
   ASSIGN_OR_RETURN(const std::string text, ReadText(index_path));
   ASSIGN_OR_RETURN(const SafetensorsIndex index, ParseSafetensorsIndex(text, index_path));
   ASSIGN_OR_RETURN(const fs::path root, Resolved(dir));
+  // A Hugging Face cache snapshot (<repo>/snapshots/<revision>/) holds its shards as links into
+  // <repo>/blobs/: that folder is the model's too.
+  std::vector<fs::path> allowed = {root};
+  if (root.parent_path().filename() == "snapshots")
+    allowed.push_back(root.parent_path().parent_path() / "blobs");
   std::vector<std::string> paths;
   for (const std::string& shard : index.shards) {
     const fs::path path = fs::path(dir) / shard;
     ASSIGN_OR_RETURN(const fs::path real, Resolved(path));
-    if (!IsInside(real, root)) {
+    if (std::none_of(allowed.begin(), allowed.end(),
+                     [&](const fs::path& a) { return IsInside(real, a); })) {
       // Name one tensor that lives there, so the entry can be found in the index.
       std::string tensor;
       for (const auto& [t, f] : index.weight_map) {
