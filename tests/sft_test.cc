@@ -527,6 +527,27 @@ TEST(Sft, LearnsSyntheticChat) {
   EXPECT_LT(last, 0.25 * first);
 }
 
+// A checkpoint whose trainer_state.json lacks a field or has one of the wrong type: the resume
+// fails with the file and the problem named (exit 1), not with an uncaught exception (SIGABRT).
+TEST(Sft, MalformedTrainerStateIsANamedError) {
+  const std::string dir = TestDir();
+  const std::string student = MakeStudent(dir);
+  const std::string run = dir + "/run";
+  auto r = RunSftJob(student, run, {"train.max_steps=1"});
+  ASSERT_EQ(r.code, 0) << r.log;
+  const std::string state = run + "/checkpoints/step_000001/trainer_state.json";
+  const json good = json::parse(ReadFile(state));
+  for (const auto& [key, bad] : std::vector<std::pair<std::string, json>>{
+           {"step", "one"}, {"data_cursor", nullptr}, {"nonfinite", json::array()}}) {
+    json j = good;
+    j[key] = bad;
+    std::ofstream(state) << j.dump();
+    r = RunSftJob(student, run, {"train.max_steps=2"});
+    EXPECT_EQ(r.code, 1) << key << ": " << r.log;
+    EXPECT_NE(r.log.find("trainer_state.json"), std::string::npos) << key << ": " << r.log;
+  }
+}
+
 TEST(Sft, BadConfigsFailBeforeTraining) {
   const std::string dir = TestDir();
   const std::string student = MakeStudent(dir);

@@ -122,6 +122,7 @@ class SftJob {
   absl::Status LoadData();
   absl::Status LoadModel(const std::string& dir);
   absl::Status Resume(const std::string& checkpoint);
+  absl::Status ResumeFrom(const std::string& checkpoint);
   absl::StatusOr<int64_t> PlanSteps();
   void PrepareEvalSet();
 
@@ -270,7 +271,18 @@ void SftJob::PrepareEvalSet() {
                                 packs.size(), trained));
 }
 
+// A trainer_state.json with a missing or mistyped field is an error naming the file and the field
+// (nlohmann's exception says which), never an abort.
 absl::Status SftJob::Resume(const std::string& checkpoint) {
+  try {
+    return ResumeFrom(checkpoint);
+  } catch (const nlohmann::json::exception& e) {
+    return absl::DataLossError(
+        absl::StrCat(checkpoint, "/trainer_state.json: not a valid SFT trainer state: ", e.what()));
+  }
+}
+
+absl::Status SftJob::ResumeFrom(const std::string& checkpoint) {
   ASSIGN_OR_RETURN(nlohmann::json state, ReadTrainerState(checkpoint));
   RETURN_IF_ERROR(LoadModel(checkpoint + "/model"));
   step_ = state.at("step").get<int64_t>();
@@ -282,10 +294,13 @@ absl::Status SftJob::Resume(const std::string& checkpoint) {
                         saved_total, schedule_.total_steps, saved_total));
     schedule_.total_steps = saved_total;
   }
-  ASSIGN_OR_RETURN(cursor_, lm::DataCursor::FromJson(state.at("data_cursor").dump()));
+  absl::StatusOr<lm::DataCursor> cursor = lm::DataCursor::FromJson(state.at("data_cursor").dump());
+  if (!cursor.ok())
+    return absl::DataLossError(
+        absl::StrCat(checkpoint, "/trainer_state.json: data_cursor: ", cursor.status().message()));
+  cursor_ = *cursor;
   RETURN_IF_ERROR(train_->Seek(cursor_));
-  RETURN_IF_ERROR(
-      optimizer_->LoadState(checkpoint, state.at("optimizer_steps").get<int64_t>()));
+  RETURN_IF_ERROR(optimizer_->LoadState(checkpoint, state.at("optimizer_steps").get<int64_t>()));
   RETURN_IF_ERROR(RestoreRngState(state.at("rng")));
   nonfinite_consecutive_ = state.at("nonfinite").at("consecutive").get<int64_t>();
   nonfinite_total_ = state.at("nonfinite").at("total").get<int64_t>();
@@ -426,8 +441,8 @@ absl::StatusOr<StepOutcome> SftJob::TrainStep(const StepBatch& b) {
     if (i + static_cast<size_t>(ranks) >= b.micro.size()) optimizer_->ExpectLastBackward();
     loss.backward();
     if (rank == c_.debug.kill_rank && this_step == c_.debug.kill_at_step) {
-      lm::log::Warn(absl::StrFormat("debug.kill_rank: rank %d kills itself in step %d", rank,
-                                    this_step));
+      lm::log::Warn(
+          absl::StrFormat("debug.kill_rank: rank %d kills itself in step %d", rank, this_step));
       std::raise(SIGKILL);
     }
     ce_total += ce;
@@ -458,15 +473,15 @@ absl::Status SftJob::AfterStep(const StepOutcome& o, const StepBatch& b, double 
   const double tps = static_cast<double>(b.tokens) / seconds;
   if (metrics_)
     metrics_->Log(step_, {{"train/loss", o.loss},
-                        {"train/aux_loss", o.aux_loss},
-                        {"train/lr", o.lr},
-                        {"train/grad_norm", o.grad_norm},
-                        {"train/tokens", static_cast<double>(b.tokens)},
-                        {"train/trained_tokens", static_cast<double>(b.trained)},
-                        {"train/tokens_per_s", tps},
-                        {"train/step_time_s", seconds},
-                        {"train/skipped", o.skipped ? 1.0 : 0.0},
-                        {"train/nonfinite_total", static_cast<double>(nonfinite_total_)}});
+                          {"train/aux_loss", o.aux_loss},
+                          {"train/lr", o.lr},
+                          {"train/grad_norm", o.grad_norm},
+                          {"train/tokens", static_cast<double>(b.tokens)},
+                          {"train/trained_tokens", static_cast<double>(b.trained)},
+                          {"train/tokens_per_s", tps},
+                          {"train/step_time_s", seconds},
+                          {"train/skipped", o.skipped ? 1.0 : 0.0},
+                          {"train/nonfinite_total", static_cast<double>(nonfinite_total_)}});
   progress_->Update({step_, o.loss, o.lr, tps, o.grad_norm, o.skipped}, seconds);
   if (o.skipped) {
     progress_->Log(
@@ -565,9 +580,9 @@ absl::Status SftJob::StopForSignal() {
       "received %s: the step in progress is abandoned; writing a checkpoint of step %d", what,
       step_));
   RETURN_IF_ERROR(SaveCheckpoint());
-  return absl::CancelledError(absl::StrFormat(
-      "stopped by %s at step %d of %d; resume with the same command", what, step_,
-      schedule_.total_steps));
+  return absl::CancelledError(
+      absl::StrFormat("stopped by %s at step %d of %d; resume with the same command", what, step_,
+                      schedule_.total_steps));
 }
 
 void SftJob::WriteSummary(double wall_s) {
@@ -638,8 +653,14 @@ absl::Status RunSft(const SftConfig& config, const JobArgs& args) {
   lm::log::Info(absl::StrCat("opd-trainer sft: run directory ", run.path(), ", resolved config in ",
                              run.config_file()));
   SftJob job(config, run, yaml);
-  RETURN_IF_ERROR(job.Init(args));
-  return job.Train();
+  // A torch or JSON exception (a tensor of the wrong shape, a malformed file) becomes an error
+  // naming it instead of aborting the process.
+  try {
+    RETURN_IF_ERROR(job.Init(args));
+    return job.Train();
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
+  }
 }
 
 int SftMain(const std::vector<std::string>& words) {
