@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "lm/model/cpu_inference.h"
 #include "lm/model/model.h"
 
@@ -119,6 +120,10 @@ uint64_t SampleSeed(uint64_t seed, int64_t prompt, int64_t sample) {
                     static_cast<uint64_t>(sample));
 }
 
+int64_t KvBytesPerToken(const lm::ModelConfig& config, int64_t element_size) {
+  return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element_size;
+}
+
 absl::Status Validate(const std::vector<std::vector<int64_t>>& prompts, const SamplingParams& p,
                       const GenerateLimits& limits) {
   if (prompts.empty()) return absl::InvalidArgumentError("no prompts");
@@ -168,6 +173,24 @@ absl::Status Validate(const std::vector<std::vector<int64_t>>& prompts, const Sa
             absl::StrCat("prompt ", i, ": token id ", s[j], " at position ", j,
                          " is outside the vocabulary [0, ", limits.vocab_size, ")"));
       }
+    }
+  }
+  // The whole request's KV cache (each sequence is allocated at prompt + max_new_tokens), so that
+  // no request can take the worker's memory; summed in doubles, which cannot overflow here.
+  if (limits.max_kv_bytes > 0 && limits.kv_bytes_per_token > 0) {
+    double tokens = 0;
+    for (const auto& s : prompts)
+      tokens += static_cast<double>(p.samples_per_prompt) *
+                static_cast<double>(static_cast<int64_t>(s.size()) + p.max_new_tokens);
+    const double need = tokens * static_cast<double>(limits.kv_bytes_per_token);
+    if (need > limits.max_kv_bytes) {
+      constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "the request needs %.2f GiB of KV cache (%d sequences, %.0f tokens of prompt + "
+          "max_new_tokens at %d bytes each), more than this worker's budget of %.2f GiB "
+          "(--kv-budget-gb): send fewer prompts or a smaller max_new_tokens",
+          need / kGiB, static_cast<int64_t>(prompts.size()) * p.samples_per_prompt, tokens,
+          limits.kv_bytes_per_token, limits.max_kv_bytes / kGiB));
     }
   }
   return absl::OkStatus();

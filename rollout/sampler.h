@@ -22,6 +22,7 @@
 #include <torch/types.h>
 
 #include "absl/status/statusor.h"
+#include "lm/model/config.h"
 
 namespace lm {
 class CausalLM;
@@ -62,7 +63,15 @@ struct GenerateLimits {
   int64_t max_seq_len = 0;  // prompt + new tokens
   int64_t max_samples_per_prompt = 64;
   int64_t max_slots = 1024;  // prompts x samples per request
+  // The KV cache one request may need: every sequence (prompt x sample) holds prompt +
+  // max_new_tokens tokens of kv_bytes_per_token each. 0: no budget.
+  int64_t kv_bytes_per_token = 0;
+  double max_kv_bytes = 0;
 };
+
+// Bytes of KV cache per token of a sequence: keys and values of every layer's KV heads, in the
+// model's dtype (element_size bytes).
+int64_t KvBytesPerToken(const lm::ModelConfig& config, int64_t element_size);
 
 absl::Status Validate(const std::vector<std::vector<int64_t>>& prompts,
                       const SamplingParams& params, const GenerateLimits& limits);

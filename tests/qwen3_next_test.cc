@@ -4,6 +4,8 @@
 //   chunked delta rule vs the per-token recurrence: max abs diff <= 1e-5;
 //   a packed batch vs each sequence alone: max abs diff <= 1e-5;
 //   gradients: max abs diff <= 1e-4 x max(the tensor's largest reference entry, 1e-4).
+#include <sys/wait.h>
+
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -484,6 +486,23 @@ TEST(NextOpdCtl, LogprobsMatchesReference) {
   EXPECT_EQ(lines, f.seqs.size());
   EXPECT_LE(MaxAbsDiff(torch::tensor(got), f.ref["logprobs"]), 1e-4);
   fs::remove_all(dir);
+}
+
+// A Qwen3-Next student cannot be sampled yet (no recurrent-state cache): opd-rollout refuses it
+// at start-up, naming the model type, instead of failing every Generate.
+TEST(NextRollout, RefusedAtStartUp) {
+  const std::string dir = std::string(OPD_NEXT_FIXTURES_DIR) + "/next_interval4/model";
+  const std::string log = (fs::temp_directory_path() / "next_rollout.log").string();
+  const std::string cmd = std::string(OPD_BINARY_DIR) + "/rollout/opd-rollout --model " + dir +
+                          " --listen 127.0.0.1:0 > " + log + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  ASSERT_TRUE(WIFEXITED(status)) << cmd;
+  EXPECT_EQ(WEXITSTATUS(status), 1) << cmd;
+  std::ifstream in(log);
+  const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(out.find("is a qwen3_next model, which this rollout worker cannot sample"),
+            std::string::npos)
+      << out;
 }
 
 }  // namespace
