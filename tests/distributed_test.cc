@@ -309,6 +309,30 @@ TEST(DistributedOptimizer, NRanksMakeTheUpdatesOfOneAndHoldAnNthOfTheState) {
   }
 }
 
+// The weights' all-gather in bf16: the other ranks' slices arrive rounded to bf16 (half the
+// bytes), this rank's stays the fp32 master, and SyncMasters() restores the exact fp32 weights,
+// which follow the same trajectory as one rank's (the gradients here do not depend on them).
+TEST(DistributedOptimizer, Bf16AllGatherKeepsTheFp32MastersSharded) {
+  torch::set_num_threads(1);
+  const Problem p = MakeProblem(3);
+  const std::vector<torch::Tensor> want = OneRank(p, 3);
+  std::vector<double> before(2), after(2);
+  RunRanks(2, [&](int rank, ProcessGroup& g) {
+    auto opt =
+        trainer::DistributedOptimizer::Create(Clone(p.params), Optim(), &g, 37, torch::kBFloat16);
+    ASSERT_TRUE(opt.ok()) << opt.status();
+    Train(**opt, p, 0, 3, rank, 2);
+    before[rank] = MaxRelDiff(want, Values(**opt));
+    ASSERT_TRUE((*opt)->SyncMasters().ok());
+    after[rank] = MaxRelDiff(want, Values(**opt));
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_GT(before[r], 1e-6) << "rank " << r << ": nothing was rounded to bf16";
+    EXPECT_LE(before[r], 1.0 / 128) << "rank " << r;  // bf16 keeps 8 significant bits
+    EXPECT_LE(after[r], 1e-6) << "rank " << r;
+  }
+}
+
 // Through autograd: a chain of layers, two micro-batches per rank. The buckets of the last layers
 // go out while the backward is still in the first ones, and the result is one rank's.
 TEST(DistributedOptimizer, BucketsGoOutDuringTheLastBackward) {
@@ -580,6 +604,14 @@ TEST(DistributedSft, TwoAndFourRanksTrainAsOne) {
     EXPECT_NEAR(s["final_eval_loss"].get<double>(),
                 Summary(dir + "/one")["final_eval_loss"].get<double>(), 1e-5);
   }
+  // With the weights all-gathered in bf16 (the default on GPUs) the forward reads the other
+  // ranks' slices rounded to bf16, so the run only stays close; the checkpoint holds the fp32
+  // masters.
+  const std::string bf16 = dir + "/ranks2_bf16";
+  ExpectSucceeded(RunSft(2, student, bf16, {"dist.allgather_dtype=bfloat16"}));
+  const double d = RelNormDiff(want, ModelWeights(bf16 + "/checkpoints/step_000004/model"));
+  EXPECT_GT(d, 1e-7) << "the bf16 all-gather changed nothing";
+  EXPECT_LE(d, 1e-2);
 }
 
 // A rank killed in step 4 (after step 3's checkpoint): every rank exits with an error naming the

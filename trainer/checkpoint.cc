@@ -13,9 +13,9 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "lm/dist/process_group.h"
 #include "lm/io/checkpoint.h"
 #include "lm/io/safetensors.h"
-#include "lm/dist/process_group.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "trainer/run_dir.h"
@@ -101,9 +101,11 @@ absl::Status AgreeOnOutcome(absl::Status mine, lm::dist::ProcessGroup& group, co
 }  // namespace
 
 absl::Status CheckpointManager::Save(int64_t step, lm::CausalLM& model,
-                                     const DistributedOptimizer& optimizer, nlohmann::json state,
+                                     DistributedOptimizer& optimizer, nlohmann::json state,
                                      const std::vector<std::string>& model_extra_files,
                                      lm::dist::ProcessGroup& group) {
+  // The saved weights are the exact fp32 masters, whatever dtype the all-gathers used.
+  RETURN_IF_ERROR(optimizer.SyncMasters());
   const std::string final_dir = dir_ + "/" + StepDirName(step);
   // Rank 0 decides and names the temporary directory; every rank then writes into it.
   std::string tmp;

@@ -44,7 +44,7 @@ class CheckpointManager {
   // Saves a checkpoint for `step` (a no-op when a complete one for that step exists). `state`
   // becomes trainer_state.json (a "version", "step" and "world_size" are added);
   // `model_extra_files` (tokenizer files) are copied into model/. Collective over `group`.
-  absl::Status Save(int64_t step, lm::CausalLM& model, const DistributedOptimizer& optimizer,
+  absl::Status Save(int64_t step, lm::CausalLM& model, DistributedOptimizer& optimizer,
                     nlohmann::json state, const std::vector<std::string>& model_extra_files,
                     lm::dist::ProcessGroup& group);
 

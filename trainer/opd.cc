@@ -167,7 +167,8 @@ absl::Status OpdJob::LoadStudent(const std::string& dir) {
   model_->train();
   std::vector<std::pair<std::string, torch::Tensor>> params;
   for (auto& p : model_->named_parameters()) params.emplace_back(p.key(), p.value());
-  ASSIGN_OR_RETURN(optimizer_, DistributedOptimizer::Create(params, c_.optim, group_.get()));
+  ASSIGN_OR_RETURN(optimizer_,
+                   MakeLearnerOptimizer(params, c_.optim, c_.dist, group_.get(), device_));
   return absl::OkStatus();
 }
 

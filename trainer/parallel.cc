@@ -171,7 +171,21 @@ absl::Status ValidateDistConfig(const DistConfig& c) {
   if (!std::isfinite(c.bucket_mb) || c.bucket_mb <= 0)
     return absl::InvalidArgumentError(
         absl::StrCat("dist.bucket_mb: ", c.bucket_mb, " is not a positive size"));
+  if (c.allgather_dtype != "auto" && c.allgather_dtype != "float32" &&
+      c.allgather_dtype != "bfloat16")
+    return absl::InvalidArgumentError(absl::StrCat("dist.allgather_dtype: '", c.allgather_dtype,
+                                                   "' is not one of auto, float32, bfloat16"));
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<DistributedOptimizer>> MakeLearnerOptimizer(
+    const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& optim,
+    const DistConfig& dist, lm::dist::ProcessGroup* group, torch::Device device) {
+  const bool bf16 =
+      dist.allgather_dtype == "bfloat16" || (dist.allgather_dtype == "auto" && device.is_cuda());
+  return DistributedOptimizer::Create(
+      params, optim, group, static_cast<int64_t>(dist.bucket_mb * (1 << 20) / sizeof(float)),
+      bf16 ? torch::kBFloat16 : torch::kFloat32);
 }
 
 absl::StatusOr<LearnerPlacement> JoinLearnerGroup(const std::string& device, double timeout_s,
@@ -246,10 +260,14 @@ torch::Tensor& DistributedOptimizer::ParamOf(size_t entry) {
 
 absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Create(
     const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& config,
-    lm::dist::ProcessGroup* group, int64_t bucket_elements) {
+    lm::dist::ProcessGroup* group, int64_t bucket_elements, torch::ScalarType gather_dtype) {
   auto o = std::unique_ptr<DistributedOptimizer>(new DistributedOptimizer());
   o->group_ = group;
   o->config_ = config;
+  if (gather_dtype != torch::kFloat32 && gather_dtype != torch::kBFloat16)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the weights' all-gather is float32 or bfloat16, not ", c10::toString(gather_dtype)));
+  o->gather_dtype_ = gather_dtype;
   o->layout_ = FlatLayout::Of(params);
   for (const auto& [name, p] : params) {
     o->names_.push_back(name);
@@ -426,8 +444,25 @@ absl::Status DistributedOptimizer::ShardedStep(double lr) {
   }
   ++steps_;
   const int64_t chunk = shard_.chunk;
-  torch::Tensor mine = flat_params_.narrow(0, chunk * group_->rank(), chunk).clone();
-  return group_->AllGather(flat_params_, mine);
+  torch::Tensor own = flat_params_.narrow(0, chunk * group_->rank(), chunk);
+  if (gather_dtype_ == torch::kFloat32) return group_->AllGather(flat_params_, own.clone());
+  torch::Tensor master = own.clone();
+  torch::Tensor gathered = torch::empty({flat_params_.numel()}, own.options().dtype(gather_dtype_));
+  RETURN_IF_ERROR(group_->AllGather(gathered, own.to(gather_dtype_)));
+  flat_params_.copy_(gathered);
+  own.copy_(master);  // this rank's slice stays the fp32 master
+  masters_synced_ = false;
+  return absl::OkStatus();
+}
+
+absl::Status DistributedOptimizer::SyncMasters() {
+  if (adamw_ || masters_synced_) return absl::OkStatus();
+  torch::NoGradGuard no_grad;
+  const int64_t chunk = shard_.chunk;
+  torch::Tensor own = flat_params_.narrow(0, chunk * group_->rank(), chunk).clone();
+  RETURN_IF_ERROR(group_->AllGather(flat_params_, own));
+  masters_synced_ = true;
+  return absl::OkStatus();
 }
 
 int64_t DistributedOptimizer::steps() const {

@@ -48,6 +48,7 @@
 namespace trainer {
 
 class AdamW;
+class DistributedOptimizer;
 
 // Where a learner rank runs: its device (cuda:LOCAL_RANK on a GPU node) and the job's group.
 struct LearnerPlacement {
@@ -57,6 +58,12 @@ struct LearnerPlacement {
 
 // The `dist` section: a known backend, a finite positive timeout and bucket size.
 absl::Status ValidateDistConfig(const DistConfig& c);
+
+// The learner's optimizer for `params` on `device`, as the `dist` section says (bucket size, the
+// all-gather's dtype).
+absl::StatusOr<std::unique_ptr<DistributedOptimizer>> MakeLearnerOptimizer(
+    const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& optim,
+    const DistConfig& dist, lm::dist::ProcessGroup* group, torch::Device device);
 
 // Reads the launcher's environment (lm::dist::LaunchEnv), picks the device (`device` as
 // train.device: auto | cpu | cuda), and joins the job's group with collectives that time out
@@ -102,9 +109,16 @@ class DistributedOptimizer {
  public:
   // `group` must outlive the optimizer. With one rank this is AdamW over the parameters as they
   // are; with several the parameters are moved into the flat buffer (their values unchanged).
+  //
+  // `gather_dtype` is the dtype of the weights' all-gather. With bf16 each rank sends its updated
+  // slice rounded to bf16 (half the bytes) and keeps its own slice in fp32: the fp32 master
+  // weights stay sharded, the other ranks' slices hold their bf16 values, which is what a bf16
+  // autocast matmul reads anyway. SyncMasters() gives every rank the exact fp32 weights again
+  // (checkpoints call it).
   static absl::StatusOr<std::unique_ptr<DistributedOptimizer>> Create(
       const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& config,
-      lm::dist::ProcessGroup* group, int64_t bucket_elements = 8 << 20);
+      lm::dist::ProcessGroup* group, int64_t bucket_elements = 8 << 20,
+      torch::ScalarType gather_dtype = torch::kFloat32);
   ~DistributedOptimizer();
 
   // Gradients to zero (several ranks) or undefined (one rank), before a step's first backward.
@@ -126,6 +140,10 @@ class DistributedOptimizer {
   const std::vector<torch::Tensor>& params() const { return params_; }
   size_t num_decay() const;
   size_t num_no_decay() const;
+
+  // Collective: every rank's weights become the exact fp32 masters (a no-op unless the all-gather
+  // is in bf16 and a step has run since the last sync).
+  absl::Status SyncMasters();
 
   // Writes this rank's moments into checkpoint directory `dir` (every rank calls it).
   absl::Status SaveState(const std::string& dir) const;
@@ -160,6 +178,8 @@ class DistributedOptimizer {
   torch::Tensor flat_params_, flat_grads_;  // padded to world * chunk
   torch::Tensor exp_avg_, exp_avg_sq_;      // this rank's slice
   std::vector<torch::Tensor> entry_steps_;  // AdamW step count per entry (as fused AdamW wants)
+  torch::ScalarType gather_dtype_ = torch::kFloat32;
+  bool masters_synced_ = true;  // every rank's weights are the fp32 masters
   int64_t steps_ = 0;
   std::vector<Bucket> buckets_;
   std::vector<size_t> bucket_of_entry_;

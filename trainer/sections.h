@@ -75,6 +75,9 @@ struct DistConfig {
   std::string backend = "auto";  // auto (nccl on CUDA, gloo on CPU) | gloo | nccl
   double timeout_s = 600;        // a collective (or the rendezvous) fails after this long
   double bucket_mb = 32;         // gradient all-reduce bucket size
+  // dtype of the updated weights' all-gather (ZeRO-1): auto (bfloat16 on CUDA, float32 on the
+  // CPU) | float32 | bfloat16. With bfloat16 the fp32 masters stay sharded (trainer/parallel.h).
+  std::string allgather_dtype = "auto";
 };
 
 template <class V>
@@ -82,6 +85,7 @@ void VisitFields(V& v, DistConfig& c) {
   v("backend", c.backend);
   v("timeout_s", c.timeout_s);
   v("bucket_mb", c.bucket_mb);
+  v("allgather_dtype", c.allgather_dtype);
 }
 
 }  // namespace trainer

@@ -226,9 +226,7 @@ absl::Status SftJob::LoadModel(const std::string& dir) {
     count += p.value().numel();
   }
   ASSIGN_OR_RETURN(optimizer_,
-                   DistributedOptimizer::Create(
-                       params, c_.optim, group_.get(),
-                       static_cast<int64_t>(c_.dist.bucket_mb * (1 << 20) / sizeof(float))));
+                   MakeLearnerOptimizer(params, c_.optim, c_.dist, group_.get(), device_));
   lm::log::Info(
       absl::StrFormat("model %s: %s, %d parameters (%d tensors with weight decay, %d without), aux "
                       "loss coef %g, device %s",
