@@ -614,6 +614,36 @@ TEST(DistributedSft, TwoAndFourRanksTrainAsOne) {
   EXPECT_LE(d, 1e-2);
 }
 
+// Ranks launched with different configs would exchange tensors that do not belong together:
+// every rank refuses to start, naming the rank that differs.
+TEST(DistributedSft, RanksWithDifferentConfigsRefuseToStart) {
+  const std::string dir = TestDir();
+  const std::string student = MakeStudent(dir);
+  const std::string port = std::to_string(testing_util::FreeLoopbackPort());
+  std::vector<std::unique_ptr<ChildProcess>> ranks;
+  for (int r = 0; r < 2; ++r) {
+    std::vector<std::string> argv = {kBin + "/trainer/opd-trainer", "sft", "--config",
+                                     std::string(OPD_SOURCE_DIR) + "/configs/sft/tiny.yaml"};
+    for (const std::string& set : std::vector<std::string>{
+             "model.path=" + student, "data.train.0.files=[" + kFixtures + "/data/train.jsonl]",
+             "data.eval=[]", "run.dir=" + dir + "/run", "train.threads=1",
+             "train.max_steps=" + std::to_string(2 + r), "dist.timeout_s=120"}) {
+      argv.push_back("--set");
+      argv.push_back(set);
+    }
+    ranks.push_back(std::make_unique<ChildProcess>(
+        argv, dir + "/rank" + std::to_string(r) + ".log",
+        std::vector<std::string>{"RANK=" + std::to_string(r), "WORLD_SIZE=2",
+                                 "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port}));
+  }
+  for (auto& p : ranks) {
+    EXPECT_EQ(p->Wait(std::chrono::seconds(300)), 1) << p->Log();
+    EXPECT_NE(p->Log().find("resolved config of rank(s) 1 differs from rank 0's"),
+              std::string::npos)
+        << p->Log();
+  }
+}
+
 // A rank killed in step 4 (after step 3's checkpoint): every rank exits with an error naming the
 // failed collective, and the last checkpoint resumes on another world size to the same step 4.
 TEST(DistributedSft, RankKilledMidStepThenResumeOnAnotherWorldSize) {

@@ -785,6 +785,7 @@ absl::Status OpdJob::Init(const JobArgs& args) {
                    JoinLearnerGroup(c_.train.device, c_.dist.timeout_s, c_.dist.backend));
   device_ = placement.device;
   group_ = std::move(placement.group);
+  RETURN_IF_ERROR(CheckSameOnEveryRank(*group_, yaml_, "resolved config"));
   const bool root = group_->is_root();
   ASSIGN_OR_RETURN(secret_, opd::rpc::LoadSecret(c_.auth.secret_file));
   ASSIGN_OR_RETURN(loss_opts_.correction, opd::ParseCorrection(c_.loss.correction));

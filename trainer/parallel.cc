@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "lm/dist/process_group.h"
 #include "lm/io/safetensors.h"
 #include "lm/util/log.h"
@@ -178,6 +179,23 @@ absl::Status ValidateDistConfig(const DistConfig& c) {
   return absl::OkStatus();
 }
 
+absl::Status CheckSameOnEveryRank(lm::dist::ProcessGroup& group, const std::string& value,
+                                  const std::string& what) {
+  if (group.size() == 1) return absl::OkStatus();
+  std::string root = value;
+  RETURN_IF_ERROR(group.BroadcastBytes(&root));
+  std::vector<double> differs(static_cast<size_t>(group.size()), 0.0);
+  differs[static_cast<size_t>(group.rank())] = root == value ? 0.0 : 1.0;
+  ASSIGN_OR_RETURN(differs, group.AllReduceDoubles(differs));
+  std::vector<std::string> ranks;
+  for (size_t r = 0; r < differs.size(); ++r)
+    if (differs[r] > 0) ranks.push_back(std::to_string(r));
+  if (ranks.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("the ", what, " of rank(s) ", absl::StrJoin(ranks, ", "),
+                   " differs from rank 0's: every rank must be launched with the same one"));
+}
+
 absl::StatusOr<std::unique_ptr<DistributedOptimizer>> MakeLearnerOptimizer(
     const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& optim,
     const DistConfig& dist, lm::dist::ProcessGroup* group, torch::Device device) {
@@ -288,6 +306,8 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Crea
           absl::StrCat("data-parallel training keeps fp32 weights on one device; parameter ", name,
                        " is ", c10::toString(p.scalar_type()), " on ", p.device().str()));
   }
+  RETURN_IF_ERROR(CheckSameOnEveryRank(*group, o->layout_.ToJson().dump(),
+                                       "model's parameter layout (names and sizes)"));
   torch::NoGradGuard no_grad;
   o->shard_ = Shard::Of(o->layout_.total, group->size(), group->rank());
   const int64_t padded = o->shard_.chunk * group->size();

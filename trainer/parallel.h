@@ -65,6 +65,12 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> MakeLearnerOptimizer(
     const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& optim,
     const DistConfig& dist, lm::dist::ProcessGroup* group, torch::Device device);
 
+// Collective: fails on every rank, naming `what` and the ranks, unless every rank passed the same
+// `value` as rank 0 (ranks launched with different configs or models would otherwise exchange
+// tensors that do not belong together).
+absl::Status CheckSameOnEveryRank(lm::dist::ProcessGroup& group, const std::string& value,
+                                  const std::string& what);
+
 // Reads the launcher's environment (lm::dist::LaunchEnv), picks the device (`device` as
 // train.device: auto | cpu | cuda), and joins the job's group with collectives that time out
 // after `timeout_s` on `backend` (auto | gloo | nccl). One process: the trivial group.

@@ -319,6 +319,7 @@ absl::Status SftJob::Init(const JobArgs& args) {
                    JoinLearnerGroup(c_.train.device, c_.dist.timeout_s, c_.dist.backend));
   device_ = placement.device;
   group_ = std::move(placement.group);
+  RETURN_IF_ERROR(CheckSameOnEveryRank(*group_, config_yaml_, "resolved config"));
   if (group_->is_root()) checkpoints_.RemoveIncomplete();
   // Rank 0 picks the checkpoint (after cleaning up) and every rank resumes from that one.
   std::string resume_from;
