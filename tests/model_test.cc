@@ -100,6 +100,42 @@ TEST_P(Parity, LogitsLogprobsAuxLossAndGradients) {
               GetParam().c_str(), logit_diff, static_cast<long long>(checked));
 }
 
+// Activation checkpointing (each decoder layer recomputed in the backward): the loss and every
+// parameter's gradient equal the plain forward's, aux loss included (it flows through the router
+// logits the recomputed layers return). Equal to float rounding: the same ops in the same order.
+TEST_P(Parity, CheckpointedLayersGiveTheSameGradients) {
+  Fixture f = LoadFixture(GetParam());
+  auto batch = PackedBatch::FromSequences(f.seqs);
+  auto [rows, targets] = NextTokenRows(batch);
+  std::map<std::string, torch::Tensor> grads[2];
+  double losses[2] = {0, 0};
+  for (int checkpointed = 0; checkpointed < 2; ++checkpointed) {
+    auto model = MustLoad(f.dir + "/model");
+    ASSERT_TRUE(model);
+    std::vector<torch::Tensor> router_logits;
+    ForwardOptions opts;
+    opts.router_logits = &router_logits;
+    opts.checkpoint_layers = checkpointed == 1;
+    auto hidden = model->Forward(batch, opts);
+    auto lp = TokenLogprobs(hidden.index_select(0, rows), model->LmHeadWeight(), targets);
+    const auto& c = model->config();
+    torch::Tensor loss = -lp.mean();
+    if (c.num_experts > 0)
+      loss = loss + 0.01 * LoadBalancingLoss(router_logits, c.num_experts, c.num_experts_per_tok);
+    loss.backward();
+    losses[checkpointed] = loss.item<double>();
+    for (const auto& p : model->named_parameters()) {
+      ASSERT_TRUE(p.value().grad().defined()) << p.key() << (checkpointed ? " (checkpointed)" : "");
+      grads[checkpointed][p.key()] = p.value().grad().clone();
+    }
+  }
+  EXPECT_NEAR(losses[0], losses[1], 1e-6);
+  for (const auto& [name, g] : grads[0]) {
+    const double scale = std::max(g.abs().max().item<double>(), 1e-6);
+    EXPECT_LE(MaxAbsDiff(g, grads[1].at(name)) / scale, 1e-5) << "gradient of " << name;
+  }
+}
+
 // Prefill part of each sequence into the cache, then decode the rest one token per step with
 // all slots at different lengths: every step's logits equal the full forward's.
 TEST_P(Parity, KVCacheDecodeEqualsFullForward) {

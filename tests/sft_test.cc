@@ -527,6 +527,23 @@ TEST(Sft, LearnsSyntheticChat) {
   EXPECT_LT(last, 0.25 * first);
 }
 
+// train.activation_checkpointing: each decoder layer is recomputed in the backward; the run ends
+// with the same weights (the same operations in the same order, so to float rounding at most).
+TEST(Sft, ActivationCheckpointingTrainsTheSameWeights) {
+  const std::string dir = TestDir();
+  const std::string student = MakeStudent(dir);
+  const std::vector<std::string> sets = {"train.max_steps=3", "eval.every=0"};
+  auto plain = RunSftJob(student, dir + "/plain", sets);
+  ASSERT_EQ(plain.code, 0) << plain.log;
+  auto with = sets;
+  with.push_back("train.activation_checkpointing=true");
+  auto ckpt = RunSftJob(student, dir + "/recomputed", with);
+  ASSERT_EQ(ckpt.code, 0) << ckpt.log;
+  EXPECT_LE(MaxWeightDiff(dir + "/plain/checkpoints/step_000003/model",
+                          dir + "/recomputed/checkpoints/step_000003/model"),
+            1e-6);
+}
+
 // A checkpoint whose trainer_state.json lacks a field or has one of the wrong type: the resume
 // fails with the file and the problem named (exit 1), not with an uncaught exception (SIGABRT).
 TEST(Sft, MalformedTrainerStateIsANamedError) {

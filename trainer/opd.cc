@@ -569,7 +569,9 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<MicroBatch>& min
       topk_ids.insert(topk_ids.end(), scores[i].topk_ids.begin(), scores[i].topk_ids.end());
       topk_lp.insert(topk_lp.end(), scores[i].topk_logprobs.begin(), scores[i].topk_logprobs.end());
     }
-    auto hidden = model_->Forward(mb.batch).index_select(0, mb.rows);
+    lm::ForwardOptions fwd;
+    fwd.checkpoint_layers = c_.train.activation_checkpointing;
+    auto hidden = model_->Forward(mb.batch, fwd).index_select(0, mb.rows);
     torch::Tensor entropy;
     auto lp = lm::TokenLogprobs(hidden, model_->LmHeadWeight(), mb.targets, lo, &entropy);
     auto lp_old = torch::tensor(old_lp).to(device_);

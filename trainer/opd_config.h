@@ -122,7 +122,8 @@ struct OpdTrainConfig {
   int64_t threads = 0;
   int64_t max_consecutive_nonfinite = 10;
   int64_t seed = 0;
-  double teacher_timeout_s = 600;  // deadline of one Score call
+  double teacher_timeout_s = 600;         // deadline of one Score call
+  bool activation_checkpointing = false;  // recompute each decoder layer in the backward
 };
 
 template <class V>
@@ -135,6 +136,7 @@ void VisitFields(V& v, OpdTrainConfig& c) {
   v("max_consecutive_nonfinite", c.max_consecutive_nonfinite);
   v("seed", c.seed);
   v("teacher_timeout_s", c.teacher_timeout_s);
+  v("activation_checkpointing", c.activation_checkpointing);
 }
 
 struct OpdAdminConfig {

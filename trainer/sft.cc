@@ -398,6 +398,7 @@ torch::Tensor SftJob::MicroBatchLoss(const HostMicroBatch& mb, const StepBatch& 
   std::vector<torch::Tensor> router_logits;
   lm::ForwardOptions fwd;
   if (aux_coef_ > 0) fwd.router_logits = &router_logits;
+  fwd.checkpoint_layers = c_.train.activation_checkpointing;
   torch::Tensor hidden = model_->Forward(ToDevice(mb, device_), fwd);
   auto rows = torch::tensor(mb.rows, torch::kInt64).to(device_);
   auto targets = torch::tensor(mb.targets, torch::kInt64).to(device_);

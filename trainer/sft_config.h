@@ -70,6 +70,7 @@ struct SftTrainConfig {
   double aux_loss_coef = -1;               // router load-balancing loss weight; < 0: the model's
   int64_t max_consecutive_nonfinite = 10;  // skipped NaN/Inf steps in a row before giving up
   int64_t seed = 0;                        // torch's RNG (saved and restored with checkpoints)
+  bool activation_checkpointing = false;   // recompute each decoder layer in the backward
 };
 
 template <class V>
@@ -83,6 +84,7 @@ void VisitFields(V& v, SftTrainConfig& c) {
   v("aux_loss_coef", c.aux_loss_coef);
   v("max_consecutive_nonfinite", c.max_consecutive_nonfinite);
   v("seed", c.seed);
+  v("activation_checkpointing", c.activation_checkpointing);
 }
 
 struct SftEvalConfig {

@@ -19,6 +19,10 @@ namespace lm {
 struct ForwardOptions {
   KVCache* cache = nullptr;  // when set, a prefill writes each document's keys/values to slot b
   std::vector<torch::Tensor>* router_logits = nullptr;  // when set, receives [T, E] per MoE layer
+  // Activation checkpointing: each decoder layer keeps only its input and is run again in the
+  // backward (lm/model/recompute.h). Same gradients, less memory, one more forward. Training only
+  // (not with a cache).
+  bool checkpoint_layers = false;
 };
 
 class CausalLM : public torch::nn::Module {

@@ -4,6 +4,8 @@
 
 #include <torch/torch.h>
 
+#include "lm/model/recompute.h"
+
 namespace lm {
 
 Qwen3MoeAttentionImpl::Qwen3MoeAttentionImpl(const ModelConfig& c)
@@ -94,6 +96,24 @@ torch::Tensor Qwen3MoeForCausalLM::Forward(const PackedBatch& batch, const Forwa
   auto h = model->embed_tokens(batch.input_ids);
   for (size_t i = 0; i < model->layers->size(); ++i) {
     auto layer = model->layers->ptr<Qwen3MoeDecoderLayerImpl>(i);
+    if (opts.checkpoint_layers && !opts.cache && torch::GradMode::is_enabled()) {
+      // The block returns the layer's output and, when asked for, its router logits (the aux
+      // loss backpropagates through them into the router).
+      const bool logits = opts.router_logits != nullptr;
+      auto block = [layer, cos = cos, sin = sin, cu = batch.cu_seqlens,
+                    logits](const torch::Tensor& x) {
+        std::vector<torch::Tensor> router;
+        torch::Tensor y =
+            x + layer->self_attn(layer->input_layernorm(x), cos, sin, cu, nullptr, nullptr);
+        y = y + layer->Mlp(layer->post_attention_layernorm(y), logits ? &router : nullptr);
+        router.insert(router.begin(), y);
+        return router;
+      };
+      std::vector<torch::Tensor> out = Recompute(block, h);
+      h = out[0];
+      if (logits) opts.router_logits->insert(opts.router_logits->end(), out.begin() + 1, out.end());
+      continue;
+    }
     torch::Tensor* kc = opts.cache ? &opts.cache->k[i] : nullptr;
     torch::Tensor* vc = opts.cache ? &opts.cache->v[i] : nullptr;
     h = h + layer->self_attn(layer->input_layernorm(h), cos, sin, batch.cu_seqlens, kc, vc);
