@@ -17,6 +17,7 @@
 
 #include "child_process.h"
 #include "nlohmann/json.hpp"
+#include "opd_task.h"
 
 namespace {
 
@@ -71,19 +72,9 @@ class LearnerRuns : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = fs::temp_directory_path() / ("learner_runs_test_" + std::to_string(::getpid()));
     fs::create_directories(dir_);
-    const std::string py = OPD_PYTHON, src = OPD_SOURCE_DIR, d = dir_.string();
-    ASSERT_EQ(Shell(py + " " + src + "/scripts/demo/make_task.py --out " + d +
-                    "/task --teacher-examples 400 --student-examples 50 --prompts 200 --eval 16"
-                    " > /dev/null"),
-              0);
-    for (auto [name, seed] : {std::pair{"student", 1}, {"teacher_small", 2}}) {
-      ASSERT_EQ(Shell(kBin + "/ctl/opd-ctl init-model --config " + d + "/task/models/" + name +
-                      ".json --out " + d + "/" + name + " --tokenizer " + d +
-                      "/task/tokenizer --seed " + std::to_string(seed) + " 2>/dev/null"),
-                0);
-    }
-    std::ofstream(dir_ / "secret") << "opd-resume-test-secret-91d2\n";
-    chmod((dir_ / "secret").c_str(), 0600);
+    ASSERT_TRUE(testing_util::MakeOpdTask(
+        dir_, "--teacher-examples 400 --student-examples 50 --prompts 200 --eval 16",
+        "opd-resume-test-secret-91d2"));
   }
   static void TearDownTestSuite() { fs::remove_all(dir_); }
   void TearDown() override { services_.clear(); }

@@ -28,6 +28,7 @@
 #include "nlohmann/json.hpp"
 #include "opd/v1/rollout.grpc.pb.h"
 #include "opd/v1/teacher.grpc.pb.h"
+#include "opd_task.h"
 #include "rpc/codec.h"
 #include "rpc/server.h"
 #include "rpc/tensor_codec.h"
@@ -306,23 +307,13 @@ class Opd : public ::testing::Test {
     fs::create_directories(dir_);
     const std::string py = OPD_PYTHON, src = OPD_SOURCE_DIR, d = dir_.string();
     // Two task directories: the second's tokenizer is trained on other text (another fingerprint).
-    ASSERT_EQ(Shell(py + " " + src + "/scripts/demo/make_task.py --out " + d +
-                    "/task --teacher-examples 400 "
-                    "--student-examples 50 --prompts 200 --eval 16 > /dev/null"),
-              0);
+    ASSERT_TRUE(testing_util::MakeOpdTask(
+        dir_, "--teacher-examples 400 --student-examples 50 --prompts 200 --eval 16", kSecret));
     ASSERT_EQ(
         Shell(py + " " + src + "/scripts/demo/make_task.py --out " + d +
               "/other --seed 7 --tokenizer-vocab 270 "
               "--teacher-examples 400 --student-examples 10 --prompts 10 --eval 4 > /dev/null"),
         0);
-    for (auto [name, seed] : {std::pair{"student", 1}, {"teacher_small", 2}}) {
-      ASSERT_EQ(Shell(kBin + "/ctl/opd-ctl init-model --config " + d + "/task/models/" + name +
-                      ".json --out " + d + "/" + name + " --tokenizer " + d +
-                      "/task/tokenizer --seed " + std::to_string(seed) + " 2>/dev/null"),
-                0);
-    }
-    std::ofstream(dir_ / "secret") << kSecret << "\n";
-    chmod((dir_ / "secret").c_str(), 0600);
   }
   static void TearDownTestSuite() { fs::remove_all(dir_); }
 

@@ -18,6 +18,7 @@
 #include "child_process.h"
 #include "lm/text/tokenizer.h"
 #include "opd/v1/learner.grpc.pb.h"
+#include "opd_task.h"
 #include "rpc/client.h"
 #include "rpc/server.h"
 #include "rpc/status.h"
@@ -63,19 +64,8 @@ class Security : public ::testing::Test {
         " -keyout other_ca.key -out other_ca.pem";
     ASSERT_EQ(Shell("(" + gen + ") > " + d + "/openssl.log 2>&1"), 0)
         << ReadAll(dir_ / "openssl.log");
-    const std::string py = OPD_PYTHON, src = OPD_SOURCE_DIR;
-    ASSERT_EQ(Shell(py + " " + src + "/scripts/demo/make_task.py --out " + d +
-                    "/task --teacher-examples 100 --student-examples 10 --prompts 64 --eval 4"
-                    " > /dev/null"),
-              0);
-    for (auto [name, seed] : {std::pair{"student", 1}, {"teacher_small", 2}}) {
-      ASSERT_EQ(Shell(kBin + "/ctl/opd-ctl init-model --config " + d + "/task/models/" + name +
-                      ".json --out " + d + "/" + name + " --tokenizer " + d +
-                      "/task/tokenizer --seed " + std::to_string(seed) + " 2>/dev/null"),
-                0);
-    }
-    std::ofstream(dir_ / "secret") << kSecret << "\n";
-    chmod((dir_ / "secret").c_str(), 0600);
+    ASSERT_TRUE(testing_util::MakeOpdTask(
+        dir_, "--teacher-examples 100 --student-examples 10 --prompts 64 --eval 4", kSecret));
   }
   static void TearDownTestSuite() { fs::remove_all(dir_); }
 
