@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "nlohmann/json.hpp"
+#include "tests/byte_level.h"
 
 namespace fuzz {
 
@@ -29,25 +30,7 @@ inline void CheckNamed(const absl::Status& s, std::string_view label) {
   FUZZ_CHECK(message.substr(0, label.size()) == label, std::string(message));
 }
 
-// GPT-2's byte-level spelling of byte `b` (bytes_to_unicode), as UTF-8.
-inline std::string ByteLevelSpelling(int b) {
-  const auto printable = [](int i) {
-    return (i >= 33 && i <= 126) || (i >= 161 && i <= 172) || (i >= 174 && i <= 255);
-  };
-  int cp = b;
-  if (!printable(b)) {
-    cp = 256;
-    for (int i = 0; i < b; ++i) cp += printable(i) ? 0 : 1;
-  }
-  std::string out;
-  if (cp < 0x80) {
-    out.push_back(static_cast<char>(cp));
-  } else {
-    out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  }
-  return out;
-}
+using testing_util::ByteLevelSpelling;
 
 // A tiny loadable tokenizer.json: the 256 byte tokens, a few merges, ChatML added tokens.
 inline std::string TinyTokenizerJson() {

@@ -122,33 +122,13 @@ class LearnerRuns : public ::testing::Test {
   std::vector<std::string> OpdArgs(const fs::path& run, int steps, const std::string& rollout,
                                    const std::string& teacher,
                                    const std::vector<std::string>& extra) {
-    const std::string d = dir_.string();
-    std::vector<std::string> args = {
-        kBin + "/trainer/opd-trainer",
-        "opd",
-        "--config",
-        std::string(OPD_SOURCE_DIR) + "/configs/demo/opd.yaml",
-        "--set",
-        "run.dir=" + run.string(),
-        "--set",
-        "model.path=" + d + "/student",
-        "--set",
-        "prompts.sources=[{files: [" + d + "/task/opd_prompts.jsonl]}]",
-        "--set",
-        "rollout.endpoints=[" + rollout + "]",
-        "--set",
-        "stages=[{name: only, teachers: [" + teacher + "], max_steps: " + std::to_string(steps) +
-            "}]",
-        "--set",
-        "train.prompts_per_step=4",
-        "--set",
-        "train.async=false",  // one-step-off sampling would draw step 3 before step 2's update
-        "--set",
-        "checkpoint.every=1",
-        "--set",
-        "checkpoint.keep_last=0",
-        "--set",
-        "auth.secret_file=" + (dir_ / "secret").string()};
+    std::vector<std::string> args = testing_util::OpdTrainerArgs(
+        dir_, run.string(), rollout,
+        {"stages=[{name: only, teachers: [" + teacher + "], max_steps: " + std::to_string(steps) +
+             "}]",
+         "train.prompts_per_step=4",
+         // one-step-off sampling would draw step 3 before step 2's update
+         "train.async=false", "checkpoint.every=1", "checkpoint.keep_last=0"});
     args.insert(args.end(), extra.begin(), extra.end());
     return args;
   }

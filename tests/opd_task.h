@@ -10,6 +10,7 @@
 #include <fstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -34,6 +35,28 @@ inline ::testing::AssertionResult MakeOpdTask(const std::filesystem::path& dir,
   std::ofstream(dir / "secret") << secret << "\n";
   chmod((dir / "secret").c_str(), 0600);
   return ::testing::AssertionSuccess();
+}
+
+// `opd-trainer opd` on configs/demo/opd.yaml over the task MakeOpdTask wrote in `dir`: the run
+// directory, the student, the task's prompts, the rollout endpoint and the secret, then `sets`
+// (key=value overrides: stages, step counts, ...).
+inline std::vector<std::string> OpdTrainerArgs(const std::filesystem::path& dir,
+                                               const std::string& run, const std::string& rollout,
+                                               const std::vector<std::string>& sets) {
+  const std::string d = dir.string();
+  std::vector<std::string> argv = {std::string(OPD_BINARY_DIR) + "/trainer/opd-trainer", "opd",
+                                   "--config",
+                                   std::string(OPD_SOURCE_DIR) + "/configs/demo/opd.yaml"};
+  std::vector<std::string> all = {"run.dir=" + run, "model.path=" + d + "/student",
+                                  "prompts.sources=[{files: [" + d + "/task/opd_prompts.jsonl]}]",
+                                  "rollout.endpoints=[" + rollout + "]",
+                                  "auth.secret_file=" + d + "/secret"};
+  all.insert(all.end(), sets.begin(), sets.end());
+  for (const auto& s : all) {
+    argv.push_back("--set");
+    argv.push_back(s);
+  }
+  return argv;
 }
 
 }  // namespace testing_util

@@ -358,41 +358,15 @@ class Opd : public ::testing::Test {
                                        const std::string& t1, const std::string& t2,
                                        int steps_per_stage,
                                        const std::vector<std::string>& extra_sets = {}) {
-    const std::string d = dir_.string();
-    std::vector<std::string> args = {
-        kBin + "/trainer/opd-trainer",
-        "opd",
-        "--config",
-        std::string(OPD_SOURCE_DIR) + "/configs/demo/opd.yaml",
-        "--set",
-        "run.dir=" + run,
-        "--set",
-        "model.path=" + d + "/student",
-        "--set",
-        "prompts.sources=[{files: [" + d + "/task/opd_prompts.jsonl]}]",
-        "--set",
-        "rollout.endpoints=[" + rollout + "]",
-        "--set",
-        "stages.0.teachers=[" + t1 + "]",
-        "--set",
-        "stages.1.teachers=[" + t2 + "]",
-        "--set",
-        "stages.0.max_steps=" + std::to_string(steps_per_stage),
-        "--set",
-        "stages.0.plateau.enabled=false",
-        "--set",
-        "stages.1.max_steps=" + std::to_string(steps_per_stage),
-        "--set",
-        "train.prompts_per_step=8",
-        "--set",
-        "checkpoint.every=1",
-        "--set",
-        "auth.secret_file=" + (dir_ / "secret").string()};
-    for (const auto& e : extra_sets) {
-      args.push_back("--set");
-      args.push_back(e);
-    }
-    return args;
+    std::vector<std::string> sets = {"stages.0.teachers=[" + t1 + "]",
+                                     "stages.1.teachers=[" + t2 + "]",
+                                     "stages.0.max_steps=" + std::to_string(steps_per_stage),
+                                     "stages.0.plateau.enabled=false",
+                                     "stages.1.max_steps=" + std::to_string(steps_per_stage),
+                                     "train.prompts_per_step=8",
+                                     "checkpoint.every=1"};
+    sets.insert(sets.end(), extra_sets.begin(), extra_sets.end());
+    return testing_util::OpdTrainerArgs(dir_, run, rollout, sets);
   }
   std::string Fingerprint() { return Requirements().tokenizer_fingerprint; }
 
@@ -1023,7 +997,7 @@ TEST_F(Opd, SwappedTeachersKeepTheStageTimeout) {
 // SIGTERM while a server is still loading its model (here: blocked reading a config.json that
 // is a FIFO nobody writes) ends it at once; before, the signal waited for the load to finish.
 TEST_F(Opd, SigtermWhileAServerLoadsItsModelEndsItPromptly) {
-  for (const std::string binary :
+  for (const std::string& binary :
        {kBin + "/teacher_service/opd-teacher", kBin + "/rollout/opd-rollout"}) {
     const fs::path model = dir_ / "fifo_model";
     fs::remove_all(model);

@@ -117,26 +117,16 @@ class Security : public ::testing::Test {
   std::vector<std::string> TrainerArgs(const std::string& run, const std::string& rollout,
                                        const std::string& teacher,
                                        const std::vector<std::string>& sets) {
-    std::vector<std::string> argv = {
-        kBin + "/trainer/opd-trainer", "opd",
-        "--config=" + std::string(OPD_SOURCE_DIR) + "/configs/demo/opd.yaml"};
-    std::vector<std::string> all = {
-        "run.dir=" + run,
-        "model.path=" + Path("student"),
-        "prompts.sources=[{files: [" + Path("task/opd_prompts.jsonl") + "]}]",
-        "rollout.endpoints=[" + rollout + "]",
-        "rollout.timeout_s=60",
-        "stages.0.teachers=[" + teacher + "]",
-        "stages.1.teachers=[" + teacher + "]",
-        "stages.0.max_steps=100000",
-        "stages.0.plateau.enabled=false",
-        "train.prompts_per_step=4",
-        "train.teacher_timeout_s=60",
-        "logging.log_every=1",
-        "auth.secret_file=" + Path("secret")};
+    std::vector<std::string> all = {"rollout.timeout_s=60",
+                                    "stages.0.teachers=[" + teacher + "]",
+                                    "stages.1.teachers=[" + teacher + "]",
+                                    "stages.0.max_steps=100000",
+                                    "stages.0.plateau.enabled=false",
+                                    "train.prompts_per_step=4",
+                                    "train.teacher_timeout_s=60",
+                                    "logging.log_every=1"};
     all.insert(all.end(), sets.begin(), sets.end());
-    for (const auto& s : all) argv.push_back("--set=" + s);
-    return argv;
+    return testing_util::OpdTrainerArgs(dir_, run, rollout, all);
   }
   std::vector<std::string> TlsSets() {
     return {"auth.tls.ca=" + Path("ca.pem"), "auth.tls.cert=" + Path("node.pem"),
@@ -258,11 +248,11 @@ TEST_F(Security, PartialTlsConfigIsRefusedNamingTheKeys) {
       {{"auth.tls.ca=" + Path("ca.pem"), "admin.listen=127.0.0.1:0"},
        {"admin.listen", "auth.tls.cert"}},
   };
-  int i = 0;
-  for (const auto& [sets, named] : cases) {
-    ChildProcess p(
-        TrainerArgs(Path("run_bad" + std::to_string(i)), "127.0.0.1:1", "127.0.0.1:1", sets),
-        Path("bad" + std::to_string(i++) + ".log"));
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const auto& [sets, named] = cases[i];
+    const std::string tag = std::to_string(i);
+    ChildProcess p(TrainerArgs(Path("run_bad" + tag), "127.0.0.1:1", "127.0.0.1:1", sets),
+                   Path("bad" + tag + ".log"));
     EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 2) << p.Log();
     for (const auto& key : named) EXPECT_NE(p.Log().find(key), std::string::npos) << p.Log();
   }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "nlohmann/json.hpp"
+#include "tests/byte_level.h"
 
 namespace lm {
 namespace {
@@ -362,25 +363,7 @@ TEST(TokenizerTest, LoadErrorsAreClear) {
   EXPECT_NE(bad_json.status().message().find("tokenizer.json"), std::string::npos);
 }
 
-// GPT-2's byte-level spelling of byte `b` (bytes_to_unicode), as UTF-8.
-std::string ByteLevelSpelling(int b) {
-  const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
-  int cp = b;
-  if (!printable) {
-    cp = 256;
-    for (int i = 0; i < b; ++i) {
-      if (!((i >= 33 && i <= 126) || (i >= 161 && i <= 172) || (i >= 174 && i <= 255))) ++cp;
-    }
-  }
-  std::string out;
-  if (cp < 0x80) {
-    out.push_back(static_cast<char>(cp));
-  } else {
-    out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  }
-  return out;
-}
+using testing_util::ByteLevelSpelling;
 
 // The smallest loadable tokenizer.json: the 256 byte tokens (ids 0..255), no merges, GPT-2's
 // byte-level pre-tokenizer, and `added_tokens` as given.
