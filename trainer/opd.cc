@@ -500,11 +500,16 @@ std::vector<MicroBatch> OpdJob::MakeMicroBatches(const Rollouts& r) {
   auto flush = [&] {
     if (docs.empty()) return;
     MicroBatch mb;
-    mb.batch = lm::PackedBatch::FromSequences(docs);
-    mb.batch.input_ids = mb.batch.input_ids.to(device_);
-    mb.batch.position_ids = mb.batch.position_ids.to(device_);
-    mb.rows = torch::tensor(rows, torch::kInt64).to(device_);
-    mb.targets = torch::tensor(targets, torch::kInt64).to(device_);
+    // Only the micro-batches this rank learns (every Nth, from its rank) get tensors; the others
+    // keep their sample indices alone.
+    const size_t ranks = static_cast<size_t>(group_->size());
+    if (out.size() % ranks == static_cast<size_t>(group_->rank())) {
+      mb.batch = lm::PackedBatch::FromSequences(docs);
+      mb.batch.input_ids = mb.batch.input_ids.to(device_);
+      mb.batch.position_ids = mb.batch.position_ids.to(device_);
+      mb.rows = torch::tensor(rows, torch::kInt64).to(device_);
+      mb.targets = torch::tensor(targets, torch::kInt64).to(device_);
+    }
     mb.response_tokens = static_cast<int64_t>(rows.size());
     mb.samples = std::move(out.empty() ? mb.samples : mb.samples);
     out.push_back(std::move(mb));

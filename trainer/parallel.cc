@@ -425,11 +425,17 @@ absl::StatusOr<double> DistributedOptimizer::ReduceAndClip(double max_norm) {
     if (first.ok() && !s.ok()) first = s;
   }
   RETURN_IF_ERROR(first);
-  const double norm = ClipGradNorm(params_, max_norm);
-  // Every rank computed it from the same sums; agreeing on one value keeps skip decisions equal.
-  ASSIGN_OR_RETURN(std::vector<double> agreed,
-                   group_->AllReduceDoubles({norm}, lm::dist::ReduceOp::kMax));
-  return agreed[0];
+  // The global norm from each rank's squared norm of its own slice (the only gradients its AdamW
+  // reads), and only that slice is clipped: 1/N of the work on each rank. NaN and inf propagate
+  // through the sum, so every rank sees the same non-finite norm and skips the step.
+  torch::Tensor own = flat_grads_.narrow(0, shard_.begin, shard_.end - shard_.begin);
+  const double own_norm =
+      own.numel() > 0 ? torch::linalg_vector_norm(own, 2, {}, false, torch::kFloat64).item<double>()
+                      : 0.0;
+  ASSIGN_OR_RETURN(std::vector<double> squares, group_->AllReduceDoubles({own_norm * own_norm}));
+  const double norm = std::sqrt(squares[0]);
+  if (max_norm > 0 && std::isfinite(norm)) own.mul_(std::min(1.0, max_norm / (norm + 1e-6)));
+  return norm;
 }
 
 absl::Status DistributedOptimizer::Step(double lr) {

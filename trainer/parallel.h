@@ -132,7 +132,8 @@ class DistributedOptimizer {
   // The next backward is this rank's last of the step: reduce buckets as they become ready.
   void ExpectLastBackward();
   // Collective: sums the gradients over ranks, clips them to `max_norm` by their global L2 norm
-  // (as ClipGradNorm) and returns the norm before clipping.
+  // (as ClipGradNorm; with several ranks only this rank's slice is scaled, the part its AdamW
+  // reads) and returns the norm before clipping.
   absl::StatusOr<double> ReduceAndClip(double max_norm);
   // Collective: one AdamW update at `lr`, then every rank has the updated weights.
   absl::Status Step(double lr);
