@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include "lm/model/batch.h"
 #include "lm/model/config.h"
 #include "lm/model/layers.h"
+#include "lm/model/paged_kv.h"
 
 namespace lm {
 
@@ -39,6 +41,22 @@ class CausalLM : public torch::nn::Module {
   // An empty cache for `batch` slots of `capacity` tokens, on the model's device and dtype.
   virtual KVCache NewKVCache(int64_t batch, int64_t capacity) const = 0;
 
+  // The paged KV cache of the rollout engine (contract in lm/model/paged_kv.h). A model that does
+  // not implement it keeps these defaults: SupportsPagedKV() false, the others throw.
+  virtual bool SupportsPagedKV() const { return false; }
+  virtual PagedCacheSpec PagedSpec() const { throw std::logic_error("no paged KV cache"); }
+  // Pools of `num_blocks` blocks (block 0 the null block, zero) of `block_size` tokens, in the
+  // model's device and dtype, and `num_state_slots` zero state slots (models with state).
+  virtual PagedKVCache NewPagedKVCache(int64_t /*num_blocks*/, int64_t /*block_size*/,
+                                       int64_t /*num_state_slots*/) const {
+    throw std::logic_error("no paged KV cache");
+  }
+  // Runs one step: writes the new tokens' keys/values (and state) into `cache` and returns the
+  // final hidden states [B, H] at each sequence's last new token.
+  virtual torch::Tensor PagedForward(const PagedStep& /*step*/, PagedKVCache& /*cache*/) {
+    throw std::logic_error("no paged KV cache");
+  }
+
   // The output projection [V, H] (the embedding matrix when tied).
   virtual torch::Tensor LmHeadWeight() = 0;
   torch::Tensor Logits(const torch::Tensor& hidden) {
@@ -63,7 +81,14 @@ struct LoadOptions {
   torch::Device device = torch::kCPU;
 };
 
-// Loads config.json and the safetensors weights of an HF model directory.
+// A model for `config` whose parameters are uninitialised tensors of `placement.dtype` on
+// `placement.device` (never materialised in fp32 on the host first).
+absl::StatusOr<std::shared_ptr<CausalLM>> CreateModel(const ModelConfig& config,
+                                                      const LoadOptions& placement);
+
+// Loads config.json and the safetensors weights of an HF model directory straight into tensors of
+// `opts.dtype` on `opts.device`: shard by shard, tensor by tensor (lm/io/checkpoint.h), so peak
+// host memory is the host-resident model (CPU) plus about one tensor, never an fp32 copy.
 absl::StatusOr<std::shared_ptr<CausalLM>> LoadModel(const std::string& dir,
                                                     const LoadOptions& opts = {});
 

@@ -53,6 +53,15 @@ torch::Tensor Qwen3MoeAttentionImpl::decode(const torch::Tensor& x, const torch:
   return o_proj(o.reshape({x.size(0), heads_ * head_dim_}));
 }
 
+torch::Tensor Qwen3MoeAttentionImpl::paged(const torch::Tensor& x, const torch::Tensor& cos,
+                                           const torch::Tensor& sin, torch::Tensor& k_pool,
+                                           torch::Tensor& v_pool, const PagedAttentionMeta& meta) {
+  auto [q, k, v] = Project(x, cos, sin);
+  WritePagedKV(k_pool, v_pool, k, v, meta);
+  auto o = PagedAttention(q, k_pool, v_pool, meta, 1.0 / std::sqrt(double(head_dim_)));
+  return o_proj(o.reshape({x.size(0), heads_ * head_dim_}));
+}
+
 Qwen3MoeDecoderLayerImpl::Qwen3MoeDecoderLayerImpl(const ModelConfig& c, int64_t layer) {
   input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
   self_attn = register_module("self_attn", Qwen3MoeAttention(c));
@@ -61,7 +70,8 @@ Qwen3MoeDecoderLayerImpl::Qwen3MoeDecoderLayerImpl(const ModelConfig& c, int64_t
   if (c.IsMoeLayer(layer)) {
     moe =
         register_module("mlp", SparseMoeBlock(c.hidden_size, c.num_experts, c.moe_intermediate_size,
-                                              c.num_experts_per_tok, c.norm_topk_prob));
+                                              c.num_experts_per_tok, c.norm_topk_prob,
+                                              c.LocalExperts()));
   } else {
     dense = register_module("mlp", DenseMlp(c.hidden_size, c.intermediate_size));
   }
@@ -149,6 +159,48 @@ KVCache Qwen3MoeForCausalLM::NewKVCache(int64_t batch, int64_t capacity) const {
   }
   cache.lengths.assign(batch, 0);
   return cache;
+}
+
+PagedCacheSpec Qwen3MoeForCausalLM::PagedSpec() const {
+  PagedCacheSpec spec;
+  spec.kv_layers = config_.num_hidden_layers;
+  spec.kv_bytes_per_token = 2 * config_.num_hidden_layers * config_.num_key_value_heads *
+                            config_.head_dim * model->embed_tokens->weight.element_size();
+  return spec;
+}
+
+PagedKVCache Qwen3MoeForCausalLM::NewPagedKVCache(int64_t num_blocks, int64_t block_size,
+                                                  int64_t /*num_state_slots: no state*/) const {
+  PagedKVCache cache;
+  cache.block_size = block_size;
+  cache.num_blocks = num_blocks;
+  auto opts = model->embed_tokens->weight.options().requires_grad(false);
+  for (int64_t i = 0; i < config_.num_hidden_layers; ++i) {
+    // Uninitialised: a row is always written before it is read, and padding reads the null
+    // block, which is zero (untouched pages cost no memory until the pool fills).
+    for (auto* pools : {&cache.k, &cache.v}) {
+      pools->push_back(torch::empty(
+          {num_blocks, block_size, config_.num_key_value_heads, config_.head_dim}, opts));
+      pools->back()[0].zero_();
+    }
+  }
+  return cache;
+}
+
+torch::Tensor Qwen3MoeForCausalLM::PagedForward(const PagedStep& step, PagedKVCache& cache) {
+  const auto device = model->embed_tokens->weight.device();
+  const PagedAttentionMeta meta = BuildPagedAttentionMeta(step, cache.block_size, device);
+  auto [cos, sin] = rope_.Tables(meta.positions);
+  auto h = model->embed_tokens(step.input_ids);
+  for (size_t i = 0; i < model->layers->size(); ++i) {
+    auto layer = model->layers->ptr<Qwen3MoeDecoderLayerImpl>(i);
+    h = h + layer->self_attn->paged(layer->input_layernorm(h), cos, sin, cache.k[i], cache.v[i],
+                                    meta);
+    h = h + layer->Mlp(layer->post_attention_layernorm(h), nullptr);
+  }
+  // Only the last new token of each sequence is sampled from: norm those rows alone.
+  if (meta.max_new > 1) h = h.index_select(0, meta.last_rows);
+  return model->norm(h);
 }
 
 torch::Tensor Qwen3MoeForCausalLM::LmHeadWeight() {

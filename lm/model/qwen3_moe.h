@@ -27,6 +27,10 @@ class Qwen3MoeAttentionImpl : public torch::nn::Module {
   torch::Tensor decode(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                        torch::Tensor& k_cache, torch::Tensor& v_cache,
                        const std::vector<int64_t>& lengths);
+  // A paged step (lm/model/paged_kv.h): x [T, H] the new tokens, written into the pools, then
+  // attending through the block tables.
+  torch::Tensor paged(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                      torch::Tensor& k_pool, torch::Tensor& v_pool, const PagedAttentionMeta& meta);
 
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};
@@ -68,6 +72,11 @@ class Qwen3MoeForCausalLM : public CausalLM {
   torch::Tensor Forward(const PackedBatch& batch, const ForwardOptions& opts = {}) override;
   torch::Tensor Decode(const torch::Tensor& tokens, KVCache& cache) override;
   KVCache NewKVCache(int64_t batch, int64_t capacity) const override;
+  bool SupportsPagedKV() const override { return true; }
+  PagedCacheSpec PagedSpec() const override;
+  PagedKVCache NewPagedKVCache(int64_t num_blocks, int64_t block_size,
+                               int64_t num_state_slots) const override;
+  torch::Tensor PagedForward(const PagedStep& step, PagedKVCache& cache) override;
   torch::Tensor LmHeadWeight() override;
   std::vector<std::string> TiedAliases() const override;
 

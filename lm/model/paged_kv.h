@@ -1,0 +1,99 @@
+// The paged KV cache: the model-facing half of the rollout engine (rollout/engine.h).
+//
+// Memory is one preallocated pool per attention layer of fixed-size blocks (block_size tokens
+// each); a sequence owns an ordered list of block ids, its block table, and token i of the
+// sequence lives in row i % block_size of block table[i / block_size]. Who owns which block (and
+// reference counts, copy-on-write, preemption) is the engine's business; the model only reads and
+// writes the rows a step's block tables name. Block 0 is the null block: never handed out, kept
+// zero, and every padded read points at it (so masked positions never touch uninitialised rows).
+//
+// Models with recurrent layers (Qwen3-Next's conv and delta-rule state) also keep a fixed-size
+// state per sequence: `state` holds tensors whose first dim is the state slot, and the engine
+// gives each running sequence one slot. A step with context_lens[b] == 0 starts sequence b's
+// slot from zero; otherwise it continues from what the slot holds.
+//
+// The contract a model implements (CausalLM::SupportsPagedKV / PagedSpec / NewPagedKVCache /
+// PagedForward in lm/model/model.h):
+//   - a step is a set of B sequences, each with new tokens input_ids[cu_seqlens[b] ..
+//     cu_seqlens[b+1]) at positions context_lens[b], context_lens[b] + 1, ...;
+//   - the engine sends only two kinds of sequences: context 0 with any number of new tokens (a
+//     prefill, or the recompute of a preempted sequence), or one new token after a context (a
+//     decode step); block tables already cover context + new tokens;
+//   - the model writes the new tokens' keys/values (after q/k-norm and RoPE, as attention reads
+//     them) into their rows, updates the state slots, and returns the final hidden states (after
+//     the last norm) at each sequence's last new token, [B, H];
+//   - attention of a new token sees its sequence's context and the new tokens up to itself, read
+//     through the block table: the same math as the contiguous cache (CachedAttention /
+//     VarlenCausalAttention in lm/model/layers.h).
+// The engine copies blocks (copy-on-write) and state slots (forking the samples of one prompt)
+// with PagedKVCache::CopyBlock / CopyStateSlot, so a model needs nothing for either.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <torch/types.h>
+
+namespace lm {
+
+// What a model's paged cache costs, for sizing the pool from a memory budget.
+struct PagedCacheSpec {
+  int64_t kv_layers = 0;             // layers with a K/V pool (attention layers)
+  int64_t kv_bytes_per_token = 0;    // keys + values of all those layers for one token
+  int64_t state_bytes_per_slot = 0;  // recurrent state of one sequence (0: none)
+};
+
+struct PagedKVCache {
+  int64_t block_size = 16;
+  int64_t num_blocks = 0;  // including the null block 0
+  int64_t num_state_slots = 0;
+  std::vector<torch::Tensor> k, v;  // per attention layer: [num_blocks, block_size, n_kv, D]
+  std::vector<torch::Tensor> state;  // per stateful tensor: [num_state_slots, ...] (model-defined)
+
+  // Copies block `src` (every layer's keys and values) over block `dst`.
+  void CopyBlock(int64_t src, int64_t dst);
+  // Copies state slot `src` over `dst` (every state tensor).
+  void CopyStateSlot(int64_t src, int64_t dst);
+  // Bytes of all pools and state tensors.
+  int64_t bytes() const;
+};
+
+// One forward step over a set of sequences (see the contract above).
+struct PagedStep {
+  torch::Tensor input_ids;                         // [T] int64, on the model's device
+  std::vector<int64_t> cu_seqlens;                 // [B+1] boundaries of the new tokens
+  std::vector<int64_t> context_lens;               // [B] tokens already cached per sequence
+  std::vector<std::vector<int32_t>> block_tables;  // [B][n_b] covering context + new tokens
+  std::vector<int64_t> state_slots;                // [B] (models with state; else empty)
+
+  int64_t num_sequences() const { return static_cast<int64_t>(context_lens.size()); }
+  int64_t num_tokens() const { return cu_seqlens.empty() ? 0 : cu_seqlens.back(); }
+};
+
+// Index tensors for paged attention, built once per step and shared by every layer.
+struct PagedAttentionMeta {
+  int64_t batch = 0, max_new = 0, max_len = 0;  // B, longest new tokens, longest context + new
+  torch::Tensor positions;     // [T] int64: position of every new token
+  torch::Tensor slot_mapping;  // [T] int64: pool row (block * block_size + offset) of each new token
+  torch::Tensor q_gather;      // [B * max_new] row of q for each padded query (T: a zero row)
+  torch::Tensor q_valid;       // [T] padded-query index of every new token
+  torch::Tensor kv_gather;     // [B, max_len] pool row of each key (row 0, the null block, pads)
+  torch::Tensor mask;          // [B, 1, max_new, max_len] bool: key visible to query
+  torch::Tensor last_rows;     // [B] row (in [T]) of each sequence's last new token
+};
+
+PagedAttentionMeta BuildPagedAttentionMeta(const PagedStep& step, int64_t block_size,
+                                           torch::Device device);
+
+// Writes the new tokens' keys/values k, v [T, n_kv, D] into their rows of the pools
+// [num_blocks, block_size, n_kv, D].
+void WritePagedKV(torch::Tensor& k_pool, torch::Tensor& v_pool, const torch::Tensor& k,
+                  const torch::Tensor& v, const PagedAttentionMeta& meta);
+
+// Causal attention of the new tokens q [T, Hq, D] over their sequences' context and new tokens
+// read from the pools (Hq a multiple of n_kv: GQA). Returns [T, Hq, D]. Call after WritePagedKV.
+torch::Tensor PagedAttention(const torch::Tensor& q, const torch::Tensor& k_pool,
+                             const torch::Tensor& v_pool, const PagedAttentionMeta& meta,
+                             double scale);
+
+}  // namespace lm
