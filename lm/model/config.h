@@ -39,6 +39,10 @@ struct ModelConfig {
   std::vector<int64_t> mlp_only_layers;
   double router_aux_loss_coef = 0.001;
   int64_t shared_expert_intermediate_size = 0;  // qwen3_next
+  // Expert parallelism (lm/model/expert_parallel.h): this process holds only experts
+  // [expert_first, expert_first + local_experts) of num_experts; 0 = all of them.
+  int64_t expert_first = 0, local_experts = 0;
+  int64_t LocalExperts() const { return local_experts > 0 ? local_experts : num_experts; }
 
   // qwen3_next: hybrid layers.
   std::vector<std::string> layer_types;  // "linear_attention" | "full_attention" per layer

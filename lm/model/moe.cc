@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "lm/model/cpu_inference.h"
+#include "lm/model/expert_parallel.h"
 #include "lm/model/layers.h"
 
 #ifdef OPD_CUDA_KERNELS
@@ -155,17 +156,23 @@ ExpertsImpl::ExpertsImpl(int64_t num_experts, int64_t hidden, int64_t intermedia
   down_proj = register_parameter("down_proj", torch::empty({num_experts, hidden, intermediate}));
 }
 
+torch::Tensor RunExperts(const torch::Tensor& x, const Routing& r, const ExpertsImpl& experts) {
+  if (experts.ep) return ExpertParallelExperts(*experts.ep, x, r, experts);
+  return MoeExperts(x, r.ids, r.weights, experts.gate_up_proj, experts.down_proj);
+}
+
 SparseMoeBlockImpl::SparseMoeBlockImpl(int64_t hidden, int64_t num_experts, int64_t intermediate,
-                                       int64_t top_k, bool norm_topk_prob)
+                                       int64_t top_k, bool norm_topk_prob, int64_t local_experts)
     : top_k(top_k), norm_topk_prob(norm_topk_prob) {
   gate = register_module("gate", Router(num_experts, hidden));
-  experts = register_module("experts", Experts(num_experts, hidden, intermediate));
+  experts = register_module(
+      "experts", Experts(local_experts > 0 ? local_experts : num_experts, hidden, intermediate));
 }
 
 torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& x, torch::Tensor* router_logits) {
   Routing r = Route(x, gate->weight, top_k, norm_topk_prob);
   if (router_logits) *router_logits = r.logits;
-  return MoeExperts(x, r.ids, r.weights, experts->gate_up_proj, experts->down_proj);
+  return RunExperts(x, r, *experts);
 }
 
 torch::Tensor LoadBalancingLoss(const std::vector<torch::Tensor>& router_logits,

@@ -8,11 +8,15 @@
 // registers itself through RegisterMoeExperts and is used automatically for CUDA tensors.
 #pragma once
 
+#include <memory>
+
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
 namespace lm {
+
+struct ExpertParallel;
 
 struct Routing {
   torch::Tensor logits;   // [T, E] router logits (fp32 on CPU; the aux loss reads them)
@@ -55,13 +59,21 @@ class ExpertsImpl : public torch::nn::Module {
  public:
   ExpertsImpl(int64_t num_experts, int64_t hidden, int64_t intermediate);
   torch::Tensor gate_up_proj, down_proj;
+  // Set under expert parallelism (lm/model/expert_parallel.h): the tensors hold only this
+  // process's range of experts, and the layer's output is summed over the group.
+  std::shared_ptr<const ExpertParallel> ep;
 };
 TORCH_MODULE(Experts);
 
+// The experts' output for routing `r`: MoeExperts over `experts`' tensors, or under expert
+// parallelism the local experts' share summed over the group.
+torch::Tensor RunExperts(const torch::Tensor& x, const Routing& r, const ExpertsImpl& experts);
+
 class SparseMoeBlockImpl : public torch::nn::Module {
  public:
+  // `local_experts` > 0: the experts tensors hold only that many (expert parallelism).
   SparseMoeBlockImpl(int64_t hidden, int64_t num_experts, int64_t intermediate, int64_t top_k,
-                     bool norm_topk_prob);
+                     bool norm_topk_prob, int64_t local_experts = 0);
   // x [T, H] -> [T, H]; the router logits go to `router_logits` when given (aux loss).
   torch::Tensor forward(const torch::Tensor& x, torch::Tensor* router_logits = nullptr);
 

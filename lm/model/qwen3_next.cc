@@ -294,7 +294,7 @@ Qwen3NextSparseMoeBlockImpl::Qwen3NextSparseMoeBlockImpl(const ModelConfig& c)
     : top_k_(c.num_experts_per_tok), norm_topk_prob_(c.norm_topk_prob) {
   gate = register_module("gate", Router(c.num_experts, c.hidden_size));
   experts =
-      register_module("experts", Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size));
+      register_module("experts", Experts(c.LocalExperts(), c.hidden_size, c.moe_intermediate_size));
   shared_expert =
       register_module("shared_expert", DenseMlp(c.hidden_size, c.shared_expert_intermediate_size));
   shared_expert_gate = register_module("shared_expert_gate", Linear(c.hidden_size, 1));
@@ -304,7 +304,9 @@ torch::Tensor Qwen3NextSparseMoeBlockImpl::forward(const torch::Tensor& x,
                                                    torch::Tensor* router_logits) {
   Routing r = Route(x, gate->weight, top_k_, norm_topk_prob_);
   if (router_logits) *router_logits = r.logits;
-  auto routed = MoeExperts(x, r.ids, r.weights, experts->gate_up_proj, experts->down_proj);
+  // Under expert parallelism only the routed part is summed over the group; the replicated shared
+  // expert is added once, on every rank.
+  auto routed = RunExperts(x, r, *experts);
   return routed + torch::sigmoid(shared_expert_gate(x)) * shared_expert(x);
 }
 

@@ -1,0 +1,77 @@
+#include "lm/model/expert_parallel.h"
+
+#include <torch/torch.h>
+
+#include "absl/strings/str_cat.h"
+#include "lm/model/config.h"
+#include "lm/model/model.h"
+#include "lm/model/moe.h"
+
+namespace lm {
+
+ExpertRange LocalExpertRange(int64_t num_experts, int rank, int world_size) {
+  const int64_t base = num_experts / world_size, extra = num_experts % world_size;
+  ExpertRange r;
+  r.count = base + (rank < extra ? 1 : 0);
+  r.first = rank * base + std::min<int64_t>(rank, extra);
+  return r;
+}
+
+absl::Status ShardConfig(ModelConfig& config, int rank, int world_size) {
+  if (world_size <= 1) return absl::OkStatus();
+  if (config.num_experts <= 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--world-size=", world_size, ": a ", config.model_type,
+        " model has no experts to shard (expert parallelism needs a MoE model)"));
+  if (config.num_experts < world_size)
+    return absl::InvalidArgumentError(
+        absl::StrCat("--world-size=", world_size, " is more ranks than the model's ",
+                     config.num_experts, " experts per layer"));
+  const ExpertRange r = LocalExpertRange(config.num_experts, rank, world_size);
+  config.expert_first = r.first;
+  config.local_experts = r.count;
+  return absl::OkStatus();
+}
+
+CollectiveError::CollectiveError(absl::Status status)
+    : std::runtime_error(std::string(status.message())), status_(std::move(status)) {}
+
+void AttachExpertParallel(CausalLM& model, std::shared_ptr<const ExpertParallel> ep) {
+  for (auto& m : model.modules(/*include_self=*/false)) {
+    if (auto* experts = m->as<ExpertsImpl>()) experts->ep = ep;
+  }
+}
+
+torch::Tensor ExpertParallelExperts(const ExpertParallel& ep, const torch::Tensor& x,
+                                    const Routing& r, const ExpertsImpl& experts) {
+  const int64_t k = r.ids.size(1);
+  // The (token, slot) pairs routed to a local expert, in token order.
+  auto flat_ids = r.ids.reshape({-1});
+  auto pairs = ((flat_ids >= ep.local.first) & (flat_ids < ep.local.first + ep.local.count))
+                   .nonzero()
+                   .squeeze(1);
+  auto y = torch::zeros({x.size(0), x.size(1)}, x.options());
+  if (pairs.numel() > 0) {
+    auto tokens = torch::div(pairs, k, "floor");
+    auto ids = (flat_ids.index_select(0, pairs) - ep.local.first).unsqueeze(1);
+    auto weights = r.weights.reshape({-1}).index_select(0, pairs).unsqueeze(1);
+    // One row per pair (a token routed to two local experts appears twice), then summed back.
+    auto part = MoeExperts(x.index_select(0, tokens), ids, weights, experts.gate_up_proj,
+                           experts.down_proj);
+    y.index_add_(0, tokens, part);
+  }
+  if (absl::Status st = ep.all_reduce_sum(y); !st.ok()) throw CollectiveError(std::move(st));
+  return y;
+}
+
+ParameterBytes CountParameterBytes(CausalLM& model) {
+  ParameterBytes b;
+  for (const auto& p : model.named_parameters()) {
+    const int64_t n = p.value().numel() * p.value().element_size();
+    b.total += n;
+    if (p.key().find(".experts.") != std::string::npos) b.experts += n;
+  }
+  return b;
+}
+
+}  // namespace lm
