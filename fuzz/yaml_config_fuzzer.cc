@@ -1,7 +1,7 @@
-// The trainer's YAML configs (trainer/config.h): any input is a config file, optionally followed
+// The trainer's YAML configs (trainer/common/config.h): any input is a config file, optionally followed
 // by a NUL byte and --set overrides, one per line. Parsing and decoding either fail with a
 // status or give a config that survives a round trip: encoding it and decoding the text again
-// succeeds and encodes to the same text. (Only the torch-free layer: trainer/config.cc and the
+// succeeds and encodes to the same text. (Only the torch-free layer: trainer/common/config.cc and the
 // config structs; ValidateOpdConfig needs LibTorch and is not fuzzed.)
 #include <cstddef>
 #include <cstdint>
@@ -9,9 +9,9 @@
 #include <string>
 
 #include "fuzz/fuzz_util.h"
-#include "trainer/config.h"
-#include "trainer/opd_config.h"
-#include "trainer/sft_config.h"
+#include "trainer/common/config.h"
+#include "trainer/opd/opd_config.h"
+#include "trainer/sft/sft_config.h"
 
 namespace {
 

@@ -3,9 +3,9 @@
 
 #include <gtest/gtest.h>
 
-#include "trainer/convergence.h"
+#include "trainer/opd/convergence.h"
 
-namespace opd {
+namespace trainer {
 namespace {
 
 TEST(Convergence, StepBudget) {
@@ -140,4 +140,4 @@ TEST(Convergence, ResumeFromJsonContinuesIdentically) {
 }
 
 }  // namespace
-}  // namespace opd
+}  // namespace trainer

@@ -24,8 +24,8 @@
 #include "lm/model/model.h"
 #include "nlohmann/json.hpp"
 #include "tests/child_process.h"
-#include "trainer/optim.h"
-#include "trainer/parallel.h"
+#include "trainer/common/optim.h"
+#include "trainer/common/parallel.h"
 
 namespace {
 

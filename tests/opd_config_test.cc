@@ -6,9 +6,9 @@
 
 #include <gtest/gtest.h>
 
-#include "trainer/config.h"
-#include "trainer/opd_config.h"
-#include "trainer/sft_config.h"
+#include "trainer/common/config.h"
+#include "trainer/opd/opd_config.h"
+#include "trainer/sft/sft_config.h"
 
 namespace trainer {
 namespace {

@@ -8,9 +8,9 @@
 
 #include "lm/io/checkpoint.h"
 #include "lm/io/safetensors.h"
-#include "trainer/opd_loss.h"
+#include "trainer/opd/opd_loss.h"
 
-namespace opd {
+namespace trainer {
 namespace {
 
 namespace fs = std::filesystem;
@@ -128,4 +128,4 @@ TEST(OpdLossParse, NamesAndErrors) {
 }
 
 }  // namespace
-}  // namespace opd
+}  // namespace trainer

@@ -32,10 +32,10 @@
 #include "rpc/codec.h"
 #include "rpc/server.h"
 #include "rpc/tensor_codec.h"
-#include "trainer/learner_service.h"
-#include "trainer/rollout_pool.h"
-#include "trainer/signals.h"
-#include "trainer/teacher_pool.h"
+#include "trainer/opd/learner_service.h"
+#include "trainer/opd/rollout_pool.h"
+#include "trainer/common/signals.h"
+#include "trainer/opd/teacher_pool.h"
 
 namespace {
 
@@ -247,7 +247,7 @@ struct FakeClock {
   absl::Mutex mu;
   absl::Time now = absl::UnixEpoch();
   std::vector<absl::Duration> waits;
-  void Drive(opd::TeacherPoolOptions* o) {
+  void Drive(trainer::TeacherPoolOptions* o) {
     o->clock = [this] {
       absl::MutexLock lock(&mu);
       return now;
@@ -340,13 +340,13 @@ class Opd : public ::testing::Test {
     return StartService("rollout", kBin + "/rollout/opd-rollout", (dir_ / "student").string(),
                         (dir_ / "task/tokenizer").string());
   }
-  opd::TeacherRequirements Requirements() {
+  trainer::TeacherRequirements Requirements() {
     auto tok = lm::Tokenizer::Load((dir_ / "task/tokenizer").string());
     EXPECT_TRUE(tok.ok());
     return {(*tok)->Fingerprint(), 320};
   }
-  opd::TeacherPoolOptions PoolOptions() {
-    opd::TeacherPoolOptions o;
+  trainer::TeacherPoolOptions PoolOptions() {
+    trainer::TeacherPoolOptions o;
     o.client.secret = kSecret;
     o.client.timeout = absl::Seconds(30);
     o.backoff_initial = absl::Milliseconds(100);
@@ -395,7 +395,7 @@ TEST_F(Opd, TeacherReplicaKilledMidStepEverySequenceScoredOnce) {
   opts.client.timeout =
       absl::Seconds(600);               // b's frozen calls must end by the kill, not a deadline
   opts.readmit_after = absl::Hours(1);  // the killed replica does not come back
-  auto pool = opd::TeacherPool::Connect("s", {a, b}, Requirements(), opts);
+  auto pool = trainer::TeacherPool::Connect("s", {a, b}, Requirements(), opts);
   ASSERT_TRUE(pool.ok()) << pool.status();
   std::vector<opd::rpc::ScoreInput> inputs;
   std::mt19937 rng(3);
@@ -443,7 +443,7 @@ TEST_F(Opd, TeacherReplicaKilledMidStepEverySequenceScoredOnce) {
 TEST_F(Opd, NoHealthyReplicaWaitsUntilOneReturns) {
   const std::string a = StartTeacher("teacher_w");
   ASSERT_FALSE(a.empty());
-  auto pool = opd::TeacherPool::Connect("s", {a}, Requirements(), PoolOptions());
+  auto pool = trainer::TeacherPool::Connect("s", {a}, Requirements(), PoolOptions());
   ASSERT_TRUE(pool.ok()) << pool.status();
   services_[0]->Kill(SIGKILL);
   services_[0]->Wait(std::chrono::seconds(5));
@@ -463,7 +463,7 @@ TEST_F(Opd, TeacherWithAnotherTokenizerIsRefusedAtConnectAndAtSwap) {
   ASSERT_TRUE(other.ok());
   ASSERT_NE((*other)->Fingerprint(), Requirements().tokenizer_fingerprint)
       << "the test needs two tokenizers";
-  auto pool = opd::TeacherPool::Connect("stage2", {bad}, Requirements(), PoolOptions());
+  auto pool = trainer::TeacherPool::Connect("stage2", {bad}, Requirements(), PoolOptions());
   ASSERT_FALSE(pool.ok());
   EXPECT_EQ(pool.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(pool.status().message().find("fingerprint"), std::string::npos) << pool.status();
@@ -495,7 +495,7 @@ TEST_F(Opd, TeacherWithAnotherTokenizerIsRefusedAtConnectAndAtSwap) {
   std::vector<std::string> applied;
   auto step_boundary = [&] {
     return (*learner)->ServePendingSwap([&](const trainer::SwapRequest& r) -> absl::Status {
-      auto p = opd::TeacherPool::Connect(r.stage, r.endpoints, Requirements(), PoolOptions());
+      auto p = trainer::TeacherPool::Connect(r.stage, r.endpoints, Requirements(), PoolOptions());
       if (!p.ok()) return p.status();
       applied = r.endpoints;
       return absl::OkStatus();
@@ -645,8 +645,8 @@ TEST_F(Opd, MismatchedNextStageTeacherStopsTheRunBeforeItsFirstStep) {
 
 // --- retries, cool-downs, stop (fake teachers, fake time) ---
 
-opd::TeacherPoolOptions FakePoolOptions(FakeClock* clock) {
-  opd::TeacherPoolOptions o;
+trainer::TeacherPoolOptions FakePoolOptions(FakeClock* clock) {
+  trainer::TeacherPoolOptions o;
   o.client.secret = kSecret;
   o.client.timeout = absl::Seconds(60);
   o.backoff_initial = absl::Milliseconds(100);
@@ -669,7 +669,7 @@ TEST_F(Opd, TransientTeacherErrorsAreRetriedWithBackoffAFixedNumberOfTimes) {
                      : FakeTeacher::Action();
   });
   auto pool =
-      opd::TeacherPool::Connect("s", {busy.address}, Requirements(), FakePoolOptions(&clock));
+      trainer::TeacherPool::Connect("s", {busy.address}, Requirements(), FakePoolOptions(&clock));
   ASSERT_TRUE(pool.ok()) << pool.status();
   auto r = (*pool)->Score(SomeInputs(1), {});
   ASSERT_FALSE(r.ok());
@@ -689,7 +689,7 @@ TEST_F(Opd, TransientTeacherErrorsAreRetriedWithBackoffAFixedNumberOfTimes) {
     return call < 50 ? Fail(grpc::StatusCode::INTERNAL, "boom") : FakeTeacher::Action();
   });
   auto pool2 =
-      opd::TeacherPool::Connect("s", {broken.address}, Requirements(), FakePoolOptions(&clock));
+      trainer::TeacherPool::Connect("s", {broken.address}, Requirements(), FakePoolOptions(&clock));
   ASSERT_TRUE(pool2.ok()) << pool2.status();
   auto r2 = (*pool2)->Score(SomeInputs(1), {});
   EXPECT_EQ(r2.status().code(), absl::StatusCode::kInternal) << r2.status();
@@ -712,7 +712,7 @@ TEST_F(Opd, FailedTeacherReplicaIsReadmittedOnlyAfterItsCoolDown) {
   auto o = FakePoolOptions(&clock);
   o.max_sequences_per_call = 1;
   o.readmit_after = absl::Hours(1);
-  auto pool = opd::TeacherPool::Connect("s", {flaky.address, steady.address}, Requirements(), o);
+  auto pool = trainer::TeacherPool::Connect("s", {flaky.address, steady.address}, Requirements(), o);
   ASSERT_TRUE(pool.ok()) << pool.status();
   auto r = (*pool)->Score(SomeInputs(20), {});
   ASSERT_TRUE(r.ok()) << r.status();
@@ -735,7 +735,7 @@ TEST_F(Opd, DeterministicTeacherErrorEndsTheStepNamingTheTeacher) {
   FakeTeacherServer refusing("opd.v1.Teacher", Fingerprint(), [](int) {
     return Fail(grpc::StatusCode::INVALID_ARGUMENT, "sequence 0: id 999 is outside [0, 320)");
   });
-  auto pool = opd::TeacherPool::Connect("stage_x", {refusing.address}, Requirements(),
+  auto pool = trainer::TeacherPool::Connect("stage_x", {refusing.address}, Requirements(),
                                         FakePoolOptions(&clock));
   ASSERT_TRUE(pool.ok()) << pool.status();
   auto r = (*pool)->Score(SomeInputs(3), {});
@@ -755,7 +755,7 @@ TEST_F(Opd, StopEndsScoringBetweenRetries) {
   });
   auto o = FakePoolOptions(&clock);
   o.max_attempts = 1000;
-  auto pool = opd::TeacherPool::Connect("s", {busy.address}, Requirements(), o);
+  auto pool = trainer::TeacherPool::Connect("s", {busy.address}, Requirements(), o);
   ASSERT_TRUE(pool.ok()) << pool.status();
   auto r = (*pool)->Score(SomeInputs(1), {}, [&] { return busy.service.calls() >= 3; });
   EXPECT_TRUE(absl::IsCancelled(r.status())) << r.status();
@@ -774,7 +774,7 @@ TEST_F(Opd, StopSignalCancelsAScoreInFlight) {
   auto o = PoolOptions();
   o.client.timeout = absl::Hours(1);
   o.client.canceller = canceller;
-  auto pool = opd::TeacherPool::Connect("s", {stuck.address}, Requirements(), o);
+  auto pool = trainer::TeacherPool::Connect("s", {stuck.address}, Requirements(), o);
   ASSERT_TRUE(pool.ok()) << pool.status();
   trainer::ResetStopForTest();
   trainer::StopCallback cancel_on_stop([canceller] { canceller->Cancel(); });
@@ -843,7 +843,7 @@ TEST_F(Opd, TeacherRepliesThatFailValidationAreRefusedNamingTheField) {
     });
     FakeClock clock;
     auto pool =
-        opd::TeacherPool::Connect("s", {t.address}, Requirements(), FakePoolOptions(&clock));
+        trainer::TeacherPool::Connect("s", {t.address}, Requirements(), FakePoolOptions(&clock));
     ASSERT_TRUE(pool.ok()) << pool.status();
     auto r = (*pool)->Score(SomeInputs(1), {1.0f, 2});
     EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
@@ -873,7 +873,7 @@ TEST_F(Opd, RolloutRepliesThatFailValidationAreRefusedNamingTheField) {
     worker.service.corrupt = c.corrupt;
     opd::rpc::ClientOptions base;
     base.secret = kSecret;
-    auto pool = opd::RolloutPool::Connect({worker.address}, base, Fingerprint(), 320);
+    auto pool = trainer::RolloutPool::Connect({worker.address}, base, Fingerprint(), 320);
     ASSERT_TRUE(pool.ok()) << pool.status();
     ASSERT_TRUE((*pool)->PushWeights(*weights, 3).ok());
     opd::rpc::GenerateOptions g;
@@ -897,7 +897,7 @@ TEST(SampleStats, StalenessAndTruncation) {
     samples[i].weight_version = versions[i];
     samples[i].finish_reason = i == 0 ? opd::v1::FINISH_REASON_LENGTH : opd::v1::FINISH_REASON_STOP;
   }
-  const opd::SampleStats st = opd::SummarizeSamples(samples, 3);
+  const trainer::SampleStats st = trainer::SummarizeSamples(samples, 3);
   EXPECT_DOUBLE_EQ(st.staleness_mean, 0.5);
   EXPECT_DOUBLE_EQ(st.staleness_max, 1.0);
   EXPECT_DOUBLE_EQ(st.truncated_frac, 0.25);

@@ -22,9 +22,9 @@
 #include "rpc/client.h"
 #include "rpc/server.h"
 #include "rpc/status.h"
-#include "trainer/config.h"
-#include "trainer/learner_service.h"
-#include "trainer/opd_config.h"
+#include "trainer/common/config.h"
+#include "trainer/opd/learner_service.h"
+#include "trainer/opd/opd_config.h"
 
 namespace {
 

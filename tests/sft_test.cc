@@ -31,12 +31,12 @@
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "nlohmann/json.hpp"
-#include "trainer/config.h"
-#include "trainer/fused_nll.h"
-#include "trainer/metrics.h"
-#include "trainer/optim.h"
-#include "trainer/progress.h"
-#include "trainer/sft_config.h"
+#include "trainer/common/config.h"
+#include "trainer/sft/fused_nll.h"
+#include "trainer/common/metrics.h"
+#include "trainer/common/optim.h"
+#include "trainer/common/progress.h"
+#include "trainer/sft/sft_config.h"
 
 namespace trainer {
 namespace {

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "lm/util/memory.h"
-#include "trainer/command.h"
+#include "trainer/common/command.h"
 
 namespace {
 

@@ -24,7 +24,7 @@ def load_jsonl(path):
 
 
 def rule_fires_at(values, stage_cfg):
-    """The step (1-based, within the stage) at which trainer/convergence.cc ends the stage."""
+    """The step (1-based, within the stage) at which trainer/opd/convergence.cc ends the stage."""
     plateau = stage_cfg.get("plateau", {}) or {}
     beta, window = plateau.get("ema_beta", 0.9), plateau.get("window", 20)
     min_rel, min_steps = plateau.get("min_rel_improvement", 0.02), plateau.get("min_steps", 0)

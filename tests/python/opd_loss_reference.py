@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reference OPD losses in plain PyTorch (the formulas of trainer/opd_loss.h, written out
+"""Reference OPD losses in plain PyTorch (the formulas of trainer/opd/opd_loss.h, written out
 independently). Reads inputs.safetensors, writes out.safetensors with each variant's loss and
 its gradient w.r.t. the learner's log-probs / logits."""
 import sys

@@ -9,7 +9,7 @@ the same clipping and the same loss normalisation, in fp32 on the CPU:
              N_step = trained tokens of the whole step, M = micro-batches per step,
              aux = transformers' router load-balancing loss of the micro-batch's forward
   then       clip_grad_norm_(max_norm); AdamW(fused=True) step with two groups (no weight decay
-             on 1-D parameters and biases); lr from the warm-up + cosine formula of trainer/optim.h
+             on 1-D parameters and biases); lr from the warm-up + cosine formula of trainer/common/optim.h
 
 Each micro-batch's documents are run as one padded batch with an attention mask (attention never
 crosses documents in the packed C++ layout either). Then our final checkpoint is loaded with
@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM
 
 
 def lr_at(step, o, total):
-    """trainer/optim.h CosineSchedule::LrAt (step is the 0-based update index)."""
+    """trainer/common/optim.h CosineSchedule::LrAt (step is the 0-based update index)."""
     w = o["warmup_steps"]
     if step < w:
         return o["lr"] * (step + 1) / w

@@ -1,0 +1,231 @@
+#include "trainer/common/checkpoint.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "lm/dist/process_group.h"
+#include "lm/io/checkpoint.h"
+#include "lm/io/safetensors.h"
+#include "lm/util/log.h"
+#include "lm/util/status.h"
+#include "trainer/common/run_dir.h"
+
+namespace trainer {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr char kTmpPrefix[] = ".tmp-";
+constexpr char kStateFile[] = "trainer_state.json";
+
+absl::Status CopyFiles(const std::vector<std::string>& files, const std::string& dir) {
+  for (const std::string& f : files) {
+    std::error_code ec;
+    fs::copy_file(f, fs::path(dir) / fs::path(f).filename(), fs::copy_options::overwrite_existing,
+                  ec);
+    if (ec)
+      return absl::InternalError(absl::StrCat(f, ": cannot copy into ", dir, ": ", ec.message()));
+  }
+  return absl::OkStatus();
+}
+
+// fsync every file below `dir`, then the directories: the rename that follows must not become
+// visible before the data it names.
+absl::Status SyncTree(const std::string& dir) {
+  std::error_code ec;
+  for (const auto& e : fs::recursive_directory_iterator(dir, ec)) {
+    if (e.is_regular_file()) RETURN_IF_ERROR(SyncPath(e.path().string()));
+  }
+  for (const auto& e : fs::recursive_directory_iterator(dir, ec)) {
+    if (e.is_directory()) RETURN_IF_ERROR(SyncPath(e.path().string()));
+  }
+  return SyncPath(dir);
+}
+
+// "step_000100" -> 100; -1 for anything else (including .tmp- names).
+int64_t ParseStepDir(const std::string& name) {
+  static const std::regex re("step_([0-9]+)");
+  std::smatch m;
+  if (!std::regex_match(name, m, re)) return -1;
+  return std::stoll(m[1].str());
+}
+
+std::string TensorToBase64(const torch::Tensor& t) {
+  auto c = t.contiguous().to(torch::kCPU);
+  return absl::Base64Escape(
+      absl::string_view(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size()));
+}
+
+absl::StatusOr<torch::Tensor> Base64ToByteTensor(const std::string& text) {
+  std::string bytes;
+  if (!absl::Base64Unescape(text, &bytes))
+    return absl::InvalidArgumentError("bad base64 RNG state");
+  auto t = torch::empty({static_cast<int64_t>(bytes.size())}, torch::kUInt8);
+  std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  return t;
+}
+
+}  // namespace
+
+std::string StepDirName(int64_t step) {
+  return absl::StrFormat("step_%06d", step);
+}
+
+namespace {
+
+// The outcome of a step every rank took part in: an error on any rank is an error on all (the
+// others learn which rank failed; its own message stays in its log).
+absl::Status AgreeOnOutcome(absl::Status mine, lm::dist::ProcessGroup& group, const char* what) {
+  if (group.size() == 1) return mine;
+  std::vector<double> flags(static_cast<size_t>(group.size()), 0.0);
+  flags[static_cast<size_t>(group.rank())] = mine.ok() ? 0.0 : 1.0;
+  ASSIGN_OR_RETURN(flags, group.AllReduceDoubles(flags));
+  if (!mine.ok()) return mine;
+  for (size_t r = 0; r < flags.size(); ++r) {
+    if (flags[r] > 0)
+      return absl::InternalError(absl::StrCat(what, " failed on rank ", r, " (see its log)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckpointManager::Save(int64_t step, lm::CausalLM& model,
+                                     DistributedOptimizer& optimizer, nlohmann::json state,
+                                     const std::vector<std::string>& model_extra_files,
+                                     lm::dist::ProcessGroup& group) {
+  // The saved weights are the exact fp32 masters, whatever dtype the all-gathers used.
+  RETURN_IF_ERROR(optimizer.SyncMasters());
+  const std::string final_dir = dir_ + "/" + StepDirName(step);
+  // Rank 0 decides and names the temporary directory; every rank then writes into it.
+  std::string tmp;
+  absl::Status prepared = absl::OkStatus();
+  if (group.is_root()) {
+    if (!fs::exists(fs::path(final_dir) / kStateFile)) {
+      tmp = absl::StrCat(dir_, "/", kTmpPrefix, StepDirName(step), "-", ::getpid());
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+      fs::create_directories(tmp + "/model", ec);
+      if (ec) prepared = absl::InternalError(absl::StrCat(tmp, ": cannot create: ", ec.message()));
+    }
+  }
+  RETURN_IF_ERROR(AgreeOnOutcome(prepared, group, "creating the checkpoint directory"));
+  RETURN_IF_ERROR(group.BroadcastBytes(&tmp));
+  if (tmp.empty()) return absl::OkStatus();  // a complete checkpoint of this step exists
+
+  auto write = [&]() -> absl::Status {
+    RETURN_IF_ERROR(optimizer.SaveState(tmp));
+    if (!group.is_root()) return absl::OkStatus();
+    lm::SaveOptions save;
+    save.dtype = torch::kFloat32;  // master weights: an exact resume needs every bit
+    RETURN_IF_ERROR(lm::SaveModel(model, tmp + "/model", save));
+    RETURN_IF_ERROR(CopyFiles(model_extra_files, tmp + "/model"));
+    state["version"] = kTrainerStateVersion;
+    state["step"] = step;
+    state["optimizer_steps"] = optimizer.steps();
+    state["world_size"] = group.size();
+    return WriteFileAtomic(tmp + "/" + kStateFile, state.dump(2) + "\n");
+  };
+  RETURN_IF_ERROR(AgreeOnOutcome(write(), group, "writing the checkpoint"));
+
+  absl::Status published = absl::OkStatus();
+  if (group.is_root()) {
+    published = [&]() -> absl::Status {
+      RETURN_IF_ERROR(SyncTree(tmp));  // every rank's shard is written: flush all, then rename
+      std::error_code ec;
+      fs::remove_all(final_dir, ec);  // an incomplete directory of that name, if any
+      fs::rename(tmp, final_dir, ec);
+      if (ec)
+        return absl::InternalError(absl::StrCat(final_dir, ": rename failed: ", ec.message()));
+      RETURN_IF_ERROR(SyncPath(dir_));
+      Prune();
+      return absl::OkStatus();
+    }();
+  }
+  return AgreeOnOutcome(published, group, "publishing the checkpoint");
+}
+
+std::vector<std::pair<int64_t, std::string>> CheckpointManager::List() const {
+  std::vector<std::pair<int64_t, std::string>> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir_, ec)) {
+    const int64_t step = ParseStepDir(e.path().filename().string());
+    if (step < 0 || !fs::exists(e.path() / kStateFile)) continue;
+    out.emplace_back(step, e.path().string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+absl::StatusOr<std::string> CheckpointManager::Latest() const {
+  auto all = List();
+  if (all.empty()) return absl::NotFoundError(absl::StrCat("no complete checkpoint in ", dir_));
+  return all.back().second;
+}
+
+void CheckpointManager::RemoveIncomplete() const {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir_, ec)) {
+    if (e.path().filename().string().rfind(kTmpPrefix, 0) != 0) continue;
+    lm::log::Warn(absl::StrCat("removing an incomplete checkpoint: ", e.path().string()));
+    fs::remove_all(e.path(), ec);
+  }
+}
+
+void CheckpointManager::Prune() const {
+  if (keep_last_ <= 0) return;
+  auto all = List();
+  for (size_t i = 0; i + keep_last_ < all.size(); ++i) {
+    std::error_code ec;
+    fs::remove_all(all[i].second, ec);
+  }
+}
+
+absl::StatusOr<nlohmann::json> ReadTrainerState(const std::string& checkpoint_dir) {
+  const std::string path = checkpoint_dir + "/" + kStateFile;
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  if (j.is_discarded() || !j.is_object())
+    return absl::DataLossError(absl::StrCat(path, ": not JSON"));
+  if (j.value("version", 0) != kTrainerStateVersion)
+    return absl::FailedPreconditionError(absl::StrCat(path, ": trainer state version ",
+                                                      j.value("version", 0), ", expected ",
+                                                      kTrainerStateVersion));
+  return j;
+}
+
+nlohmann::json CaptureRngState() {
+  nlohmann::json j;
+  j["cpu"] = TensorToBase64(at::detail::getDefaultCPUGenerator().get_state());
+  if (torch::cuda::is_available()) {
+    j["cuda"] =
+        TensorToBase64(at::globalContext().defaultGenerator(at::Device(at::kCUDA, 0)).get_state());
+  }
+  return j;
+}
+
+absl::Status RestoreRngState(const nlohmann::json& state) {
+  if (!state.contains("cpu")) return absl::DataLossError("trainer state: no CPU RNG state");
+  ASSIGN_OR_RETURN(auto cpu, Base64ToByteTensor(state["cpu"].get<std::string>()));
+  at::Generator cpu_gen = at::detail::getDefaultCPUGenerator();  // a handle to the global one
+  cpu_gen.set_state(cpu);
+  if (state.contains("cuda") && torch::cuda::is_available()) {
+    ASSIGN_OR_RETURN(auto cuda, Base64ToByteTensor(state["cuda"].get<std::string>()));
+    at::Generator cuda_gen = at::globalContext().defaultGenerator(at::Device(at::kCUDA, 0));
+    cuda_gen.set_state(cuda);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace trainer

@@ -1,0 +1,310 @@
+#include "trainer/common/config.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+
+namespace trainer {
+namespace {
+
+// yaml-cpp reports a parse error's position 0-based.
+std::string YamlError(const std::string& label, const YAML::Exception& e) {
+  if (e.mark.is_null()) return absl::StrCat(label, ": ", e.msg);
+  return absl::StrCat(label, ":", e.mark.line + 1, ":", e.mark.column + 1, ": ", e.msg);
+}
+
+bool IsIndex(const std::string& s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+std::string Describe(const YAML::Node& node) {
+  if (node.IsScalar()) return absl::StrCat("'", node.Scalar(), "'");
+  if (node.IsSequence()) return "a list";
+  if (node.IsMap()) return "a mapping";
+  return "nothing";
+}
+
+}  // namespace
+
+absl::StatusOr<YAML::Node> ParseYaml(const std::string& text, const std::string& label) {
+  try {
+    YAML::Node root = YAML::Load(text);
+    if (root.IsNull() || !root.IsDefined()) return YAML::Node(YAML::NodeType::Map);
+    if (!root.IsMap())
+      return absl::InvalidArgumentError(label + ": the top level must be a mapping");
+    return root;
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(YamlError(label, e));
+  }
+}
+
+absl::StatusOr<YAML::Node> LoadYamlFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open the config file"));
+  std::stringstream text;
+  text << in.rdbuf();
+  return ParseYaml(text.str(), path);
+}
+
+absl::Status ApplyOverride(YAML::Node& root, const std::string& assignment) {
+  const size_t eq = assignment.find('=');
+  if (eq == std::string::npos || eq == 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("--set ", assignment, ": expected key.path=value"));
+  const std::string key = assignment.substr(0, eq);
+  YAML::Node value;
+  try {
+    value = YAML::Load(assignment.substr(eq + 1));
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(YamlError("--set " + key, e));
+  }
+  const std::vector<std::string> parts = absl::StrSplit(key, '.');
+  // yaml-cpp nodes are references: `node = x` would overwrite the referenced value, so walking the
+  // tree rebinds with reset().
+  YAML::Node node;
+  node.reset(root);
+  std::string path;
+  for (size_t i = 0; i + 1 < parts.size(); ++i) {
+    path = config_internal::JoinPath(path, parts[i]);
+    if (parts[i].empty())
+      return absl::InvalidArgumentError("--set " + key + ": empty key component");
+    if (node.IsSequence() && IsIndex(parts[i])) {
+      const size_t idx = std::stoul(parts[i]);
+      if (idx >= node.size())
+        return absl::InvalidArgumentError(
+            absl::StrCat("--set ", key, ": ", path, " is out of range (", node.size(), " items)"));
+      YAML::Node next = node[idx];
+      node.reset(next);
+      continue;
+    }
+    if (!node.IsMap() && !node.IsNull())
+      return absl::InvalidArgumentError(absl::StrCat("--set ", key, ": cannot set a key inside ",
+                                                     path, ", which is ", Describe(node)));
+    YAML::Node next = node[parts[i]];
+    if (!next.IsDefined() || next.IsNull()) next = YAML::Node(YAML::NodeType::Map);
+    node.reset(next);
+  }
+  const std::string& last = parts.back();
+  if (last.empty()) return absl::InvalidArgumentError("--set " + key + ": empty key component");
+  if (node.IsSequence() && IsIndex(last)) {
+    const size_t idx = std::stoul(last);
+    if (idx >= node.size())
+      return absl::InvalidArgumentError(absl::StrCat("--set ", key, ": index out of range"));
+    node[idx] = value;
+    return absl::OkStatus();
+  }
+  if (!node.IsMap() && !node.IsNull())
+    return absl::InvalidArgumentError(absl::StrCat("--set ", key, ": cannot set a key inside ",
+                                                   path.empty() ? "the config" : path,
+                                                   ", which is ", Describe(node)));
+  node[last] = value;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<JobArgs> ParseJobArgs(const std::vector<std::string>& words) {
+  JobArgs a;
+  for (size_t i = 0; i < words.size(); ++i) {
+    const std::string& w = words[i];
+    auto value = [&](const std::string& flag) -> absl::StatusOr<std::string> {
+      if (w.size() > flag.size() && w[flag.size()] == '=') return w.substr(flag.size() + 1);
+      if (i + 1 >= words.size()) return absl::InvalidArgumentError(flag + " needs a value");
+      return words[++i];
+    };
+    if (w == "--config" || w.rfind("--config=", 0) == 0) {
+      absl::StatusOr<std::string> v = value("--config");
+      if (!v.ok()) return v.status();
+      a.config_path = *v;
+    } else if (w == "--set" || w.rfind("--set=", 0) == 0) {
+      absl::StatusOr<std::string> v = value("--set");
+      if (!v.ok()) return v.status();
+      a.overrides.push_back(*v);
+    } else if (w == "--resume") {
+      a.resume = true;
+    } else if (w.rfind("--resume=", 0) == 0) {
+      a.resume = true;
+      a.resume_from = w.substr(9);
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", w, "'"));
+    }
+  }
+  if (a.config_path.empty()) return absl::InvalidArgumentError("--config FILE is required");
+  return a;
+}
+
+namespace config_internal {
+
+std::string JoinPath(const std::string& path, const std::string& key) {
+  return path.empty() ? key : path + "." + key;
+}
+
+absl::Status ExpectMap(const YAML::Node& node, const std::string& path) {
+  if (node.IsMap()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(path.empty() ? "config" : path, ": expected a mapping, got ", Describe(node)));
+}
+
+absl::Status ExpectSequence(const YAML::Node& node, const std::string& path) {
+  if (node.IsSequence()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(path, ": expected a list, got ", Describe(node)));
+}
+
+absl::Status CheckKnownKeys(const YAML::Node& node, const std::string& path,
+                            const std::unordered_set<std::string>& known) {
+  for (const auto& kv : node) {
+    const std::string key = kv.first.Scalar();
+    if (known.count(key)) continue;
+    std::vector<std::string> names(known.begin(), known.end());
+    std::sort(names.begin(), names.end());
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown key '", JoinPath(path, key), "' (known here: ", absl::StrJoin(names, ", "), ")"));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::Status TypeError(const YAML::Node& node, const std::string& path, const char* expected) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(path, ": expected ", expected, ", got ", Describe(node)));
+}
+
+}  // namespace
+
+absl::Status DecodeScalar(const YAML::Node& node, const std::string& path, bool* out) {
+  if (!node.IsScalar() || !YAML::convert<bool>::decode(node, *out))
+    return TypeError(node, path, "true or false");
+  return absl::OkStatus();
+}
+
+absl::Status DecodeScalar(const YAML::Node& node, const std::string& path, int64_t* out) {
+  // yaml-cpp's integer conversion accepts "1.5" as 1 in some versions; parse strictly instead.
+  if (!node.IsScalar()) return TypeError(node, path, "an integer");
+  const std::string& s = node.Scalar();
+  int64_t v = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || end != s.data() + s.size()) return TypeError(node, path, "an integer");
+  *out = v;
+  return absl::OkStatus();
+}
+
+absl::Status DecodeScalar(const YAML::Node& node, const std::string& path, int32_t* out) {
+  int64_t v = 0;
+  if (absl::Status s = DecodeScalar(node, path, &v); !s.ok()) return s;
+  if (v < std::numeric_limits<int32_t>::min() || v > std::numeric_limits<int32_t>::max())
+    return TypeError(node, path, "a 32-bit integer");
+  *out = static_cast<int32_t>(v);
+  return absl::OkStatus();
+}
+
+absl::Status DecodeScalar(const YAML::Node& node, const std::string& path, double* out) {
+  if (!node.IsScalar() || !YAML::convert<double>::decode(node, *out))
+    return TypeError(node, path, "a number");
+  return absl::OkStatus();
+}
+
+absl::Status DecodeScalar(const YAML::Node& node, const std::string& path, std::string* out) {
+  if (!node.IsScalar()) return TypeError(node, path, "a string");
+  *out = node.Scalar();
+  return absl::OkStatus();
+}
+
+void EmitScalar(YAML::Emitter& out, bool v) {
+  out << (v ? "true" : "false");
+}
+void EmitScalar(YAML::Emitter& out, int32_t v) {
+  out << v;
+}
+void EmitScalar(YAML::Emitter& out, int64_t v) {
+  out << static_cast<long long>(v);
+}
+
+void EmitScalar(YAML::Emitter& out, double v) {
+  if (std::isnan(v)) {
+    out << ".nan";
+    return;
+  }
+  if (std::isinf(v)) {
+    out << (v > 0 ? ".inf" : "-.inf");
+    return;
+  }
+  char buf[64];
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), v);  // shortest round-trip form
+  std::string text(buf, end);
+  // YAML 1.1 readers (PyYAML) only take floats with a point in the mantissa: "1e-08" would read
+  // back as a string and "1" as an integer, so write "1.0e-08" and "1.0".
+  if (text.find('.') == std::string::npos) {
+    const size_t e = text.find_first_of("eE");
+    text.insert(e == std::string::npos ? text.size() : e, ".0");
+  }
+  out << text;
+}
+
+void EmitScalar(YAML::Emitter& out, const std::string& v) {
+  out << YAML::DoubleQuoted << v;
+}
+
+}  // namespace config_internal
+
+namespace validate {
+namespace {
+
+absl::Status Bad(const std::string& key, double v, const std::string& want) {
+  return absl::InvalidArgumentError(absl::StrCat(key, ": must be ", want, ", got ", v));
+}
+
+}  // namespace
+
+absl::Status Finite(const std::string& key, double v) {
+  return std::isfinite(v) ? absl::OkStatus() : Bad(key, v, "a finite number");
+}
+
+absl::Status Above(const std::string& key, double v, double lo) {
+  return std::isfinite(v) && v > lo ? absl::OkStatus()
+                                    : Bad(key, v, absl::StrCat("finite and > ", lo));
+}
+
+absl::Status AtLeast(const std::string& key, double v, double lo) {
+  return std::isfinite(v) && v >= lo ? absl::OkStatus()
+                                     : Bad(key, v, absl::StrCat("finite and >= ", lo));
+}
+
+absl::Status InRange(const std::string& key, double v, double lo, double hi) {
+  return v >= lo && v <= hi && std::isfinite(v)
+             ? absl::OkStatus()
+             : Bad(key, v, absl::StrCat("in [", lo, ", ", hi, "]"));
+}
+
+absl::Status InHalfOpen(const std::string& key, double v, double lo, double hi) {
+  return v >= lo && v < hi && std::isfinite(v)
+             ? absl::OkStatus()
+             : Bad(key, v, absl::StrCat("in [", lo, ", ", hi, ")"));
+}
+
+absl::Status IntAtLeast(const std::string& key, int64_t v, int64_t lo) {
+  if (v >= lo) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(key, ": must be >= ", lo, ", got ", v));
+}
+
+absl::Status OneOf(const std::string& key, const std::string& v,
+                   std::initializer_list<const char*> allowed) {
+  for (const char* a : allowed) {
+    if (v == a) return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(key, ": '", v, "' is not one of ", absl::StrJoin(allowed, ", ")));
+}
+
+absl::Status Required(const std::string& key, const std::string& v, const std::string& what) {
+  if (!v.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(key, ": required (", what, ")"));
+}
+
+}  // namespace validate
+}  // namespace trainer

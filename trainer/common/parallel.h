@@ -1,0 +1,199 @@
+// The learner's optimizer over one or several ranks (data parallel).
+//
+// Every rank holds the whole model and runs its share of a step's micro-batches. Then:
+//
+//   one rank:  AdamW (trainer/common/optim.h) as before, moments per parameter name.
+//   N ranks:   ZeRO-1. The parameters live in one flat buffer (each parameter a view of it) and
+//              so do their gradients, which the backward accumulates in place. The gradients are
+//              summed over ranks in buckets of about `bucket_elements`: during a rank's last
+//              backward of the step (ExpectLastBackward), a bucket is all-reduced as soon as
+//              every parameter in it has its gradient, overlapping the rest of the backward;
+//              what is left goes out in ReduceAndClip. The sums are clipped by their global norm,
+//              and each rank updates only its own contiguous 1/N slice of the flat space with
+//              AdamW, keeping AdamW's moments for that slice alone; an all-gather then gives every
+//              rank the updated weights.
+//
+// The flat space (FlatLayout) holds the parameters in reverse model order, the order in which the
+// backward produces their gradients, so the first buckets are ready first (buckets go out in
+// index order on every rank, as the collectives must match). Checkpoints store the moments as
+// ranges of that space:
+//
+//   optimizer.safetensors                 one rank: exp_avg.<name>, exp_avg_sq.<name>
+//   optimizer-RRRRR-of-NNNNN.safetensors  N ranks: exp_avg, exp_avg_sq of [begin, end)
+//
+// and either form loads on any world size: each rank reads just the ranges it owns.
+//
+// The loss normaliser stays the step's global token count (the jobs know it on every rank), so
+// the summed gradient is the one-process gradient and N ranks reproduce one rank's updates up to
+// the order of floating-point additions. Every parameter must take part in every step (true of
+// the architectures here: fused experts, every layer used); AdamW on one rank skips a parameter
+// without a gradient, the sharded one would not.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
+#include "trainer/common/sections.h"
+
+#include "lm/dist/process_group.h"
+
+namespace trainer {
+
+class AdamW;
+class DistributedOptimizer;
+
+// Where a learner rank runs: its device (cuda:LOCAL_RANK on a GPU node) and the job's group.
+struct LearnerPlacement {
+  torch::Device device{torch::kCPU};
+  std::unique_ptr<lm::dist::ProcessGroup> group;
+};
+
+// The `dist` section: a known backend, a finite positive timeout and bucket size.
+absl::Status ValidateDistConfig(const DistConfig& c);
+
+// The learner's optimizer for `params` on `device`, as the `dist` section says (bucket size, the
+// all-gather's dtype).
+absl::StatusOr<std::unique_ptr<DistributedOptimizer>> MakeLearnerOptimizer(
+    const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& optim,
+    const DistConfig& dist, lm::dist::ProcessGroup* group, torch::Device device);
+
+// Collective: fails on every rank, naming `what` and the ranks, unless every rank passed the same
+// `value` as rank 0 (ranks launched with different configs or models would otherwise exchange
+// tensors that do not belong together).
+absl::Status CheckSameOnEveryRank(lm::dist::ProcessGroup& group, const std::string& value,
+                                  const std::string& what);
+
+// Reads the launcher's environment (lm::dist::LaunchEnv), picks the device (`device` as
+// train.device: auto | cpu | cuda), and joins the job's group with collectives that time out
+// after `timeout_s` on `backend` (auto | gloo | nccl). One process: the trivial group.
+absl::StatusOr<LearnerPlacement> JoinLearnerGroup(const std::string& device, double timeout_s,
+                                                  const std::string& backend);
+
+struct FlatLayout {
+  struct Entry {
+    std::string name;
+    int64_t offset = 0, numel = 0;
+    bool decay = false;
+  };
+  std::vector<Entry> entries;  // in flat order: the model's parameters last to first
+  int64_t total = 0;
+
+  static FlatLayout Of(const std::vector<std::pair<std::string, torch::Tensor>>& params);
+  nlohmann::json ToJson() const;  // [[name, numel], ...] in flat order
+};
+
+// This rank's part [begin, end) of a flat space of `total` elements split over `world` ranks in
+// equal chunks of ceil(total / world) (the last ones shorter or empty).
+struct Shard {
+  int64_t begin = 0, end = 0, chunk = 0;
+  static Shard Of(int64_t total, int world, int rank);
+};
+
+// AdamW moments stored in a checkpoint, read back as ranges of the flat space whatever world size
+// wrote them.
+class OptimizerStateReader {
+ public:
+  // Opens optimizer.safetensors or the complete set of optimizer-*-of-*.safetensors in `dir`, and
+  // checks that they were written for `layout`. Errors name the file and what is wrong.
+  static absl::StatusOr<std::unique_ptr<OptimizerStateReader>> Open(const std::string& dir,
+                                                                    const FlatLayout& layout);
+  virtual ~OptimizerStateReader() = default;
+  // Copies moment `which` ("exp_avg" | "exp_avg_sq") over [begin, end) into `out` (fp32, CPU).
+  virtual absl::Status Read(const std::string& which, int64_t begin, int64_t end,
+                            float* out) const = 0;
+};
+
+class DistributedOptimizer {
+ public:
+  // `group` must outlive the optimizer. With one rank this is AdamW over the parameters as they
+  // are; with several the parameters are moved into the flat buffer (their values unchanged).
+  //
+  // `gather_dtype` is the dtype of the weights' all-gather. With bf16 each rank sends its updated
+  // slice rounded to bf16 (half the bytes) and keeps its own slice in fp32: the fp32 master
+  // weights stay sharded, the other ranks' slices hold their bf16 values, which is what a bf16
+  // autocast matmul reads anyway. SyncMasters() gives every rank the exact fp32 weights again
+  // (checkpoints call it).
+  static absl::StatusOr<std::unique_ptr<DistributedOptimizer>> Create(
+      const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& config,
+      lm::dist::ProcessGroup* group, int64_t bucket_elements = 8 << 20,
+      torch::ScalarType gather_dtype = torch::kFloat32);
+  ~DistributedOptimizer();
+
+  // Gradients to zero (several ranks) or undefined (one rank), before a step's first backward.
+  void ZeroGrad();
+  // The next backward is this rank's last of the step: reduce buckets as they become ready.
+  void ExpectLastBackward();
+  // Collective: sums the gradients over ranks, clips them to `max_norm` by their global L2 norm
+  // (as ClipGradNorm; with several ranks only this rank's slice is scaled, the part its AdamW
+  // reads) and returns the norm before clipping.
+  absl::StatusOr<double> ReduceAndClip(double max_norm);
+  // Collective: one AdamW update at `lr`, then every rank has the updated weights.
+  absl::Status Step(double lr);
+
+  int64_t steps() const;
+  // Of the last ReduceAndClip's buckets, how many went out during the backward.
+  int64_t overlapped_buckets() const { return overlapped_; }
+  int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
+  // Bytes of AdamW state this rank holds (the two moments of its slice).
+  int64_t state_bytes() const;
+  const std::vector<torch::Tensor>& params() const { return params_; }
+  size_t num_decay() const;
+  size_t num_no_decay() const;
+
+  // Collective: every rank's weights become the exact fp32 masters (a no-op unless the all-gather
+  // is in bf16 and a step has run since the last sync).
+  absl::Status SyncMasters();
+
+  // Writes this rank's moments into checkpoint directory `dir` (every rank calls it).
+  absl::Status SaveState(const std::string& dir) const;
+  // Restores the moments from a checkpoint written by any world size, after `steps` updates.
+  absl::Status LoadState(const std::string& checkpoint_dir, int64_t steps);
+
+ private:
+  DistributedOptimizer() = default;
+  absl::Status ShardedStep(double lr);
+  void InstallHooks();
+  torch::Tensor& ParamOf(size_t entry);
+  void GradReady(size_t entry);  // from the autograd engine, after an accumulation
+  void LaunchReadyBuckets();     // under mu_
+
+  struct Bucket {
+    int64_t begin = 0, end = 0;  // range of the flat (padded) buffer
+    int64_t waiting = 0;         // parameters whose gradient has not arrived yet
+    std::vector<torch::Tensor> tensors;
+    std::unique_ptr<lm::dist::PendingCollective> pending;
+  };
+
+  lm::dist::ProcessGroup* group_ = nullptr;
+  OptimConfig config_;
+  FlatLayout layout_;
+  std::vector<std::string> names_;
+  std::vector<torch::Tensor> params_;
+  std::vector<size_t> entry_param_;  // layout entry -> index into params_
+  std::unique_ptr<AdamW> adamw_;     // one rank
+
+  // Several ranks.
+  Shard shard_;
+  torch::Tensor flat_params_, flat_grads_;  // padded to world * chunk
+  torch::Tensor exp_avg_, exp_avg_sq_;      // this rank's slice
+  std::vector<torch::Tensor> entry_steps_;  // AdamW step count per entry (as fused AdamW wants)
+  torch::ScalarType gather_dtype_ = torch::kFloat32;
+  bool masters_synced_ = true;  // every rank's weights are the fp32 masters
+  int64_t steps_ = 0;
+  std::vector<Bucket> buckets_;
+  std::vector<size_t> bucket_of_entry_;
+  std::mutex mu_;
+  bool armed_ = false;      // in the last backward of a step
+  size_t next_launch_ = 0;  // buckets [0, next_launch_) are in flight
+  int64_t overlapped_ = 0;
+};
+
+}  // namespace trainer

@@ -1,0 +1,91 @@
+// Config sections shared by the learner's jobs (sft now, opd later): optimizer and schedule, run
+// directory, checkpoints, logging. Each struct lists its fields for trainer/common/config.h.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace trainer {
+
+// AdamW + cosine schedule + clipping (trainer/common/optim.h). Defaults: the paper's SFT recipe.
+struct OptimConfig {
+  double lr = 1e-5;           // peak learning rate
+  double min_lr = 1e-6;       // the cosine ends here
+  int64_t warmup_steps = 0;   // linear warm-up to `lr` over this many steps
+  double weight_decay = 0.1;  // not applied to 1-D parameters (norms) and biases
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double max_grad_norm = 1.0;  // global L2 norm clipping; <= 0 disables it
+};
+
+template <class V>
+void VisitFields(V& v, OptimConfig& c) {
+  v("lr", c.lr);
+  v("min_lr", c.min_lr);
+  v("warmup_steps", c.warmup_steps);
+  v("weight_decay", c.weight_decay);
+  v("beta1", c.beta1);
+  v("beta2", c.beta2);
+  v("eps", c.eps);
+  v("max_grad_norm", c.max_grad_norm);
+}
+
+// Where the run lives and whether it continues an earlier one.
+struct RunConfig {
+  std::string dir;              // run directory (created); required
+  std::string resume = "auto";  // auto: continue from the latest checkpoint if there is one;
+                                // never: refuse to start in a run directory with checkpoints
+};
+
+template <class V>
+void VisitFields(V& v, RunConfig& c) {
+  v("dir", c.dir);
+  v("resume", c.resume);
+}
+
+struct CheckpointConfig {
+  int64_t every = 500;    // steps between checkpoints (0: only at the end and on a stop)
+  int64_t keep_last = 3;  // complete checkpoints kept; older ones are deleted (0: keep all)
+  bool at_end = true;     // also after the last step (off for throwaway runs: benchmarks)
+};
+
+template <class V>
+void VisitFields(V& v, CheckpointConfig& c) {
+  v("every", c.every);
+  v("keep_last", c.keep_last);
+  v("at_end", c.at_end);
+}
+
+struct LoggingConfig {
+  int64_t log_every = 1;    // steps between plain log lines when stderr is not a terminal
+  bool tensorboard = true;  // event files under <run>/tensorboard
+};
+
+template <class V>
+void VisitFields(V& v, LoggingConfig& c) {
+  v("log_every", c.log_every);
+  v("tensorboard", c.tensorboard);
+}
+
+// Several learner ranks (data parallel over c10d; trainer/common/parallel.h). The launcher's environment
+// (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) says how many; these say how.
+struct DistConfig {
+  std::string backend = "auto";  // auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+  double timeout_s = 600;        // a collective (or the rendezvous) fails after this long
+  double bucket_mb = 32;         // gradient all-reduce bucket size
+  // dtype of the updated weights' all-gather (ZeRO-1): auto (bfloat16 on CUDA, float32 on the
+  // CPU) | float32 | bfloat16. With bfloat16 the fp32 masters stay sharded (trainer/common/parallel.h).
+  std::string allgather_dtype = "auto";
+};
+
+template <class V>
+void VisitFields(V& v, DistConfig& c) {
+  v("backend", c.backend);
+  v("timeout_s", c.timeout_s);
+  v("bucket_mb", c.bucket_mb);
+  v("allgather_dtype", c.allgather_dtype);
+}
+
+}  // namespace trainer

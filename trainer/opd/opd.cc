@@ -1,0 +1,1015 @@
+#include "trainer/opd/opd.h"
+
+#include <torch/torch.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <future>
+#include <limits>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "lm/data/prompt_dataset.h"
+#include "lm/model/logprobs.h"
+#include "lm/model/model.h"
+#include "lm/text/tokenizer.h"
+#include "lm/util/log.h"
+#include "lm/util/status.h"
+#include "rpc/auth.h"
+#include "trainer/common/checkpoint.h"
+#include "trainer/opd/convergence.h"
+#include "trainer/common/job_main.h"
+#include "trainer/common/job_util.h"
+#include "trainer/opd/learner_service.h"
+#include "trainer/common/metrics.h"
+#include "trainer/opd/opd_loss.h"
+#include "trainer/common/optim.h"
+#include "trainer/common/parallel.h"
+#include "trainer/common/progress.h"
+#include "trainer/opd/rollout_pool.h"
+#include "trainer/common/run_dir.h"
+#include "trainer/common/signals.h"
+#include "trainer/opd/teacher_pool.h"
+
+namespace trainer {
+namespace {
+
+namespace fs = std::filesystem;
+
+// One step's samples: the prompts, what the rollout workers returned, and the data cursor after
+// these prompts were drawn (what a checkpoint of this step records).
+struct Rollouts {
+  std::vector<lm::PromptExample> prompts;
+  std::vector<opd::rpc::GeneratedSample> samples;
+  lm::DataCursor cursor_after;
+  double seconds = 0;
+};
+
+// Sums over a step's response tokens, turned into the logged means.
+struct StepStats {
+  LossStats loss;
+  double loss_value = 0;
+  double teacher_lp_sum = 0, student_lp_sum = 0, entropy_sum = 0;
+  double grad_norm = 0, lr = 0;
+  bool skipped = false;
+  int64_t response_tokens = 0, total_tokens = 0, max_response = 0;
+  // sample_s is the wait for this step's samples; sample_work_s how long sampling them took
+  // (the same when synchronous; with one-step-off the work overlapped the previous step).
+  double sample_s = 0, sample_work_s = 0, score_s = 0, learn_s = 0, push_s = 0, step_s = 0;
+  SampleStats samples;  // weight-version lag and truncation of the step's samples
+};
+
+// Response positions of one micro-batch: rows of the packed hidden states that predict the
+// response tokens, the tokens, and where each sample's entries start in the step's flat arrays.
+struct MicroBatch {
+  std::vector<size_t> samples;  // indices into Rollouts::samples
+  lm::PackedBatch batch;
+  torch::Tensor rows, targets;
+  int64_t response_tokens = 0;
+};
+
+std::vector<int32_t> Concat(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  std::vector<int32_t> out(a);
+  out.insert(out.end(), b.begin(), b.end());
+  return out;
+}
+
+class OpdJob {
+ public:
+  OpdJob(OpdConfig config, RunDir run, std::string yaml)
+      : c_(std::move(config)),
+        run_(std::move(run)),
+        yaml_(std::move(yaml)),
+        checkpoints_(run_.checkpoints(), c_.checkpoint.keep_last) {}
+
+  absl::Status Init(const JobArgs& args);
+  absl::Status Run();
+
+ private:
+  absl::Status LoadStudent(const std::string& dir);
+  absl::Status LoadPrompts();
+  absl::Status ConnectRollout();
+  absl::Status StartStage(size_t index, bool resumed);
+  absl::Status Resume(const std::string& checkpoint);
+  absl::Status ApplyPendingSwap();
+
+  absl::StatusOr<Rollouts> Sample(std::vector<lm::PromptExample> prompts,
+                                  lm::DataCursor cursor_after);
+  std::vector<lm::PromptExample> DrawPrompts(lm::DataCursor* cursor_after);
+  absl::StatusOr<Rollouts> ShareRollouts(absl::StatusOr<Rollouts> mine);
+  absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> Score(const Rollouts& r,
+                                                           const std::vector<MicroBatch>& mine);
+  std::vector<MicroBatch> MyMicroBatches(const Rollouts& r);
+  absl::Status ReduceStats(StepStats* st);
+  std::vector<MicroBatch> MakeMicroBatches(const Rollouts& r);
+  absl::Status Learn(const Rollouts& r, const std::vector<MicroBatch>& mine,
+                     const std::vector<opd::rpc::ScoreOutput>& scores, StepStats* st);
+  absl::Status PushWeights();
+  void LogStep(const StepStats& st);
+  bool FinishStageIfConverged(double reverse_kl);
+
+  nlohmann::json TrainerState() const;
+  absl::Status SaveCheckpoint();
+  absl::Status StopForSignal();
+  absl::Status FailStep(const absl::Status& error, const std::string& what);
+
+ public:
+  // After an exception escaped Run(): checkpoints the last completed step when it can.
+  void CheckpointAfterException();
+
+ private:
+  OpdConfig c_;
+  RunDir run_;
+  std::string yaml_;
+  CheckpointManager checkpoints_;
+  torch::Device device_{torch::kCPU};
+  std::string secret_;
+  std::unique_ptr<lm::Tokenizer> tokenizer_;
+  std::unique_ptr<lm::PromptDataset> prompts_;
+  std::shared_ptr<lm::CausalLM> model_;
+  // The learner's ranks: rank 0 drives the rollout workers and the admin service; every rank
+  // scores and learns its share of each step's micro-batches (one rank: the trivial group).
+  std::unique_ptr<lm::dist::ProcessGroup> group_ = std::make_unique<lm::dist::ProcessGroup>();
+  std::unique_ptr<DistributedOptimizer> optimizer_;
+  CosineSchedule schedule_;
+  std::unique_ptr<MetricsLogger> metrics_;
+  std::unique_ptr<Progress> progress_;
+  std::unique_ptr<RolloutPool> rollout_;
+  std::unique_ptr<TeacherPool> teachers_;
+  std::unique_ptr<ConvergenceTracker> tracker_;
+  std::unique_ptr<LearnerServer> admin_;
+  // Ends every Generate/Score/UpdateWeights in flight when the job stops (a signal or a failure).
+  std::shared_ptr<opd::rpc::CallCanceller> canceller_ = std::make_shared<opd::rpc::CallCanceller>();
+  SampledTokenLossOptions loss_opts_;
+  TopKDivergence divergence_ = TopKDivergence::kMixed;
+
+  size_t stage_ = 0;            // index into c_.stages
+  int64_t step_ = 0;            // completed steps over all stages
+  int64_t weight_version_ = 0;  // version the rollout workers serve
+  lm::DataCursor cursor_;       // after the last completed step's prompts
+  int64_t nonfinite_consecutive_ = 0, nonfinite_total_ = 0;
+  int64_t last_checkpoint_step_ = -1;
+  bool done_ = false;
+  nlohmann::json stage_summaries_ = nlohmann::json::array();
+  nlohmann::json swapped_ = nlohmann::json::object();  // stage -> endpoints set by swap-teacher
+};
+
+absl::Status OpdJob::LoadStudent(const std::string& dir) {
+  ASSIGN_OR_RETURN(model_, lm::LoadModel(dir, {torch::kFloat32, device_}));
+  model_->train();
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  for (auto& p : model_->named_parameters()) params.emplace_back(p.key(), p.value());
+  ASSIGN_OR_RETURN(optimizer_,
+                   MakeLearnerOptimizer(params, c_.optim, c_.dist, group_.get(), device_));
+  return absl::OkStatus();
+}
+
+absl::Status OpdJob::LoadPrompts() {
+  const std::string tok = c_.model.tokenizer.empty() ? c_.model.path : c_.model.tokenizer;
+  ASSIGN_OR_RETURN(tokenizer_, lm::Tokenizer::Load(tok));
+  if (tokenizer_->vocab_size() > model_->config().vocab_size) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the tokenizer (", tokenizer_->vocab_size(),
+        " ids) does not fit the student's vocabulary (", model_->config().vocab_size, ")"));
+  }
+  lm::PromptDatasetOptions o;
+  for (const auto& s : c_.prompts.sources) o.sources.push_back({s.name, s.files, s.weight});
+  o.max_prompt_len = static_cast<int32_t>(c_.prompts.max_prompt_len);
+  o.skip_bad_lines = c_.prompts.skip_bad_lines;
+  o.shuffle = c_.prompts.shuffle;
+  o.seed = static_cast<uint64_t>(c_.prompts.seed);
+  o.chat_format =
+      c_.model.chat_format == "qwen2" ? lm::ChatFormat::Qwen2() : lm::ChatFormat::Qwen3();
+  o.drop_final_assistant = true;
+  ASSIGN_OR_RETURN(prompts_, lm::PromptDataset::Load(*tokenizer_, o));
+  lm::log::Info(absl::StrCat("prompts: ", prompts_->stats().Summary()));
+  return absl::OkStatus();
+}
+
+absl::Status OpdJob::ConnectRollout() {
+  opd::rpc::ClientOptions base;
+  base.secret = secret_;
+  base.tls = ClientTls(c_.auth);
+  base.timeout = absl::Seconds(c_.rollout.timeout_s);
+  base.canceller = canceller_;
+  ASSIGN_OR_RETURN(rollout_,
+                   RolloutPool::Connect(c_.rollout.endpoints, base, tokenizer_->Fingerprint(),
+                                             model_->config().vocab_size));
+  return absl::OkStatus();
+}
+
+absl::Status OpdJob::StartStage(size_t index, bool resumed) {
+  const OpdStageConfig& s = c_.stages[index];
+  TeacherPoolOptions po;
+  po.client.secret = secret_;
+  po.client.tls = ClientTls(c_.auth);
+  po.client.timeout = absl::Seconds(c_.train.teacher_timeout_s);
+  po.client.canceller = canceller_;
+  TeacherRequirements req{tokenizer_->Fingerprint(), model_->config().vocab_size};
+  ASSIGN_OR_RETURN(teachers_, TeacherPool::Connect(s.name, s.teachers, req, po));
+  if (!resumed) {
+    ConvergenceRule rule;
+    rule.max_steps = s.max_steps;
+    rule.plateau = s.plateau.enabled;
+    rule.window = s.plateau.window;
+    rule.min_rel_improvement = s.plateau.min_rel_improvement;
+    rule.ema_beta = s.plateau.ema_beta;
+    rule.min_steps = s.plateau.min_steps;
+    tracker_ = std::make_unique<ConvergenceTracker>(rule);
+  }
+  stage_ = index;
+  lm::log::Info(absl::StrFormat("stage %d/%d '%s': teachers %s", index + 1, c_.stages.size(),
+                                s.name, absl::StrJoin(s.teachers, ", ")));
+  return absl::OkStatus();
+}
+
+// Applies a teacher swap requested through the admin RPC (already checked by the handler).
+// Applies a teacher swap requested through rank 0's admin RPC, at a step boundary on the training
+// thread: rank 0 announces the swap (stage and endpoints; empty when there is none), every rank
+// connects its own pool with the running stage's options (teacher_timeout_s, TLS, secret, the
+// stop canceller) and checks it against the student, and the swap takes effect only if it worked
+// on every rank. The caller of swap-teacher gets that outcome; a refused swap changes nothing.
+absl::Status OpdJob::ApplyPendingSwap() {
+  if (group_->size() == 1 && !admin_) return absl::OkStatus();
+  absl::Status collective = absl::OkStatus();
+  auto apply = [this, &collective](std::string announced) -> absl::Status {
+    collective = group_->BroadcastBytes(&announced);
+    if (!collective.ok()) return collective;
+    if (announced.empty()) return absl::OkStatus();
+    const nlohmann::json swap = nlohmann::json::parse(announced);
+    const std::string stage = swap.at("stage").get<std::string>();
+    const auto endpoints = swap.at("endpoints").get<std::vector<std::string>>();
+    const TeacherRequirements req{tokenizer_->Fingerprint(), model_->config().vocab_size};
+    absl::StatusOr<std::unique_ptr<TeacherPool>> pool =
+        TeacherPool::Connect(stage, endpoints, req, teachers_->options());
+    std::vector<double> failed(static_cast<size_t>(group_->size()), 0.0);
+    failed[static_cast<size_t>(group_->rank())] = pool.ok() ? 0.0 : 1.0;
+    absl::StatusOr<std::vector<double>> agreed = group_->AllReduceDoubles(failed);
+    if (!agreed.ok()) return collective = agreed.status();
+    if (!pool.ok()) return pool.status();
+    for (size_t r = 0; r < agreed->size(); ++r) {
+      if ((*agreed)[r] > 0)
+        return absl::UnavailableError(
+            absl::StrCat("learner rank ", r, " cannot connect to the new teachers (see its log)"));
+    }
+    for (auto& s : c_.stages) {
+      if (s.name != stage) continue;
+      s.teachers = endpoints;
+      swapped_[s.name] = s.teachers;
+      if (&s == &c_.stages[stage_]) {
+        teachers_ = std::move(*pool);
+        tracker_->RestartWindow();  // KL to the new teachers is not comparable with the old ones
+      }
+      progress_->Log(absl::StrFormat("teacher swap applied at step %d: stage '%s' now uses %s",
+                                     step_, s.name, absl::StrJoin(s.teachers, ", ")));
+    }
+    return absl::OkStatus();
+  };
+  if (!group_->is_root()) {
+    (void)apply("");  // receives rank 0's announcement; its outcome is rank 0's to report
+    return collective;
+  }
+  bool served = false;
+  if (admin_) {
+    admin_->ServePendingSwap([&](const SwapRequest& swap) -> absl::Status {
+      served = true;
+      return apply(nlohmann::json{{"stage", swap.stage}, {"endpoints", swap.endpoints}}.dump());
+    });
+  }
+  if (!served) (void)apply("");
+  return collective;
+}
+
+std::vector<lm::PromptExample> OpdJob::DrawPrompts(lm::DataCursor* cursor_after) {
+  auto prompts = prompts_->NextBatch(static_cast<size_t>(c_.train.prompts_per_step));
+  *cursor_after = prompts_->cursor();
+  return prompts;
+}
+
+absl::StatusOr<Rollouts> OpdJob::Sample(std::vector<lm::PromptExample> prompts,
+                                        lm::DataCursor cursor_after) {
+  const auto t0 = Clock::now();
+  Rollouts r;
+  r.prompts = std::move(prompts);
+  r.cursor_after = std::move(cursor_after);
+  std::vector<std::vector<int32_t>> ids;
+  for (const auto& p : r.prompts) ids.push_back(p.prompt_ids);
+  opd::rpc::GenerateOptions g;
+  g.samples_per_prompt = static_cast<int32_t>(c_.rollout.samples_per_prompt);
+  g.temperature = static_cast<float>(c_.rollout.temperature);
+  g.top_p = static_cast<float>(c_.rollout.top_p);
+  g.top_k = static_cast<int32_t>(c_.rollout.top_k);
+  g.max_new_tokens = static_cast<int32_t>(c_.rollout.max_new_tokens);
+  ASSIGN_OR_RETURN(const int32_t im_end, tokenizer_->TokenId("<|im_end|>"));
+  g.stop_token_ids = {im_end};
+  if (auto eot = tokenizer_->TokenId("<|endoftext|>"); eot.ok()) g.stop_token_ids.push_back(*eot);
+  // A fresh seed per step (the data cursor's position), reproducible across resumes.
+  g.seed = static_cast<uint64_t>(c_.rollout.seed) * 1000003ULL + r.cursor_after.step;
+  ASSIGN_OR_RETURN(r.samples, rollout_->Generate(ids, g));
+  for (const auto& s : r.samples) {
+    if (s.tokens.empty() || s.tokens.size() != s.logprobs.size()) {
+      return absl::InternalError(
+          absl::StrCat("rollout returned a malformed sample for prompt ", s.prompt_index));
+    }
+  }
+  r.seconds = Seconds(t0);
+  return r;
+}
+
+// Scores the samples of this rank's micro-batches (every sample on one rank); the result is
+// indexed like r.samples, with the other ranks' samples left empty.
+absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> OpdJob::Score(
+    const Rollouts& r, const std::vector<MicroBatch>& mine) {
+  std::vector<size_t> which;
+  for (const MicroBatch& mb : mine) which.insert(which.end(), mb.samples.begin(), mb.samples.end());
+  std::vector<opd::rpc::ScoreInput> inputs;
+  inputs.reserve(which.size());
+  for (size_t i : which) {
+    const auto& s = r.samples[i];
+    const auto& prompt = r.prompts[s.prompt_index].prompt_ids;
+    inputs.push_back({Concat(prompt, s.tokens), static_cast<int32_t>(prompt.size())});
+  }
+  std::vector<opd::rpc::ScoreOutput> out(r.samples.size());
+  if (inputs.empty()) return out;
+  opd::rpc::ScoreOptions so;
+  so.temperature = static_cast<float>(c_.loss.teacher_temperature);
+  so.top_k = c_.loss.form == "topk" ? static_cast<int32_t>(c_.loss.top_k) : 0;
+  ASSIGN_OR_RETURN(auto scores, teachers_->Score(inputs, so, [] { return StopRequested(); }));
+  for (size_t j = 0; j < scores.size(); ++j) {
+    const size_t i = which[j];
+    if (scores[j].logprobs.size() != r.samples[i].tokens.size()) {
+      return absl::InternalError(absl::StrCat("teacher returned ", scores[j].logprobs.size(),
+                                              " scores for a response of ",
+                                              r.samples[i].tokens.size(), " tokens"));
+    }
+    out[i] = std::move(scores[j]);
+  }
+  return out;
+}
+
+// Rank r learns micro-batches r, r + N, ... of the step (each rank packs them all the same way).
+std::vector<MicroBatch> OpdJob::MyMicroBatches(const Rollouts& r) {
+  std::vector<MicroBatch> all = MakeMicroBatches(r), mine;
+  for (size_t i = static_cast<size_t>(group_->rank()); i < all.size();
+       i += static_cast<size_t>(group_->size()))
+    mine.push_back(std::move(all[i]));
+  return mine;
+}
+
+namespace {
+
+// Rollouts cross from rank 0 to the others as flat little-endian records.
+template <class T>
+void Put(std::string* out, const T& v) {
+  out->append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+template <class T>
+void PutVector(std::string* out, const std::vector<T>& v) {
+  Put<uint64_t>(out, v.size());
+  out->append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+}
+
+std::string EncodeSamples(const std::vector<opd::rpc::GeneratedSample>& samples) {
+  std::string out;
+  Put<uint64_t>(&out, samples.size());
+  for (const auto& s : samples) {
+    Put(&out, s.prompt_index);
+    Put(&out, s.sample_index);
+    Put<int32_t>(&out, static_cast<int32_t>(s.finish_reason));
+    Put(&out, s.weight_version);
+    PutVector(&out, s.tokens);
+    PutVector(&out, s.logprobs);
+  }
+  return out;
+}
+
+class Reader {
+ public:
+  explicit Reader(const std::string& bytes) : p_(bytes.data()), end_(bytes.data() + bytes.size()) {}
+  template <class T>
+  bool Get(T* v) {
+    if (static_cast<size_t>(end_ - p_) < sizeof(T)) return false;
+    std::memcpy(v, p_, sizeof(T));
+    p_ += sizeof(T);
+    return true;
+  }
+  template <class T>
+  bool GetVector(std::vector<T>* v) {
+    uint64_t n = 0;
+    if (!Get(&n) || n > static_cast<uint64_t>(end_ - p_) / sizeof(T)) return false;
+    v->resize(n);
+    std::memcpy(v->data(), p_, n * sizeof(T));
+    p_ += n * sizeof(T);
+    return true;
+  }
+  bool done() const { return p_ == end_; }
+
+ private:
+  const char* p_;
+  const char* end_;
+};
+
+absl::StatusOr<std::vector<opd::rpc::GeneratedSample>> DecodeSamples(const std::string& bytes) {
+  Reader in(bytes);
+  uint64_t n = 0;
+  std::vector<opd::rpc::GeneratedSample> out;
+  bool ok = in.Get(&n);
+  for (uint64_t i = 0; ok && i < n; ++i) {
+    opd::rpc::GeneratedSample s;
+    int32_t reason = 0;
+    ok = in.Get(&s.prompt_index) && in.Get(&s.sample_index) && in.Get(&reason) &&
+         in.Get(&s.weight_version) && in.GetVector(&s.tokens) && in.GetVector(&s.logprobs);
+    s.finish_reason = static_cast<opd::v1::FinishReason>(reason);
+    out.push_back(std::move(s));
+  }
+  if (!ok || !in.done())
+    return absl::DataLossError("the step's samples from rank 0 are truncated or malformed");
+  return out;
+}
+
+}  // namespace
+
+// Rank 0's samples (or its failure) on every rank; the others pass their drawn prompts.
+absl::StatusOr<Rollouts> OpdJob::ShareRollouts(absl::StatusOr<Rollouts> mine) {
+  if (group_->size() == 1) return mine;
+  std::string verdict = group_->is_root() && !mine.ok() ? std::string(mine.status().message()) : "";
+  RETURN_IF_ERROR(group_->BroadcastBytes(&verdict));
+  if (!group_->is_root() && !verdict.empty())
+    return absl::UnavailableError(absl::StrCat("rank 0: ", verdict));
+  if (!mine.ok()) return mine;
+  std::string bytes = group_->is_root() ? EncodeSamples(mine->samples) : "";
+  RETURN_IF_ERROR(group_->BroadcastBytes(&bytes));
+  if (!group_->is_root()) {
+    ASSIGN_OR_RETURN(mine->samples, DecodeSamples(bytes));
+    for (const auto& s : mine->samples) {
+      if (s.prompt_index < 0 || static_cast<size_t>(s.prompt_index) >= mine->prompts.size())
+        return absl::DataLossError(absl::StrCat("rank 0's samples name prompt ", s.prompt_index,
+                                                " of ", mine->prompts.size(),
+                                                ": the ranks drew different prompts"));
+    }
+  }
+  return mine;
+}
+
+// Sums (and extremes) of the step's statistics over the ranks, so every rank logs and decides
+// (convergence, non-finite steps) on the same numbers.
+absl::Status OpdJob::ReduceStats(StepStats* st) {
+  if (group_->size() == 1) return absl::OkStatus();
+  LossStats& l = st->loss;
+  ASSIGN_OR_RETURN(std::vector<double> sums,
+                   group_->AllReduceDoubles({st->loss_value, st->teacher_lp_sum, st->student_lp_sum,
+                                             st->entropy_sum, l.reverse_kl_sum, l.ratio_sum,
+                                             l.clipped, l.mismatch_abs_sum, l.tokens}));
+  const double inf = std::numeric_limits<double>::infinity();
+  ASSIGN_OR_RETURN(
+      std::vector<double> lo,
+      group_->AllReduceDoubles({l.tokens > 0 ? l.ratio_min : inf}, lm::dist::ReduceOp::kMin));
+  ASSIGN_OR_RETURN(
+      std::vector<double> hi,
+      group_->AllReduceDoubles({l.tokens > 0 ? l.ratio_max : -inf}, lm::dist::ReduceOp::kMax));
+  st->loss_value = sums[0];
+  st->teacher_lp_sum = sums[1];
+  st->student_lp_sum = sums[2];
+  st->entropy_sum = sums[3];
+  l.reverse_kl_sum = sums[4];
+  l.ratio_sum = sums[5];
+  l.clipped = sums[6];
+  l.mismatch_abs_sum = sums[7];
+  l.tokens = sums[8];
+  l.ratio_min = std::isfinite(lo[0]) ? lo[0] : 0;
+  l.ratio_max = std::isfinite(hi[0]) ? hi[0] : 0;
+  return absl::OkStatus();
+}
+
+// Packs samples (prompt + response) into micro-batches of at most micro_batch_tokens tokens (a
+// longer sample gets a micro-batch of its own). Row p of a document predicts token p + 1, so the
+// response tokens [P, L) are predicted by rows [P - 1, L - 1).
+std::vector<MicroBatch> OpdJob::MakeMicroBatches(const Rollouts& r) {
+  std::vector<MicroBatch> out;
+  std::vector<std::vector<int64_t>> docs;
+  std::vector<int64_t> rows, targets;
+  int64_t tokens = 0;
+  auto flush = [&] {
+    if (docs.empty()) return;
+    MicroBatch mb;
+    // Only the micro-batches this rank learns (every Nth, from its rank) get tensors; the others
+    // keep their sample indices alone.
+    const size_t ranks = static_cast<size_t>(group_->size());
+    if (out.size() % ranks == static_cast<size_t>(group_->rank())) {
+      mb.batch = lm::PackedBatch::FromSequences(docs);
+      mb.batch.input_ids = mb.batch.input_ids.to(device_);
+      mb.batch.position_ids = mb.batch.position_ids.to(device_);
+      mb.rows = torch::tensor(rows, torch::kInt64).to(device_);
+      mb.targets = torch::tensor(targets, torch::kInt64).to(device_);
+    }
+    mb.response_tokens = static_cast<int64_t>(rows.size());
+    mb.samples = std::move(out.empty() ? mb.samples : mb.samples);
+    out.push_back(std::move(mb));
+    docs.clear();
+    rows.clear();
+    targets.clear();
+    tokens = 0;
+  };
+  std::vector<size_t> current;
+  for (size_t i = 0; i < r.samples.size(); ++i) {
+    const auto& s = r.samples[i];
+    const auto& prompt = r.prompts[s.prompt_index].prompt_ids;
+    const int64_t len = static_cast<int64_t>(prompt.size() + s.tokens.size());
+    if (tokens > 0 && tokens + len > c_.train.micro_batch_tokens) {
+      flush();
+      out.back().samples = std::move(current);
+      current.clear();
+    }
+    std::vector<int64_t> doc(prompt.begin(), prompt.end());
+    doc.insert(doc.end(), s.tokens.begin(), s.tokens.end());
+    for (size_t t = 0; t < s.tokens.size(); ++t) {
+      rows.push_back(tokens + static_cast<int64_t>(prompt.size() + t) - 1);
+      targets.push_back(s.tokens[t]);
+    }
+    docs.push_back(std::move(doc));
+    current.push_back(i);
+    tokens += len;
+  }
+  flush();
+  if (!out.empty()) out.back().samples = std::move(current);
+  return out;
+}
+
+absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<MicroBatch>& mine,
+                           const std::vector<opd::rpc::ScoreOutput>& scores, StepStats* st) {
+  const auto t0 = Clock::now();
+  for (const auto& s : r.samples) {
+    st->response_tokens += static_cast<int64_t>(s.tokens.size());
+    st->total_tokens +=
+        static_cast<int64_t>(r.prompts[s.prompt_index].prompt_ids.size() + s.tokens.size());
+    st->max_response = std::max<int64_t>(st->max_response, static_cast<int64_t>(s.tokens.size()));
+  }
+  const double normaliser = static_cast<double>(std::max<int64_t>(st->response_tokens, 1));
+  const auto& nan_steps = c_.debug.nan_steps;
+  const bool poison = std::find(nan_steps.begin(), nan_steps.end(), step_ + 1) != nan_steps.end();
+  lm::LogprobOptions lo;
+  lo.temperature = c_.rollout.temperature;
+  AutocastGuard autocast(device_.is_cuda());
+  for (size_t m = 0; m < mine.size(); ++m) {
+    const MicroBatch& mb = mine[m];
+    // One process may abandon the step here; several ranks agree on stops at step boundaries.
+    if (group_->size() == 1 && StopRequested()) {
+      optimizer_->ZeroGrad();
+      return absl::CancelledError("stop requested");
+    }
+    std::vector<float> old_lp, teacher_lp, topk_lp;
+    std::vector<int64_t> topk_ids;
+    for (size_t i : mb.samples) {
+      const auto& s = r.samples[i];
+      old_lp.insert(old_lp.end(), s.logprobs.begin(), s.logprobs.end());
+      teacher_lp.insert(teacher_lp.end(), scores[i].logprobs.begin(), scores[i].logprobs.end());
+      topk_ids.insert(topk_ids.end(), scores[i].topk_ids.begin(), scores[i].topk_ids.end());
+      topk_lp.insert(topk_lp.end(), scores[i].topk_logprobs.begin(), scores[i].topk_logprobs.end());
+    }
+    lm::ForwardOptions fwd;
+    fwd.checkpoint_layers = c_.train.activation_checkpointing;
+    auto hidden = model_->Forward(mb.batch, fwd).index_select(0, mb.rows);
+    torch::Tensor entropy;
+    auto lp = lm::TokenLogprobs(hidden, model_->LmHeadWeight(), mb.targets, lo, &entropy);
+    auto lp_old = torch::tensor(old_lp).to(device_);
+    auto lp_teacher = torch::tensor(teacher_lp).to(device_);
+    torch::Tensor loss;
+    if (c_.loss.form == "topk") {
+      const int64_t n = hidden.size(0), k = c_.loss.top_k;
+      auto ids = torch::tensor(topk_ids, torch::kInt64).to(device_);
+      auto w = model_->LmHeadWeight().index_select(0, ids).view({n, k, -1});
+      auto logits_k = (hidden.unsqueeze(1) * w).sum(-1) / c_.rollout.temperature;
+      auto teacher_k = torch::tensor(topk_lp).view({n, k}).to(device_);
+      loss = TopKLoss(logits_k, teacher_k, normaliser, divergence_, c_.loss.alpha);
+      SampledTokenLoss(lp.detach(), lp_old, lp_teacher, normaliser, loss_opts_,
+                            &st->loss);  // stats only
+    } else {
+      loss = SampledTokenLoss(lp, lp_old, lp_teacher, normaliser, loss_opts_, &st->loss);
+    }
+    if (poison) loss = loss * std::numeric_limits<double>::quiet_NaN();  // debug.nan_steps
+    if (m + 1 == mine.size()) optimizer_->ExpectLastBackward();
+    loss.backward();
+    st->loss_value += loss.item<double>();
+    st->teacher_lp_sum += lp_teacher.sum().item<double>();
+    st->student_lp_sum += lp.detach().sum().item<double>();
+    st->entropy_sum += entropy.sum().item<double>();
+  }
+  RETURN_IF_ERROR(ReduceStats(st));
+  ASSIGN_OR_RETURN(st->grad_norm, optimizer_->ReduceAndClip(c_.optim.max_grad_norm));
+  st->lr = schedule_.LrAt(step_);
+  st->skipped = !std::isfinite(st->loss_value) || !std::isfinite(st->grad_norm);
+  if (!st->skipped) RETURN_IF_ERROR(optimizer_->Step(st->lr));
+  optimizer_->ZeroGrad();
+  st->learn_s = Seconds(t0);
+  return absl::OkStatus();
+}
+
+// Rank 0 pushes (every rank holds the same weights after a step); all ranks learn the outcome.
+absl::Status OpdJob::PushWeights() {
+  torch::NoGradGuard no_grad;
+  ++weight_version_;
+  absl::Status pushed =
+      group_->is_root() ? rollout_->PushWeights(*model_, weight_version_) : absl::OkStatus();
+  std::string verdict = pushed.ok() ? "" : std::string(pushed.message());
+  RETURN_IF_ERROR(group_->BroadcastBytes(&verdict));
+  if (!pushed.ok()) return pushed;
+  if (!verdict.empty()) return absl::UnavailableError(absl::StrCat("rank 0: ", verdict));
+  return absl::OkStatus();
+}
+
+void OpdJob::LogStep(const StepStats& st) {
+  if (!metrics_) return;  // rank 0 keeps the run's records
+  const double n = static_cast<double>(std::max<int64_t>(st.response_tokens, 1));
+  const double samples =
+      static_cast<double>(c_.train.prompts_per_step * c_.rollout.samples_per_prompt);
+  metrics_->Log(step_,
+                {{"opd/reverse_kl", st.loss.reverse_kl_sum / n},
+                 {"opd/loss", st.loss_value},
+                 {"opd/teacher_logprob", st.teacher_lp_sum / n},
+                 {"opd/student_logprob", st.student_lp_sum / n},
+                 {"opd/student_entropy", st.entropy_sum / n},
+                 {"opd/response_len_mean", static_cast<double>(st.response_tokens) / samples},
+                 {"opd/response_len_max", static_cast<double>(st.max_response)},
+                 {"opd/ratio_mean", st.loss.ratio_sum / n},
+                 {"opd/ratio_min", st.loss.ratio_min},
+                 {"opd/ratio_max", st.loss.ratio_max},
+                 {"opd/clip_frac", st.loss.clipped / n},
+                 {"opd/sampler_learner_abs_diff", st.loss.mismatch_abs_sum / n},
+                 {"opd/stage", static_cast<double>(stage_)},
+                 {"opd/smoothed_reverse_kl", tracker_->smoothed()},
+                 {"opd/weight_version", static_cast<double>(weight_version_)},
+                 {"opd/teacher_failovers", static_cast<double>(teachers_->failovers())},
+                 {"optim/lr", st.lr},
+                 {"optim/grad_norm", st.grad_norm},
+                 {"optim/skipped", st.skipped ? 1.0 : 0.0},
+                 {"time/sample_s", st.sample_s},
+                 {"time/sample_work_s", st.sample_work_s},
+                 {"rollout/staleness_mean", st.samples.staleness_mean},
+                 {"rollout/staleness_max", st.samples.staleness_max},
+                 {"rollout/truncated_frac", st.samples.truncated_frac},
+                 {"time/score_s", st.score_s},
+                 {"time/learn_s", st.learn_s},
+                 {"time/push_s", st.push_s},
+                 {"time/step_s", st.step_s},
+                 {"throughput/tokens_per_s", static_cast<double>(st.total_tokens) / st.step_s}});
+  progress_->Update({step_, st.loss.reverse_kl_sum / n, st.lr,
+                     static_cast<double>(st.total_tokens) / st.step_s, st.grad_norm, st.skipped},
+                    st.step_s);
+}
+
+// Feeds the stage's rule; on convergence logs the stage summary and returns true.
+bool OpdJob::FinishStageIfConverged(double reverse_kl) {
+  if (!tracker_->Update(reverse_kl)) return false;
+  const auto& s = c_.stages[stage_];
+  nlohmann::json summary = {{"stage", s.name},
+                            {"steps", tracker_->steps()},
+                            {"end_step", step_},
+                            {"reason", tracker_->reason()},
+                            {"smoothed_reverse_kl", tracker_->smoothed()},
+                            {"teachers", s.teachers}};
+  stage_summaries_.push_back(summary);
+  progress_->Log(
+      absl::StrFormat("stage '%s' finished after %d steps (%s): smoothed reverse KL %.4f", s.name,
+                      tracker_->steps(), tracker_->reason(), tracker_->smoothed()));
+  return true;
+}
+
+nlohmann::json OpdJob::TrainerState() const {
+  return {{"job", "opd"},
+          {"stage", stage_},
+          {"stage_name", c_.stages[stage_].name},
+          {"stage_done", done_},
+          {"convergence", tracker_->ToJson()},
+          {"stage_summaries", stage_summaries_},
+          {"swapped_teachers", swapped_},
+          {"weight_version", weight_version_},
+          {"data_cursor", nlohmann::json::parse(cursor_.ToJson())},
+          {"rng", CaptureRngState()},
+          {"nonfinite", {{"consecutive", nonfinite_consecutive_}, {"total", nonfinite_total_}}},
+          {"config", yaml_}};
+}
+
+absl::Status OpdJob::SaveCheckpoint() {
+  if (last_checkpoint_step_ == step_) return absl::OkStatus();
+  const auto t0 = Clock::now();
+  const std::string tok = c_.model.tokenizer.empty() ? c_.model.path : c_.model.tokenizer;
+  RETURN_IF_ERROR(
+      checkpoints_.Save(step_, *model_, *optimizer_, TrainerState(), TokenizerFiles(tok), *group_));
+  last_checkpoint_step_ = step_;
+  progress_->Log(absl::StrFormat("step %d: checkpoint %s/%s (%.1fs)", step_, checkpoints_.dir(),
+                                 StepDirName(step_), Seconds(t0)));
+  return absl::OkStatus();
+}
+
+absl::Status OpdJob::StopForSignal() {
+  const int sig = StopSignal();
+  const std::string what = sig == SIGINT    ? "SIGINT"
+                           : sig == SIGTERM ? "SIGTERM"
+                                            : "a stop signal on another rank";
+  progress_->Log(absl::StrFormat(
+      "received %s: the step in progress is abandoned; writing a checkpoint of step %d", what,
+      step_));
+  RETURN_IF_ERROR(SaveCheckpoint());
+  return absl::CancelledError(
+      absl::StrFormat("stopped by %s at step %d; resume with the same command", what, step_));
+}
+
+// A step that cannot finish. When a stop signal is what failed it, stops as for the signal;
+// otherwise ends the calls still in flight (the one-step-off prefetch), checkpoints the last
+// completed step and returns the error saying what failed.
+absl::Status OpdJob::FailStep(const absl::Status& error, const std::string& what) {
+  absl::StatusOr<bool> stop = group_->AnyRank(StopRequested());
+  if (stop.ok() && *stop) return StopForSignal();
+  canceller_->Cancel();
+  progress_->Log(absl::StrFormat("%s failed: %s; writing a checkpoint of step %d", what,
+                                 error.message(), step_));
+  const absl::Status saved = SaveCheckpoint();
+  return absl::Status(
+      error.code(),
+      absl::StrCat(what, " failed: ", error.message(),
+                   saved.ok() ? absl::StrFormat("; step %d is checkpointed, resume with the same "
+                                                "command once the cause is fixed",
+                                                step_)
+                              : absl::StrCat("; the checkpoint failed too: ", saved.message())));
+}
+
+void OpdJob::CheckpointAfterException() {
+  canceller_->Cancel();
+  try {
+    optimizer_->ZeroGrad();  // a half-done step's gradients are not part of the state
+    if (absl::Status s = SaveCheckpoint(); !s.ok())
+      lm::log::Error(absl::StrCat("checkpoint after the error failed: ", s.message()));
+  } catch (const std::exception& e) {
+    lm::log::Error(absl::StrCat("checkpoint after the error failed: ", e.what()));
+  }
+}
+
+absl::Status OpdJob::Resume(const std::string& checkpoint) {
+  ASSIGN_OR_RETURN(nlohmann::json state, ReadTrainerState(checkpoint));
+  if (state.value("job", "") != "opd")
+    return absl::FailedPreconditionError(checkpoint + ": not an OPD checkpoint");
+  RETURN_IF_ERROR(LoadStudent(checkpoint + "/model"));
+  step_ = state.at("step").get<int64_t>();
+  // AdamW's bias correction counts the updates applied, not the steps run: a skipped
+  // (non-finite) step made no update, so step_ would overcount it.
+  RETURN_IF_ERROR(optimizer_->LoadState(checkpoint, state.at("optimizer_steps").get<int64_t>()));
+  RETURN_IF_ERROR(RestoreRngState(state.at("rng")));
+  ASSIGN_OR_RETURN(cursor_, lm::DataCursor::FromJson(state.at("data_cursor").dump()));
+  weight_version_ = state.at("weight_version").get<int64_t>();
+  nonfinite_consecutive_ = state.at("nonfinite").at("consecutive").get<int64_t>();
+  nonfinite_total_ = state.at("nonfinite").at("total").get<int64_t>();
+  stage_summaries_ = state.at("stage_summaries");
+  // Endpoints swapped in through the admin RPC outlive a restart; the config's others stand.
+  swapped_ = state.value("swapped_teachers", nlohmann::json::object());
+  for (auto& s : c_.stages) {
+    if (swapped_.contains(s.name)) s.teachers = swapped_[s.name].get<std::vector<std::string>>();
+  }
+  stage_ = state.at("stage").get<size_t>();
+  if (stage_ >= c_.stages.size() ||
+      c_.stages[stage_].name != state.at("stage_name").get<std::string>()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(checkpoint, ": stage '", state.at("stage_name").get<std::string>(),
+                     "' is not stage ", stage_ + 1, " of the config"));
+  }
+  done_ = state.at("stage_done").get<bool>();
+  last_checkpoint_step_ = step_;
+  lm::log::Info(absl::StrFormat("resumed from %s at step %d (stage '%s')", checkpoint, step_,
+                                c_.stages[stage_].name));
+  return absl::OkStatus();
+}
+
+absl::Status OpdJob::Init(const JobArgs& args) {
+  if (c_.train.threads > 0) torch::set_num_threads(static_cast<int>(c_.train.threads));
+  ASSIGN_OR_RETURN(LearnerPlacement placement,
+                   JoinLearnerGroup(c_.train.device, c_.dist.timeout_s, c_.dist.backend));
+  device_ = placement.device;
+  group_ = std::move(placement.group);
+  RETURN_IF_ERROR(CheckSameOnEveryRank(*group_, yaml_, "resolved config"));
+  const bool root = group_->is_root();
+  ASSIGN_OR_RETURN(secret_, opd::rpc::LoadSecret(c_.auth.secret_file));
+  ASSIGN_OR_RETURN(loss_opts_.correction, ParseCorrection(c_.loss.correction));
+  ASSIGN_OR_RETURN(divergence_, ParseTopKDivergence(c_.loss.divergence));
+  loss_opts_.kl_coef = c_.loss.kl_coef;
+  loss_opts_.tis_cap = c_.loss.tis_cap;
+  loss_opts_.clip_low = c_.loss.clip_low;
+  loss_opts_.clip_high = c_.loss.clip_high;
+  schedule_ = {c_.optim.lr, c_.optim.min_lr, c_.optim.warmup_steps, 1};
+  int64_t total = 0;
+  for (const auto& s : c_.stages) total += s.max_steps;
+  schedule_.total_steps = std::max<int64_t>(total, 1);
+
+  // Rank 0 cleans up and picks the checkpoint; every rank resumes from that one.
+  std::string resume_from = args.resume_from;
+  absl::Status found = absl::OkStatus();
+  if (root) {
+    checkpoints_.RemoveIncomplete();
+    if (resume_from.empty() && (args.resume || c_.run.resume == "auto")) {
+      if (auto latest = checkpoints_.Latest(); latest.ok())
+        resume_from = *latest;
+      else if (args.resume)
+        found =
+            absl::NotFoundError(absl::StrCat("--resume: no checkpoint in ", checkpoints_.dir()));
+    } else if (resume_from.empty() && !checkpoints_.List().empty()) {
+      found = absl::FailedPreconditionError(
+          absl::StrCat(run_.path(), " has checkpoints and run.resume is 'never'"));
+    }
+  }
+  std::string verdict = found.ok() ? "" : std::string(found.message());
+  RETURN_IF_ERROR(group_->BroadcastBytes(&verdict));
+  if (!found.ok()) return found;
+  if (!verdict.empty()) return absl::FailedPreconditionError("rank 0: " + verdict);
+  RETURN_IF_ERROR(group_->BroadcastBytes(&resume_from));
+  bool resumed = !resume_from.empty();
+  if (resumed) {
+    RETURN_IF_ERROR(Resume(resume_from));
+  } else {
+    torch::manual_seed(static_cast<uint64_t>(c_.train.seed));
+    RETURN_IF_ERROR(LoadStudent(c_.model.path));
+  }
+  RETURN_IF_ERROR(LoadPrompts());
+  if (resumed) RETURN_IF_ERROR(prompts_->Seek(cursor_));
+  cursor_ = prompts_->cursor();
+  if (root) {  // only rank 0 talks to the rollout workers
+    RETURN_IF_ERROR(ConnectRollout());
+    ASSIGN_OR_RETURN(const int64_t served, rollout_->MaxWeightVersion());
+    weight_version_ = std::max(weight_version_, served);  // versions only grow, across restarts
+  }
+  if (!resumed) {
+    RETURN_IF_ERROR(StartStage(stage_, false));
+  } else {
+    ASSIGN_OR_RETURN(nlohmann::json state, ReadTrainerState(resume_from));
+    const bool stage_finished = !state.at("convergence").at("reason").get<std::string>().empty();
+    if (stage_finished && !done_) {
+      RETURN_IF_ERROR(StartStage(stage_ + 1, false));
+    } else {
+      RETURN_IF_ERROR(StartStage(stage_, false));
+      tracker_->FromJson(state.at("convergence"));
+    }
+  }
+  if (root && !c_.admin.listen.empty()) {
+    LearnerServerOptions ao;
+    ao.listen = c_.admin.listen;
+    ao.secret = secret_;
+    ao.port_file = c_.admin.port_file;
+    ao.tls = AdminTls(c_.auth);
+    ao.insecure = c_.admin.insecure;
+    for (const auto& s : c_.stages) ao.stages.push_back(s.name);
+    ASSIGN_OR_RETURN(admin_, LearnerServer::Start(ao));
+  }
+  if (root) {
+    ASSIGN_OR_RETURN(MetricsLogger m,
+                     MetricsLogger::Open(run_.metrics_jsonl(), run_.tensorboard(),
+                                         c_.logging.tensorboard, resumed ? step_ : -1));
+    metrics_ = std::make_unique<MetricsLogger>(std::move(m));
+  }
+  progress_ = std::make_unique<Progress>(schedule_.total_steps, c_.logging.log_every,
+                                         root && ::isatty(STDERR_FILENO) == 1);
+  // The workers serve the student we start from (the SFT model, or the resumed checkpoint).
+  const auto t0 = Clock::now();
+  RETURN_IF_ERROR(PushWeights());
+  if (root)
+    lm::log::Info(absl::StrFormat(
+        "pushed the student's weights to %d rollout worker(s) as version %d (%.1fs)",
+        rollout_->size(), weight_version_, Seconds(t0)));
+  return absl::OkStatus();
+}
+
+absl::Status OpdJob::Run() {
+  InstallStopHandlers();
+  // The signal handler only sets a flag; this ends the calls in flight (deadlines up to an hour).
+  StopCallback cancel_calls([c = canceller_] { c->Cancel(); });
+  std::optional<std::future<absl::StatusOr<Rollouts>>> prefetch;
+  // Every rank draws the same prompts; rank 0 samples them and shares the samples at the step.
+  auto launch = [this] {
+    lm::DataCursor after;
+    auto prompts = DrawPrompts(&after);
+    if (!group_->is_root()) {
+      return std::async(std::launch::deferred,
+                        [p = std::move(prompts), after]() mutable -> absl::StatusOr<Rollouts> {
+                          Rollouts r;
+                          r.prompts = std::move(p);
+                          r.cursor_after = std::move(after);
+                          return r;
+                        });
+    }
+    return std::async(std::launch::async, [this, p = std::move(prompts), after]() mutable {
+      return Sample(std::move(p), std::move(after));
+    });
+  };
+  while (!done_) {
+    ASSIGN_OR_RETURN(const bool stop, group_->AnyRank(StopRequested()));
+    if (stop) return StopForSignal();
+    RETURN_IF_ERROR(ApplyPendingSwap());
+    const auto t0 = Clock::now();
+    StepStats st;
+    auto current = prefetch ? std::move(*prefetch) : launch();
+    prefetch.reset();
+    absl::StatusOr<Rollouts> sampled = ShareRollouts(current.get());
+    if (!sampled.ok()) return FailStep(sampled.status(), "sampling");
+    Rollouts r = std::move(*sampled);
+    st.sample_s = Seconds(t0);
+    st.sample_work_s = r.seconds;
+    st.samples = SummarizeSamples(r.samples, weight_version_);
+    // One-step-off: the next step's sampling runs on the current weights while this step learns.
+    if (c_.train.async) prefetch = launch();
+    auto t1 = Clock::now();
+    const std::vector<MicroBatch> mine = MyMicroBatches(r);
+    auto scores = Score(r, mine);
+    // A rank whose share could not be scored fails the step for every rank.
+    ASSIGN_OR_RETURN(const bool scoring_failed, group_->AnyRank(!scores.ok()));
+    if (scoring_failed)
+      return FailStep(scores.ok()
+                          ? absl::UnavailableError("another rank's share failed (see its log)")
+                          : scores.status(),
+                      "scoring");
+    st.score_s = Seconds(t1);
+    if (absl::Status s = Learn(r, mine, *scores, &st); !s.ok()) return FailStep(s, "learning");
+    t1 = Clock::now();
+    if (absl::Status pushed = PushWeights(); !pushed.ok()) {
+      // The update is in the learner's weights: the step is complete, only its distribution
+      // failed (a resumed job pushes its weights first), so the checkpoint is of this step.
+      ++step_;
+      cursor_ = r.cursor_after;
+      return FailStep(pushed, "the weight push");
+    }
+    st.push_s = Seconds(t1);
+    st.step_s = Seconds(t0);
+    ++step_;
+    cursor_ = r.cursor_after;
+    nonfinite_consecutive_ = st.skipped ? nonfinite_consecutive_ + 1 : 0;
+    nonfinite_total_ += st.skipped;
+    if (admin_)
+      admin_->SetStatus(
+          {c_.stages[stage_].name, step_, c_.stages[stage_].teachers, weight_version_});
+    const double reverse_kl =
+        st.loss.reverse_kl_sum / static_cast<double>(std::max<int64_t>(st.response_tokens, 1));
+    const bool stage_over = FinishStageIfConverged(reverse_kl);
+    LogStep(st);
+    if (nonfinite_consecutive_ >= c_.train.max_consecutive_nonfinite) {
+      return absl::AbortedError(absl::StrFormat(
+          "%d consecutive non-finite steps: stopping at step %d", nonfinite_consecutive_, step_));
+    }
+    if (stage_over) {
+      // The checkpoint records the finished stage (its rule says why); a resume from it starts
+      // the next stage. The next stage's teachers are checked before any step is spent on them.
+      done_ = stage_ + 1 == c_.stages.size();
+      RETURN_IF_ERROR(SaveCheckpoint());
+      if (!done_) RETURN_IF_ERROR(StartStage(stage_ + 1, false));
+    } else if (c_.checkpoint.every > 0 && step_ % c_.checkpoint.every == 0) {
+      RETURN_IF_ERROR(SaveCheckpoint());
+    }
+  }
+  if (prefetch) (void)prefetch->get();
+  progress_->Finish();
+  nlohmann::json summary = {{"steps", step_},
+                            {"stages", stage_summaries_},
+                            {"peak_rss_mb", PeakRssMb()},
+                            {"world_size", group_->size()},
+                            {"optimizer_state_bytes_per_rank", optimizer_->state_bytes()}};
+  if (group_->is_root())
+    (void)WriteFileAtomic(run_.path() + "/summary.json", summary.dump(2) + "\n");
+  lm::log::Info(absl::StrFormat("done: %d steps over %d stage(s)", step_, stage_summaries_.size()));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status RunOpd(const OpdConfig& config, const JobArgs& args) {
+  RETURN_IF_ERROR(ValidateOpdConfig(config));
+  RETURN_IF_ERROR(ValidateDistConfig(config.dist));
+  ASSIGN_OR_RETURN(const lm::dist::LaunchEnv env, lm::dist::LaunchEnv::FromEnvironment());
+  lm::log::SetRank(env.rank, env.world_size);
+  for (const std::string& w : OpdConfigWarnings(config)) lm::log::Warn(w);
+  ASSIGN_OR_RETURN(RunDir run, RunDir::Open(config.run.dir));
+  const std::string yaml = EncodeConfig(config);
+  if (env.rank == 0) RETURN_IF_ERROR(run.SaveConfig(yaml));
+  lm::log::Info(absl::StrCat("opd-trainer opd: run directory ", run.path()));
+  OpdJob job(config, run, yaml);
+  // A torch or JSON exception (a bad tensor shape, a trainer state without a field) becomes an
+  // error naming it instead of aborting; after Init, the last completed step is checkpointed.
+  try {
+    RETURN_IF_ERROR(job.Init(args));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("while starting the job: ", e.what()));
+  }
+  try {
+    return job.Run();
+  } catch (const std::exception& e) {
+    job.CheckpointAfterException();
+    return absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
+  }
+}
+
+int OpdMain(const std::vector<std::string>& words) {
+  return JobMain<OpdConfig>({"opd", "configs/opd/NAME.yaml", ValidateOpdConfig, RunOpd}, words);
+}
+
+}  // namespace trainer

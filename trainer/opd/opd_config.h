@@ -1,0 +1,216 @@
+// The config of `opd-trainer opd`: configs/opd/*.yaml decode into OpdConfig (trainer/common/config.h).
+// Defaults are the Marco-MoE paper's OPD recipe: 512 prompts per step, 2 samples per prompt,
+// prompts <= 2048 tokens, responses <= 8192, temperature 1.0, top-p 1.0, constant lr 1e-6, AdamW
+// as in SFT, the sampled-token reverse-KL loss.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "trainer/common/auth_config.h"
+#include "trainer/common/sections.h"
+#include "trainer/sft/sft_config.h"
+
+namespace trainer {
+
+struct OpdPromptsConfig {
+  std::vector<SftSourceConfig>
+      sources;  // JSONL prompts (messages without the final assistant turn, or "prompt")
+  int64_t max_prompt_len = 2048;  // longer prompts are dropped and counted
+  bool shuffle = true;
+  int64_t seed = 0;
+  bool skip_bad_lines = false;
+};
+
+template <class V>
+void VisitFields(V& v, OpdPromptsConfig& c) {
+  v("sources", c.sources);
+  v("max_prompt_len", c.max_prompt_len);
+  v("shuffle", c.shuffle);
+  v("seed", c.seed);
+  v("skip_bad_lines", c.skip_bad_lines);
+}
+
+struct OpdRolloutConfig {
+  std::vector<std::string> endpoints;  // rollout workers (host:port); required
+  int64_t samples_per_prompt = 2;
+  double temperature = 1.0;
+  double top_p = 1.0;  // must stay 1.0 (off) and top_k 0: see ValidateOpdConfig
+  int64_t top_k = 0;
+  int64_t max_new_tokens = 8192;
+  int64_t seed = 0;
+  double timeout_s = 3600;  // deadline of one Generate call
+};
+
+template <class V>
+void VisitFields(V& v, OpdRolloutConfig& c) {
+  v("endpoints", c.endpoints);
+  v("samples_per_prompt", c.samples_per_prompt);
+  v("temperature", c.temperature);
+  v("top_p", c.top_p);
+  v("top_k", c.top_k);
+  v("max_new_tokens", c.max_new_tokens);
+  v("seed", c.seed);
+  v("timeout_s", c.timeout_s);
+}
+
+struct PlateauConfig {
+  bool enabled = false;
+  int64_t window = 20;                // W steps
+  double min_rel_improvement = 0.02;  // stop when the smoothed reverse KL improved < 2% over W
+  double ema_beta = 0.9;
+  int64_t min_steps = 0;
+};
+
+template <class V>
+void VisitFields(V& v, PlateauConfig& c) {
+  v("enabled", c.enabled);
+  v("window", c.window);
+  v("min_rel_improvement", c.min_rel_improvement);
+  v("ema_beta", c.ema_beta);
+  v("min_steps", c.min_steps);
+}
+
+struct OpdStageConfig {
+  std::string name;                   // required, unique
+  std::vector<std::string> teachers;  // teacher service replicas (host:port); required
+  int64_t max_steps = 0;              // step budget (0: none; then the plateau rule must be on)
+  PlateauConfig plateau;
+};
+
+template <class V>
+void VisitFields(V& v, OpdStageConfig& c) {
+  v("name", c.name);
+  v("teachers", c.teachers);
+  v("max_steps", c.max_steps);
+  v("plateau", c.plateau);
+}
+
+struct OpdLossConfig {
+  std::string form = "sampled";    // sampled (per-token reverse KL, policy gradient) | topk
+  std::string correction = "tis";  // none | tis (truncated importance ratio) | ppo (clip)
+  double kl_coef = 1.0;
+  double tis_cap = 2.0;
+  double clip_low = 0.2;
+  double clip_high = 0.28;
+  int64_t top_k = 64;                // topk form: teacher support size
+  std::string divergence = "mixed";  // topk form: forward | reverse | mixed
+  double alpha = 0.5;                // mixed: alpha * forward + (1 - alpha) * reverse
+  double teacher_temperature = 1.0;  // explicit scoring temperature
+};
+
+template <class V>
+void VisitFields(V& v, OpdLossConfig& c) {
+  v("form", c.form);
+  v("correction", c.correction);
+  v("kl_coef", c.kl_coef);
+  v("tis_cap", c.tis_cap);
+  v("clip_low", c.clip_low);
+  v("clip_high", c.clip_high);
+  v("top_k", c.top_k);
+  v("divergence", c.divergence);
+  v("alpha", c.alpha);
+  v("teacher_temperature", c.teacher_temperature);
+}
+
+struct OpdTrainConfig {
+  int64_t prompts_per_step = 512;
+  int64_t micro_batch_tokens = 16384;  // learner forward/backward chunk (prompt + response tokens)
+  bool async = false;                  // one-step-off: sample step k+1 while learning step k
+  std::string device = "auto";
+  int64_t threads = 0;
+  int64_t max_consecutive_nonfinite = 10;
+  int64_t seed = 0;
+  double teacher_timeout_s = 600;         // deadline of one Score call
+  bool activation_checkpointing = false;  // recompute each decoder layer in the backward
+};
+
+template <class V>
+void VisitFields(V& v, OpdTrainConfig& c) {
+  v("prompts_per_step", c.prompts_per_step);
+  v("micro_batch_tokens", c.micro_batch_tokens);
+  v("async", c.async);
+  v("device", c.device);
+  v("threads", c.threads);
+  v("max_consecutive_nonfinite", c.max_consecutive_nonfinite);
+  v("seed", c.seed);
+  v("teacher_timeout_s", c.teacher_timeout_s);
+  v("activation_checkpointing", c.activation_checkpointing);
+}
+
+struct OpdAdminConfig {
+  std::string listen;     // learner admin RPC (swap-teacher), e.g. 127.0.0.1:0; empty: off
+  std::string port_file;  // when set, the bound port is written here (for port 0)
+  // A non-loopback listen needs a shared secret unless this is set (calls stay refused without
+  // one: this only allows the listen).
+  bool insecure = false;
+};
+
+template <class V>
+void VisitFields(V& v, OpdAdminConfig& c) {
+  v("listen", c.listen);
+  v("port_file", c.port_file);
+  v("insecure", c.insecure);
+}
+
+// Test and debugging hooks; all off by default.
+struct OpdDebugConfig {
+  std::vector<int64_t> nan_steps;  // 1-based steps whose loss is poisoned with NaN (skipped)
+};
+
+template <class V>
+void VisitFields(V& v, OpdDebugConfig& c) {
+  v("nan_steps", c.nan_steps);
+}
+
+// OPD's optimizer defaults: constant lr 1e-6 (min_lr = lr), otherwise AdamW as in SFT.
+inline OptimConfig OpdOptimDefaults() {
+  OptimConfig o;
+  o.lr = 1e-6;
+  o.min_lr = 1e-6;
+  return o;
+}
+
+struct OpdConfig {
+  SftModelConfig model;  // the student (usually an SFT checkpoint's model/)
+  OpdPromptsConfig prompts;
+  OpdRolloutConfig rollout;
+  std::vector<OpdStageConfig> stages;
+  OpdLossConfig loss;
+  OpdTrainConfig train;
+  OptimConfig optim = OpdOptimDefaults();
+  CheckpointConfig checkpoint;
+  LoggingConfig logging;
+  RunConfig run;
+  OpdAuthConfig auth;
+  OpdAdminConfig admin;
+  DistConfig dist;
+  OpdDebugConfig debug;
+};
+
+template <class V>
+void VisitFields(V& v, OpdConfig& c) {
+  v("model", c.model);
+  v("prompts", c.prompts);
+  v("rollout", c.rollout);
+  v("stages", c.stages);
+  v("loss", c.loss);
+  v("train", c.train);
+  v("optim", c.optim);
+  v("checkpoint", c.checkpoint);
+  v("logging", c.logging);
+  v("run", c.run);
+  v("auth", c.auth);
+  v("admin", c.admin);
+  v("dist", c.dist);
+  v("debug", c.debug);
+}
+
+// Cross-field checks, each error naming the key (the sections shared with SFT through
+// ValidateSharedSections).
+absl::Status ValidateOpdConfig(const OpdConfig& c);
+// Settings that are allowed but probably not meant, one sentence each (the job logs them).
+std::vector<std::string> OpdConfigWarnings(const OpdConfig& c);
+
+}  // namespace trainer

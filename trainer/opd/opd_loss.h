@@ -1,0 +1,64 @@
+// The on-policy distillation losses (see ../shared/reference/distillation.md).
+//
+// Sampled-token form (default; what the Marco-MoE paper used via slime). For each sampled
+// response token t, with the learner's log-prob lp_t (differentiable), the sampler's lp_old_t and
+// the teacher's lp_T_t:
+//   d_t = sg(lp_t) - lp_T_t                 per-token reverse-KL estimate
+//   A_t = -kl_coef * d_t                    advantage (stop-gradient), no discount
+//   r_t = exp(lp_t - lp_old_t)              importance ratio learner / sampler
+//   correction "none":  L_t = -A_t * lp_t
+//   correction "tis":   L_t = -min(sg(r_t), C) * A_t * lp_t         (truncated importance sampling)
+//   correction "ppo":   L_t = max(-r_t A_t, -clip(r_t, 1-eps_lo, 1+eps_hi) A_t)
+// Top-k form (option): the teacher's top-k ids S_t and log-probs at each position; both
+// distributions renormalised over S_t, p = teacher, q = student:
+//   forward KL(p||q), reverse KL(q||p), or mixed alpha * forward + (1 - alpha) * reverse.
+//
+// Normalisation: the step's loss is the sum of L_t over every response token of every sample in
+// the step divided by the step's total response-token count (a token mean over the whole global
+// batch, so micro-batches with more tokens weigh more: `token_normaliser` is that total).
+#pragma once
+
+#include <string>
+
+#include <torch/types.h>
+
+#include "absl/status/statusor.h"
+
+namespace trainer {
+
+enum class Correction { kNone, kTruncatedIs, kPpoClip };
+enum class TopKDivergence { kForward, kReverse, kMixed };
+
+absl::StatusOr<Correction> ParseCorrection(const std::string& s);  // none | tis | ppo
+absl::StatusOr<TopKDivergence> ParseTopKDivergence(
+    const std::string& s);  // forward | reverse | mixed
+
+struct SampledTokenLossOptions {
+  Correction correction = Correction::kTruncatedIs;
+  double kl_coef = 1.0;
+  double tis_cap = 2.0;     // C
+  double clip_low = 0.2;    // eps_lo
+  double clip_high = 0.28;  // eps_hi
+};
+
+struct LossStats {
+  double reverse_kl_sum = 0;  // sum of d_t
+  double ratio_sum = 0, ratio_min = 0, ratio_max = 0;
+  double clipped = 0;           // tokens whose ratio was truncated / clipped
+  double mismatch_abs_sum = 0;  // sum |lp_t - lp_old_t| (sampler vs learner)
+  double tokens = 0;
+};
+
+// lp, lp_old, lp_teacher: [N] fp32 over this micro-batch's response tokens. Returns
+// sum_t L_t / token_normaliser (differentiable w.r.t. lp) and fills `stats` (sums, not means).
+torch::Tensor SampledTokenLoss(const torch::Tensor& lp, const torch::Tensor& lp_old,
+                               const torch::Tensor& lp_teacher, double token_normaliser,
+                               const SampledTokenLossOptions& opts, LossStats* stats);
+
+// student_logits_k: [N, k] the student's logits (already / temperature) at the teacher's top-k ids;
+// teacher_logprobs_k: [N, k]. Returns sum_t KL_t / token_normaliser.
+torch::Tensor TopKLoss(const torch::Tensor& student_logits_k,
+                       const torch::Tensor& teacher_logprobs_k, double token_normaliser,
+                       TopKDivergence divergence, double alpha);
+
+}  // namespace trainer

@@ -1,0 +1,188 @@
+#include "trainer/opd/rollout_pool.h"
+
+#include <cmath>
+#include <future>
+#include <set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "lm/util/log.h"
+#include "lm/util/status.h"
+#include "rpc/tensor_codec.h"
+
+namespace trainer {
+namespace {
+
+constexpr float kLogprobSlack = 1e-3f;  // a log-prob is <= 0, up to rounding
+
+}  // namespace
+
+SampleStats SummarizeSamples(const std::vector<opd::rpc::GeneratedSample>& samples,
+                             int64_t learner_version) {
+  SampleStats st;
+  if (samples.empty()) return st;
+  double lag_sum = 0, truncated = 0;
+  for (const auto& s : samples) {
+    const double lag = static_cast<double>(learner_version - s.weight_version);
+    lag_sum += lag;
+    st.staleness_max = std::max(st.staleness_max, lag);
+    truncated += s.finish_reason == opd::v1::FINISH_REASON_LENGTH;
+  }
+  const double n = static_cast<double>(samples.size());
+  st.staleness_mean = lag_sum / n;
+  st.truncated_frac = truncated / n;
+  return st;
+}
+
+absl::StatusOr<std::unique_ptr<RolloutPool>> RolloutPool::Connect(
+    const std::vector<std::string>& endpoints, const opd::rpc::ClientOptions& base,
+    const std::string& tokenizer_fingerprint, int64_t vocab_size) {
+  if (endpoints.empty()) return absl::InvalidArgumentError("no rollout worker endpoints");
+  auto pool = std::make_unique<RolloutPool>();
+  pool->vocab_size_ = vocab_size;
+  for (const auto& ep : endpoints) {
+    auto opts = base;
+    opts.address = ep;
+    auto client = opd::rpc::RolloutClient::Create(opts);
+    if (!client.ok()) return client.status();
+    auto info = (*client)->Info();
+    if (!info.ok()) return info.status();
+    if (info->vocab_size() != vocab_size) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rollout worker ", ep, " serves vocabulary size ", info->vocab_size(),
+                       ", the student has ", vocab_size));
+    }
+    if (!tokenizer_fingerprint.empty() && info->tokenizer_fingerprint() != "none" &&
+        info->tokenizer_fingerprint() != tokenizer_fingerprint) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rollout worker ", ep, " has tokenizer fingerprint ", info->tokenizer_fingerprint(),
+          ", the student's is ", tokenizer_fingerprint));
+    }
+    pool->clients_.push_back(std::move(*client));
+  }
+  return pool;
+}
+
+absl::Status RolloutPool::CheckShare(const std::vector<opd::rpc::GeneratedSample>& samples,
+                                     size_t prompts, int32_t samples_per_prompt,
+                                     int64_t min_version, int64_t max_version,
+                                     const std::string& address) const {
+  auto bad = [&](size_t i, const std::string& what) {
+    return absl::DataLossError(absl::StrCat("rollout worker ", address,
+                                            " sent an invalid sample (#", i, " of its ",
+                                            samples.size(), "): ", what));
+  };
+  std::set<std::pair<int32_t, int32_t>> seen;
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const auto& s = samples[i];
+    if (s.prompt_index < 0 || static_cast<size_t>(s.prompt_index) >= prompts)
+      return bad(i, absl::StrCat("prompt_index ", s.prompt_index, " is outside [0, ", prompts,
+                                 ") (the prompts sent to it)"));
+    if (s.sample_index < 0 || s.sample_index >= samples_per_prompt)
+      return bad(i, absl::StrCat("sample_index ", s.sample_index, " is outside [0, ",
+                                 samples_per_prompt, ")"));
+    if (!seen.emplace(s.prompt_index, s.sample_index).second)
+      return bad(i, absl::StrCat("(prompt_index ", s.prompt_index, ", sample_index ",
+                                 s.sample_index, ") is duplicated"));
+    if (s.tokens.empty()) return bad(i, "tokens is empty");
+    for (size_t t = 0; t < s.tokens.size(); ++t) {
+      if (s.tokens[t] < 0 || s.tokens[t] >= vocab_size_)
+        return bad(i, absl::StrCat("tokens[", t, "] = ", s.tokens[t],
+                                   " is outside the vocabulary [0, ", vocab_size_, ")"));
+    }
+    if (s.logprobs.size() != s.tokens.size())
+      return bad(i, absl::StrCat("logprobs has ", s.logprobs.size(), " entries for ",
+                                 s.tokens.size(), " tokens"));
+    for (size_t t = 0; t < s.logprobs.size(); ++t) {
+      if (!std::isfinite(s.logprobs[t]) || s.logprobs[t] > kLogprobSlack)
+        return bad(
+            i, absl::StrCat("logprobs[", t, "] = ", s.logprobs[t], " is not a log-probability"));
+    }
+    if (min_version >= 0 && (s.weight_version < min_version || s.weight_version > max_version))
+      return bad(i, absl::StrCat("weight_version ", s.weight_version, " is not in [", min_version,
+                                 ", ", max_version, "] (the versions pushed to it)"));
+  }
+  const size_t expected = prompts * static_cast<size_t>(samples_per_prompt);
+  if (samples.size() != expected) {
+    return absl::DataLossError(absl::StrCat("rollout worker ", address, " sent ", samples.size(),
+                                            " samples for ", prompts, " prompts x ",
+                                            samples_per_prompt, " samples"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<opd::rpc::GeneratedSample>> RolloutPool::Generate(
+    const std::vector<std::vector<int32_t>>& prompts, const opd::rpc::GenerateOptions& opts) {
+  const size_t n = prompts.size(), w = clients_.size();
+  const int32_t spp = std::max(opts.samples_per_prompt, 1);
+  const int64_t min_version = acked_version_.load();
+  std::vector<std::future<absl::StatusOr<std::vector<opd::rpc::GeneratedSample>>>> calls;
+  std::vector<std::pair<size_t, size_t>> ranges;
+  std::vector<size_t> worker;
+  for (size_t i = 0; i < w; ++i) {
+    const size_t b = n * i / w, e = n * (i + 1) / w;
+    if (b == e) continue;
+    ranges.emplace_back(b, e);
+    worker.push_back(i);
+    opd::rpc::GenerateOptions share_opts = opts;
+    share_opts.seed = opts.seed * 1000003ULL + b;
+    calls.push_back(std::async(std::launch::async, [this, i, b, e, share_opts, &prompts] {
+      std::vector<std::vector<int32_t>> share(prompts.begin() + b, prompts.begin() + e);
+      return clients_[i]->Generate(share, share_opts);
+    }));
+  }
+  // Every call is collected before returning, so none outlives this function.
+  std::vector<absl::StatusOr<std::vector<opd::rpc::GeneratedSample>>> results;
+  for (auto& c : calls) results.push_back(c.get());
+  const int64_t max_version = sent_version_.load();
+  std::vector<opd::rpc::GeneratedSample> out;
+  for (size_t c = 0; c < results.size(); ++c) {
+    if (!results[c].ok()) return results[c].status();
+    const auto [b, e] = ranges[c];
+    RETURN_IF_ERROR(CheckShare(*results[c], e - b, spp, min_version, max_version,
+                               clients_[worker[c]]->address()));
+    for (auto& s : *results[c]) {
+      s.prompt_index += static_cast<int32_t>(b);
+      out.push_back(std::move(s));
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<int64_t> RolloutPool::MaxWeightVersion() {
+  int64_t v = 0;
+  for (auto& c : clients_) {
+    auto info = c->Info();
+    if (!info.ok()) return info.status();
+    v = std::max<int64_t>(v, info->weight_version());
+  }
+  return v;
+}
+
+absl::Status RolloutPool::PushWeights(torch::nn::Module& model, int64_t version) {
+  auto weights = opd::rpc::WeightsOf(model);
+  sent_version_.store(std::max(sent_version_.load(), version));
+  std::vector<std::future<absl::StatusOr<opd::v1::UpdateWeightsResponse>>> calls;
+  for (auto& c : clients_) {
+    calls.push_back(std::async(std::launch::async, [&c, &weights, version] {
+      return c->UpdateWeights(version, weights.views);
+    }));
+  }
+  absl::Status first_error;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    auto r = calls[i].get();
+    absl::Status s = r.status();
+    if (s.ok() && r->version() != version) {
+      s = absl::DataLossError(absl::StrCat("serves version ", r->version(), " after the push"));
+    }
+    if (!s.ok() && first_error.ok()) {
+      first_error = absl::Status(
+          s.code(), absl::StrCat("weight push of version ", version, " to rollout worker ",
+                                 clients_[i]->address(), " failed: ", s.message()));
+    }
+  }
+  if (first_error.ok()) acked_version_.store(version);
+  return first_error;
+}
+
+}  // namespace trainer

@@ -1,0 +1,344 @@
+#include "trainer/opd/teacher_pool.h"
+
+#include <algorithm>
+#include <cmath>
+#include <future>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "lm/util/log.h"
+
+namespace trainer {
+namespace {
+
+// A log-probability is <= 0; this much above 0 is accepted as rounding.
+constexpr float kLogprobSlack = 1e-3f;
+
+bool SleepUnlessStopped(absl::Duration d, const std::function<bool()>& stopped) {
+  const absl::Time end = absl::Now() + d;
+  for (absl::Time now = absl::Now(); now < end; now = absl::Now()) {
+    if (stopped()) return false;
+    absl::SleepFor(std::min(end - now, absl::Milliseconds(50)));
+  }
+  return !stopped();
+}
+
+absl::Status CheckLogprobs(const std::vector<float>& v, const char* field) {
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (!std::isfinite(v[i]) || v[i] > kLogprobSlack)
+      return absl::DataLossError(
+          absl::StrCat(field, "[", i, "] = ", v[i], " is not a log-probability"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// [begin, end) of the inputs, and how its tries went.
+struct TeacherPool::Share {
+  size_t begin = 0, end = 0;
+  int attempts = 0;  // failed tries so far
+  absl::Time not_before = absl::InfinitePast();
+};
+
+bool IsTransient(const absl::Status& s) {
+  switch (s.code()) {
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnknown:
+      return true;
+    default:
+      return false;
+  }
+}
+
+absl::Duration RetryBackoff(int attempt, absl::Duration initial, absl::Duration max) {
+  absl::Duration d = initial;
+  for (int i = 1; i < attempt && d < max; ++i) d *= 2;
+  return std::min(d, max);
+}
+
+absl::StatusOr<std::unique_ptr<TeacherPool>> TeacherPool::Connect(
+    const std::string& stage, const std::vector<std::string>& endpoints,
+    const TeacherRequirements& req, const TeacherPoolOptions& opts) {
+  if (endpoints.empty())
+    return absl::InvalidArgumentError(absl::StrCat("stage '", stage, "': no teacher endpoints"));
+  auto pool = std::make_unique<TeacherPool>(stage, opts, req.vocab_size);
+  for (const auto& ep : endpoints) {
+    Replica r;
+    r.opts = opts.client;
+    r.opts.address = ep;
+    auto client = opd::rpc::TeacherClient::Create(r.opts);
+    if (!client.ok()) return client.status();
+    auto info = (*client)->Info();
+    if (!info.ok()) {
+      return absl::Status(info.status().code(),
+                          absl::StrCat("stage '", stage, "': teacher ", ep,
+                                       " is not usable: ", info.status().message()));
+    }
+    if (!req.tokenizer_fingerprint.empty() &&
+        info->tokenizer_fingerprint() != req.tokenizer_fingerprint) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "stage '", stage, "': teacher ", ep, " has tokenizer fingerprint ",
+          info->tokenizer_fingerprint(), " but the student's is ", req.tokenizer_fingerprint,
+          ": teacher and student must share the tokenizer"));
+    }
+    if (req.vocab_size > 0 && info->vocab_size() != req.vocab_size) {
+      return absl::FailedPreconditionError(absl::StrCat("stage '", stage, "': teacher ", ep,
+                                                        " has vocabulary size ", info->vocab_size(),
+                                                        ", the student ", req.vocab_size));
+    }
+    lm::log::Info(absl::StrCat("stage '", stage, "': teacher ", ep, " ok (", info->architecture(),
+                               ", ", info->model_name(), ", vocab ", info->vocab_size(), ")"));
+    r.client = std::move(*client);
+    absl::MutexLock lock(&pool->mu_);
+    pool->replicas_.push_back(std::move(r));
+  }
+  return pool;
+}
+
+std::vector<std::string> TeacherPool::endpoints() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> out;
+  for (const auto& r : replicas_) out.push_back(r.opts.address);
+  return out;
+}
+
+int TeacherPool::healthy_count() const {
+  absl::MutexLock lock(&mu_);
+  int n = 0;
+  for (const auto& r : replicas_) n += r.healthy;
+  return n;
+}
+
+std::vector<int> TeacherPool::HealthyReplicas() {
+  // Health checks run without the lock (each can take its 2 s deadline).
+  std::vector<std::pair<int, opd::rpc::ClientOptions>> due;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = Now();
+    for (size_t i = 0; i < replicas_.size(); ++i) {
+      if (!replicas_[i].healthy && now >= replicas_[i].readmit_at)
+        due.emplace_back(static_cast<int>(i), replicas_[i].opts);
+    }
+  }
+  std::vector<bool> passed(due.size());
+  for (size_t d = 0; d < due.size(); ++d) {
+    due[d].second.timeout = absl::Seconds(2);
+    auto h = opd::rpc::CheckHealth(due[d].second);
+    passed[d] = h.ok() && *h == grpc::health::v1::HealthCheckResponse::SERVING;
+  }
+  absl::MutexLock lock(&mu_);
+  for (size_t d = 0; d < due.size(); ++d) {
+    Replica& r = replicas_[due[d].first];
+    if (passed[d]) {
+      r.healthy = true;
+      lm::log::Info(absl::StrCat("stage '", stage_, "': teacher ", r.opts.address,
+                                 " passed its health check after its cool-down: back in rotation"));
+    } else {
+      r.readmit_at =
+          Now() + RetryBackoff(r.consecutive_failures, opts_.readmit_after, opts_.readmit_max);
+    }
+  }
+  std::vector<int> out;
+  for (size_t i = 0; i < replicas_.size(); ++i) {
+    if (replicas_[i].healthy) out.push_back(static_cast<int>(i));
+  }
+  return out;
+}
+
+absl::Time TeacherPool::NextReadmission() const {
+  absl::MutexLock lock(&mu_);
+  absl::Time next = absl::InfiniteFuture();
+  for (const auto& r : replicas_) {
+    if (!r.healthy) next = std::min(next, r.readmit_at);
+  }
+  return next;
+}
+
+void TeacherPool::TakeOutOfRotation(int replica, const absl::Status& why) {
+  absl::MutexLock lock(&mu_);
+  Replica& r = replicas_[replica];
+  if (!r.healthy) return;  // another call of the same round: the same outage
+  ++r.consecutive_failures;
+  const absl::Duration cool =
+      RetryBackoff(r.consecutive_failures, opts_.readmit_after, opts_.readmit_max);
+  r.readmit_at = Now() + cool;
+  r.healthy = false;
+  lm::log::Warn(absl::StrCat("stage '", stage_, "': teacher ", r.opts.address, " failed (",
+                             why.message(), "); out of rotation for ", absl::FormatDuration(cool),
+                             ", its share is retried"));
+}
+
+bool TeacherPool::Wait(absl::Duration d, const std::function<bool()>& stopped) const {
+  return opts_.wait ? opts_.wait(d, stopped) : SleepUnlessStopped(d, stopped);
+}
+
+absl::Status TeacherPool::Validate(const std::vector<opd::rpc::ScoreOutput>& out, const Share& share,
+                                   const std::vector<opd::rpc::ScoreInput>& inputs, int32_t top_k,
+                                   const std::string& address) const {
+  auto bad = [&](size_t seq, const absl::Status& s) {
+    return absl::DataLossError(absl::StrCat("stage '", stage_, "': teacher ", address,
+                                            " sent an invalid reply for sequence ", seq, ": ",
+                                            s.message()));
+  };
+  if (out.size() != share.end - share.begin) {
+    return absl::DataLossError(absl::StrCat("stage '", stage_, "': teacher ", address, " sent ",
+                                            out.size(), " results for ", share.end - share.begin,
+                                            " sequences"));
+  }
+  for (size_t i = 0; i < out.size(); ++i) {
+    const size_t seq = share.begin + i;
+    const size_t n = inputs[seq].tokens.size() - static_cast<size_t>(inputs[seq].response_start);
+    const size_t k = static_cast<size_t>(std::max(top_k, 0));
+    const opd::rpc::ScoreOutput& o = out[i];
+    if (o.logprobs.size() != n) {
+      return bad(seq, absl::DataLossError(absl::StrCat("logprobs has ", o.logprobs.size(),
+                                                       " entries, the response ", n, " tokens")));
+    }
+    if (absl::Status s = CheckLogprobs(o.logprobs, "logprobs"); !s.ok()) return bad(seq, s);
+    if (o.topk_ids.size() != n * k || o.topk_logprobs.size() != n * k) {
+      return bad(
+          seq, absl::DataLossError(absl::StrCat("topk_ids/topk_logprobs have ", o.topk_ids.size(),
+                                                "/", o.topk_logprobs.size(), " entries, expected ",
+                                                n * k, " (top_k ", k, ")")));
+    }
+    for (size_t j = 0; j < o.topk_ids.size(); ++j) {
+      const int32_t id = o.topk_ids[j];
+      if (id < 0 || (vocab_size_ > 0 && id >= vocab_size_)) {
+        return bad(seq, absl::DataLossError(absl::StrCat("topk_ids[", j, "] = ", id,
+                                                         " is outside the vocabulary [0, ",
+                                                         vocab_size_, ")")));
+      }
+    }
+    if (absl::Status s = CheckLogprobs(o.topk_logprobs, "topk_logprobs"); !s.ok())
+      return bad(seq, s);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> TeacherPool::Score(
+    const std::vector<opd::rpc::ScoreInput>& inputs, const opd::rpc::ScoreOptions& score_opts,
+    const std::function<bool()>& stop) {
+  const auto stopped = [&] {
+    return (stop && stop()) ||
+           (opts_.client.canceller != nullptr && opts_.client.canceller->cancelled());
+  };
+  std::vector<opd::rpc::ScoreOutput> out(inputs.size());
+  std::vector<Share> pending;
+  const size_t per_call = static_cast<size_t>(std::max(1, opts_.max_sequences_per_call));
+  for (size_t b = 0; b < inputs.size(); b += per_call)
+    pending.push_back({b, std::min(inputs.size(), b + per_call)});
+  std::string last_error = "none";
+  while (!pending.empty()) {
+    if (stopped()) {
+      return absl::CancelledError(absl::StrCat("stage '", stage_, "': stopped while scoring (",
+                                               pending.size(),
+                                               " share(s) of sequences not scored)"));
+    }
+    const auto healthy = HealthyReplicas();
+    if (healthy.empty()) {
+      const absl::Duration wait =
+          std::max(absl::Milliseconds(10), std::min(NextReadmission() - Now(), opts_.backoff_max));
+      lm::log::Warn(absl::StrCat("stage '", stage_, "': no healthy teacher replica (",
+                                 absl::StrJoin(endpoints(), ", "), "); next health check in ",
+                                 absl::FormatDuration(wait), ". Last error: ", last_error));
+      Wait(wait, stopped);
+      continue;
+    }
+    // The shares whose backoff has passed, at most two per healthy replica, round robin.
+    const absl::Time now = Now();
+    std::vector<size_t> ready;
+    absl::Time earliest = absl::InfiniteFuture();
+    for (size_t i = 0; i < pending.size(); ++i) {
+      if (pending[i].not_before > now) {
+        earliest = std::min(earliest, pending[i].not_before);
+      } else if (ready.size() < healthy.size() * 2) {
+        ready.push_back(i);
+      }
+    }
+    if (ready.empty()) {
+      Wait(earliest - now, stopped);
+      continue;
+    }
+    struct Call {
+      size_t share;
+      int replica;
+      std::string address;
+      std::future<absl::StatusOr<std::vector<opd::rpc::ScoreOutput>>> result;
+    };
+    std::vector<Call> calls;
+    for (size_t c = 0; c < ready.size(); ++c) {
+      const int rep = healthy[c % healthy.size()];
+      opd::rpc::TeacherClient* client;
+      {
+        absl::MutexLock lock(&mu_);
+        client = replicas_[rep].client.get();
+      }
+      const Share range = pending[ready[c]];
+      calls.push_back({ready[c], rep, client->address(),
+                       std::async(std::launch::async, [client, range, &inputs, &score_opts] {
+                         std::vector<opd::rpc::ScoreInput> share(inputs.begin() + range.begin,
+                                                            inputs.begin() + range.end);
+                         return client->Score(share, score_opts);
+                       })});
+    }
+    // Every call of the round is collected before deciding, so no call outlives Score().
+    absl::Status fatal;
+    std::vector<bool> done(pending.size(), false);
+    for (auto& c : calls) {
+      auto r = c.result.get();
+      Share& share = pending[c.share];
+      if (r.ok()) {
+        if (absl::Status v = Validate(*r, share, inputs, score_opts.top_k, c.address); !v.ok()) {
+          if (fatal.ok()) fatal = v;
+          continue;
+        }
+        for (size_t i = 0; i < r->size(); ++i) out[share.begin + i] = std::move((*r)[i]);
+        scored_.fetch_add(static_cast<int64_t>(r->size()));
+        done[c.share] = true;
+        absl::MutexLock lock(&mu_);
+        replicas_[c.replica].consecutive_failures = 0;
+        continue;
+      }
+      const absl::Status& s = r.status();
+      if (stopped()) continue;  // a cancelled call is not the replica's fault
+      if (!IsTransient(s)) {
+        if (fatal.ok()) {
+          fatal = absl::Status(s.code(), absl::StrCat("stage '", stage_, "': teacher ", c.address,
+                                                      " failed sequences [", share.begin, ", ",
+                                                      share.end, ") (not retried): ", s.message()));
+        }
+        continue;
+      }
+      last_error = std::string(s.message());
+      failovers_.fetch_add(1);
+      if (++share.attempts >= opts_.max_attempts) {
+        if (fatal.ok()) {
+          fatal =
+              absl::Status(s.code(), absl::StrCat("stage '", stage_, "': sequences [", share.begin,
+                                                  ", ", share.end, ") failed ", share.attempts,
+                                                  " times; last error: ", s.message()));
+        }
+        continue;
+      }
+      share.not_before =
+          Now() + RetryBackoff(share.attempts, opts_.backoff_initial, opts_.backoff_max);
+      // A full queue is load, not a fault: the replica stays, the share waits its backoff.
+      if (s.code() != absl::StatusCode::kResourceExhausted) TakeOutOfRotation(c.replica, s);
+    }
+    if (!fatal.ok()) return fatal;
+    std::vector<Share> left;
+    for (size_t i = 0; i < pending.size(); ++i) {
+      if (!done[i]) left.push_back(pending[i]);
+    }
+    pending = std::move(left);
+  }
+  return out;
+}
+
+}  // namespace trainer

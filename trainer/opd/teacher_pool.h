@@ -1,0 +1,118 @@
+// The teacher replicas of one OPD stage.
+//
+// Score() spreads a step's sequences over the healthy replicas in parallel, in shares of at most
+// max_sequences_per_call sequences. Every sequence is scored exactly once: results are written
+// to the input's own slot, and a share is either fully applied or retried whole.
+//
+// Failures, by kind:
+//  - transient (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, UNKNOWN, ABORTED, CANCELLED by the
+//    server): the share is retried, on another replica when there is one, after an exponential
+//    backoff (backoff_initial, doubling, at most backoff_max). The replica is taken out of
+//    rotation for a cool-down (readmit_after, doubling with each consecutive failure, at most
+//    readmit_max) and re-admitted only once that has passed AND its health check passes: a
+//    replica whose health check passes but whose Score keeps failing does not come straight back.
+//  - RESOURCE_EXHAUSTED (the replica's queue is full): the share is retried after the backoff;
+//    the replica stays in rotation.
+//  - anything else (INVALID_ARGUMENT, UNAUTHENTICATED, ...), or a reply that fails validation
+//    (sizes, finite log-probs <= 0, top-k ids inside the vocabulary): the step fails at once
+//    with an error naming the stage, the teacher and the field.
+//  - a share that has failed max_attempts times fails the step, naming the last error.
+// With every replica out of rotation the pool waits (and says so) until one is re-admitted; that
+// wait does not use up attempts. `stop` (and the client options' canceller) are checked before
+// every round and during every wait: a stop ends Score() with CANCELLED promptly, and the
+// canceller also ends the calls in flight. It never hands back partial scores.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "rpc/client.h"
+
+namespace trainer {
+
+// What every teacher must agree on with the student.
+struct TeacherRequirements {
+  std::string tokenizer_fingerprint;  // empty: not checked
+  int64_t vocab_size = 0;             // 0: not checked (then top-k ids are only checked >= 0)
+};
+
+struct TeacherPoolOptions {
+  opd::rpc::ClientOptions client;  // address is filled per replica
+  absl::Duration backoff_initial = absl::Milliseconds(500);
+  absl::Duration backoff_max = absl::Seconds(30);
+  int max_attempts = 4;  // tries of one share, over all replicas, before the step fails
+  absl::Duration readmit_after = absl::Seconds(5);
+  absl::Duration readmit_max = absl::Minutes(5);
+  int max_sequences_per_call = 64;  // a replica's share is sent in calls of at most this many
+  // How the pool waits `d`; returns false when `stopped()` ended the wait early. Unset: sleeps in
+  // slices of at most 50 ms, checking `stopped()`. Tests set it to record the delays.
+  std::function<bool(absl::Duration d, const std::function<bool()>& stopped)> wait;
+  // The time backoffs and cool-downs are measured in. Unset: absl::Now. Tests pair it with `wait`
+  // to drive time themselves.
+  std::function<absl::Time()> clock;
+};
+
+class TeacherPool {
+ public:
+  TeacherPool(std::string stage, TeacherPoolOptions opts, int64_t vocab_size = 0)
+      : stage_(std::move(stage)), opts_(std::move(opts)), vocab_size_(vocab_size) {}
+  // Connects to every endpoint and checks its Info() against `req`: a mismatch (or an endpoint
+  // that cannot be reached) is an error naming the endpoint, before any step is spent on it.
+  static absl::StatusOr<std::unique_ptr<TeacherPool>> Connect(
+      const std::string& stage, const std::vector<std::string>& endpoints,
+      const TeacherRequirements& req, const TeacherPoolOptions& opts);
+
+  // Scores every input (one output per input, in order); see the top of the file for failures.
+  absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> Score(const std::vector<opd::rpc::ScoreInput>& inputs,
+                                                      const opd::rpc::ScoreOptions& score_opts,
+                                                      const std::function<bool()>& stop = nullptr);
+
+  const std::string& stage() const { return stage_; }
+  const TeacherPoolOptions& options() const { return opts_; }
+  std::vector<std::string> endpoints() const;
+  int healthy_count() const;
+  int64_t failovers() const { return failovers_.load(); }
+  // Sequences whose scores have come back (over all Score calls).
+  int64_t sequences_scored() const { return scored_.load(); }
+
+ private:
+  struct Replica {
+    std::unique_ptr<opd::rpc::TeacherClient> client;
+    opd::rpc::ClientOptions opts;
+    bool healthy = true;
+    int consecutive_failures = 0;
+    absl::Time readmit_at = absl::InfinitePast();
+  };
+  struct Share;
+  std::vector<int> HealthyReplicas();  // re-admits replicas whose cool-down and health check pass
+  absl::Time NextReadmission() const;  // the earliest cool-down end of a replica out of rotation
+  void TakeOutOfRotation(int replica, const absl::Status& why);
+  bool Wait(absl::Duration d, const std::function<bool()>& stopped) const;
+  absl::Time Now() const { return opts_.clock ? opts_.clock() : absl::Now(); }
+  absl::Status Validate(const std::vector<opd::rpc::ScoreOutput>& out, const Share& share,
+                        const std::vector<opd::rpc::ScoreInput>& inputs, int32_t top_k,
+                        const std::string& address) const;
+
+  std::string stage_;
+  TeacherPoolOptions opts_;
+  int64_t vocab_size_ = 0;
+  mutable absl::Mutex mu_;
+  std::vector<Replica> replicas_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int64_t> failovers_{0};
+  std::atomic<int64_t> scored_{0};
+};
+
+// True for statuses worth retrying (on another replica when there is one).
+bool IsTransient(const absl::Status& s);
+
+// The backoff before attempt `attempt` (1 = the first retry): initial * 2^(attempt - 1), at most
+// `max`.
+absl::Duration RetryBackoff(int attempt, absl::Duration initial, absl::Duration max);
+
+}  // namespace trainer
