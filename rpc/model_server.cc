@@ -11,6 +11,9 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "lm/io/sharded_load.h"
+#include "lm/model/expert_parallel.h"
+#include "lm/model/placement.h"
 #include "lm/util/log.h"
 #include "lm/util/memory.h"
 #include "lm/util/status.h"
@@ -26,7 +29,10 @@ ABSL_FLAG(std::string, port_file, "", "write the bound port to this file once se
 ABSL_FLAG(std::string, tokenizer, "",
           "tokenizer directory or file for the fingerprint (default: the model directory when it "
           "has tokenizer files, else none)");
-ABSL_FLAG(std::string, dtype, "float32", "parameter dtype: float32 or bfloat16");
+ABSL_FLAG(std::string, device, "cpu",
+          "device of the model: cpu, cuda or cuda:N (cuda with LOCAL_RANK set: cuda:LOCAL_RANK)");
+ABSL_FLAG(std::string, dtype, "",
+          "parameter dtype: float32 or bfloat16 (default: bfloat16 on CUDA, float32 on CPU)");
 ABSL_FLAG(int, threads, 0, "compute threads (0: LibTorch's default)");
 ABSL_FLAG(int, max_message_mb, 64, "largest message accepted, MiB");
 ABSL_FLAG(std::string, secret_file, "",
@@ -35,6 +41,16 @@ ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: enables TLS");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
 ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA: require client certificates signed by it");
 ABSL_FLAG(int, grace_seconds, 10, "how long calls in flight may finish at shutdown");
+ABSL_FLAG(int, world_size, 0,
+          "expert-parallel ranks (0: the environment's WORLD_SIZE, else 1); each rank is launched "
+          "with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT like the learner and holds 1/N of the "
+          "experts; rank 0 serves");
+ABSL_FLAG(int, ep_timeout_seconds, 300,
+          "expert-parallel group: rendezvous and collective timeout (a rank that stops answering "
+          "fails the request in flight with UNAVAILABLE after this long)");
+ABSL_FLAG(int, debug_kill_rank, -1,
+          "tests: this expert-parallel follower rank SIGKILLs itself when the first request "
+          "reaches it");
 ABSL_FLAG(bool, insecure, false,
           "allow listening on a non-loopback address without a shared secret (unauthenticated "
           "calls from any host that reaches it)");
@@ -55,6 +71,19 @@ ServerOptions ServingOptions(bool has_secret) {
   return opts;
 }
 
+// --world-size against the environment and against the model's experts (a rank without experts
+// to hold is a bad flag, found before any load).
+absl::Status CheckExpertParallelFlags() {
+  ASSIGN_OR_RETURN(const lm::dist::LaunchEnv env,
+                   ExpertParallelEnv(absl::GetFlag(FLAGS_world_size)));
+  if (!env.distributed() || absl::GetFlag(FLAGS_model).empty()) return absl::OkStatus();
+  if (absl::GetFlag(FLAGS_ep_timeout_seconds) < 1)
+    return absl::InvalidArgumentError("--ep-timeout-seconds must be >= 1");
+  absl::StatusOr<lm::ModelConfig> config = lm::LoadModelConfig(absl::GetFlag(FLAGS_model));
+  if (!config.ok()) return absl::OkStatus();  // the load reports it
+  return lm::ShardConfig(*config, env.rank, env.world_size);
+}
+
 // Checks what can be checked before the (slow) model load: the TLS flag set, the secret, whether
 // the listen address may be used without one. Returns -1 to go on, else the exit code (2: bad
 // flags, 1: the secret cannot be read), after printing the reason.
@@ -65,6 +94,10 @@ int CheckServingFlags(const char* program) {
     st = absl::InvalidArgumentError("--max-message-mb must be >= 1");
   if (st.ok() && absl::GetFlag(FLAGS_threads) < 0)
     st = absl::InvalidArgumentError("--threads must be >= 0");
+  // A device or dtype the process cannot use is a bad flag too, found before the load.
+  if (st.ok())
+    st = lm::ResolvePlacement(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_dtype)).status();
+  if (st.ok()) st = CheckExpertParallelFlags();
   if (!st.ok()) {
     std::cerr << program << ": " << st.message() << "\n";
     return 2;
@@ -137,12 +170,36 @@ absl::StatusOr<LoadedModel> LoadServedModel() {
   // This thread only loads and then waits for a signal: one thread, no OpenMP pool of its own.
   lm::SetThreadsForThisThread(1);
   ASSIGN_OR_RETURN(m.secret, LoadSecret(absl::GetFlag(FLAGS_secret_file)));
-  m.dtype = absl::GetFlag(FLAGS_dtype);
+  ASSIGN_OR_RETURN(m.placement,
+                   lm::ResolvePlacement(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_dtype)));
+  m.dtype = lm::PlacementDtypeName(m.placement.dtype);
   lm::LoadOptions load;
-  ASSIGN_OR_RETURN(load.dtype, DtypeFromName(m.dtype));
-  ASSIGN_OR_RETURN(m.model, lm::LoadModel(m.model_dir, load));
+  load.dtype = m.placement.dtype;
+  load.device = m.placement.device;
+  ASSIGN_OR_RETURN(m.env, ExpertParallelEnv(absl::GetFlag(FLAGS_world_size)));
+  if (m.env.distributed()) {
+    ASSIGN_OR_RETURN(m.model,
+                     lm::LoadExpertShard(m.model_dir, load, m.env.rank, m.env.world_size));
+  } else {
+    ASSIGN_OR_RETURN(m.model, lm::LoadModel(m.model_dir, load));
+  }
   m.model->eval();
   m.config = m.model->config();
+  if (m.env.distributed()) {
+    const lm::ParameterBytes bytes = lm::CountParameterBytes(*m.model);
+    lm::log::Info(absl::StrCat("expert-parallel rank ", m.env.rank, " of ", m.env.world_size,
+                               ": experts [", m.config.expert_first, ", ",
+                               m.config.expert_first + m.config.local_experts, ") of ",
+                               m.config.num_experts, "; parameter_bytes=", bytes.total,
+                               " expert_bytes=", bytes.experts));
+    ASSIGN_OR_RETURN(
+        m.ep, EpGroup::Join(m.env, load.device, absl::Seconds(absl::GetFlag(FLAGS_ep_timeout_seconds)),
+                            *m.model,
+                            absl::StrCat(m.config.model_type, " layers=", m.config.num_hidden_layers,
+                                         " hidden=", m.config.hidden_size, " experts=",
+                                         m.config.num_experts, " vocab=", m.config.vocab_size,
+                                         " dtype=", m.dtype)));
+  }
   ASSIGN_OR_RETURN(m.tokenizer_fingerprint,
                    TokenizerFingerprint(absl::GetFlag(FLAGS_tokenizer), m.model_dir));
   return m;
@@ -158,6 +215,7 @@ absl::Status ServeUntilSignal(const char* program, const std::string& service_na
   lm::log::Info(absl::StrCat(program, ": serving ", loaded.model_dir, " (", config.model_type,
                              ", vocab ", config.vocab_size, ") on port ", server.port, " (",
                              opts.listen, ", ", opts.tls.enabled() ? "TLS" : "plaintext", ", ",
+                             loaded.dtype, " on ", loaded.placement.device.str(), ", ",
                              loaded.threads, " threads)"));
   const int sig = WaitForShutdownSignal();
   lm::log::Info(absl::StrCat(program, ": signal ", sig, ", shutting down"));
@@ -165,7 +223,25 @@ absl::Status ServeUntilSignal(const char* program, const std::string& service_na
   server.server->Shutdown(
       absl::ToChronoTime(absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_grace_seconds))));
   if (after_shutdown) after_shutdown();
+  // The followers end with rank 0; after a group failure the exit is non-zero.
+  if (loaded.ep) return loaded.ep->Stop();
   return absl::OkStatus();
+}
+
+absl::Status FollowUntilStopped(const char* program, const LoadedModel& loaded,
+                                const EpGroup::Work& work) {
+  // SIGINT/SIGTERM stay blocked and unanswered here: a follower ends when rank 0 (the one to
+  // signal) stops the group, or when the group fails.
+  if (g_load_watch) g_load_watch->End();
+  lm::log::Info(absl::StrCat(program, ": expert-parallel rank ", loaded.ep->rank(), " of ",
+                             loaded.ep->size(), " following rank 0 (", loaded.model_dir, ")"));
+  const bool kill = absl::GetFlag(FLAGS_debug_kill_rank) == loaded.ep->rank();
+  // Computed on a thread of its own: this one keeps the single thread it loaded with.
+  absl::Status st;
+  std::thread follower([&] { st = loaded.ep->Follow(work, kill); });
+  follower.join();
+  if (st.ok()) lm::log::Info(absl::StrCat(program, ": rank 0 stopped the group"));
+  return st;
 }
 
 int ModelServerMain(int argc, char** argv, const char* program, const char* default_listen,

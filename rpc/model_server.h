@@ -1,5 +1,5 @@
 // What opd-teacher and opd-rollout share: the flags both take (model, listen address, port file,
-// tokenizer, dtype, threads, shared secret, TLS, grace period), loading the served model, and
+// tokenizer, device, dtype, threads, shared secret, TLS, grace period), loading the served model, and
 // serving until SIGINT/SIGTERM. Each program's main adds its own flags and builds its service.
 #pragma once
 
@@ -11,7 +11,9 @@
 
 #include "absl/status/statusor.h"
 #include "lm/model/model.h"
+#include "lm/model/placement.h"
 #include "opd/v1/common.pb.h"
+#include "rpc/ep_group.h"
 
 namespace opd::rpc {
 
@@ -21,14 +23,20 @@ struct LoadedModel {
   lm::ModelConfig config;
   std::string secret;  // empty: calls are not authenticated
   std::string tokenizer_fingerprint;
-  std::string dtype;
+  std::string dtype;       // "float32" | "bfloat16": placement.dtype's name
+  lm::Placement placement;  // --device (LOCAL_RANK) and --dtype, resolved
   int threads = 0;
+  // Expert parallelism (--world-size N > 1): this rank's place and its group; null with one
+  // process. Rank 0 serves; the others follow (rpc/ep_group.h).
+  lm::dist::LaunchEnv env;
+  std::unique_ptr<EpGroup> ep;
+  bool follower() const { return ep && !ep->leader(); }
   // The ServiceInfo of `service` ("opd.v1.Teacher" | "opd.v1.Rollout") serving this model.
   opd::v1::ServiceInfo Info(const std::string& service, int64_t max_seq_len) const;
 };
 
-// Sets the thread count, reads the secret, loads --model (with --dtype) and fingerprints the
-// tokenizer, from the shared flags.
+// Sets the thread count, reads the secret, loads --model (onto --device, in --dtype) and
+// fingerprints the tokenizer, from the shared flags.
 absl::StatusOr<LoadedModel> LoadServedModel();
 
 // Starts `service` (named `service_name`) with health and reflection on --listen, logs a line
@@ -37,6 +45,11 @@ absl::StatusOr<LoadedModel> LoadServedModel();
 absl::Status ServeUntilSignal(const char* program, const std::string& service_name,
                               grpc::Service* service, const LoadedModel& loaded,
                               const std::function<void()>& after_shutdown = {});
+
+// An expert-parallel follower's loop, instead of ServeUntilSignal: runs each of rank 0's commands
+// with `work` until rank 0 stops the group (OK) or the group fails (its error).
+absl::Status FollowUntilStopped(const char* program, const LoadedModel& loaded,
+                                const EpGroup::Work& work);
 
 // A program's main: blocks the shutdown signals, parses the flags (--listen defaults to
 // `default_listen`; --help prints every flag and exits 0, a bad flag exits 2), checks the

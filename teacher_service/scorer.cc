@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "lm/model/expert_parallel.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "lm/util/log.h"
@@ -184,14 +185,31 @@ std::vector<Scorer::Item> Scorer::TakeBatch() {
   return items;
 }
 
+namespace {
+
+// One group's results on the model's device, packed into one fp32 tensor so that a whole batch
+// comes back to the host in a single copy: [logprobs (n) | top-k log-probs (n k) | top-k ids
+// (n k, int32 bits viewed as fp32)].
+torch::Tensor PackGroup(const torch::Tensor& logprobs, const lm::TopKLogprobs* top) {
+  if (top == nullptr) return logprobs.reshape({-1});
+  return torch::cat({logprobs.reshape({-1}), top->logprobs.reshape({-1}),
+                     top->ids.to(torch::kInt32).contiguous().view(torch::kFloat32).reshape({-1})});
+}
+
+}  // namespace
+
 void Scorer::RunBatch(const std::vector<Item>& items) {
   try {
     std::vector<std::vector<int64_t>> seqs;
     seqs.reserve(items.size());
     for (const auto& it : items) seqs.push_back(it.job->job.sequences[it.index]);
-    const auto batch = lm::PackedBatch::FromSequences(seqs);
-    const auto hidden = model_->Forward(batch);
     const auto weight = model_->LmHeadWeight();
+    const torch::Device device = weight.device();
+    // Indexing, gathers and log-probs run where the model is; only the results come back.
+    auto batch = lm::PackedBatch::FromSequences(seqs);
+    batch.input_ids = batch.input_ids.to(device);
+    batch.position_ids = batch.position_ids.to(device);
+    const auto hidden = model_->Forward(batch);
 
     // Items of one temperature (and top-k) share one pass through the LM head.
     std::map<std::pair<double, int64_t>, std::vector<size_t>> groups;
@@ -199,6 +217,13 @@ void Scorer::RunBatch(const std::vector<Item>& items) {
       const auto& job = items[i].job->job;
       groups[{job.temperature, job.top_k}].push_back(i);
     }
+    struct Done {
+      const std::vector<size_t>* members;
+      int64_t k = 0, rows = 0, offset = 0;  // offset: where the group starts in `packed`
+    };
+    std::vector<Done> done;
+    std::vector<torch::Tensor> packed;
+    int64_t offset = 0;
     for (const auto& [key, members] : groups) {
       // Rows predicting the scored tokens: position p is predicted by row p - 1.
       std::vector<int64_t> rows, targets;
@@ -215,33 +240,44 @@ void Scorer::RunBatch(const std::vector<Item>& items) {
       lm::LogprobOptions lo;
       lo.temperature = key.first;
       lo.chunk_rows = opts_.logprob_chunk_rows;
-      const auto h = hidden.index_select(0, torch::tensor(rows, torch::kInt64));
+      const auto h = hidden.index_select(0, torch::tensor(rows, torch::kInt64).to(device));
       const auto lp =
-          lm::TokenLogprobs(h, weight, torch::tensor(targets, torch::kInt64), lo).contiguous();
-      lm::TopKLogprobs top;
+          lm::TokenLogprobs(h, weight, torch::tensor(targets, torch::kInt64).to(device), lo);
       const int64_t k = key.second;
-      if (k > 0) {
-        top = lm::TopK(h, weight, k, lo);
-        top.ids = top.ids.to(torch::kInt32).contiguous();
-        top.logprobs = top.logprobs.contiguous();
-      }
-      int64_t row = 0;
-      for (size_t i : members) {
-        const auto& job = items[i].job->job;
-        const int64_t n = static_cast<int64_t>(job.sequences[items[i].index].size()) -
-                          job.response_starts[items[i].index];
-        SequenceScore& out = items[i].job->results[items[i].index];
-        const float* lpp = lp.data_ptr<float>() + row;
-        out.logprobs.assign(lpp, lpp + n);
-        if (k > 0) {
-          const int32_t* ids = top.ids.data_ptr<int32_t>() + row * k;
-          const float* tlp = top.logprobs.data_ptr<float>() + row * k;
-          out.topk_ids.assign(ids, ids + n * k);
-          out.topk_logprobs.assign(tlp, tlp + n * k);
+      lm::TopKLogprobs top;
+      if (k > 0) top = lm::TopK(h, weight, k, lo);
+      packed.push_back(PackGroup(lp, k > 0 ? &top : nullptr));
+      const int64_t n = static_cast<int64_t>(rows.size());
+      done.push_back({&members, k, n, offset});
+      offset += n * (1 + 2 * k);
+    }
+    if (!packed.empty()) {
+      // The one device-to-host copy of the batch.
+      const auto host = torch::cat(packed).to(torch::kCPU).contiguous();
+      const float* base = host.data_ptr<float>();
+      for (const Done& g : done) {
+        const float* lpp = base + g.offset;
+        const float* tlp = lpp + g.rows;
+        const int32_t* ids = reinterpret_cast<const int32_t*>(tlp + g.rows * g.k);
+        for (size_t i : *g.members) {
+          const auto& job = items[i].job->job;
+          const int64_t n = static_cast<int64_t>(job.sequences[items[i].index].size()) -
+                            job.response_starts[items[i].index];
+          SequenceScore& out = items[i].job->results[items[i].index];
+          out.logprobs.assign(lpp, lpp + n);
+          if (g.k > 0) {
+            out.topk_ids.assign(ids, ids + n * g.k);
+            out.topk_logprobs.assign(tlp, tlp + n * g.k);
+          }
+          lpp += n;
+          tlp += n * g.k;
+          ids += n * g.k;
         }
-        row += n;
       }
     }
+  } catch (const lm::CollectiveError& e) {  // expert parallelism: the group failed (UNAVAILABLE)
+    Complete(items, e.status());
+    return;
   } catch (const std::exception& e) {
     lm::log::Error(absl::StrCat("scoring batch failed: ", e.what()));
     Complete(items, absl::InternalError(absl::StrCat("scoring failed: ", e.what())));

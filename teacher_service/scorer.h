@@ -6,7 +6,9 @@
 // allows regardless of how clients split their requests. Sequences are the unit of packing: a
 // big job may span several batches and a batch may hold the tail of one job and the head of the
 // next. Log-probs go through lm::TokenLogprobs / lm::TopK, which chunk the LM head over rows:
-// [tokens, vocab] logits are never materialised.
+// [tokens, vocab] logits are never materialised. Everything runs on the model's device (the
+// batch's ids, the row gathers, the LM head, top-k); a batch's results come back to the host in
+// one copy at its end.
 #pragma once
 
 #include <cstdint>

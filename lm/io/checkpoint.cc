@@ -1,5 +1,6 @@
 #include "lm/io/checkpoint.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <string_view>
@@ -198,47 +199,83 @@ torch::Tensor TensorFromView(const TensorView& view, std::shared_ptr<const Safet
       torch::TensorOptions().dtype(TorchDType(view.dtype)));
 }
 
+absl::Status ForEachCheckpointTensor(
+    const std::vector<std::shared_ptr<const SafetensorsFile>>& files, const CheckpointTensorFn& fn) {
+  torch::NoGradGuard no_grad;
+  for (const auto& file : files) {
+    std::vector<const TensorView*> order;
+    for (const auto& [name, view] : file->tensors()) order.push_back(&view);
+    std::sort(order.begin(), order.end(),
+              [](const TensorView* a, const TensorView* b) { return a->data < b->data; });
+    for (const TensorView* view : order) {
+      const absl::Status st = fn(*file, view->name, TensorFromView(*view, file));
+      file->ReleasePages(*view);
+      RETURN_IF_ERROR(st);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<LoadReport> LoadParameters(
     const std::vector<std::shared_ptr<const SafetensorsFile>>& files,
     std::map<std::string, torch::Tensor>& params, const std::vector<std::string>& ignore_names,
     const std::vector<std::string>& ignore_prefixes) {
+  LoadFilter filter;
+  filter.ignore_names = ignore_names;
+  filter.ignore_prefixes = ignore_prefixes;
+  return LoadParameters(files, params, filter);
+}
+
+absl::StatusOr<LoadReport> LoadParameters(
+    const std::vector<std::shared_ptr<const SafetensorsFile>>& files,
+    std::map<std::string, torch::Tensor>& params, const LoadFilter& filter) {
   torch::NoGradGuard no_grad;
   LoadReport report;
   std::map<std::string, Coverage> filled;
-  for (const auto& file : files) {
-    for (const auto& [name, view] : file->tensors()) {
-      if (HasPrefix(name, ignore_prefixes) ||
-          std::find(ignore_names.begin(), ignore_names.end(), name) != ignore_names.end()) {
-        ++report.tensors_ignored;
-        continue;
-      }
-      const absl::StatusOr<Target> resolved = Resolve(name);
-      if (!resolved.ok())
-        return absl::InvalidArgumentError(
-            absl::StrCat(file->path(), ": tensor '", name, "': ", resolved.status().message()));
-      const Target& t = *resolved;
-      auto it = params.find(t.param);
-      if (it == params.end()) {
-        return absl::InvalidArgumentError(absl::StrCat(file->path(), ": unexpected tensor '", name,
-                                                       "' (the model has no such parameter)"));
-      }
-      auto dest = Destination(t, it->second);
-      if (!dest.ok())
-        return absl::InvalidArgumentError(
-            absl::StrCat(file->path(), ": tensor '", name, "': ", dest.status().message()));
-      auto src = TensorFromView(view, file);
-      if (src.sizes() != dest->sizes()) {
-        return absl::InvalidArgumentError(absl::StrCat(file->path(), ": tensor '", name,
-                                                       "' has shape ", ShapeStr(src.sizes()),
-                                                       ", expected ", ShapeStr(dest->sizes())));
-      }
-      const int64_t rows = t.expert < 0 ? 0 : it->second.size(0);
-      if (absl::Status s = filled[t.param].Add(t, name, rows); !s.ok())
-        return absl::InvalidArgumentError(absl::StrCat(file->path(), ": ", s.message()));
-      dest->copy_(src);
-      ++report.tensors_loaded;
+  const auto& ignore_names = filter.ignore_names;
+  RETURN_IF_ERROR(ForEachCheckpointTensor(files, [&](const SafetensorsFile& file,
+                                                     const std::string& name,
+                                                     const torch::Tensor& src) -> absl::Status {
+    if (HasPrefix(name, filter.ignore_prefixes) ||
+        std::find(ignore_names.begin(), ignore_names.end(), name) != ignore_names.end()) {
+      ++report.tensors_ignored;
+      return absl::OkStatus();
     }
-  }
+    const absl::StatusOr<Target> resolved = Resolve(name);
+    if (!resolved.ok())
+      return absl::InvalidArgumentError(
+          absl::StrCat(file.path(), ": tensor '", name, "': ", resolved.status().message()));
+    Target t = *resolved;
+    if (t.expert >= 0 && filter.expert_row) {
+      t.expert = filter.expert_row(t.param, t.expert);
+      if (t.expert < 0) {  // another process's expert
+        ++report.tensors_ignored;
+        return absl::OkStatus();
+      }
+    }
+    auto it = params.find(t.param);
+    if (it == params.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(file.path(), ": unexpected tensor '", name,
+                                                     "' (the model has no such parameter)"));
+    }
+    auto dest = Destination(t, it->second);
+    if (!dest.ok())
+      return absl::InvalidArgumentError(
+          absl::StrCat(file.path(), ": tensor '", name, "': ", dest.status().message()));
+    if (src.sizes() != dest->sizes()) {
+      return absl::InvalidArgumentError(absl::StrCat(file.path(), ": tensor '", name,
+                                                     "' has shape ", ShapeStr(src.sizes()),
+                                                     ", expected ", ShapeStr(dest->sizes())));
+    }
+    const int64_t rows = t.expert < 0 ? 0 : it->second.size(0);
+    if (absl::Status s = filled[t.param].Add(t, name, rows); !s.ok())
+      return absl::InvalidArgumentError(absl::StrCat(file.path(), ": ", s.message()));
+    // Converts to the parameter's dtype and places it on its device: a CPU-side temporary of
+    // this one tensor at most (LibTorch converts on the host before a host-to-device copy).
+    dest->copy_(src);
+    ++report.tensors_loaded;
+    return absl::OkStatus();
+  }));
   // A parameter is complete when written whole, or (fused experts) when every slice was.
   std::vector<std::string> missing;
   for (auto& [name, p] : params) {
@@ -339,7 +376,9 @@ absl::Status SaveParameters(const std::string& dir,
 absl::StatusOr<std::shared_ptr<CausalLM>> LoadModel(const std::string& dir,
                                                     const LoadOptions& opts) {
   ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir));
-  ASSIGN_OR_RETURN(auto model, CreateModel(config));
+  // The parameters exist only in the target dtype on the target device; each checkpoint tensor
+  // is converted and placed as it is read.
+  ASSIGN_OR_RETURN(auto model, CreateModel(config, opts));
   ASSIGN_OR_RETURN(auto files, OpenCheckpointFiles(dir));
   std::map<std::string, torch::Tensor> params;
   for (auto& p : model->named_parameters()) params[p.key()] = p.value();
@@ -349,8 +388,19 @@ absl::StatusOr<std::shared_ptr<CausalLM>> LoadModel(const std::string& dir,
                    LoadParameters(files, params, model->TiedAliases(), ignore_prefixes));
   log::Info(absl::StrCat("loaded ", dir, " (", config.model_type, "): ", report.tensors_loaded,
                          " tensors from ", files.size(), " file(s), ", report.tensors_ignored,
-                         " ignored"));
-  model->to(opts.device, opts.dtype);
+                         " ignored, as ", c10::toString(opts.dtype), " on ", opts.device.str()));
+  return model;
+}
+
+absl::StatusOr<std::shared_ptr<CausalLM>> CreateModel(const ModelConfig& config,
+                                                      const LoadOptions& placement) {
+  ASSIGN_OR_RETURN(auto model, CreateModel(config));
+  // The constructors allocate fp32 host tensors without writing them (no page is touched, so
+  // they cost address space, not memory); each is replaced at once by an uninitialised tensor of
+  // the target dtype on the target device, as Module::to() would do after copying.
+  torch::NoGradGuard no_grad;
+  const auto options = torch::TensorOptions().dtype(placement.dtype).device(placement.device);
+  for (auto& p : model->parameters()) p.set_data(torch::empty(p.sizes(), options));
   return model;
 }
 

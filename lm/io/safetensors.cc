@@ -334,12 +334,29 @@ absl::StatusOr<std::shared_ptr<const SafetensorsFile>> SafetensorsFile::Open(
   // The mapping outlives the fd, so the fd closes here and only the mapping is owned.
   std::shared_ptr<const void> owner(
       addr, [size](const void* p) { ::munmap(const_cast<void*>(p), size); });
-  return FromBuffer(std::move(owner), static_cast<const std::byte*>(addr), size, path);
+  return Parse(std::move(owner), static_cast<const std::byte*>(addr), size, path,
+               /*mapped=*/true);
+}
+
+void SafetensorsFile::ReleasePages(const TensorView& view) const {
+  if (!mapped_ || view.nbytes == 0) return;
+  static const uintptr_t kPage = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(view.data) & ~(kPage - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(view.data) + view.nbytes + kPage - 1) &
+                        ~(kPage - 1);
+  // Best effort: on failure the pages merely stay resident until the file is closed.
+  (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
 }
 
 absl::StatusOr<std::shared_ptr<const SafetensorsFile>> SafetensorsFile::FromBuffer(
     std::shared_ptr<const void> owner, const std::byte* bytes, size_t size,
     const std::string& label) {
+  return Parse(std::move(owner), bytes, size, label, /*mapped=*/false);
+}
+
+absl::StatusOr<std::shared_ptr<const SafetensorsFile>> SafetensorsFile::Parse(
+    std::shared_ptr<const void> owner, const std::byte* bytes, size_t size,
+    const std::string& label, bool mapped) {
   if (size < kLengthPrefixBytes || bytes == nullptr) {
     return FileError(
         absl::StatusCode::kDataLoss, label,
@@ -384,6 +401,7 @@ absl::StatusOr<std::shared_ptr<const SafetensorsFile>> SafetensorsFile::FromBuff
   }
   RETURN_IF_ERROR(CheckNoOverlap(file.tensors_, data, label));
   file.owner_ = std::move(owner);
+  file.mapped_ = mapped;
   // The views point into the buffer, not into `file`, so moving it keeps them valid.
   return std::make_shared<const SafetensorsFile>(std::move(file));
 }

@@ -53,9 +53,19 @@ class SafetensorsFile {
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   // The tensor or NotFound naming the file.
   absl::StatusOr<TensorView> Get(const std::string& name) const;
+  // Hands the pages under `view` back to the kernel (madvise MADV_DONTNEED) so that they stop
+  // counting towards this process's resident memory: a loader that has copied a tensor out calls
+  // it, and a whole shard is then never resident at once. The mapping is read-only and private,
+  // so a later read of the view simply faults the bytes in from the file again: nothing is lost.
+  // A no-op for in-memory images (FromBuffer), whose bytes are the only copy.
+  void ReleasePages(const TensorView& view) const;
 
  private:
   SafetensorsFile() = default;
+  static absl::StatusOr<std::shared_ptr<const SafetensorsFile>> Parse(
+      std::shared_ptr<const void> owner, const std::byte* bytes, size_t size,
+      const std::string& label, bool mapped);
+  bool mapped_ = false;  // Open()ed: the bytes are a read-only file mapping
   std::string path_;
   std::shared_ptr<const void> owner_;  // keeps the mapping (or buffer) alive
   std::map<std::string, TensorView> tensors_;
