@@ -3,7 +3,9 @@
 //   logits and log-probs vs transformers: max abs diff <= 1e-4;
 //   chunked delta rule vs the per-token recurrence: max abs diff <= 1e-5;
 //   a packed batch vs each sequence alone: max abs diff <= 1e-5;
-//   gradients: max abs diff <= 1e-4 x max(the tensor's largest reference entry, 1e-4).
+//   gradients: max abs diff <= 1e-4 x max(the tensor's largest reference entry, 1e-4);
+//   decode (prefill + one token at a time through the cache) vs the full forward and vs
+//   transformers: max abs diff <= 1e-4 x the reference's largest |logit|.
 #include <sys/wait.h>
 
 #include <cmath>
@@ -11,16 +13,20 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <random>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "child_process.h"
 #include "lm/io/checkpoint.h"
 #include "lm/model/cpu_inference.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "lm/model/qwen3_next.h"
 #include "nlohmann/json.hpp"
+#include "rollout/sampler.h"
+#include "rpc/client.h"
 
 namespace lm {
 namespace {
@@ -34,10 +40,16 @@ std::vector<std::string> FixtureNames() {
   return nlohmann::json::parse(in)["configs"].get<std::vector<std::string>>();
 }
 
+// A greedy continuation by transformers' generate (its own cache).
+struct GenerateCase {
+  std::vector<int64_t> prompt, tokens;
+};
+
 struct Fixture {
   std::string dir;
   std::vector<std::vector<int64_t>> seqs;
   int64_t mtp_tensors = 0;
+  std::vector<GenerateCase> generate;
   std::map<std::string, torch::Tensor> ref;
 };
 
@@ -48,6 +60,10 @@ Fixture LoadFixture(const std::string& name) {
   auto j = nlohmann::json::parse(in);
   f.seqs = j["sequences"].get<std::vector<std::vector<int64_t>>>();
   f.mtp_tensors = j["mtp_tensors"].get<int64_t>();
+  for (const auto& c : j["generate"]) {
+    f.generate.push_back(
+        {c["prompt"].get<std::vector<int64_t>>(), c["tokens"].get<std::vector<int64_t>>()});
+  }
   auto file = SafetensorsFile::Open(f.dir + "/ref.safetensors");
   EXPECT_TRUE(file.ok()) << file.status();
   for (const auto& [n, view] : (*file)->tensors()) f.ref[n] = TensorFromView(view, *file).clone();
@@ -279,6 +295,38 @@ TEST(DeltaRule, InferencePathEqualsRecurrent) {
   }
 }
 
+// The decode step (transformers' recurrent rule, one token, grouped key heads) run over each
+// document from a zero state gives the per-token reference's outputs, and its final state is the
+// one the prefill paths (library and CPU inference) hand to a cache.
+TEST(DeltaRule, StepAndPrefillFinalStatesAgree) {
+  torch::NoGradGuard no_grad;
+  const std::vector<int64_t> lengths{1, 3, 64, 65, 130};
+  const auto cu = CuSeqlens(lengths);
+  const int64_t Hk = 2, r = 2, H = Hk * r, dk = 8, dv = 12;
+  const int64_t B = static_cast<int64_t>(lengths.size());
+  auto in = RandomRule(cu.back(), H, dk, dv, 2.0, 21);
+  auto qk = in.q.narrow(1, 0, Hk).contiguous(), kk = in.k.narrow(1, 0, Hk).contiguous();
+  auto qr = qk.repeat_interleave(r, 1), kr = kk.repeat_interleave(r, 1);
+  auto ref = GatedDeltaRuleRecurrent(qr, kr, in.v, in.g, in.beta, cu);
+  torch::Tensor chunked_state, cpu_state;
+  GatedDeltaRuleChunked(qr, kr, in.v, in.g, in.beta, DeltaRuleLayout::Make(cu, torch::kCPU),
+                        &chunked_state);
+  GatedDeltaRuleInferenceCpu(qk, kk, in.v, in.g, in.beta, cu, 64, &cpu_state);
+  ASSERT_EQ(chunked_state.sizes(), (c10::IntArrayRef{B, H, dk, dv}));
+  ASSERT_EQ(cpu_state.sizes(), chunked_state.sizes());
+  for (int64_t b = 0; b < B; ++b) {
+    auto S = torch::zeros({1, H, dk, dv});
+    std::vector<torch::Tensor> outs;
+    for (int64_t t = cu[b]; t < cu[b + 1]; ++t) {
+      auto row = [t](const torch::Tensor& x) { return x.narrow(0, t, 1); };
+      outs.push_back(GatedDeltaRuleStep(row(qk), row(kk), row(in.v), row(in.g), row(in.beta), S));
+    }
+    EXPECT_LE(MaxAbsDiff(torch::cat(outs), ref.narrow(0, cu[b], lengths[b])), 1e-5) << b;
+    EXPECT_LE(MaxAbsDiff(chunked_state[b], S[0]), 1e-5) << "document " << b;
+    EXPECT_LE(MaxAbsDiff(cpu_state[b], S[0]), 1e-5) << "document " << b;
+  }
+}
+
 // ---- checkpoints ----
 
 const std::string kMtpFixture = "next_interval4";
@@ -395,13 +443,27 @@ TEST(NextCheckpoint, CppSavesTransformersLoads) {
 
 // ---- the model's contract ----
 
-TEST(NextModel, ScoringOnlyNoKVCache) {
-  auto model = MustLoad(kFixtures + "/" + kMtpFixture + "/model");
+// The cache holds keys/values for the full-attention layers only and the conv and delta-rule
+// state (fp32) for the linear-attention ones; a cache that does not fit is refused.
+TEST(NextModel, KVCacheLayout) {
+  auto model = MustLoad(kFixtures + "/next_full_first_ratio4/model");  // full, linear, linear
   ASSERT_TRUE(model);
-  EXPECT_FALSE(model->SupportsKVCache());
-  EXPECT_THROW(model->NewKVCache(1, 8), c10::Error);
-  KVCache cache;
-  EXPECT_THROW(model->Decode(torch::tensor({1}, torch::kInt64), cache), c10::Error);
+  EXPECT_TRUE(model->SupportsKVCache());
+  KVCache cache = model->NewKVCache(3, 20);
+  ASSERT_EQ(cache.k.size(), 1u);
+  EXPECT_EQ(cache.k[0].sizes(), (c10::IntArrayRef{3, 20, 4, 8}));
+  ASSERT_EQ(cache.conv.size(), 2u);
+  EXPECT_EQ(cache.conv[1].sizes(), (c10::IntArrayRef{3, 2, 48}));  // kernel 3, 12 + 12 + 24
+  ASSERT_EQ(cache.recurrent.size(), 2u);
+  EXPECT_EQ(cache.recurrent[0].sizes(), (c10::IntArrayRef{3, 4, 12, 6}));
+  EXPECT_EQ(cache.recurrent[0].scalar_type(), torch::kFloat32);
+  EXPECT_EQ(cache.capacity(), 20);
+  auto picked = cache.RepeatInterleave(2).Select({5, 0});
+  EXPECT_EQ(picked.batch(), 2);
+  EXPECT_EQ(picked.conv[0].size(0), 2);
+  EXPECT_EQ(picked.recurrent[1].size(0), 2);
+  torch::NoGradGuard no_grad;
+  EXPECT_THROW(model->Decode(torch::tensor({1, 2}, torch::kInt64), cache), c10::Error);
   ForwardOptions opts;
   opts.cache = &cache;
   EXPECT_THROW(model->Forward(PackedBatch::FromSequences({{1, 2}}), opts), c10::Error);
@@ -488,21 +550,287 @@ TEST(NextOpdCtl, LogprobsMatchesReference) {
   fs::remove_all(dir);
 }
 
-// A Qwen3-Next student cannot be sampled yet (no recurrent-state cache): opd-rollout refuses it
-// at start-up, naming the model type, instead of failing every Generate.
-TEST(NextRollout, RefusedAtStartUp) {
-  const std::string dir = std::string(OPD_NEXT_FIXTURES_DIR) + "/next_interval4/model";
-  const std::string log = (fs::temp_directory_path() / "next_rollout.log").string();
-  const std::string cmd = std::string(OPD_BINARY_DIR) + "/rollout/opd-rollout --model " + dir +
-                          " --listen 127.0.0.1:0 > " + log + " 2>&1";
-  const int status = std::system(cmd.c_str());
-  ASSERT_TRUE(WIFEXITED(status)) << cmd;
-  EXPECT_EQ(WEXITSTATUS(status), 1) << cmd;
-  std::ifstream in(log);
-  const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  EXPECT_NE(out.find("is a qwen3_next model, which this rollout worker cannot sample"),
-            std::string::npos)
-      << out;
+// ---- incremental decoding (the rollout student) ----
+
+// max |a - ref| relative to the reference's largest entry.
+double RelDiff(const torch::Tensor& a, const torch::Tensor& ref) {
+  return MaxAbsDiff(a, ref) / std::max(ref.abs().max().item<double>(), 1e-6);
+}
+
+std::vector<int64_t> Lengths(const std::vector<std::vector<int64_t>>& seqs) {
+  std::vector<int64_t> n;
+  for (const auto& s : seqs) n.push_back(static_cast<int64_t>(s.size()));
+  return n;
+}
+
+// Teacher-forced decoding: the first prefix[b] tokens of every sequence are prefilled into one
+// cache, which is repeated `copies` times (slot b -> b * copies + c); then every slot decodes the
+// rest of its sequence one token per Decode step, leaving the batch (KVCache::Select) when its
+// sequence ends. Returns each slot's logits at every position [L_b, V], prefill rows included.
+std::vector<torch::Tensor> DecodeAll(CausalLM& model, const std::vector<std::vector<int64_t>>& seqs,
+                                     const std::vector<int64_t>& prefix, int64_t copies = 1) {
+  torch::NoGradGuard no_grad;
+  std::vector<std::vector<int64_t>> prompts;
+  int64_t longest = 0;
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    prompts.emplace_back(seqs[b].begin(), seqs[b].begin() + prefix[b]);
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(seqs[b].size()));
+  }
+  const auto batch = PackedBatch::FromSequences(prompts);
+  KVCache cache = model.NewKVCache(batch.num_sequences(), longest);
+  ForwardOptions fo;
+  fo.cache = &cache;
+  const auto prefill = model.Logits(model.Forward(batch, fo));
+  EXPECT_EQ(cache.lengths, prefix);
+  cache = cache.RepeatInterleave(copies);
+  std::vector<std::vector<torch::Tensor>> rows(seqs.size() * copies);
+  std::vector<int64_t> live, seq_of;  // slots still decoding; the sequence of each slot
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    for (int64_t c = 0; c < copies; ++c) {
+      rows[b * copies + c].push_back(prefill.narrow(0, batch.cu_seqlens[b], prefix[b]));
+      seq_of.push_back(static_cast<int64_t>(b));
+    }
+  }
+  for (int64_t i = 0; i < cache.batch(); ++i) live.push_back(i);
+  while (true) {
+    std::vector<int64_t> keep, next;
+    for (size_t j = 0; j < live.size(); ++j) {
+      const auto& s = seqs[seq_of[live[j]]];
+      if (cache.lengths[j] < static_cast<int64_t>(s.size())) {
+        keep.push_back(static_cast<int64_t>(j));
+        next.push_back(s[cache.lengths[j]]);
+      }
+    }
+    if (keep.empty()) break;
+    if (keep.size() < live.size()) {
+      cache = cache.Select(keep);
+      std::vector<int64_t> still;
+      for (int64_t j : keep) still.push_back(live[j]);
+      live = std::move(still);
+    }
+    const auto logits = model.Logits(model.Decode(torch::tensor(next, torch::kInt64), cache));
+    for (size_t j = 0; j < live.size(); ++j) rows[live[j]].push_back(logits.narrow(0, j, 1));
+  }
+  std::vector<torch::Tensor> out;
+  for (auto& r : rows) out.push_back(torch::cat(r, 0));
+  return out;
+}
+
+class NextDecode : public ::testing::TestWithParam<std::string> {};
+
+// Every position's logits through the cache equal the full forward's and transformers', for
+// prefills of one token (everything else decoded), of fewer tokens than the conv window (2, 3),
+// of a chunk less one, exactly one and one more (63, 64, 65), and of all but the last token; the
+// repeated cache's copies decode alike.
+TEST_P(NextDecode, DecodeEqualsForwardAtEveryPosition) {
+  Fixture f = LoadFixture(GetParam());
+  auto model = MustLoad(f.dir + "/model");
+  ASSERT_TRUE(model);
+  torch::NoGradGuard no_grad;
+  ASSERT_EQ(Lengths(f.seqs), (std::vector<int64_t>{1, 5, 64, 100, 130}));
+  std::vector<torch::Tensor> ref, own;  // per sequence: transformers' and our forward's logits
+  int64_t row = 0;
+  for (const auto& s : f.seqs) {
+    const int64_t n = static_cast<int64_t>(s.size());
+    ref.push_back(f.ref["logits"].narrow(0, row, n));
+    own.push_back(model->Logits(model->Forward(PackedBatch::FromSequences({s}))));
+    row += n;
+  }
+  const std::vector<std::pair<std::vector<int64_t>, int64_t>> plans = {
+      {{1, 1, 1, 1, 1}, 1}, {{1, 2, 63, 64, 65}, 2}, {{1, 3, 1, 99, 129}, 1}};
+  double worst_ref = 0, worst_own = 0;
+  for (const auto& [prefix, copies] : plans) {
+    auto got = DecodeAll(*model, f.seqs, prefix, copies);
+    ASSERT_EQ(got.size(), f.seqs.size() * copies);
+    for (size_t b = 0; b < f.seqs.size(); ++b) {
+      for (int64_t c = 0; c < copies; ++c) {
+        const auto& g = got[b * copies + c];
+        const double dr = RelDiff(g, ref[b]), d_own = RelDiff(g, own[b]);
+        EXPECT_LE(dr, 1e-4) << "sequence " << b << " prefilled " << prefix[b];
+        EXPECT_LE(d_own, 1e-4) << "sequence " << b << " prefilled " << prefix[b];
+        // Copies sit in other rows of the batch, which may round differently in the GEMMs.
+        if (c > 0) EXPECT_LE(RelDiff(g, got[b * copies]), 1e-5) << "copies differ";
+        worst_ref = std::max(worst_ref, dr);
+        worst_own = std::max(worst_own, d_own);
+      }
+    }
+  }
+  std::printf("[%s] decode vs transformers %.3g, vs own forward %.3g (relative)\n",
+              GetParam().c_str(), worst_ref, worst_own);
+}
+
+// rollout::SampleResponses (prefill, repeated cache, decode, finished samples leaving) greedy
+// equals transformers' generate, tokens and logits, every prompt in one batch.
+TEST_P(NextDecode, GreedyEqualsTransformersGenerate) {
+  Fixture f = LoadFixture(GetParam());
+  auto model = MustLoad(f.dir + "/model");
+  ASSERT_TRUE(model);
+  ASSERT_EQ(f.generate.size(), 3u);
+  std::vector<std::vector<int64_t>> prompts, full;
+  std::vector<int64_t> prefix;
+  for (const auto& c : f.generate) {
+    prompts.push_back(c.prompt);
+    full.push_back(c.prompt);
+    full.back().insert(full.back().end(), c.tokens.begin(), c.tokens.end());
+    prefix.push_back(static_cast<int64_t>(c.prompt.size()));
+  }
+  rollout::SamplingParams p;
+  p.temperature = 0;
+  p.samples_per_prompt = 2;
+  p.max_new_tokens = static_cast<int64_t>(f.generate[0].tokens.size());
+  std::vector<rollout::Sample> out;
+  auto st = rollout::SampleResponses(*model, prompts, p,
+                                     [&](rollout::Sample s) { out.push_back(std::move(s)); });
+  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_EQ(out.size(), 6u);
+  for (const auto& s : out) {
+    EXPECT_EQ(s.tokens, f.generate[s.prompt_index].tokens) << "prompt " << s.prompt_index;
+  }
+  // The logits each token was chosen from, through prefill + decode.
+  auto got = DecodeAll(*model, full, prefix);
+  std::vector<torch::Tensor> chosen;
+  for (size_t b = 0; b < full.size(); ++b)
+    chosen.push_back(got[b].narrow(0, prefix[b] - 1, p.max_new_tokens));
+  const double d = RelDiff(torch::cat(chosen), f.ref["generate_logits"]);
+  EXPECT_LE(d, 1e-4);
+  std::printf("[%s] decode logits vs transformers' generate: %.3g (relative)\n", GetParam().c_str(),
+              d);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, NextDecode, ::testing::ValuesIn(FixtureNames()));
+
+// The sampler's draw, re-derived: sample s of prompt p draws one uniform per token from
+// mt19937_64(SampleSeed(seed, p, s)) (the top 53 bits) and takes the first token whose cumulative
+// probability under softmax(logits / T) exceeds u * total.
+int64_t InverseCdf(const torch::Tensor& probs, double u) {
+  const auto p = probs.to(torch::kFloat64).contiguous();
+  const double* x = p.data_ptr<double>();
+  double total = 0;
+  for (int64_t i = 0; i < p.numel(); ++i) total += x[i];
+  double acc = 0;
+  for (int64_t i = 0; i < p.numel(); ++i) {
+    acc += x[i];
+    if (x[i] > 0 && acc > u * total) return i;
+  }
+  return p.numel() - 1;
+}
+
+// Every sample of SampleResponses (greedy and sampled, 2 samples per prompt) equals a reference
+// that runs the full forward over prompt + response so far for every token, with the same seeds.
+TEST(NextSampler, SamplesEqualStepByStepForward) {
+  for (const std::string name : {"next_interval4", "next_full_first_ratio4"}) {
+    Fixture f = LoadFixture(name);
+    auto model = MustLoad(f.dir + "/model");
+    ASSERT_TRUE(model);
+    torch::NoGradGuard no_grad;
+    const std::vector<std::vector<int64_t>> prompts = {
+        {f.seqs[1][0], f.seqs[1][1]}, f.seqs[1], {f.seqs[3].begin(), f.seqs[3].begin() + 70}};
+    for (double temperature : {0.0, 1.0, 0.7}) {
+      rollout::SamplingParams p;
+      p.samples_per_prompt = 2;
+      p.max_new_tokens = 12;
+      p.temperature = temperature;
+      p.seed = 1234;
+      std::vector<rollout::Sample> out;
+      auto st = rollout::SampleResponses(*model, prompts, p,
+                                         [&](rollout::Sample s) { out.push_back(std::move(s)); });
+      ASSERT_TRUE(st.ok()) << st.status();
+      ASSERT_EQ(out.size(), 6u);
+      int64_t differ = 0;
+      for (const auto& s : out) {
+        std::mt19937_64 rng(rollout::SampleSeed(p.seed, s.prompt_index, s.sample_index));
+        std::vector<int64_t> seq = prompts[s.prompt_index], tokens;
+        std::vector<float> logprobs;
+        for (int64_t t = 0; t < p.max_new_tokens; ++t) {
+          auto h = model->Forward(PackedBatch::FromSequences({seq}));
+          auto logits = model->Logits(h[h.size(0) - 1]).to(torch::kFloat32);
+          int64_t next;
+          if (temperature == 0) {
+            next = logits.argmax().item<int64_t>();
+            logprobs.push_back(0.0f);
+          } else {
+            auto probs = torch::softmax(logits / temperature, -1);
+            next = InverseCdf(probs, static_cast<double>(rng() >> 11) * 0x1.0p-53);
+            logprobs.push_back(std::log(probs[next].item<float>()));
+          }
+          tokens.push_back(next);
+          seq.push_back(next);
+        }
+        EXPECT_EQ(s.tokens, tokens) << name << " T " << temperature << " prompt " << s.prompt_index
+                                    << " sample " << s.sample_index;
+        ASSERT_EQ(s.logprobs.size(), logprobs.size());
+        for (size_t i = 0; i < logprobs.size(); ++i)
+          EXPECT_NEAR(s.logprobs[i], logprobs[i], 1e-4) << name << " token " << i;
+        differ += s.sample_index == 1 && s.tokens != out[0].tokens;
+      }
+      if (temperature > 0) EXPECT_GT(differ, 0) << "every sample the same: not sampling";
+    }
+  }
+}
+
+// A Qwen3-Next student rolls out through opd-rollout: it starts, and Generate over gRPC returns
+// transformers' greedy continuations and the in-process sampler's seeded samples.
+TEST(NextRollout, StartsAndGeneratesOverGrpc) {
+  Fixture f = LoadFixture(kMtpFixture);
+  auto dir = TempDir("rollout");
+  const std::string port_file = (dir / "port").string();
+  testing_util::ChildProcess child(
+      {std::string(OPD_BINARY_DIR) + "/rollout/opd-rollout", "--model=" + f.dir + "/model",
+       "--listen=127.0.0.1:0", "--port-file=" + port_file, "--threads=1", "--engine=static"},
+      (dir / "log").string());
+  ASSERT_TRUE(child.started());
+  const int port = testing_util::WaitForPort(child, port_file, std::chrono::seconds(60));
+  ASSERT_GT(port, 0) << child.Log();
+  opd::rpc::ClientOptions o;
+  o.address = "127.0.0.1:" + std::to_string(port);
+  o.timeout = absl::Seconds(60);
+  ASSERT_TRUE(opd::rpc::WaitUntilServing(o, absl::Seconds(30)).ok()) << child.Log();
+  auto client = opd::rpc::RolloutClient::Create(o);
+  ASSERT_TRUE(client.ok()) << client.status();
+
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::vector<int64_t>> prompts64;
+  for (const auto& c : f.generate) {
+    prompts.emplace_back(c.prompt.begin(), c.prompt.end());
+    prompts64.push_back(c.prompt);
+  }
+  opd::rpc::GenerateOptions greedy;
+  greedy.temperature = 0;
+  greedy.max_new_tokens = static_cast<int32_t>(f.generate[0].tokens.size());
+  auto out = (*client)->Generate(prompts, greedy);
+  ASSERT_TRUE(out.ok()) << out.status() << "\n" << child.Log();
+  ASSERT_EQ(out->size(), f.generate.size());
+  for (const auto& s : *out) {
+    const auto& want = f.generate[s.prompt_index].tokens;
+    EXPECT_EQ(std::vector<int64_t>(s.tokens.begin(), s.tokens.end()), want);
+  }
+
+  opd::rpc::GenerateOptions sampled;
+  sampled.samples_per_prompt = 2;
+  sampled.max_new_tokens = 10;
+  sampled.seed = 77;
+  out = (*client)->Generate(prompts, sampled);
+  ASSERT_TRUE(out.ok()) << out.status();
+  auto model = MustLoad(f.dir + "/model");
+  ASSERT_TRUE(model);
+  rollout::SamplingParams p;
+  p.samples_per_prompt = 2;
+  p.max_new_tokens = 10;
+  p.seed = 77;
+  std::map<std::pair<int64_t, int64_t>, rollout::Sample> local;
+  ASSERT_TRUE(rollout::SampleResponses(*model, prompts64, p, [&](rollout::Sample s) {
+                local[{s.prompt_index, s.sample_index}] = s;
+              }).ok());
+  ASSERT_EQ(out->size(), 6u);
+  for (const auto& s : *out) {
+    const auto& want = local[{s.prompt_index, s.sample_index}];
+    EXPECT_EQ(std::vector<int64_t>(s.tokens.begin(), s.tokens.end()), want.tokens);
+    ASSERT_EQ(s.logprobs.size(), want.logprobs.size());
+    for (size_t i = 0; i < want.logprobs.size(); ++i)
+      EXPECT_NEAR(s.logprobs[i], want.logprobs[i], 1e-5);
+  }
+  child.Stop();
+  fs::remove_all(dir);
 }
 
 }  // namespace

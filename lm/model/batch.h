@@ -26,10 +26,14 @@ struct PackedBatch {
 };
 
 // Per-layer key/value cache for incremental decoding. Slot b holds sequence b; keys are stored
-// after q/k-norm and RoPE, exactly as attention consumes them.
+// after q/k-norm and RoPE, exactly as attention consumes them. Models with linear-attention
+// (recurrent) layers (Qwen3-Next's Gated DeltaNet) keep those layers' fixed-size state per slot
+// instead: the causal conv's last K-1 inputs and the delta rule's matrix state.
 struct KVCache {
-  std::vector<torch::Tensor> k, v;  // per attention layer: [B, capacity, n_kv, head_dim]
-  std::vector<int64_t> lengths;     // [B] tokens already cached per slot
+  std::vector<torch::Tensor> k, v;       // per attention layer: [B, capacity, n_kv, head_dim]
+  std::vector<torch::Tensor> conv;       // per linear-attention layer: [B, K-1, conv channels]
+  std::vector<torch::Tensor> recurrent;  // per linear-attention layer: [B, Hv, dk, dv] fp32
+  std::vector<int64_t> lengths;          // [B] tokens already cached per slot
 
   int64_t batch() const { return static_cast<int64_t>(lengths.size()); }
   int64_t capacity() const { return k.empty() ? 0 : k[0].size(1); }

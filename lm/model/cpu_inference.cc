@@ -343,7 +343,8 @@ bool UseCpuInferenceDeltaRule(const torch::Tensor& q, const torch::Tensor& k,
 torch::Tensor GatedDeltaRuleInferenceCpu(const torch::Tensor& q_in, const torch::Tensor& k_in,
                                          const torch::Tensor& v_in, const torch::Tensor& g_in,
                                          const torch::Tensor& beta_in,
-                                         const std::vector<int64_t>& cu_seqlens, int64_t chunk) {
+                                         const std::vector<int64_t>& cu_seqlens, int64_t chunk,
+                                         torch::Tensor* final_state) {
   const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const auto g = g_in.contiguous(), beta = beta_in.contiguous();
   TORCH_CHECK(q.dim() == 3 && v.dim() == 3 && g.dim() == 2 && q.sizes() == k.sizes() &&
@@ -357,6 +358,8 @@ torch::Tensor GatedDeltaRuleInferenceCpu(const torch::Tensor& q_in, const torch:
   TORCH_CHECK(!cu_seqlens.empty() && cu_seqlens.front() == 0 && cu_seqlens.back() == T,
               "delta rule: cu_seqlens must run from 0 to ", T);
   auto o = torch::empty_like(v);
+  const int64_t B = static_cast<int64_t>(cu_seqlens.size()) - 1;
+  if (final_state) *final_state = torch::zeros({B, Hv, dk, dv}, v.options());
   // Tasks are (document, value head) pairs, longest documents first.
   auto len = [&](int64_t b) { return cu_seqlens[b + 1] - cu_seqlens[b]; };
   std::vector<std::pair<int64_t, int64_t>> tasks;
@@ -383,6 +386,8 @@ torch::Tensor GatedDeltaRuleInferenceCpu(const torch::Tensor& q_in, const torch:
                                  Hv * dv,
                                  Hv};
         RunDeltaRuleHead(head, scratch);
+        if (final_state)
+          std::copy_n(scratch.S, dk * dv, final_state->data_ptr<float>() + (b * Hv + h) * dk * dv);
       });
   return o;
 }

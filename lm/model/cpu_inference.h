@@ -42,12 +42,13 @@ bool UseCpuInferenceDeltaRule(const torch::Tensor& q, const torch::Tensor& k,
 // GatedDeltaRuleChunked (lm/model/qwen3_next.h), a short last chunk computed at its length. q, k
 // [T, Hk, dk] may have fewer heads than v [T, Hv, dv]: value head h reads key head h / (Hv / Hk),
 // so grouped heads need not be repeated. g, beta [T, Hv]; returns o [T, Hv, dv]. The result does
-// not depend on the thread count.
+// not depend on the thread count. `final_state`, when given, receives each document's state after
+// its last token, [B, Hv, dk, dv] fp32 (a decode cache's prefill).
 torch::Tensor GatedDeltaRuleInferenceCpu(const torch::Tensor& q, const torch::Tensor& k,
                                          const torch::Tensor& v, const torch::Tensor& g,
                                          const torch::Tensor& beta,
-                                         const std::vector<int64_t>& cu_seqlens,
-                                         int64_t chunk = 64);
+                                         const std::vector<int64_t>& cu_seqlens, int64_t chunk = 64,
+                                         torch::Tensor* final_state = nullptr);
 
 // Whether TokenLogprobs (lm/model/logprobs.h) may take TokenLogprobsInferenceCpu: no gradient
 // needed, fp32 on CPU, an AVX2 CPU.

@@ -25,23 +25,30 @@ PackedBatch PackedBatch::FromSequences(const std::vector<std::vector<int64_t>>& 
 
 KVCache KVCache::RepeatInterleave(int64_t n) const {
   KVCache out;
-  for (size_t i = 0; i < k.size(); ++i) {
-    out.k.push_back(k[i].repeat_interleave(n, 0));
-    out.v.push_back(v[i].repeat_interleave(n, 0));
-  }
+  auto repeat = [n](const std::vector<torch::Tensor>& from, std::vector<torch::Tensor>& to) {
+    for (const auto& t : from) to.push_back(t.repeat_interleave(n, 0));
+  };
+  repeat(k, out.k);
+  repeat(v, out.v);
+  repeat(conv, out.conv);
+  repeat(recurrent, out.recurrent);
   for (int64_t len : lengths) out.lengths.insert(out.lengths.end(), n, len);
   return out;
 }
 
 KVCache KVCache::Select(const std::vector<int64_t>& slots) const {
   KVCache out;
-  if (k.empty()) return out;
-  auto idx = torch::tensor(slots, torch::kInt64).to(k[0].device());
-  for (size_t i = 0; i < k.size(); ++i) {
-    out.k.push_back(k[i].index_select(0, idx));
-    out.v.push_back(v[i].index_select(0, idx));
-  }
   for (int64_t s : slots) out.lengths.push_back(lengths[s]);
+  const torch::Tensor* any = !k.empty() ? &k[0] : !conv.empty() ? &conv[0] : nullptr;
+  if (!any) return out;
+  auto idx = torch::tensor(slots, torch::kInt64).to(any->device());
+  auto select = [&idx](const std::vector<torch::Tensor>& from, std::vector<torch::Tensor>& to) {
+    for (const auto& t : from) to.push_back(t.index_select(0, idx));
+  };
+  select(k, out.k);
+  select(v, out.v);
+  select(conv, out.conv);
+  select(recurrent, out.recurrent);
   return out;
 }
 

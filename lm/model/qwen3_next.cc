@@ -110,6 +110,7 @@ DeltaRuleLayout DeltaRuleLayout::Make(const std::vector<int64_t>& cu_seqlens, to
     }
     layout.step_offsets.push_back(static_cast<int64_t>(gather.size()) / chunk);
   }
+  layout.order = std::move(order);
   layout.doc_pos = HostIndex(doc_pos, device);
   layout.gather = HostIndex(gather, device);
   layout.scatter = HostIndex(scatter, device);
@@ -139,8 +140,32 @@ torch::Tensor GatedDeltaRuleRecurrent(const torch::Tensor& q, const torch::Tenso
 
 torch::Tensor GatedDeltaRuleChunked(const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v, const torch::Tensor& g,
-                                    const torch::Tensor& beta, const DeltaRuleLayout& layout) {
-  if (layout.num_chunks() == 0) return torch::zeros({0, v.size(1), v.size(2)}, v.options());
+                                    const torch::Tensor& beta, const DeltaRuleLayout& layout,
+                                    torch::Tensor* final_state) {
+  const int64_t B = static_cast<int64_t>(layout.order.size());
+  const int64_t H = v.size(1), dk = k.size(2), dv = v.size(2);
+  // A document's state is final after the step of its last chunk; documents without tokens keep
+  // the zero state.
+  std::vector<torch::Tensor> finals(final_state ? B : 0);
+  auto finish = [&](const torch::Tensor& S, size_t s) {
+    if (!final_state) return;
+    const int64_t n = S.size(0);
+    const int64_t n_next = s + 2 < layout.step_offsets.size()
+                               ? layout.step_offsets[s + 2] - layout.step_offsets[s + 1]
+                               : 0;
+    for (int64_t i = n_next; i < n; ++i) finals[layout.order[i]] = S[i];
+  };
+  auto collect = [&] {
+    if (!final_state) return;
+    auto zero = torch::zeros({H, dk, dv}, v.options());
+    for (auto& f : finals)
+      if (!f.defined()) f = zero;
+    *final_state = B > 0 ? torch::stack(finals, 0) : torch::zeros({0, H, dk, dv}, v.options());
+  };
+  if (layout.num_chunks() == 0) {
+    collect();
+    return torch::zeros({0, v.size(1), v.size(2)}, v.options());
+  }
   auto qc = ToChunks(q, layout);
   ChunkTerms c = IntraChunk(qc, ToChunks(k, layout), ToChunks(v, layout), ToChunks(g, layout),
                             ToChunks(beta, layout));
@@ -156,6 +181,7 @@ torch::Tensor GatedDeltaRuleChunked(const torch::Tensor& q, const torch::Tensor&
     if (s == 0) {  // zero state: V' = U and the old state contributes nothing
       outs.push_back(torch::matmul(attn, u));
       S = torch::matmul(k_decayed_t, u);
+      finish(S, s);
       continue;
     }
     S = S.narrow(0, 0, n);
@@ -163,8 +189,23 @@ torch::Tensor GatedDeltaRuleChunked(const torch::Tensor& q, const torch::Tensor&
     auto v_new = u - reads.narrow(2, 0, C);
     outs.push_back(reads.narrow(2, C, C) + torch::matmul(attn, v_new));
     S = S * c.chunk_decay.narrow(0, off, n) + torch::matmul(k_decayed_t, v_new);
+    finish(S, s);
   }
+  collect();
   return FromChunks(torch::cat(outs, 0), layout);
+}
+
+torch::Tensor GatedDeltaRuleStep(const torch::Tensor& q, const torch::Tensor& k,
+                                 const torch::Tensor& v, const torch::Tensor& g,
+                                 const torch::Tensor& beta, torch::Tensor& state) {
+  const int64_t r = v.size(1) / k.size(1);
+  auto qh = r > 1 ? q.repeat_interleave(r, 1) : q;  // [B, Hv, dk]
+  auto kh = (r > 1 ? k.repeat_interleave(r, 1) : k).unsqueeze(-1);
+  state.mul_(g.exp().unsqueeze(-1).unsqueeze(-1));
+  auto kv_mem = (state * kh).sum(-2);              // S^T k        [B, Hv, dv]
+  auto delta = (v - kv_mem) * beta.unsqueeze(-1);  // beta (v - S^T k)
+  state.add_(kh * delta.unsqueeze(-2));            // S += k delta^T
+  return (state * qh.unsqueeze(-1)).sum(-2);       // S^T q        [B, Hv, dv]
 }
 
 // ---- modules ----
@@ -192,6 +233,29 @@ torch::Tensor CausalConv1dImpl::forward(const torch::Tensor& x, const torch::Ten
     fixed.addcmul_(earlier, w.select(1, K - 1 - j));
   }
   return y.index_copy(0, rows, fixed);
+}
+
+torch::Tensor CausalConv1dImpl::step(const torch::Tensor& x, torch::Tensor& state) {
+  // window [B, K, C]: x_{t-K+1} .. x_t, tap i multiplies x_{t-K+1+i}
+  auto window = torch::cat({state, x.unsqueeze(1)}, 1);
+  auto y = (window * weight.squeeze(1).t().unsqueeze(0)).sum(1);
+  state = window.narrow(1, 1, window.size(1) - 1).contiguous();
+  return y;
+}
+
+torch::Tensor CausalConv1dImpl::LastInputs(const torch::Tensor& x,
+                                           const std::vector<int64_t>& cu_seqlens) const {
+  const int64_t K = weight.size(2), T = x.size(0);
+  std::vector<int64_t> rows;  // row T of the padded input is zero
+  for (size_t b = 0; b + 1 < cu_seqlens.size(); ++b) {
+    for (int64_t j = K - 1; j >= 1; --j) {
+      const int64_t t = cu_seqlens[b + 1] - j;
+      rows.push_back(t >= cu_seqlens[b] ? t : T);
+    }
+  }
+  auto padded = torch::cat({x, torch::zeros_like(x.narrow(0, 0, 1))}, 0);
+  const int64_t B = static_cast<int64_t>(cu_seqlens.size()) - 1;
+  return padded.index_select(0, HostIndex(rows, x.device())).view({B, K - 1, x.size(1)});
 }
 
 RMSNormGatedImpl::RMSNormGatedImpl(int64_t dim, double eps) : eps(eps) {
@@ -222,45 +286,72 @@ Qwen3NextGatedDeltaNetImpl::Qwen3NextGatedDeltaNetImpl(const ModelConfig& c)
   out_proj = register_module("out_proj", Linear(value_dim, c.hidden_size));
 }
 
-torch::Tensor Qwen3NextGatedDeltaNetImpl::forward(const torch::Tensor& x,
-                                                  const DeltaRuleLayout& layout) {
-  const int64_t T = x.size(0), r = num_v_heads_ / num_k_heads_;
-  const int64_t dk = head_k_dim_, dv = head_v_dim_;
-  const int64_t key_dim = num_k_heads_ * dk;
+Qwen3NextGatedDeltaNetImpl::Mixed Qwen3NextGatedDeltaNetImpl::Project(const torch::Tensor& x) {
+  const int64_t N = x.size(0), r = num_v_heads_ / num_k_heads_;
+  const int64_t dk = head_k_dim_, dv = head_v_dim_, key_dim = num_k_heads_ * dk;
   // Grouped per key head: [q | k | v of its r value heads | z of its r value heads], [b | a].
-  auto qkvz = in_proj_qkvz(x).view({T, num_k_heads_, 2 * dk + 2 * r * dv});
-  auto ba = in_proj_ba(x).view({T, num_k_heads_, 2 * r});
-  auto z = qkvz.narrow(2, 2 * dk + r * dv, r * dv).reshape({T, num_v_heads_, dv});
-  auto qkv = torch::cat(
-      {qkvz.narrow(2, 0, dk).reshape({T, key_dim}), qkvz.narrow(2, dk, dk).reshape({T, key_dim}),
-       qkvz.narrow(2, 2 * dk, r * dv).reshape({T, num_v_heads_ * dv})},
+  auto qkvz = in_proj_qkvz(x).view({N, num_k_heads_, 2 * dk + 2 * r * dv});
+  auto ba = in_proj_ba(x).view({N, num_k_heads_, 2 * r});
+  Mixed m;
+  m.z = qkvz.narrow(2, 2 * dk + r * dv, r * dv).reshape({N, num_v_heads_, dv});
+  m.qkv = torch::cat(
+      {qkvz.narrow(2, 0, dk).reshape({N, key_dim}), qkvz.narrow(2, dk, dk).reshape({N, key_dim}),
+       qkvz.narrow(2, 2 * dk, r * dv).reshape({N, num_v_heads_ * dv})},
       1);
-  qkv = torch::silu(conv1d(qkv, layout.doc_pos));
-  auto q = qkv.narrow(1, 0, key_dim).view({T, num_k_heads_, dk});
-  auto k = qkv.narrow(1, key_dim, key_dim).view({T, num_k_heads_, dk});
-  auto v = qkv.narrow(1, 2 * key_dim, num_v_heads_ * dv).view({T, num_v_heads_, dv});
+  m.b = ba.narrow(2, 0, r).reshape({N, num_v_heads_});
+  m.a = ba.narrow(2, r, r).reshape({N, num_v_heads_});
+  return m;
+}
 
-  auto beta = torch::sigmoid(ba.narrow(2, 0, r).reshape({T, num_v_heads_}));
-  auto a = ba.narrow(2, r, r).reshape({T, num_v_heads_});
-  auto g = -A_log.to(torch::kFloat32).exp() *
-           torch::nn::functional::softplus(a.to(torch::kFloat32) + dt_bias);
-
+Qwen3NextGatedDeltaNetImpl::RuleInputs Qwen3NextGatedDeltaNetImpl::Prepare(const torch::Tensor& qkv,
+                                                                           const Mixed& m) {
+  const int64_t N = qkv.size(0), dk = head_k_dim_, dv = head_v_dim_;
+  const int64_t key_dim = num_k_heads_ * dk;
+  auto q = qkv.narrow(1, 0, key_dim).view({N, num_k_heads_, dk});
+  auto k = qkv.narrow(1, key_dim, key_dim).view({N, num_k_heads_, dk});
+  auto v = qkv.narrow(1, 2 * key_dim, num_v_heads_ * dv).view({N, num_v_heads_, dv});
+  RuleInputs in;
   // The rule runs in fp32 with L2-normalised q/k; each key head serves r consecutive value heads.
-  auto qf = L2Normalize(q.to(torch::kFloat32)) * (1.0 / std::sqrt(static_cast<double>(dk)));
-  auto kf = L2Normalize(k.to(torch::kFloat32));
-  auto vf = v.to(torch::kFloat32), bf = beta.to(torch::kFloat32);
+  in.q = L2Normalize(q.to(torch::kFloat32)) * (1.0 / std::sqrt(static_cast<double>(dk)));
+  in.k = L2Normalize(k.to(torch::kFloat32));
+  in.v = v.to(torch::kFloat32);
+  in.beta = torch::sigmoid(m.b).to(torch::kFloat32);
+  in.g = -A_log.to(torch::kFloat32).exp() *
+         torch::nn::functional::softplus(m.a.to(torch::kFloat32) + dt_bias);
+  return in;
+}
+
+torch::Tensor Qwen3NextGatedDeltaNetImpl::Output(const torch::Tensor& o, const Mixed& m,
+                                                 torch::ScalarType dtype) {
+  return out_proj(norm(o.to(dtype), m.z).reshape({o.size(0), num_v_heads_ * head_v_dim_}));
+}
+
+torch::Tensor Qwen3NextGatedDeltaNetImpl::forward(const torch::Tensor& x,
+                                                  const DeltaRuleLayout& layout,
+                                                  torch::Tensor* conv_state,
+                                                  torch::Tensor* recurrent_state) {
+  const int64_t r = num_v_heads_ / num_k_heads_;
+  Mixed m = Project(x);
+  if (conv_state) *conv_state = conv1d->LastInputs(m.qkv, layout.cu_seqlens);
+  RuleInputs in = Prepare(torch::silu(conv1d(m.qkv, layout.doc_pos)), m);
   torch::Tensor o;
-  if (UseCpuInferenceDeltaRule(qf, kf, vf, g, bf)) {  // reads key head h / r itself
-    o = GatedDeltaRuleInferenceCpu(qf, kf, vf, g, bf, layout.cu_seqlens, layout.chunk);
+  if (UseCpuInferenceDeltaRule(in.q, in.k, in.v, in.g, in.beta)) {  // reads key head h / r itself
+    o = GatedDeltaRuleInferenceCpu(in.q, in.k, in.v, in.g, in.beta, layout.cu_seqlens, layout.chunk,
+                                   recurrent_state);
   } else {
-    if (r > 1) {
-      qf = qf.repeat_interleave(r, 1);
-      kf = kf.repeat_interleave(r, 1);
-    }
-    o = GatedDeltaRuleChunked(qf, kf, vf, g, bf, layout);
+    auto qf = r > 1 ? in.q.repeat_interleave(r, 1) : in.q;
+    auto kf = r > 1 ? in.k.repeat_interleave(r, 1) : in.k;
+    o = GatedDeltaRuleChunked(qf, kf, in.v, in.g, in.beta, layout, recurrent_state);
   }
-  o = o.to(x.scalar_type());
-  return out_proj(norm(o, z).reshape({T, num_v_heads_ * dv}));
+  return Output(o, m, x.scalar_type());
+}
+
+torch::Tensor Qwen3NextGatedDeltaNetImpl::decode(const torch::Tensor& x, torch::Tensor& conv_state,
+                                                 torch::Tensor& recurrent_state) {
+  Mixed m = Project(x);
+  RuleInputs in = Prepare(torch::silu(conv1d->step(m.qkv, conv_state)), m);
+  auto o = GatedDeltaRuleStep(in.q, in.k, in.v, in.g, in.beta, recurrent_state);
+  return Output(o, m, x.scalar_type());
 }
 
 Qwen3NextAttentionImpl::Qwen3NextAttentionImpl(const ModelConfig& c)
@@ -276,18 +367,45 @@ Qwen3NextAttentionImpl::Qwen3NextAttentionImpl(const ModelConfig& c)
   k_norm = register_module("k_norm", RMSNorm(head_dim_, c.rms_norm_eps, /*zero_centered=*/true));
 }
 
+Qwen3NextAttentionImpl::Projected Qwen3NextAttentionImpl::Project(const torch::Tensor& x,
+                                                                  const torch::Tensor& cos,
+                                                                  const torch::Tensor& sin) {
+  const int64_t N = x.size(0);
+  auto q_gate = q_proj(x).view({N, heads_, 2 * head_dim_});  // per head [query | gate]
+  Projected p;
+  p.q = rope_.Apply(q_norm(q_gate.narrow(2, 0, head_dim_)), cos, sin);
+  p.gate = q_gate.narrow(2, head_dim_, head_dim_);
+  p.k = rope_.Apply(k_norm(k_proj(x).view({N, kv_heads_, head_dim_})), cos, sin);
+  p.v = v_proj(x).view({N, kv_heads_, head_dim_});
+  return p;
+}
+
+torch::Tensor Qwen3NextAttentionImpl::Output(const torch::Tensor& o, const torch::Tensor& gate) {
+  return o_proj((o * torch::sigmoid(gate)).reshape({o.size(0), heads_ * head_dim_}));
+}
+
 torch::Tensor Qwen3NextAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
                                               const torch::Tensor& sin,
-                                              const std::vector<int64_t>& cu_seqlens) {
-  const int64_t T = x.size(0);
-  auto q_gate = q_proj(x).view({T, heads_, 2 * head_dim_});  // per head [query | gate]
-  auto q = rope_.Apply(q_norm(q_gate.narrow(2, 0, head_dim_)), cos, sin);
-  auto gate = q_gate.narrow(2, head_dim_, head_dim_);
-  auto k = rope_.Apply(k_norm(k_proj(x).view({T, kv_heads_, head_dim_})), cos, sin);
-  auto v = v_proj(x).view({T, kv_heads_, head_dim_});
-  auto o =
-      VarlenCausalAttention(q, k, v, cu_seqlens, 1.0 / std::sqrt(static_cast<double>(head_dim_)));
-  return o_proj((o * torch::sigmoid(gate)).reshape({T, heads_ * head_dim_}));
+                                              const std::vector<int64_t>& cu_seqlens,
+                                              torch::Tensor* k_cache, torch::Tensor* v_cache) {
+  Projected p = Project(x, cos, sin);
+  if (k_cache) FillCache(*k_cache, *v_cache, p.k, p.v, cu_seqlens);
+  auto o = VarlenCausalAttention(p.q, p.k, p.v, cu_seqlens,
+                                 1.0 / std::sqrt(static_cast<double>(head_dim_)));
+  return Output(o, p.gate);
+}
+
+torch::Tensor Qwen3NextAttentionImpl::decode(const torch::Tensor& x, const torch::Tensor& cos,
+                                             const torch::Tensor& sin, torch::Tensor& k_cache,
+                                             torch::Tensor& v_cache,
+                                             const std::vector<int64_t>& lengths) {
+  Projected p = Project(x, cos, sin);
+  AppendCache(k_cache, v_cache, p.k, p.v, lengths);
+  std::vector<int64_t> visible(lengths.size());
+  for (size_t b = 0; b < lengths.size(); ++b) visible[b] = lengths[b] + 1;
+  auto o = CachedAttention(p.q, k_cache, v_cache, visible,
+                           1.0 / std::sqrt(static_cast<double>(head_dim_)));
+  return Output(o, p.gate);
 }
 
 Qwen3NextSparseMoeBlockImpl::Qwen3NextSparseMoeBlockImpl(const ModelConfig& c)
@@ -313,11 +431,13 @@ torch::Tensor Qwen3NextSparseMoeBlockImpl::forward(const torch::Tensor& x,
 Qwen3NextDecoderLayerImpl::Qwen3NextDecoderLayerImpl(const ModelConfig& c, int64_t layer) {
   input_layernorm =
       register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, true));
-  if (c.IsFullAttentionLayer(layer)) {
+  const bool full = c.IsFullAttentionLayer(layer);
+  if (full) {
     self_attn = register_module("self_attn", Qwen3NextAttention(c));
   } else {
     linear_attn = register_module("linear_attn", Qwen3NextGatedDeltaNet(c));
   }
+  for (int64_t j = 0; j < layer; ++j) cache_index_ += c.IsFullAttentionLayer(j) == full;
   post_attention_layernorm =
       register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, true));
   if (c.IsMoeLayer(layer)) {
@@ -327,18 +447,41 @@ Qwen3NextDecoderLayerImpl::Qwen3NextDecoderLayerImpl(const ModelConfig& c, int64
   }
 }
 
+torch::Tensor Qwen3NextDecoderLayerImpl::Mlp(const torch::Tensor& x,
+                                             std::vector<torch::Tensor>* router_logits) {
+  if (!moe) return dense(x);
+  torch::Tensor logits;
+  auto y = moe(x, router_logits ? &logits : nullptr);
+  if (router_logits) router_logits->push_back(logits);
+  return y;
+}
+
 torch::Tensor Qwen3NextDecoderLayerImpl::forward(const torch::Tensor& h,
                                                  const Qwen3NextStep& step) {
   auto x = input_layernorm(h);
-  auto mixed = linear_attn ? linear_attn(x, *step.layout)
-                           : self_attn(x, step.cos, step.sin, *step.cu_seqlens);
+  KVCache* cache = step.cache;
+  torch::Tensor mixed;
+  if (linear_attn) {
+    mixed = linear_attn(x, *step.layout, cache ? &cache->conv[cache_index_] : nullptr,
+                        cache ? &cache->recurrent[cache_index_] : nullptr);
+  } else {
+    mixed = self_attn(x, step.cos, step.sin, *step.cu_seqlens,
+                      cache ? &cache->k[cache_index_] : nullptr,
+                      cache ? &cache->v[cache_index_] : nullptr);
+  }
   auto h1 = h + mixed;
-  x = post_attention_layernorm(h1);
-  if (!moe) return h1 + dense(x);
-  torch::Tensor logits;
-  auto y = moe(x, step.router_logits ? &logits : nullptr);
-  if (step.router_logits) step.router_logits->push_back(logits);
-  return h1 + y;
+  return h1 + Mlp(post_attention_layernorm(h1), step.router_logits);
+}
+
+torch::Tensor Qwen3NextDecoderLayerImpl::decode(const torch::Tensor& h, const torch::Tensor& cos,
+                                                const torch::Tensor& sin, KVCache& cache) {
+  auto x = input_layernorm(h);
+  auto mixed = linear_attn
+                   ? linear_attn->decode(x, cache.conv[cache_index_], cache.recurrent[cache_index_])
+                   : self_attn->decode(x, cos, sin, cache.k[cache_index_], cache.v[cache_index_],
+                                       cache.lengths);
+  auto h1 = h + mixed;
+  return h1 + Mlp(post_attention_layernorm(h1), nullptr);
 }
 
 Qwen3NextModelImpl::Qwen3NextModelImpl(const ModelConfig& c) {
@@ -357,27 +500,66 @@ Qwen3NextForCausalLM::Qwen3NextForCausalLM(ModelConfig c)
 }
 
 torch::Tensor Qwen3NextForCausalLM::Forward(const PackedBatch& batch, const ForwardOptions& opts) {
-  TORCH_CHECK(opts.cache == nullptr,
-              "Qwen3-Next is served for scoring only: prefill into a KV cache is not implemented");
+  KVCache* cache = opts.cache;
+  if (cache) {
+    TORCH_CHECK(cache->batch() == batch.num_sequences(),
+                "Qwen3-Next prefill: ", batch.num_sequences(), " documents for a cache of ",
+                cache->batch(), " slots");
+    TORCH_CHECK(cache->k.size() + cache->conv.size() == model->layers->size() &&
+                    cache->recurrent.size() == cache->conv.size(),
+                "Qwen3-Next prefill: the cache was not made by this model's NewKVCache");
+  }
   auto [cos, sin] = rope_.Tables(batch.position_ids);
   const auto layout = DeltaRuleLayout::Make(batch.cu_seqlens, batch.input_ids.device());
-  const Qwen3NextStep step{cos, sin, &batch.cu_seqlens, &layout, opts.router_logits};
+  const Qwen3NextStep step{cos, sin, &batch.cu_seqlens, &layout, opts.router_logits, cache};
   auto h = model->embed_tokens(batch.input_ids);
   for (size_t i = 0; i < model->layers->size(); ++i) {
     h = model->layers->ptr<Qwen3NextDecoderLayerImpl>(i)->forward(h, step);
   }
+  if (cache) {
+    for (int64_t b = 0; b < batch.num_sequences(); ++b) cache->lengths[b] = batch.length(b);
+  }
   return model->norm(h);
 }
 
-torch::Tensor Qwen3NextForCausalLM::Decode(const torch::Tensor&, KVCache&) {
-  TORCH_CHECK(false,
-              "Qwen3-Next is served for scoring only: incremental decode is not implemented");
-  return {};
+torch::Tensor Qwen3NextForCausalLM::Decode(const torch::Tensor& tokens, KVCache& cache) {
+  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == cache.batch(),
+              "Qwen3-Next decode: ", tokens.sizes(), " tokens for a cache of ", cache.batch(),
+              " slots");
+  for (int64_t len : cache.lengths) {
+    TORCH_CHECK(cache.k.empty() || len < cache.capacity(), "Qwen3-Next decode: a slot holds ", len,
+                " tokens, the cache's capacity");
+  }
+  auto positions = torch::tensor(cache.lengths, torch::kInt64).to(tokens.device());
+  auto [cos, sin] = rope_.Tables(positions);
+  auto h = model->embed_tokens(tokens);
+  for (size_t i = 0; i < model->layers->size(); ++i) {
+    h = model->layers->ptr<Qwen3NextDecoderLayerImpl>(i)->decode(h, cos, sin, cache);
+  }
+  for (auto& len : cache.lengths) ++len;
+  return model->norm(h);
 }
 
-KVCache Qwen3NextForCausalLM::NewKVCache(int64_t, int64_t) const {
-  TORCH_CHECK(false, "Qwen3-Next is served for scoring only: it has no KV cache");
-  return {};
+KVCache Qwen3NextForCausalLM::NewKVCache(int64_t batch, int64_t capacity) const {
+  const ModelConfig& c = config_;
+  KVCache cache;
+  auto opts = model->embed_tokens->weight.options().requires_grad(false);
+  const int64_t conv_channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim +
+                                c.linear_num_value_heads * c.linear_value_head_dim;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    if (c.IsFullAttentionLayer(i)) {
+      cache.k.push_back(torch::zeros({batch, capacity, c.num_key_value_heads, c.head_dim}, opts));
+      cache.v.push_back(torch::zeros_like(cache.k.back()));
+    } else {
+      cache.conv.push_back(
+          torch::zeros({batch, c.linear_conv_kernel_dim - 1, conv_channels}, opts));
+      cache.recurrent.push_back(torch::zeros(
+          {batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim},
+          opts.dtype(torch::kFloat32)));
+    }
+  }
+  cache.lengths.assign(batch, 0);
+  return cache;
 }
 
 torch::Tensor Qwen3NextForCausalLM::LmHeadWeight() {

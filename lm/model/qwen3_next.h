@@ -34,8 +34,14 @@
 //
 // The delta rule runs chunked for prefill (see GatedDeltaRuleChunked); the per-token recurrence is
 // kept as the reference. On CPU without gradients (scoring) the layer takes the same algebra as
-// one task per document and head (GatedDeltaRuleInferenceCpu, lm/model/cpu_inference.h). This
-// teacher only scores: there is no KV-cache decode.
+// one task per document and head (GatedDeltaRuleInferenceCpu, lm/model/cpu_inference.h).
+//
+// Incremental decoding (a rollout student): the KVCache holds per slot the full-attention layers'
+// keys/values (KVCache::k, v, one entry per full-attention layer in layer order) and each Gated
+// DeltaNet layer's fixed-size state (KVCache::conv, recurrent, one entry per linear-attention
+// layer): the conv's last K-1 inputs and the delta rule's S [Hv, dk, dv] in fp32. A prefill
+// (Forward with opts.cache) computes them chunked, as the forward does; Decode advances them one
+// token, as transformers' causal_conv1d_update and torch_recurrent_gated_delta_rule do.
 //
 // Member names are the checkpoint's names (model.layers.N.linear_attn.in_proj_qkvz.weight, ...);
 // `mtp.*` tensors of published checkpoints are skipped by LoadModel.
@@ -63,6 +69,7 @@ struct DeltaRuleLayout {
   torch::Tensor scatter;              // [T] int64: chunk slot of each token
   std::vector<int64_t> step_offsets;  // [steps + 1] first chunk of each scan step
   std::vector<int64_t> cu_seqlens;    // [B + 1] the documents it was made for
+  std::vector<int64_t> order;         // [B] the documents by decreasing chunk count (scan rows)
 
   int64_t num_chunks() const { return step_offsets.empty() ? 0 : step_offsets.back(); }
   static DeltaRuleLayout Make(const std::vector<int64_t>& cu_seqlens, torch::Device device,
@@ -87,10 +94,19 @@ torch::Tensor GatedDeltaRuleRecurrent(const torch::Tensor& q, const torch::Tenso
 //   O  = (exp(G) Q) S + ((Q K^T) * D) V'
 //   S  = exp(G_C) S + (exp(G_C - G) K)^T V'
 // All chunks of all documents solve their triangular systems in one batch; the scan over chunk
-// steps runs every document at once.
+// steps runs every document at once. `final_state`, when given, receives each document's state
+// after its last token, [B, H, dk, dv] (a decode cache's prefill).
 torch::Tensor GatedDeltaRuleChunked(const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v, const torch::Tensor& g,
-                                    const torch::Tensor& beta, const DeltaRuleLayout& layout);
+                                    const torch::Tensor& beta, const DeltaRuleLayout& layout,
+                                    torch::Tensor* final_state = nullptr);
+
+// One decode step of B sequences, transformers' torch_recurrent_gated_delta_rule for one token:
+// q, k [B, Hk, dk] (normalised as above; value head h reads key head h / (Hv / Hk)), v [B, Hv, dv],
+// g, beta [B, Hv], fp32; `state` [B, Hv, dk, dv] fp32 is advanced in place. Returns o [B, Hv, dv].
+torch::Tensor GatedDeltaRuleStep(const torch::Tensor& q, const torch::Tensor& k,
+                                 const torch::Tensor& v, const torch::Tensor& g,
+                                 const torch::Tensor& beta, torch::Tensor& state);
 
 // ---- modules ----
 
@@ -101,6 +117,11 @@ class CausalConv1dImpl : public torch::nn::Module {
   CausalConv1dImpl(int64_t channels, int64_t kernel);
   // x [T, C], doc_pos [T] -> [T, C]
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& doc_pos);
+  // One decode step: x [B, C] after the K-1 inputs in `state` [B, K-1, C], which moves on by x.
+  torch::Tensor step(const torch::Tensor& x, torch::Tensor& state);
+  // The decode state after a prefill: each document's last K-1 inputs [B, K-1, C], zeros before a
+  // document's start (as the forward reads them).
+  torch::Tensor LastInputs(const torch::Tensor& x, const std::vector<int64_t>& cu_seqlens) const;
   torch::Tensor weight;
 };
 TORCH_MODULE(CausalConv1d);
@@ -118,8 +139,15 @@ TORCH_MODULE(RMSNormGated);
 class Qwen3NextGatedDeltaNetImpl : public torch::nn::Module {
  public:
   explicit Qwen3NextGatedDeltaNetImpl(const ModelConfig& c);
-  // x [T, H] -> [T, H]
-  torch::Tensor forward(const torch::Tensor& x, const DeltaRuleLayout& layout);
+  // x [T, H] -> [T, H]. With `conv_state` and `recurrent_state` (a prefill into a cache, every
+  // document from its start), each document's final states go to row b of them.
+  torch::Tensor forward(const torch::Tensor& x, const DeltaRuleLayout& layout,
+                        torch::Tensor* conv_state = nullptr,
+                        torch::Tensor* recurrent_state = nullptr);
+  // One decode step: x [B, H] -> [B, H], advancing conv_state [B, K-1, C] and recurrent_state
+  // [B, Hv, dk, dv] in place.
+  torch::Tensor decode(const torch::Tensor& x, torch::Tensor& conv_state,
+                       torch::Tensor& recurrent_state);
 
   Linear in_proj_qkvz{nullptr}, in_proj_ba{nullptr}, out_proj{nullptr};
   CausalConv1d conv1d{nullptr};
@@ -127,6 +155,19 @@ class Qwen3NextGatedDeltaNetImpl : public torch::nn::Module {
   torch::Tensor A_log, dt_bias;  // [Hv]
 
  private:
+  struct Mixed {
+    torch::Tensor qkv, z, b, a;  // conv input [N, C], z [N, Hv, dv], b and a [N, Hv]
+  };
+  Mixed Project(const torch::Tensor& x);
+  // The rule's inputs from the conv output qkv [N, C]: fp32 q, k (normalised) [N, Hk, dk], v
+  // [N, Hv, dv], g and beta [N, Hv].
+  struct RuleInputs {
+    torch::Tensor q, k, v, g, beta;
+  };
+  RuleInputs Prepare(const torch::Tensor& qkv, const Mixed& m);
+  // norm(o) * silu(z), out_proj: o [N, Hv, dv] fp32 -> [N, H]
+  torch::Tensor Output(const torch::Tensor& o, const Mixed& m, torch::ScalarType dtype);
+
   int64_t num_k_heads_, num_v_heads_, head_k_dim_, head_v_dim_;
 };
 TORCH_MODULE(Qwen3NextGatedDeltaNet);
@@ -134,14 +175,27 @@ TORCH_MODULE(Qwen3NextGatedDeltaNet);
 class Qwen3NextAttentionImpl : public torch::nn::Module {
  public:
   explicit Qwen3NextAttentionImpl(const ModelConfig& c);
-  // x [T, H]; rope tables [T, rotary_dim] -> [T, H]
+  // x [T, H]; rope tables [T, rotary_dim] -> [T, H]. Fills the caches (slot b = document b, from
+  // position 0) when given.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const std::vector<int64_t>& cu_seqlens);
+                        const std::vector<int64_t>& cu_seqlens, torch::Tensor* k_cache = nullptr,
+                        torch::Tensor* v_cache = nullptr);
+  // One decode step: x [B, H] at positions lengths[b] (rope tables of those), appended to the
+  // caches [B, capacity, Hkv, D]; attends to the slot's lengths[b] + 1 positions.
+  torch::Tensor decode(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                       torch::Tensor& k_cache, torch::Tensor& v_cache,
+                       const std::vector<int64_t>& lengths);
 
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};
 
  private:
+  struct Projected {
+    torch::Tensor q, gate, k, v;  // [N, Hq, D] x 2, [N, Hkv, D] x 2
+  };
+  Projected Project(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  torch::Tensor Output(const torch::Tensor& o, const torch::Tensor& gate);
+
   int64_t heads_, kv_heads_, head_dim_;
   Rope rope_;
 };
@@ -170,18 +224,27 @@ struct Qwen3NextStep {
   const std::vector<int64_t>* cu_seqlens;
   const DeltaRuleLayout* layout;
   std::vector<torch::Tensor>* router_logits;  // may be null
+  KVCache* cache = nullptr;                   // a prefill's cache, or null
 };
 
 class Qwen3NextDecoderLayerImpl : public torch::nn::Module {
  public:
   Qwen3NextDecoderLayerImpl(const ModelConfig& c, int64_t layer);
   torch::Tensor forward(const torch::Tensor& h, const Qwen3NextStep& step);
+  // One decode step: h [B, H] at positions cache.lengths (rope tables of those).
+  torch::Tensor decode(const torch::Tensor& h, const torch::Tensor& cos, const torch::Tensor& sin,
+                       KVCache& cache);
 
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Qwen3NextGatedDeltaNet linear_attn{nullptr};  // linear_attention layers
   Qwen3NextAttention self_attn{nullptr};        // full_attention layers
   Qwen3NextSparseMoeBlock moe{nullptr};         // registered as "mlp" when a MoE layer
   DenseMlp dense{nullptr};                      // registered as "mlp" otherwise
+
+ private:
+  torch::Tensor Mlp(const torch::Tensor& x, std::vector<torch::Tensor>* router_logits);
+  // This layer's entry in KVCache::k/v (full attention) or KVCache::conv/recurrent (linear).
+  int64_t cache_index_ = 0;
 };
 TORCH_MODULE(Qwen3NextDecoderLayer);
 
@@ -198,11 +261,11 @@ class Qwen3NextForCausalLM : public CausalLM {
  public:
   explicit Qwen3NextForCausalLM(ModelConfig c);
 
-  // Scoring prefill over a packed batch; `opts.cache` must be null (no decode for this teacher).
+  // Forward over a packed batch; with `opts.cache` (a prefill) document b's keys/values and
+  // recurrent state go to slot b, every document starting at position 0.
   torch::Tensor Forward(const PackedBatch& batch, const ForwardOptions& opts = {}) override;
-  bool SupportsKVCache() const override { return false; }
-  torch::Tensor Decode(const torch::Tensor& tokens, KVCache& cache) override;  // throws
-  KVCache NewKVCache(int64_t batch, int64_t capacity) const override;          // throws
+  torch::Tensor Decode(const torch::Tensor& tokens, KVCache& cache) override;
+  KVCache NewKVCache(int64_t batch, int64_t capacity) const override;
   torch::Tensor LmHeadWeight() override;
   std::vector<std::string> TiedAliases() const override;
 

@@ -6,11 +6,16 @@ conv1d path) run on CPU, so this needs no kernels.
 For each configuration it writes, under --out/<name>/:
   model/            save_pretrained() output (config.json + model.safetensors); one of them also
                     carries `mtp.*` tensors, as published checkpoints do
-  inputs.json       {"sequences": [...], "mtp_tensors": n}: token sequences of lengths 1, 5, 64,
-                    100, 130 (not multiples of the chunk size 64, and one of exactly 64)
+  inputs.json       {"sequences": [...], "mtp_tensors": n, "generate": [...]}: token sequences of
+                    lengths 1, 5, 64, 100, 130 (not multiples of the chunk size 64, and one of
+                    exactly 64); "generate": greedy continuations by transformers' own generate
+                    (its cache: conv state + recurrent delta rule per token), {"prompt", "tokens"}
+                    for prompts of 2 (a conv window not yet full), 5 and 100 tokens
   ref.safetensors   logits [T, V]: every sequence run ALONE (batch of one, no padding), packed in
                     order; next-token log-probs [T - B]; the loss (mean next-token cross-entropy
-                    over all sequences) and d(loss)/d(param) for every parameter ("grad.<name>")
+                    over all sequences) and d(loss)/d(param) for every parameter ("grad.<name>");
+                    generate_logits [sum of new tokens, V]: the logits each generated token was
+                    chosen from, prompts in order
 Everything is fp32 on CPU, with fixed seeds. The generator also checks that the reference's own
 rounding error (fp32 against fp64) is far below the tests' tolerance.
 """
@@ -64,6 +69,10 @@ CONFIGS = {
 }
 
 SEQ_LENGTHS = [1, 5, 64, 100, 130]
+GENERATE_NEW_TOKENS = 8
+# top-1 over top-2 logit of every greedy step: 4x the reference's own noise floor, far above the
+# C++ decode's ~1e-6 distance from transformers, so no argmax can flip
+GREEDY_MARGIN = 1e-4
 NOISE_FLOOR = 2.5e-5  # the reference's own fp32 error must stay well below the tests' 1e-4
 
 
@@ -143,6 +152,31 @@ def reference(model, seqs):
     return ref
 
 
+def generate(model, seqs):
+    """Greedy continuations through transformers' generate with its cache."""
+    from transformers import GenerationConfig
+    gc = GenerationConfig(max_new_tokens=GENERATE_NEW_TOKENS, do_sample=False, eos_token_id=None,
+                          pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    cases, logits = [], []
+    # Per case the first candidate prompt whose continuation has no near tie.
+    for candidates in ([seqs[2][:n] for n in (2, 3)], [seqs[1], seqs[2][:5]],
+                       [seqs[3][:n] for n in range(100, 90, -1)]):
+        for prompt in candidates:
+            with torch.no_grad():
+                ids = torch.tensor([prompt])  # an explicit mask: no id is taken for padding
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
+            step_logits = torch.cat(out.logits)  # [new, V]
+            top2 = step_logits.topk(2, -1).values
+            if (top2[:, 0] - top2[:, 1]).min().item() >= GREEDY_MARGIN:
+                break
+        else:
+            raise SystemExit(f"every greedy continuation of {len(candidates[0])} tokens has a near "
+                             "tie: re-seed this config")
+        cases.append({"prompt": prompt, "tokens": out.sequences[0, len(prompt):].tolist()})
+        logits.append(step_logits)
+    return cases, torch.cat(logits).contiguous()
+
+
 def exact_delta_rule(query, key, value, g, beta, use_qk_l2norm_in_kernel=True, **kwargs):
     """The delta rule per token in fp64 (transformers' fallbacks always compute it in fp32)."""
     r = value.shape[2] // key.shape[2]
@@ -206,9 +240,12 @@ def main():
         seqs = [torch.randint(0, COMMON["vocab_size"], (n,), generator=g).tolist() for n in SEQ_LENGTHS]
         model.save_pretrained(os.path.join(d, "model"))
         mtp = add_mtp_tensors(os.path.join(d, "model"), spec["hidden_size"]) if spec.get("mtp") else 0
+        gen_cases, gen_logits = generate(model, seqs)
         with open(os.path.join(d, "inputs.json"), "w") as f:
-            json.dump({"sequences": seqs, "mtp_tensors": mtp}, f)
-        save_file(reference(model, seqs), os.path.join(d, "ref.safetensors"))
+            json.dump({"sequences": seqs, "mtp_tensors": mtp, "generate": gen_cases}, f)
+        ref = reference(model, seqs)
+        ref["generate_logits"] = gen_logits
+        save_file(ref, os.path.join(d, "ref.safetensors"))
         floor = noise_floor(model, seqs)
         print(f"{name}: transformers fp32 vs fp64 logits: {floor:.2g}")
         if floor > NOISE_FLOOR:
