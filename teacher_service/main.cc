@@ -12,6 +12,7 @@
 #include "lm/util/status.h"
 #include "rpc/auth.h"
 #include "rpc/model_server.h"
+#include "teacher_service/ep_teacher.h"
 #include "teacher_service/service.h"
 
 ABSL_FLAG(int, workers, 1, "scoring threads, each running whole forwards");
@@ -27,6 +28,10 @@ constexpr const char* kServiceName = "opd.v1.Teacher";
 
 absl::Status Run() {
   ASSIGN_OR_RETURN(opd::rpc::LoadedModel loaded, opd::rpc::LoadServedModel());
+  // Expert parallelism: a follower runs rank 0's forwards and serves nothing.
+  if (loaded.follower())
+    return opd::rpc::FollowUntilStopped("opd-teacher", loaded,
+                                        teacher::FollowerForwards(loaded.model));
   if (loaded.secret.empty())
     lm::log::Warn("no shared secret (--secret-file or OPD_SECRET): calls are not authenticated");
   const lm::ModelConfig& config = loaded.config;
@@ -41,7 +46,9 @@ absl::Status Run() {
   so.max_queue = absl::GetFlag(FLAGS_max_queue);
   so.workers = absl::GetFlag(FLAGS_workers);
   so.logprob_chunk_rows = absl::GetFlag(FLAGS_logprob_chunk);
-  teacher::Scorer scorer(loaded.model, so);
+  std::shared_ptr<lm::CausalLM> model = loaded.model;
+  if (loaded.ep) model = std::make_shared<teacher::EpLeaderModel>(loaded.model, loaded.ep.get());
+  teacher::Scorer scorer(model, so);
 
   opd::rpc::Authenticator auth(loaded.secret);
   teacher::TeacherService service(&scorer, &auth, limits,

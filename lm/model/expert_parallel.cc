@@ -20,13 +20,13 @@ ExpertRange LocalExpertRange(int64_t num_experts, int rank, int world_size) {
 absl::Status ShardConfig(ModelConfig& config, int rank, int world_size) {
   if (world_size <= 1) return absl::OkStatus();
   if (config.num_experts <= 0)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--world-size=", world_size, ": a ", config.model_type,
-        " model has no experts to shard (expert parallelism needs a MoE model)"));
-  if (config.num_experts < world_size)
     return absl::InvalidArgumentError(
-        absl::StrCat("--world-size=", world_size, " is more ranks than the model's ",
-                     config.num_experts, " experts per layer"));
+        absl::StrCat("--world-size=", world_size, ": a ", config.model_type,
+                     " model has no experts to shard (expert parallelism needs a MoE model)"));
+  if (config.num_experts < world_size)
+    return absl::InvalidArgumentError(absl::StrCat("--world-size=", world_size,
+                                                   " is more ranks than the model's ",
+                                                   config.num_experts, " experts per layer"));
   const ExpertRange r = LocalExpertRange(config.num_experts, rank, world_size);
   config.expert_first = r.first;
   config.local_experts = r.count;

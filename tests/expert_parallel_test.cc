@@ -1,0 +1,285 @@
+// Expert-parallel serving (lm/model/expert_parallel.h, rpc/ep_group.h): real opd-teacher and
+// opd-rollout processes launched as N ranks with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
+// over Gloo on loopback, driven over gRPC.
+//
+// Covered: a 2- and 4-rank teacher scores like one rank (<= 1e-5, Qwen3-MoE and Qwen3-Next);
+// each rank holds the replicated parameters + its experts' share, and a loaded shard equals the
+// slice of the whole model; a 2-rank rollout samples the same tokens as one rank for a seed;
+// a follower killed mid-request gives the client UNAVAILABLE and the server refuses later calls;
+// SIGTERM to rank 0 stops every rank; bad --world-size values exit 2 naming the flag.
+#include <signal.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "child_process.h"
+#include "lm/io/sharded_load.h"
+#include "lm/model/expert_parallel.h"
+#include "lm/model/model.h"
+#include "nlohmann/json.hpp"
+#include "rpc/client.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using testing_util::ChildProcess;
+
+const std::string kBin = OPD_BINARY_DIR;
+// 32 experts per layer, most of the bytes in them: the memory split is plain.
+const std::string kMoe = std::string(OPD_FIXTURES_DIR) + "/moe_many_experts";
+// Qwen3-Next: 16 experts, a shared expert, linear attention.
+const std::string kNext = std::string(OPD_NEXT_FIXTURES_DIR) + "/next_interval2_tied";
+
+fs::path TempDir(const std::string& tag) {
+  std::string tmpl = (fs::temp_directory_path() / ("opd_ep_" + tag + "_XXXXXX")).string();
+  return fs::path(mkdtemp(tmpl.data()));
+}
+
+std::vector<std::vector<int32_t>> Sequences(const std::string& fixture) {
+  std::ifstream in(fixture + "/inputs.json");
+  auto seqs = nlohmann::json::parse(in)["sequences"].get<std::vector<std::vector<int32_t>>>();
+  return seqs;
+}
+
+// N ranks of one server, launched as torchrun would; rank 0 writes its port file.
+class Group {
+ public:
+  Group(const std::string& binary, const std::string& model, int world,
+        const std::vector<std::string>& extra = {})
+      : dir_(TempDir("group")) {
+    const std::string master = std::to_string(testing_util::FreeLoopbackPort());
+    for (int r = 0; r < world; ++r) {
+      std::vector<std::string> argv = {binary,
+                                       "--model=" + model,
+                                       "--threads=1",
+                                       "--listen=127.0.0.1:0",
+                                       "--world-size=" + std::to_string(world),
+                                       "--ep-timeout-seconds=120"};
+      if (r == 0) argv.push_back("--port-file=" + (dir_ / "port").string());
+      argv.insert(argv.end(), extra.begin(), extra.end());
+      std::vector<std::string> env;
+      if (world > 1)
+        env = {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world),
+               "LOCAL_RANK=" + std::to_string(r), "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + master};
+      ranks_.push_back(std::make_unique<ChildProcess>(
+          argv, (dir_ / ("rank" + std::to_string(r) + ".log")).string(), env));
+    }
+    port_ =
+        testing_util::WaitForPort(*ranks_[0], (dir_ / "port").string(), std::chrono::seconds(120));
+    if (port_ > 0) {
+      opd::rpc::ClientOptions o = Options();
+      const absl::Status st = opd::rpc::WaitUntilServing(o, absl::Seconds(60));
+      if (!st.ok()) port_ = 0;
+    }
+  }
+  ~Group() {
+    ranks_[0]->Stop();  // rank 0 first: it stops the followers
+    for (auto& r : ranks_) r->Stop();
+    fs::remove_all(dir_);
+  }
+
+  bool ok() const { return port_ > 0; }
+  opd::rpc::ClientOptions Options() const {
+    opd::rpc::ClientOptions o;
+    o.address = "127.0.0.1:" + std::to_string(port_);
+    o.timeout = absl::Seconds(120);
+    return o;
+  }
+  ChildProcess& rank(int r) { return *ranks_[r]; }
+  int size() const { return static_cast<int>(ranks_.size()); }
+  std::string Logs() const {
+    std::string all;
+    for (size_t r = 0; r < ranks_.size(); ++r)
+      all += "--- rank " + std::to_string(r) + "\n" + ranks_[r]->Log();
+    return all;
+  }
+
+ private:
+  fs::path dir_;
+  std::vector<std::unique_ptr<ChildProcess>> ranks_;
+  int port_ = 0;
+};
+
+std::vector<opd::rpc::ScoreOutput> Score(const Group& g, const std::string& fixture) {
+  auto client = opd::rpc::TeacherClient::Create(g.Options());
+  EXPECT_TRUE(client.ok()) << client.status();
+  std::vector<opd::rpc::ScoreInput> in;
+  for (const auto& s : Sequences(fixture)) in.push_back({s, 1});
+  opd::rpc::ScoreOptions so;
+  so.top_k = 4;
+  auto out = (*client)->Score(in, so);
+  EXPECT_TRUE(out.ok()) << out.status() << "\n" << g.Logs();
+  return out.ok() ? *out : std::vector<opd::rpc::ScoreOutput>{};
+}
+
+double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double m = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    m = std::max(m, std::abs(double(a[i]) - b[i]));
+  return m;
+}
+
+// The parameter bytes a rank logged: {total, experts}.
+std::pair<int64_t, int64_t> LoggedBytes(const std::string& log) {
+  std::smatch m;
+  static const std::regex re("parameter_bytes=([0-9]+) expert_bytes=([0-9]+)");
+  if (!std::regex_search(log, m, re)) return {-1, -1};
+  return {std::stoll(m[1]), std::stoll(m[2])};
+}
+
+class TeacherParity : public ::testing::TestWithParam<std::string> {};
+
+// 1, 2 and 4 ranks give the same log-probs and top-k; every rank holds the replicated
+// parameters and its share of the experts; SIGTERM to rank 0 ends every rank with 0.
+TEST_P(TeacherParity, ScoresLikeOneRankWithAShareOfTheExpertsPerRank) {
+  const std::string fixture = GetParam();
+  const std::string model = fixture + "/model";
+  const std::string bin = kBin + "/teacher_service/opd-teacher";
+  std::vector<opd::rpc::ScoreOutput> want;
+  {
+    Group one(bin, model, 1);
+    ASSERT_TRUE(one.ok()) << one.Logs();
+    want = Score(one, fixture);
+    ASSERT_FALSE(want.empty());
+  }
+  auto full = lm::LoadModel(model);
+  ASSERT_TRUE(full.ok()) << full.status();
+  const lm::ParameterBytes whole = lm::CountParameterBytes(**full);
+  const int64_t experts = (*full)->config().num_experts;
+
+  for (int world : {2, 4}) {
+    Group g(bin, model, world);
+    ASSERT_TRUE(g.ok()) << g.Logs();
+    const auto got = Score(g, fixture);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_LE(MaxAbsDiff(got[i].logprobs, want[i].logprobs), 1e-5)
+          << world << " ranks, seq " << i;
+      EXPECT_LE(MaxAbsDiff(got[i].topk_logprobs, want[i].topk_logprobs), 1e-5);
+      EXPECT_EQ(got[i].topk_ids, want[i].topk_ids);
+    }
+    int64_t expert_sum = 0;
+    for (int r = 0; r < world; ++r) {
+      const auto [total, mine] = LoggedBytes(g.rank(r).Log());
+      ASSERT_GT(total, 0) << g.rank(r).Log();
+      // Replicated part + this rank's experts: (E / N rounded up) of the expert bytes at most.
+      EXPECT_EQ(total - mine, whole.total - whole.experts) << "rank " << r;
+      const int64_t share = (experts + world - 1) / world;
+      EXPECT_LE(mine, whole.experts / experts * share) << "rank " << r;
+      expert_sum += mine;
+    }
+    EXPECT_EQ(expert_sum, whole.experts);
+    std::cout << world << " ranks: " << LoggedBytes(g.rank(0).Log()).first
+              << " parameter bytes per rank vs " << whole.total << " for one\n";
+    // Rank 0 stops the followers.
+    EXPECT_EQ(g.rank(0).Stop(), 0) << g.Logs();
+    for (int r = 1; r < world; ++r)
+      EXPECT_EQ(g.rank(r).Wait(std::chrono::seconds(60)), 0) << g.Logs();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, TeacherParity, ::testing::Values(kMoe, kNext),
+                         [](const auto& info) {
+                           return info.index == 0 ? "Qwen3Moe" : "Qwen3Next";
+                         });
+
+// A shard holds the replicated tensors as they are and exactly its rows of every fused expert
+// tensor.
+TEST(ShardedLoad, EachRankHoldsItsSliceOfTheExperts) {
+  for (const std::string& fixture : {kMoe, kNext}) {
+    auto full = lm::LoadModel(fixture + "/model");
+    ASSERT_TRUE(full.ok()) << full.status();
+    std::map<std::string, torch::Tensor> want;
+    for (const auto& p : (*full)->named_parameters()) want[p.key()] = p.value();
+    int64_t rows = 0;
+    for (int rank = 0; rank < 3; ++rank) {
+      auto shard = lm::LoadExpertShard(fixture + "/model", {}, rank, 3);
+      ASSERT_TRUE(shard.ok()) << shard.status();
+      const auto& c = (*shard)->config();
+      const lm::ExpertRange r = lm::LocalExpertRange(c.num_experts, rank, 3);
+      EXPECT_EQ(c.expert_first, r.first);
+      EXPECT_EQ(c.local_experts, r.count);
+      rows += r.count;
+      for (const auto& p : (*shard)->named_parameters()) {
+        const torch::Tensor& w = want.at(p.key());
+        if (p.key().find(".experts.") != std::string::npos) {
+          EXPECT_TRUE(torch::equal(p.value(), w.narrow(0, r.first, r.count))) << p.key();
+        } else {
+          EXPECT_TRUE(torch::equal(p.value(), w)) << p.key();
+        }
+      }
+    }
+    EXPECT_EQ(rows, (*full)->config().num_experts);
+  }
+}
+
+// A follower that dies when a request reaches it: the client gets UNAVAILABLE (no hang), later
+// calls too, and rank 0 exits non-zero when stopped.
+TEST(TeacherFailure, FollowerKilledMidRequestGivesUnavailable) {
+  Group g(kBin + "/teacher_service/opd-teacher", kMoe + "/model", 2, {"--debug-kill-rank=1"});
+  ASSERT_TRUE(g.ok()) << g.Logs();
+  auto client = opd::rpc::TeacherClient::Create(g.Options());
+  ASSERT_TRUE(client.ok());
+  auto first = (*client)->Score({{Sequences(kMoe)[0], 1}});
+  EXPECT_EQ(first.status().code(), absl::StatusCode::kUnavailable) << first.status();
+  EXPECT_EQ(g.rank(1).Wait(std::chrono::seconds(60)), 128 + SIGKILL);
+  auto later = (*client)->Score({{Sequences(kMoe)[0], 1}});
+  EXPECT_EQ(later.status().code(), absl::StatusCode::kUnavailable) << later.status();
+  EXPECT_NE(std::string(later.status().message()).find("expert-parallel group failed"),
+            std::string::npos)
+      << later.status();
+  EXPECT_EQ(g.rank(0).Stop(), 1) << g.Logs();
+}
+
+// Runs a server that must refuse its flags; returns {exit code, output}.
+std::pair<int, std::string> RunRefused(const std::string& binary,
+                                       const std::vector<std::string>& args,
+                                       const std::vector<std::string>& env) {
+  const fs::path dir = TempDir("flags");
+  std::vector<std::string> argv = {binary, "--model=" + kMoe + "/model", "--threads=1"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  ChildProcess p(argv, (dir / "log").string(), env);
+  const int code = p.Wait(std::chrono::seconds(60));
+  const std::string log = p.Log();
+  fs::remove_all(dir);
+  return {code, log};
+}
+
+TEST(ExpertParallelFlags, BadWorldSizesExitTwoNamingTheFlag) {
+  const std::vector<std::string> master = {
+      "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(testing_util::FreeLoopbackPort())};
+  for (const std::string bin :
+       {kBin + "/teacher_service/opd-teacher", kBin + "/rollout/opd-rollout"}) {
+    // --world-size without the environment, and disagreeing with it.
+    auto [code, log] = RunRefused(bin, {"--world-size=2"}, {});
+    EXPECT_EQ(code, 2) << log;
+    EXPECT_NE(log.find("--world-size=2 disagrees with the environment's WORLD_SIZE"),
+              std::string::npos)
+        << log;
+    std::vector<std::string> env = master;
+    env.insert(env.end(), {"RANK=0", "WORLD_SIZE=4"});
+    std::tie(code, log) = RunRefused(bin, {"--world-size=2"}, env);
+    EXPECT_EQ(code, 2) << log;
+    EXPECT_NE(log.find("WORLD_SIZE=4"), std::string::npos) << log;
+    // More ranks than the model's 32 experts.
+    env = master;
+    env.insert(env.end(), {"RANK=0", "WORLD_SIZE=64"});
+    std::tie(code, log) = RunRefused(bin, {"--world-size=64"}, env);
+    EXPECT_EQ(code, 2) << log;
+    EXPECT_NE(log.find("--world-size=64 is more ranks than the model's 32 experts"),
+              std::string::npos)
+        << log;
+  }
+}
+
+}  // namespace
