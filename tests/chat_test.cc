@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "nlohmann/json.hpp"
+#include "tests/byte_level.h"
 
 namespace lm {
 namespace {
@@ -140,6 +141,36 @@ TEST(ChatTest, Errors) {
   const ChatRenderer renderer = Renderer("qwen3", "qwen3");
   EXPECT_FALSE(renderer.Render(std::vector<ChatMessage>{{"", "x"}}).ok());
   EXPECT_TRUE(renderer.Render(std::vector<ChatMessage>{}).ok());
+}
+
+// The stop list every sampler gets: <|im_end|> then <|endoftext|> where the tokenizer has it;
+// without <|im_end|> the format cannot end a turn, which is an error naming the token.
+TEST(ChatTest, StopIds) {
+  const Tokenizer& qwen3 = Tok("qwen3");
+  auto ids = ChatFormat::Qwen3().StopIds(qwen3);
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_EQ(*ids,
+            (std::vector<int32_t>{*qwen3.TokenId("<|im_end|>"), *qwen3.TokenId("<|endoftext|>")}));
+  EXPECT_EQ(*ids, (std::vector<int32_t>{151645, 151643}));
+  EXPECT_EQ(*ChatFormat::Qwen2().StopIds(qwen3), *ids);
+
+  json vocab = json::object();
+  for (int b = 0; b < 256; ++b) vocab[testing_util::ByteLevelSpelling(b)] = b;
+  const auto with_added = [&](const json& added) {
+    const json j = {{"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", json::array()}}},
+                    {"added_tokens", added},
+                    {"normalizer", nullptr},
+                    {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}}}};
+    return *Tokenizer::FromTokenizerJson(j.dump(), "test/tokenizer.json");
+  };
+  const auto im_end_only =
+      with_added({{{"id", 300}, {"content", "<|im_end|>"}, {"special", true}}});
+  EXPECT_EQ(*ChatFormat::Qwen3().StopIds(*im_end_only), std::vector<int32_t>{300});
+  const auto eot_only =
+      with_added({{{"id", 300}, {"content", "<|endoftext|>"}, {"special", true}}});
+  const auto missing = ChatFormat::Qwen3().StopIds(*eot_only);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("<|im_end|>"), std::string::npos) << missing.status();
 }
 
 }  // namespace

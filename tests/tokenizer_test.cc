@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "lm/text/sha256.h"
 #include "nlohmann/json.hpp"
 #include "tests/byte_level.h"
 
@@ -502,6 +504,26 @@ TEST(TokenizerTest, CommandLineRoundTrip) {
                             .c_str()),
             0);
   EXPECT_NE(std::system((base + " --no-such-flag 2>/dev/null").c_str()), 0);
+}
+
+// The fingerprint's hash on the FIPS 180-2 example messages, the million-'a' one fed in odd-sized
+// pieces so that block boundaries fall inside Update calls.
+TEST(Sha256Test, FipsVectors) {
+  const auto digest = [](std::string_view s) {
+    Sha256 h;
+    h.Update(s);
+    return h.HexDigest();
+  };
+  EXPECT_EQ(digest(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(digest("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(digest("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"),
+            "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  Sha256 million;
+  const std::string a(1000, 'a');
+  for (size_t done = 0, piece = 1; done < 1000000; done += piece, piece = piece % 997 + 1)
+    million.Update(a.data(), std::min(piece, 1000000 - done));
+  EXPECT_EQ(million.HexDigest(),
+            "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
 }
 
 }  // namespace

@@ -5,6 +5,13 @@
 
 namespace lm {
 
+absl::StatusOr<std::vector<int32_t>> ChatFormat::StopIds(const Tokenizer& tokenizer) const {
+  ASSIGN_OR_RETURN(const int32_t im_end, tokenizer.TokenId("<|im_end|>"));
+  std::vector<int32_t> ids = {im_end};
+  if (auto eot = tokenizer.TokenId("<|endoftext|>"); eot.ok()) ids.push_back(*eot);
+  return ids;
+}
+
 absl::StatusOr<ChatRenderer> ChatRenderer::Create(const Tokenizer& tokenizer, ChatFormat format) {
   ASSIGN_OR_RETURN(const int32_t im_start, tokenizer.TokenId("<|im_start|>"));
   ASSIGN_OR_RETURN(const int32_t im_end, tokenizer.TokenId("<|im_end|>"));

@@ -9,6 +9,9 @@
 //   4. each word's bytes are merged by lowest merge rank (BPE), with a per-thread cache of words.
 // Decode maps ids back to bytes and replaces invalid UTF-8 with U+FFFD exactly as Rust's
 // `String::from_utf8_lossy` does, so decoded text is identical to the Python library's.
+//
+// Sources: tokenizer_load.cc (files -> tables), tokenizer_encode.cc (the pipeline above),
+// tokenizer.cc (decode, look-ups); byte_level, nfc, sha256 (the fingerprint) and utf8 units.
 #pragma once
 
 #include <array>
@@ -21,6 +24,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "lm/text/utf8.h"  // utf8::FindInvalid and utf8::AppendLossy, used with this class
 
 namespace lm {
 
@@ -163,15 +167,5 @@ class StreamDecoder {
   bool skip_special_;
   std::string pending_;  // bytes of an incomplete UTF-8 character
 };
-
-// UTF-8 helpers shared with the data readers.
-namespace utf8 {
-// Index of the first byte of the first invalid sequence, or npos when `s` is valid UTF-8.
-size_t FindInvalid(std::string_view s);
-// Appends `bytes` decoded the way Rust's from_utf8_lossy does (each maximal invalid subpart ->
-// U+FFFD). With `final_chunk` false an incomplete character at the end is not emitted; the return
-// value is how many bytes were consumed.
-size_t AppendLossy(std::string_view bytes, bool final_chunk, std::string* out);
-}  // namespace utf8
 
 }  // namespace lm
