@@ -241,6 +241,48 @@ TEST(TeacherFailure, FollowerKilledMidRequestGivesUnavailable) {
   EXPECT_EQ(g.rank(0).Stop(), 1) << g.Logs();
 }
 
+std::vector<opd::rpc::GeneratedSample> Generate(const Group& g, uint64_t seed) {
+  auto client = opd::rpc::RolloutClient::Create(g.Options());
+  EXPECT_TRUE(client.ok()) << client.status();
+  std::vector<std::vector<int32_t>> prompts;
+  for (const auto& s : Sequences(kMoe))
+    prompts.emplace_back(s.begin(), s.begin() + std::min<size_t>(4, s.size()));
+  opd::rpc::GenerateOptions go;
+  go.samples_per_prompt = 2;
+  go.max_new_tokens = 12;
+  go.seed = seed;
+  auto out = (*client)->Generate(prompts, go);
+  EXPECT_TRUE(out.ok()) << out.status() << "\n" << g.Logs();
+  return out.ok() ? *out : std::vector<opd::rpc::GeneratedSample>{};
+}
+
+// A 2-rank rollout (static sampler on both ranks) samples the tokens one rank samples, with the
+// same log-probs, for each seed; SIGTERM to rank 0 ends both ranks with 0.
+TEST(RolloutParity, TwoRanksSampleTheSameTokensAsOne) {
+  const std::string bin = kBin + "/rollout/opd-rollout";
+  std::vector<std::vector<opd::rpc::GeneratedSample>> want;
+  {
+    Group one(bin, kMoe + "/model", 1, {"--engine=static"});
+    ASSERT_TRUE(one.ok()) << one.Logs();
+    for (uint64_t seed : {1, 2}) want.push_back(Generate(one, seed));
+  }
+  Group two(bin, kMoe + "/model", 2);
+  ASSERT_TRUE(two.ok()) << two.Logs();
+  for (size_t i = 0; i < want.size(); ++i) {
+    const auto got = Generate(two, i + 1);
+    ASSERT_EQ(got.size(), want[i].size());
+    ASSERT_FALSE(got.empty());
+    for (size_t s = 0; s < got.size(); ++s) {
+      EXPECT_EQ(got[s].tokens, want[i][s].tokens) << "seed " << i + 1 << " sample " << s;
+      EXPECT_LE(MaxAbsDiff(got[s].logprobs, want[i][s].logprobs), 1e-5);
+    }
+  }
+  // Different seeds drew different tokens (the comparison is not of constant output).
+  EXPECT_NE(want[0][0].tokens, want[1][0].tokens);
+  EXPECT_EQ(two.rank(0).Stop(), 0) << two.Logs();
+  EXPECT_EQ(two.rank(1).Wait(std::chrono::seconds(60)), 0) << two.Logs();
+}
+
 // Runs a server that must refuse its flags; returns {exit code, output}.
 std::pair<int, std::string> RunRefused(const std::string& binary,
                                        const std::vector<std::string>& args,
