@@ -25,6 +25,7 @@
 #include "lm/model/model.h"
 #include "lm/model/qwen3_next.h"
 #include "nlohmann/json.hpp"
+#include "rollout/engine.h"
 #include "rollout/sampler.h"
 #include "rpc/client.h"
 
@@ -768,15 +769,156 @@ TEST(NextSampler, SamplesEqualStepByStepForward) {
   }
 }
 
-// A Qwen3-Next student rolls out through opd-rollout: it starts, and Generate over gRPC returns
-// transformers' greedy continuations and the in-process sampler's seeded samples.
-TEST(NextRollout, StartsAndGeneratesOverGrpc) {
+// ---- the paged cache of the rollout engine ----
+
+class NextPaged : public ::testing::TestWithParam<std::string> {};
+
+// The engine's steps by hand: prefills and one-token decodes through block tables of scattered
+// blocks (4 tokens each) and state slots, one sequence joining with its prefill while the others
+// decode (a mixed step); every position's logits equal the full forward's and transformers'.
+TEST_P(NextPaged, PagedStepsEqualForward) {
+  Fixture f = LoadFixture(GetParam());
+  auto model = MustLoad(f.dir + "/model");
+  ASSERT_TRUE(model);
+  ASSERT_TRUE(model->SupportsPagedKV());
+  torch::NoGradGuard no_grad;
+  const int64_t block = 4, B = static_cast<int64_t>(f.seqs.size());
+  // Blocks handed out round-robin over the sequences (never contiguous), block 0 stays null.
+  std::vector<std::vector<int32_t>> tables(B);
+  int32_t next_block = 1;
+  for (int64_t j = 0; j * block < 130; ++j) {
+    for (int64_t b = 0; b < B; ++b) {
+      if (j * block < static_cast<int64_t>(f.seqs[b].size())) tables[b].push_back(next_block++);
+    }
+  }
+  PagedKVCache cache = model->NewPagedKVCache(next_block, block, /*num_state_slots=*/8);
+  const std::vector<int64_t> slots{7, 2, 5, 0, 3};
+  const std::vector<int64_t> prefix{1, 2, 63, 64, 65};
+  const int64_t late = 4, joins_at = 3;  // sequence 4 is prefilled with the 3rd decode step
+  std::vector<int64_t> done(B, 0);       // tokens each sequence has run
+  double worst_ref = 0, worst_own = 0;
+  int64_t row = 0, checked = 0;
+  std::vector<int64_t> ref_row(B);
+  for (int64_t b = 0; b < B; ++b) {
+    ref_row[b] = row;
+    row += static_cast<int64_t>(f.seqs[b].size());
+  }
+  std::vector<torch::Tensor> own(B);
+  for (int64_t b = 0; b < B; ++b)
+    own[b] = model->Logits(model->Forward(PackedBatch::FromSequences({f.seqs[b]})));
+  for (int64_t it = 0;; ++it) {
+    PagedStep step;
+    std::vector<int64_t> ids, members;
+    step.cu_seqlens.push_back(0);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t len = static_cast<int64_t>(f.seqs[b].size());
+      if (done[b] == len || (b == late && it < joins_at)) continue;
+      const int64_t n = done[b] == 0 ? prefix[b] : 1;
+      ids.insert(ids.end(), f.seqs[b].begin() + done[b], f.seqs[b].begin() + done[b] + n);
+      step.cu_seqlens.push_back(static_cast<int64_t>(ids.size()));
+      step.context_lens.push_back(done[b]);
+      step.block_tables.push_back(tables[b]);
+      step.state_slots.push_back(slots[b]);
+      members.push_back(b);
+    }
+    if (members.empty()) break;
+    step.input_ids = torch::tensor(ids, torch::kInt64);
+    auto logits = model->Logits(model->PagedForward(step, cache));
+    ASSERT_EQ(logits.size(0), static_cast<int64_t>(members.size()));
+    for (size_t i = 0; i < members.size(); ++i) {
+      const int64_t b = members[i];
+      done[b] += step.cu_seqlens[i + 1] - step.cu_seqlens[i];
+      const int64_t pos = done[b] - 1;
+      const auto ref = f.ref["logits"][ref_row[b] + pos];
+      worst_ref = std::max(worst_ref, RelDiff(logits[i], ref));
+      worst_own = std::max(worst_own, RelDiff(logits[i], own[b][pos]));
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 1 + 4 + 2 + 37 + 66);  // the prefills' last rows, then one per decode step
+  EXPECT_LE(worst_ref, 1e-4);
+  EXPECT_LE(worst_own, 1e-4);
+  std::printf("[%s] paged vs transformers %.3g, vs own forward %.3g (relative)\n",
+              GetParam().c_str(), worst_ref, worst_own);
+  // More than one new token after a context is refused with the sequence named.
+  PagedStep bad;
+  bad.input_ids = torch::tensor({1, 2}, torch::kInt64);
+  bad.cu_seqlens = {0, 2};
+  bad.context_lens = {3};
+  bad.block_tables = {tables[2]};
+  bad.state_slots = {2};
+  try {
+    model->PagedForward(bad, cache);
+    ADD_FAILURE() << "a two-token continuation was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("brings 2 new tokens"), std::string::npos) << e.what();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, NextPaged, ::testing::ValuesIn(FixtureNames()));
+
+std::vector<rollout::Sample> Sorted(std::vector<rollout::Sample> out) {
+  std::sort(out.begin(), out.end(), [](const rollout::Sample& a, const rollout::Sample& b) {
+    return std::tie(a.prompt_index, a.sample_index) < std::tie(b.prompt_index, b.sample_index);
+  });
+  return out;
+}
+
+// The continuous-batching engine serves a Qwen3-Next student: its samples (greedy and sampled, 2
+// per prompt, forked by copying the prompt's state slot) equal the static sampler's, also when a
+// pool of 12 blocks forces preemption (recompute from the prompt and the tokens so far).
+TEST(NextPaged, EngineEqualsStaticSampler) {
+  Fixture f = LoadFixture("next_interval4");
+  std::shared_ptr<CausalLM> model = MustLoad(f.dir + "/model");
+  ASSERT_TRUE(model);
+  const std::vector<std::vector<int64_t>> prompts = {
+      {f.seqs[1][0], f.seqs[1][1]}, f.seqs[1], {f.seqs[3].begin(), f.seqs[3].begin() + 20}};
+  for (int64_t num_blocks : {int64_t{0}, int64_t{12}}) {
+    rollout::EngineOptions eo;
+    eo.block_size = 4;
+    eo.num_blocks = num_blocks;
+    eo.kv_cache_bytes = 1 << 20;
+    eo.max_running = 8;
+    auto engine = rollout::Engine::Create(*model, eo);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    for (double temperature : {0.0, 1.0}) {
+      rollout::SamplingParams p;
+      p.samples_per_prompt = 2;
+      p.max_new_tokens = 16;
+      p.temperature = temperature;
+      p.seed = 99;
+      std::vector<rollout::Sample> want, got;
+      ASSERT_TRUE(rollout::SampleResponses(*model, prompts, p, [&](rollout::Sample s) {
+                    want.push_back(std::move(s));
+                  }).ok());
+      absl::Status st =
+          (*engine)->Generate(rollout::Snapshot{model, 0, nullptr}, prompts, p,
+                              [&](rollout::Sample s) { got.push_back(std::move(s)); });
+      ASSERT_TRUE(st.ok()) << st;
+      want = Sorted(want);
+      got = Sorted(got);
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_EQ(got[i].tokens, want[i].tokens)
+            << "blocks " << num_blocks << " T " << temperature << " sample " << i;
+        ASSERT_EQ(got[i].logprobs.size(), want[i].logprobs.size());
+        for (size_t t = 0; t < want[i].logprobs.size(); ++t)
+          EXPECT_NEAR(got[i].logprobs[t], want[i].logprobs[t], 1e-4);
+      }
+    }
+    if (num_blocks > 0) EXPECT_GT((*engine)->stats().preemptions, 0) << "no preemption";
+  }
+}
+
+// A Qwen3-Next student rolls out through opd-rollout on either engine: it starts, and Generate
+// over gRPC returns transformers' greedy continuations and the in-process sampler's seeded samples.
+void RolloutOverGrpc(const std::string& engine) {
   Fixture f = LoadFixture(kMtpFixture);
-  auto dir = TempDir("rollout");
+  auto dir = TempDir("rollout_" + engine);
   const std::string port_file = (dir / "port").string();
   testing_util::ChildProcess child(
       {std::string(OPD_BINARY_DIR) + "/rollout/opd-rollout", "--model=" + f.dir + "/model",
-       "--listen=127.0.0.1:0", "--port-file=" + port_file, "--threads=1", "--engine=static"},
+       "--listen=127.0.0.1:0", "--port-file=" + port_file, "--threads=1", "--engine=" + engine},
       (dir / "log").string());
   ASSERT_TRUE(child.started());
   const int port = testing_util::WaitForPort(child, port_file, std::chrono::seconds(60));
@@ -831,6 +973,13 @@ TEST(NextRollout, StartsAndGeneratesOverGrpc) {
   }
   child.Stop();
   fs::remove_all(dir);
+}
+
+TEST(NextRollout, PagedEngineGeneratesOverGrpc) {
+  RolloutOverGrpc("paged");
+}
+TEST(NextRollout, StaticSamplerGeneratesOverGrpc) {
+  RolloutOverGrpc("static");
 }
 
 }  // namespace

@@ -117,6 +117,37 @@ DeltaRuleLayout DeltaRuleLayout::Make(const std::vector<int64_t>& cu_seqlens, to
   return layout;
 }
 
+Qwen3NextPagedPlan Qwen3NextPagedPlan::Make(const PagedStep& step, torch::Device device) {
+  Qwen3NextPagedPlan plan;
+  std::vector<int64_t> prefill_rows, prefill_slots, decode_rows, decode_slots, cu{0};
+  for (int64_t b = 0; b < step.num_sequences(); ++b) {
+    const int64_t start = step.cu_seqlens[b], n = step.cu_seqlens[b + 1] - start;
+    TORCH_CHECK(b < static_cast<int64_t>(step.state_slots.size()),
+                "Qwen3-Next paged step: sequence ", b, " has no state slot");
+    if (step.context_lens[b] == 0) {
+      for (int64_t t = start; t < start + n; ++t) prefill_rows.push_back(t);
+      prefill_slots.push_back(step.state_slots[b]);
+      cu.push_back(cu.back() + n);
+    } else {
+      // The recurrent state holds the context; only a prefill can start it afresh.
+      TORCH_CHECK(n == 1, "Qwen3-Next paged step: sequence ", b, " brings ", n,
+                  " new tokens after a context of ", step.context_lens[b],
+                  "; the linear-attention layers continue one token at a time");
+      decode_rows.push_back(start);
+      decode_slots.push_back(step.state_slots[b]);
+    }
+  }
+  plan.prefills = static_cast<int64_t>(prefill_slots.size());
+  plan.decodes = static_cast<int64_t>(decode_slots.size());
+  plan.all_prefill = plan.decodes == 0;
+  plan.prefill_rows = HostIndex(prefill_rows, device);
+  plan.prefill_slots = HostIndex(prefill_slots, device);
+  plan.decode_rows = HostIndex(decode_rows, device);
+  plan.decode_slots = HostIndex(decode_slots, device);
+  if (plan.prefills > 0) plan.prefill_layout = DeltaRuleLayout::Make(cu, device);
+  return plan;
+}
+
 torch::Tensor GatedDeltaRuleRecurrent(const torch::Tensor& q, const torch::Tensor& k,
                                       const torch::Tensor& v, const torch::Tensor& g,
                                       const torch::Tensor& beta,
@@ -215,8 +246,12 @@ CausalConv1dImpl::CausalConv1dImpl(int64_t channels, int64_t kernel) {
 }
 
 torch::Tensor CausalConv1dImpl::forward(const torch::Tensor& x, const torch::Tensor& doc_pos) {
+  // bf16: the taps accumulate in fp32 and the sum is rounded once, as F.conv1d (transformers)
+  // does; rounding after every tap in bf16 moved Qwen3-Next's log-probs by 0.05 nats.
+  if (x.scalar_type() != torch::kFloat32)
+    return forward(x.to(torch::kFloat32), doc_pos).to(x.scalar_type());
   const int64_t T = x.size(0), K = weight.size(2);
-  auto w = weight.squeeze(1);  // [C, K]; tap K-1 sees x_t, tap K-1-j sees x_{t-j}
+  auto w = weight.squeeze(1).to(torch::kFloat32);  // [C, K]; tap K-1 sees x_t, K-1-j x_{t-j}
   auto y = x * w.select(1, K - 1);
   for (int64_t j = 1; j < std::min(K, T); ++j) {
     y.narrow(0, j, T - j).addcmul_(x.narrow(0, 0, T - j), w.select(1, K - 1 - j));
@@ -354,6 +389,33 @@ torch::Tensor Qwen3NextGatedDeltaNetImpl::decode(const torch::Tensor& x, torch::
   return Output(o, m, x.scalar_type());
 }
 
+torch::Tensor Qwen3NextGatedDeltaNetImpl::paged(const torch::Tensor& x, torch::Tensor& conv_slots,
+                                                torch::Tensor& recurrent_slots,
+                                                const Qwen3NextPagedPlan& plan) {
+  if (plan.all_prefill) {
+    torch::Tensor conv, rec;
+    auto y = forward(x, plan.prefill_layout, &conv, &rec);
+    conv_slots.index_copy_(0, plan.prefill_slots, conv);
+    recurrent_slots.index_copy_(0, plan.prefill_slots, rec.to(recurrent_slots.scalar_type()));
+    return y;
+  }
+  auto out = torch::empty_like(x);
+  if (plan.prefills > 0) {
+    torch::Tensor conv, rec;
+    auto y = forward(x.index_select(0, plan.prefill_rows), plan.prefill_layout, &conv, &rec);
+    conv_slots.index_copy_(0, plan.prefill_slots, conv);
+    recurrent_slots.index_copy_(0, plan.prefill_slots, rec.to(recurrent_slots.scalar_type()));
+    out.index_copy_(0, plan.prefill_rows, y);
+  }
+  auto conv = conv_slots.index_select(0, plan.decode_slots);
+  auto rec = recurrent_slots.index_select(0, plan.decode_slots);
+  auto y = decode(x.index_select(0, plan.decode_rows), conv, rec);
+  conv_slots.index_copy_(0, plan.decode_slots, conv);
+  recurrent_slots.index_copy_(0, plan.decode_slots, rec);
+  out.index_copy_(0, plan.decode_rows, y);
+  return out;
+}
+
 Qwen3NextAttentionImpl::Qwen3NextAttentionImpl(const ModelConfig& c)
     : heads_(c.num_attention_heads),
       kv_heads_(c.num_key_value_heads),
@@ -405,6 +467,16 @@ torch::Tensor Qwen3NextAttentionImpl::decode(const torch::Tensor& x, const torch
   for (size_t b = 0; b < lengths.size(); ++b) visible[b] = lengths[b] + 1;
   auto o = CachedAttention(p.q, k_cache, v_cache, visible,
                            1.0 / std::sqrt(static_cast<double>(head_dim_)));
+  return Output(o, p.gate);
+}
+
+torch::Tensor Qwen3NextAttentionImpl::paged(const torch::Tensor& x, const torch::Tensor& cos,
+                                            const torch::Tensor& sin, torch::Tensor& k_pool,
+                                            torch::Tensor& v_pool, const PagedAttentionMeta& meta) {
+  Projected p = Project(x, cos, sin);
+  WritePagedKV(k_pool, v_pool, p.k, p.v, meta);
+  auto o =
+      PagedAttention(p.q, k_pool, v_pool, meta, 1.0 / std::sqrt(static_cast<double>(head_dim_)));
   return Output(o, p.gate);
 }
 
@@ -480,6 +552,19 @@ torch::Tensor Qwen3NextDecoderLayerImpl::decode(const torch::Tensor& h, const to
                    ? linear_attn->decode(x, cache.conv[cache_index_], cache.recurrent[cache_index_])
                    : self_attn->decode(x, cos, sin, cache.k[cache_index_], cache.v[cache_index_],
                                        cache.lengths);
+  auto h1 = h + mixed;
+  return h1 + Mlp(post_attention_layernorm(h1), nullptr);
+}
+
+torch::Tensor Qwen3NextDecoderLayerImpl::paged(const torch::Tensor& h, const torch::Tensor& cos,
+                                               const torch::Tensor& sin, PagedKVCache& cache,
+                                               const PagedAttentionMeta& meta,
+                                               const Qwen3NextPagedPlan& plan) {
+  auto x = input_layernorm(h);
+  auto mixed = linear_attn ? linear_attn->paged(x, cache.state[2 * cache_index_],
+                                                cache.state[2 * cache_index_ + 1], plan)
+                           : self_attn->paged(x, cos, sin, cache.k[cache_index_],
+                                              cache.v[cache_index_], meta);
   auto h1 = h + mixed;
   return h1 + Mlp(post_attention_layernorm(h1), nullptr);
 }
@@ -560,6 +645,73 @@ KVCache Qwen3NextForCausalLM::NewKVCache(int64_t batch, int64_t capacity) const 
   }
   cache.lengths.assign(batch, 0);
   return cache;
+}
+
+PagedCacheSpec Qwen3NextForCausalLM::PagedSpec() const {
+  const ModelConfig& c = config_;
+  const int64_t elt = model->embed_tokens->weight.element_size();
+  PagedCacheSpec spec;
+  int64_t linear = 0;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    if (c.IsFullAttentionLayer(i)) {
+      ++spec.kv_layers;
+    } else {
+      ++linear;
+    }
+  }
+  spec.kv_bytes_per_token = 2 * spec.kv_layers * c.num_key_value_heads * c.head_dim * elt;
+  const int64_t conv_channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim +
+                                c.linear_num_value_heads * c.linear_value_head_dim;
+  spec.state_bytes_per_slot =
+      linear * ((c.linear_conv_kernel_dim - 1) * conv_channels * elt +
+                c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4);
+  return spec;
+}
+
+PagedKVCache Qwen3NextForCausalLM::NewPagedKVCache(int64_t num_blocks, int64_t block_size,
+                                                   int64_t num_state_slots) const {
+  const ModelConfig& c = config_;
+  PagedKVCache cache;
+  cache.block_size = block_size;
+  cache.num_blocks = num_blocks;
+  cache.num_state_slots = num_state_slots;
+  auto opts = model->embed_tokens->weight.options().requires_grad(false);
+  const int64_t conv_channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim +
+                                c.linear_num_value_heads * c.linear_value_head_dim;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    if (c.IsFullAttentionLayer(i)) {
+      // Uninitialised but the null block: a row is written before it is read (as Qwen3-MoE).
+      for (auto* pools : {&cache.k, &cache.v}) {
+        pools->push_back(
+            torch::empty({num_blocks, block_size, c.num_key_value_heads, c.head_dim}, opts));
+        pools->back()[0].zero_();
+      }
+    } else {
+      // A slot's state is written whole by its sequence's prefill before any decode reads it.
+      cache.state.push_back(
+          torch::zeros({num_state_slots, c.linear_conv_kernel_dim - 1, conv_channels}, opts));
+      cache.state.push_back(torch::zeros({num_state_slots, c.linear_num_value_heads,
+                                          c.linear_key_head_dim, c.linear_value_head_dim},
+                                         opts.dtype(torch::kFloat32)));
+    }
+  }
+  return cache;
+}
+
+torch::Tensor Qwen3NextForCausalLM::PagedForward(const PagedStep& step, PagedKVCache& cache) {
+  const auto device = model->embed_tokens->weight.device();
+  TORCH_CHECK(cache.k.size() + cache.state.size() / 2 == model->layers->size(),
+              "Qwen3-Next paged step: the cache was not made by this model's NewPagedKVCache");
+  const PagedAttentionMeta meta = BuildPagedAttentionMeta(step, cache.block_size, device);
+  const Qwen3NextPagedPlan plan = Qwen3NextPagedPlan::Make(step, device);
+  auto [cos, sin] = rope_.Tables(meta.positions);
+  auto h = model->embed_tokens(step.input_ids);
+  for (size_t i = 0; i < model->layers->size(); ++i) {
+    h = model->layers->ptr<Qwen3NextDecoderLayerImpl>(i)->paged(h, cos, sin, cache, meta, plan);
+  }
+  // Only the last new token of each sequence is sampled from: norm those rows alone.
+  if (meta.max_new > 1) h = h.index_select(0, meta.last_rows);
+  return model->norm(h);
 }
 
 torch::Tensor Qwen3NextForCausalLM::LmHeadWeight() {

@@ -43,6 +43,13 @@
 // (Forward with opts.cache) computes them chunked, as the forward does; Decode advances them one
 // token, as transformers' causal_conv1d_update and torch_recurrent_gated_delta_rule do.
 //
+// The paged cache of the rollout engine (lm/model/paged_kv.h): the full-attention layers' keys and
+// values live in the block pools (PagedKVCache::k, v per full-attention layer), each Gated DeltaNet
+// layer's state in the engine's state slots (PagedKVCache::state[2j] the conv window
+// [slots, K-1, C], state[2j + 1] the delta-rule state [slots, Hv, dk, dv] fp32, for the j-th
+// linear-attention layer). A sequence with no context is a prefill (chunked, its slot overwritten);
+// one new token after a context is a decode step from its slot.
+//
 // Member names are the checkpoint's names (model.layers.N.linear_attn.in_proj_qkvz.weight, ...);
 // `mtp.*` tensors of published checkpoints are skipped by LoadModel.
 #pragma once
@@ -74,6 +81,17 @@ struct DeltaRuleLayout {
   int64_t num_chunks() const { return step_offsets.empty() ? 0 : step_offsets.back(); }
   static DeltaRuleLayout Make(const std::vector<int64_t>& cu_seqlens, torch::Device device,
                               int64_t chunk = 64);
+};
+
+// A paged step's sequences as the linear-attention layers take them: the prefills (no context)
+// chunked over their own packed rows, the decodes one token each from their state slots.
+struct Qwen3NextPagedPlan {
+  torch::Tensor prefill_rows, prefill_slots;  // [Tp] rows of the step, [Bp] state slots
+  DeltaRuleLayout prefill_layout;             // over the prefill rows alone
+  torch::Tensor decode_rows, decode_slots;    // [Bd] each
+  bool all_prefill = false;                   // the prefill rows are the whole step, in order
+  int64_t prefills = 0, decodes = 0;
+  static Qwen3NextPagedPlan Make(const PagedStep& step, torch::Device device);
 };
 
 // Both forms take fp32 q, k [T, H, dk] (already L2-normalised, q scaled by dk^-1/2, one key head
@@ -148,6 +166,10 @@ class Qwen3NextGatedDeltaNetImpl : public torch::nn::Module {
   // [B, Hv, dk, dv] in place.
   torch::Tensor decode(const torch::Tensor& x, torch::Tensor& conv_state,
                        torch::Tensor& recurrent_state);
+  // A paged step: x [T, H]; conv_slots [slots, K-1, C] and recurrent_slots [slots, Hv, dk, dv]
+  // hold every sequence's state (see Qwen3NextPagedPlan), read and written in place.
+  torch::Tensor paged(const torch::Tensor& x, torch::Tensor& conv_slots,
+                      torch::Tensor& recurrent_slots, const Qwen3NextPagedPlan& plan);
 
   Linear in_proj_qkvz{nullptr}, in_proj_ba{nullptr}, out_proj{nullptr};
   CausalConv1d conv1d{nullptr};
@@ -185,6 +207,10 @@ class Qwen3NextAttentionImpl : public torch::nn::Module {
   torch::Tensor decode(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                        torch::Tensor& k_cache, torch::Tensor& v_cache,
                        const std::vector<int64_t>& lengths);
+  // A paged step (lm/model/paged_kv.h): x [T, H] the new tokens, written into the pools, then
+  // attending through the block tables.
+  torch::Tensor paged(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                      torch::Tensor& k_pool, torch::Tensor& v_pool, const PagedAttentionMeta& meta);
 
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};
@@ -234,6 +260,10 @@ class Qwen3NextDecoderLayerImpl : public torch::nn::Module {
   // One decode step: h [B, H] at positions cache.lengths (rope tables of those).
   torch::Tensor decode(const torch::Tensor& h, const torch::Tensor& cos, const torch::Tensor& sin,
                        KVCache& cache);
+  // A paged step: h [T, H] the step's new tokens (rope tables of their positions).
+  torch::Tensor paged(const torch::Tensor& h, const torch::Tensor& cos, const torch::Tensor& sin,
+                      PagedKVCache& cache, const PagedAttentionMeta& meta,
+                      const Qwen3NextPagedPlan& plan);
 
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Qwen3NextGatedDeltaNet linear_attn{nullptr};  // linear_attention layers
@@ -266,6 +296,11 @@ class Qwen3NextForCausalLM : public CausalLM {
   torch::Tensor Forward(const PackedBatch& batch, const ForwardOptions& opts = {}) override;
   torch::Tensor Decode(const torch::Tensor& tokens, KVCache& cache) override;
   KVCache NewKVCache(int64_t batch, int64_t capacity) const override;
+  bool SupportsPagedKV() const override { return true; }
+  PagedCacheSpec PagedSpec() const override;
+  PagedKVCache NewPagedKVCache(int64_t num_blocks, int64_t block_size,
+                               int64_t num_state_slots) const override;
+  torch::Tensor PagedForward(const PagedStep& step, PagedKVCache& cache) override;
   torch::Tensor LmHeadWeight() override;
   std::vector<std::string> TiedAliases() const override;
 
