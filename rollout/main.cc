@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
+#include "rollout/engine.h"
 #include "rollout/service.h"
 #include "rpc/auth.h"
 #include "rpc/model_server.h"
@@ -21,6 +22,16 @@ ABSL_FLAG(int64_t, max_slots, 1024, "prompts x samples one request may decode");
 ABSL_FLAG(double, kv_budget_gb, 32,
           "KV cache one request may need, GiB (sequences x (prompt + max_new_tokens)); more gets "
           "RESOURCE_EXHAUSTED; 0: no budget");
+ABSL_FLAG(std::string, engine, "paged",
+          "paged: continuous batching over a paged KV cache (rollout/engine.h); static: one "
+          "batch per request with a contiguous cache (the reference sampler)");
+ABSL_FLAG(double, kv_cache_gb, 4,
+          "paged engine: the KV cache pool, GiB, preallocated in the model's dtype and shared by "
+          "all requests; a request with a sequence that cannot fit it gets RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, kv_block_size, 16, "paged engine: tokens per KV cache block");
+ABSL_FLAG(int64_t, max_running_seqs, 256, "paged engine: sequences decoding at once");
+ABSL_FLAG(int64_t, max_queued_requests, 64,
+          "paged engine: requests waiting or running; more get RESOURCE_EXHAUSTED");
 
 namespace {
 
@@ -28,8 +39,17 @@ constexpr const char* kServiceName = "opd.v1.Rollout";
 
 absl::Status Run() {
   ASSIGN_OR_RETURN(opd::rpc::LoadedModel loaded, opd::rpc::LoadServedModel());
+  const std::string engine_kind = absl::GetFlag(FLAGS_engine);
+  if (engine_kind != "paged" && engine_kind != "static")
+    return absl::InvalidArgumentError(
+        absl::StrCat("--engine=", engine_kind, " is neither paged nor static"));
   // Refused at start-up rather than on every Generate.
-  if (!loaded.model->SupportsKVCache())
+  if (engine_kind == "paged" && !loaded.model->SupportsPagedKV())
+    return absl::FailedPreconditionError(absl::StrCat(
+        loaded.model_dir, " is a ", loaded.config.model_type,
+        " model, which the paged rollout engine cannot sample: it has no paged KV cache "
+        "(lm/model/paged_kv.h); serve a qwen3_moe student"));
+  if (engine_kind == "static" && !loaded.model->SupportsKVCache())
     return absl::FailedPreconditionError(absl::StrCat(
         loaded.model_dir, " is a ", loaded.config.model_type,
         " model, which this rollout worker cannot sample: its decode path (a cache of the "
@@ -58,6 +78,23 @@ absl::Status Run() {
   // The store owns the model from here on: an update replaces it and frees the old weights.
   rollout::WeightStore store(std::move(loaded.model));
   opd::rpc::Authenticator auth(loaded.secret);
+  // The paged engine: its pool is --kv-cache-gb, allocated once here and shared by all requests
+  // (a request with a sequence that cannot fit it is refused). --kv-budget-gb still caps what one
+  // request may ask for in all (Validate: sequences x (prompt + max_new_tokens)).
+  std::unique_ptr<rollout::Engine> engine;
+  if (engine_kind == "paged") {
+    rollout::EngineOptions eo;
+    eo.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_gb) * 1024.0 * 1024.0 * 1024.0;
+    eo.block_size = absl::GetFlag(FLAGS_kv_block_size);
+    eo.max_running = absl::GetFlag(FLAGS_max_running_seqs);
+    eo.max_requests = absl::GetFlag(FLAGS_max_queued_requests);
+    ASSIGN_OR_RETURN(engine, rollout::Engine::Create(*store.Current().model, eo));
+    const rollout::EngineStats es = engine->stats();
+    lm::log::Info(absl::StrCat("paged engine: ", es.usable_blocks, " KV blocks of ", eo.block_size,
+                               " tokens (", es.pool_bytes >> 20, " MiB), up to ", eo.max_running,
+                               " sequences at once"));
+    so.engine = engine.get();
+  }
   rollout::RolloutService service(&store, &auth, so, info);
   return opd::rpc::ServeUntilSignal("opd-rollout", kServiceName, &service, loaded);
 }

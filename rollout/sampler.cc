@@ -16,9 +16,6 @@
 namespace rollout {
 namespace {
 
-// Up to this many slots a decode step's LM head runs on the packed few-row kernel.
-constexpr int64_t kPackedHeadMaxRows = 64;
-
 uint64_t SplitMix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -38,78 +35,56 @@ struct Slot {
   Sample out;
 };
 
-struct Draws {
-  std::vector<int64_t> tokens;
-  std::vector<float> logprobs;
-};
-
 constexpr int64_t kBlock = 1024;  // probabilities summed per block for the two-level search
 
-// Inverse-CDF draw from one row of probabilities: the first token whose cumulative probability
-// exceeds u * total, found through the row's block sums and then within one block (in fp64). A
-// token of probability 0 never adds mass, so it can never be the one chosen.
-int64_t DrawFromRow(const float* probs, const double* block_sums, int64_t V, double u) {
+// Inverse-CDF draw per row of probs [B, V] (fp32) with uniforms u [B] (fp64), on their device:
+// the first token whose cumulative probability exceeds u * total, found through the row's block
+// sums and then within one block, accumulating in fp64 in token order (a scan). A token of
+// probability 0 never adds mass, so it can never be the one chosen; when rounding leaves the
+// target above the block's mass, the block's last token with mass (else the row's).
+torch::Tensor InverseCdf(const torch::Tensor& probs, const torch::Tensor& u) {
+  const int64_t B = probs.size(0), V = probs.size(1);
   const int64_t blocks = (V + kBlock - 1) / kBlock;
-  double total = 0;
-  for (int64_t j = 0; j < blocks; ++j) total += block_sums[j];
-  const double target = u * total;
-  double acc = 0;
-  int64_t j = 0;
-  while (j + 1 < blocks && acc + block_sums[j] <= target) acc += block_sums[j++];
-  int64_t last_positive = -1;
-  for (int64_t i = j * kBlock; i < std::min(V, (j + 1) * kBlock); ++i) {
-    if (probs[i] <= 0) continue;
-    acc += probs[i];
-    last_positive = i;
-    if (acc > target) return i;
-  }
-  // Rounding left the target just above this block's mass: the last token with mass.
-  if (last_positive >= 0) return last_positive;
-  for (int64_t i = V - 1; i >= 0; --i) {
-    if (probs[i] > 0) return i;
-  }
-  return 0;
-}
-
-// One token per row of logits [B, V], row i drawn with slots[i]'s generator.
-Draws Draw(const torch::Tensor& logits, std::vector<Slot>& slots, const SamplingParams& p) {
-  const int64_t B = logits.size(0), V = logits.size(1);
-  Draws d;
-  if (p.temperature == 0) {
-    auto ids = logits.argmax(-1).contiguous();
-    d.tokens.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + B);
-    d.logprobs.assign(B, 0.0f);  // a point mass
-    return d;
-  }
-  // softmax, not exp(log_softmax): LibTorch's standalone exp is several times slower on CPU, and
-  // this runs over [B, vocab] every step.
-  const auto probs =
-      torch::softmax(FilteredLogits(logits, p.temperature, p.top_k, p.top_p), -1).contiguous();
-  const int64_t blocks = (V + kBlock - 1) / kBlock;
-  const auto padded = torch::constant_pad_nd(probs, {0, blocks * kBlock - V});
-  const auto sums =
-      padded.view({B, blocks, kBlock}).sum(-1, /*keepdim=*/false, torch::kFloat64).contiguous();
-  const float* pp = probs.data_ptr<float>();
-  const double* sp = sums.data_ptr<double>();
-  for (int64_t i = 0; i < B; ++i) {
-    const int64_t tok = DrawFromRow(pp + i * V, sp + i * blocks, V, Uniform(slots[i].rng));
-    d.tokens.push_back(tok);
-    d.logprobs.push_back(static_cast<float>(std::log(static_cast<double>(pp[i * V + tok]))));
-  }
-  return d;
+  const auto padded =
+      torch::constant_pad_nd(probs, {0, blocks * kBlock - V}).view({B, blocks, kBlock});
+  const auto sums = padded.sum(-1, /*keepdim=*/false, torch::kFloat64);  // [B, blocks]
+  const auto cum = sums.cumsum(-1);
+  const auto target = (u * cum.select(1, blocks - 1)).unsqueeze(1);  // [B, 1]
+  // The block: the first whose running sum passes the target (the last one at most).
+  const auto j = (cum.narrow(1, 0, blocks - 1) <= target).sum(1, false, torch::kInt64);  // [B]
+  const auto acc = torch::constant_pad_nd(cum, {1, 0}).gather(1, j.unsqueeze(1));        // [B, 1]
+  const auto in_block =
+      padded.gather(1, j.view({B, 1, 1}).expand({B, 1, kBlock})).squeeze(1);  // [B, kBlock]
+  // Sequential fp64 accumulation from the mass before the block: ((acc + p0) + p1) + ...
+  const auto running =
+      torch::cat({acc, in_block.to(torch::kFloat64)}, 1).cumsum(1).narrow(1, 1, kBlock);
+  const auto pos = torch::arange(kBlock, j.options());
+  const auto positive = in_block > 0;
+  const auto none = torch::full({}, kBlock, j.options());
+  const auto first = torch::where((running > target) & positive, pos, none).amin(1);
+  const auto last_in_block = torch::where(positive, pos, torch::full({}, -1, j.options())).amax(1);
+  const auto vpos = torch::arange(V, j.options());
+  const auto last_in_row =
+      torch::where(probs > 0, vpos, torch::full({}, -1, j.options())).amax(1).clamp_min(0);
+  return torch::where(first < kBlock, j * kBlock + first,
+                      torch::where(last_in_block >= 0, j * kBlock + last_in_block, last_in_row));
 }
 
 // Logits [P, V] (fp32) at the last position of every prompt, filling `cache`.
 torch::Tensor Prefill(lm::CausalLM& model, const std::vector<std::vector<int64_t>>& prompts,
                       lm::KVCache& cache, SamplerStats& stats) {
-  const auto batch = lm::PackedBatch::FromSequences(prompts);
+  auto batch = lm::PackedBatch::FromSequences(prompts);
+  const auto device = model.LmHeadWeight().device();
+  batch.input_ids = batch.input_ids.to(device);
+  batch.position_ids = batch.position_ids.to(device);
   lm::ForwardOptions fo;
   fo.cache = &cache;
   const auto hidden = model.Forward(batch, fo);
   stats.prefill_tokens += batch.num_tokens();
   std::vector<int64_t> last;
   for (int64_t b = 0; b < batch.num_sequences(); ++b) last.push_back(batch.cu_seqlens[b + 1] - 1);
-  return model.Logits(hidden.index_select(0, torch::tensor(last, torch::kInt64)))
+  return model
+      .Logits(hidden.index_select(0, torch::tensor(last, torch::kInt64).to(hidden.device())))
       .to(torch::kFloat32);
 }
 
@@ -118,6 +93,42 @@ torch::Tensor Prefill(lm::CausalLM& model, const std::vector<std::vector<int64_t
 uint64_t SampleSeed(uint64_t seed, int64_t prompt, int64_t sample) {
   return SplitMix64(SplitMix64(SplitMix64(seed) ^ static_cast<uint64_t>(prompt)) ^
                     static_cast<uint64_t>(sample));
+}
+
+Draws DrawTokens(const torch::Tensor& logits, const std::vector<std::mt19937_64*>& rngs,
+                 const SamplingParams& p) {
+  const int64_t B = logits.size(0);
+  torch::Tensor tokens, logprobs;
+  if (p.temperature == 0) {
+    tokens = logits.argmax(-1);
+    logprobs = torch::zeros({B}, logits.options().dtype(torch::kFloat64));  // a point mass
+  } else {
+    // softmax, not exp(log_softmax): LibTorch's standalone exp is several times slower on CPU,
+    // and this runs over [B, vocab] every step.
+    const auto probs =
+        torch::softmax(FilteredLogits(logits, p.temperature, p.top_k, p.top_p), -1).contiguous();
+    std::vector<double> u(B);
+    for (int64_t i = 0; i < B; ++i) u[i] = Uniform(*rngs[i]);
+    tokens = InverseCdf(probs, torch::tensor(u, torch::kFloat64).to(logits.device()));
+    logprobs = probs.gather(1, tokens.unsqueeze(1)).squeeze(1).to(torch::kFloat64).log();
+  }
+  // One copy back: token ids are exact in fp64.
+  const auto host = torch::stack({tokens.to(torch::kFloat64), logprobs}).cpu().contiguous();
+  const double* h = host.data_ptr<double>();
+  Draws d;
+  d.tokens.resize(B);
+  d.logprobs.resize(B);
+  for (int64_t i = 0; i < B; ++i) {
+    d.tokens[i] = static_cast<int64_t>(h[i]);
+    d.logprobs[i] = static_cast<float>(h[B + i]);
+  }
+  return d;
+}
+
+torch::Tensor DecodeLogits(lm::CausalLM& model, const lm::PackedLinear* lm_head,
+                           const torch::Tensor& hidden) {
+  if (lm_head && hidden.size(0) <= kPackedHeadMaxRows) return (*lm_head)(hidden);
+  return model.Logits(hidden).to(torch::kFloat32);
 }
 
 int64_t KvBytesPerToken(const lm::ModelConfig& config, int64_t element_size) {
@@ -243,9 +254,9 @@ absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
     if (own_head) lm_head = &*own_head;
   }
   auto decode_logits = [&](const torch::Tensor& hidden) {
-    if (lm_head && hidden.size(0) <= kPackedHeadMaxRows) return (*lm_head)(hidden);
-    return model.Logits(hidden).to(torch::kFloat32);
+    return DecodeLogits(model, lm_head, hidden);
   };
+  const auto device = model.LmHeadWeight().device();
 
   lm::KVCache cache = model.NewKVCache(P, longest + params.max_new_tokens);
   auto logits = Prefill(model, prompts, cache, stats).repeat_interleave(n, 0);
@@ -266,7 +277,9 @@ absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
   };
 
   while (true) {
-    Draws d = Draw(logits, slots, params);
+    std::vector<std::mt19937_64*> rngs;
+    for (auto& slot : slots) rngs.push_back(&slot.rng);
+    Draws d = DrawTokens(logits, rngs, params);
     std::vector<int64_t> keep, next;
     for (size_t i = 0; i < slots.size(); ++i) {
       Sample& out = slots[i].out;
@@ -290,7 +303,7 @@ absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
       for (int64_t i : keep) live.push_back(std::move(slots[i]));
       slots = std::move(live);
     }
-    const auto hidden = model.Decode(torch::tensor(next, torch::kInt64), cache);
+    const auto hidden = model.Decode(torch::tensor(next, torch::kInt64).to(device), cache);
     ++stats.decode_steps;
     stats.decoded_tokens += static_cast<int64_t>(keep.size());
     logits = decode_logits(hidden);

@@ -11,12 +11,13 @@
 // so a sample does not depend on which other prompts or samples share its batch. The log-prob
 // reported for a token is under the distribution it was drawn from: temperature-scaled, then top-k,
 // then top-p filtered and renormalised (0 for greedy).
-// OPD refuses the filters (trainer/opd_config.cc): the learner's log-probs are the full softmax,
-// and the importance ratio needs both sides under the same distribution.
+// OPD refuses the filters (trainer/opd/opd_config.cc): the learner's log-probs are the full
+// softmax, and the importance ratio needs both sides under the same distribution.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <random>
 #include <vector>
 
 #include <torch/types.h>
@@ -99,5 +100,22 @@ torch::Tensor FilteredLogprobs(const torch::Tensor& logits, double temperature, 
 
 // The generator seed of sample `sample` of prompt `prompt` (SplitMix64 mixing).
 uint64_t SampleSeed(uint64_t seed, int64_t prompt, int64_t sample);
+
+// One token per row of logits [B, V], on the logits' device: greedy is the argmax; otherwise row i
+// draws one uniform from *rngs[i] and takes the inverse CDF of the filtered softmax (per-1024-token
+// block sums, then within the block, in fp64). The tokens and their log-probs come back to the
+// host in one copy.
+struct Draws {
+  std::vector<int64_t> tokens;
+  std::vector<float> logprobs;
+};
+Draws DrawTokens(const torch::Tensor& logits, const std::vector<std::mt19937_64*>& rngs,
+                 const SamplingParams& params);
+
+// Logits [B, V] fp32 of a decode step's hidden states [B, H]: the packed LM head (when given and
+// B is at most kPackedHeadMaxRows), else the model's.
+constexpr int64_t kPackedHeadMaxRows = 64;
+torch::Tensor DecodeLogits(lm::CausalLM& model, const lm::PackedLinear* lm_head,
+                           const torch::Tensor& hidden);
 
 }  // namespace rollout

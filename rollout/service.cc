@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "lm/util/threads.h"
+#include "rollout/engine.h"
 #include "rpc/codec.h"
 #include "rpc/status.h"
 
@@ -43,8 +44,8 @@ opd::v1::Sample ToProto(const Sample& s, int64_t version) {
 // deletes itself in OnDone, after joining the sampler thread.
 class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
  public:
-  GenerateReactor(grpc::CallbackServerContext* ctx, std::atomic<int>* running)
-      : ctx_(ctx), running_(running) {}
+  GenerateReactor(grpc::CallbackServerContext* ctx, std::atomic<int>* running, Engine* engine)
+      : ctx_(ctx), running_(running), engine_(engine) {}
 
   // Starts sampling on a thread of its own; the caller has taken a generation slot for it.
   void Start(Snapshot snapshot, std::vector<std::vector<int64_t>> prompts, SamplingParams params) {
@@ -75,6 +76,10 @@ class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
                           const std::vector<std::vector<int64_t>>& prompts,
                           const SamplingParams& params) {
     try {
+      if (engine_)
+        return engine_->Generate(
+            snapshot, prompts, params, [&](Sample s) { Queue(ToProto(s, snapshot.version)); },
+            [this] { return broken_.load() || ctx_->IsCancelled(); });
       return SampleResponses(
                  *snapshot.model, prompts, params,
                  [&](Sample s) { Queue(ToProto(s, snapshot.version)); },
@@ -111,6 +116,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
 
   grpc::CallbackServerContext* ctx_;
   std::atomic<int>* running_;
+  Engine* engine_;  // null: the static sampler
   std::thread thread_;
   bool holds_slot_ = false;
   std::atomic<bool> broken_{false};  // a write failed
@@ -192,7 +198,7 @@ class UpdateReactor final : public grpc::ServerReadReactor<opd::v1::WeightChunk>
 
 grpc::ServerWriteReactor<opd::v1::Sample>* RolloutService::Generate(
     grpc::CallbackServerContext* ctx, const opd::v1::GenerateRequest* req) {
-  auto* reactor = new GenerateReactor(ctx, &running_);
+  auto* reactor = new GenerateReactor(ctx, &running_, opts_.engine);
   if (grpc::Status auth = auth_->Check(*ctx); !auth.ok()) {
     reactor->Refuse(auth);
     return reactor;

@@ -14,9 +14,14 @@
 
 namespace rollout {
 
+class Engine;
+
 struct ServiceOptions {
   GenerateLimits limits;
   int max_concurrent = 4;  // generations at once; more get RESOURCE_EXHAUSTED
+  // When set (not owned), generations run on the continuous-batching engine (rollout/engine.h);
+  // else each on the static sampler (SampleResponses).
+  Engine* engine = nullptr;
 };
 
 class RolloutService final : public opd::v1::Rollout::CallbackService {

@@ -3,7 +3,9 @@
 // versioned weight store (validation and atomic replacement). Models: the tiny random fixtures.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <map>
+#include <random>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -216,6 +218,86 @@ TEST(Sampler, SamplesFollowTheFilteredDistribution) {
     tv += std::abs(counts[t] / 4000.0 - std::exp(lp[t].item<double>()));
   }
   EXPECT_LT(tv / 2, 0.05);
+}
+
+// The host-side inverse-CDF draw the sampler used before it ran on the device: the reference the
+// device draw must equal token for token.
+int64_t HostDraw(const float* probs, int64_t V, double u) {
+  constexpr int64_t kBlock = 1024;
+  const int64_t blocks = (V + kBlock - 1) / kBlock;
+  std::vector<double> sums(blocks, 0.0);
+  for (int64_t j = 0; j < blocks; ++j) {
+    // The block sums as the device computes them (a float64 reduction of the float row).
+    sums[j] = torch::from_blob(const_cast<float*>(probs) + j * kBlock,
+                               {std::min(V, (j + 1) * kBlock) - j * kBlock}, torch::kFloat32)
+                  .sum(torch::kFloat64)
+                  .item<double>();
+  }
+  double total = 0;
+  for (double b : sums) total += b;
+  const double target = u * total;
+  double acc = 0;
+  int64_t j = 0;
+  while (j + 1 < blocks && acc + sums[j] <= target) acc += sums[j++];
+  int64_t last_positive = -1;
+  for (int64_t i = j * kBlock; i < std::min(V, (j + 1) * kBlock); ++i) {
+    if (probs[i] <= 0) continue;
+    acc += probs[i];
+    last_positive = i;
+    if (acc > target) return i;
+  }
+  if (last_positive >= 0) return last_positive;
+  for (int64_t i = V - 1; i >= 0; --i)
+    if (probs[i] > 0) return i;
+  return 0;
+}
+
+// Draws on logits of several blocks (vocab 3000, top-k and top-p zeros included) equal the host
+// loop's, and the log-prob is that of the filtered distribution.
+TEST(Sampler, DeviceDrawEqualsTheHostLoop) {
+  torch::manual_seed(1);
+  const int64_t B = 64, V = 3000;
+  auto logits = torch::randn({B, V}) * 2;
+  for (auto [k, top_p] : {std::pair<int64_t, double>{0, 1.0}, {50, 1.0}, {0, 0.8}, {200, 0.5}}) {
+    SamplingParams p;
+    p.temperature = 0.9;
+    p.top_k = k;
+    p.top_p = top_p;
+    std::vector<std::mt19937_64> gens, copies;
+    for (int64_t i = 0; i < B; ++i) gens.emplace_back(SampleSeed(3, i, 0));
+    copies = gens;
+    std::vector<std::mt19937_64*> rngs;
+    for (auto& g : gens) rngs.push_back(&g);
+    const Draws d = DrawTokens(logits, rngs, p);
+    auto probs = torch::softmax(FilteredLogits(logits, 0.9, k, top_p), -1).contiguous();
+    auto lp = FilteredLogprobs(logits, 0.9, k, top_p);
+    for (int64_t i = 0; i < B; ++i) {
+      const double u = static_cast<double>(copies[i]() >> 11) * 0x1.0p-53;
+      EXPECT_EQ(d.tokens[i], HostDraw(probs.data_ptr<float>() + i * V, V, u)) << "row " << i;
+      EXPECT_NEAR(d.logprobs[i], lp[i][d.tokens[i]].item<float>(), 1e-5);
+      EXPECT_EQ(gens[i](), copies[i]()) << "one uniform per token";
+    }
+  }
+}
+
+// On a GPU the draw runs there and picks the same tokens as on the CPU.
+TEST(Sampler, DeviceDrawOnCudaEqualsCpu) {
+  if (!torch::cuda::is_available()) {
+    const char* req = std::getenv("OPD_REQUIRE_GPU");
+    ASSERT_FALSE(req && std::string(req) == "1") << "OPD_REQUIRE_GPU=1 but no CUDA";
+    GTEST_SKIP() << "no CUDA device";
+  }
+  torch::manual_seed(2);
+  auto logits = torch::randn({32, 5000}) * 2;
+  SamplingParams p;
+  p.top_k = 100;
+  std::vector<std::mt19937_64> a, b;
+  for (int i = 0; i < 32; ++i) a.emplace_back(i), b.emplace_back(i);
+  std::vector<std::mt19937_64*> ra, rb;
+  for (int i = 0; i < 32; ++i) ra.push_back(&a[i]), rb.push_back(&b[i]);
+  const Draws cpu = DrawTokens(logits, ra, p), gpu = DrawTokens(logits.to(torch::kCUDA), rb, p);
+  EXPECT_EQ(cpu.tokens, gpu.tokens);
+  EXPECT_LE(MaxAbsDiff(cpu.logprobs, gpu.logprobs), 1e-5);
 }
 
 TEST(Sampler, StopIdsAndMaxNewTokens) {

@@ -42,7 +42,9 @@ PagedAttentionMeta BuildPagedAttentionMeta(const PagedStep& step, int64_t block_
     const int64_t start = step.cu_seqlens[b], q = step.cu_seqlens[b + 1] - start;
     const int64_t ctx = step.context_lens[b];
     const auto& table = step.block_tables[b];
-    auto row = [&](int64_t pos) { return int64_t{table[pos / block_size]} * block_size + pos % block_size; };
+    auto row = [&](int64_t pos) {
+      return int64_t{table[pos / block_size]} * block_size + pos % block_size;
+    };
     for (int64_t j = 0; j < ctx + q; ++j) kv[b * L + j] = row(j);
     for (int64_t i = 0; i < q; ++i) {
       positions[start + i] = ctx + i;
@@ -56,7 +58,9 @@ PagedAttentionMeta BuildPagedAttentionMeta(const PagedStep& step, int64_t block_
     for (int64_t i = q; i < Q; ++i) mask[(b * Q + i) * L] = 1;
     last[b] = start + q - 1;
   }
-  auto i64 = [&](const std::vector<int64_t>& x) { return torch::tensor(x, torch::kInt64).to(device); };
+  auto i64 = [&](const std::vector<int64_t>& x) {
+    return torch::tensor(x, torch::kInt64).to(device);
+  };
   m.positions = i64(positions);
   m.slot_mapping = i64(slots);
   m.q_gather = i64(q_gather);

@@ -47,7 +47,7 @@ struct PagedKVCache {
   int64_t block_size = 16;
   int64_t num_blocks = 0;  // including the null block 0
   int64_t num_state_slots = 0;
-  std::vector<torch::Tensor> k, v;  // per attention layer: [num_blocks, block_size, n_kv, D]
+  std::vector<torch::Tensor> k, v;   // per attention layer: [num_blocks, block_size, n_kv, D]
   std::vector<torch::Tensor> state;  // per stateful tensor: [num_state_slots, ...] (model-defined)
 
   // Copies block `src` (every layer's keys and values) over block `dst`.
@@ -73,13 +73,14 @@ struct PagedStep {
 // Index tensors for paged attention, built once per step and shared by every layer.
 struct PagedAttentionMeta {
   int64_t batch = 0, max_new = 0, max_len = 0;  // B, longest new tokens, longest context + new
-  torch::Tensor positions;     // [T] int64: position of every new token
-  torch::Tensor slot_mapping;  // [T] int64: pool row (block * block_size + offset) of each new token
-  torch::Tensor q_gather;      // [B * max_new] row of q for each padded query (T: a zero row)
-  torch::Tensor q_valid;       // [T] padded-query index of every new token
-  torch::Tensor kv_gather;     // [B, max_len] pool row of each key (row 0, the null block, pads)
-  torch::Tensor mask;          // [B, 1, max_new, max_len] bool: key visible to query
-  torch::Tensor last_rows;     // [B] row (in [T]) of each sequence's last new token
+  torch::Tensor positions;                      // [T] int64: position of every new token
+  torch::Tensor
+      slot_mapping;         // [T] int64: pool row (block * block_size + offset) of each new token
+  torch::Tensor q_gather;   // [B * max_new] row of q for each padded query (T: a zero row)
+  torch::Tensor q_valid;    // [T] padded-query index of every new token
+  torch::Tensor kv_gather;  // [B, max_len] pool row of each key (row 0, the null block, pads)
+  torch::Tensor mask;       // [B, 1, max_new, max_len] bool: key visible to query
+  torch::Tensor last_rows;  // [B] row (in [T]) of each sequence's last new token
 };
 
 PagedAttentionMeta BuildPagedAttentionMeta(const PagedStep& step, int64_t block_size,

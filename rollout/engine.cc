@@ -1,0 +1,488 @@
+#include "rollout/engine.h"
+
+#include <algorithm>
+#include <map>
+#include <random>
+
+#include <torch/torch.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "lm/model/cpu_inference.h"
+#include "lm/model/model.h"
+#include "rollout/block_allocator.h"
+
+namespace rollout {
+namespace {
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+int64_t BlocksFor(int64_t tokens, int64_t block_size) {
+  return (tokens + block_size - 1) / block_size;
+}
+}  // namespace
+
+class Engine::Request {
+ public:
+  Snapshot snapshot;
+  std::shared_ptr<const lm::PackedLinear> lm_head;  // the snapshot's, or packed by the engine
+  std::vector<std::vector<int64_t>> prompts;
+  SamplingParams params;
+  std::function<void(Sample)> on_sample;
+  std::function<bool()> cancelled;
+  int64_t remaining = 0;  // samples not reported yet (engine thread)
+  bool ended = false;     // engine thread
+
+  absl::Mutex mu;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  absl::Status status ABSL_GUARDED_BY(mu);
+};
+
+// One sample: its prompt followed by what it generated. `cached` tokens have their keys/values in
+// `blocks`; the rest (the last drawn token, or everything after a preemption) go in the next step.
+struct Engine::Seq {
+  std::shared_ptr<Request> req;
+  std::vector<int64_t> tokens;
+  int64_t cached = 0;
+  std::vector<int32_t> blocks;
+  int64_t slot = -1;  // recurrent-state slot
+  std::mt19937_64 rng;
+  Sample out;
+  uint64_t admitted = 0;  // admission order: the largest is the youngest
+};
+
+// Waiting work: a prompt to prefill for all its samples, or a preempted sequence to recompute.
+struct Engine::Waiting {
+  std::shared_ptr<Request> req;
+  int64_t prompt = 0;
+  std::unique_ptr<Seq> seq;  // set for a recompute
+};
+
+// One row of a step: a sequence's new tokens (a prompt's row also forks into its samples).
+struct Engine::StepRow {
+  std::shared_ptr<Request> req;
+  std::vector<std::unique_ptr<Seq>> seqs;  // the samples this row's logits are drawn for
+  int64_t new_tokens = 0;
+};
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const lm::CausalLM& model,
+                                                       EngineOptions opts) {
+  if (!model.SupportsPagedKV())
+    return absl::FailedPreconditionError(
+        absl::StrCat("a ", model.config().model_type, " model has no paged KV cache"));
+  if (opts.block_size < 1 || opts.max_running < 1 || opts.max_requests < 1)
+    return absl::InvalidArgumentError("block size, max running and max requests must be >= 1");
+  const lm::PagedCacheSpec spec = model.PagedSpec();
+  if (opts.num_blocks == 0) {
+    const double state = static_cast<double>(spec.state_bytes_per_slot) * opts.max_running;
+    const double per_block = static_cast<double>(spec.kv_bytes_per_token) * opts.block_size;
+    opts.num_blocks =
+        per_block > 0 ? static_cast<int64_t>((opts.kv_cache_bytes - state) / per_block) : 0;
+  }
+  if (opts.num_blocks < 2)
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--kv-cache-gb=%.3f holds %d blocks of %d tokens (%d bytes per token, plus %d bytes of "
+        "state per sequence for %d sequences); at least 2 are needed",
+        opts.kv_cache_bytes / kGiB, opts.num_blocks, opts.block_size, spec.kv_bytes_per_token,
+        spec.state_bytes_per_slot, opts.max_running));
+  lm::PagedKVCache cache =
+      model.NewPagedKVCache(opts.num_blocks, opts.block_size, opts.max_running);
+  return std::unique_ptr<Engine>(new Engine(opts, std::move(cache)));
+}
+
+Engine::Engine(EngineOptions opts, lm::PagedKVCache cache) : opts_(opts), cache_(std::move(cache)) {
+  blocks_ = std::make_unique<BlockAllocator>(opts_.num_blocks);
+  for (int64_t s = opts_.max_running - 1; s >= 0; --s) free_slots_.push_back(s);
+  local_.usable_blocks = blocks_->usable();
+  local_.pool_bytes = cache_.bytes();
+  stats_ = local_;
+  thread_ = std::thread([this] { Loop(); });
+}
+
+Engine::~Engine() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
+
+absl::StatusOr<std::shared_ptr<Engine::Request>> Engine::Submit(
+    Snapshot snapshot, std::vector<std::vector<int64_t>> prompts, SamplingParams params,
+    std::function<void(Sample)> on_sample, std::function<bool()> cancelled) {
+  if (params.samples_per_prompt > opts_.max_running)
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "samples_per_prompt ", params.samples_per_prompt, " is more than the ", opts_.max_running,
+        " sequences this worker decodes at once (--max-running-seqs)"));
+  // A sequence must fit the whole pool on its own, or it could never finish.
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const int64_t tokens = static_cast<int64_t>(prompts[i].size()) + params.max_new_tokens;
+    const int64_t need = BlocksFor(tokens, opts_.block_size);
+    if (need > blocks_->usable())
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "prompt %d: %d tokens of prompt + max_new_tokens need %d KV blocks of %d tokens, more "
+          "than the whole KV cache of this worker (%d blocks, %.3f GiB, --kv-cache-gb): send a "
+          "shorter prompt or a smaller max_new_tokens",
+          i, tokens, need, opts_.block_size, blocks_->usable(),
+          static_cast<double>(cache_.bytes()) / kGiB));
+  }
+  auto req = std::make_shared<Request>();
+  req->snapshot = std::move(snapshot);
+  req->lm_head = req->snapshot.lm_head;
+  req->prompts = std::move(prompts);
+  req->params = std::move(params);
+  req->on_sample = std::move(on_sample);
+  req->cancelled = std::move(cancelled);
+  req->remaining = static_cast<int64_t>(req->prompts.size()) * req->params.samples_per_prompt;
+  absl::MutexLock lock(&mu_);
+  if (requests_in_engine_ >= opts_.max_requests)
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the rollout engine's queue is full: ", opts_.max_requests,
+                     " requests are waiting or running (--max-queued-requests); retry later"));
+  ++requests_in_engine_;
+  inbox_.push_back(req);
+  return req;
+}
+
+absl::Status Engine::Wait(Request& req) {
+  absl::MutexLock lock(&req.mu);
+  req.mu.Await(absl::Condition(&req.done));
+  return req.status;
+}
+
+absl::Status Engine::Generate(Snapshot snapshot, std::vector<std::vector<int64_t>> prompts,
+                              SamplingParams params, std::function<void(Sample)> on_sample,
+                              std::function<bool()> cancelled) {
+  auto req = Submit(std::move(snapshot), std::move(prompts), std::move(params),
+                    std::move(on_sample), std::move(cancelled));
+  if (!req.ok()) return req.status();
+  return Wait(**req);
+}
+
+void Engine::Pause() {
+  absl::MutexLock lock(&mu_);
+  paused_ = true;
+}
+
+void Engine::Resume() {
+  absl::MutexLock lock(&mu_);
+  paused_ = false;
+}
+
+EngineStats Engine::stats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
+
+void Engine::Loop() {
+  torch::NoGradGuard no_grad;
+  std::shared_ptr<const lm::PackedLinear> last_head;  // packed for last_model
+  std::shared_ptr<lm::CausalLM> last_model;
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || (!paused_ && (!inbox_.empty() || !active_.empty()));
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (stop_) break;
+      for (auto& req : inbox_) {
+        // Decode steps compute logits on the packed LM head (lm/model/cpu_inference.h) where it
+        // applies, packed once per model when the snapshot brings none.
+        if (!req->lm_head) {
+          if (req->snapshot.model != last_model) {
+            last_model = req->snapshot.model;
+            auto packed = lm::PackedLinear::Pack(last_model->LmHeadWeight());
+            last_head =
+                packed ? std::make_shared<const lm::PackedLinear>(std::move(*packed)) : nullptr;
+          }
+          req->lm_head = last_head;
+        }
+        for (int64_t p = 0; p < static_cast<int64_t>(req->prompts.size()); ++p)
+          waiting_.push_back(Waiting{req, p, nullptr});
+        active_.push_back(std::move(req));
+      }
+      inbox_.clear();
+    }
+    try {
+      DropCancelled();
+      Admit();
+      DecodeStep();
+    } catch (const std::exception& e) {  // LibTorch reports failures (e.g. OOM) by throwing
+      FailAll(absl::InternalError(absl::StrCat("sampling failed: ", e.what())));
+    }
+    active_.erase(
+        std::remove_if(active_.begin(), active_.end(), [](const auto& r) { return r->ended; }),
+        active_.end());
+    local_.peak_used_blocks = blocks_->peak_used();
+    {
+      absl::MutexLock lock(&mu_);
+      stats_ = local_;
+    }
+    SignalEnded();
+  }
+  FailAll(absl::UnavailableError("the rollout engine stopped"));
+  SignalEnded();
+}
+
+void Engine::Finish(Request& req, absl::Status st) {
+  if (req.ended) return;
+  req.ended = true;
+  {
+    absl::MutexLock lock(&mu_);
+    --requests_in_engine_;
+  }
+  absl::MutexLock lock(&req.mu);
+  req.status = std::move(st);
+  for (auto& r : active_)
+    if (r.get() == &req) ended_.push_back(r);
+}
+
+void Engine::SignalEnded() {
+  for (auto& r : ended_) {
+    absl::MutexLock lock(&r->mu);
+    r->done = true;
+  }
+  ended_.clear();
+}
+
+void Engine::ReleaseSeq(Seq& seq) {
+  for (int32_t b : seq.blocks) blocks_->Release(b);
+  seq.blocks.clear();
+  seq.cached = 0;
+  if (seq.slot >= 0) free_slots_.push_back(seq.slot);
+  seq.slot = -1;
+}
+
+// Removes the sequences of ended requests (cancelled now, or failed) from the queue and the batch.
+void Engine::DropCancelled() {
+  for (auto& req : active_) {
+    if (!req->ended && req->cancelled && req->cancelled())
+      Finish(*req, absl::CancelledError("cancelled while sampling"));
+  }
+  for (auto& s : running_)
+    if (s->req->ended) ReleaseSeq(*s);
+  running_.erase(
+      std::remove_if(running_.begin(), running_.end(), [](const auto& s) { return s->req->ended; }),
+      running_.end());
+  waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(),
+                                [](const Waiting& w) { return w.req->ended; }),
+                 waiting_.end());
+}
+
+void Engine::FailAll(const absl::Status& st) {
+  for (auto& s : running_) ReleaseSeq(*s);
+  running_.clear();
+  waiting_.clear();
+  for (auto& req : active_) Finish(*req, st);
+  absl::MutexLock lock(&mu_);
+  for (auto& req : inbox_) {
+    --requests_in_engine_;
+    absl::MutexLock rl(&req->mu);
+    req->status = st;
+    req->done = true;
+  }
+  inbox_.clear();
+}
+
+// Admits waiting work in order while seats and blocks allow, and runs the admitted prompts and
+// recomputes as one prefill step. A prompt's samples are forked after its prefill: they share
+// its blocks and (models with state) copy its state slot.
+void Engine::Admit() {
+  std::vector<StepRow> rows;
+  int64_t seats = opts_.max_running - static_cast<int64_t>(running_.size()), tokens = 0;
+  while (!waiting_.empty()) {
+    Waiting& w = waiting_.front();
+    const int64_t n = w.seq ? 1 : w.req->params.samples_per_prompt;
+    const int64_t len = w.seq ? static_cast<int64_t>(w.seq->tokens.size())
+                              : static_cast<int64_t>(w.req->prompts[w.prompt].size());
+    const int64_t need = BlocksFor(len, opts_.block_size);
+    if (n > seats) break;
+    if (!rows.empty() && tokens + len > opts_.max_prefill_tokens) break;
+    // Room for the prompt and one block of growth per sample; into an idle engine the prompt
+    // alone (its samples may then preempt each other, but the oldest always progresses).
+    const bool idle = running_.empty() && rows.empty();
+    if (need + n > blocks_->free() && !(idle && need <= blocks_->free())) break;
+    StepRow row;
+    row.req = w.req;
+    row.new_tokens = len;
+    std::unique_ptr<Seq> seq = std::move(w.seq);
+    if (!seq) {
+      seq = std::make_unique<Seq>();
+      seq->req = w.req;
+      seq->tokens = w.req->prompts[w.prompt];
+      seq->rng.seed(SampleSeed(w.req->params.seed, w.prompt, 0));
+      seq->out.prompt_index = w.prompt;
+      seq->out.sample_index = 0;
+    }
+    for (int64_t b = 0; b < need; ++b) seq->blocks.push_back(*blocks_->Allocate());
+    seq->slot = free_slots_.back();
+    free_slots_.pop_back();
+    seq->admitted = ++admissions_;
+    row.seqs.push_back(std::move(seq));
+    waiting_.pop_front();
+    seats -= n;
+    tokens += len;
+    rows.push_back(std::move(row));
+  }
+  if (rows.empty()) return;
+  ++local_.prefill_steps;
+  local_.prefill_tokens += tokens;
+  RunRows(rows, /*prefill=*/true);
+}
+
+void Engine::RunRows(std::vector<StepRow>& rows, bool prefill) {
+  // One forward per model (requests of different weight versions do not share a batch).
+  std::map<lm::CausalLM*, std::vector<size_t>> by_model;
+  for (size_t i = 0; i < rows.size(); ++i) by_model[rows[i].req->snapshot.model.get()].push_back(i);
+  std::vector<torch::Tensor> logits(rows.size());
+  for (auto& [model, idx] : by_model) {
+    const auto device = model->LmHeadWeight().device();
+    lm::PagedStep step;
+    std::vector<int64_t> ids;
+    step.cu_seqlens.push_back(0);
+    for (size_t i : idx) {
+      const Seq& s = *rows[i].seqs[0];
+      ids.insert(ids.end(), s.tokens.begin() + s.cached, s.tokens.end());
+      step.cu_seqlens.push_back(static_cast<int64_t>(ids.size()));
+      step.context_lens.push_back(s.cached);
+      step.block_tables.push_back(s.blocks);
+      step.state_slots.push_back(s.slot);
+    }
+    step.input_ids = torch::tensor(ids, torch::kInt64).to(device);
+    const torch::Tensor hidden = model->PagedForward(step, cache_);
+    // The prefill's logits through the model's head, a decode step's as the static sampler's.
+    const torch::Tensor lg = prefill
+                                 ? model->Logits(hidden).to(torch::kFloat32)
+                                 : DecodeLogits(*model, rows[idx[0]].req->lm_head.get(), hidden);
+    for (size_t k = 0; k < idx.size(); ++k) logits[idx[k]] = lg[k];
+  }
+  // Fork each prompt into its samples: they share its blocks and copy its state slot.
+  for (auto& row : rows) {
+    Seq& first = *row.seqs[0];
+    first.cached = static_cast<int64_t>(first.tokens.size());
+    if (!prefill || first.out.tokens.size() > 0 || row.req->params.samples_per_prompt == 1)
+      continue;
+    for (int64_t s = 1; s < row.req->params.samples_per_prompt; ++s) {
+      auto seq = std::make_unique<Seq>();
+      seq->req = row.req;
+      seq->tokens = first.tokens;
+      seq->cached = first.cached;
+      seq->blocks = first.blocks;
+      for (int32_t b : seq->blocks) blocks_->Share(b);
+      seq->slot = free_slots_.back();
+      free_slots_.pop_back();
+      cache_.CopyStateSlot(first.slot, seq->slot);
+      seq->rng.seed(SampleSeed(row.req->params.seed, first.out.prompt_index, s));
+      seq->out.prompt_index = first.out.prompt_index;
+      seq->out.sample_index = s;
+      seq->admitted = first.admitted;
+      row.seqs.push_back(std::move(seq));
+    }
+  }
+  // Draw per request (each has its own sampling parameters): its rows' logits, one per sample.
+  std::map<Request*, std::vector<size_t>> by_req;
+  for (size_t i = 0; i < rows.size(); ++i) by_req[rows[i].req.get()].push_back(i);
+  for (auto& [req, idx] : by_req) {
+    std::vector<torch::Tensor> lg;
+    std::vector<std::mt19937_64*> rngs;
+    for (size_t i : idx)
+      for (auto& s : rows[i].seqs) {
+        lg.push_back(logits[i]);
+        rngs.push_back(&s->rng);
+      }
+    const Draws d = DrawTokens(torch::stack(lg), rngs, req->params);
+    size_t k = 0;
+    for (size_t i : idx)
+      for (auto& s : rows[i].seqs) {
+        Append(s, d.tokens[k], d.logprobs[k]);
+        ++k;
+      }
+  }
+}
+
+// Records a drawn token; the sequence goes on running, or retires when it is done.
+void Engine::Append(std::unique_ptr<Seq>& seq, int64_t token, float logprob) {
+  const SamplingParams& p = seq->req->params;
+  seq->tokens.push_back(token);
+  seq->out.tokens.push_back(token);
+  seq->out.logprobs.push_back(logprob);
+  const bool stop = std::find(p.stop_ids.begin(), p.stop_ids.end(), token) != p.stop_ids.end();
+  if (stop || static_cast<int64_t>(seq->out.tokens.size()) >= p.max_new_tokens) {
+    seq->out.finish = stop ? FinishReason::kStop : FinishReason::kLength;
+    Retire(std::move(seq));
+  } else {
+    running_.push_back(std::move(seq));
+  }
+}
+
+void Engine::Retire(std::unique_ptr<Seq> seq) {
+  ReleaseSeq(*seq);
+  Request& req = *seq->req;
+  if (req.ended) return;
+  req.on_sample(std::move(seq->out));
+  if (--req.remaining == 0) Finish(req, absl::OkStatus());
+}
+
+void Engine::Preempt(std::unique_ptr<Seq> seq) {
+  ReleaseSeq(*seq);
+  ++local_.preemptions;
+  waiting_.push_front(Waiting{seq->req, seq->out.prompt_index, std::move(seq)});
+}
+
+bool Engine::MakeWritable(Seq& seq) {
+  const int64_t i = seq.cached / opts_.block_size;
+  if (i == static_cast<int64_t>(seq.blocks.size())) {  // the last block is full: a new one
+    auto b = blocks_->Allocate();
+    if (!b) return false;
+    seq.blocks.push_back(*b);
+  } else if (blocks_->refs(seq.blocks[i]) > 1) {  // shared: copy before writing
+    auto b = blocks_->Allocate();
+    if (!b) return false;
+    cache_.CopyBlock(seq.blocks[i], *b);
+    blocks_->Release(seq.blocks[i]);
+    seq.blocks[i] = *b;
+    ++local_.copy_on_writes;
+  }
+  return true;
+}
+
+// One token for every running sequence, in one batch; blocks first, oldest sequences first,
+// preempting the youngest when the pool is full.
+void Engine::DecodeStep() {
+  std::stable_sort(running_.begin(), running_.end(),
+                   [](const auto& a, const auto& b) { return a->admitted < b->admitted; });
+  std::vector<std::unique_ptr<Seq>> batch;
+  while (!running_.empty()) {
+    std::unique_ptr<Seq> seq = std::move(running_.front());
+    running_.erase(running_.begin());
+    bool ok = MakeWritable(*seq);
+    while (!ok && !running_.empty()) {
+      Preempt(std::move(running_.back()));
+      running_.pop_back();
+      ok = MakeWritable(*seq);
+    }
+    if (!ok) {
+      Preempt(std::move(seq));  // the youngest itself
+      continue;
+    }
+    batch.push_back(std::move(seq));
+  }
+  if (batch.empty()) return;
+  ++local_.decode_steps;
+  local_.decoded_tokens += static_cast<int64_t>(batch.size());
+  if (!waiting_.empty()) {
+    ++local_.waiting_decode_steps;
+    local_.waiting_decoded_tokens += static_cast<int64_t>(batch.size());
+  }
+  std::vector<StepRow> rows;
+  for (auto& s : batch) {
+    StepRow row;
+    row.req = s->req;
+    row.new_tokens = 1;
+    row.seqs.push_back(std::move(s));
+    rows.push_back(std::move(row));
+  }
+  RunRows(rows, /*prefill=*/false);
+}
+
+}  // namespace rollout

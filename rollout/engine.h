@@ -1,0 +1,139 @@
+// The rollout engine: continuous batching over a paged KV cache (lm/model/paged_kv.h).
+//
+// One engine thread owns the model's cache pool and runs every sequence of every request:
+//   - Submit() queues a request (a bounded number in the engine: more are RESOURCE_EXHAUSTED
+//     naming the bound; a request with a sequence that could never fit the pool is
+//     RESOURCE_EXHAUSTED naming --kv-cache-gb);
+//   - each iteration admits waiting work first come, first served while sequence seats
+//     (max_running) and blocks allow: a prompt's prefill runs once and its samples then share the
+//     prompt's blocks (reference counts; the partly filled last block is copied when a sample
+//     first writes into it);
+//   - then every running sequence decodes one token in one batched step; a finished sequence is
+//     reported and retires by releasing its blocks (nothing is copied);
+//   - when a sequence needs a block and none is free, the youngest running sequence is
+//     preempted: its blocks are released and it waits at the front of the queue to be recomputed
+//     from its prompt and the tokens it has generated (its generator carries on where it was).
+// Sampling is the static sampler's (rollout/sampler.h): sample s of prompt p draws with
+// SampleSeed(seed, p, s), one uniform per token, so tokens do not depend on batching, admission
+// order or preemption.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "lm/model/paged_kv.h"
+#include "rollout/sampler.h"
+#include "rollout/weights.h"
+
+namespace rollout {
+
+class BlockAllocator;
+
+struct EngineOptions {
+  int64_t block_size = 16;  // tokens per block
+  // The pool: num_blocks blocks when set, else as many as kv_cache_bytes holds (--kv-cache-gb).
+  int64_t num_blocks = 0;
+  double kv_cache_bytes = 4.0 * (1 << 30);
+  int64_t max_running = 256;          // sequences decoding at once (and recurrent-state slots)
+  int64_t max_requests = 64;          // requests in the engine (waiting or running)
+  int64_t max_prefill_tokens = 8192;  // tokens one prefill step takes (at least one prompt)
+};
+
+// The scheduler's own counters (cumulative).
+struct EngineStats {
+  int64_t prefill_steps = 0, prefill_tokens = 0;  // recomputes included
+  int64_t decode_steps = 0, decoded_tokens = 0;   // decoded_tokens: running sequences summed
+  // The same over the decode steps taken while work was waiting for admission: the batch is
+  // full when waiting_decoded_tokens == waiting_decode_steps x max_running.
+  int64_t waiting_decode_steps = 0, waiting_decoded_tokens = 0;
+  int64_t preemptions = 0, copy_on_writes = 0;
+  int64_t peak_used_blocks = 0;
+  int64_t usable_blocks = 0;  // the pool less the null block
+  int64_t pool_bytes = 0;
+};
+
+class Engine {
+ public:
+  class Request;
+
+  // The pool is built for `model`'s architecture; requests may bring other models of the same
+  // architecture (later weight versions). FAILED_PRECONDITION when the model has no paged cache.
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const lm::CausalLM& model,
+                                                        EngineOptions opts);
+  ~Engine();  // requests still in the engine end UNAVAILABLE
+
+  // Queues a request (prompts and params as Validate() accepted them). `on_sample` gets each
+  // sample as it finishes, on the engine thread; `cancelled` is polled every iteration (also on
+  // the engine thread): when it returns true the request's sequences leave and it ends CANCELLED.
+  absl::StatusOr<std::shared_ptr<Request>> Submit(Snapshot snapshot,
+                                                  std::vector<std::vector<int64_t>> prompts,
+                                                  SamplingParams params,
+                                                  std::function<void(Sample)> on_sample,
+                                                  std::function<bool()> cancelled = nullptr);
+  // Blocks until the request has ended; its status.
+  static absl::Status Wait(Request& request);
+  // Submit and Wait.
+  absl::Status Generate(Snapshot snapshot, std::vector<std::vector<int64_t>> prompts,
+                        SamplingParams params, std::function<void(Sample)> on_sample,
+                        std::function<bool()> cancelled = nullptr);
+
+  // While paused the engine thread schedules nothing (tests queue several requests first).
+  void Pause();
+  void Resume();
+
+  EngineStats stats() const;
+  const EngineOptions& options() const { return opts_; }
+
+ private:
+  struct Seq;
+  struct Waiting;
+  struct StepRow;
+  Engine(EngineOptions opts, lm::PagedKVCache cache);
+
+  void Loop();
+  void DropCancelled();
+  void Admit();
+  void DecodeStep();
+  // Runs `rows` (one model forward per model among them) and draws each row's next token.
+  void RunRows(std::vector<StepRow>& rows, bool prefill);
+  bool MakeWritable(Seq& seq);  // a writable row for the seq's next token; false: no block
+  void Preempt(std::unique_ptr<Seq> seq);
+  void Append(std::unique_ptr<Seq>& seq, int64_t token, float logprob);
+  void Retire(std::unique_ptr<Seq> seq);
+  void ReleaseSeq(Seq& seq);
+  // Ends a request; Wait() returns once the iteration's stats are published (SignalEnded).
+  void Finish(Request& req, absl::Status st);
+  void SignalEnded();
+  void FailAll(const absl::Status& st);
+
+  EngineOptions opts_;
+  lm::PagedKVCache cache_;
+
+  mutable absl::Mutex mu_;
+  std::vector<std::shared_ptr<Request>> inbox_ ABSL_GUARDED_BY(mu_);
+  int64_t requests_in_engine_ ABSL_GUARDED_BY(mu_) = 0;
+  bool paused_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  EngineStats stats_ ABSL_GUARDED_BY(mu_);
+
+  // Engine thread only.
+  std::vector<std::shared_ptr<Request>> active_;
+  std::deque<Waiting> waiting_;
+  std::vector<std::unique_ptr<Seq>> running_;  // oldest admission first
+  std::unique_ptr<BlockAllocator> blocks_;
+  std::vector<std::shared_ptr<Request>> ended_;  // to signal once the stats are published
+  std::vector<int64_t> free_slots_;
+  uint64_t admissions_ = 0;
+  EngineStats local_;  // published to stats_ after every iteration
+  std::thread thread_;
+};
+
+}  // namespace rollout
