@@ -5,7 +5,7 @@
 
 namespace lm {
 
-absl::StatusOr<std::vector<int32_t>> ChatFormat::StopIds(const Tokenizer& tokenizer) const {
+absl::StatusOr<std::vector<int32_t>> ChatFormat::StopIds(const Tokenizer& tokenizer) {
   ASSIGN_OR_RETURN(const int32_t im_end, tokenizer.TokenId("<|im_end|>"));
   std::vector<int32_t> ids = {im_end};
   if (auto eot = tokenizer.TokenId("<|endoftext|>"); eot.ok()) ids.push_back(*eot);

@@ -39,9 +39,10 @@ struct ChatFormat {
   static ChatFormat Qwen2() { return {std::string("You are a helpful assistant."), ""}; }
 
   // The ids that end a sampled assistant turn, the one list every sampler is given: <|im_end|>,
-  // which closes every message of the format (an error when the tokenizer lacks it), then
-  // <|endoftext|> when the tokenizer has it (a model may end a document that way).
-  absl::StatusOr<std::vector<int32_t>> StopIds(const Tokenizer& tokenizer) const;
+  // which closes every message in ChatML (an error when the tokenizer lacks it), then
+  // <|endoftext|> when the tokenizer has it (a model may end a document that way). The same for
+  // every format here, since they differ only in system message and generation prompt.
+  static absl::StatusOr<std::vector<int32_t>> StopIds(const Tokenizer& tokenizer);
 };
 
 struct RenderedChat {

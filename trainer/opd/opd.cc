@@ -308,9 +308,7 @@ absl::StatusOr<Rollouts> OpdJob::Sample(std::vector<lm::PromptExample> prompts,
   g.top_p = static_cast<float>(c_.rollout.top_p);
   g.top_k = static_cast<int32_t>(c_.rollout.top_k);
   g.max_new_tokens = static_cast<int32_t>(c_.rollout.max_new_tokens);
-  ASSIGN_OR_RETURN(const int32_t im_end, tokenizer_->TokenId("<|im_end|>"));
-  g.stop_token_ids = {im_end};
-  if (auto eot = tokenizer_->TokenId("<|endoftext|>"); eot.ok()) g.stop_token_ids.push_back(*eot);
+  ASSIGN_OR_RETURN(g.stop_token_ids, lm::ChatFormat::StopIds(*tokenizer_));
   // A fresh seed per step (the data cursor's position), reproducible across resumes.
   g.seed = static_cast<uint64_t>(c_.rollout.seed) * 1000003ULL + r.cursor_after.step;
   ASSIGN_OR_RETURN(r.samples, rollout_->Generate(ids, g));
