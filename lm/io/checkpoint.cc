@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "lm/model/arch.h"
 #include "lm/model/config.h"
 #include "lm/model/model.h"
 #include "lm/util/log.h"
@@ -382,8 +383,8 @@ absl::StatusOr<std::shared_ptr<CausalLM>> LoadModel(const std::string& dir,
   ASSIGN_OR_RETURN(auto files, OpenCheckpointFiles(dir));
   std::map<std::string, torch::Tensor> params;
   for (auto& p : model->named_parameters()) params[p.key()] = p.value();
-  std::vector<std::string> ignore_prefixes;
-  if (config.model_type == "qwen3_next") ignore_prefixes.push_back("mtp.");
+  const std::vector<std::string>& ignore_prefixes =
+      FindArchitecture(config.model_type)->ignored_prefixes;  // known: CreateModel succeeded
   ASSIGN_OR_RETURN(LoadReport report,
                    LoadParameters(files, params, model->TiedAliases(), ignore_prefixes));
   log::Info(absl::StrCat("loaded ", dir, " (", config.model_type, "): ", report.tensors_loaded,
@@ -413,9 +414,7 @@ absl::Status SaveModel(CausalLM& model, const std::string& dir, const SaveOption
                  : opts.dtype == torch::kBFloat16 ? "bfloat16"
                                                   : "float16";
   if (!cfg.contains("architectures")) {
-    cfg["architectures"] = {model.config().model_type == "qwen3_next" ? "Qwen3NextForCausalLM"
-                            : model.config().model_type == "qwen3"    ? "Qwen3ForCausalLM"
-                                                                      : "Qwen3MoeForCausalLM"};
+    cfg["architectures"] = {FindArchitecture(model.config().model_type)->hf_class};
   }
   const std::string path = dir + "/config.json";
   std::ofstream out(path + ".tmp");

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "lm/io/checkpoint.h"
+#include "lm/model/arch.h"
 #include "lm/model/expert_parallel.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
@@ -22,7 +23,7 @@ absl::StatusOr<std::shared_ptr<CausalLM>> LoadExpertShard(const std::string& dir
   for (auto& p : model->named_parameters()) params[p.key()] = p.value();
   LoadFilter filter;
   filter.ignore_names = model->TiedAliases();
-  if (config.model_type == "qwen3_next") filter.ignore_prefixes.push_back("mtp.");
+  filter.ignore_prefixes = FindArchitecture(config.model_type)->ignored_prefixes;
   const int64_t first = config.expert_first, count = config.local_experts;
   filter.expert_row = [first, count](const std::string&, int64_t expert) -> int64_t {
     return expert >= first && expert < first + count ? expert - first : -1;

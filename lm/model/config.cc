@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "lm/model/arch.h"
 #include "lm/util/status.h"
 
 namespace lm {
@@ -235,20 +236,16 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const json& j) {
   ModelConfig c;
   c.raw = j;
   RETURN_IF_ERROR(Read(j, "model_type", &c.model_type, true));
-  if (c.model_type != "qwen3_moe" && c.model_type != "qwen3" && c.model_type != "qwen3_next") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("config.json: model_type '", c.model_type,
-                     "' is not supported (expected qwen3_moe, qwen3 or qwen3_next)"));
+  const Architecture* arch = FindArchitecture(c.model_type);
+  if (arch == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: model_type '", c.model_type,
+                                                   "' is not supported (expected ",
+                                                   KnownModelTypes(), ")"));
   }
-  if (c.model_type == "qwen3_next") {
-    // Qwen3NextConfig's defaults where config.json is silent (not hidden/heads, not 1.0, not 0).
-    c.head_dim = 256;
-    c.partial_rotary_factor = 0.25;
-    c.shared_expert_intermediate_size = 512;
-  }
+  if (arch->set_defaults) arch->set_defaults(c);
   RETURN_IF_ERROR(ReadCommon(j, &c));
-  if (c.model_type != "qwen3") RETURN_IF_ERROR(ReadMoe(j, &c));
-  if (c.model_type == "qwen3_next") {
+  if (arch->moe) RETURN_IF_ERROR(ReadMoe(j, &c));
+  if (arch->hybrid_attention) {
     RETURN_IF_ERROR(ReadQwen3Next(j, &c));
   } else {
     RETURN_IF_ERROR(CheckNoSlidingLayers(j));

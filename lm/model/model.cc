@@ -3,9 +3,8 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "lm/model/arch.h"
 #include "lm/model/logprobs.h"
-#include "lm/model/qwen3_moe.h"
-#include "lm/model/qwen3_next.h"
 
 namespace lm {
 
@@ -60,11 +59,12 @@ void CausalLM::InitWeights(double std, uint64_t seed) {
     auto& t = p.value();
     const bool is_norm = name.find("norm") != std::string::npos && t.dim() == 1;
     if (is_norm) {
-      // Zero-centred norms (Qwen3-Next) store w with scale 1 + w.
-      t.fill_(config_.model_type == "qwen3_next" &&
-                      name.find("linear_attn.norm") == std::string::npos
-                  ? 0.0
-                  : 1.0);
+      // Zero-centred norms (Qwen3-Next) store w with scale 1 + w; its gated DeltaNet's output
+      // norm is a plain one.
+      const Architecture* arch = FindArchitecture(config_.model_type);
+      const bool zero_centred = arch != nullptr && arch->hybrid_attention &&
+                                name.find("linear_attn.norm") == std::string::npos;
+      t.fill_(zero_centred ? 0.0 : 1.0);
     } else if (name.find("A_log") != std::string::npos) {
       // As transformers: A in [0.01, 16], so that log A stays finite.
       t.copy_(torch::empty(t.sizes()).uniform_(0.01, 16, gen).log());
@@ -77,13 +77,12 @@ void CausalLM::InitWeights(double std, uint64_t seed) {
 }
 
 absl::StatusOr<std::shared_ptr<CausalLM>> CreateModel(const ModelConfig& config) {
-  if (config.model_type == "qwen3_moe" || config.model_type == "qwen3") {
-    return std::static_pointer_cast<CausalLM>(std::make_shared<Qwen3MoeForCausalLM>(config));
-  }
-  if (config.model_type == "qwen3_next")
-    return std::static_pointer_cast<CausalLM>(std::make_shared<Qwen3NextForCausalLM>(config));
-  return absl::UnimplementedError(
-      absl::StrCat("model_type '", config.model_type, "' has no implementation"));
+  const Architecture* arch = FindArchitecture(config.model_type);
+  if (arch == nullptr)
+    return absl::UnimplementedError(
+        absl::StrCat("model_type '", config.model_type, "' has no implementation (expected ",
+                     KnownModelTypes(), ")"));
+  return arch->create(config);
 }
 
 std::pair<torch::Tensor, torch::Tensor> NextTokenRows(const PackedBatch& batch) {

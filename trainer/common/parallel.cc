@@ -13,12 +13,14 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "lm/dist/process_group.h"
 #include "lm/io/safetensors.h"
+#include "lm/model/precision.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "trainer/common/job_util.h"
@@ -162,23 +164,6 @@ absl::StatusOr<int> ShardWorld(const std::string& dir) {
 
 }  // namespace
 
-absl::Status ValidateDistConfig(const DistConfig& c) {
-  if (c.backend != "auto" && c.backend != "gloo" && c.backend != "nccl")
-    return absl::InvalidArgumentError(
-        absl::StrCat("dist.backend: '", c.backend, "' is not one of auto, gloo, nccl"));
-  if (!std::isfinite(c.timeout_s) || c.timeout_s <= 0)
-    return absl::InvalidArgumentError(
-        absl::StrCat("dist.timeout_s: ", c.timeout_s, " is not a positive number of seconds"));
-  if (!std::isfinite(c.bucket_mb) || c.bucket_mb <= 0)
-    return absl::InvalidArgumentError(
-        absl::StrCat("dist.bucket_mb: ", c.bucket_mb, " is not a positive size"));
-  if (c.allgather_dtype != "auto" && c.allgather_dtype != "float32" &&
-      c.allgather_dtype != "bfloat16")
-    return absl::InvalidArgumentError(absl::StrCat("dist.allgather_dtype: '", c.allgather_dtype,
-                                                   "' is not one of auto, float32, bfloat16"));
-  return absl::OkStatus();
-}
-
 absl::Status CheckSameOnEveryRank(lm::dist::ProcessGroup& group, const std::string& value,
                                   const std::string& what) {
   if (group.size() == 1) return absl::OkStatus();
@@ -198,12 +183,37 @@ absl::Status CheckSameOnEveryRank(lm::dist::ProcessGroup& group, const std::stri
 
 absl::StatusOr<std::unique_ptr<DistributedOptimizer>> MakeLearnerOptimizer(
     const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& optim,
-    const DistConfig& dist, lm::dist::ProcessGroup* group, torch::Device device) {
+    const DistConfig& dist, lm::dist::ProcessGroup* group, torch::Device device,
+    Precision precision) {
   const bool bf16 =
       dist.allgather_dtype == "bfloat16" || (dist.allgather_dtype == "auto" && device.is_cuda());
   return DistributedOptimizer::Create(
       params, optim, group, static_cast<int64_t>(dist.bucket_mb * (1 << 20) / sizeof(float)),
-      bf16 ? torch::kBFloat16 : torch::kFloat32);
+      bf16 ? torch::kBFloat16 : torch::kFloat32, precision);
+}
+
+absl::StatusOr<torch::Device> ResolveLearnerDevice(const std::string& spec, int local_rank,
+                                                   int cuda_devices) {
+  if (spec == "cpu" || (spec == "auto" && cuda_devices == 0)) return torch::Device(torch::kCPU);
+  int index = local_rank;
+  const bool explicit_index = absl::StartsWith(spec, "cuda:");
+  if (explicit_index) {
+    if (!absl::SimpleAtoi(spec.substr(5), &index) || index < 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat("train.device: '", spec, "' is not cuda:N with N a device index"));
+  } else if (spec != "cuda" && spec != "auto") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("train.device: '", spec, "' is not one of auto, cpu, cuda, cuda:N"));
+  }
+  if (cuda_devices == 0)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "train.device: ", spec, " but CUDA is not available (no device, or a CPU-only build)"));
+  if (index >= cuda_devices)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "train.device: ", spec,
+        explicit_index ? "" : absl::StrCat(" with LOCAL_RANK=", local_rank), " needs cuda:", index,
+        " but this node has ", cuda_devices, " CUDA device(s)"));
+  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 
 absl::StatusOr<LearnerPlacement> JoinLearnerGroup(const std::string& device, double timeout_s,
@@ -211,14 +221,9 @@ absl::StatusOr<LearnerPlacement> JoinLearnerGroup(const std::string& device, dou
   ASSIGN_OR_RETURN(const lm::dist::LaunchEnv env, lm::dist::LaunchEnv::FromEnvironment());
   lm::log::SetRank(env.rank, env.world_size);
   LearnerPlacement p;
-  ASSIGN_OR_RETURN(p.device, PickDevice(device));
-  if (p.device.is_cuda() && env.distributed()) {
-    const int count = static_cast<int>(torch::cuda::device_count());
-    if (env.local_rank >= count)
-      return absl::FailedPreconditionError(absl::StrCat(
-          "LOCAL_RANK=", env.local_rank, " but this node has ", count, " CUDA device(s)"));
-    p.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
-  }
+  const int cuda_devices =
+      torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
+  ASSIGN_OR_RETURN(p.device, ResolveLearnerDevice(device, env.local_rank, cuda_devices));
   lm::dist::GroupOptions o;
   o.timeout = absl::Seconds(timeout_s);
   o.backend = backend;
@@ -278,10 +283,13 @@ torch::Tensor& DistributedOptimizer::ParamOf(size_t entry) {
 
 absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Create(
     const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& config,
-    lm::dist::ProcessGroup* group, int64_t bucket_elements, torch::ScalarType gather_dtype) {
+    lm::dist::ProcessGroup* group, int64_t bucket_elements, torch::ScalarType gather_dtype,
+    Precision precision) {
   auto o = std::unique_ptr<DistributedOptimizer>(new DistributedOptimizer());
   o->group_ = group;
   o->config_ = config;
+  o->mixed_ = precision == Precision::kBf16Mixed;
+  o->bucket_elements_ = std::max<int64_t>(bucket_elements, 1);
   if (gather_dtype != torch::kFloat32 && gather_dtype != torch::kBFloat16)
     return absl::InvalidArgumentError(absl::StrCat(
         "the weights' all-gather is float32 or bfloat16, not ", c10::toString(gather_dtype)));
@@ -294,7 +302,7 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Crea
   for (const auto& e : o->layout_.entries)
     o->entry_param_.push_back(static_cast<size_t>(
         std::find(o->names_.begin(), o->names_.end(), e.name) - o->names_.begin()));
-  if (group->size() == 1) {
+  if (group->size() == 1 && !o->mixed_) {
     o->adamw_ = std::make_unique<AdamW>(params, config);
     return o;
   }
@@ -311,15 +319,20 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Crea
   torch::NoGradGuard no_grad;
   o->shard_ = Shard::Of(o->layout_.total, group->size(), group->rank());
   const int64_t padded = o->shard_.chunk * group->size();
-  o->flat_params_ = torch::zeros({padded}, opts);
   o->flat_grads_ = torch::zeros({padded}, opts);
   std::map<std::string, torch::Tensor> by_name(params.begin(), params.end());
-  for (const auto& e : o->layout_.entries) {
-    torch::Tensor& p = by_name[e.name];
-    torch::Tensor view = o->flat_params_.narrow(0, e.offset, e.numel);
-    view.copy_(p.reshape(-1));
-    // The parameter keeps its identity (the model and autograd hold it); only its storage moves.
-    p.set_data(view.view(p.sizes()));
+  if (o->mixed_) {
+    o->MoveIntoMixedBuffers(by_name);
+  } else {
+    o->flat_params_ = torch::zeros({padded}, opts);
+    for (const auto& e : o->layout_.entries) {
+      torch::Tensor& p = by_name[e.name];
+      torch::Tensor view = o->flat_params_.narrow(0, e.offset, e.numel);
+      view.copy_(p.reshape(-1));
+      // The parameter keeps its identity (the model and autograd hold it); only its storage
+      // moves.
+      p.set_data(view.view(p.sizes()));
+    }
   }
   const int64_t mine = o->shard_.end - o->shard_.begin;
   o->exp_avg_ = torch::zeros({mine}, opts);
@@ -327,7 +340,7 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Crea
   for (size_t i = 0; i < o->layout_.entries.size(); ++i)
     o->entry_steps_.push_back(torch::zeros({}, opts));
   // Buckets of whole parameters, about bucket_elements each; the last one takes the padding.
-  bucket_elements = std::max<int64_t>(bucket_elements, 1);
+  bucket_elements = o->bucket_elements_;
   for (size_t i = 0; i < o->layout_.entries.size(); ++i) {
     const auto& e = o->layout_.entries[i];
     if (o->buckets_.empty() || o->buckets_.back().end - o->buckets_.back().begin >= bucket_elements)
@@ -456,7 +469,7 @@ absl::Status DistributedOptimizer::ShardedStep(double lr) {
       const int64_t b = std::max(shard_.begin, e.offset);
       const int64_t end = std::min(shard_.end, e.offset + e.numel);
       if (e.decay != decay || b >= end) continue;
-      p.push_back(flat_params_.narrow(0, b, end - b));
+      p.push_back(MasterRange(b, end - b));
       g.push_back(flat_grads_.narrow(0, b, end - b));
       m.push_back(exp_avg_.narrow(0, b - shard_.begin, end - b));
       v.push_back(exp_avg_sq_.narrow(0, b - shard_.begin, end - b));
@@ -469,6 +482,7 @@ absl::Status DistributedOptimizer::ShardedStep(double lr) {
                       /*maximize=*/false);
   }
   ++steps_;
+  if (mixed_) return RefreshComputeCopies();
   const int64_t chunk = shard_.chunk;
   torch::Tensor own = flat_params_.narrow(0, chunk * group_->rank(), chunk);
   if (gather_dtype_ == torch::kFloat32) return group_->AllGather(flat_params_, own.clone());
@@ -482,7 +496,7 @@ absl::Status DistributedOptimizer::ShardedStep(double lr) {
 }
 
 absl::Status DistributedOptimizer::SyncMasters() {
-  if (adamw_ || masters_synced_) return absl::OkStatus();
+  if (adamw_ || masters_synced_ || mixed_) return absl::OkStatus();
   torch::NoGradGuard no_grad;
   const int64_t chunk = shard_.chunk;
   torch::Tensor own = flat_params_.narrow(0, chunk * group_->rank(), chunk).clone();

@@ -23,6 +23,16 @@
 //
 // and either form loads on any world size: each rank reads just the ranges it owns.
 //
+// bf16-mixed (trainer/common/mixed_precision.h) always takes the flat path, one rank included:
+// the matrices become bf16 views of one flat bf16 buffer (the weights' all-gather target), the
+// fp32 parameters (norms, routers) views of a small fp32 buffer, and the fp32 master weights
+// exist only as this rank's slice [begin, end) of the flat space, next to its AdamW moments. The
+// gradients stay one fp32 flat buffer: every parameter's .grad, a bf16 one's included, is its
+// fp32 view, so micro-batches and ranks accumulate in fp32. After the update the masters' slices
+// are all-gathered in bf16 into the compute copies (bf16 is what the forward reads, so no
+// precision is lost by gathering in it) and the fp32 parameters are summed exactly from their
+// owners' slices. Checkpoints save the fp32 masters (WithMasterWeights).
+//
 // The loss normaliser stays the step's global token count (the jobs know it on every rank), so
 // the summed gradient is the one-process gradient and N ranks reproduce one rank's updates up to
 // the order of floating-point additions. Every parameter must take part in every step (true of
@@ -31,6 +41,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -41,6 +53,7 @@
 
 #include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
+#include "trainer/common/mixed_precision.h"
 #include "trainer/common/sections.h"
 
 #include "lm/dist/process_group.h"
@@ -56,14 +69,20 @@ struct LearnerPlacement {
   std::unique_ptr<lm::dist::ProcessGroup> group;
 };
 
-// The `dist` section: a known backend, a finite positive timeout and bucket size.
-absl::Status ValidateDistConfig(const DistConfig& c);
-
 // The learner's optimizer for `params` on `device`, as the `dist` section says (bucket size, the
-// all-gather's dtype).
+// all-gather's dtype, which in bf16-mixed is bf16 for the compute copies whatever it says) and in
+// `precision`.
 absl::StatusOr<std::unique_ptr<DistributedOptimizer>> MakeLearnerOptimizer(
     const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& optim,
-    const DistConfig& dist, lm::dist::ProcessGroup* group, torch::Device device);
+    const DistConfig& dist, lm::dist::ProcessGroup* group, torch::Device device,
+    Precision precision = Precision::kFp32);
+
+// train.device for a rank with local rank `local_rank` on a node with `cuda_devices` CUDA devices
+// (0: no CUDA): cpu; cuda:N as given; cuda (and auto when CUDA is there) is cuda:LOCAL_RANK, so
+// each rank of a node takes its own GPU (LOCAL_RANK unset: 0). Errors name the value and what is
+// missing.
+absl::StatusOr<torch::Device> ResolveLearnerDevice(const std::string& spec, int local_rank,
+                                                   int cuda_devices);
 
 // Collective: fails on every rank, naming `what` and the ranks, unless every rank passed the same
 // `value` as rank 0 (ranks launched with different configs or models would otherwise exchange
@@ -72,7 +91,7 @@ absl::Status CheckSameOnEveryRank(lm::dist::ProcessGroup& group, const std::stri
                                   const std::string& what);
 
 // Reads the launcher's environment (lm::dist::LaunchEnv), picks the device (`device` as
-// train.device: auto | cpu | cuda), and joins the job's group with collectives that time out
+// train.device: auto | cpu | cuda | cuda:N, ResolveLearnerDevice), and joins the job's group with collectives that time out
 // after `timeout_s` on `backend` (auto | gloo | nccl). One process: the trivial group.
 absl::StatusOr<LearnerPlacement> JoinLearnerGroup(const std::string& device, double timeout_s,
                                                   const std::string& backend);
@@ -124,7 +143,7 @@ class DistributedOptimizer {
   static absl::StatusOr<std::unique_ptr<DistributedOptimizer>> Create(
       const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& config,
       lm::dist::ProcessGroup* group, int64_t bucket_elements = 8 << 20,
-      torch::ScalarType gather_dtype = torch::kFloat32);
+      torch::ScalarType gather_dtype = torch::kFloat32, Precision precision = Precision::kFp32);
   ~DistributedOptimizer();
 
   // Gradients to zero (several ranks) or undefined (one rank), before a step's first backward.
@@ -144,13 +163,27 @@ class DistributedOptimizer {
   int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
   // Bytes of AdamW state this rank holds (the two moments of its slice).
   int64_t state_bytes() const;
+  // Bytes of weights, gradients, masters and AdamW state this rank holds (the buffers as
+  // allocated, padding included).
+  LearnerMemory memory() const;
+  Precision precision() const { return mixed_ ? Precision::kBf16Mixed : Precision::kFp32; }
   const std::vector<torch::Tensor>& params() const { return params_; }
   size_t num_decay() const;
   size_t num_no_decay() const;
 
   // Collective: every rank's weights become the exact fp32 masters (a no-op unless the all-gather
-  // is in bf16 and a step has run since the last sync).
+  // is in bf16 and a step has run since the last sync; in bf16-mixed too, see WithMasterWeights).
   absl::Status SyncMasters();
+
+  // Collective: runs `fn` while rank 0's parameters are the exact fp32 master weights (checkpoints
+  // save the model inside it). fp32: SyncMasters, then fn. bf16-mixed: the masters' slices are
+  // gathered to rank 0's host memory in pieces of about a bucket (device memory grows by one
+  // piece per rank, not by the model), its parameters point at them during `fn` and at their bf16
+  // compute copies again after; the other ranks run `fn` as they are.
+  absl::Status WithMasterWeights(const std::function<absl::Status()>& fn);
+  // Collective: the fp32 master weights, the flat space [0, total) on the host, on rank 0
+  // (undefined elsewhere). fp32 precision: the weights themselves.
+  absl::StatusOr<torch::Tensor> GatherMasters();
 
   // Writes this rank's moments into checkpoint directory `dir` (every rank calls it).
   absl::Status SaveState(const std::string& dir) const;
@@ -160,6 +193,11 @@ class DistributedOptimizer {
  private:
   DistributedOptimizer() = default;
   absl::Status ShardedStep(double lr);
+  // bf16-mixed (defined in trainer/common/mixed_precision.cc): the parameters into the compute
+  // buffers, this rank's masters from their fp32 values.
+  void MoveIntoMixedBuffers(std::map<std::string, torch::Tensor>& by_name);
+  torch::Tensor MasterRange(int64_t begin, int64_t n);  // [begin, begin + n) of this rank's masters
+  absl::Status RefreshComputeCopies();                  // bf16-mixed, after an update
   void InstallHooks();
   torch::Tensor& ParamOf(size_t entry);
   void GradReady(size_t entry);  // from the autograd engine, after an accumulation
@@ -187,6 +225,14 @@ class DistributedOptimizer {
   std::vector<torch::Tensor> entry_steps_;  // AdamW step count per entry (as fused AdamW wants)
   torch::ScalarType gather_dtype_ = torch::kFloat32;
   bool masters_synced_ = true;  // every rank's weights are the fp32 masters
+  int64_t bucket_elements_ = 0;
+
+  // bf16-mixed.
+  bool mixed_ = false;
+  torch::Tensor master_;                // fp32 [chunk]: this rank's slice of the flat space
+  torch::Tensor flat_compute_;          // bf16 [world * chunk]: the compute copies' storage
+  torch::Tensor exact_;                 // fp32: the parameters kept in fp32, concatenated
+  std::vector<int64_t> exact_offset_;   // per entry: its offset in exact_, or -1 (bf16)
   int64_t steps_ = 0;
   std::vector<Bucket> buckets_;
   std::vector<size_t> bucket_of_entry_;

@@ -1,12 +1,54 @@
-// Config sections shared by the learner's jobs (sft now, opd later): optimizer and schedule, run
-// directory, checkpoints, logging. Each struct lists its fields for trainer/common/config.h.
+// Config sections shared by the learner's jobs (sft/, opd/): the student model, the learner's
+// common train fields, optimizer and schedule, run directory, checkpoints, logging, ranks. Each
+// struct lists its fields for trainer/common/config.h; ValidateSharedSections checks them the same
+// way for both jobs.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+
 namespace trainer {
+
+// The student: an HF model directory (usually an SFT checkpoint's model/ for OPD).
+struct StudentModelConfig {
+  std::string path;                   // HF model directory of the student (required)
+  std::string tokenizer;              // tokenizer.json or a directory; default: `path`
+  std::string chat_format = "qwen3";  // qwen3 (no default system message) | qwen2
+};
+
+template <class V>
+void VisitFields(V& v, StudentModelConfig& c) {
+  v("path", c.path);
+  v("tokenizer", c.tokenizer);
+  v("chat_format", c.chat_format);
+}
+
+// The `train:` fields every learner job has; each job's train section derives from this and adds
+// its batching (VisitLearnerFields lists these inside the job's VisitFields).
+struct LearnerTrainConfig {
+  std::string device = "auto";             // auto (cuda when available) | cpu | cuda | cuda:N;
+                                           // cuda is cuda:LOCAL_RANK under a launcher
+  // auto (bf16-mixed on CUDA, fp32 on the CPU) | fp32 | bf16-mixed: bf16 compute copies of the
+  // matrices, fp32 masters and AdamW state (trainer/common/mixed_precision.h)
+  std::string precision = "auto";
+  int64_t threads = 0;                     // intra-op CPU threads; 0: LibTorch's default
+  int64_t max_consecutive_nonfinite = 10;  // skipped NaN/Inf steps in a row before giving up
+  int64_t seed = 0;                        // torch's RNG (saved and restored with checkpoints)
+  bool activation_checkpointing = false;   // recompute each decoder layer in the backward
+};
+
+template <class V>
+void VisitLearnerFields(V& v, LearnerTrainConfig& c) {
+  v("device", c.device);
+  v("precision", c.precision);
+  v("threads", c.threads);
+  v("max_consecutive_nonfinite", c.max_consecutive_nonfinite);
+  v("seed", c.seed);
+  v("activation_checkpointing", c.activation_checkpointing);
+}
 
 // AdamW + cosine schedule + clipping (trainer/common/optim.h). Defaults: the paper's SFT recipe.
 struct OptimConfig {
@@ -69,8 +111,8 @@ void VisitFields(V& v, LoggingConfig& c) {
   v("tensorboard", c.tensorboard);
 }
 
-// Several learner ranks (data parallel over c10d; trainer/common/parallel.h). The launcher's environment
-// (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) says how many; these say how.
+// Several learner ranks (data parallel over c10d; trainer/common/parallel.h). The launcher's
+// environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) says how many; these say how.
 struct DistConfig {
   std::string backend = "auto";  // auto (nccl on CUDA, gloo on CPU) | gloo | nccl
   double timeout_s = 600;        // a collective (or the rendezvous) fails after this long
@@ -87,5 +129,12 @@ void VisitFields(V& v, DistConfig& c) {
   v("bucket_mb", c.bucket_mb);
   v("allgather_dtype", c.allgather_dtype);
 }
+
+// The sections both jobs share, checked the same way for both (each error names its key).
+absl::Status ValidateSharedSections(const StudentModelConfig& model,
+                                    const LearnerTrainConfig& train, const OptimConfig& optim,
+                                    const CheckpointConfig& checkpoint,
+                                    const LoggingConfig& logging, const RunConfig& run,
+                                    const DistConfig& dist);
 
 }  // namespace trainer

@@ -38,6 +38,7 @@
 #include "trainer/common/run_dir.h"
 #include "trainer/common/signals.h"
 #include "trainer/opd/teacher_pool.h"
+#include "trainer/common/training_job.h"
 
 namespace trainer {
 namespace {
@@ -82,19 +83,23 @@ std::vector<int32_t> Concat(const std::vector<int32_t>& a, const std::vector<int
   return out;
 }
 
-class OpdJob {
+class OpdJob : public TrainingJob {
  public:
   OpdJob(OpdConfig config, RunDir run, std::string yaml)
-      : c_(std::move(config)),
-        run_(std::move(run)),
-        yaml_(std::move(yaml)),
-        checkpoints_(run_.checkpoints(), c_.checkpoint.keep_last) {}
+      : TrainingJob("opd", std::move(run), std::move(yaml), config.checkpoint, config.optim,
+                    config.dist),
+        c_(std::move(config)) {}
 
-  absl::Status Init(const JobArgs& args);
-  absl::Status Run();
+  absl::Status Init(const JobArgs& args) override;
+  absl::Status Run() override;
+  void CheckpointAfterException() override;
 
  private:
-  absl::Status LoadStudent(const std::string& dir);
+  nlohmann::json JobState() const override;
+  std::string TokenizerPath() const override {
+    return c_.model.tokenizer.empty() ? c_.model.path : c_.model.tokenizer;
+  }
+
   absl::Status LoadPrompts();
   absl::Status ConnectRollout();
   absl::Status StartStage(size_t index, bool resumed);
@@ -116,32 +121,14 @@ class OpdJob {
   void LogStep(const StepStats& st);
   bool FinishStageIfConverged(double reverse_kl);
 
-  nlohmann::json TrainerState() const;
-  absl::Status SaveCheckpoint();
-  absl::Status StopForSignal();
   absl::Status FailStep(const absl::Status& error, const std::string& what);
 
- public:
-  // After an exception escaped Run(): checkpoints the last completed step when it can.
-  void CheckpointAfterException();
-
- private:
   OpdConfig c_;
-  RunDir run_;
-  std::string yaml_;
-  CheckpointManager checkpoints_;
-  torch::Device device_{torch::kCPU};
   std::string secret_;
   std::unique_ptr<lm::Tokenizer> tokenizer_;
   std::unique_ptr<lm::PromptDataset> prompts_;
-  std::shared_ptr<lm::CausalLM> model_;
-  // The learner's ranks: rank 0 drives the rollout workers and the admin service; every rank
-  // scores and learns its share of each step's micro-batches (one rank: the trivial group).
-  std::unique_ptr<lm::dist::ProcessGroup> group_ = std::make_unique<lm::dist::ProcessGroup>();
-  std::unique_ptr<DistributedOptimizer> optimizer_;
-  CosineSchedule schedule_;
-  std::unique_ptr<MetricsLogger> metrics_;
-  std::unique_ptr<Progress> progress_;
+  // Rank 0 drives the rollout workers and the admin service; every rank scores and learns its
+  // share of each step's micro-batches.
   std::unique_ptr<RolloutPool> rollout_;
   std::unique_ptr<TeacherPool> teachers_;
   std::unique_ptr<ConvergenceTracker> tracker_;
@@ -151,26 +138,12 @@ class OpdJob {
   SampledTokenLossOptions loss_opts_;
   TopKDivergence divergence_ = TopKDivergence::kMixed;
 
-  size_t stage_ = 0;            // index into c_.stages
-  int64_t step_ = 0;            // completed steps over all stages
+  size_t stage_ = 0;            // index into c_.stages (step_ counts over all stages)
   int64_t weight_version_ = 0;  // version the rollout workers serve
-  lm::DataCursor cursor_;       // after the last completed step's prompts
-  int64_t nonfinite_consecutive_ = 0, nonfinite_total_ = 0;
-  int64_t last_checkpoint_step_ = -1;
   bool done_ = false;
   nlohmann::json stage_summaries_ = nlohmann::json::array();
   nlohmann::json swapped_ = nlohmann::json::object();  // stage -> endpoints set by swap-teacher
 };
-
-absl::Status OpdJob::LoadStudent(const std::string& dir) {
-  ASSIGN_OR_RETURN(model_, lm::LoadModel(dir, {torch::kFloat32, device_}));
-  model_->train();
-  std::vector<std::pair<std::string, torch::Tensor>> params;
-  for (auto& p : model_->named_parameters()) params.emplace_back(p.key(), p.value());
-  ASSIGN_OR_RETURN(optimizer_,
-                   MakeLearnerOptimizer(params, c_.optim, c_.dist, group_.get(), device_));
-  return absl::OkStatus();
-}
 
 absl::Status OpdJob::LoadPrompts() {
   const std::string tok = c_.model.tokenizer.empty() ? c_.model.path : c_.model.tokenizer;
@@ -202,7 +175,8 @@ absl::Status OpdJob::ConnectRollout() {
   base.canceller = canceller_;
   ASSIGN_OR_RETURN(rollout_,
                    RolloutPool::Connect(c_.rollout.endpoints, base, tokenizer_->Fingerprint(),
-                                             model_->config().vocab_size));
+                                        model_->config().vocab_size, PushOptionsOf(c_.rollout),
+                                        device_));
   return absl::OkStatus();
 }
 
@@ -555,7 +529,7 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<MicroBatch>& min
   const bool poison = std::find(nan_steps.begin(), nan_steps.end(), step_ + 1) != nan_steps.end();
   lm::LogprobOptions lo;
   lo.temperature = c_.rollout.temperature;
-  AutocastGuard autocast(device_.is_cuda());
+  ForwardPrecision autocast(optimizer_->precision(), device_);
   for (size_t m = 0; m < mine.size(); ++m) {
     const MicroBatch& mb = mine[m];
     // One process may abandon the step here; several ranks agree on stops at step boundaries.
@@ -680,44 +654,14 @@ bool OpdJob::FinishStageIfConverged(double reverse_kl) {
   return true;
 }
 
-nlohmann::json OpdJob::TrainerState() const {
-  return {{"job", "opd"},
-          {"stage", stage_},
+nlohmann::json OpdJob::JobState() const {
+  return {{"stage", stage_},
           {"stage_name", c_.stages[stage_].name},
           {"stage_done", done_},
           {"convergence", tracker_->ToJson()},
           {"stage_summaries", stage_summaries_},
           {"swapped_teachers", swapped_},
-          {"weight_version", weight_version_},
-          {"data_cursor", nlohmann::json::parse(cursor_.ToJson())},
-          {"rng", CaptureRngState()},
-          {"nonfinite", {{"consecutive", nonfinite_consecutive_}, {"total", nonfinite_total_}}},
-          {"config", yaml_}};
-}
-
-absl::Status OpdJob::SaveCheckpoint() {
-  if (last_checkpoint_step_ == step_) return absl::OkStatus();
-  const auto t0 = Clock::now();
-  const std::string tok = c_.model.tokenizer.empty() ? c_.model.path : c_.model.tokenizer;
-  RETURN_IF_ERROR(
-      checkpoints_.Save(step_, *model_, *optimizer_, TrainerState(), TokenizerFiles(tok), *group_));
-  last_checkpoint_step_ = step_;
-  progress_->Log(absl::StrFormat("step %d: checkpoint %s/%s (%.1fs)", step_, checkpoints_.dir(),
-                                 StepDirName(step_), Seconds(t0)));
-  return absl::OkStatus();
-}
-
-absl::Status OpdJob::StopForSignal() {
-  const int sig = StopSignal();
-  const std::string what = sig == SIGINT    ? "SIGINT"
-                           : sig == SIGTERM ? "SIGTERM"
-                                            : "a stop signal on another rank";
-  progress_->Log(absl::StrFormat(
-      "received %s: the step in progress is abandoned; writing a checkpoint of step %d", what,
-      step_));
-  RETURN_IF_ERROR(SaveCheckpoint());
-  return absl::CancelledError(
-      absl::StrFormat("stopped by %s at step %d; resume with the same command", what, step_));
+          {"weight_version", weight_version_}};
 }
 
 // A step that cannot finish. When a stop signal is what failed it, stops as for the signal;
@@ -741,29 +685,12 @@ absl::Status OpdJob::FailStep(const absl::Status& error, const std::string& what
 
 void OpdJob::CheckpointAfterException() {
   canceller_->Cancel();
-  try {
-    optimizer_->ZeroGrad();  // a half-done step's gradients are not part of the state
-    if (absl::Status s = SaveCheckpoint(); !s.ok())
-      lm::log::Error(absl::StrCat("checkpoint after the error failed: ", s.message()));
-  } catch (const std::exception& e) {
-    lm::log::Error(absl::StrCat("checkpoint after the error failed: ", e.what()));
-  }
+  TrainingJob::CheckpointAfterException();
 }
 
 absl::Status OpdJob::Resume(const std::string& checkpoint) {
-  ASSIGN_OR_RETURN(nlohmann::json state, ReadTrainerState(checkpoint));
-  if (state.value("job", "") != "opd")
-    return absl::FailedPreconditionError(checkpoint + ": not an OPD checkpoint");
-  RETURN_IF_ERROR(LoadStudent(checkpoint + "/model"));
-  step_ = state.at("step").get<int64_t>();
-  // AdamW's bias correction counts the updates applied, not the steps run: a skipped
-  // (non-finite) step made no update, so step_ would overcount it.
-  RETURN_IF_ERROR(optimizer_->LoadState(checkpoint, state.at("optimizer_steps").get<int64_t>()));
-  RETURN_IF_ERROR(RestoreRngState(state.at("rng")));
-  ASSIGN_OR_RETURN(cursor_, lm::DataCursor::FromJson(state.at("data_cursor").dump()));
+  ASSIGN_OR_RETURN(nlohmann::json state, ResumeCommon(checkpoint));
   weight_version_ = state.at("weight_version").get<int64_t>();
-  nonfinite_consecutive_ = state.at("nonfinite").at("consecutive").get<int64_t>();
-  nonfinite_total_ = state.at("nonfinite").at("total").get<int64_t>();
   stage_summaries_ = state.at("stage_summaries");
   // Endpoints swapped in through the admin RPC outlive a restart; the config's others stand.
   swapped_ = state.value("swapped_teachers", nlohmann::json::object());
@@ -778,19 +705,13 @@ absl::Status OpdJob::Resume(const std::string& checkpoint) {
                      "' is not stage ", stage_ + 1, " of the config"));
   }
   done_ = state.at("stage_done").get<bool>();
-  last_checkpoint_step_ = step_;
   lm::log::Info(absl::StrFormat("resumed from %s at step %d (stage '%s')", checkpoint, step_,
                                 c_.stages[stage_].name));
   return absl::OkStatus();
 }
 
 absl::Status OpdJob::Init(const JobArgs& args) {
-  if (c_.train.threads > 0) torch::set_num_threads(static_cast<int>(c_.train.threads));
-  ASSIGN_OR_RETURN(LearnerPlacement placement,
-                   JoinLearnerGroup(c_.train.device, c_.dist.timeout_s, c_.dist.backend));
-  device_ = placement.device;
-  group_ = std::move(placement.group);
-  RETURN_IF_ERROR(CheckSameOnEveryRank(*group_, yaml_, "resolved config"));
+  RETURN_IF_ERROR(JoinGroup(c_.train, c_.dist));
   const bool root = group_->is_root();
   ASSIGN_OR_RETURN(secret_, opd::rpc::LoadSecret(c_.auth.secret_file));
   ASSIGN_OR_RETURN(loss_opts_.correction, ParseCorrection(c_.loss.correction));
@@ -804,28 +725,8 @@ absl::Status OpdJob::Init(const JobArgs& args) {
   for (const auto& s : c_.stages) total += s.max_steps;
   schedule_.total_steps = std::max<int64_t>(total, 1);
 
-  // Rank 0 cleans up and picks the checkpoint; every rank resumes from that one.
-  std::string resume_from = args.resume_from;
-  absl::Status found = absl::OkStatus();
-  if (root) {
-    checkpoints_.RemoveIncomplete();
-    if (resume_from.empty() && (args.resume || c_.run.resume == "auto")) {
-      if (auto latest = checkpoints_.Latest(); latest.ok())
-        resume_from = *latest;
-      else if (args.resume)
-        found =
-            absl::NotFoundError(absl::StrCat("--resume: no checkpoint in ", checkpoints_.dir()));
-    } else if (resume_from.empty() && !checkpoints_.List().empty()) {
-      found = absl::FailedPreconditionError(
-          absl::StrCat(run_.path(), " has checkpoints and run.resume is 'never'"));
-    }
-  }
-  std::string verdict = found.ok() ? "" : std::string(found.message());
-  RETURN_IF_ERROR(group_->BroadcastBytes(&verdict));
-  if (!found.ok()) return found;
-  if (!verdict.empty()) return absl::FailedPreconditionError("rank 0: " + verdict);
-  RETURN_IF_ERROR(group_->BroadcastBytes(&resume_from));
-  bool resumed = !resume_from.empty();
+  ASSIGN_OR_RETURN(const std::string resume_from, AgreeOnCheckpoint(args, c_.run));
+  const bool resumed = !resume_from.empty();
   if (resumed) {
     RETURN_IF_ERROR(Resume(resume_from));
   } else {
@@ -862,14 +763,7 @@ absl::Status OpdJob::Init(const JobArgs& args) {
     for (const auto& s : c_.stages) ao.stages.push_back(s.name);
     ASSIGN_OR_RETURN(admin_, LearnerServer::Start(ao));
   }
-  if (root) {
-    ASSIGN_OR_RETURN(MetricsLogger m,
-                     MetricsLogger::Open(run_.metrics_jsonl(), run_.tensorboard(),
-                                         c_.logging.tensorboard, resumed ? step_ : -1));
-    metrics_ = std::make_unique<MetricsLogger>(std::move(m));
-  }
-  progress_ = std::make_unique<Progress>(schedule_.total_steps, c_.logging.log_every,
-                                         root && ::isatty(STDERR_FILENO) == 1);
+  RETURN_IF_ERROR(OpenRecords(schedule_.total_steps, c_.logging, resumed));
   // The workers serve the student we start from (the SFT model, or the resumed checkpoint).
   const auto t0 = Clock::now();
   RETURN_IF_ERROR(PushWeights());
@@ -903,7 +797,7 @@ absl::Status OpdJob::Run() {
     });
   };
   while (!done_) {
-    ASSIGN_OR_RETURN(const bool stop, group_->AnyRank(StopRequested()));
+    ASSIGN_OR_RETURN(const bool stop, StopAgreed());
     if (stop) return StopForSignal();
     RETURN_IF_ERROR(ApplyPendingSwap());
     const auto t0 = Clock::now();
@@ -942,8 +836,7 @@ absl::Status OpdJob::Run() {
     st.step_s = Seconds(t0);
     ++step_;
     cursor_ = r.cursor_after;
-    nonfinite_consecutive_ = st.skipped ? nonfinite_consecutive_ + 1 : 0;
-    nonfinite_total_ += st.skipped;
+    CountNonFinite(st.skipped, st.loss_value, st.grad_norm);
     if (admin_)
       admin_->SetStatus(
           {c_.stages[stage_].name, step_, c_.stages[stage_].teachers, weight_version_});
@@ -951,10 +844,7 @@ absl::Status OpdJob::Run() {
         st.loss.reverse_kl_sum / static_cast<double>(std::max<int64_t>(st.response_tokens, 1));
     const bool stage_over = FinishStageIfConverged(reverse_kl);
     LogStep(st);
-    if (nonfinite_consecutive_ >= c_.train.max_consecutive_nonfinite) {
-      return absl::AbortedError(absl::StrFormat(
-          "%d consecutive non-finite steps: stopping at step %d", nonfinite_consecutive_, step_));
-    }
+    RETURN_IF_ERROR(CheckNonFinite(c_.train.max_consecutive_nonfinite));
     if (stage_over) {
       // The checkpoint records the finished stage (its rule says why); a resume from it starts
       // the next stage. The next stage's teachers are checked before any step is spent on them.
@@ -982,28 +872,11 @@ absl::Status OpdJob::Run() {
 
 absl::Status RunOpd(const OpdConfig& config, const JobArgs& args) {
   RETURN_IF_ERROR(ValidateOpdConfig(config));
-  RETURN_IF_ERROR(ValidateDistConfig(config.dist));
-  ASSIGN_OR_RETURN(const lm::dist::LaunchEnv env, lm::dist::LaunchEnv::FromEnvironment());
-  lm::log::SetRank(env.rank, env.world_size);
   for (const std::string& w : OpdConfigWarnings(config)) lm::log::Warn(w);
-  ASSIGN_OR_RETURN(RunDir run, RunDir::Open(config.run.dir));
-  const std::string yaml = EncodeConfig(config);
-  if (env.rank == 0) RETURN_IF_ERROR(run.SaveConfig(yaml));
-  lm::log::Info(absl::StrCat("opd-trainer opd: run directory ", run.path()));
-  OpdJob job(config, run, yaml);
-  // A torch or JSON exception (a bad tensor shape, a trainer state without a field) becomes an
-  // error naming it instead of aborting; after Init, the last completed step is checkpointed.
-  try {
-    RETURN_IF_ERROR(job.Init(args));
-  } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("while starting the job: ", e.what()));
-  }
-  try {
-    return job.Run();
-  } catch (const std::exception& e) {
-    job.CheckpointAfterException();
-    return absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
-  }
+  return RunTrainingJob("opd", config.run, EncodeConfig(config), args,
+                        [&config](RunDir run, std::string yaml) {
+                          return std::make_unique<OpdJob>(config, std::move(run), std::move(yaml));
+                        });
 }
 
 int OpdMain(const std::vector<std::string>& words) {

@@ -72,16 +72,17 @@ absl::Status ValidateRollout(const OpdRolloutConfig& r) {
                             ": the learner's log-probs are over the whole vocabulary, so a "
                             "top-k filter would bias the importance ratio"));
   }
+  if (r.weight_sync != "grpc" && r.weight_sync != "collective" && r.weight_sync != "auto")
+    return Bad("rollout.weight_sync",
+               absl::StrCat("'", r.weight_sync, "': use grpc, collective or auto"));
+  RETURN_IF_ERROR(validate::Above("rollout.weight_sync_timeout_s", r.weight_sync_timeout_s, 0));
+  RETURN_IF_ERROR(validate::IntAtLeast("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb, 1));
   return validate::Above("rollout.timeout_s", r.timeout_s, 0);
 }
 
 absl::Status ValidateTrain(const OpdTrainConfig& t) {
   RETURN_IF_ERROR(validate::IntAtLeast("train.prompts_per_step", t.prompts_per_step, 1));
   RETURN_IF_ERROR(validate::IntAtLeast("train.micro_batch_tokens", t.micro_batch_tokens, 1));
-  RETURN_IF_ERROR(validate::OneOf("train.device", t.device, {"auto", "cpu", "cuda"}));
-  RETURN_IF_ERROR(validate::IntAtLeast("train.threads", t.threads, 0));
-  RETURN_IF_ERROR(
-      validate::IntAtLeast("train.max_consecutive_nonfinite", t.max_consecutive_nonfinite, 1));
   return validate::Above("train.teacher_timeout_s", t.teacher_timeout_s, 0);
 }
 
@@ -110,7 +111,8 @@ absl::Status ValidateDebug(const OpdDebugConfig& d) {
 }  // namespace
 
 absl::Status ValidateOpdConfig(const OpdConfig& c) {
-  RETURN_IF_ERROR(ValidateSharedSections(c.model, c.optim, c.checkpoint, c.logging, c.run));
+  RETURN_IF_ERROR(ValidateSharedSections(c.model, c.train, c.optim, c.checkpoint, c.logging, c.run,
+                                         c.dist));
   if (c.prompts.sources.empty())
     return Bad("prompts.sources", "at least one prompt source is required");
   RETURN_IF_ERROR(ValidateSources("prompts.sources", c.prompts.sources));

@@ -41,6 +41,14 @@ struct OpdRolloutConfig {
   int64_t max_new_tokens = 8192;
   int64_t seed = 0;
   double timeout_s = 3600;  // deadline of one Generate call
+  // How weights reach the workers: "grpc" (streamed), "collective" (broadcast over a c10d group
+  // per worker, gRPC as the control plane) or "auto" (collective where the group forms, else
+  // gRPC with a warning). See trainer/opd/weight_push.h.
+  std::string weight_sync = "grpc";
+  std::string weight_sync_host;          // the learner's address as the workers reach it
+                                         // ("": 127.0.0.1 for loopback workers, else hostname)
+  double weight_sync_timeout_s = 120;    // group rendezvous and each broadcast
+  int64_t weight_sync_bucket_mb = 64;    // broadcast bucket (one cast buffer per worker)
 };
 
 template <class V>
@@ -53,6 +61,10 @@ void VisitFields(V& v, OpdRolloutConfig& c) {
   v("max_new_tokens", c.max_new_tokens);
   v("seed", c.seed);
   v("timeout_s", c.timeout_s);
+  v("weight_sync", c.weight_sync);
+  v("weight_sync_host", c.weight_sync_host);
+  v("weight_sync_timeout_s", c.weight_sync_timeout_s);
+  v("weight_sync_bucket_mb", c.weight_sync_bucket_mb);
 }
 
 struct PlateauConfig {
@@ -114,16 +126,11 @@ void VisitFields(V& v, OpdLossConfig& c) {
   v("teacher_temperature", c.teacher_temperature);
 }
 
-struct OpdTrainConfig {
+struct OpdTrainConfig : LearnerTrainConfig {
   int64_t prompts_per_step = 512;
   int64_t micro_batch_tokens = 16384;  // learner forward/backward chunk (prompt + response tokens)
   bool async = false;                  // one-step-off: sample step k+1 while learning step k
-  std::string device = "auto";
-  int64_t threads = 0;
-  int64_t max_consecutive_nonfinite = 10;
-  int64_t seed = 0;
-  double teacher_timeout_s = 600;         // deadline of one Score call
-  bool activation_checkpointing = false;  // recompute each decoder layer in the backward
+  double teacher_timeout_s = 600;      // deadline of one Score call
 };
 
 template <class V>
@@ -131,12 +138,8 @@ void VisitFields(V& v, OpdTrainConfig& c) {
   v("prompts_per_step", c.prompts_per_step);
   v("micro_batch_tokens", c.micro_batch_tokens);
   v("async", c.async);
-  v("device", c.device);
-  v("threads", c.threads);
-  v("max_consecutive_nonfinite", c.max_consecutive_nonfinite);
-  v("seed", c.seed);
   v("teacher_timeout_s", c.teacher_timeout_s);
-  v("activation_checkpointing", c.activation_checkpointing);
+  VisitLearnerFields(v, c);
 }
 
 struct OpdAdminConfig {
@@ -173,7 +176,7 @@ inline OptimConfig OpdOptimDefaults() {
 }
 
 struct OpdConfig {
-  SftModelConfig model;  // the student (usually an SFT checkpoint's model/)
+  StudentModelConfig model;  // the student (usually an SFT checkpoint's model/)
   OpdPromptsConfig prompts;
   OpdRolloutConfig rollout;
   std::vector<OpdStageConfig> stages;
@@ -208,7 +211,7 @@ void VisitFields(V& v, OpdConfig& c) {
 }
 
 // Cross-field checks, each error naming the key (the sections shared with SFT through
-// ValidateSharedSections).
+// ValidateSharedSections, trainer/common/sections.h).
 absl::Status ValidateOpdConfig(const OpdConfig& c);
 // Settings that are allowed but probably not meant, one sentence each (the job logs them).
 std::vector<std::string> OpdConfigWarnings(const OpdConfig& c);

@@ -25,7 +25,6 @@
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "trainer/common/checkpoint.h"
-#include "trainer/sft/fused_nll.h"
 #include "trainer/common/job_main.h"
 #include "trainer/common/job_util.h"
 #include "trainer/common/metrics.h"
@@ -33,15 +32,17 @@
 #include "trainer/common/parallel.h"
 #include "trainer/common/progress.h"
 #include "trainer/common/run_dir.h"
-#include "trainer/sft/sft_data.h"
 #include "trainer/common/signals.h"
+#include "trainer/common/training_job.h"
+#include "trainer/sft/fused_nll.h"
+#include "trainer/sft/sft_data.h"
 
 namespace trainer {
 namespace {
 
 namespace fs = std::filesystem;
 
-std::string TokenizerPath(const SftConfig& c) {
+std::string StudentTokenizerPath(const SftConfig& c) {
   return c.model.tokenizer.empty() ? c.model.path : c.model.tokenizer;
 }
 
@@ -106,21 +107,22 @@ struct StepOutcome {
   double lr = 0;
 };
 
-class SftJob {
+class SftJob : public TrainingJob {
  public:
   SftJob(SftConfig config, RunDir run, std::string config_yaml)
-      : c_(std::move(config)),
-        run_(std::move(run)),
-        config_yaml_(std::move(config_yaml)),
-        checkpoints_(run_.checkpoints(), c_.checkpoint.keep_last) {}
+      : TrainingJob("sft", std::move(run), std::move(config_yaml), config.checkpoint,
+                    config.optim, config.dist),
+        c_(std::move(config)) {}
 
-  absl::Status Init(const JobArgs& args);
-  absl::Status Train();
+  absl::Status Init(const JobArgs& args) override;
+  absl::Status Run() override;
 
  private:
-  absl::StatusOr<std::string> FindResumeCheckpoint(const JobArgs& args) const;
+  nlohmann::json JobState() const override;
+  std::string TokenizerPath() const override { return StudentTokenizerPath(c_); }
+
   absl::Status LoadData();
-  absl::Status LoadModel(const std::string& dir);
+  absl::Status LoadStudent(const std::string& dir) override;
   absl::Status Resume(const std::string& checkpoint);
   absl::Status ResumeFrom(const std::string& checkpoint);
   absl::StatusOr<int64_t> PlanSteps();
@@ -134,56 +136,23 @@ class SftJob {
   absl::Status AfterStep(const StepOutcome& o, const StepBatch& b, double seconds);
   absl::StatusOr<double> Evaluate(int64_t* tokens);
   absl::Status LogEval();
-  nlohmann::json TrainerState() const;
-  absl::Status SaveCheckpoint();
-  absl::Status StopForSignal();
-  absl::StatusOr<bool> StopAgreed();
   void WriteSummary(double wall_s);
 
   SftConfig c_;
-  RunDir run_;
-  std::string config_yaml_;
-  CheckpointManager checkpoints_;
-  torch::Device device_{torch::kCPU};
-  std::unique_ptr<lm::dist::ProcessGroup> group_;  // the job's ranks (one: the trivial group)
   std::unique_ptr<lm::Tokenizer> tokenizer_;
   std::unique_ptr<lm::SftDataset> train_, eval_;
   std::vector<HostMicroBatch> eval_set_;
-  std::shared_ptr<lm::CausalLM> model_;
-  std::unique_ptr<DistributedOptimizer> optimizer_;
-  std::unique_ptr<MetricsLogger> metrics_;  // rank 0 only
-  std::unique_ptr<Progress> progress_;
   std::unique_ptr<std::ofstream> batch_dump_;
-  CosineSchedule schedule_;
   double aux_coef_ = 0;
 
-  int64_t step_ = 0;       // completed steps
-  lm::DataCursor cursor_;  // data cursor after the last completed step
-  int64_t nonfinite_consecutive_ = 0, nonfinite_total_ = 0;
   int64_t tokens_seen_ = 0, trained_tokens_seen_ = 0;
-  int64_t last_checkpoint_step_ = -1;
   double first_eval_loss_ = std::nan(""), last_eval_loss_ = std::nan("");
   int64_t last_eval_step_ = -1;
   double step_seconds_sum_ = 0, step_tokens_sum_ = 0;  // throughput after the first step
 };
 
-absl::StatusOr<std::string> SftJob::FindResumeCheckpoint(const JobArgs& args) const {
-  if (!args.resume_from.empty()) {
-    if (!fs::exists(fs::path(args.resume_from) / "trainer_state.json"))
-      return absl::NotFoundError(
-          absl::StrCat("--resume=", args.resume_from, ": not a complete checkpoint"));
-    return args.resume_from;
-  }
-  absl::StatusOr<std::string> latest = checkpoints_.Latest();
-  if (latest.ok() && c_.run.resume == "never" && !args.resume)
-    return absl::FailedPreconditionError(absl::StrCat(
-        run_.path(), " already has checkpoints and run.resume is 'never': use another run.dir"));
-  if (!latest.ok() && args.resume) return latest.status();
-  return latest.ok() ? *latest : std::string();
-}
-
 absl::Status SftJob::LoadData() {
-  absl::StatusOr<std::unique_ptr<lm::Tokenizer>> tokenizer = lm::Tokenizer::Load(TokenizerPath(c_));
+  absl::StatusOr<std::unique_ptr<lm::Tokenizer>> tokenizer = lm::Tokenizer::Load(TokenizerPath());
   if (!tokenizer.ok())
     return absl::Status(
         tokenizer.status().code(),
@@ -202,16 +171,8 @@ absl::Status SftJob::LoadData() {
   return absl::OkStatus();
 }
 
-absl::Status SftJob::LoadModel(const std::string& dir) {
-  lm::LoadOptions opts;
-  opts.dtype = torch::kFloat32;  // master weights; GPUs compute in bf16 under autocast
-  opts.device = device_;
-  absl::StatusOr<std::shared_ptr<lm::CausalLM>> model = lm::LoadModel(dir, opts);
-  if (!model.ok())
-    return absl::Status(model.status().code(),
-                        absl::StrCat("model ", dir, ": ", model.status().message()));
-  model_ = *model;
-  model_->train();
+absl::Status SftJob::LoadStudent(const std::string& dir) {
+  RETURN_IF_ERROR(LoadModel(dir));
   const lm::ModelConfig& mc = model_->config();
   if (tokenizer_->vocab_size() > mc.vocab_size)
     return absl::InvalidArgumentError(absl::StrCat("the tokenizer has ", tokenizer_->vocab_size(),
@@ -219,14 +180,8 @@ absl::Status SftJob::LoadModel(const std::string& dir) {
                                                    mc.vocab_size));
   aux_coef_ = c_.train.aux_loss_coef >= 0 ? c_.train.aux_loss_coef : mc.router_aux_loss_coef;
   if (mc.num_experts == 0) aux_coef_ = 0;
-  std::vector<std::pair<std::string, torch::Tensor>> params;
   int64_t count = 0;
-  for (const auto& p : model_->named_parameters()) {
-    params.emplace_back(p.key(), p.value());
-    count += p.value().numel();
-  }
-  ASSIGN_OR_RETURN(optimizer_,
-                   MakeLearnerOptimizer(params, c_.optim, c_.dist, group_.get(), device_));
+  for (const auto& p : model_->parameters()) count += p.numel();
   lm::log::Info(
       absl::StrFormat("model %s: %s, %d parameters (%d tensors with weight decay, %d without), aux "
                       "loss coef %g, device %s",
@@ -281,9 +236,7 @@ absl::Status SftJob::Resume(const std::string& checkpoint) {
 }
 
 absl::Status SftJob::ResumeFrom(const std::string& checkpoint) {
-  ASSIGN_OR_RETURN(nlohmann::json state, ReadTrainerState(checkpoint));
-  RETURN_IF_ERROR(LoadModel(checkpoint + "/model"));
-  step_ = state.at("step").get<int64_t>();
+  ASSIGN_OR_RETURN(nlohmann::json state, ResumeCommon(checkpoint));
   const int64_t saved_total = state.at("total_steps").get<int64_t>();
   if (saved_total != schedule_.total_steps) {
     lm::log::Warn(
@@ -292,67 +245,33 @@ absl::Status SftJob::ResumeFrom(const std::string& checkpoint) {
                         saved_total, schedule_.total_steps, saved_total));
     schedule_.total_steps = saved_total;
   }
-  absl::StatusOr<lm::DataCursor> cursor = lm::DataCursor::FromJson(state.at("data_cursor").dump());
-  if (!cursor.ok())
-    return absl::DataLossError(
-        absl::StrCat(checkpoint, "/trainer_state.json: data_cursor: ", cursor.status().message()));
-  cursor_ = *cursor;
   RETURN_IF_ERROR(train_->Seek(cursor_));
-  RETURN_IF_ERROR(optimizer_->LoadState(checkpoint, state.at("optimizer_steps").get<int64_t>()));
-  RETURN_IF_ERROR(RestoreRngState(state.at("rng")));
-  nonfinite_consecutive_ = state.at("nonfinite").at("consecutive").get<int64_t>();
-  nonfinite_total_ = state.at("nonfinite").at("total").get<int64_t>();
   tokens_seen_ = state.at("tokens_seen").get<int64_t>();
   trained_tokens_seen_ = state.at("trained_tokens_seen").get<int64_t>();
   // null when no evaluation has run yet (or none is configured): json::value would throw on it.
   const nlohmann::json& first_eval = state.value("first_eval_loss", nlohmann::json());
   first_eval_loss_ = first_eval.is_number() ? first_eval.get<double>() : std::nan("");
-  last_checkpoint_step_ = step_;
   last_eval_step_ = step_;  // an evaluation due at this step ran before the checkpoint was written
   lm::log::Info(absl::StrCat("resumed from ", checkpoint, " at step ", step_));
   return absl::OkStatus();
 }
 
 absl::Status SftJob::Init(const JobArgs& args) {
-  if (c_.train.threads > 0) torch::set_num_threads(static_cast<int>(c_.train.threads));
-  ASSIGN_OR_RETURN(LearnerPlacement placement,
-                   JoinLearnerGroup(c_.train.device, c_.dist.timeout_s, c_.dist.backend));
-  device_ = placement.device;
-  group_ = std::move(placement.group);
-  RETURN_IF_ERROR(CheckSameOnEveryRank(*group_, config_yaml_, "resolved config"));
-  if (group_->is_root()) checkpoints_.RemoveIncomplete();
-  // Rank 0 picks the checkpoint (after cleaning up) and every rank resumes from that one.
-  std::string resume_from;
-  absl::Status found = absl::OkStatus();
-  if (group_->is_root()) {
-    absl::StatusOr<std::string> r = FindResumeCheckpoint(args);
-    found = r.status();
-    if (r.ok()) resume_from = *r;
-  }
-  std::string verdict = found.ok() ? "" : std::string(found.message());
-  RETURN_IF_ERROR(group_->BroadcastBytes(&verdict));
-  if (!found.ok()) return found;
-  if (!verdict.empty()) return absl::FailedPreconditionError("rank 0: " + verdict);
-  RETURN_IF_ERROR(group_->BroadcastBytes(&resume_from));
+  RETURN_IF_ERROR(JoinGroup(c_.train, c_.dist));
+  ASSIGN_OR_RETURN(const std::string resume_from, AgreeOnCheckpoint(args, c_.run));
   RETURN_IF_ERROR(LoadData());
   schedule_ = {c_.optim.lr, c_.optim.min_lr, c_.optim.warmup_steps, 1};
   ASSIGN_OR_RETURN(schedule_.total_steps, PlanSteps());
   cursor_ = train_->cursor();
   if (resume_from.empty()) {
     torch::manual_seed(static_cast<uint64_t>(c_.train.seed));
-    RETURN_IF_ERROR(LoadModel(c_.model.path));
+    RETURN_IF_ERROR(LoadStudent(c_.model.path));
   } else {
     RETURN_IF_ERROR(Resume(resume_from));
   }
   PrepareEvalSet();
-  progress_ = std::make_unique<Progress>(schedule_.total_steps, c_.logging.log_every,
-                                         group_->is_root() && ::isatty(STDERR_FILENO) == 1);
-  if (!group_->is_root()) return absl::OkStatus();  // rank 0 writes the run's records
-  ASSIGN_OR_RETURN(MetricsLogger m,
-                   MetricsLogger::Open(run_.metrics_jsonl(), run_.tensorboard(),
-                                       c_.logging.tensorboard, resume_from.empty() ? -1 : step_));
-  metrics_ = std::make_unique<MetricsLogger>(std::move(m));
-  if (c_.debug.dump_batches) {
+  RETURN_IF_ERROR(OpenRecords(schedule_.total_steps, c_.logging, !resume_from.empty()));
+  if (is_root() && c_.debug.dump_batches) {
     fs::create_directories(run_.debug());
     batch_dump_ = std::make_unique<std::ofstream>(
         run_.debug() + "/batches.jsonl", resume_from.empty() ? std::ios::trunc : std::ios::app);
@@ -394,7 +313,7 @@ void SftJob::DumpBatches(const StepBatch& b) {
 // the mean load-balancing loss. Returns the tensor to backpropagate.
 torch::Tensor SftJob::MicroBatchLoss(const HostMicroBatch& mb, const StepBatch& b, double* ce_sum,
                                      double* aux) {
-  AutocastGuard autocast(device_.is_cuda());
+  ForwardPrecision autocast(optimizer_->precision(), device_);
   std::vector<torch::Tensor> router_logits;
   lm::ForwardOptions fwd;
   if (aux_coef_ > 0) fwd.router_logits = &router_logits;
@@ -468,8 +387,7 @@ absl::Status SftJob::AfterStep(const StepOutcome& o, const StepBatch& b, double 
     step_seconds_sum_ += seconds;
     step_tokens_sum_ += static_cast<double>(b.tokens);
   }
-  nonfinite_consecutive_ = o.skipped ? nonfinite_consecutive_ + 1 : 0;
-  nonfinite_total_ += o.skipped ? 1 : 0;
+  CountNonFinite(o.skipped, o.loss, o.grad_norm);
   const double tps = static_cast<double>(b.tokens) / seconds;
   if (metrics_)
     metrics_->Log(step_, {{"train/loss", o.loss},
@@ -483,25 +401,13 @@ absl::Status SftJob::AfterStep(const StepOutcome& o, const StepBatch& b, double 
                           {"train/skipped", o.skipped ? 1.0 : 0.0},
                           {"train/nonfinite_total", static_cast<double>(nonfinite_total_)}});
   progress_->Update({step_, o.loss, o.lr, tps, o.grad_norm, o.skipped}, seconds);
-  if (o.skipped) {
-    progress_->Log(
-        absl::StrFormat("step %d: non-finite loss (%g) or gradient norm (%g): update skipped (%d "
-                        "in a row, %d in total)",
-                        step_, o.loss, o.grad_norm, nonfinite_consecutive_, nonfinite_total_));
-  }
-  if (nonfinite_consecutive_ >= c_.train.max_consecutive_nonfinite) {
-    return absl::AbortedError(
-        absl::StrFormat("%d consecutive steps with a non-finite loss or gradient "
-                        "(train.max_consecutive_nonfinite = %d): stopping at step %d",
-                        nonfinite_consecutive_, c_.train.max_consecutive_nonfinite, step_));
-  }
-  return absl::OkStatus();
+  return CheckNonFinite(c_.train.max_consecutive_nonfinite);
 }
 
 // The held-out loss; each rank evaluates its share of the set and the sums are combined.
 absl::StatusOr<double> SftJob::Evaluate(int64_t* tokens) {
   torch::NoGradGuard no_grad;
-  AutocastGuard autocast(device_.is_cuda());
+  ForwardPrecision autocast(optimizer_->precision(), device_);
   double sum = 0, count = 0;
   for (size_t i = static_cast<size_t>(group_->rank()); i < eval_set_.size();
        i += static_cast<size_t>(group_->size())) {
@@ -535,9 +441,8 @@ absl::Status SftJob::LogEval() {
   return absl::OkStatus();
 }
 
-nlohmann::json SftJob::TrainerState() const {
-  return {{"job", "sft"},
-          {"total_steps", schedule_.total_steps},
+nlohmann::json SftJob::JobState() const {
+  return {{"total_steps", schedule_.total_steps},
           {"schedule",
            {{"type", "cosine"},
             {"peak_lr", schedule_.peak_lr},
@@ -545,44 +450,10 @@ nlohmann::json SftJob::TrainerState() const {
             {"warmup_steps", schedule_.warmup_steps},
             {"total_steps", schedule_.total_steps},
             {"next_lr", schedule_.LrAt(step_)}}},
-          {"data_cursor", nlohmann::json::parse(cursor_.ToJson())},
-          {"rng", CaptureRngState()},
-          {"nonfinite", {{"consecutive", nonfinite_consecutive_}, {"total", nonfinite_total_}}},
           {"tokens_seen", tokens_seen_},
           {"trained_tokens_seen", trained_tokens_seen_},
           {"first_eval_loss",
-           std::isnan(first_eval_loss_) ? nlohmann::json() : nlohmann::json(first_eval_loss_)},
-          {"config", config_yaml_}};
-}
-
-absl::Status SftJob::SaveCheckpoint() {
-  if (last_checkpoint_step_ == step_) return absl::OkStatus();
-  const auto t0 = Clock::now();
-  RETURN_IF_ERROR(checkpoints_.Save(step_, *model_, *optimizer_, TrainerState(),
-                                    TokenizerFiles(TokenizerPath(c_)), *group_));
-  last_checkpoint_step_ = step_;
-  progress_->Log(absl::StrFormat("step %d: checkpoint %s/%s (%.1fs)", step_, checkpoints_.dir(),
-                                 StepDirName(step_), Seconds(t0)));
-  return absl::OkStatus();
-}
-
-// A signal on any rank stops every rank at the same step boundary.
-absl::StatusOr<bool> SftJob::StopAgreed() {
-  return group_->AnyRank(StopRequested());
-}
-
-absl::Status SftJob::StopForSignal() {
-  const int sig = StopSignal();
-  const std::string what = sig == SIGINT    ? "SIGINT"
-                           : sig == SIGTERM ? "SIGTERM"
-                                            : "a stop signal on another rank";
-  progress_->Log(absl::StrFormat(
-      "received %s: the step in progress is abandoned; writing a checkpoint of step %d", what,
-      step_));
-  RETURN_IF_ERROR(SaveCheckpoint());
-  return absl::CancelledError(
-      absl::StrFormat("stopped by %s at step %d of %d; resume with the same command", what, step_,
-                      schedule_.total_steps));
+           std::isnan(first_eval_loss_) ? nlohmann::json() : nlohmann::json(first_eval_loss_)}};
 }
 
 void SftJob::WriteSummary(double wall_s) {
@@ -603,7 +474,7 @@ void SftJob::WriteSummary(double wall_s) {
   (void)WriteFileAtomic(run_.path() + "/summary.json", s.dump(2) + "\n");
 }
 
-absl::Status SftJob::Train() {
+absl::Status SftJob::Run() {
   InstallStopHandlers();
   const auto start = Clock::now();
   lm::log::Info(absl::StrFormat(
@@ -643,24 +514,11 @@ absl::Status SftJob::Train() {
 
 absl::Status RunSft(const SftConfig& config, const JobArgs& args) {
   RETURN_IF_ERROR(ValidateSftConfig(config));
-  RETURN_IF_ERROR(ValidateDistConfig(config.dist));
-  ASSIGN_OR_RETURN(const lm::dist::LaunchEnv env, lm::dist::LaunchEnv::FromEnvironment());
-  lm::log::SetRank(env.rank, env.world_size);
   RETURN_IF_ERROR(CheckInputs(config));
-  ASSIGN_OR_RETURN(RunDir run, RunDir::Open(config.run.dir));
-  const std::string yaml = EncodeConfig(config);
-  if (env.rank == 0) RETURN_IF_ERROR(run.SaveConfig(yaml));
-  lm::log::Info(absl::StrCat("opd-trainer sft: run directory ", run.path(), ", resolved config in ",
-                             run.config_file()));
-  SftJob job(config, run, yaml);
-  // A torch or JSON exception (a tensor of the wrong shape, a malformed file) becomes an error
-  // naming it instead of aborting the process.
-  try {
-    RETURN_IF_ERROR(job.Init(args));
-    return job.Train();
-  } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
-  }
+  return RunTrainingJob("sft", config.run, EncodeConfig(config), args,
+                        [&config](RunDir run, std::string yaml) {
+                          return std::make_unique<SftJob>(config, std::move(run), std::move(yaml));
+                        });
 }
 
 int SftMain(const std::vector<std::string>& words) {

@@ -11,17 +11,6 @@ absl::Status Invalid(const std::string& key, const std::string& why) {
   return absl::InvalidArgumentError(absl::StrCat(key, ": ", why));
 }
 
-absl::Status CheckOptim(const OptimConfig& o) {
-  RETURN_IF_ERROR(validate::Above("optim.lr", o.lr, 0));
-  RETURN_IF_ERROR(validate::InRange("optim.min_lr", o.min_lr, 0, o.lr));
-  RETURN_IF_ERROR(validate::IntAtLeast("optim.warmup_steps", o.warmup_steps, 0));
-  RETURN_IF_ERROR(validate::AtLeast("optim.weight_decay", o.weight_decay, 0));
-  RETURN_IF_ERROR(validate::InHalfOpen("optim.beta1", o.beta1, 0, 1));
-  RETURN_IF_ERROR(validate::InHalfOpen("optim.beta2", o.beta2, 0, 1));
-  RETURN_IF_ERROR(validate::Above("optim.eps", o.eps, 0));
-  return validate::Finite("optim.max_grad_norm", o.max_grad_norm);  // <= 0: no clipping
-}
-
 absl::Status CheckTrain(const SftTrainConfig& t) {
   RETURN_IF_ERROR(validate::IntAtLeast("train.global_batch_size", t.global_batch_size, 1));
   RETURN_IF_ERROR(validate::IntAtLeast("train.micro_batch_size", t.micro_batch_size, 1));
@@ -34,11 +23,7 @@ absl::Status CheckTrain(const SftTrainConfig& t) {
   // Epochs only count without a step budget (then they must be > 0); a NaN never passes.
   if (t.max_steps == 0) RETURN_IF_ERROR(validate::Above("train.epochs", t.epochs, 0));
   RETURN_IF_ERROR(validate::Finite("train.epochs", t.epochs));
-  RETURN_IF_ERROR(validate::IntAtLeast("train.threads", t.threads, 0));
-  RETURN_IF_ERROR(validate::Finite("train.aux_loss_coef", t.aux_loss_coef));  // < 0: the model's
-  RETURN_IF_ERROR(
-      validate::IntAtLeast("train.max_consecutive_nonfinite", t.max_consecutive_nonfinite, 1));
-  return validate::OneOf("train.device", t.device, {"auto", "cpu", "cuda"});
+  return validate::Finite("train.aux_loss_coef", t.aux_loss_coef);  // < 0: the model's
 }
 
 }  // namespace
@@ -52,21 +37,9 @@ absl::Status ValidateSources(const std::string& key, const std::vector<SftSource
   return absl::OkStatus();
 }
 
-absl::Status ValidateSharedSections(const SftModelConfig& model, const OptimConfig& optim,
-                                    const CheckpointConfig& checkpoint,
-                                    const LoggingConfig& logging, const RunConfig& run) {
-  RETURN_IF_ERROR(validate::Required("model.path", model.path, "the student's HF model directory"));
-  RETURN_IF_ERROR(validate::OneOf("model.chat_format", model.chat_format, {"qwen3", "qwen2"}));
-  RETURN_IF_ERROR(CheckOptim(optim));
-  RETURN_IF_ERROR(validate::IntAtLeast("checkpoint.every", checkpoint.every, 0));
-  RETURN_IF_ERROR(validate::IntAtLeast("checkpoint.keep_last", checkpoint.keep_last, 0));
-  RETURN_IF_ERROR(validate::IntAtLeast("logging.log_every", logging.log_every, 1));
-  RETURN_IF_ERROR(validate::Required("run.dir", run.dir, "the run directory"));
-  return validate::OneOf("run.resume", run.resume, {"auto", "never"});
-}
-
 absl::Status ValidateSftConfig(const SftConfig& c) {
-  RETURN_IF_ERROR(ValidateSharedSections(c.model, c.optim, c.checkpoint, c.logging, c.run));
+  RETURN_IF_ERROR(ValidateSharedSections(c.model, c.train, c.optim, c.checkpoint, c.logging, c.run,
+                                         c.dist));
   if (c.data.train.empty()) return Invalid("data.train", "required (at least one source)");
   RETURN_IF_ERROR(ValidateSources("data.train", c.data.train));
   RETURN_IF_ERROR(ValidateSources("data.eval", c.data.eval));

@@ -13,19 +13,6 @@
 
 namespace trainer {
 
-struct SftModelConfig {
-  std::string path;                   // HF model directory of the student (required)
-  std::string tokenizer;              // tokenizer.json or a directory; default: `path`
-  std::string chat_format = "qwen3";  // qwen3 (no default system message) | qwen2
-};
-
-template <class V>
-void VisitFields(V& v, SftModelConfig& c) {
-  v("path", c.path);
-  v("tokenizer", c.tokenizer);
-  v("chat_format", c.chat_format);
-}
-
 struct SftSourceConfig {
   std::string name;                // default: the first file's name
   std::vector<std::string> files;  // .jsonl files or directories of them
@@ -60,17 +47,12 @@ void VisitFields(V& v, SftDataConfig& c) {
   v("skip_bad_lines", c.skip_bad_lines);
 }
 
-struct SftTrainConfig {
-  double epochs = 1.0;                     // passes over the training conversations
-  int64_t max_steps = 0;                   // > 0: exactly this many steps (overrides epochs)
-  int64_t global_batch_size = 512;         // packed sequences per optimizer step
-  int64_t micro_batch_size = 1;            // sequences per forward/backward (gradient accumulation)
-  std::string device = "auto";             // auto (cuda when available) | cpu | cuda
-  int64_t threads = 0;                     // intra-op CPU threads; 0: LibTorch's default
-  double aux_loss_coef = -1;               // router load-balancing loss weight; < 0: the model's
-  int64_t max_consecutive_nonfinite = 10;  // skipped NaN/Inf steps in a row before giving up
-  int64_t seed = 0;                        // torch's RNG (saved and restored with checkpoints)
-  bool activation_checkpointing = false;   // recompute each decoder layer in the backward
+struct SftTrainConfig : LearnerTrainConfig {
+  double epochs = 1.0;              // passes over the training conversations
+  int64_t max_steps = 0;            // > 0: exactly this many steps (overrides epochs)
+  int64_t global_batch_size = 512;  // packed sequences per optimizer step
+  int64_t micro_batch_size = 1;     // sequences per forward/backward (gradient accumulation)
+  double aux_loss_coef = -1;        // router load-balancing loss weight; < 0: the model's
 };
 
 template <class V>
@@ -79,12 +61,8 @@ void VisitFields(V& v, SftTrainConfig& c) {
   v("max_steps", c.max_steps);
   v("global_batch_size", c.global_batch_size);
   v("micro_batch_size", c.micro_batch_size);
-  v("device", c.device);
-  v("threads", c.threads);
   v("aux_loss_coef", c.aux_loss_coef);
-  v("max_consecutive_nonfinite", c.max_consecutive_nonfinite);
-  v("seed", c.seed);
-  v("activation_checkpointing", c.activation_checkpointing);
+  VisitLearnerFields(v, c);
 }
 
 struct SftEvalConfig {
@@ -119,7 +97,7 @@ void VisitFields(V& v, SftDebugConfig& c) {
 }
 
 struct SftConfig {
-  SftModelConfig model;
+  StudentModelConfig model;
   SftDataConfig data;
   SftTrainConfig train;
   OptimConfig optim;
@@ -149,12 +127,6 @@ void VisitFields(V& v, SftConfig& c) {
 // names the key.
 absl::Status ValidateSftConfig(const SftConfig& c);
 
-// The sections `sft` and `opd` share (the student model, the optimizer, checkpoints, logging,
-// the run directory), checked the same way for both jobs; ValidateSftConfig and
-// ValidateOpdConfig call it.
-absl::Status ValidateSharedSections(const SftModelConfig& model, const OptimConfig& optim,
-                                    const CheckpointConfig& checkpoint,
-                                    const LoggingConfig& logging, const RunConfig& run);
 // A list of JSONL sources (data.train, data.eval, prompts.sources) under `key`.
 absl::Status ValidateSources(const std::string& key, const std::vector<SftSourceConfig>& sources);
 

@@ -1,0 +1,58 @@
+#include "trainer/common/sections.h"
+
+#include "absl/strings/str_cat.h"
+#include "lm/util/status.h"
+#include "trainer/common/config.h"
+
+namespace trainer {
+namespace {
+
+absl::Status CheckOptim(const OptimConfig& o) {
+  RETURN_IF_ERROR(validate::Above("optim.lr", o.lr, 0));
+  RETURN_IF_ERROR(validate::InRange("optim.min_lr", o.min_lr, 0, o.lr));
+  RETURN_IF_ERROR(validate::IntAtLeast("optim.warmup_steps", o.warmup_steps, 0));
+  RETURN_IF_ERROR(validate::AtLeast("optim.weight_decay", o.weight_decay, 0));
+  RETURN_IF_ERROR(validate::InHalfOpen("optim.beta1", o.beta1, 0, 1));
+  RETURN_IF_ERROR(validate::InHalfOpen("optim.beta2", o.beta2, 0, 1));
+  RETURN_IF_ERROR(validate::Above("optim.eps", o.eps, 0));
+  return validate::Finite("optim.max_grad_norm", o.max_grad_norm);  // <= 0: no clipping
+}
+
+absl::Status CheckLearnerTrain(const LearnerTrainConfig& t) {
+  if (t.device.rfind("cuda:", 0) != 0 || t.device.size() == 5 ||
+      t.device.find_first_not_of("0123456789", 5) != std::string::npos)
+    RETURN_IF_ERROR(validate::OneOf("train.device", t.device, {"auto", "cpu", "cuda", "cuda:N"}));
+  RETURN_IF_ERROR(
+      validate::OneOf("train.precision", t.precision, {"auto", "fp32", "bf16-mixed"}));
+  RETURN_IF_ERROR(validate::IntAtLeast("train.threads", t.threads, 0));
+  return validate::IntAtLeast("train.max_consecutive_nonfinite", t.max_consecutive_nonfinite, 1);
+}
+
+absl::Status CheckDist(const DistConfig& c) {
+  RETURN_IF_ERROR(validate::OneOf("dist.backend", c.backend, {"auto", "gloo", "nccl"}));
+  RETURN_IF_ERROR(validate::Above("dist.timeout_s", c.timeout_s, 0));
+  RETURN_IF_ERROR(validate::Above("dist.bucket_mb", c.bucket_mb, 0));
+  return validate::OneOf("dist.allgather_dtype", c.allgather_dtype,
+                         {"auto", "float32", "bfloat16"});
+}
+
+}  // namespace
+
+absl::Status ValidateSharedSections(const StudentModelConfig& model,
+                                    const LearnerTrainConfig& train, const OptimConfig& optim,
+                                    const CheckpointConfig& checkpoint,
+                                    const LoggingConfig& logging, const RunConfig& run,
+                                    const DistConfig& dist) {
+  RETURN_IF_ERROR(validate::Required("model.path", model.path, "the student's HF model directory"));
+  RETURN_IF_ERROR(validate::OneOf("model.chat_format", model.chat_format, {"qwen3", "qwen2"}));
+  RETURN_IF_ERROR(CheckLearnerTrain(train));
+  RETURN_IF_ERROR(CheckOptim(optim));
+  RETURN_IF_ERROR(validate::IntAtLeast("checkpoint.every", checkpoint.every, 0));
+  RETURN_IF_ERROR(validate::IntAtLeast("checkpoint.keep_last", checkpoint.keep_last, 0));
+  RETURN_IF_ERROR(validate::IntAtLeast("logging.log_every", logging.log_every, 1));
+  RETURN_IF_ERROR(validate::Required("run.dir", run.dir, "the run directory"));
+  RETURN_IF_ERROR(validate::OneOf("run.resume", run.resume, {"auto", "never"}));
+  return CheckDist(dist);
+}
+
+}  // namespace trainer

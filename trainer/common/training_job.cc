@@ -1,0 +1,222 @@
+#include "trainer/common/training_job.h"
+
+#include <torch/torch.h>
+
+#include <csignal>
+#include <filesystem>
+
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "lm/util/log.h"
+#include "lm/util/status.h"
+#include "trainer/common/job_util.h"
+#include "trainer/common/signals.h"
+
+namespace trainer {
+
+namespace fs = std::filesystem;
+
+TrainingJob::TrainingJob(std::string job, RunDir run, std::string config_yaml,
+                         const CheckpointConfig& ckpt, const OptimConfig& optim,
+                         const DistConfig& dist)
+    : job_(std::move(job)),
+      run_(std::move(run)),
+      config_yaml_(std::move(config_yaml)),
+      checkpoints_(run_.checkpoints(), ckpt.keep_last),
+      optim_config_(optim),
+      dist_config_(dist) {}
+
+absl::Status TrainingJob::JoinGroup(const LearnerTrainConfig& train, const DistConfig& dist) {
+  if (train.threads > 0) torch::set_num_threads(static_cast<int>(train.threads));
+  ASSIGN_OR_RETURN(LearnerPlacement placement,
+                   JoinLearnerGroup(train.device, dist.timeout_s, dist.backend));
+  device_ = placement.device;
+  group_ = std::move(placement.group);
+  precision_ = ResolvePrecision(train.precision, device_);
+  return CheckSameOnEveryRank(*group_, config_yaml_, "resolved config");
+}
+
+namespace {
+
+// Rank 0's choice: --resume=DIR, else the latest complete checkpoint unless run.resume is
+// "never" (then an existing checkpoint is an error unless --resume asks for it), "" for none.
+absl::StatusOr<std::string> PickCheckpoint(const CheckpointManager& checkpoints,
+                                           const RunDir& run_dir, const JobArgs& args,
+                                           const RunConfig& run) {
+  if (!args.resume_from.empty()) {
+    if (!fs::exists(fs::path(args.resume_from) / "trainer_state.json"))
+      return absl::NotFoundError(
+          absl::StrCat("--resume=", args.resume_from, ": not a complete checkpoint"));
+    return args.resume_from;
+  }
+  absl::StatusOr<std::string> latest = checkpoints.Latest();
+  if (latest.ok() && run.resume == "never" && !args.resume)
+    return absl::FailedPreconditionError(absl::StrCat(
+        run_dir.path(), " already has checkpoints and run.resume is 'never': use another run.dir"));
+  if (!latest.ok() && args.resume) return latest.status();
+  return latest.ok() ? *latest : std::string();
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> TrainingJob::AgreeOnCheckpoint(const JobArgs& args,
+                                                           const RunConfig& run) {
+  std::string chosen;
+  absl::Status found = absl::OkStatus();
+  if (is_root()) {
+    checkpoints_.RemoveIncomplete();
+    absl::StatusOr<std::string> r = PickCheckpoint(checkpoints_, run_, args, run);
+    found = r.status();
+    if (r.ok()) chosen = *r;
+  }
+  std::string verdict = found.ok() ? "" : std::string(found.message());
+  RETURN_IF_ERROR(group_->BroadcastBytes(&verdict));
+  if (!found.ok()) return found;
+  if (!verdict.empty()) return absl::FailedPreconditionError("rank 0: " + verdict);
+  RETURN_IF_ERROR(group_->BroadcastBytes(&chosen));
+  return chosen;
+}
+
+absl::Status TrainingJob::LoadModel(const std::string& dir) {
+  lm::LoadOptions opts;
+  opts.dtype = torch::kFloat32;  // master weights; GPUs compute in bf16 under autocast
+  opts.device = device_;
+  absl::StatusOr<std::shared_ptr<lm::CausalLM>> model = lm::LoadModel(dir, opts);
+  if (!model.ok())
+    return absl::Status(model.status().code(),
+                        absl::StrCat("model ", dir, ": ", model.status().message()));
+  model_ = *model;
+  model_->train();
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  for (const auto& p : model_->named_parameters()) params.emplace_back(p.key(), p.value());
+  ASSIGN_OR_RETURN(optimizer_, MakeLearnerOptimizer(params, optim_config_, dist_config_,
+                                                       group_.get(), device_, precision_));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<nlohmann::json> TrainingJob::ResumeCommon(const std::string& checkpoint) {
+  ASSIGN_OR_RETURN(nlohmann::json state, ReadTrainerState(checkpoint));
+  // Checkpoints written before the job field existed are SFT's.
+  const std::string job = state.value("job", "sft");
+  if (job != job_)
+    return absl::FailedPreconditionError(
+        absl::StrCat(checkpoint, ": a '", job, "' checkpoint, not a '", job_, "' one"));
+  RETURN_IF_ERROR(LoadStudent(checkpoint + "/model"));
+  step_ = state.at("step").get<int64_t>();
+  // AdamW's bias correction counts the updates applied, not the steps run: a skipped
+  // (non-finite) step made no update, so step_ would overcount it.
+  RETURN_IF_ERROR(optimizer_->LoadState(checkpoint, state.at("optimizer_steps").get<int64_t>()));
+  RETURN_IF_ERROR(RestoreRngState(state.at("rng")));
+  absl::StatusOr<lm::DataCursor> cursor = lm::DataCursor::FromJson(state.at("data_cursor").dump());
+  if (!cursor.ok())
+    return absl::DataLossError(
+        absl::StrCat(checkpoint, "/trainer_state.json: data_cursor: ", cursor.status().message()));
+  cursor_ = *cursor;
+  nonfinite_consecutive_ = state.at("nonfinite").at("consecutive").get<int64_t>();
+  nonfinite_total_ = state.at("nonfinite").at("total").get<int64_t>();
+  last_checkpoint_step_ = step_;
+  return state;
+}
+
+absl::Status TrainingJob::OpenRecords(int64_t total_steps, const LoggingConfig& logging,
+                                      bool resumed) {
+  progress_ = std::make_unique<Progress>(total_steps, logging.log_every,
+                                         is_root() && ::isatty(STDERR_FILENO) == 1);
+  if (!is_root()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(MetricsLogger m, MetricsLogger::Open(run_.metrics_jsonl(), run_.tensorboard(),
+                                                        logging.tensorboard, resumed ? step_ : -1));
+  metrics_ = std::make_unique<MetricsLogger>(std::move(m));
+  return absl::OkStatus();
+}
+
+void TrainingJob::CountNonFinite(bool skipped, double loss, double grad_norm) {
+  nonfinite_consecutive_ = skipped ? nonfinite_consecutive_ + 1 : 0;
+  nonfinite_total_ += skipped ? 1 : 0;
+  if (!skipped) return;
+  progress_->Log(
+      absl::StrFormat("step %d: non-finite loss (%g) or gradient norm (%g): update skipped (%d "
+                      "in a row, %d in total)",
+                      step_, loss, grad_norm, nonfinite_consecutive_, nonfinite_total_));
+}
+
+absl::Status TrainingJob::CheckNonFinite(int64_t max_consecutive) const {
+  if (nonfinite_consecutive_ < max_consecutive) return absl::OkStatus();
+  return absl::AbortedError(
+      absl::StrFormat("%d consecutive steps with a non-finite loss or gradient "
+                      "(train.max_consecutive_nonfinite = %d): stopping at step %d",
+                      nonfinite_consecutive_, max_consecutive, step_));
+}
+
+absl::Status TrainingJob::SaveCheckpoint() {
+  if (last_checkpoint_step_ == step_) return absl::OkStatus();
+  const auto t0 = Clock::now();
+  nlohmann::json state = JobState();
+  state["job"] = job_;
+  state["data_cursor"] = nlohmann::json::parse(cursor_.ToJson());
+  state["rng"] = CaptureRngState();
+  state["nonfinite"] = {{"consecutive", nonfinite_consecutive_}, {"total", nonfinite_total_}};
+  state["config"] = config_yaml_;
+  RETURN_IF_ERROR(checkpoints_.Save(step_, *model_, *optimizer_, state,
+                                    TokenizerFiles(TokenizerPath()), *group_));
+  last_checkpoint_step_ = step_;
+  progress_->Log(absl::StrFormat("step %d: checkpoint %s/%s (%.1fs)", step_, checkpoints_.dir(),
+                                 StepDirName(step_), Seconds(t0)));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> TrainingJob::StopAgreed() { return group_->AnyRank(StopRequested()); }
+
+absl::Status TrainingJob::StopForSignal() {
+  const int sig = StopSignal();
+  const std::string what = sig == SIGINT    ? "SIGINT"
+                           : sig == SIGTERM ? "SIGTERM"
+                                            : "a stop signal on another rank";
+  progress_->Log(absl::StrFormat(
+      "received %s: the step in progress is abandoned; writing a checkpoint of step %d", what,
+      step_));
+  RETURN_IF_ERROR(SaveCheckpoint());
+  return absl::CancelledError(
+      absl::StrFormat("stopped by %s at step %d of %d; resume with the same command", what, step_,
+                      schedule_.total_steps));
+}
+
+void TrainingJob::CheckpointAfterException() {
+  if (!model_ || !optimizer_ || !progress_) return;  // nothing trained yet
+  try {
+    optimizer_->ZeroGrad();  // a half-done step's gradients are not part of the state
+    if (absl::Status s = SaveCheckpoint(); !s.ok())
+      lm::log::Error(absl::StrCat("checkpoint after the error failed: ", s.message()));
+  } catch (const std::exception& e) {
+    lm::log::Error(absl::StrCat("checkpoint after the error failed: ", e.what()));
+  }
+}
+
+absl::Status RunTrainingJob(const std::string& name, const RunConfig& run,
+                            const std::string& config_yaml, const JobArgs& args,
+                            const JobFactory& make) {
+  ASSIGN_OR_RETURN(const lm::dist::LaunchEnv env, lm::dist::LaunchEnv::FromEnvironment());
+  lm::log::SetRank(env.rank, env.world_size);
+  ASSIGN_OR_RETURN(RunDir dir, RunDir::Open(run.dir));
+  if (env.rank == 0) RETURN_IF_ERROR(dir.SaveConfig(config_yaml));
+  lm::log::Info(absl::StrCat("opd-trainer ", name, ": run directory ", dir.path(),
+                             ", resolved config in ", dir.config_file()));
+  std::unique_ptr<TrainingJob> job = make(std::move(dir), config_yaml);
+  // A torch or JSON exception (a tensor of the wrong shape, a malformed file) becomes an error
+  // naming it instead of aborting the process; once training, the last completed step is
+  // checkpointed first.
+  try {
+    RETURN_IF_ERROR(job->Init(args));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("while starting the job: ", e.what()));
+  }
+  try {
+    return job->Run();
+  } catch (const std::exception& e) {
+    job->CheckpointAfterException();
+    return absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
+  }
+}
+
+}  // namespace trainer
