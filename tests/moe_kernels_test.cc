@@ -1,5 +1,5 @@
 // The CUDA MoE kernels (kernels/) against fp32 references, as vLLM, DeepGEMM and TensorRT-LLM
-// test theirs (../shared/reference/moe-kernels.md):
+// test theirs:
 //   top-k:        indices exact (ties to the lower id), weights within 1e-3 of CPU fp32;
 //   align:        per-expert row lists exact and stable, every routed pair exactly once, padding
 //                 and tile maps right, identical over 5 runs;

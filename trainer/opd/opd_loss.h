@@ -1,4 +1,4 @@
-// The on-policy distillation losses (see ../shared/reference/distillation.md).
+// The on-policy distillation losses.
 //
 // Sampled-token form (default; what the Marco-MoE paper used via slime). For each sampled
 // response token t, with the learner's log-prob lp_t (differentiable), the sampler's lp_old_t and
