@@ -4,6 +4,7 @@
 
 #include "lm/model/cpu_inference.h"
 #include "lm/model/layers.h"
+#include "lm/model/precision.h"
 
 namespace lm {
 namespace {
@@ -19,6 +20,9 @@ torch::Tensor ChunkLogits(torch::Tensor& scratch, const torch::Tensor& h, const 
   auto logits = scratch.narrow(0, 0, h.size(0));
   if (h.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32) {
     MatmulWeightTOut(logits, h, w);
+  } else if (h.scalar_type() != w.scalar_type()) {
+    // bf16-mixed training: fp32 hidden states, a bf16 LM head; fp32 logits from bf16 inputs.
+    logits.copy_(MatmulFp32(h, w.t(), ComputeDtype(w)));
   } else {
     logits.copy_(torch::linear(h, w));  // bf16 on GPU: the matmul in bf16, the softmax in fp32
   }
@@ -81,8 +85,13 @@ class ChunkedTokenLogprob : public torch::autograd::Function<ChunkedTokenLogprob
       auto dlogits = logits.sub_(lse.narrow(0, s, n).unsqueeze(1)).exp_().mul_(-gs);
       dlogits.scatter_add_(1, targets.narrow(0, s, n).unsqueeze(1), gs);
       if (temperature != 1.0) dlogits.div_(temperature);
-      dlogits = dlogits.to(hidden.scalar_type());
       auto dh = dhidden.narrow(0, s, n);
+      if (hidden.scalar_type() != weight.scalar_type()) {  // bf16-mixed, as in ChunkLogits
+        dh.copy_(MatmulFp32(dlogits, weight, ComputeDtype(weight)));
+        AddMatmulFp32(dweight, dlogits.t(), h, ComputeDtype(weight));
+        continue;
+      }
+      dlogits = dlogits.to(hidden.scalar_type());
       torch::mm_out(dh, dlogits, weight);
       dweight.addmm_(dlogits.t(), h);
     }

@@ -2,6 +2,7 @@
 
 #include <array>
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/torch.h>
 
 #include "lm/model/cpu_inference.h"
@@ -99,7 +100,12 @@ void RegisterMoeExperts(torch::DeviceType device, MoeExpertsFn fn) {
 Routing Route(const torch::Tensor& x, const torch::Tensor& gate_weight, int64_t top_k,
               bool norm_topk_prob) {
   Routing r;
-  r.logits = torch::linear(x, gate_weight);
+  {
+    // The router in the weight's dtype even under autocast: in bf16-mixed training the router
+    // stays fp32 (lm/model/precision.h), and its top-k must not see bf16-rounded logits.
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    r.logits = torch::linear(x.to(gate_weight.scalar_type()), gate_weight);
+  }
 #ifdef OPD_CUDA_KERNELS
   // CUDA without autograd (sampling, scoring): the fused softmax + top-k kernel.
   if (r.logits.is_cuda() && !(torch::GradMode::is_enabled() && r.logits.requires_grad()) &&
@@ -129,8 +135,13 @@ torch::Tensor MoeExpertsCpu(const torch::Tensor& x, const torch::Tensor& ids,
   for (int64_t e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + c[e];
 
   auto token_of = torch::div(order, k, "floor");
-  auto y = GroupedSwiGlu::apply(x.index_select(0, token_of), offsets, gate_up, down);
-  y = y * weights.reshape({-1}).index_select(0, order).unsqueeze(1);
+  // bf16 weights with fp32 activations (bf16-mixed training): the expert MLPs run in the weights'
+  // dtype (the matmuls accumulate in fp32), the weighted sum over the k experts in x's dtype.
+  const auto compute = gate_up.scalar_type();
+  auto y = GroupedSwiGlu::apply(x.index_select(0, token_of).to(compute), offsets, gate_up,
+                                down.to(compute));
+  y = y.to(x.scalar_type()) *
+      weights.reshape({-1}).index_select(0, order).unsqueeze(1).to(x.scalar_type());
   return torch::zeros({T, x.size(1)}, x.options()).index_add(0, token_of, y);
 }
 
@@ -138,8 +149,11 @@ torch::Tensor MoeExperts(const torch::Tensor& x, const torch::Tensor& ids,
                          const torch::Tensor& weights, const torch::Tensor& gate_up,
                          const torch::Tensor& down) {
   if (MoeExpertsFn fn = Registry()[static_cast<size_t>(x.device().type())]) {
-    auto y = fn(x, ids, weights, gate_up, down);
-    if (y.defined()) return y;  // undefined: inputs the implementation does not handle
+    // A device kernel computes in one dtype: the weights' (bf16-mixed: bf16), the result back in
+    // x's.
+    const auto compute = gate_up.scalar_type();
+    auto y = fn(x.to(compute), ids, weights, gate_up, down);
+    if (y.defined()) return y.to(x.scalar_type());  // undefined: inputs it does not handle
   }
   if (UseCpuInferenceExperts(x, weights, gate_up, down))
     return MoeExpertsInferenceCpu(x, ids, weights, gate_up, down);

@@ -1,5 +1,6 @@
 #include "lm/model/recompute.h"
 
+#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 namespace lm {
@@ -9,10 +10,47 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using Block = std::function<std::vector<torch::Tensor>(const torch::Tensor&)>;
 
-// The block travels to the backward in the context's saved data.
+// The autocast state (CPU and CUDA) of the forward. The recomputation runs in the backward, where
+// autocast is off (and on CUDA on another thread): it must compute in the forward's dtypes, or its
+// activations and gradients would not be those of the forward (bf16-mixed training would even
+// meet fp32 activations against bf16 weights).
+struct AutocastState {
+  bool enabled[2] = {false, false};
+  at::ScalarType dtype[2] = {at::kBFloat16, at::kBFloat16};
+  static constexpr c10::DeviceType kTypes[2] = {c10::DeviceType::CPU, c10::DeviceType::CUDA};
+
+  static AutocastState Current() {
+    AutocastState s;
+    for (int i = 0; i < 2; ++i) {
+      s.enabled[i] = at::autocast::is_autocast_enabled(kTypes[i]);
+      s.dtype[i] = at::autocast::get_autocast_dtype(kTypes[i]);
+    }
+    return s;
+  }
+  void Apply() const {
+    for (int i = 0; i < 2; ++i) {
+      at::autocast::set_autocast_dtype(kTypes[i], dtype[i]);
+      at::autocast::set_autocast_enabled(kTypes[i], enabled[i]);
+    }
+  }
+};
+
+// Sets an autocast state for a scope and restores the previous one.
+class ScopedAutocast {
+ public:
+  explicit ScopedAutocast(const AutocastState& s) : saved_(AutocastState::Current()) { s.Apply(); }
+  ~ScopedAutocast() { saved_.Apply(); }
+
+ private:
+  AutocastState saved_;
+};
+
+// The block travels to the backward in the context's saved data, with the forward's autocast
+// state.
 struct BlockHolder : torch::CustomClassHolder {
-  explicit BlockHolder(Block b) : block(std::move(b)) {}
+  explicit BlockHolder(Block b) : block(std::move(b)), autocast(AutocastState::Current()) {}
   Block block;
+  AutocastState autocast;
 };
 
 // The block's parameters are not inputs of this node: the backward's nested backward reaches them
@@ -34,6 +72,7 @@ struct RecomputeFn : torch::autograd::Function<RecomputeFn> {
     std::vector<torch::Tensor> outputs;
     {
       torch::AutoGradMode grad(true);
+      ScopedAutocast autocast(holder->autocast);
       outputs = holder->block(x);
     }
     std::vector<torch::Tensor> roots, grads;

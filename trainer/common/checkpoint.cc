@@ -136,7 +136,9 @@ absl::Status CheckpointManager::Save(int64_t step, lm::CausalLM& model,
     state["world_size"] = group.size();
     return WriteFileAtomic(tmp + "/" + kStateFile, state.dump(2) + "\n");
   };
-  RETURN_IF_ERROR(AgreeOnOutcome(write(), group, "writing the checkpoint"));
+  // bf16-mixed: rank 0's model holds the fp32 masters while it is written (parallel.h).
+  RETURN_IF_ERROR(optimizer.WithMasterWeights(
+      [&] { return AgreeOnOutcome(write(), group, "writing the checkpoint"); }));
 
   absl::Status published = absl::OkStatus();
   if (group.is_root()) {

@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include "lm/model/precision.h"
+
 namespace trainer {
 namespace {
 
@@ -13,6 +15,9 @@ using torch::autograd::tensor_list;
 // and page-faulted in again every time, which costs about as much as the exp over it; one buffer
 // per thread, reused by every call, costs it once. (CUDA's caching allocator already reuses.)
 torch::Tensor ChunkLogits(const torch::Tensor& h, const torch::Tensor& weight) {
+  // bf16-mixed: fp32 hidden states against a bf16 LM head, fp32 logits (lm/model/precision.h).
+  if (h.scalar_type() != weight.scalar_type())
+    return lm::MatmulFp32(h, weight.t(), lm::ComputeDtype(weight));
   if (!h.is_cpu()) return torch::mm(h, weight.t()).to(torch::kFloat32);
   thread_local torch::Tensor workspace;
   const int64_t n = h.size(0), vocab = weight.size(0);
@@ -53,8 +58,13 @@ class FusedNll : public torch::autograd::Function<FusedNll> {
       if (!grads) continue;
       auto dlogits = logits.sub_(lse).exp_();  // softmax, in place of the logits
       dlogits.scatter_add_(1, t, torch::full({n, 1}, -1.0, dlogits.options()));
-      auto dl = dlogits.to(hidden.scalar_type());
       auto dh = dhidden.narrow(0, s, n);
+      if (hidden.scalar_type() != weight.scalar_type()) {  // bf16-mixed, as in ChunkLogits
+        dh.copy_(lm::MatmulFp32(dlogits, weight, lm::ComputeDtype(weight)));
+        lm::AddMatmulFp32(dweight, dlogits.t(), h, lm::ComputeDtype(weight));
+        continue;
+      }
+      auto dl = dlogits.to(hidden.scalar_type());
       torch::mm_out(dh, dl, weight);
       dweight.addmm_(dl.t(), h);
     }
