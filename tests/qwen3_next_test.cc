@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -577,7 +578,10 @@ std::vector<torch::Tensor> DecodeAll(CausalLM& model, const std::vector<std::vec
     prompts.emplace_back(seqs[b].begin(), seqs[b].begin() + prefix[b]);
     longest = std::max<int64_t>(longest, static_cast<int64_t>(seqs[b].size()));
   }
-  const auto batch = PackedBatch::FromSequences(prompts);
+  auto batch = PackedBatch::FromSequences(prompts);
+  const auto device = model.LmHeadWeight().device();
+  batch.input_ids = batch.input_ids.to(device);
+  batch.position_ids = batch.position_ids.to(device);
   KVCache cache = model.NewKVCache(batch.num_sequences(), longest);
   ForwardOptions fo;
   fo.cache = &cache;
@@ -609,7 +613,8 @@ std::vector<torch::Tensor> DecodeAll(CausalLM& model, const std::vector<std::vec
       for (int64_t j : keep) still.push_back(live[j]);
       live = std::move(still);
     }
-    const auto logits = model.Logits(model.Decode(torch::tensor(next, torch::kInt64), cache));
+    const auto logits =
+        model.Logits(model.Decode(torch::tensor(next, torch::kInt64).to(device), cache));
     for (size_t j = 0; j < live.size(); ++j) rows[live[j]].push_back(logits.narrow(0, j, 1));
   }
   std::vector<torch::Tensor> out;
@@ -775,37 +780,34 @@ class NextPaged : public ::testing::TestWithParam<std::string> {};
 
 // The engine's steps by hand: prefills and one-token decodes through block tables of scattered
 // blocks (4 tokens each) and state slots, one sequence joining with its prefill while the others
-// decode (a mixed step); every position's logits equal the full forward's and transformers'.
-TEST_P(NextPaged, PagedStepsEqualForward) {
-  Fixture f = LoadFixture(GetParam());
-  auto model = MustLoad(f.dir + "/model");
-  ASSERT_TRUE(model);
-  ASSERT_TRUE(model->SupportsPagedKV());
+// decode (a mixed step). Returns the logits of every checked position (fp32, on the CPU) and
+// transformers' logits there, row for row.
+struct PagedRun {
+  torch::Tensor got, ref;
+  std::vector<std::vector<int32_t>> tables;
+};
+
+PagedRun RunPagedSteps(CausalLM& model, Fixture& f, PagedKVCache& cache) {
   torch::NoGradGuard no_grad;
+  const auto device = model.LmHeadWeight().device();
   const int64_t block = 4, B = static_cast<int64_t>(f.seqs.size());
+  PagedRun run;
   // Blocks handed out round-robin over the sequences (never contiguous), block 0 stays null.
-  std::vector<std::vector<int32_t>> tables(B);
+  run.tables.resize(B);
   int32_t next_block = 1;
   for (int64_t j = 0; j * block < 130; ++j) {
     for (int64_t b = 0; b < B; ++b) {
-      if (j * block < static_cast<int64_t>(f.seqs[b].size())) tables[b].push_back(next_block++);
+      if (j * block < static_cast<int64_t>(f.seqs[b].size())) run.tables[b].push_back(next_block++);
     }
   }
-  PagedKVCache cache = model->NewPagedKVCache(next_block, block, /*num_state_slots=*/8);
+  cache = model.NewPagedKVCache(next_block, block, /*num_state_slots=*/8);
   const std::vector<int64_t> slots{7, 2, 5, 0, 3};
   const std::vector<int64_t> prefix{1, 2, 63, 64, 65};
-  const int64_t late = 4, joins_at = 3;  // sequence 4 is prefilled with the 3rd decode step
-  std::vector<int64_t> done(B, 0);       // tokens each sequence has run
-  double worst_ref = 0, worst_own = 0;
-  int64_t row = 0, checked = 0;
-  std::vector<int64_t> ref_row(B);
-  for (int64_t b = 0; b < B; ++b) {
-    ref_row[b] = row;
-    row += static_cast<int64_t>(f.seqs[b].size());
-  }
-  std::vector<torch::Tensor> own(B);
-  for (int64_t b = 0; b < B; ++b)
-    own[b] = model->Logits(model->Forward(PackedBatch::FromSequences({f.seqs[b]})));
+  const int64_t late = 4, joins_at = 3;         // sequence 4 is prefilled with the 3rd decode step
+  std::vector<int64_t> done(B, 0), ref_row(B);  // tokens each sequence has run; its first ref row
+  for (int64_t b = 1; b < B; ++b)
+    ref_row[b] = ref_row[b - 1] + static_cast<int64_t>(f.seqs[b - 1].size());
+  std::vector<torch::Tensor> got, ref;
   for (int64_t it = 0;; ++it) {
     PagedStep step;
     std::vector<int64_t> ids, members;
@@ -817,35 +819,45 @@ TEST_P(NextPaged, PagedStepsEqualForward) {
       ids.insert(ids.end(), f.seqs[b].begin() + done[b], f.seqs[b].begin() + done[b] + n);
       step.cu_seqlens.push_back(static_cast<int64_t>(ids.size()));
       step.context_lens.push_back(done[b]);
-      step.block_tables.push_back(tables[b]);
+      step.block_tables.push_back(run.tables[b]);
       step.state_slots.push_back(slots[b]);
       members.push_back(b);
     }
     if (members.empty()) break;
-    step.input_ids = torch::tensor(ids, torch::kInt64);
-    auto logits = model->Logits(model->PagedForward(step, cache));
-    ASSERT_EQ(logits.size(0), static_cast<int64_t>(members.size()));
+    step.input_ids = torch::tensor(ids, torch::kInt64).to(device);
+    auto logits = model.Logits(model.PagedForward(step, cache)).to(torch::kCPU, torch::kFloat32);
+    EXPECT_EQ(logits.size(0), static_cast<int64_t>(members.size()));
     for (size_t i = 0; i < members.size(); ++i) {
       const int64_t b = members[i];
       done[b] += step.cu_seqlens[i + 1] - step.cu_seqlens[i];
-      const int64_t pos = done[b] - 1;
-      const auto ref = f.ref["logits"][ref_row[b] + pos];
-      worst_ref = std::max(worst_ref, RelDiff(logits[i], ref));
-      worst_own = std::max(worst_own, RelDiff(logits[i], own[b][pos]));
-      ++checked;
+      got.push_back(logits[i]);
+      ref.push_back(f.ref["logits"][ref_row[b] + done[b] - 1]);
     }
   }
-  EXPECT_EQ(checked, 1 + 4 + 2 + 37 + 66);  // the prefills' last rows, then one per decode step
-  EXPECT_LE(worst_ref, 1e-4);
-  EXPECT_LE(worst_own, 1e-4);
-  std::printf("[%s] paged vs transformers %.3g, vs own forward %.3g (relative)\n",
-              GetParam().c_str(), worst_ref, worst_own);
+  run.got = torch::stack(got);
+  run.ref = torch::stack(ref);
+  return run;
+}
+
+TEST_P(NextPaged, PagedStepsEqualForward) {
+  Fixture f = LoadFixture(GetParam());
+  auto model = MustLoad(f.dir + "/model");
+  ASSERT_TRUE(model);
+  ASSERT_TRUE(model->SupportsPagedKV());
+  PagedKVCache cache;
+  PagedRun run = RunPagedSteps(*model, f, cache);
+  // The prefills' last rows, then one per decode step.
+  ASSERT_EQ(run.got.size(0), 1 + 4 + 2 + 37 + 66);
+  const double d = RelDiff(run.got, run.ref);
+  EXPECT_LE(d, 1e-4);
+  std::printf("[%s] paged steps vs transformers %.3g (relative)\n", GetParam().c_str(), d);
   // More than one new token after a context is refused with the sequence named.
+  torch::NoGradGuard no_grad;
   PagedStep bad;
   bad.input_ids = torch::tensor({1, 2}, torch::kInt64);
   bad.cu_seqlens = {0, 2};
   bad.context_lens = {3};
-  bad.block_tables = {tables[2]};
+  bad.block_tables = {run.tables[2]};
   bad.state_slots = {2};
   try {
     model->PagedForward(bad, cache);
@@ -908,6 +920,46 @@ TEST(NextPaged, EngineEqualsStaticSampler) {
     }
     if (num_blocks > 0) EXPECT_GT((*engine)->stats().preemptions, 0) << "no preemption";
   }
+}
+
+bool RequireGpu() {
+  const char* v = std::getenv("OPD_REQUIRE_GPU");
+  return v && std::string(v) == "1";
+}
+
+// bf16, the GPU serving dtype (conv windows in bf16, delta-rule states in fp32): decoding through
+// the contiguous cache and through paged steps stays as close to the fp32 reference as the bf16
+// forward does (NextModel.Bf16ForwardStaysClose's bound).
+void Bf16DecodeStaysClose(torch::Device device) {
+  Fixture f = LoadFixture("next_sparse2_ratio3");
+  LoadOptions lo;
+  lo.dtype = torch::kBFloat16;
+  lo.device = device;
+  auto loaded = LoadModel(f.dir + "/model", lo);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  CausalLM& model = **loaded;
+  auto decoded = DecodeAll(model, f.seqs, {1, 2, 63, 64, 65});
+  const double d_decode =
+      MaxAbsDiff(torch::cat(decoded).to(torch::kCPU, torch::kFloat32), f.ref["logits"]);
+  PagedKVCache cache;
+  PagedRun run = RunPagedSteps(model, f, cache);
+  const double d_paged = MaxAbsDiff(run.got, run.ref);
+  std::printf("bf16 on %s: max |logits diff| decode %.3g, paged %.3g\n", device.str().c_str(),
+              d_decode, d_paged);
+  EXPECT_LE(d_decode, 0.25);
+  EXPECT_LE(d_paged, 0.25);
+}
+
+TEST(NextModel, Bf16DecodeStaysCloseCpu) {
+  Bf16DecodeStaysClose(torch::kCPU);
+}
+
+TEST(NextModel, Bf16DecodeStaysCloseCuda) {
+  if (!torch::cuda::is_available()) {
+    ASSERT_FALSE(RequireGpu()) << "OPD_REQUIRE_GPU=1 but no CUDA";
+    GTEST_SKIP() << "no CUDA device";
+  }
+  Bf16DecodeStaysClose(torch::Device(torch::kCUDA, 0));
 }
 
 // A Qwen3-Next student rolls out through opd-rollout on either engine: it starts, and Generate

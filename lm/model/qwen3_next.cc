@@ -615,9 +615,11 @@ torch::Tensor Qwen3NextForCausalLM::Decode(const torch::Tensor& tokens, KVCache&
     TORCH_CHECK(cache.k.empty() || len < cache.capacity(), "Qwen3-Next decode: a slot holds ", len,
                 " tokens, the cache's capacity");
   }
-  auto positions = torch::tensor(cache.lengths, torch::kInt64).to(tokens.device());
+  // The sampler hands host tokens; the cache and the weights may live on a GPU.
+  const auto device = model->embed_tokens->weight.device();
+  auto positions = torch::tensor(cache.lengths, torch::kInt64).to(device);
   auto [cos, sin] = rope_.Tables(positions);
-  auto h = model->embed_tokens(tokens);
+  auto h = model->embed_tokens(tokens.to(device));
   for (size_t i = 0; i < model->layers->size(); ++i) {
     h = model->layers->ptr<Qwen3NextDecoderLayerImpl>(i)->decode(h, cos, sin, cache);
   }
