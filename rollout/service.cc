@@ -6,6 +6,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "lm/model/model.h"
 #include "lm/util/threads.h"
 #include "rollout/engine.h"
 #include "rpc/codec.h"
@@ -153,9 +154,17 @@ class UpdateReactor final : public grpc::ServerReadReactor<opd::v1::WeightChunk>
  private:
   absl::Status Apply() {
     if (!staged_) {
-      auto staged = store_->Stage(chunk_.version());
+      // A manifest in the first chunk: only the tensors it names come (onto the serving weights).
+      auto staged = chunk_.has_manifest()
+                        ? store_->StageAnnounced(chunk_.version(), Announced(chunk_.manifest()),
+                                                 BaseVersion(chunk_.manifest()))
+                        : store_->Stage(chunk_.version());
       if (!staged.ok()) return staged.status();
       staged_ = std::move(*staged);
+      if (chunk_.has_manifest() && chunk_.name().empty()) return absl::OkStatus();
+    } else if (chunk_.has_manifest()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk of tensor '", chunk_.name(), "' carries a manifest; only the first may"));
     } else if (chunk_.version() != staged_->version()) {
       return absl::InvalidArgumentError(
           absl::StrCat("chunk of tensor '", chunk_.name(), "' has version ", chunk_.version(),
@@ -196,6 +205,17 @@ class UpdateReactor final : public grpc::ServerReadReactor<opd::v1::WeightChunk>
 
 }  // namespace
 
+RolloutService::RolloutService(WeightStore* store, const opd::rpc::Authenticator* auth,
+                               ServiceOptions opts, opd::v1::ServiceInfo info)
+    : store_(store),
+      auth_(auth),
+      opts_(opts),
+      info_(std::move(info)),
+      sync_(std::make_unique<WeightSyncReceiver>(
+          store, store->Current().model->LmHeadWeight().device())) {}
+
+RolloutService::~RolloutService() = default;
+
 grpc::ServerWriteReactor<opd::v1::Sample>* RolloutService::Generate(
     grpc::CallbackServerContext* ctx, const opd::v1::GenerateRequest* req) {
   auto* reactor = new GenerateReactor(ctx, &running_, opts_.engine);
@@ -231,6 +251,39 @@ grpc::ServerReadReactor<opd::v1::WeightChunk>* RolloutService::UpdateWeights(
   } else {
     reactor->Begin();
   }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RolloutService::JoinWeightGroup(
+    grpc::CallbackServerContext* ctx, const opd::v1::JoinWeightGroupRequest* req,
+    opd::v1::JoinWeightGroupResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  // Weight updates always need the secret, configured or not.
+  grpc::Status st = auth_->Check(*ctx, /*always_required=*/true);
+  if (st.ok() && opts_.expert_parallel) {  // its ranks hold shards: rollout/ep_rollout.h
+    st = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                      "an expert-parallel rollout takes weights over UpdateWeights only");
+  } else if (st.ok()) {
+    auto joined = sync_->Join(*req);
+    if (joined.ok()) *resp = std::move(*joined);
+    st = opd::rpc::ToGrpc(joined.status());
+  }
+  reactor->Finish(st);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RolloutService::SyncWeights(grpc::CallbackServerContext* ctx,
+                                                      const opd::v1::SyncWeightsRequest* req,
+                                                      opd::v1::SyncWeightsResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  grpc::Status st = auth_->Check(*ctx, /*always_required=*/true);
+  if (st.ok()) {
+    lm::SetThreadsForThisThread(1);  // staging copies on a gRPC thread (see OnReadDone)
+    auto started = sync_->Start(*req);
+    if (started.ok()) *resp = std::move(*started);
+    st = opd::rpc::ToGrpc(started.status());
+  }
+  reactor->Finish(st);
   return reactor;
 }
 

@@ -4,11 +4,13 @@
 #pragma once
 
 #include <atomic>
+#include <memory>
 
 #include <grpcpp/grpcpp.h>
 
 #include "opd/v1/rollout.grpc.pb.h"
 #include "rollout/sampler.h"
+#include "rollout/weight_sync.h"
 #include "rollout/weights.h"
 #include "rpc/auth.h"
 
@@ -28,13 +30,19 @@ class RolloutService final : public opd::v1::Rollout::CallbackService {
  public:
   // `store` and `auth` are not owned and must outlive the service.
   RolloutService(WeightStore* store, const opd::rpc::Authenticator* auth, ServiceOptions opts,
-                 opd::v1::ServiceInfo info)
-      : store_(store), auth_(auth), opts_(opts), info_(std::move(info)) {}
+                 opd::v1::ServiceInfo info);
+  ~RolloutService() override;
 
   grpc::ServerWriteReactor<opd::v1::Sample>* Generate(grpc::CallbackServerContext* ctx,
                                                       const opd::v1::GenerateRequest* req) override;
   grpc::ServerReadReactor<opd::v1::WeightChunk>* UpdateWeights(
       grpc::CallbackServerContext* ctx, opd::v1::UpdateWeightsResponse* resp) override;
+  grpc::ServerUnaryReactor* JoinWeightGroup(grpc::CallbackServerContext* ctx,
+                                            const opd::v1::JoinWeightGroupRequest* req,
+                                            opd::v1::JoinWeightGroupResponse* resp) override;
+  grpc::ServerUnaryReactor* SyncWeights(grpc::CallbackServerContext* ctx,
+                                        const opd::v1::SyncWeightsRequest* req,
+                                        opd::v1::SyncWeightsResponse* resp) override;
   grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* ctx, const opd::v1::InfoRequest* req,
                                  opd::v1::ServiceInfo* resp) override;
 
@@ -44,6 +52,10 @@ class RolloutService final : public opd::v1::Rollout::CallbackService {
   ServiceOptions opts_;
   opd::v1::ServiceInfo info_;
   std::atomic<int> running_{0};  // generations in flight
+  std::unique_ptr<WeightSyncReceiver> sync_;  // collective weight sync (rollout/weight_sync.h)
+
+ public:
+  const WeightSyncReceiver& weight_sync() const { return *sync_; }
 };
 
 }  // namespace rollout

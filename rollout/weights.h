@@ -2,15 +2,24 @@
 //
 // Requests take a Snapshot (a shared_ptr to the model and its version) and keep it for their
 // whole duration. An update stages a complete new model next to the serving one, checks every
-// tensor against the model (name, shape, dtype, each byte received exactly once) and only then
-// swaps the pointer under the mutex. A request therefore sees the old or the new weights, never a
-// mix, and an update that fails or is interrupted (its Staged object is dropped) changes nothing.
-// Memory: an update holds a second copy of the model until the swap.
+// tensor against the model (name, shape, dtype, each byte received exactly once, and the
+// announced checksum when there is one) and only then swaps the pointer under the mutex. A request
+// therefore sees the old or the new weights, never a mix, and an update that fails or is
+// interrupted (its Staged object is dropped) changes nothing.
+//
+// Two kinds of update: a full one (every parameter sent; the staged model starts empty) and an
+// announced one (a manifest names exactly the tensors that come, with their checksums; the staged
+// model starts as a copy of the serving one, and the update commits only onto the version it was
+// staged from). Tensors may arrive in another dtype than the model's (an fp32 learner pushing to a
+// bf16 worker): each is then gathered in its wire dtype and cast once complete.
+// Memory: an update holds a second copy of the model until the swap (plus, while a tensor in
+// another dtype arrives, that one tensor's wire bytes).
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -20,6 +29,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "rpc/weight_wire.h"
 
 namespace lm {
 class CausalLM;
@@ -40,20 +50,28 @@ struct Snapshot {
 struct ChunkView {
   std::string_view name;
   std::vector<int64_t> shape;
-  std::string_view dtype;  // "float32" | "bfloat16" | "float16"
-  int64_t offset = 0;      // byte offset within the tensor
+  std::string_view dtype;  // the wire dtype: "float32" | "bfloat16" | "float16"
+  int64_t offset = 0;      // byte offset within the tensor's wire bytes
   std::string_view data;
+};
+
+// One tensor of an announced update, as the control plane named it.
+struct AnnouncedTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::string dtype;      // wire dtype
+  uint64_t checksum = 0;  // XXH64 of the wire bytes (rpc/weight_wire.h)
 };
 
 // A new model being filled chunk by chunk. Not thread-safe (one update stream owns it).
 class StagedWeights {
  public:
-  StagedWeights(std::shared_ptr<lm::CausalLM> model, int64_t version);
   ~StagedWeights();
 
-  // INVALID_ARGUMENT naming the tensor when the name is unknown, the shape or dtype differ from
-  // the model's, the tensor was already complete, the chunk is not the next bytes of the tensor,
-  // or another tensor was left incomplete.
+  // INVALID_ARGUMENT naming the tensor when the name is unknown (or not announced), the shape or
+  // dtype differ from the model's (or the announcement's), the tensor was already complete, the
+  // chunk is not the next bytes of the tensor, or another tensor was left incomplete; DATA_LOSS
+  // naming the tensor when its bytes do not match the announced checksum.
   absl::Status Add(const ChunkView& chunk);
   // INVALID_ARGUMENT listing (the first few) tensors not (fully) received.
   absl::Status CheckComplete() const;
@@ -61,17 +79,33 @@ class StagedWeights {
   int64_t version() const { return version_; }
   int64_t tensors_received() const { return complete_; }
   int64_t bytes_received() const { return bytes_; }
+  // The wire bytes every expected tensor adds up to (announced updates; -1 for full ones, whose
+  // wire dtype is only known as the tensors arrive).
+  int64_t expected_bytes() const { return expected_bytes_; }
 
  private:
   friend class WeightStore;
   struct Target {
     torch::Tensor tensor;  // the staged model's parameter (contiguous)
-    int64_t filled = 0;    // bytes received
-    bool started = false;  // a chunk arrived (zero-byte tensors count too)
+    bool expected = true;  // announced updates expect only the announced tensors
+    std::optional<uint64_t> checksum;
+    std::string wire_dtype;  // announced, or set by the tensor's first chunk
+    torch::Dtype wire = torch::kFloat32;
+    int64_t total = 0;       // wire bytes
+    int64_t filled = 0;      // bytes received
+    bool started = false;    // a chunk arrived (zero-byte tensors count too)
+    bool done = false;       // every byte arrived
+    torch::Tensor buffer;    // the wire bytes, where they cannot go straight into `tensor`
+    opd::rpc::Xxh64 hash;
   };
+  StagedWeights(std::shared_ptr<lm::CausalLM> model, int64_t version, int64_t base_version);
+  absl::Status Begin(const std::string& name, Target& t, const ChunkView& chunk);
+  absl::Status Finish(const std::string& name, Target& t);
 
   std::shared_ptr<lm::CausalLM> model_;
   int64_t version_;
+  int64_t base_version_;  // announced updates: the serving version they start from; else -1
+  int64_t expected_bytes_ = -1;
   std::map<std::string, Target, std::less<>> targets_;
   std::string current_;  // tensor whose chunks are arriving
   int64_t complete_ = 0;
@@ -84,12 +118,20 @@ class WeightStore {
 
   Snapshot Current() const;
 
-  // A fresh copy of the serving architecture to fill with version `version`; FAILED_PRECONDITION
-  // unless `version` is above the serving version.
+  // A fresh copy of the serving architecture to fill with version `version` (every parameter);
+  // FAILED_PRECONDITION unless `version` is above the serving version.
   absl::StatusOr<std::unique_ptr<StagedWeights>> Stage(int64_t version) const;
+  // An update of only the `announced` tensors onto a copy of the serving weights (no copy at all
+  // when nothing is announced). FAILED_PRECONDITION for a stale version or when `base_version`
+  // is given and is not the serving one; INVALID_ARGUMENT naming the tensor when one is unknown,
+  // repeated, of another shape, or of an unknown dtype.
+  absl::StatusOr<std::unique_ptr<StagedWeights>> StageAnnounced(
+      int64_t version, const std::vector<AnnouncedTensor>& announced,
+      std::optional<int64_t> base_version = std::nullopt) const;
 
   // Checks completeness, then swaps the staged model in. FAILED_PRECONDITION when a version at
-  // least as new was committed meanwhile.
+  // least as new was committed meanwhile, or when an announced update's base version is no
+  // longer the one serving (its unsent tensors would be stale).
   absl::Status Commit(std::unique_ptr<StagedWeights> staged);
 
  private:

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <future>
+#include <map>
 #include <set>
 #include <utility>
 
@@ -9,6 +10,7 @@
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "rpc/tensor_codec.h"
+#include "rpc/weight_wire.h"
 
 namespace trainer {
 namespace {
@@ -16,6 +18,15 @@ namespace {
 constexpr float kLogprobSlack = 1e-3f;  // a log-prob is <= 0, up to rounding
 
 }  // namespace
+
+WeightPushOptions PushOptionsOf(const OpdRolloutConfig& r) {
+  WeightPushOptions o;
+  o.mode = ParseWeightSyncMode(r.weight_sync).value_or(WeightSyncMode::kGrpc);
+  o.store_host = r.weight_sync_host;
+  o.group_timeout = absl::Seconds(r.weight_sync_timeout_s);
+  o.bucket_bytes = r.weight_sync_bucket_mb << 20;
+  return o;
+}
 
 SampleStats SummarizeSamples(const std::vector<opd::rpc::GeneratedSample>& samples,
                              int64_t learner_version) {
@@ -36,7 +47,8 @@ SampleStats SummarizeSamples(const std::vector<opd::rpc::GeneratedSample>& sampl
 
 absl::StatusOr<std::unique_ptr<RolloutPool>> RolloutPool::Connect(
     const std::vector<std::string>& endpoints, const opd::rpc::ClientOptions& base,
-    const std::string& tokenizer_fingerprint, int64_t vocab_size) {
+    const std::string& tokenizer_fingerprint, int64_t vocab_size, const WeightPushOptions& push,
+    torch::Device learner_device) {
   if (endpoints.empty()) return absl::InvalidArgumentError("no rollout worker endpoints");
   auto pool = std::make_unique<RolloutPool>();
   pool->vocab_size_ = vocab_size;
@@ -58,7 +70,9 @@ absl::StatusOr<std::unique_ptr<RolloutPool>> RolloutPool::Connect(
           "rollout worker ", ep, " has tokenizer fingerprint ", info->tokenizer_fingerprint(),
           ", the student's is ", tokenizer_fingerprint));
     }
+    ASSIGN_OR_RETURN(auto pusher, WeightPusher::Connect(opts, *info, push, learner_device));
     pool->clients_.push_back(std::move(*client));
+    pool->pushers_.push_back(std::move(pusher));
   }
   return pool;
 }
@@ -160,25 +174,37 @@ absl::StatusOr<int64_t> RolloutPool::MaxWeightVersion() {
 }
 
 absl::Status RolloutPool::PushWeights(torch::nn::Module& model, int64_t version) {
-  auto weights = opd::rpc::WeightsOf(model);
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  for (const auto& p : model.named_parameters()) params.emplace_back(p.key(), p.value());
+  // The wire form (and its checksums) once per dtype the workers serve, not once per worker.
+  std::map<torch::Dtype, std::vector<opd::rpc::WireTensor>> wire;
+  torch::Tensor staging = torch::empty({int64_t{16} << 20}, torch::kUInt8);
+  for (const auto& p : pushers_) {
+    auto [it, added] = wire.try_emplace(p->wire_dtype());
+    if (!added) continue;
+    it->second = opd::rpc::WireTensorsOf(params, p->wire_dtype());
+    opd::rpc::ComputeChecksums(&it->second, staging);
+  }
   sent_version_.store(std::max(sent_version_.load(), version));
-  std::vector<std::future<absl::StatusOr<opd::v1::UpdateWeightsResponse>>> calls;
-  for (auto& c : clients_) {
-    calls.push_back(std::async(std::launch::async, [&c, &weights, version] {
-      return c->UpdateWeights(version, weights.views);
+  std::vector<std::future<absl::StatusOr<PushReport>>> calls;
+  for (auto& p : pushers_) {
+    const auto& tensors = wire.at(p->wire_dtype());
+    calls.push_back(std::async(std::launch::async, [&p, &tensors, version] {
+      return p->Push(tensors, version);
     }));
   }
   absl::Status first_error;
+  last_push_.assign(calls.size(), PushReport{});
   for (size_t i = 0; i < calls.size(); ++i) {
     auto r = calls[i].get();
-    absl::Status s = r.status();
-    if (s.ok() && r->version() != version) {
-      s = absl::DataLossError(absl::StrCat("serves version ", r->version(), " after the push"));
+    if (r.ok()) {
+      last_push_[i] = *r;
+      continue;
     }
-    if (!s.ok() && first_error.ok()) {
+    if (first_error.ok()) {
       first_error = absl::Status(
-          s.code(), absl::StrCat("weight push of version ", version, " to rollout worker ",
-                                 clients_[i]->address(), " failed: ", s.message()));
+          r.status().code(), absl::StrCat("weight push of version ", version, " to rollout worker ",
+                                          clients_[i]->address(), " failed: ", r.status().message()));
     }
   }
   if (first_error.ok()) acked_version_.store(version);

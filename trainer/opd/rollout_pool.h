@@ -17,6 +17,8 @@
 
 #include "absl/status/statusor.h"
 #include "rpc/client.h"
+#include "trainer/opd/opd_config.h"
+#include "trainer/opd/weight_push.h"
 
 namespace trainer {
 
@@ -29,12 +31,17 @@ struct SampleStats {
 SampleStats SummarizeSamples(const std::vector<opd::rpc::GeneratedSample>& samples,
                              int64_t learner_version);
 
+// The weight push settings of the rollout section (validated by ValidateOpdConfig).
+WeightPushOptions PushOptionsOf(const OpdRolloutConfig& r);
+
 class RolloutPool {
  public:
-  // Connects to every worker and checks that it serves the student's vocabulary and tokenizer.
+  // Connects to every worker and checks that it serves the student's vocabulary and tokenizer;
+  // with push.mode collective or auto, forms a weight group with each (trainer/opd/weight_push.h).
   static absl::StatusOr<std::unique_ptr<RolloutPool>> Connect(
       const std::vector<std::string>& endpoints, const opd::rpc::ClientOptions& base,
-      const std::string& tokenizer_fingerprint, int64_t vocab_size);
+      const std::string& tokenizer_fingerprint, int64_t vocab_size,
+      const WeightPushOptions& push = {}, torch::Device learner_device = torch::kCPU);
 
   // Samples `opts.samples_per_prompt` responses per prompt. Prompts are split into contiguous
   // shares, one per worker, sent in parallel; each share's seed is derived from (seed, first
@@ -43,9 +50,12 @@ class RolloutPool {
   absl::StatusOr<std::vector<opd::rpc::GeneratedSample>> Generate(
       const std::vector<std::vector<int32_t>>& prompts, const opd::rpc::GenerateOptions& opts);
 
-  // Sends every parameter of `model` to every worker as weight version `version` (in parallel).
-  // An error names the worker and the version.
+  // Sends `model`'s parameters to every worker as weight version `version` (in parallel), each in
+  // the worker's dtype and only those that changed since its last acknowledged push. An error
+  // names the worker and the version.
   absl::Status PushWeights(torch::nn::Module& model, int64_t version);
+  // What the last PushWeights sent to each worker (in endpoint order).
+  const std::vector<PushReport>& last_push() const { return last_push_; }
 
   // The highest weight version any worker serves (a restarted learner continues above it).
   absl::StatusOr<int64_t> MaxWeightVersion();
@@ -58,6 +68,8 @@ class RolloutPool {
                           const std::string& address) const;
 
   std::vector<std::unique_ptr<opd::rpc::RolloutClient>> clients_;
+  std::vector<std::unique_ptr<WeightPusher>> pushers_;  // one per client
+  std::vector<PushReport> last_push_;
   int64_t vocab_size_ = 0;
   // Weight versions: the newest one every worker acknowledged, and the newest one sent (a worker
   // may serve it before the push returns). -1: nothing pushed yet, versions are not checked.

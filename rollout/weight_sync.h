@@ -1,0 +1,88 @@
+// The rollout worker's side of collective weight sync (gRPC stays the control plane; see
+// JoinWeightGroup and SyncWeights in proto/opd/v1/rollout.proto for the protocol).
+//
+// The worker holds at most one c10d group: two ranks, the learner rank 0 (it serves the TCPStore
+// and broadcasts), this worker rank 1. Gloo on host tensors; NCCL when both sides are on CUDA.
+// With several workers, the learner forms one such group per worker. Joins and syncs run on a
+// thread of their own, one at a time, so the gRPC handlers only check requests and start them.
+//
+// A sync stages an announced update (rollout/weights.h: it starts from the serving weights),
+// feeds the broadcast buckets into it in manifest order, and commits through the same versioned
+// swap as UpdateWeights. Whatever goes wrong leaves the serving weights as they were: a checksum
+// mismatch or a missing tensor drops the staged update and is reported back to the learner; a
+// collective that fails (the learner died, or stalled past the group's timeout) is UNAVAILABLE
+// and also drops the group, which the learner forms again on its next connect.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <functional>
+#include <thread>
+
+#include <torch/types.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "opd/v1/rollout.pb.h"
+#include "rollout/weights.h"
+
+namespace lm::dist {
+class ProcessGroup;
+}
+
+namespace rollout {
+
+// The manifest's tensors as the weight store takes them.
+std::vector<AnnouncedTensor> Announced(const opd::v1::WeightManifest& m);
+std::optional<int64_t> BaseVersion(const opd::v1::WeightManifest& m);
+
+class WeightSyncReceiver {
+ public:
+  // `store` is not owned and must outlive this; `device` is where the model lives.
+  WeightSyncReceiver(WeightStore* store, torch::Device device);
+  ~WeightSyncReceiver();  // waits for a join or sync in progress (bounded by its timeout)
+  WeightSyncReceiver(const WeightSyncReceiver&) = delete;
+  WeightSyncReceiver& operator=(const WeightSyncReceiver&) = delete;
+
+  // Checks the request and starts joining the learner's group (replacing any previous one).
+  // INVALID_ARGUMENT for a bad field, UNAVAILABLE while a join or sync runs.
+  absl::StatusOr<opd::v1::JoinWeightGroupResponse> Join(const opd::v1::JoinWeightGroupRequest& req);
+  // Checks the request against the group and the model, stages the update and starts receiving
+  // it. The errors of SyncWeights in rollout.proto.
+  absl::StatusOr<opd::v1::SyncWeightsResponse> Start(const opd::v1::SyncWeightsRequest& req);
+
+  // What ended so far (for logs and tests, which wait on these instead of sleeping).
+  struct Stats {
+    int64_t joins = 0, syncs = 0;  // ended, successfully or not
+    absl::Status last_join, last_sync;
+  };
+  Stats stats() const;
+  // Whether `syncs` (and `joins`) reached at least these counts within `timeout`.
+  bool Await(int64_t joins, int64_t syncs, absl::Duration timeout) const;
+
+ private:
+  enum class State { kNone, kJoining, kReady, kSyncing };
+  void RunJoin(opd::v1::JoinWeightGroupRequest req, std::string backend);
+  void RunSync(opd::v1::SyncWeightsRequest req);
+  // Starts `fn` on the worker thread (the previous one has ended: the state said so).
+  void Launch(std::function<void()> fn);
+
+  WeightStore* const store_;
+  const torch::Device device_;
+  mutable absl::Mutex mu_;
+  State state_ ABSL_GUARDED_BY(mu_) = State::kNone;
+  std::string group_id_ ABSL_GUARDED_BY(mu_);
+  std::string backend_ ABSL_GUARDED_BY(mu_);
+  absl::Duration timeout_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<lm::dist::ProcessGroup> group_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<StagedWeights> pending_ ABSL_GUARDED_BY(mu_);  // staged, not yet receiving
+  Stats stats_ ABSL_GUARDED_BY(mu_);
+  std::thread worker_;  // started and joined under launch_mu_
+  absl::Mutex launch_mu_;
+};
+
+}  // namespace rollout

@@ -1,0 +1,73 @@
+// Weight updates on the wire, shared by the learner (which sends them) and the rollout worker
+// (which checks them): the per-tensor checksum (XXH64), the cast of a parameter into its wire
+// dtype a slice at a time, and the packing of several tensors' wire bytes into fixed-size buckets.
+//
+// The learner never builds a wire-dtype copy of the model: it casts slices of each parameter into
+// one reused buffer (a bucket), hashes or sends the bucket, and moves on.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "absl/status/status.h"
+
+namespace opd::rpc {
+
+// XXH64 with seed 0 (the reference algorithm, so that any xxhash implementation agrees), fed in
+// pieces of any size.
+class Xxh64 {
+ public:
+  Xxh64();
+  void Update(const void* data, size_t n);
+  uint64_t Digest() const;
+  static uint64_t Of(const void* data, size_t n);
+
+ private:
+  uint64_t v_[4];
+  uint64_t total_ = 0;
+  unsigned char buf_[32];
+  size_t buffered_ = 0;
+};
+
+// One parameter of an update as it travels.
+struct WireTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  torch::Dtype dtype = torch::kFloat32;  // the wire dtype
+  int64_t bytes = 0;                     // numel x element size of `dtype`
+  uint64_t checksum = 0;                 // XXH64 of the wire bytes
+  torch::Tensor source;                  // the parameter itself (any dtype and device)
+};
+
+// The named parameters of `params` in `dtype`, without their checksums.
+std::vector<WireTensor> WireTensorsOf(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                                      torch::Dtype dtype);
+
+// One piece of a bucket: bytes [offset, offset + bytes) of tensor `tensor` (an index into the
+// list given to PackBuckets), at `bucket_offset` in the bucket.
+struct BucketSegment {
+  size_t tensor = 0;
+  int64_t offset = 0;
+  int64_t bytes = 0;
+  int64_t bucket_offset = 0;
+};
+
+// Fills `bucket` (a contiguous uint8 tensor on any device; its size a multiple of 8) with the
+// consecutive wire bytes of tensors[which[0]], tensors[which[1]], ... (cast from their sources)
+// and calls on_bucket(bytes filled, segments) each time it is full and once at the end if
+// anything is left. Stops at the first error on_bucket returns. Zero-byte tensors appear as
+// zero-byte segments.
+using BucketFn = std::function<absl::Status(int64_t, const std::vector<BucketSegment>&)>;
+absl::Status PackBuckets(const std::vector<WireTensor>& tensors, const std::vector<size_t>& which,
+                         torch::Tensor& bucket, const BucketFn& on_bucket);
+
+// The checksums of every tensor (cast through `staging`, a CPU uint8 buffer, where the source is
+// not already a CPU tensor of the wire dtype).
+void ComputeChecksums(std::vector<WireTensor>* tensors, torch::Tensor& staging);
+
+}  // namespace opd::rpc
