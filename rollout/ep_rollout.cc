@@ -1,68 +1,272 @@
 #include "rollout/ep_rollout.h"
 
+#include <cstring>
 #include <stdexcept>
 
+#include <torch/torch.h>
+
+#include "absl/strings/str_cat.h"
+#include "lm/model/expert_parallel.h"
+#include "lm/model/model.h"
+#include "lm/util/status.h"
 #include "nlohmann/json.hpp"
+#include "rpc/tensor_codec.h"
 
 namespace rollout {
+namespace {
 
-std::string EncodeGenerate(const std::vector<std::vector<int64_t>>& prompts,
-                           const SamplingParams& params) {
-  // Requests are small (token ids); JSON keeps the format obvious. Doubles round-trip exactly.
-  nlohmann::json j = {{"prompts", prompts},
-                      {"samples_per_prompt", params.samples_per_prompt},
-                      {"temperature", params.temperature},
-                      {"top_k", params.top_k},
-                      {"top_p", params.top_p},
-                      {"max_new_tokens", params.max_new_tokens},
-                      {"stop_ids", params.stop_ids},
-                      {"seed", params.seed}};
-  return j.dump();
+// Command kinds (the first byte).
+constexpr char kGenerate = 'G', kBegin = 'B', kChunk = 'A', kCommit = 'C', kAbort = 'X';
+
+// A little binary writer/reader for the weight commands (chunks carry megabytes of raw bytes).
+void PutU64(std::string& out, uint64_t v) {
+  out.append(reinterpret_cast<const char*>(&v), 8);
 }
-
-absl::Status DecodeGenerate(const std::string& bytes, std::vector<std::vector<int64_t>>* prompts,
-                            SamplingParams* params) {
-  try {
-    const nlohmann::json j = nlohmann::json::parse(bytes);
-    *prompts = j.at("prompts").get<std::vector<std::vector<int64_t>>>();
-    params->samples_per_prompt = j.at("samples_per_prompt").get<int64_t>();
-    params->temperature = j.at("temperature").get<double>();
-    params->top_k = j.at("top_k").get<int64_t>();
-    params->top_p = j.at("top_p").get<double>();
-    params->max_new_tokens = j.at("max_new_tokens").get<int64_t>();
-    params->stop_ids = j.at("stop_ids").get<std::vector<int64_t>>();
-    params->seed = j.at("seed").get<uint64_t>();
-  } catch (const std::exception& e) {
-    return absl::InvalidArgumentError(std::string("malformed generate command: ") + e.what());
+void PutStr(std::string& out, std::string_view s) {
+  PutU64(out, s.size());
+  out.append(s.data(), s.size());
+}
+class Reader {
+ public:
+  explicit Reader(std::string_view s) : s_(s) {}
+  uint64_t U64() {
+    Need(8);
+    uint64_t v;
+    std::memcpy(&v, s_.data() + pos_, 8);
+    pos_ += 8;
+    return v;
   }
-  return absl::OkStatus();
+  std::string_view Str() {
+    const uint64_t n = U64();
+    Need(n);
+    std::string_view v = s_.substr(pos_, n);
+    pos_ += n;
+    return v;
+  }
+
+ private:
+  void Need(uint64_t n) const {
+    if (pos_ + n > s_.size()) throw std::runtime_error("truncated expert-parallel command");
+  }
+  std::string_view s_;
+  size_t pos_ = 0;
+};
+
+std::string Header(char kind, uint64_t id) {
+  std::string out(1, kind);
+  PutU64(out, id);
+  return out;
 }
 
-SampleFn LeaderSampler(opd::rpc::EpGroup* group) {
-  return [group](const Snapshot& snapshot, const std::vector<std::vector<int64_t>>& prompts,
-                 const SamplingParams& params, const std::function<void(Sample)>& on_sample,
-                 const std::function<bool()>& cancelled) -> absl::Status {
-    return group->Run(EncodeGenerate(prompts, params), [&](const std::string&) {
-      return SampleResponses(
-                 *snapshot.model, prompts, params, on_sample,
-                 [&] { return group->AnyRank(cancelled && cancelled()); }, snapshot.lm_head.get())
-          .status();
+bool IsFusedExperts(std::string_view name) {
+  auto ends = [&](std::string_view suffix) {
+    return name.size() >= suffix.size() && name.substr(name.size() - suffix.size()) == suffix;
+  };
+  return ends(".experts.gate_up_proj") || ends(".experts.down_proj");
+}
+
+}  // namespace
+
+EpRollout::EpRollout(opd::rpc::EpGroup* group, WeightStore* store) : group_(group), store_(store) {}
+EpRollout::~EpRollout() = default;
+
+// ---- Generate ----
+
+absl::Status EpRollout::SampleLocal(const std::string& command, const Snapshot* leader_snapshot,
+                                    const std::function<void(Sample)>& on_sample,
+                                    const std::function<bool()>& cancelled) {
+  const nlohmann::json j = nlohmann::json::parse(command.substr(1));
+  const auto prompts = j.at("prompts").get<std::vector<std::vector<int64_t>>>();
+  SamplingParams p;
+  p.samples_per_prompt = j.at("samples_per_prompt").get<int64_t>();
+  p.temperature = j.at("temperature").get<double>();
+  p.top_k = j.at("top_k").get<int64_t>();
+  p.top_p = j.at("top_p").get<double>();
+  p.max_new_tokens = j.at("max_new_tokens").get<int64_t>();
+  p.stop_ids = j.at("stop_ids").get<std::vector<int64_t>>();
+  p.seed = j.at("seed").get<uint64_t>();
+  const int64_t version = j.at("version").get<int64_t>();
+  const Snapshot snapshot = leader_snapshot ? *leader_snapshot : store_->Current();
+  // Every rank must sample with the same weights: the followers have only the serving ones.
+  if (group_->AnyRank(store_->Current().version != version))
+    return absl::AbortedError(absl::StrCat("weight version ", version,
+                                           " was replaced while this request waited for the "
+                                           "expert-parallel group; retry"));
+  return SampleResponses(
+             *snapshot.model, prompts, p, on_sample,
+             [&] { return group_->AnyRank(cancelled && cancelled()); }, snapshot.lm_head.get())
+      .status();
+}
+
+SampleFn EpRollout::Sampler() {
+  return [this](const Snapshot& snapshot, const std::vector<std::vector<int64_t>>& prompts,
+                const SamplingParams& params, const std::function<void(Sample)>& on_sample,
+                const std::function<bool()>& cancelled) -> absl::Status {
+    // Requests are small (token ids); JSON keeps the format obvious. Doubles round-trip exactly.
+    const nlohmann::json j = {{"prompts", prompts},
+                              {"samples_per_prompt", params.samples_per_prompt},
+                              {"temperature", params.temperature},
+                              {"top_k", params.top_k},
+                              {"top_p", params.top_p},
+                              {"max_new_tokens", params.max_new_tokens},
+                              {"stop_ids", params.stop_ids},
+                              {"seed", params.seed},
+                              {"version", snapshot.version}};
+    return group_->Run(std::string(1, kGenerate) + j.dump(), [&](const std::string& command) {
+      return SampleLocal(command, &snapshot, on_sample, cancelled);
     });
   };
 }
 
-opd::rpc::EpGroup::Work FollowerSampler(opd::rpc::EpGroup* group, WeightStore* store) {
-  return [group, store](const std::string& command) -> absl::Status {
-    std::vector<std::vector<int64_t>> prompts;
-    SamplingParams params;
-    if (absl::Status st = DecodeGenerate(command, &prompts, &params); !st.ok())
-      throw std::runtime_error(std::string(st.message()));
-    const Snapshot snapshot = store->Current();
-    return SampleResponses(
-               *snapshot.model, prompts, params, [](Sample) {},
-               [group] { return group->AnyRank(false); }, snapshot.lm_head.get())
-        .status();
+opd::rpc::EpGroup::Work EpRollout::FollowerWork() {
+  return [this](const std::string& command) -> absl::Status {
+    if (command.empty()) throw std::runtime_error("empty expert-parallel command");
+    if (command[0] == kGenerate)
+      return SampleLocal(
+          command, nullptr, [](Sample) {}, nullptr);
+    return Apply(command);
   };
+}
+
+// ---- weight pushes ----
+
+absl::Status EpRollout::Apply(const std::string& command) {
+  Reader r(std::string_view(command).substr(1));
+  const uint64_t id = r.U64();
+  switch (command[0]) {
+    case kBegin: {
+      const int64_t version = static_cast<int64_t>(r.U64());
+      auto staged = store_->Stage(version);  // this rank's shapes: its experts only
+      if (!staged.ok()) return staged.status();
+      staging_[id].staged = std::move(*staged);
+      return absl::OkStatus();
+    }
+    case kChunk: {
+      ChunkView v;
+      v.name = r.Str();
+      const uint64_t dims = r.U64();
+      for (uint64_t i = 0; i < dims; ++i) v.shape.push_back(static_cast<int64_t>(r.U64()));
+      v.dtype = r.Str();
+      v.offset = static_cast<int64_t>(r.U64());
+      v.data = r.Str();
+      return AddLocal(id, v);
+    }
+    case kCommit:
+      return CommitLocal(id);
+    case kAbort:
+      staging_.erase(id);
+      return absl::OkStatus();
+  }
+  throw std::runtime_error(absl::StrCat("unknown expert-parallel command ", int{command[0]}));
+}
+
+absl::Status EpRollout::AddLocal(uint64_t id, const ChunkView& chunk) {
+  auto it = staging_.find(id);
+  if (it == staging_.end()) return absl::FailedPreconditionError("no such update");
+  Staging& s = it->second;
+  // The whole tensor's byte order is checked here, on every rank, so that a rank that keeps
+  // none of a chunk still refuses what the others refuse.
+  if (chunk.name != s.name) {
+    s.name = std::string(chunk.name);
+    s.expected = 0;
+  }
+  if (chunk.offset != s.expected)
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", s.name, "': chunk at byte ",
+                                                   chunk.offset, ", expected byte ", s.expected));
+  s.expected += static_cast<int64_t>(chunk.data.size());
+  const lm::ModelConfig& c = store_->Current().model->config();
+  const bool sharded = c.local_experts > 0 && c.local_experts != c.num_experts;
+  absl::Status st;
+  if (!sharded || !IsFusedExperts(chunk.name) || chunk.shape.empty()) {
+    st = s.staged->Add(chunk);
+  } else if (chunk.shape[0] != c.num_experts) {
+    st = absl::InvalidArgumentError(absl::StrCat("tensor '", std::string(chunk.name),
+                                                 "': ", chunk.shape[0], " experts, the model has ",
+                                                 c.num_experts));
+  } else {
+    // This rank's rows [first, first + count) of the [E, ...] tensor, in wire bytes.
+    auto wire = opd::rpc::DtypeFromName(std::string(chunk.dtype));
+    if (!wire.ok()) return wire.status();
+    int64_t row = static_cast<int64_t>(c10::elementSize(*wire));
+    for (size_t d = 1; d < chunk.shape.size(); ++d) row *= chunk.shape[d];
+    const int64_t lo = c.expert_first * row, hi = (c.expert_first + c.local_experts) * row;
+    const int64_t begin = std::max(lo, chunk.offset),
+                  end = std::min(hi, chunk.offset + static_cast<int64_t>(chunk.data.size()));
+    if (begin >= end) return absl::OkStatus();  // none of it is this rank's
+    ChunkView mine = chunk;
+    mine.shape[0] = c.local_experts;
+    mine.offset = begin - lo;
+    mine.data = chunk.data.substr(begin - chunk.offset, end - begin);
+    st = s.staged->Add(mine);
+  }
+  if (!st.ok() && s.error.ok()) s.error = st;
+  return st;
+}
+
+absl::Status EpRollout::CommitLocal(uint64_t id) {
+  auto it = staging_.find(id);
+  absl::Status mine = it == staging_.end()     ? absl::FailedPreconditionError("no such update")
+                      : !it->second.error.ok() ? it->second.error
+                                               : it->second.staged->CheckComplete();
+  std::unique_ptr<StagedWeights> staged;
+  if (it != staging_.end()) {
+    staged = std::move(it->second.staged);
+    staging_.erase(it);
+  }
+  // All ranks swap, or none: a copy incomplete anywhere keeps every rank on the old weights.
+  if (group_->AnyRank(!mine.ok())) {
+    if (!mine.ok()) return mine;
+    return absl::InvalidArgumentError(
+        "another rank's copy of the update is incomplete; no rank swapped (see its log)");
+  }
+  // The new model's MoE layers run on the group like the old one's (inside this command: no
+  // sampling sees the new weights before they do).
+  auto ep = lm::ExpertParallelOf(*store_->Current().model);
+  RETURN_IF_ERROR(store_->Commit(std::move(staged)));
+  lm::AttachExpertParallel(*store_->Current().model, std::move(ep));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<EpRollout::Update>> EpRollout::BeginUpdate(int64_t version) {
+  const uint64_t id = next_id_++;
+  std::string command = Header(kBegin, id);
+  PutU64(command, static_cast<uint64_t>(version));
+  std::unique_ptr<Update> update(new Update(this, id, version));
+  absl::Status st = group_->Run(command, [this](const std::string& cmd) { return Apply(cmd); });
+  if (!st.ok()) {
+    update->open_ = false;  // staging failed the same way on every rank: nothing to drop
+    return st;
+  }
+  return update;
+}
+
+absl::Status EpRollout::Update::Add(const ChunkView& chunk) {
+  std::string command = Header(kChunk, id_);
+  PutStr(command, chunk.name);
+  PutU64(command, chunk.shape.size());
+  for (int64_t d : chunk.shape) PutU64(command, static_cast<uint64_t>(d));
+  PutStr(command, chunk.dtype);
+  PutU64(command, static_cast<uint64_t>(chunk.offset));
+  PutStr(command, chunk.data);
+  if (chunk.name != last_name_) {
+    last_name_ = std::string(chunk.name);
+    ++tensors_;
+  }
+  bytes_ += static_cast<int64_t>(chunk.data.size());
+  return ep_->group_->Run(command, [this](const std::string& cmd) { return ep_->Apply(cmd); });
+}
+
+absl::Status EpRollout::Update::Commit() {
+  open_ = false;
+  return ep_->group_->Run(Header(kCommit, id_),
+                          [this](const std::string& cmd) { return ep_->Apply(cmd); });
+}
+
+EpRollout::Update::~Update() {
+  if (!open_) return;
+  // An update that failed or was interrupted: every rank drops its staged copy.
+  ep_->group_->Run(Header(kAbort, id_), [this](const std::string& cmd) { return ep_->Apply(cmd); })
+      .IgnoreError();
 }
 
 }  // namespace rollout

@@ -1,13 +1,27 @@
 // opd-rollout under expert parallelism (rpc/ep_group.h), on the static sampler (the paged engine
-// is single-process): rank 0 sends each Generate request (prompts and sampling parameters, seed
-// included) to the followers as one command, and every rank runs SampleResponses on it with its
-// own shard of the weights. The computation is the same on every rank (the MoE all-reduces give
-// every rank the same bytes, the sampling is seeded per sample), so every rank draws the same
-// tokens, takes the same number of decode steps and pairs its collectives with the others'; only
-// rank 0 streams samples back. Cancellation (the client left) is agreed on at every decode step
-// (one tiny all-reduce), so that all ranks stop at the same step.
+// is single-process).
+//
+// Generate: rank 0 sends each request (prompts, sampling parameters and seed, and the weight
+// version its snapshot holds) to the followers as one command, and every rank runs
+// SampleResponses on it with its own shard of the weights. The computation is the same on every
+// rank (the MoE all-reduces give every rank the same bytes, the sampling is seeded per sample),
+// so every rank draws the same tokens, takes the same number of decode steps and pairs its
+// collectives with the others'; only rank 0 streams samples back. Cancellation (the client left)
+// is agreed on at every decode step (one tiny all-reduce). A request whose snapshot is no longer
+// the serving version when its turn on the group comes (an update committed while it waited) is
+// ABORTED, to be retried: the followers hold only the serving weights.
+//
+// Weight pushes (full UpdateWeights streams): rank 0 receives the chunks over gRPC and sends each
+// one to the group; every rank stages the version (its own shard's shapes) and keeps the bytes
+// of its experts' rows of each fused expert tensor, all of every replicated tensor. At the end
+// every rank checks its copy and they commit together (all or none), with the same versioned
+// atomic swap as one process. Announced (changed-only) updates and the collective weight sync
+// are refused with FAILED_PRECONDITION: send every tensor.
 #pragma once
 
+#include <cstdint>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -19,16 +33,63 @@
 
 namespace rollout {
 
-// Rank 0's static sampler: each call runs on the whole group.
-SampleFn LeaderSampler(opd::rpc::EpGroup* group);
-// A follower's work: samples each request rank 0 sends with `store`'s current weights, and drops
-// the samples.
-opd::rpc::EpGroup::Work FollowerSampler(opd::rpc::EpGroup* group, WeightStore* store);
+class EpRollout {
+ public:
+  // Neither is owned; both outlive this.
+  EpRollout(opd::rpc::EpGroup* group, WeightStore* store);
+  ~EpRollout();
 
-// The wire form of one request.
-std::string EncodeGenerate(const std::vector<std::vector<int64_t>>& prompts,
-                           const SamplingParams& params);
-absl::Status DecodeGenerate(const std::string& bytes, std::vector<std::vector<int64_t>>* prompts,
-                            SamplingParams* params);
+  // Rank 0's static sampler: each call runs on the whole group.
+  SampleFn Sampler();
+  // A follower's work: every command rank 0 sends.
+  opd::rpc::EpGroup::Work FollowerWork();
+
+  // One weight push on rank 0; dropping it unfinished drops every rank's staged copy.
+  class Update {
+   public:
+    ~Update();
+    // INVALID_ARGUMENT as StagedWeights::Add (a chunk out of order, of a wrong shape, ...).
+    absl::Status Add(const ChunkView& chunk);
+    // Every rank's copy complete: all swap in; else none does (the error names why).
+    absl::Status Commit();
+    int64_t version() const { return version_; }
+    int64_t tensors() const { return tensors_; }  // received over gRPC
+    int64_t bytes() const { return bytes_; }
+
+   private:
+    friend class EpRollout;
+    Update(EpRollout* ep, uint64_t id, int64_t version) : ep_(ep), id_(id), version_(version) {}
+    EpRollout* ep_;
+    uint64_t id_;
+    int64_t version_;
+    bool open_ = true;
+    std::string last_name_;
+    int64_t tensors_ = 0, bytes_ = 0;
+  };
+  // Stages `version` on every rank (FAILED_PRECONDITION when not above the serving version).
+  absl::StatusOr<std::unique_ptr<Update>> BeginUpdate(int64_t version);
+
+ private:
+  // Runs a weight command on this rank (every rank runs each one).
+  absl::Status Apply(const std::string& command);
+  absl::Status AddLocal(uint64_t id, const ChunkView& chunk);
+  absl::Status CommitLocal(uint64_t id);
+  absl::Status SampleLocal(const std::string& command, const Snapshot* leader_snapshot,
+                           const std::function<void(Sample)>& on_sample,
+                           const std::function<bool()>& cancelled);
+
+  struct Staging {
+    std::unique_ptr<StagedWeights> staged;
+    std::string name;      // tensor whose chunks are arriving
+    int64_t expected = 0;  // its next byte (of the whole tensor)
+    absl::Status error;    // the first chunk this rank could not take
+  };
+
+  opd::rpc::EpGroup* group_;
+  WeightStore* store_;
+  uint64_t next_id_ = 1;  // rank 0
+  // Touched only inside group commands: serialised by the group on rank 0, one thread elsewhere.
+  std::map<uint64_t, Staging> staging_;
+};
 
 }  // namespace rollout

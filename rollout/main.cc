@@ -11,6 +11,7 @@
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "rollout/engine.h"
+#include "rollout/ep_rollout.h"
 #include "rollout/service.h"
 #include "rpc/auth.h"
 #include "rpc/model_server.h"
@@ -39,7 +40,12 @@ constexpr const char* kServiceName = "opd.v1.Rollout";
 
 absl::Status Run() {
   ASSIGN_OR_RETURN(opd::rpc::LoadedModel loaded, opd::rpc::LoadServedModel());
-  const std::string engine_kind = absl::GetFlag(FLAGS_engine);
+  std::string engine_kind = absl::GetFlag(FLAGS_engine);
+  // Expert parallelism runs the static sampler on every rank (rollout/ep_rollout.h).
+  if (loaded.ep && engine_kind == "paged") {
+    lm::log::Info("expert parallelism: the static sampler (the paged engine is single-process)");
+    engine_kind = "static";
+  }
   if (engine_kind != "paged" && engine_kind != "static")
     return absl::InvalidArgumentError(
         absl::StrCat("--engine=", engine_kind, " is neither paged nor static"));
@@ -77,6 +83,14 @@ absl::Status Run() {
   const opd::v1::ServiceInfo info = loaded.Info(kServiceName, so.limits.max_seq_len);
   // The store owns the model from here on: an update replaces it and frees the old weights.
   rollout::WeightStore store(std::move(loaded.model));
+  std::unique_ptr<rollout::EpRollout> ep;
+  if (loaded.ep) {
+    ep = std::make_unique<rollout::EpRollout>(loaded.ep.get(), &store);
+    if (loaded.follower())
+      return opd::rpc::FollowUntilStopped("opd-rollout", loaded, ep->FollowerWork());
+    so.sample = ep->Sampler();
+    so.expert_parallel = ep.get();
+  }
   opd::rpc::Authenticator auth(loaded.secret);
   // The paged engine: its pool is --kv-cache-gb, allocated once here and shared by all requests
   // (a request with a sequence that cannot fit it is refused). --kv-budget-gb still caps what one

@@ -9,6 +9,7 @@
 #include "lm/model/model.h"
 #include "lm/util/threads.h"
 #include "rollout/engine.h"
+#include "rollout/ep_rollout.h"
 #include "rpc/codec.h"
 #include "rpc/status.h"
 
@@ -45,8 +46,9 @@ opd::v1::Sample ToProto(const Sample& s, int64_t version) {
 // deletes itself in OnDone, after joining the sampler thread.
 class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
  public:
-  GenerateReactor(grpc::CallbackServerContext* ctx, std::atomic<int>* running, Engine* engine)
-      : ctx_(ctx), running_(running), engine_(engine) {}
+  GenerateReactor(grpc::CallbackServerContext* ctx, std::atomic<int>* running, Engine* engine,
+                  const SampleFn* sample = nullptr)
+      : ctx_(ctx), running_(running), engine_(engine), sample_(sample) {}
 
   // Starts sampling on a thread of its own; the caller has taken a generation slot for it.
   void Start(Snapshot snapshot, std::vector<std::vector<int64_t>> prompts, SamplingParams params) {
@@ -79,6 +81,10 @@ class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
     try {
       if (engine_)
         return engine_->Generate(
+            snapshot, prompts, params, [&](Sample s) { Queue(ToProto(s, snapshot.version)); },
+            [this] { return broken_.load() || ctx_->IsCancelled(); });
+      if (sample_)
+        return (*sample_)(
             snapshot, prompts, params, [&](Sample s) { Queue(ToProto(s, snapshot.version)); },
             [this] { return broken_.load() || ctx_->IsCancelled(); });
       return SampleResponses(
@@ -118,6 +124,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
   grpc::CallbackServerContext* ctx_;
   std::atomic<int>* running_;
   Engine* engine_;  // null: the static sampler
+  const SampleFn* sample_;  // the static sampler's replacement (expert parallelism), or null
   std::thread thread_;
   bool holds_slot_ = false;
   std::atomic<bool> broken_{false};  // a write failed
@@ -133,8 +140,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
 class UpdateReactor final : public grpc::ServerReadReactor<opd::v1::WeightChunk> {
  public:
   UpdateReactor(grpc::CallbackServerContext* ctx, WeightStore* store,
-                opd::v1::UpdateWeightsResponse* resp)
-      : ctx_(ctx), store_(store), resp_(resp) {}
+                opd::v1::UpdateWeightsResponse* resp, EpRollout* ep = nullptr)
+      : ctx_(ctx), store_(store), resp_(resp), ep_(ep) {}
 
   void Begin() { StartRead(&chunk_); }
   void Refuse(const grpc::Status& why) { Finish(why); }
@@ -153,6 +160,7 @@ class UpdateReactor final : public grpc::ServerReadReactor<opd::v1::WeightChunk>
 
  private:
   absl::Status Apply() {
+    if (ep_) return ApplyExpertParallel();
     if (!staged_) {
       // A manifest in the first chunk: only the tensors it names come (onto the serving weights).
       auto staged = chunk_.has_manifest()
@@ -179,10 +187,43 @@ class UpdateReactor final : public grpc::ServerReadReactor<opd::v1::WeightChunk>
     return staged_->Add(v);
   }
 
+  // Expert parallelism: every chunk goes to every rank, each keeps its own experts' bytes.
+  absl::Status ApplyExpertParallel() {
+    if (chunk_.has_manifest())
+      return absl::FailedPreconditionError(
+          "an expert-parallel rollout takes full updates only (no manifest): send every tensor");
+    if (!ep_update_) {
+      auto update = ep_->BeginUpdate(chunk_.version());
+      if (!update.ok()) return update.status();
+      ep_update_ = std::move(*update);
+    } else if (chunk_.version() != ep_update_->version()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk of tensor '", chunk_.name(), "' has version ", chunk_.version(),
+                       " in a stream of version ", ep_update_->version()));
+    }
+    ChunkView v;
+    v.name = chunk_.name();
+    v.shape.assign(chunk_.shape().begin(), chunk_.shape().end());
+    v.dtype = chunk_.dtype();
+    v.offset = chunk_.offset();
+    v.data = chunk_.data();
+    return ep_update_->Add(v);
+  }
+
   // Reads end at the client's half-close, or because the call broke: only the first commits.
   void EndOfStream() {
     if (ctx_->IsCancelled())
       return Finish(grpc::Status(grpc::StatusCode::CANCELLED, "update interrupted"));
+    if (ep_update_) {
+      absl::Status st = ep_update_->Commit();
+      if (st.ok()) {
+        resp_->set_version(ep_update_->version());
+        resp_->set_tensors(ep_update_->tensors());
+        resp_->set_bytes(ep_update_->bytes());
+      }
+      ep_update_.reset();
+      return Finish(opd::rpc::ToGrpc(st));
+    }
     if (!staged_)
       return Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty update: no chunks"));
     const int64_t version = staged_->version(), tensors = staged_->tensors_received(),
@@ -201,6 +242,8 @@ class UpdateReactor final : public grpc::ServerReadReactor<opd::v1::WeightChunk>
   opd::v1::UpdateWeightsResponse* resp_;
   opd::v1::WeightChunk chunk_;
   std::unique_ptr<StagedWeights> staged_;
+  EpRollout* ep_;
+  std::unique_ptr<EpRollout::Update> ep_update_;  // dropped unfinished: every rank drops its copy
 };
 
 }  // namespace
@@ -218,7 +261,8 @@ RolloutService::~RolloutService() = default;
 
 grpc::ServerWriteReactor<opd::v1::Sample>* RolloutService::Generate(
     grpc::CallbackServerContext* ctx, const opd::v1::GenerateRequest* req) {
-  auto* reactor = new GenerateReactor(ctx, &running_, opts_.engine);
+  auto* reactor =
+      new GenerateReactor(ctx, &running_, opts_.engine, opts_.sample ? &opts_.sample : nullptr);
   if (grpc::Status auth = auth_->Check(*ctx); !auth.ok()) {
     reactor->Refuse(auth);
     return reactor;
@@ -244,7 +288,7 @@ grpc::ServerWriteReactor<opd::v1::Sample>* RolloutService::Generate(
 
 grpc::ServerReadReactor<opd::v1::WeightChunk>* RolloutService::UpdateWeights(
     grpc::CallbackServerContext* ctx, opd::v1::UpdateWeightsResponse* resp) {
-  auto* reactor = new UpdateReactor(ctx, store_, resp);
+  auto* reactor = new UpdateReactor(ctx, store_, resp, opts_.expert_parallel);
   // Weight updates always need the secret, configured or not.
   if (grpc::Status auth = auth_->Check(*ctx, /*always_required=*/true); !auth.ok()) {
     reactor->Refuse(auth);

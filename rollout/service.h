@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 
 #include <grpcpp/grpcpp.h>
@@ -17,6 +18,13 @@
 namespace rollout {
 
 class Engine;
+class EpRollout;
+
+// A static sampler call (SampleResponses' contract) for a request on `snapshot`.
+using SampleFn = std::function<absl::Status(
+    const Snapshot& snapshot, const std::vector<std::vector<int64_t>>& prompts,
+    const SamplingParams& params, const std::function<void(Sample)>& on_sample,
+    const std::function<bool()>& cancelled)>;
 
 struct ServiceOptions {
   GenerateLimits limits;
@@ -24,6 +32,11 @@ struct ServiceOptions {
   // When set (not owned), generations run on the continuous-batching engine (rollout/engine.h);
   // else each on the static sampler (SampleResponses).
   Engine* engine = nullptr;
+  // When set (and no engine), the static sampler's calls go through it: expert parallelism runs
+  // each request on every rank (rollout/ep_rollout.h).
+  SampleFn sample;
+  // Expert parallelism (not owned): UpdateWeights streams go to every rank through it.
+  EpRollout* expert_parallel = nullptr;
 };
 
 class RolloutService final : public opd::v1::Rollout::CallbackService {

@@ -27,6 +27,7 @@
 #include "lm/model/model.h"
 #include "nlohmann/json.hpp"
 #include "rpc/client.h"
+#include "rpc/tensor_codec.h"
 
 namespace {
 
@@ -54,7 +55,7 @@ std::vector<std::vector<int32_t>> Sequences(const std::string& fixture) {
 class Group {
  public:
   Group(const std::string& binary, const std::string& model, int world,
-        const std::vector<std::string>& extra = {})
+        const std::vector<std::string>& extra = {}, const std::vector<std::string>& extra_env = {})
       : dir_(TempDir("group")) {
     const std::string master = std::to_string(testing_util::FreeLoopbackPort());
     for (int r = 0; r < world; ++r) {
@@ -70,6 +71,7 @@ class Group {
       if (world > 1)
         env = {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world),
                "LOCAL_RANK=" + std::to_string(r), "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + master};
+      env.insert(env.end(), extra_env.begin(), extra_env.end());
       ranks_.push_back(std::make_unique<ChildProcess>(
           argv, (dir_ / ("rank" + std::to_string(r) + ".log")).string(), env));
     }
@@ -88,9 +90,10 @@ class Group {
   }
 
   bool ok() const { return port_ > 0; }
-  opd::rpc::ClientOptions Options() const {
+  opd::rpc::ClientOptions Options(const std::string& secret = "") const {
     opd::rpc::ClientOptions o;
     o.address = "127.0.0.1:" + std::to_string(port_);
+    o.secret = secret;
     o.timeout = absl::Seconds(120);
     return o;
   }
@@ -241,8 +244,9 @@ TEST(TeacherFailure, FollowerKilledMidRequestGivesUnavailable) {
   EXPECT_EQ(g.rank(0).Stop(), 1) << g.Logs();
 }
 
-std::vector<opd::rpc::GeneratedSample> Generate(const Group& g, uint64_t seed) {
-  auto client = opd::rpc::RolloutClient::Create(g.Options());
+std::vector<opd::rpc::GeneratedSample> Generate(const Group& g, uint64_t seed,
+                                                const std::string& secret = "") {
+  auto client = opd::rpc::RolloutClient::Create(g.Options(secret));
   EXPECT_TRUE(client.ok()) << client.status();
   std::vector<std::vector<int32_t>> prompts;
   for (const auto& s : Sequences(kMoe))
@@ -281,6 +285,68 @@ TEST(RolloutParity, TwoRanksSampleTheSameTokensAsOne) {
   EXPECT_NE(want[0][0].tokens, want[1][0].tokens);
   EXPECT_EQ(two.rank(0).Stop(), 0) << two.Logs();
   EXPECT_EQ(two.rank(1).Wait(std::chrono::seconds(60)), 0) << two.Logs();
+}
+
+constexpr const char* kSecret = "ep-test-secret";
+
+void ExpectSameSamples(const std::vector<opd::rpc::GeneratedSample>& got,
+                       const std::vector<opd::rpc::GeneratedSample>& want, int64_t version) {
+  ASSERT_EQ(got.size(), want.size());
+  ASSERT_FALSE(got.empty());
+  for (size_t s = 0; s < got.size(); ++s) {
+    EXPECT_EQ(got[s].tokens, want[s].tokens) << "sample " << s;
+    EXPECT_LE(MaxAbsDiff(got[s].logprobs, want[s].logprobs), 1e-5);
+    EXPECT_EQ(got[s].weight_version, version);
+  }
+}
+
+// A full weight push to a 2-rank rollout: each rank keeps its shard, both swap to the new
+// version, and sampling equals one rank serving the new weights from disk. Chunks of 1000 bytes
+// straddle the experts' row boundaries. An incomplete push and a stale version change nothing.
+TEST(RolloutWeights, PushToTwoRanksSwapsEveryRanksShard) {
+  const fs::path dir = TempDir("weights");
+  std::shared_ptr<lm::CausalLM> fresh;
+  {
+    auto base = lm::LoadModel(kMoe + "/model");
+    ASSERT_TRUE(base.ok()) << base.status();
+    auto created = lm::CreateModel((*base)->config());
+    ASSERT_TRUE(created.ok());
+    fresh = *created;
+    fresh->InitWeights(0.05, 7);
+    ASSERT_TRUE(lm::SaveModel(*fresh, (dir / "new").string()).ok());
+  }
+  const std::string bin = kBin + "/rollout/opd-rollout";
+  const std::vector<std::string> env = {std::string("OPD_SECRET=") + kSecret};
+  std::vector<opd::rpc::GeneratedSample> want;
+  {
+    Group one(bin, (dir / "new").string(), 1, {"--engine=static"}, env);
+    ASSERT_TRUE(one.ok()) << one.Logs();
+    want = Generate(one, 3, kSecret);
+  }
+  Group two(bin, kMoe + "/model", 2, {}, env);
+  ASSERT_TRUE(two.ok()) << two.Logs();
+  const auto before = Generate(two, 3, kSecret);
+  auto client = opd::rpc::RolloutClient::Create(two.Options(kSecret));
+  ASSERT_TRUE(client.ok());
+  opd::rpc::ModuleWeights w = opd::rpc::WeightsOf(*fresh);
+  auto pushed = (*client)->UpdateWeights(1, w.views, 1000);
+  ASSERT_TRUE(pushed.ok()) << pushed.status() << "\n" << two.Logs();
+  EXPECT_EQ(pushed->version(), 1);
+  EXPECT_EQ(pushed->tensors(), static_cast<int64_t>(w.views.size()));
+  ExpectSameSamples(Generate(two, 3, kSecret), want, 1);
+
+  // Incomplete (the last tensor left out): refused, every rank keeps version 1.
+  std::vector<opd::rpc::WeightTensor> partial(w.views.begin(), w.views.end() - 1);
+  auto refused = (*client)->UpdateWeights(2, partial, 1000);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  auto stale = (*client)->UpdateWeights(1, w.views, 1 << 20);
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition) << stale.status();
+  ExpectSameSamples(Generate(two, 3, kSecret), want, 1);
+  // The push changed what is sampled (the comparison is not of unchanged weights).
+  EXPECT_NE(before[0].tokens, want[0].tokens);
+  EXPECT_EQ(two.rank(0).Stop(), 0) << two.Logs();
+  EXPECT_EQ(two.rank(1).Wait(std::chrono::seconds(60)), 0) << two.Logs();
+  fs::remove_all(dir);
 }
 
 // Runs a server that must refuse its flags; returns {exit code, output}.

@@ -42,6 +42,13 @@ void AttachExpertParallel(CausalLM& model, std::shared_ptr<const ExpertParallel>
   }
 }
 
+std::shared_ptr<const ExpertParallel> ExpertParallelOf(CausalLM& model) {
+  for (auto& m : model.modules(/*include_self=*/false)) {
+    if (auto* experts = m->as<ExpertsImpl>()) return experts->ep;
+  }
+  return nullptr;
+}
+
 torch::Tensor ExpertParallelExperts(const ExpertParallel& ep, const torch::Tensor& x,
                                     const Routing& r, const ExpertsImpl& experts) {
   const int64_t k = r.ids.size(1);

@@ -60,6 +60,8 @@ struct ExpertParallel {
 
 // Attaches `ep` to every MoE layer of `model` (whose config went through ShardConfig).
 void AttachExpertParallel(CausalLM& model, std::shared_ptr<const ExpertParallel> ep);
+// What `model`'s MoE layers run under; null when none (one process, or no MoE layer).
+std::shared_ptr<const ExpertParallel> ExpertParallelOf(CausalLM& model);
 
 // The experts' output [T, H] for routing `r` of rows x [T, H], summed over the group; `experts`
 // holds the local range only. Throws CollectiveError when the all-reduce fails.
