@@ -261,16 +261,20 @@ std::vector<opd::rpc::GeneratedSample> Generate(const Group& g, uint64_t seed,
 }
 
 // A 2-rank rollout (static sampler on both ranks) samples the tokens one rank samples, with the
-// same log-probs, for each seed; SIGTERM to rank 0 ends both ranks with 0.
-TEST(RolloutParity, TwoRanksSampleTheSameTokensAsOne) {
+// same log-probs, for each seed (Qwen3-MoE, and Qwen3-Next with its recurrent decode state);
+// SIGTERM to rank 0 ends both ranks with 0.
+class RolloutParity : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(RolloutParity, TwoRanksSampleTheSameTokensAsOne) {
   const std::string bin = kBin + "/rollout/opd-rollout";
+  const std::string model = GetParam() + "/model";
   std::vector<std::vector<opd::rpc::GeneratedSample>> want;
   {
-    Group one(bin, kMoe + "/model", 1, {"--engine=static"});
+    Group one(bin, model, 1, {"--engine=static"});
     ASSERT_TRUE(one.ok()) << one.Logs();
     for (uint64_t seed : {1, 2}) want.push_back(Generate(one, seed));
   }
-  Group two(bin, kMoe + "/model", 2);
+  Group two(bin, model, 2);
   ASSERT_TRUE(two.ok()) << two.Logs();
   for (size_t i = 0; i < want.size(); ++i) {
     const auto got = Generate(two, i + 1);
@@ -286,6 +290,11 @@ TEST(RolloutParity, TwoRanksSampleTheSameTokensAsOne) {
   EXPECT_EQ(two.rank(0).Stop(), 0) << two.Logs();
   EXPECT_EQ(two.rank(1).Wait(std::chrono::seconds(60)), 0) << two.Logs();
 }
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, RolloutParity, ::testing::Values(kMoe, kNext),
+                         [](const auto& info) {
+                           return info.index == 0 ? "Qwen3Moe" : "Qwen3Next";
+                         });
 
 constexpr const char* kSecret = "ep-test-secret";
 
