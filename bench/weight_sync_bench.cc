@@ -53,16 +53,28 @@ double Since(Clock::time_point t) {
 
 absl::Status MakeModel() {
   const int e = absl::GetFlag(FLAGS_experts);
-  nlohmann::json cfg = {
-      {"architectures", {"Qwen3MoeForCausalLM"}}, {"model_type", "qwen3_moe"},
-      {"hidden_size", 2048}, {"num_hidden_layers", absl::GetFlag(FLAGS_layers)},
-      {"num_attention_heads", 32}, {"num_key_value_heads", 4}, {"head_dim", 128},
-      {"intermediate_size", 6144}, {"moe_intermediate_size", 768}, {"num_experts", e},
-      {"num_experts_per_tok", std::min(8, e)}, {"norm_topk_prob", true},
-      {"decoder_sparse_step", 1}, {"mlp_only_layers", nlohmann::json::array()},
-      {"vocab_size", 151936}, {"max_position_embeddings", 4096}, {"rms_norm_eps", 1e-6},
-      {"rope_theta", 1e7}, {"tie_word_embeddings", false}, {"hidden_act", "silu"},
-      {"attention_bias", false}, {"dtype", "bfloat16"}};
+  nlohmann::json cfg = {{"architectures", {"Qwen3MoeForCausalLM"}},
+                        {"model_type", "qwen3_moe"},
+                        {"hidden_size", 2048},
+                        {"num_hidden_layers", absl::GetFlag(FLAGS_layers)},
+                        {"num_attention_heads", 32},
+                        {"num_key_value_heads", 4},
+                        {"head_dim", 128},
+                        {"intermediate_size", 6144},
+                        {"moe_intermediate_size", 768},
+                        {"num_experts", e},
+                        {"num_experts_per_tok", std::min(8, e)},
+                        {"norm_topk_prob", true},
+                        {"decoder_sparse_step", 1},
+                        {"mlp_only_layers", nlohmann::json::array()},
+                        {"vocab_size", 151936},
+                        {"max_position_embeddings", 4096},
+                        {"rms_norm_eps", 1e-6},
+                        {"rope_theta", 1e7},
+                        {"tie_word_embeddings", false},
+                        {"hidden_act", "silu"},
+                        {"attention_bias", false},
+                        {"dtype", "bfloat16"}};
   const std::string dir = absl::GetFlag(FLAGS_out);
   std::filesystem::create_directories(dir);
   std::ofstream(dir + "/config.json") << cfg.dump(2);
@@ -133,10 +145,11 @@ int main(int argc, char** argv) {
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (absl::GetFlag(FLAGS_threads) > 0) torch::set_num_threads(absl::GetFlag(FLAGS_threads));
   const std::string cmd = args.size() > 1 ? args[1] : "";
-  absl::Status st = cmd == "make-model" ? MakeModel()
-                    : cmd == "push"     ? Push()
-                                        : absl::InvalidArgumentError(
-                                          "usage: bench_weight_sync make-model|push [flags]");
+  absl::Status st =
+      cmd == "make-model" ? MakeModel()
+      : cmd == "push"
+          ? Push()
+          : absl::InvalidArgumentError("usage: bench_weight_sync make-model|push [flags]");
   if (!st.ok()) {
     std::fprintf(stderr, "bench_weight_sync: %s\n", std::string(st.message()).c_str());
     return 1;

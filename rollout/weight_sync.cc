@@ -19,8 +19,7 @@ constexpr double kMaxTimeoutS = 24 * 3600;
 // update as chunks (one per tensor piece), in manifest order.
 class ManifestCursor {
  public:
-  ManifestCursor(const opd::v1::WeightManifest& m, StagedWeights* staged)
-      : m_(m), staged_(staged) {
+  ManifestCursor(const opd::v1::WeightManifest& m, StagedWeights* staged) : m_(m), staged_(staged) {
     for (const auto& t : m.tensors()) {
       int64_t n = static_cast<int64_t>(c10::elementSize(*opd::rpc::DtypeFromName(t.dtype())));
       for (int64_t d : t.shape()) n *= d;
@@ -156,8 +155,8 @@ absl::StatusOr<opd::v1::SyncWeightsResponse> WeightSyncReceiver::Start(
     const opd::v1::SyncWeightsRequest& req) {
   const int64_t b = req.bucket_bytes();
   if (b < 8 || b % 8 != 0 || b > kMaxBucketBytes)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "bucket_bytes ", b, " is not a multiple of 8 in [8, ", kMaxBucketBytes, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("bucket_bytes ", b, " is not a multiple of 8 in [8, ", kMaxBucketBytes, "]"));
   {
     absl::MutexLock lock(&mu_);
     // The learner's rendezvous returns at about the time ours does, and it hears a sync's
@@ -172,7 +171,8 @@ absl::StatusOr<opd::v1::SyncWeightsResponse> WeightSyncReceiver::Start(
           absl::StrCat("no weight group '", req.group_id(), "' (join it first)"));
     state_ = State::kSyncing;  // reserved while the update is staged
   }
-  auto staged = store_->StageAnnounced(req.version(), Announced(req.manifest()), BaseVersion(req.manifest()));
+  auto staged =
+      store_->StageAnnounced(req.version(), Announced(req.manifest()), BaseVersion(req.manifest()));
   if (!staged.ok()) {
     absl::MutexLock lock(&mu_);
     state_ = State::kReady;
@@ -206,15 +206,15 @@ absl::Status Receive(lm::dist::ProcessGroup& group, torch::Device device,
     if (absl::Status st = group.Broadcast(header, 0); !st.ok()) {
       *broken = true;
       return absl::UnavailableError(absl::StrCat("weight sync of version ", req.version(),
-                                                 " broke after ", frames, " buckets: ",
-                                                 st.message()));
+                                                 " broke after ", frames,
+                                                 " buckets: ", st.message()));
     }
     const int64_t n = header[0].to(torch::kCPU).item<int64_t>();
     if (n == 0) break;
     if (n < 0 || n > req.bucket_bytes()) {
       *broken = true;  // the learner is not following the protocol: the stream cannot be read
-      return absl::InvalidArgumentError(absl::StrCat("bucket of ", n, " bytes announced; buckets are at most ",
-                                                     req.bucket_bytes()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "bucket of ", n, " bytes announced; buckets are at most ", req.bucket_bytes()));
     }
     std::vector<torch::Tensor> data{bucket.narrow(0, 0, n)};
     if (absl::Status st = group.Broadcast(data, 0); !st.ok()) {
@@ -244,8 +244,10 @@ void WeightSyncReceiver::RunSync(opd::v1::SyncWeightsRequest req) {
     backend = backend_;
   }
   bool broken = false;
+  const absl::Time t0 = absl::Now();
   absl::Status st = Receive(*group, backend == "nccl" ? device_ : torch::Device(torch::kCPU), req,
                             staged.get(), &broken);
+  const absl::Time t1 = absl::Now();
   opd::v1::SyncWeightsResult result;
   if (st.ok()) {
     const int64_t tensors = staged->tensors_received(), bytes = staged->bytes_received();
@@ -275,7 +277,8 @@ void WeightSyncReceiver::RunSync(opd::v1::SyncWeightsRequest req) {
   if (st.ok())
     lm::log::Info(absl::StrCat("weight sync: serving version ", req.version(), " (",
                                result.applied().tensors(), " tensors, ", result.applied().bytes(),
-                               " bytes)"));
+                               " bytes; received in ", absl::FormatDuration(t1 - t0),
+                               ", committed in ", absl::FormatDuration(absl::Now() - t1), ")"));
   else
     lm::log::Warn(absl::StrCat("weight sync of version ", req.version(), " failed",
                                broken ? " (weight group dropped)" : "", ": ", st.message()));

@@ -15,10 +15,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
-#include <functional>
 #include <thread>
 
 #include <torch/types.h>

@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "lm/model/cpu_inference.h"
+#include "kernels/cpu/cpu_inference.h"
 #include "lm/model/model.h"
 #include "lm/util/status.h"
 #include "rpc/tensor_codec.h"
@@ -49,7 +49,8 @@ absl::Status StagedWeights::Begin(const std::string& name, Target& t, const Chun
   }
   auto wire = opd::rpc::DtypeFromName(std::string(chunk.dtype));
   if (!wire.ok())
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': ", wire.status().message()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", name, "': ", wire.status().message()));
   t.wire_dtype = std::string(chunk.dtype);
   t.wire = *wire;
   t.total = t.tensor.numel() * static_cast<int64_t>(c10::elementSize(t.wire));
@@ -106,10 +107,10 @@ absl::Status StagedWeights::Add(const ChunkView& chunk) {
     current_ = name;
     RETURN_IF_ERROR(Begin(name, t, chunk));
   } else if (chunk.shape != t.tensor.sizes().vec() || chunk.dtype != t.wire_dtype) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tensor '", name, "': a chunk with shape ", ShapeString(chunk.shape), " and dtype ",
-        std::string(chunk.dtype), " after chunks with ", ShapeString(t.tensor.sizes()), " and ",
-        t.wire_dtype));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", name, "': a chunk with shape ", ShapeString(chunk.shape),
+                     " and dtype ", std::string(chunk.dtype), " after chunks with ",
+                     ShapeString(t.tensor.sizes()), " and ", t.wire_dtype));
   }
   if (t.done) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' was already complete"));
@@ -168,8 +169,8 @@ absl::Status CheckVersion(int64_t version, int64_t serving) {
 // A new model of the serving architecture, dtype and device with uninitialised parameters.
 absl::StatusOr<std::shared_ptr<lm::CausalLM>> FreshModel(lm::CausalLM& like) {
   const auto ref = like.LmHeadWeight();
-  ASSIGN_OR_RETURN(auto fresh,
-                   lm::CreateModel(like.config(), lm::LoadOptions{ref.scalar_type(), ref.device()}));
+  ASSIGN_OR_RETURN(
+      auto fresh, lm::CreateModel(like.config(), lm::LoadOptions{ref.scalar_type(), ref.device()}));
   fresh->eval();
   for (auto& p : fresh->parameters()) p.set_requires_grad(false);
   return fresh;
@@ -193,9 +194,9 @@ absl::StatusOr<std::unique_ptr<StagedWeights>> WeightStore::StageAnnounced(
   Snapshot cur = Current();
   RETURN_IF_ERROR(CheckVersion(version, cur.version));
   if (base_version.has_value() && *base_version != cur.version)
-    return absl::FailedPreconditionError(absl::StrCat(
-        "weight version ", version, " updates version ", *base_version, ", but version ",
-        cur.version, " is serving (send every tensor)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("weight version ", version, " updates version ", *base_version,
+                     ", but version ", cur.version, " is serving (send every tensor)"));
   // Everything is checked against the serving model before anything is copied.
   std::map<std::string, torch::Tensor> serving;
   for (const auto& p : cur.model->named_parameters()) serving[p.key()] = p.value();
@@ -256,9 +257,10 @@ absl::Status WeightStore::Commit(std::unique_ptr<StagedWeights> staged) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckVersion(staged->version(), version_));
   if (staged->base_version_ >= 0 && staged->base_version_ != version_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "weight version ", staged->version(), " updates version ", staged->base_version_,
-        ", but version ", version_, " was committed meanwhile (its unsent tensors would be stale)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("weight version ", staged->version(), " updates version ",
+                     staged->base_version_, ", but version ", version_,
+                     " was committed meanwhile (its unsent tensors would be stale)"));
   }
   old = std::move(model_);
   old_head = std::move(lm_head_);

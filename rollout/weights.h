@@ -41,7 +41,7 @@ namespace rollout {
 struct Snapshot {
   std::shared_ptr<lm::CausalLM> model;
   int64_t version = 0;
-  // The model's LM head packed for the CPU decode kernel (lm/model/cpu_inference.h), built once per
+  // The model's LM head packed for the CPU decode kernel (kernels/cpu/cpu_inference.h), built once per
   // version and shared by its generations; null where that kernel does not apply.
   std::shared_ptr<const lm::PackedLinear> lm_head;
 };
@@ -91,11 +91,11 @@ class StagedWeights {
     std::optional<uint64_t> checksum;
     std::string wire_dtype;  // announced, or set by the tensor's first chunk
     torch::Dtype wire = torch::kFloat32;
-    int64_t total = 0;       // wire bytes
-    int64_t filled = 0;      // bytes received
-    bool started = false;    // a chunk arrived (zero-byte tensors count too)
-    bool done = false;       // every byte arrived
-    torch::Tensor buffer;    // the wire bytes, where they cannot go straight into `tensor`
+    int64_t total = 0;     // wire bytes
+    int64_t filled = 0;    // bytes received
+    bool started = false;  // a chunk arrived (zero-byte tensors count too)
+    bool done = false;     // every byte arrived
+    torch::Tensor buffer;  // the wire bytes, where they cannot go straight into `tensor`
     opd::rpc::Xxh64 hash;
   };
   StagedWeights(std::shared_ptr<lm::CausalLM> model, int64_t version, int64_t base_version);

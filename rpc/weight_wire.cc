@@ -14,7 +14,9 @@ constexpr uint64_t kP3 = 1609587929392839161ULL;
 constexpr uint64_t kP4 = 9650029242287828579ULL;
 constexpr uint64_t kP5 = 2870177450012600261ULL;
 
-inline uint64_t Rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+inline uint64_t Rotl(uint64_t x, int r) {
+  return (x << r) | (x >> (64 - r));
+}
 inline uint64_t Read64(const unsigned char* p) {
   uint64_t v;
   std::memcpy(&v, p, 8);

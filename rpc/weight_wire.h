@@ -45,8 +45,8 @@ struct WireTensor {
 };
 
 // The named parameters of `params` in `dtype`, without their checksums.
-std::vector<WireTensor> WireTensorsOf(const std::vector<std::pair<std::string, torch::Tensor>>& params,
-                                      torch::Dtype dtype);
+std::vector<WireTensor> WireTensorsOf(
+    const std::vector<std::pair<std::string, torch::Tensor>>& params, torch::Dtype dtype);
 
 // One piece of a bucket: bytes [offset, offset + bytes) of tensor `tensor` (an index into the
 // list given to PackBuckets), at `bucket_offset` in the bucket.

@@ -40,3 +40,7 @@ $PY scripts/bench/opd.py --build build --workdir build/bench
 echo "== learner collectives: Gloo all-reduce and one ZeRO-1 step, ours vs torch.distributed =="
 cmake --build build -j"$(nproc)" --target bench_dist >/dev/null
 $PY scripts/bench/dist.py --build build --ranks 2
+
+echo "== weight sync: a 1.0B-parameter push (bf16 wire) to opd-rollout, gRPC streaming vs Gloo =="
+cmake --build build -j"$(nproc)" --target bench_weight_sync opd-rollout >/dev/null
+$PY scripts/bench/weight_sync.py --build build --workdir build/bench

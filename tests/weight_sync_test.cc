@@ -7,13 +7,15 @@
 // (counted); stale versions, wrong checksums and broadcasts that end early are refused naming the
 // tensor, leaving the serving weights as they were; a learner killed mid-broadcast leaves the
 // worker serving the old version and answering; a worker killed mid-broadcast is UNAVAILABLE to
-// the learner, never a hang; a bf16 opd-rollout takes an fp32 learner's push and samples with it;
-// an OPD run with rollout.weight_sync=collective ends with the weights of the gRPC run.
+// the learner, never a hang; a worker that takes full updates only gets them; a bf16 opd-rollout
+// takes an fp32 learner's push and samples with it; an OPD run with rollout.weight_sync=collective
+// ends with the weights of the gRPC run.
 #include <signal.h>
 #include <sys/stat.h>
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -43,7 +45,9 @@ constexpr const char* kModel = "moe_tied_topk8";  // vocab 96, 256 positions
 constexpr const char* kSecret = "weight-sync-secret";
 const std::string kBin = OPD_BINARY_DIR;
 
-std::string FixtureModel() { return std::string(OPD_FIXTURES_DIR) + "/" + kModel + "/model"; }
+std::string FixtureModel() {
+  return std::string(OPD_FIXTURES_DIR) + "/" + kModel + "/model";
+}
 
 fs::path TempDir(const std::string& tag) {
   std::string tmpl = (fs::temp_directory_path() / ("opd_" + tag + "_XXXXXX")).string();
@@ -186,11 +190,10 @@ TEST(Xxh64, MatchesTheReferenceVectorsInAnyPieces) {
     for (int i = 0; i < 256; ++i) big.push_back(static_cast<char>(i));
   big += "xyz";
   // libxxhash's XXH64(data, len, 0).
-  const std::vector<std::pair<std::string, uint64_t>> cases = {
-      {"", 0xef46db3751d8e999ULL},
-      {"a", 0xd24ec4f1a98c6e5bULL},
-      {"abc", 0x44bc2cf5ad770999ULL},
-      {big, 0xe921a1b45bd779f8ULL}};
+  const std::vector<std::pair<std::string, uint64_t>> cases = {{"", 0xef46db3751d8e999ULL},
+                                                               {"a", 0xd24ec4f1a98c6e5bULL},
+                                                               {"abc", 0x44bc2cf5ad770999ULL},
+                                                               {big, 0xe921a1b45bd779f8ULL}};
   for (const auto& [data, want] : cases) {
     EXPECT_EQ(opd::rpc::Xxh64::Of(data.data(), data.size()), want) << data.size();
     for (size_t piece : {1, 7, 31, 33, 100}) {
@@ -204,26 +207,25 @@ TEST(Xxh64, MatchesTheReferenceVectorsInAnyPieces) {
 
 TEST(WeightWire, BucketsHoldTheCastBytesInManifestOrder) {
   torch::manual_seed(3);
-  std::vector<std::pair<std::string, torch::Tensor>> params = {
-      {"a", torch::randn({5, 7})}, {"empty", torch::randn({0})}, {"b", torch::randn({33})},
-      {"c", torch::randn({2, 3, 4})}};
+  std::vector<std::pair<std::string, torch::Tensor>> params = {{"a", torch::randn({5, 7})},
+                                                               {"empty", torch::randn({0})},
+                                                               {"b", torch::randn({33})},
+                                                               {"c", torch::randn({2, 3, 4})}};
   for (torch::Dtype dtype : {torch::kFloat32, torch::kBFloat16}) {
     auto wire = opd::rpc::WireTensorsOf(params, dtype);
     std::string stream;
     torch::Tensor bucket = torch::empty({24}, torch::kUInt8);
     std::vector<size_t> order = {2, 0, 1, 3};
     std::vector<int64_t> seen(params.size(), 0);
-    ASSERT_TRUE(opd::rpc::PackBuckets(wire, order, bucket,
-                                      [&](int64_t n, const auto& segments) {
-                                        EXPECT_LE(n, 24);
-                                        for (const auto& s : segments) {
-                                          EXPECT_EQ(s.offset, seen[s.tensor]);
-                                          seen[s.tensor] += s.bytes;
-                                        }
-                                        stream.append(static_cast<char*>(bucket.data_ptr()), n);
-                                        return absl::OkStatus();
-                                      })
-                    .ok());
+    ASSERT_TRUE(opd::rpc::PackBuckets(wire, order, bucket, [&](int64_t n, const auto& segments) {
+                  EXPECT_LE(n, 24);
+                  for (const auto& s : segments) {
+                    EXPECT_EQ(s.offset, seen[s.tensor]);
+                    seen[s.tensor] += s.bytes;
+                  }
+                  stream.append(static_cast<char*>(bucket.data_ptr()), n);
+                  return absl::OkStatus();
+                }).ok());
     std::string want;
     for (size_t i : order) {
       torch::Tensor t = params[i].second.to(dtype).contiguous();
@@ -410,11 +412,11 @@ TEST(WeightSync, LearnerKilledMidBroadcastLeavesTheOldVersionServing) {
   LocalRollout worker(torch::kFloat32);
   auto a = Load();
   {
-    ChildProcess learner({kBin + "/bench/bench_weight_sync", "push", "--addr=" + worker.address(),
-                          "--secret_file=" + secret.string(), "--model=" + (dir / "b").string(),
-                          "--sync=collective", "--bucket_mb=0.004", "--die_after_buckets=3",
-                          "--threads=1"},
-                         (dir / "learner.log").string());
+    ChildProcess learner(
+        {kBin + "/bench/bench_weight_sync", "push", "--addr=" + worker.address(),
+         "--secret_file=" + secret.string(), "--model=" + (dir / "b").string(), "--sync=collective",
+         "--bucket_mb=0.004", "--die_after_buckets=3", "--threads=1"},
+        (dir / "learner.log").string());
     EXPECT_EQ(learner.Wait(std::chrono::seconds(120)), 128 + SIGKILL) << learner.Log();
   }
   ASSERT_TRUE(worker.sync().Await(1, 1, absl::Seconds(120)));
@@ -484,9 +486,9 @@ std::vector<float> Logprobs(lm::CausalLM& model, const std::vector<int32_t>& pro
   std::vector<int64_t> seq(prompt.begin(), prompt.end());
   seq.insert(seq.end(), response.begin(), response.end());
   auto lp = lm::SequenceLogprobs(model, lm::PackedBatch::FromSequences({seq}), 1.0);
-  auto tail = lp.narrow(0, static_cast<int64_t>(prompt.size()) - 1,
-                        static_cast<int64_t>(response.size()))
-                  .contiguous();
+  auto tail =
+      lp.narrow(0, static_cast<int64_t>(prompt.size()) - 1, static_cast<int64_t>(response.size()))
+          .contiguous();
   return std::vector<float>(tail.data_ptr<float>(), tail.data_ptr<float>() + tail.numel());
 }
 
@@ -498,7 +500,8 @@ TEST(WeightSync, Bf16RolloutAcceptsAnFp32PushAndSamplesWithIt) {
   auto a = Load();
   const std::vector<std::vector<int32_t>> prompts = {{1, 5, 9, 13, 2}, {7, 3}};
   int64_t version = 0;
-  for (auto [mode, seed] : {std::pair{WeightSyncMode::kGrpc, 4242}, {WeightSyncMode::kCollective, 77}}) {
+  for (auto [mode, seed] :
+       {std::pair{WeightSyncMode::kGrpc, 4242}, {WeightSyncMode::kCollective, 77}}) {
     auto b = ModelB();
     b->InitWeights(0.2, seed);
     // The reference: the pushed weights rounded to bf16, evaluated in fp32.
@@ -544,6 +547,52 @@ TEST(WeightSync, Bf16RolloutAcceptsAnFp32PushAndSamplesWithIt) {
   fs::remove_all(dir);
 }
 
+// A worker that takes full updates only (as an expert-parallel opd-rollout does): it refuses a
+// manifest, and the learner then sends every tensor of every push without one.
+class FullUpdatesOnlyRollout final : public opd::v1::Rollout::Service {
+ public:
+  grpc::Status UpdateWeights(grpc::ServerContext*, grpc::ServerReader<opd::v1::WeightChunk>* reader,
+                             opd::v1::UpdateWeightsResponse* resp) override {
+    opd::v1::WeightChunk chunk;
+    std::set<std::string> names;
+    int64_t version = 0;
+    while (reader->Read(&chunk)) {
+      if (chunk.has_manifest())
+        return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                            "an expert-parallel rollout takes full updates only (no manifest): "
+                            "send every tensor");
+      names.insert(chunk.name());
+      version = chunk.version();
+    }
+    resp->set_version(version);
+    resp->set_tensors(static_cast<int64_t>(names.size()));
+    return grpc::Status::OK;
+  }
+  grpc::Status Info(grpc::ServerContext*, const opd::v1::InfoRequest*,
+                    opd::v1::ServiceInfo* info) override {
+    info->set_service("opd.v1.Rollout");
+    info->set_dtype("float32");
+    return grpc::Status::OK;
+  }
+};
+
+TEST(WeightSync, WorkersThatTakeFullUpdatesOnlyGetEveryTensorWithoutAManifest) {
+  FullUpdatesOnlyRollout service;
+  opd::rpc::ServerOptions so;
+  auto server = opd::rpc::StartServer(so, {&service}, {"opd.v1.Rollout"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string address = "127.0.0.1:" + std::to_string(server->port);
+  auto pusher = Pusher(address, WeightSyncMode::kGrpc);
+  ASSERT_NE(pusher, nullptr);
+  auto b = ModelB();
+  for (int64_t version : {1, 2}) {
+    auto r = pusher->Push(Wire(*b, torch::kFloat32), version);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->tensors, static_cast<int64_t>(b->parameters().size())) << version;
+  }
+  server->server->Shutdown();
+}
+
 // ---------------------------------------------------------------------------------------------
 // The learner: an OPD run with rollout.weight_sync=collective against the same run over gRPC.
 
@@ -565,8 +614,8 @@ TEST(WeightSyncOpd, CollectiveRunEndsWithTheWeightsOfTheGrpcRun) {
     EXPECT_GT(port, 0) << services.back()->Log();
     return "127.0.0.1:" + std::to_string(port);
   };
-  const std::string teacher = start("teacher", kBin + "/teacher_service/opd-teacher",
-                                    (dir / "teacher_small").string());
+  const std::string teacher =
+      start("teacher", kBin + "/teacher_service/opd-teacher", (dir / "teacher_small").string());
   auto weights = [](const fs::path& model) {
     std::vector<std::pair<std::string, torch::Tensor>> out;
     auto m = lm::LoadModel(model.string());
@@ -579,14 +628,15 @@ TEST(WeightSyncOpd, CollectiveRunEndsWithTheWeightsOfTheGrpcRun) {
     const std::string rollout =
         start("rollout_" + mode, kBin + "/rollout/opd-rollout", (dir / "student").string());
     const fs::path run = dir / ("run_" + mode);
-    ChildProcess p(testing_util::OpdTrainerArgs(
-                       dir, run.string(), rollout,
-                       {"stages.0.teachers=[" + teacher + "]", "stages.1.teachers=[" + teacher + "]",
-                        "stages.0.max_steps=2", "stages.0.plateau.enabled=false",
-                        "stages.1.max_steps=1", "stages.1.plateau.enabled=false",
-                        "train.prompts_per_step=4", "rollout.max_new_tokens=8",
-                        "rollout.weight_sync=" + mode, "rollout.weight_sync_bucket_mb=1"}),
-                   (dir / ("trainer_" + mode + ".log")).string());
+    ChildProcess p(
+        testing_util::OpdTrainerArgs(
+            dir, run.string(), rollout,
+            {"stages.0.teachers=[" + teacher + "]", "stages.1.teachers=[" + teacher + "]",
+             "stages.0.max_steps=2", "stages.0.plateau.enabled=false", "stages.1.max_steps=1",
+             "stages.1.plateau.enabled=false", "train.prompts_per_step=4",
+             "rollout.max_new_tokens=8", "rollout.weight_sync=" + mode,
+             "rollout.weight_sync_bucket_mb=1"}),
+        (dir / ("trainer_" + mode + ".log")).string());
     ASSERT_EQ(p.Wait(std::chrono::seconds(300)), 0) << p.Log();
     // The pushes went the way asked.
     EXPECT_EQ(p.Log().find("weight group with") != std::string::npos, mode == "collective")

@@ -10,8 +10,8 @@
 
 #include <torch/torch.h>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "lm/dist/process_group.h"
 #include "lm/util/log.h"
@@ -50,9 +50,8 @@ absl::StatusOr<int> FreePort(const std::string& host) {
     socklen_t len = sizeof(addr);
     if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 &&
         ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-      port = ntohs(addr.ss_family == AF_INET6
-                       ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
-                       : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+      port = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                                              : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
     }
     ::close(fd);
   }
@@ -92,8 +91,8 @@ absl::StatusOr<std::unique_ptr<WeightPusher>> WeightPusher::Connect(
     const opd::rpc::ClientOptions& options, const opd::v1::ServiceInfo& info,
     const WeightPushOptions& push, torch::Device learner_device) {
   if (push.bucket_bytes < 8 || push.bucket_bytes % 8 != 0)
-    return absl::InvalidArgumentError(
-        absl::StrCat("weight push bucket of ", push.bucket_bytes, " bytes: a multiple of 8 is needed"));
+    return absl::InvalidArgumentError(absl::StrCat("weight push bucket of ", push.bucket_bytes,
+                                                   " bytes: a multiple of 8 is needed"));
   auto p = std::unique_ptr<WeightPusher>(new WeightPusher());
   p->options_ = options;
   p->push_ = push;
@@ -102,8 +101,8 @@ absl::StatusOr<std::unique_ptr<WeightPusher>> WeightPusher::Connect(
   if (!info.dtype().empty()) {
     auto dtype = opd::rpc::DtypeFromName(info.dtype());
     if (!dtype.ok())
-      return absl::FailedPreconditionError(absl::StrCat("rollout worker ", options.address,
-                                                        ": ", dtype.status().message()));
+      return absl::FailedPreconditionError(
+          absl::StrCat("rollout worker ", options.address, ": ", dtype.status().message()));
     p->wire_dtype_ = *dtype;
   }
   ASSIGN_OR_RETURN(auto channel, opd::rpc::MakeChannel(options));
@@ -121,13 +120,13 @@ absl::StatusOr<std::unique_ptr<WeightPusher>> WeightPusher::Connect(
 }
 
 absl::Status WeightPusher::Fail(const std::string& what, const absl::Status& st) const {
-  return absl::Status(st.code(), absl::StrCat("rollout worker ", options_.address, ": ", what,
-                                              ": ", st.message()));
+  return absl::Status(
+      st.code(), absl::StrCat("rollout worker ", options_.address, ": ", what, ": ", st.message()));
 }
 
 absl::Status WeightPusher::JoinGroup() {
   group_.reset();
-  const std::string host = !push_.store_host.empty()              ? push_.store_host
+  const std::string host = !push_.store_host.empty()                  ? push_.store_host
                            : IsLoopbackHost(HostOf(options_.address)) ? "127.0.0.1"
                                                                       : [] {
                                                                           char name[256] = {};
@@ -147,7 +146,8 @@ absl::Status WeightPusher::JoinGroup() {
     grpc::ClientContext ctx;
     opd::rpc::PrepareContext(options_, &ctx);
     opd::rpc::CallCanceller::Scope cancel(options_.canceller.get(), &ctx);
-    if (absl::Status st = opd::rpc::FromGrpc(stub_->JoinWeightGroup(&ctx, req, &resp), options_.address);
+    if (absl::Status st =
+            opd::rpc::FromGrpc(stub_->JoinWeightGroup(&ctx, req, &resp), options_.address);
         !st.ok())
       return Fail("cannot form a weight group", st);
   }
@@ -168,15 +168,21 @@ absl::Status WeightPusher::JoinGroup() {
 
 absl::StatusOr<PushReport> WeightPusher::Push(const std::vector<opd::rpc::WireTensor>& tensors,
                                               int64_t version) {
+  const bool partial = acked_version_ >= 0;
   auto r = PushOnce(tensors, version);
-  // A worker that restarted (or was updated by someone else) refuses an update relative to the
-  // version we think it serves: it gets every tensor instead.
-  if (!r.ok() && r.status().code() == absl::StatusCode::kFailedPrecondition && acked_version_ >= 0 &&
-      absl::StrContains(r.status().message(), "send every tensor")) {
-    acked_.clear();
-    acked_version_ = -1;
-    r = PushOnce(tensors, version);
+  if (r.ok() || r.status().code() != absl::StatusCode::kFailedPrecondition) return r;
+  // A worker that takes full updates only (an expert-parallel one) says so: it gets every
+  // tensor, without a manifest, from now on.
+  if (!manifest_off_ && absl::StrContains(r.status().message(), "(no manifest)")) {
+    lm::log::Warn(absl::StrCat("rollout worker ", options_.address,
+                               " takes full weight updates only: every push sends every tensor"));
+    manifest_off_ = true;
+    return PushOnce(tensors, version);
   }
+  // A worker that restarted (or was updated by someone else) refuses an update relative to the
+  // version we think it serves: it gets every tensor instead (PushOnce forgot the checksums).
+  if (partial && absl::StrContains(r.status().message(), "send every tensor"))
+    return PushOnce(tensors, version);
   return r;
 }
 
@@ -184,7 +190,7 @@ absl::StatusOr<PushReport> WeightPusher::PushOnce(const std::vector<opd::rpc::Wi
                                                   int64_t version) {
   std::vector<size_t> which;
   opd::v1::WeightManifest manifest;
-  const bool partial = acked_version_ >= 0;
+  const bool partial = acked_version_ >= 0 && !manifest_off_;
   for (size_t i = 0; i < tensors.size(); ++i) {
     auto it = acked_.find(tensors[i].name);
     if (partial && it != acked_.end() && it->second == tensors[i].checksum) continue;
@@ -198,6 +204,7 @@ absl::StatusOr<PushReport> WeightPusher::PushOnce(const std::vector<opd::rpc::Wi
   acked_version_ = -1;
 
   absl::StatusOr<PushReport> r;
+  if (manifest_off_) return PushGrpc(tensors, which, nullptr, version);
   if (push_.mode != WeightSyncMode::kGrpc && !collective_off_ && !group_) {
     // The group broke on an earlier push: form it again once.
     if (absl::Status st = JoinGroup(); !st.ok()) {
@@ -221,10 +228,10 @@ absl::StatusOr<PushReport> WeightPusher::PushOnce(const std::vector<opd::rpc::Wi
         which.push_back(i);
         *manifest.add_tensors() = ManifestEntry(tensors[i]);
       }
-      r = PushGrpc(tensors, which, manifest, version);
+      r = PushGrpc(tensors, which, &manifest, version);
     }
   } else {
-    r = PushGrpc(tensors, which, manifest, version);
+    r = PushGrpc(tensors, which, &manifest, version);
   }
   if (!r.ok()) return r;
   if (r->collective && r->tensors != static_cast<int64_t>(which.size()))
@@ -240,7 +247,7 @@ absl::StatusOr<PushReport> WeightPusher::PushOnce(const std::vector<opd::rpc::Wi
 
 absl::StatusOr<PushReport> WeightPusher::PushGrpc(const std::vector<opd::rpc::WireTensor>& tensors,
                                                   const std::vector<size_t>& which,
-                                                  const opd::v1::WeightManifest& manifest,
+                                                  const opd::v1::WeightManifest* manifest,
                                                   int64_t version) {
   if (!bucket_.defined() || !bucket_.device().is_cpu())
     bucket_ = torch::empty({push_.bucket_bytes}, torch::kUInt8);
@@ -252,7 +259,7 @@ absl::StatusOr<PushReport> WeightPusher::PushGrpc(const std::vector<opd::rpc::Wi
   bool open = true, first = true;
   int64_t buckets = 0, bytes = 0;
   auto write = [&](opd::v1::WeightChunk& chunk) {
-    if (first) *chunk.mutable_manifest() = manifest;
+    if (first && manifest) *chunk.mutable_manifest() = *manifest;
     first = false;
     chunk.set_version(version);
     // A failed write means the server already ended the call; Finish says why.
@@ -260,7 +267,8 @@ absl::StatusOr<PushReport> WeightPusher::PushGrpc(const std::vector<opd::rpc::Wi
     return open;
   };
   absl::Status packed = opd::rpc::PackBuckets(
-      tensors, which, bucket_, [&](int64_t n, const std::vector<opd::rpc::BucketSegment>& segments) {
+      tensors, which, bucket_,
+      [&](int64_t n, const std::vector<opd::rpc::BucketSegment>& segments) {
         const char* base = static_cast<const char*>(bucket_.data_ptr());
         for (const auto& s : segments) {
           const opd::rpc::WireTensor& t = tensors[s.tensor];
@@ -283,7 +291,7 @@ absl::StatusOr<PushReport> WeightPusher::PushGrpc(const std::vector<opd::rpc::Wi
         ++buckets;
         return absl::OkStatus();
       });
-  if (open && first) {  // nothing changed: the manifest alone moves the version on
+  if (open && first && manifest) {  // nothing changed: the manifest alone moves the version on
     opd::v1::WeightChunk chunk;
     write(chunk);
   }
@@ -298,10 +306,9 @@ absl::StatusOr<PushReport> WeightPusher::PushGrpc(const std::vector<opd::rpc::Wi
   return PushReport{false, resp.tensors(), bytes};
 }
 
-absl::StatusOr<PushReport> WeightPusher::PushCollective(const std::vector<opd::rpc::WireTensor>& tensors,
-                                                        const std::vector<size_t>& which,
-                                                        const opd::v1::WeightManifest& manifest,
-                                                        int64_t version) {
+absl::StatusOr<PushReport> WeightPusher::PushCollective(
+    const std::vector<opd::rpc::WireTensor>& tensors, const std::vector<size_t>& which,
+    const opd::v1::WeightManifest& manifest, int64_t version) {
   const std::string what = absl::StrCat("collective push of version ", version);
   opd::v1::SyncWeightsRequest req;
   req.set_group_id(group_id_);
@@ -354,12 +361,12 @@ absl::StatusOr<PushReport> WeightPusher::PushCollective(const std::vector<opd::r
   if (!result.ParseFromString(verdict))
     return broke(absl::DataLossError("the worker's verdict does not parse"));
   if (result.code() != 0)
-    return absl::Status(static_cast<absl::StatusCode>(result.code()),
-                        absl::StrCat("rollout worker ", options_.address, ": ", what, ": ",
-                                     result.message()));
+    return absl::Status(
+        static_cast<absl::StatusCode>(result.code()),
+        absl::StrCat("rollout worker ", options_.address, ": ", what, ": ", result.message()));
   if (result.applied().version() != version)
-    return Fail(what, absl::DataLossError(absl::StrCat("the worker applied version ",
-                                                       result.applied().version())));
+    return Fail(what, absl::DataLossError(
+                          absl::StrCat("the worker applied version ", result.applied().version())));
   return PushReport{true, result.applied().tensors(), bytes};
 }
 

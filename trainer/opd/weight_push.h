@@ -17,7 +17,8 @@
 // plane: version and manifest) followed by broadcasts of the changed tensors' wire bytes in
 // buckets, and the worker's verdict broadcast back. In mode auto a group that cannot form, or a
 // push that fails on it, falls back to gRPC streaming with a logged warning; in mode collective
-// it is an error.
+// it is an error. A worker that takes full updates only (expert-parallel) refuses a manifest;
+// it then gets every tensor of every push over gRPC, without one.
 #pragma once
 
 #include <cstdint>
@@ -65,10 +66,9 @@ struct PushReport {
 class WeightPusher {
  public:
   // `options` name the worker (its address); `info` is its ServiceInfo.
-  static absl::StatusOr<std::unique_ptr<WeightPusher>> Connect(const opd::rpc::ClientOptions& options,
-                                                               const opd::v1::ServiceInfo& info,
-                                                               const WeightPushOptions& push,
-                                                               torch::Device learner_device);
+  static absl::StatusOr<std::unique_ptr<WeightPusher>> Connect(
+      const opd::rpc::ClientOptions& options, const opd::v1::ServiceInfo& info,
+      const WeightPushOptions& push, torch::Device learner_device);
   ~WeightPusher();
 
   torch::Dtype wire_dtype() const { return wire_dtype_; }
@@ -76,7 +76,8 @@ class WeightPusher {
 
   // Pushes `tensors` (in wire_dtype(), checksums computed: opd::rpc::ComputeChecksums) as version
   // `version`, sending those that changed since the last acknowledged push.
-  absl::StatusOr<PushReport> Push(const std::vector<opd::rpc::WireTensor>& tensors, int64_t version);
+  absl::StatusOr<PushReport> Push(const std::vector<opd::rpc::WireTensor>& tensors,
+                                  int64_t version);
 
  private:
   WeightPusher() = default;
@@ -85,7 +86,7 @@ class WeightPusher {
                                       int64_t version);
   absl::StatusOr<PushReport> PushGrpc(const std::vector<opd::rpc::WireTensor>& tensors,
                                       const std::vector<size_t>& which,
-                                      const opd::v1::WeightManifest& manifest, int64_t version);
+                                      const opd::v1::WeightManifest* manifest, int64_t version);
   absl::StatusOr<PushReport> PushCollective(const std::vector<opd::rpc::WireTensor>& tensors,
                                             const std::vector<size_t>& which,
                                             const opd::v1::WeightManifest& manifest,
@@ -101,6 +102,7 @@ class WeightPusher {
   std::string group_id_;
   std::string backend_;
   bool collective_off_ = false;  // auto mode gave up on the group
+  bool manifest_off_ = false;    // the worker takes full updates only (no manifest, no diffing)
   torch::Tensor bucket_;         // the cast buffer (on the group's device for collective pushes)
   // What the worker holds: checksum per tensor, and its version; empty = unknown.
   std::map<std::string, uint64_t> acked_;
