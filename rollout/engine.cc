@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <random>
+#include <tuple>
 
 #include <torch/torch.h>
 
@@ -379,10 +380,14 @@ void Engine::RunRows(std::vector<StepRow>& rows, bool prefill) {
       row.seqs.push_back(std::move(seq));
     }
   }
-  // Draw per request (each has its own sampling parameters): its rows' logits, one per sample.
-  std::map<Request*, std::vector<size_t>> by_req;
-  for (size_t i = 0; i < rows.size(); ++i) by_req[rows[i].req.get()].push_back(i);
-  for (auto& [req, idx] : by_req) {
+  // One draw per distinct filter (temperature, top-k, top-p) in the step, usually one for the
+  // whole batch: each sample still draws from its own generator.
+  std::map<std::tuple<double, int64_t, double>, std::vector<size_t>> by_filter;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const SamplingParams& p = rows[i].req->params;
+    by_filter[{p.temperature, p.top_k, p.top_p}].push_back(i);
+  }
+  for (auto& [filter, idx] : by_filter) {
     std::vector<torch::Tensor> lg;
     std::vector<std::mt19937_64*> rngs;
     for (size_t i : idx)
@@ -390,7 +395,7 @@ void Engine::RunRows(std::vector<StepRow>& rows, bool prefill) {
         lg.push_back(logits[i]);
         rngs.push_back(&s->rng);
       }
-    const Draws d = DrawTokens(torch::stack(lg), rngs, req->params);
+    const Draws d = DrawTokens(torch::stack(lg), rngs, rows[idx[0]].req->params);
     size_t k = 0;
     for (size_t i : idx)
       for (auto& s : rows[i].seqs) {

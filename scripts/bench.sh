@@ -29,6 +29,10 @@ $PY scripts/bench/teacher.py --build build --workdir build/bench
 echo "== rollout sampling through gRPC (opd-rollout) =="
 $PY scripts/bench/rollout.py --build build --workdir build/bench
 
+echo "== rollout engine (paged KV, continuous batching) vs static sampler vs transformers, long tail =="
+cmake --build build -j"$(nproc)" --target bench_rollout_engine >/dev/null
+$PY scripts/bench/rollout_engine.py --build build --workdir build/bench
+
 echo "== SFT training step (forward + backward + optimizer) =="
 cmake --build build -j"$(nproc)" --target opd-trainer >/dev/null
 $PY scripts/bench/sft.py --build build --workdir build/bench
