@@ -358,6 +358,26 @@ TEST(RolloutWeights, PushToTwoRanksSwapsEveryRanksShard) {
   fs::remove_all(dir);
 }
 
+// The same on the rollout: the Generate in flight is UNAVAILABLE, and so is a later weight push.
+TEST(RolloutFailure, FollowerKilledMidGenerateGivesUnavailable) {
+  Group g(kBin + "/rollout/opd-rollout", kMoe + "/model", 2, {"--debug-kill-rank=1"},
+          {std::string("OPD_SECRET=") + kSecret});
+  ASSERT_TRUE(g.ok()) << g.Logs();
+  auto client = opd::rpc::RolloutClient::Create(g.Options(kSecret));
+  ASSERT_TRUE(client.ok());
+  opd::rpc::GenerateOptions go;
+  go.max_new_tokens = 4;
+  auto first = (*client)->Generate({{1, 2, 3}}, go);
+  EXPECT_EQ(first.status().code(), absl::StatusCode::kUnavailable) << first.status();
+  EXPECT_EQ(g.rank(1).Wait(std::chrono::seconds(60)), 128 + SIGKILL);
+  auto model = lm::LoadModel(kMoe + "/model");
+  ASSERT_TRUE(model.ok());
+  opd::rpc::ModuleWeights w = opd::rpc::WeightsOf(**model);
+  auto push = (*client)->UpdateWeights(1, w.views);
+  EXPECT_EQ(push.status().code(), absl::StatusCode::kUnavailable) << push.status();
+  EXPECT_EQ(g.rank(0).Stop(), 1) << g.Logs();
+}
+
 // Runs a server that must refuse its flags; returns {exit code, output}.
 std::pair<int, std::string> RunRefused(const std::string& binary,
                                        const std::vector<std::string>& args,

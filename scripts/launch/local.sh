@@ -5,6 +5,7 @@
 # others are stopped; the exit code is the first failing rank's.
 #
 #   scripts/launch/local.sh --ranks 2 [--log-dir DIR] -- build/trainer/opd-trainer sft --config C
+#   scripts/launch/local.sh --ranks 4 -- build/teacher_service/opd-teacher --model DIR  (expert-parallel)
 set -euo pipefail
 
 ranks=""
