@@ -25,7 +25,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
-#include "kernels/moe_cuda.h"
+#include "kernels/cuda/moe_cuda.h"
 #include "lm/model/moe.h"
 
 namespace {

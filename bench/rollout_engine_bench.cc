@@ -19,7 +19,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "lm/model/cpu_inference.h"
+#include "kernels/cpu/cpu_inference.h"
 #include "lm/model/model.h"
 #include "nlohmann/json.hpp"
 #include "rollout/engine.h"

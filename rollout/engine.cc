@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "lm/model/cpu_inference.h"
+#include "kernels/cpu/cpu_inference.h"
 #include "lm/model/model.h"
 #include "rollout/block_allocator.h"
 
@@ -187,7 +187,7 @@ void Engine::Loop() {
       mu_.Await(absl::Condition(&ready));
       if (stop_) break;
       for (auto& req : inbox_) {
-        // Decode steps compute logits on the packed LM head (lm/model/cpu_inference.h) where it
+        // Decode steps compute logits on the packed LM head (kernels/cpu/cpu_inference.h) where it
         // applies, packed once per model when the snapshot brings none.
         if (!req->lm_head) {
           if (req->snapshot.model != last_model) {

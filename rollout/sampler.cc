@@ -10,7 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "lm/model/cpu_inference.h"
+#include "kernels/cpu/cpu_inference.h"
 #include "lm/model/model.h"
 
 namespace rollout {

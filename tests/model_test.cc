@@ -12,9 +12,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "kernels/cpu/cpu_inference.h"
+#include "kernels/cpu/cpu_kernels.h"
 #include "lm/io/checkpoint.h"
-#include "lm/model/cpu_inference.h"
-#include "lm/model/cpu_kernels.h"
+#include "lm/model/fast_paths.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
@@ -724,7 +725,7 @@ TEST(CpuKernels, OneThreadSettingHoldsForInlineParallelLoops) {
   EXPECT_EQ(after, before) << "PackedLinear::Pack started OpenMP workers on a 1-thread thread";
 }
 
-// Inference takes the expert-parallel CPU path (lm/model/cpu_inference.h); it must equal the
+// Inference takes the expert-parallel CPU path (kernels/cpu/cpu_inference.h); it must equal the
 // grouped-GEMM path the model is tested with, for any thread count, with idle experts, with rows
 // that share an expert in several slots, at decode sizes (the streaming kernel), and at prefill
 // sizes (the library GEMM, busy experts split into several tasks).
@@ -755,6 +756,32 @@ TEST(Moe, InferencePathEqualsGroupedPath) {
   EXPECT_THROW(MoeExperts(x, bad, torch::ones({2, k}), gu, dn), c10::Error);
 }
 
+// kernels/cpu registers its paths for CPU tensors by itself (lm never names them), and the model
+// ops dispatch to them: on fp32 inference inputs MoeExperts is the registered kernel's result
+// bit for bit; with gradients needed it is the reference path (MoeExpertsCpu).
+TEST(FastPaths, CpuKernelsRegisterThemselvesAndAreTaken) {
+  const FastPaths& cpu_paths = FastPathsFor(torch::kCPU);
+  ASSERT_NE(cpu_paths.moe_experts, nullptr);
+  ASSERT_NE(cpu_paths.gated_delta_rule, nullptr);
+  ASSERT_NE(cpu_paths.token_logprobs, nullptr);
+  ASSERT_NE(cpu_paths.logsumexp_rows, nullptr);
+  EXPECT_EQ(FastPathsFor(torch::kMeta).moe_experts, nullptr);
+  if (!cpu::HasAvx2Fma()) GTEST_SKIP() << "no AVX2/FMA on this CPU";
+  torch::manual_seed(4);
+  const int64_t T = 9, H = 32, I = 16, E = 6, k = 2;
+  auto x = torch::randn({T, H});
+  auto gu = torch::randn({E, 2 * I, H}) * 0.1, dn = torch::randn({E, H, I}) * 0.1;
+  auto [w, ids] = torch::softmax(torch::randn({T, E}), -1).topk(k, -1);
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(torch::equal(MoeExperts(x, ids, w, gu, dn),
+                             MoeExpertsInferenceCpu(x, ids, w, gu, dn)));
+  }
+  auto gu_train = gu.clone().requires_grad_(true);
+  EXPECT_TRUE(torch::equal(MoeExperts(x, ids, w, gu_train, dn).detach(),
+                           MoeExpertsCpu(x, ids, w, gu, dn)));
+}
+
 TEST(Logprobs, ChunkedEqualsFullSoftmaxWithTemperatureAndGradients) {
   torch::manual_seed(1);
   auto h = torch::randn({50, 16}, torch::requires_grad());
@@ -780,7 +807,7 @@ TEST(Logprobs, ChunkedEqualsFullSoftmaxWithTemperatureAndGradients) {
   EXPECT_LE(MaxAbsDiff(top.logprobs, v), 1e-5);
 }
 
-// Scoring without gradients takes the vocabulary-tiled path (lm/model/cpu_inference.h); it must
+// Scoring without gradients takes the vocabulary-tiled path (kernels/cpu/cpu_inference.h); it must
 // equal the full log-softmax across row blocks and vocabulary tiles (256 rows, 512 entries per
 // tile: sizes on both sides of each), with a temperature, targets on tile edges, for any thread
 // count, and refuse an out-of-range target.

@@ -21,7 +21,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "kernels/moe_cuda.h"
+#include "kernels/cuda/moe_cuda.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
 #include "nlohmann/json.hpp"
@@ -100,7 +100,7 @@ TEST(MoeKernelsBuild, CpuTensorsTakeTheLibraryPath) {
   EXPECT_FALSE(kernels::MoeCudaSupports(x, ids, gu, dn));
   torch::Tensor rw, ri;
   EXPECT_FALSE(kernels::RouteTopkCuda(torch::randn({T, E}), k, true, &rw, &ri));
-  // CPU inference takes the expert-parallel path (lm/model/cpu_inference.h): same sums, other
+  // CPU inference takes the expert-parallel path (kernels/cpu/cpu_inference.h): same sums, other
   // order.
   EXPECT_TRUE(torch::allclose(lm::MoeExperts(x, ids, w, gu, dn),
                               lm::MoeExpertsCpu(x, ids, w, gu, dn), 1e-5, 1e-5));

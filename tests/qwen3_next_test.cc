@@ -21,7 +21,7 @@
 
 #include "child_process.h"
 #include "lm/io/checkpoint.h"
-#include "lm/model/cpu_inference.h"
+#include "kernels/cpu/cpu_inference.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "lm/model/qwen3_next.h"
@@ -257,7 +257,7 @@ TEST(DeltaRule, PackedDocumentsDoNotLeak) {
   }
 }
 
-// The inference path (lm/model/cpu_inference.h: one task per document and head, chunks in order,
+// The inference path (kernels/cpu/cpu_inference.h: one task per document and head, chunks in order,
 // a short last chunk at its length) against the per-token reference, with grouped key heads read
 // in place (3 value heads per key head), on lengths around the chunk size, for 1 and 2 threads.
 TEST(DeltaRule, InferencePathEqualsRecurrent) {

@@ -2,7 +2,7 @@
 
 #include <torch/torch.h>
 
-#include "lm/model/cpu_inference.h"
+#include "lm/model/fast_paths.h"
 #include "lm/model/layers.h"
 #include "lm/model/precision.h"
 
@@ -56,7 +56,9 @@ class ChunkedTokenLogprob : public torch::autograd::Function<ChunkedTokenLogprob
       const int64_t n = std::min(chunk, N - s);
       auto logits = ChunkLogits(scratch, hidden.narrow(0, s, n), weight, temperature);
       auto target_logit = logits.gather(1, targets.narrow(0, s, n).unsqueeze(1)).squeeze(1);
-      auto l = UseCpuLogSumExpRows(logits) ? LogSumExpRowsCpu(logits) : LogsumexpInPlace(logits);
+      torch::Tensor l;
+      if (const auto fast = FastPathsFor(logits.device().type()).logsumexp_rows) l = fast(logits);
+      if (!l.defined()) l = LogsumexpInPlace(logits);
       lse.narrow(0, s, n).copy_(l);
       out.narrow(0, s, n).copy_(target_logit - l);
     }
@@ -117,8 +119,10 @@ torch::Tensor TokenLogprobs(const torch::Tensor& hidden, const torch::Tensor& we
       entropy->narrow(0, s, n).copy_(-(lp.exp() * lp).sum(-1));
     }
   }
-  if (!entropy && UseCpuInferenceLogprobs(hidden, weight))  // scoring on CPU
-    return TokenLogprobsInferenceCpu(hidden, weight, targets, opts.temperature);
+  if (const auto fast = FastPathsFor(hidden.device().type()).token_logprobs; fast && !entropy) {
+    torch::Tensor lp = fast(hidden, weight, targets, opts.temperature);  // scoring
+    if (lp.defined()) return lp;
+  }
   return ChunkedTokenLogprob::apply(hidden, weight, targets, opts.temperature, opts.chunk_rows);
 }
 

@@ -5,35 +5,15 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/torch.h>
 
-#include "lm/model/cpu_inference.h"
 #include "lm/model/expert_parallel.h"
+#include "lm/model/fast_paths.h"
 #include "lm/model/layers.h"
-
-#ifdef OPD_CUDA_KERNELS
-#include "kernels/moe_cuda.h"
-#endif
 
 namespace lm {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::tensor_list;
-
-std::array<MoeExpertsFn, static_cast<size_t>(torch::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>&
-Registry() {
-  static std::array<MoeExpertsFn,
-                    static_cast<size_t>(torch::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>
-      fns = [] {
-        std::array<MoeExpertsFn,
-                   static_cast<size_t>(torch::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>
-            f{};
-#ifdef OPD_CUDA_KERNELS
-        f[static_cast<size_t>(torch::kCUDA)] = &kernels::MoeExpertsCuda;  // kernels/
-#endif
-        return f;
-      }();
-  return fns;
-}
 
 // Per-expert SwiGLU MLP over rows already sorted by expert:
 //   rows [offsets[e], offsets[e+1]) of x go through expert e.
@@ -93,10 +73,6 @@ class GroupedSwiGlu : public torch::autograd::Function<GroupedSwiGlu> {
 
 }  // namespace
 
-void RegisterMoeExperts(torch::DeviceType device, MoeExpertsFn fn) {
-  Registry()[static_cast<size_t>(device)] = fn;
-}
-
 Routing Route(const torch::Tensor& x, const torch::Tensor& gate_weight, int64_t top_k,
               bool norm_topk_prob) {
   Routing r;
@@ -106,14 +82,13 @@ Routing Route(const torch::Tensor& x, const torch::Tensor& gate_weight, int64_t 
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     r.logits = torch::linear(x.to(gate_weight.scalar_type()), gate_weight);
   }
-#ifdef OPD_CUDA_KERNELS
-  // CUDA without autograd (sampling, scoring): the fused softmax + top-k kernel.
-  if (r.logits.is_cuda() && !(torch::GradMode::is_enabled() && r.logits.requires_grad()) &&
-      kernels::RouteTopkCuda(r.logits, top_k, norm_topk_prob, &r.weights, &r.ids)) {
+  // Without autograd (sampling, scoring) a device's fused softmax + top-k where it has one.
+  const auto route_topk = FastPathsFor(r.logits.device().type()).route_topk;
+  if (route_topk && !(torch::GradMode::is_enabled() && r.logits.requires_grad()) &&
+      route_topk(r.logits, top_k, norm_topk_prob, &r.weights, &r.ids)) {
     r.weights = r.weights.to(x.scalar_type());
     return r;
   }
-#endif
   auto probs = torch::softmax(r.logits, -1, torch::kFloat32);
   auto [top_p, top_i] = probs.topk(top_k, -1);
   if (norm_topk_prob) top_p = top_p / top_p.sum(-1, /*keepdim=*/true);
@@ -148,15 +123,10 @@ torch::Tensor MoeExpertsCpu(const torch::Tensor& x, const torch::Tensor& ids,
 torch::Tensor MoeExperts(const torch::Tensor& x, const torch::Tensor& ids,
                          const torch::Tensor& weights, const torch::Tensor& gate_up,
                          const torch::Tensor& down) {
-  if (MoeExpertsFn fn = Registry()[static_cast<size_t>(x.device().type())]) {
-    // A device kernel computes in one dtype: the weights' (bf16-mixed: bf16), the result back in
-    // x's.
-    const auto compute = gate_up.scalar_type();
-    auto y = fn(x.to(compute), ids, weights, gate_up, down);
-    if (y.defined()) return y.to(x.scalar_type());  // undefined: inputs it does not handle
+  if (const auto fast = FastPathsFor(x.device().type()).moe_experts) {
+    torch::Tensor y = fast(x, ids, weights, gate_up, down);
+    if (y.defined()) return y;  // undefined: inputs it does not handle
   }
-  if (UseCpuInferenceExperts(x, weights, gate_up, down))
-    return MoeExpertsInferenceCpu(x, ids, weights, gate_up, down);
   return MoeExpertsCpu(x, ids, weights, gate_up, down);
 }
 

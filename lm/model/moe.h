@@ -3,9 +3,10 @@
 //   router:  p = softmax(x Wg^T) in fp32, top-k of p, renormalised when norm_topk_prob
 //   experts: y = sum_k w_k * down_k(silu(gate_k(x)) * up_k(x))
 //
-// The CPU path sorts the (token, slot) pairs by expert and runs one matmul pair per expert that
-// received tokens; experts that received none cost nothing. A CUDA implementation (kernels/)
-// registers itself through RegisterMoeExperts and is used automatically for CUDA tensors.
+// The reference path (MoeExpertsCpu) sorts the (token, slot) pairs by expert and runs one matmul
+// pair per expert that received tokens; experts that received none cost nothing. Device fast paths
+// (kernels/cpu for CPU inference, kernels/cuda for CUDA tensors) register themselves
+// (lm/model/fast_paths.h) and are taken where they apply.
 #pragma once
 
 #include <memory>
@@ -34,16 +35,10 @@ torch::Tensor MoeExperts(const torch::Tensor& x, const torch::Tensor& ids,
                          const torch::Tensor& weights, const torch::Tensor& gate_up,
                          const torch::Tensor& down);
 
-// The CPU reference path (also what tests compare a GPU implementation against).
+// The reference path on any device (also what tests compare the fast paths against).
 torch::Tensor MoeExpertsCpu(const torch::Tensor& x, const torch::Tensor& ids,
                             const torch::Tensor& weights, const torch::Tensor& gate_up,
                             const torch::Tensor& down);
-
-// A device implementation of MoeExperts, registered at start-up; undefined result: library path.
-using MoeExpertsFn = torch::Tensor (*)(const torch::Tensor& x, const torch::Tensor& ids,
-                                       const torch::Tensor& weights, const torch::Tensor& gate_up,
-                                       const torch::Tensor& down);
-void RegisterMoeExperts(torch::DeviceType device, MoeExpertsFn fn);
 
 // Router parameters: `weight` [E, H] (checkpoint name `mlp.gate.weight`).
 class RouterImpl : public torch::nn::Module {

@@ -7,7 +7,7 @@
 
 #include <torch/torch.h>
 
-#include "lm/model/cpu_inference.h"
+#include "lm/model/fast_paths.h"
 
 namespace lm {
 namespace {
@@ -370,10 +370,9 @@ torch::Tensor Qwen3NextGatedDeltaNetImpl::forward(const torch::Tensor& x,
   if (conv_state) *conv_state = conv1d->LastInputs(m.qkv, layout.cu_seqlens);
   RuleInputs in = Prepare(torch::silu(conv1d(m.qkv, layout.doc_pos)), m);
   torch::Tensor o;
-  if (UseCpuInferenceDeltaRule(in.q, in.k, in.v, in.g, in.beta)) {  // reads key head h / r itself
-    o = GatedDeltaRuleInferenceCpu(in.q, in.k, in.v, in.g, in.beta, layout.cu_seqlens, layout.chunk,
-                                   recurrent_state);
-  } else {
+  if (const auto fast = FastPathsFor(in.q.device().type()).gated_delta_rule)  // groups heads itself
+    o = fast(in.q, in.k, in.v, in.g, in.beta, layout.cu_seqlens, layout.chunk, recurrent_state);
+  if (!o.defined()) {
     auto qf = r > 1 ? in.q.repeat_interleave(r, 1) : in.q;
     auto kf = r > 1 ? in.k.repeat_interleave(r, 1) : in.k;
     o = GatedDeltaRuleChunked(qf, kf, in.v, in.g, in.beta, layout, recurrent_state);

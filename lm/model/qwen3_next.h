@@ -34,7 +34,7 @@
 //
 // The delta rule runs chunked for prefill (see GatedDeltaRuleChunked); the per-token recurrence is
 // kept as the reference. On CPU without gradients (scoring) the layer takes the same algebra as
-// one task per document and head (GatedDeltaRuleInferenceCpu, lm/model/cpu_inference.h).
+// one task per document and head (GatedDeltaRuleInferenceCpu, kernels/cpu/cpu_inference.h).
 //
 // Incremental decoding (a rollout student): the KVCache holds per slot the full-attention layers'
 // keys/values (KVCache::k, v, one entry per full-attention layer in layer order) and each Gated

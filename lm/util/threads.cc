@@ -24,7 +24,7 @@ void SetThreadsForThisThread(int n) {
   // LibTorch sets a thread's OpenMP count from its global setting the first time the thread asks
   // (lazily); make that happen now, so that it does not overwrite what is set here later. The
   // flag that records it lives in an inline function: libtorch has one copy and every binary
-  // that calls at::parallel_for inline (lm/model/cpu_inference.cc) another, so trigger both.
+  // that calls at::parallel_for inline (kernels/cpu/cpu_inference.cc) another, so trigger both.
   at::get_num_threads();
   at::internal::lazy_init_num_threads();
   if (omp_set) omp_set(n);

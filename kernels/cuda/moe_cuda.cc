@@ -1,14 +1,14 @@
 // LibTorch adapter of the CUDA MoE kernels: shape and dtype checks, device buffers from the
 // caching allocator (stream-ordered, CUDA-graph safe), launches on the current stream, and the
 // autograd function whose backward uses library ops.
-#include "kernels/moe_cuda.h"
+#include "kernels/cuda/moe_cuda.h"
 
 #include <torch/torch.h>
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "kernels/moe_kernels.cuh"
+#include "kernels/cuda/moe_kernels.cuh"
 
 namespace kernels {
 namespace {

@@ -1,4 +1,4 @@
-#include "lm/model/cpu_inference.h"
+#include "kernels/cpu/cpu_inference.h"
 
 #include <algorithm>
 #include <atomic>
@@ -9,7 +9,7 @@
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
-#include "lm/model/cpu_kernels.h"
+#include "kernels/cpu/cpu_kernels.h"
 
 // The Fortran BLAS sgemm of the library LibTorch links (MKL in the x86 wheels). Weak: where a
 // build does not export it, the paths that need it are not taken (HasBlas()).

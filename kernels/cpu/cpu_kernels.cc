@@ -1,4 +1,4 @@
-#include "lm/model/cpu_kernels.h"
+#include "kernels/cpu/cpu_kernels.h"
 
 #include <algorithm>
 #include <cmath>

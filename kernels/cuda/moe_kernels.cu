@@ -1,5 +1,5 @@
 // CUDA kernels of the MoE layer (see moe_kernels.cuh for the pipeline and the contracts).
-#include "kernels/moe_kernels.cuh"
+#include "kernels/cuda/moe_kernels.cuh"
 
 #include <algorithm>
 #include <atomic>

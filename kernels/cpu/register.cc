@@ -1,0 +1,43 @@
+// The CPU fast paths (kernels/cpu/cpu_inference.h), registered for CPU tensors: each applies
+// where its Use* predicate says (no gradient needed, fp32, shapes the kernels handle, AVX2) and
+// leaves everything else to lm/model's reference math.
+#include "kernels/cpu/cpu_inference.h"
+#include "lm/model/fast_paths.h"
+
+namespace lm {
+namespace {
+
+torch::Tensor Experts(const torch::Tensor& x, const torch::Tensor& ids,
+                      const torch::Tensor& weights, const torch::Tensor& gate_up,
+                      const torch::Tensor& down) {
+  if (!UseCpuInferenceExperts(x, weights, gate_up, down)) return {};
+  return MoeExpertsInferenceCpu(x, ids, weights, gate_up, down);
+}
+
+torch::Tensor DeltaRule(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const torch::Tensor& g, const torch::Tensor& beta,
+                        const std::vector<int64_t>& cu_seqlens, int64_t chunk,
+                        torch::Tensor* final_state) {
+  if (!UseCpuInferenceDeltaRule(q, k, v, g, beta)) return {};
+  return GatedDeltaRuleInferenceCpu(q, k, v, g, beta, cu_seqlens, chunk, final_state);
+}
+
+torch::Tensor Logprobs(const torch::Tensor& hidden, const torch::Tensor& weight,
+                       const torch::Tensor& targets, double temperature) {
+  if (!UseCpuInferenceLogprobs(hidden, weight)) return {};
+  return TokenLogprobsInferenceCpu(hidden, weight, targets, temperature);
+}
+
+torch::Tensor LogSumExp(const torch::Tensor& logits) {
+  return UseCpuLogSumExpRows(logits) ? LogSumExpRowsCpu(logits) : torch::Tensor();
+}
+
+const RegisterFastPaths kCpu(torch::kCPU, [](FastPaths& p) {
+  p.moe_experts = &Experts;
+  p.gated_delta_rule = &DeltaRule;
+  p.token_logprobs = &Logprobs;
+  p.logsumexp_rows = &LogSumExp;
+});
+
+}  // namespace
+}  // namespace lm

@@ -1,0 +1,57 @@
+// Device fast paths for inference, registered by the backends that implement them (kernels/cpu
+// for the CPU, kernels/cuda for CUDA tensors); lm/model keeps the reference math and never
+// includes a backend. A model op asks FastPathsFor(its tensors' device) and calls the entry when
+// there is one: an entry returns an undefined tensor (or false) for inputs it does not handle
+// (shape, dtype, autograd, CPU features) and the reference runs instead.
+//
+// A backend registers with a static RegisterFastPaths object in its library; lm links those
+// libraries whole (lm/CMakeLists.txt), so every program that links lm has them. The table lives
+// in an inline function, so a backend's registration needs no symbol from lm.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include <torch/types.h>
+
+namespace lm {
+
+struct FastPaths {
+  // MoeExperts (lm/model/moe.h): x [T, H], ids/weights [T, k], gate_up [E, 2I, H], down [E, H, I].
+  torch::Tensor (*moe_experts)(const torch::Tensor& x, const torch::Tensor& ids,
+                               const torch::Tensor& weights, const torch::Tensor& gate_up,
+                               const torch::Tensor& down) = nullptr;
+  // The router's softmax + top-k (+ renormalisation) on fp32 logits [T, E], without autograd.
+  bool (*route_topk)(const torch::Tensor& logits, int64_t top_k, bool renormalize,
+                     torch::Tensor* weights, torch::Tensor* ids) = nullptr;
+  // GatedDeltaRuleChunked (lm/model/qwen3_next.h) with grouped key heads (value head h reads key
+  // head h / (Hv / Hk)); `final_state`, when given, receives each document's final state.
+  torch::Tensor (*gated_delta_rule)(const torch::Tensor& q, const torch::Tensor& k,
+                                    const torch::Tensor& v, const torch::Tensor& g,
+                                    const torch::Tensor& beta,
+                                    const std::vector<int64_t>& cu_seqlens, int64_t chunk,
+                                    torch::Tensor* final_state) = nullptr;
+  // log p(target) per row of hidden [N, H] under weight [V, H] at `temperature`, for scoring.
+  torch::Tensor (*token_logprobs)(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                  const torch::Tensor& targets, double temperature) = nullptr;
+  // logsumexp of each row of logits [rows, V].
+  torch::Tensor (*logsumexp_rows)(const torch::Tensor& logits) = nullptr;
+};
+
+inline FastPaths& MutableFastPaths(torch::DeviceType device) {
+  static std::array<FastPaths, static_cast<size_t>(torch::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>
+      table{};
+  return table[static_cast<size_t>(device)];
+}
+
+inline const FastPaths& FastPathsFor(torch::DeviceType device) { return MutableFastPaths(device); }
+
+// `static const RegisterFastPaths r(torch::kCPU, [](FastPaths& p) { p.moe_experts = ...; });`
+struct RegisterFastPaths {
+  RegisterFastPaths(torch::DeviceType device, void (*fill)(FastPaths&)) {
+    fill(MutableFastPaths(device));
+  }
+};
+
+}  // namespace lm
