@@ -229,14 +229,21 @@ torch::Tensor GatedDeltaRuleChunked(const torch::Tensor& q, const torch::Tensor&
 torch::Tensor GatedDeltaRuleStep(const torch::Tensor& q, const torch::Tensor& k,
                                  const torch::Tensor& v, const torch::Tensor& g,
                                  const torch::Tensor& beta, torch::Tensor& state) {
-  const int64_t r = v.size(1) / k.size(1);
-  auto qh = r > 1 ? q.repeat_interleave(r, 1) : q;  // [B, Hv, dk]
-  auto kh = (r > 1 ? k.repeat_interleave(r, 1) : k).unsqueeze(-1);
-  state.mul_(g.exp().unsqueeze(-1).unsqueeze(-1));
-  auto kv_mem = (state * kh).sum(-2);              // S^T k        [B, Hv, dv]
-  auto delta = (v - kv_mem) * beta.unsqueeze(-1);  // beta (v - S^T k)
-  state.add_(kh * delta.unsqueeze(-2));            // S += k delta^T
-  return (state * qh.unsqueeze(-1)).sum(-2);       // S^T q        [B, Hv, dv]
+  const int64_t B = v.size(0), H = v.size(1), dk = k.size(2), dv = v.size(2);
+  const int64_t r = H / k.size(1);
+  TORCH_CHECK(state.is_contiguous() && state.sizes() == c10::IntArrayRef({B, H, dk, dv}),
+              "delta rule step: expected a contiguous state [", B, ", ", H, ", ", dk, ", ", dv,
+              "], got ", state.sizes());
+  // Batched matrix-vector products and an in-place rank-1 update: the broadcast form
+  // ((S * k).sum(-2), S + k * delta) makes a state-sized temporary per product.
+  auto qh = (r > 1 ? q.repeat_interleave(r, 1) : q).reshape({B * H, 1, dk});
+  auto kh = (r > 1 ? k.repeat_interleave(r, 1) : k).reshape({B * H, 1, dk});
+  auto S = state.view({B * H, dk, dv});
+  S.mul_(g.exp().reshape({B * H, 1, 1}));
+  auto kv_mem = torch::bmm(kh, S);  // S^T k  [BH, 1, dv]
+  auto delta = (v.reshape({B * H, 1, dv}) - kv_mem) * beta.reshape({B * H, 1, 1});
+  S.baddbmm_(kh.transpose(1, 2), delta);      // S += k delta^T
+  return torch::bmm(qh, S).view({B, H, dv});  // S^T q
 }
 
 // ---- modules ----
