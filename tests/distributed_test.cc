@@ -21,6 +21,7 @@
 #include <torch/torch.h>
 
 #include "lm/dist/process_group.h"
+#include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "nlohmann/json.hpp"
 #include "tests/child_process.h"
@@ -426,6 +427,86 @@ TEST(DistributedOptimizer, CheckpointsResumeOnAnyWorldSize) {
   s = (*again)->LoadState(dir, 3);
   EXPECT_FALSE(s.ok());
   EXPECT_NE(std::string(s.message()).find("optimizer-00001-of-00002"), std::string::npos) << s;
+}
+
+// bf16-mixed (trainer/common/mixed_precision.h) on 2 and 3 ranks against one rank in bf16-mixed,
+// with a real model's forward and backward (the gradients depend on the bf16 compute copies). The
+// ranks sum the fp32 gradients in another order (1e-7 relative); a master that then lands on the
+// other side of a bf16 rounding boundary gives a compute copy one bf16 ulp apart, which the next
+// steps' gradients feel: we allow 1e-5 per tensor on the masters after 3 steps (measured
+// 1e-8: no copy flipped here). The fp32
+// parameters (norms, router) are summed exactly from their owners' slices, and every rank's
+// compute copies are its masters rounded to bf16.
+TEST(DistributedOptimizer, Bf16MixedOnNRanksEqualsOneRank) {
+  torch::set_num_threads(1);
+  std::ifstream in(std::string(OPD_SOURCE_DIR) + "/configs/sft/tiny_model.json");
+  auto config = lm::ParseModelConfig(nlohmann::json::parse(in));
+  ASSERT_TRUE(config.ok());
+  const std::vector<lm::PackedBatch> micro = {
+      lm::PackedBatch::FromSequences({{5, 9, 33, 2, 71, 8, 100}, {3, 17, 250, 4}}),
+      lm::PackedBatch::FromSequences({{7, 7, 40, 41, 42, 43}}),
+      lm::PackedBatch::FromSequences({{11, 12, 13}, {200, 201, 202, 203, 204}}),
+      lm::PackedBatch::FromSequences({{1, 2, 3, 4, 5, 6, 7, 8}})};
+  auto train = [&](int world) {
+    std::map<std::string, torch::Tensor> masters;
+    RunRanks(world, [&](int rank, ProcessGroup& g) {
+      auto model = lm::CreateModel(*config);
+      ASSERT_TRUE(model.ok());
+      (*model)->InitWeights(0.05, 3);
+      std::vector<std::pair<std::string, torch::Tensor>> params;
+      for (const auto& p : (*model)->named_parameters()) params.emplace_back(p.key(), p.value());
+      auto opt = trainer::DistributedOptimizer::Create(params, Optim(), &g, 5000, torch::kFloat32,
+                                                       trainer::Precision::kBf16Mixed);
+      ASSERT_TRUE(opt.ok()) << opt.status();
+      for (int step = 0; step < 3; ++step) {
+        (*opt)->ZeroGrad();
+        for (size_t i = static_cast<size_t>(rank); i < micro.size(); i += world) {
+          if (i + world >= micro.size()) (*opt)->ExpectLastBackward();
+          torch::Tensor loss;
+          {
+            trainer::ForwardPrecision autocast(trainer::Precision::kBf16Mixed, torch::kCPU);
+            auto [rows, targets] = lm::NextTokenRows(micro[i]);
+            auto h = (*model)->Forward(micro[i]).index_select(0, rows);
+            loss = -lm::TokenLogprobs(h, (*model)->LmHeadWeight(), targets).sum() / 30.0;
+          }
+          loss.backward();
+        }
+        ASSERT_TRUE((*opt)->ReduceAndClip(1.0).ok());
+        ASSERT_TRUE((*opt)->Step(1e-3).ok());
+      }
+      auto flat = (*opt)->GatherMasters();
+      ASSERT_TRUE(flat.ok()) << flat.status();
+      // Every rank: rank 0's masters (broadcast) rounded are this rank's compute copies.
+      torch::Tensor all = rank == 0 ? *flat : torch::empty({trainer::FlatLayout::Of(params).total});
+      std::vector<torch::Tensor> b{all};
+      ASSERT_TRUE(g.Broadcast(b).ok());
+      for (const auto& e : trainer::FlatLayout::Of(params).entries) {
+        torch::Tensor p;
+        for (const auto& [n, t] : params)
+          if (n == e.name) p = t;
+        torch::Tensor m = all.narrow(0, e.offset, e.numel).view(p.sizes());
+        const bool bf16 = p.scalar_type() == torch::kBFloat16;
+        EXPECT_TRUE(torch::equal(p.to(torch::kFloat32),
+                                 bf16 ? m.to(torch::kBFloat16).to(torch::kFloat32) : m))
+            << e.name << " on rank " << rank << " of " << world;
+        if (rank == 0) masters[e.name] = m.clone();
+      }
+    });
+    return masters;
+  };
+  const auto one = train(1);
+  ASSERT_FALSE(one.empty());
+  for (int world : {2, 3}) {
+    const auto n = train(world);
+    double worst = 0;
+    for (const auto& [name, m] : one) {
+      const double d = ((n.at(name) - m).norm() / m.norm()).item<double>();
+      EXPECT_LE(d, 1e-5) << name << ", " << world << " ranks";
+      worst = std::max(worst, d);
+    }
+    std::printf("bf16-mixed masters after 3 steps, %d ranks vs 1: worst per-tensor %.2e\n", world,
+                worst);
+  }
 }
 
 // NCCL needs a device per rank: two ranks on two GPUs, as the learner runs on a GPU node. Skips

@@ -75,11 +75,13 @@ TEST(Precision, Bf16CopiesForMatricesNotForNormsAndRouters) {
     const std::string& n = p.key();
     const bool copy = lm::HoldsBf16ComputeCopy(n, p.value());
     (copy ? bf16 : fp32)++;
-    if (n.find("norm") != std::string::npos || n.find("mlp.gate.weight") != std::string::npos)
+    if (n.find("norm") != std::string::npos || n.find("mlp.gate.weight") != std::string::npos) {
       EXPECT_FALSE(copy) << n;
+    }
     if (n.find("experts") != std::string::npos || n.find("_proj") != std::string::npos ||
-        n == "lm_head.weight" || n == "model.embed_tokens.weight")
+        n == "lm_head.weight" || n == "model.embed_tokens.weight") {
       EXPECT_TRUE(copy) << n;
+    }
   }
   EXPECT_GT(bf16, 0);
   EXPECT_GT(fp32, 0);
@@ -488,8 +490,12 @@ TEST(MixedOptimizer, MemoryPerRankIsBf16WeightsPlusAnNthOfMastersAndState) {
       masters += mem[r].masters;
       adamw += mem[r].adamw;
       // 6P + 12P/N against 8P + 8P/N: less from 3 ranks on (one rank holds the masters on top).
-      if (world > 2) EXPECT_LT(mem[r].total(), fp32[r].total()) << world;
-      if (world == 1) EXPECT_GT(mem[r].total(), fp32[r].total());
+      if (world > 2) {
+        EXPECT_LT(mem[r].total(), fp32[r].total()) << world;
+      }
+      if (world == 1) {
+        EXPECT_GT(mem[r].total(), fp32[r].total());
+      }
       std::printf(
           "%d rank(s), rank %d: bf16-mixed %lld B (weights %lld, grads %lld, masters %lld, "
           "AdamW %lld); fp32 %lld B\n",

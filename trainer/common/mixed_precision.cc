@@ -23,11 +23,11 @@ const char* PrecisionName(Precision p) {
 // The bf16-mixed part of DistributedOptimizer (trainer/common/parallel.h): its buffers, the
 // refresh of the compute copies after an update, and the fp32 masters for checkpoints.
 
-void DistributedOptimizer::MoveIntoMixedBuffers(std::map<std::string, torch::Tensor>& by_name) {
+void DistributedOptimizer::MoveIntoMixedBuffers(std::map<std::string, torch::Tensor>& by_name,
+                                                const torch::TensorOptions& opts) {
   torch::NoGradGuard no_grad;
-  const torch::TensorOptions opts = flat_grads_.options();
   master_ = torch::zeros({shard_.chunk}, opts);
-  flat_compute_ = torch::zeros({flat_grads_.numel()}, opts.dtype(torch::kBFloat16));
+  flat_compute_ = torch::zeros({shard_.chunk * group_->size()}, opts.dtype(torch::kBFloat16));
   int64_t exact_total = 0;
   for (const auto& e : layout_.entries) {
     const bool bf16 = lm::HoldsBf16ComputeCopy(e.name, by_name[e.name]);

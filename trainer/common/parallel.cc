@@ -319,10 +319,10 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Crea
   torch::NoGradGuard no_grad;
   o->shard_ = Shard::Of(o->layout_.total, group->size(), group->rank());
   const int64_t padded = o->shard_.chunk * group->size();
-  o->flat_grads_ = torch::zeros({padded}, opts);
   std::map<std::string, torch::Tensor> by_name(params.begin(), params.end());
   if (o->mixed_) {
-    o->MoveIntoMixedBuffers(by_name);
+    // Before the gradients are allocated: the fp32 weights are released as they move.
+    o->MoveIntoMixedBuffers(by_name, opts);
   } else {
     o->flat_params_ = torch::zeros({padded}, opts);
     for (const auto& e : o->layout_.entries) {
@@ -334,6 +334,7 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Crea
       p.set_data(view.view(p.sizes()));
     }
   }
+  o->flat_grads_ = torch::zeros({padded}, opts);
   const int64_t mine = o->shard_.end - o->shard_.begin;
   o->exp_avg_ = torch::zeros({mine}, opts);
   o->exp_avg_sq_ = torch::zeros({mine}, opts);

@@ -195,7 +195,8 @@ class DistributedOptimizer {
   absl::Status ShardedStep(double lr);
   // bf16-mixed (defined in trainer/common/mixed_precision.cc): the parameters into the compute
   // buffers, this rank's masters from their fp32 values.
-  void MoveIntoMixedBuffers(std::map<std::string, torch::Tensor>& by_name);
+  void MoveIntoMixedBuffers(std::map<std::string, torch::Tensor>& by_name,
+                            const torch::TensorOptions& opts);
   torch::Tensor MasterRange(int64_t begin, int64_t n);  // [begin, begin + n) of this rank's masters
   absl::Status RefreshComputeCopies();                  // bf16-mixed, after an update
   void InstallHooks();
