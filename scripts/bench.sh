@@ -26,6 +26,9 @@ cmake --build build -j"$(nproc)" --target bench_serving opd-teacher opd-rollout 
 echo "== teacher scoring through gRPC (opd-teacher) =="
 $PY scripts/bench/teacher.py --build build --workdir build/bench
 
+echo "== bf16 teacher scoring on the CPU: ours bf16 vs transformers bf16 vs ours fp32, kernels used =="
+$PY scripts/bench/bf16_scoring.py --build build --workdir build/bench
+
 echo "== rollout sampling through gRPC (opd-rollout) =="
 $PY scripts/bench/rollout.py --build build --workdir build/bench
 

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Builds the CUDA MoE kernels with their test and benchmark (a CMake configuration with
-# -DOPD_KERNELS_ONLY=ON: lm, kernels/, moe_kernels_test, bench_moe_kernels; no gRPC) and runs
-# them on a GPU machine, in well under 5 minutes on 16 cores. Results: gpu_check.txt (and
+# -DOPD_KERNELS_ONLY=ON: lm, kernels/, moe_kernels_test, bench_moe_kernels; no gRPC) and the bf16
+# placement test (bf16_test: loading to the GPU in bf16, scoring there, the host memory of that
+# load), and runs them on a GPU machine, in well under 5 minutes on 16 cores. With
+# OPD_GPU_FULL_BUILD=1 (a machine with gRPC & co.) it configures the full build instead and
+# bf16_test also serves a bf16 opd-teacher on the GPU. Results: gpu_check.txt (and
 # moe_kernels_bench.jsonl, moe_kernels_test.xml) in $OUT when the device tool runs it, else in
 # build-gpu/.
 #
@@ -14,6 +17,7 @@
 #                                        into a private prefix, never into /)
 #
 # Environment: OPD_PYTHON (a python with torch), OPD_BUILD_DIR (default build-gpu),
+# OPD_GPU_FULL_BUILD (1: full build, not kernels-only),
 # OPD_CUDA_ARCHITECTURES (default "80;90a"), OPD_JOBS (default: all cores). Where nvidia-smi
 # exists, OPD_REQUIRE_GPU=1 turns a GPU test that finds no CUDA device into a failure.
 set -euo pipefail
@@ -121,11 +125,17 @@ fi
 JOBS=${OPD_JOBS:-$(nproc)}
 say "== configure + build (jobs $JOBS), t=$(elapsed)s"
 set -o pipefail
-timeout 300 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DOPD_KERNELS_ONLY=ON \
+KERNELS_ONLY=ON
+BF16_TARGETS=(bf16_test load_rss_probe)
+if [[ "${OPD_GPU_FULL_BUILD:-0}" == 1 ]]; then
+  KERNELS_ONLY=OFF
+  BF16_TARGETS+=(opd-teacher)
+fi
+timeout 300 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DOPD_KERNELS_ONLY=$KERNELS_ONLY \
   -DOPD_PYTHON="$PY" -DOPD_CUDA_ARCHITECTURES="${OPD_CUDA_ARCHITECTURES:-80;90a}" \
   "${CMAKE_EXTRA[@]}" >"$BUILD/configure.log" 2>&1 ||
   { tail -40 "$BUILD/configure.log" | tee -a "$RESULTS"; die "configure failed (log: $BUILD/configure.log; missing packages? see --fetch-debs)"; }
-timeout 600 cmake --build "$BUILD" -j "$JOBS" --target moe_kernels_test bench_moe_kernels \
+timeout 600 cmake --build "$BUILD" -j "$JOBS" --target moe_kernels_test bench_moe_kernels "${BF16_TARGETS[@]}" \
   >"$BUILD/build.log" 2>&1 ||
   { tail -60 "$BUILD/build.log" | tee -a "$RESULTS"; die "build failed (log: $BUILD/build.log)"; }
 say "built in $(elapsed)s"
@@ -135,6 +145,23 @@ say "== moe_kernels_test, t=$(elapsed)s"
 timeout 300 "$BUILD/tests/moe_kernels_test" --gtest_color=no \
   --gtest_output="xml:$RESULTS_DIR/moe_kernels_test.xml" 2>&1 | tee -a "$RESULTS" || status=$?
 say "moe_kernels_test exit status $status, t=$(elapsed)s"
+
+# bf16 on the GPU. The parity and serving cases need transformers' bf16 references: made here
+# when this python has transformers, else only the cases that need none run.
+BF16_FILTER='Placement.*:Bf16Cpu.*:Bf16Gpu.*:LoadMemory.*'
+if "$PY" -c "import transformers, safetensors" >/dev/null 2>&1 &&
+  timeout 300 "$PY" "$ROOT/tests/python/make_bf16_fixtures.py" --out "$BUILD/fixtures_bf16" \
+    >"$BUILD/bf16_fixtures.log" 2>&1; then
+  BF16_FILTER='*'
+else
+  say "bf16 fixtures not made (no transformers in $PY?): parity cases skipped"
+fi
+say "== bf16_test ($BF16_FILTER), t=$(elapsed)s"
+bf16_status=0
+timeout 300 "$BUILD/tests/bf16_test" --gtest_color=no --gtest_filter="$BF16_FILTER" \
+  --gtest_output="xml:$RESULTS_DIR/bf16_test.xml" 2>&1 | tee -a "$RESULTS" || bf16_status=$?
+say "bf16_test exit status $bf16_status, t=$(elapsed)s"
+[[ $status != 0 ]] || status=$bf16_status
 
 if [[ $SANITIZE == 1 ]]; then
   SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)

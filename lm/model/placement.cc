@@ -34,15 +34,14 @@ absl::StatusOr<torch::Device> ResolveDevice(const std::string& spec, int local_r
     index = 0;
   }
   if (cuda_devices <= 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        flag, " ", spec, why, ": no CUDA device is available to this process (use ", flag,
-        " cpu, or check CUDA_VISIBLE_DEVICES and the driver)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(flag, " ", spec, why, ": no CUDA device is available to this process (use ",
+                     flag, " cpu, or check CUDA_VISIBLE_DEVICES and the driver)"));
   }
   if (index >= cuda_devices) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, " ", spec, why, ": device index ", index,
-                                                   " is out of range: this process sees ",
-                                                   cuda_devices, " CUDA device(s), 0..",
-                                                   cuda_devices - 1));
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, " ", spec, why, ": device index ", index, " is out of range: this process sees ",
+        cuda_devices, " CUDA device(s), 0..", cuda_devices - 1));
   }
   return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
