@@ -127,7 +127,10 @@ absl::Status EpGroup::Follow(const Work& work, bool kill_on_command) {
     std::string frame;
     RETURN_IF_ERROR(group_->BroadcastBytes(&frame));
     if (frame.empty()) return absl::InternalError("empty command frame from rank 0");
-    if (frame[0] == kNoop) continue;
+    if (frame[0] == kNoop) {
+      ++heartbeats_;
+      continue;
+    }
     if (frame[0] == kStop) return absl::OkStatus();
     if (frame[0] != kCommand)
       return absl::InternalError(absl::StrCat("unknown command kind ", int{frame[0]}));

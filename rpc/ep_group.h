@@ -13,6 +13,7 @@
 // While idle the leader sends a heartbeat every timeout / 4, so idle followers do not time out.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -69,6 +70,9 @@ class EpGroup {
   // rank). Throws lm::CollectiveError when the group fails.
   bool AnyRank(bool value);
 
+  // Follower: the heartbeats received so far (what keeps an idle follower's collective waiting).
+  int64_t heartbeats() const { return heartbeats_.load(); }
+
  private:
   EpGroup(std::unique_ptr<lm::dist::ProcessGroup> group, absl::Duration heartbeat);
   // Sends a command frame (kind + payload); marks the group broken on failure.
@@ -82,6 +86,7 @@ class EpGroup {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time last_sent_ ABSL_GUARDED_BY(mu_);
   std::thread heartbeat_thread_;
+  std::atomic<int64_t> heartbeats_{0};
 };
 
 }  // namespace opd::rpc

@@ -9,6 +9,7 @@
 // SIGTERM to rank 0 stops every rank; bad --world-size values exit 2 naming the flag.
 #include <signal.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -16,6 +17,7 @@
 #include <memory>
 #include <regex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -27,6 +29,7 @@
 #include "lm/model/model.h"
 #include "nlohmann/json.hpp"
 #include "rpc/client.h"
+#include "rpc/ep_group.h"
 #include "rpc/tensor_codec.h"
 
 namespace {
@@ -376,6 +379,61 @@ TEST(RolloutFailure, FollowerKilledMidGenerateGivesUnavailable) {
   auto push = (*client)->UpdateWeights(1, w.views);
   EXPECT_EQ(push.status().code(), absl::StatusCode::kUnavailable) << push.status();
   EXPECT_EQ(g.rank(0).Stop(), 1) << g.Logs();
+}
+
+// An idle group outlives its collective timeout: rank 0's heartbeats (every timeout / 4) keep the
+// follower's wait for the next command alive. Two ranks in this process; the test waits for the
+// follower to count 12 heartbeats (3 timeouts of idling), then runs a command on both.
+TEST(EpGroup, HeartbeatsKeepAnIdleFollowerAlive) {
+  auto model = lm::LoadModel(kMoe + "/model");
+  ASSERT_TRUE(model.ok());
+  const int port = testing_util::FreeLoopbackPort();
+  std::unique_ptr<opd::rpc::EpGroup> groups[2];
+  std::shared_ptr<lm::CausalLM> shards[2];
+  std::thread joins[2];
+  for (int r = 0; r < 2; ++r) {
+    auto shard = lm::LoadExpertShard(kMoe + "/model", {}, r, 2);
+    ASSERT_TRUE(shard.ok());
+    shards[r] = *shard;
+  }
+  for (int r = 0; r < 2; ++r) {
+    joins[r] = std::thread([&, r] {
+      lm::dist::LaunchEnv env;
+      env.rank = r;
+      env.world_size = 2;
+      env.master_port = port;
+      auto g = opd::rpc::EpGroup::Join(env, torch::kCPU, absl::Seconds(1), *shards[r], "same");
+      EXPECT_TRUE(g.ok()) << g.status();
+      if (g.ok()) groups[r] = std::move(*g);
+    });
+  }
+  for (auto& t : joins) t.join();
+  ASSERT_TRUE(groups[0] && groups[1]);
+  int commands = 0;
+  absl::Status followed;
+  std::atomic<bool> done{false};
+  std::thread follower([&] {
+    followed = groups[1]->Follow([&](const std::string& c) {
+      EXPECT_EQ(c, "work");
+      ++commands;
+      return absl::OkStatus();
+    });
+    done = true;
+  });
+  // Events, not time: the follower's count of heartbeats (or its end, when one was missed).
+  while (groups[1]->heartbeats() < 12 && !done)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_TRUE(groups[0]
+                  ->Run("work",
+                        [](const std::string& c) {
+                          EXPECT_EQ(c, "work");
+                          return absl::OkStatus();
+                        })
+                  .ok());
+  EXPECT_TRUE(groups[0]->Stop().ok());
+  follower.join();
+  EXPECT_TRUE(followed.ok()) << followed;
+  EXPECT_EQ(commands, 1);
 }
 
 // Runs a server that must refuse its flags; returns {exit code, output}.
