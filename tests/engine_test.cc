@@ -496,6 +496,27 @@ TEST(Engine, ModelWithoutPagedCacheIsRefused) {
   EXPECT_NE(std::string(e.status().message()).find("toy_without_paging"), std::string::npos);
 }
 
+// A bf16 model on the CPU gets bf16 pools, and the engine samples from it like the static sampler
+// does (greedy; bf16 rounding of the two attention paths may flip a near tie).
+TEST(Engine, Bf16ModelOnCpuHasBf16Pools) {
+  auto model = Load();
+  model->to(torch::kBFloat16);
+  EXPECT_EQ(model->PagedSpec().kv_bytes_per_token, 2 * 2 * 2 * 16 * 2);
+  auto cache = model->NewPagedKVCache(4, 16, 1);
+  EXPECT_EQ(cache.k[0].scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(cache.bytes(), 4 * 16 * model->PagedSpec().kv_bytes_per_token);
+  auto engine = MakeEngine(*model, 64);
+  SamplingParams p;
+  p.samples_per_prompt = 2;
+  p.max_new_tokens = 12;
+  p.temperature = 0;
+  auto got = RunEngine(*engine, model, kPrompts, p), want = Static(*model, kPrompts, p);
+  ASSERT_EQ(got.size(), want.size());
+  int same = 0;
+  for (size_t i = 0; i < got.size(); ++i) same += got[i].tokens == want[i].tokens;
+  EXPECT_GE(same, 4);
+}
+
 // --- on a GPU: bf16 pools, and the engine's samples those of the static sampler there ---
 
 TEST(Engine, CudaBf16KvCache) {
