@@ -32,6 +32,9 @@ $PY scripts/bench/bf16_scoring.py --build build --workdir build/bench
 echo "== rollout sampling through gRPC (opd-rollout) =="
 $PY scripts/bench/rollout.py --build build --workdir build/bench
 
+echo "== Qwen3-Next student rollout (recurrent-state caching) vs transformers generate =="
+$PY scripts/bench/qwen3_next_rollout.py --build build --workdir build/bench
+
 echo "== rollout engine (paged KV, continuous batching) vs static sampler vs transformers, long tail =="
 cmake --build build -j"$(nproc)" --target bench_rollout_engine >/dev/null
 $PY scripts/bench/rollout_engine.py --build build --workdir build/bench
