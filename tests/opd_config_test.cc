@@ -130,6 +130,9 @@ TEST(ConfigValidation, OpdTimeoutsAndCountsAreChecked) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"rollout.timeout_s=0", "rollout.timeout_s"},
       {"rollout.timeout_s=-5", "rollout.timeout_s"},
+      {"rollout.weight_sync=nccl", "rollout.weight_sync"},
+      {"rollout.weight_sync_timeout_s=0", "rollout.weight_sync_timeout_s"},
+      {"rollout.weight_sync_bucket_mb=0", "rollout.weight_sync_bucket_mb"},
       {"train.teacher_timeout_s=0", "train.teacher_timeout_s"},
       {"train.threads=-1", "train.threads"},
       {"train.max_consecutive_nonfinite=0", "train.max_consecutive_nonfinite"},
@@ -141,6 +144,8 @@ TEST(ConfigValidation, OpdTimeoutsAndCountsAreChecked) {
       {"debug.nan_steps=[0]", "debug.nan_steps[0]"},
   };
   for (const auto& [set, key] : cases) ExpectRefused(Opd({set}), key, "opd " + set);
+  for (const char* mode : {"grpc", "collective", "auto"})
+    EXPECT_TRUE(Opd({std::string("rollout.weight_sync=") + mode}).ok()) << mode;
 }
 
 // Sampling filters make the sampler's log-probs (renormalised over the kept tokens) differ from

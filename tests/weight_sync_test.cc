@@ -18,6 +18,7 @@
 #include <set>
 
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include "child_process.h"
@@ -145,7 +146,8 @@ opd::rpc::ClientOptions Client(const std::string& address, const std::string& se
 }
 
 std::unique_ptr<trainer::WeightPusher> Pusher(const std::string& address, WeightSyncMode mode,
-                                              std::function<void(int64_t)> on_bucket = nullptr) {
+                                              std::function<void(int64_t)> on_bucket = nullptr,
+                                              torch::Device learner = torch::kCPU) {
   auto client = opd::rpc::RolloutClient::Create(Client(address));
   EXPECT_TRUE(client.ok()) << client.status();
   auto info = (*client)->Info();
@@ -156,7 +158,7 @@ std::unique_ptr<trainer::WeightPusher> Pusher(const std::string& address, Weight
   po.group_timeout = absl::Seconds(60);
   po.grpc_chunk_bytes = 1000;
   po.on_bucket = std::move(on_bucket);
-  auto p = trainer::WeightPusher::Connect(Client(address), *info, po, torch::kCPU);
+  auto p = trainer::WeightPusher::Connect(Client(address), *info, po, learner);
   EXPECT_TRUE(p.ok()) << p.status();
   return p.ok() ? std::move(*p) : nullptr;
 }
@@ -172,7 +174,8 @@ void ExpectServes(rollout::WeightStore& store, lm::CausalLM& learner, torch::Dty
   for (size_t i = 0; i < want.size(); ++i) {
     ASSERT_EQ(served[i].first, want[i].first);
     EXPECT_EQ(served[i].second.scalar_type(), dtype);
-    EXPECT_TRUE(torch::equal(served[i].second, want[i].second.to(dtype))) << want[i].first;
+    EXPECT_TRUE(torch::equal(served[i].second, want[i].second.to(torch::kCPU).to(dtype)))
+        << want[i].first;
   }
 }
 
@@ -591,6 +594,30 @@ TEST(WeightSync, WorkersThatTakeFullUpdatesOnlyGetEveryTensorWithoutAManifest) {
     EXPECT_EQ(r->tensors, static_cast<int64_t>(b->parameters().size())) << version;
   }
   server->server->Shutdown();
+}
+
+// The learner on a CUDA device: each bucket is cast on the device and sent over Gloo (the worker
+// is on the host) or streamed over gRPC. Skips without CUDA; fails under OPD_REQUIRE_GPU=1
+// (scripts/gpu_check.sh with OPD_GPU_FULL_BUILD=1 runs it).
+TEST(WeightSyncGpu, LearnerOnCudaDeliversBitIdenticalWeights) {
+  if (!torch::cuda::is_available()) {
+    const char* require = std::getenv("OPD_REQUIRE_GPU");
+    if (require != nullptr && std::string(require) == "1") FAIL() << "OPD_REQUIRE_GPU=1: no CUDA";
+    GTEST_SKIP() << "no CUDA device";
+  }
+  for (torch::Dtype dtype : {torch::kFloat32, torch::kBFloat16}) {
+    for (WeightSyncMode mode : {WeightSyncMode::kCollective, WeightSyncMode::kGrpc}) {
+      LocalRollout worker(dtype);
+      auto b = ModelB();
+      b->to(torch::Device(torch::kCUDA, 0));
+      auto pusher = Pusher(worker.address(), mode, nullptr, torch::Device(torch::kCUDA, 0));
+      ASSERT_NE(pusher, nullptr);
+      auto r = pusher->Push(Wire(*b, dtype), 1);
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(r->collective, mode == WeightSyncMode::kCollective);
+      ExpectServes(worker.store(), *b, dtype, 1);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
