@@ -54,12 +54,12 @@ absl::Status Run() {
     return absl::FailedPreconditionError(absl::StrCat(
         loaded.model_dir, " is a ", loaded.config.model_type,
         " model, which the paged rollout engine cannot sample: it has no paged KV cache "
-        "(lm/model/paged_kv.h); serve a qwen3_moe student"));
+        "(lm/model/paged_kv.h); serve a qwen3_moe or qwen3_next student"));
   if (engine_kind == "static" && !loaded.model->SupportsKVCache())
     return absl::FailedPreconditionError(absl::StrCat(
         loaded.model_dir, " is a ", loaded.config.model_type,
-        " model, which this rollout worker cannot sample: its decode path (a cache of the "
-        "linear-attention layers' recurrent state) is not implemented; serve a qwen3_moe student"));
+        " model, which this rollout worker cannot sample: it has no incremental decode (KV "
+        "cache); serve a qwen3_moe or qwen3_next student"));
   if (absl::GetFlag(FLAGS_kv_budget_gb) < 0)
     return absl::InvalidArgumentError(
         absl::StrCat("--kv-budget-gb=", absl::GetFlag(FLAGS_kv_budget_gb), " is negative"));
