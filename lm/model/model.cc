@@ -51,6 +51,17 @@ KVCache KVCache::Select(const std::vector<int64_t>& slots) const {
   return out;
 }
 
+void CausalLM::AddLmHead(const Embedding& embed) {
+  embed_tokens_ = embed;
+  if (!config_.tie_word_embeddings)
+    lm_head = register_module("lm_head", Linear(config_.hidden_size, config_.vocab_size));
+}
+
+std::vector<std::string> CausalLM::TiedAliases() const {
+  if (config_.tie_word_embeddings) return {"lm_head.weight"};
+  return {};
+}
+
 void CausalLM::InitWeights(double std, uint64_t seed) {
   torch::NoGradGuard no_grad;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);

@@ -57,20 +57,32 @@ class CausalLM : public torch::nn::Module {
     throw std::logic_error("no paged KV cache");
   }
 
-  // The output projection [V, H] (the embedding matrix when tied).
-  virtual torch::Tensor LmHeadWeight() = 0;
+  // The output projection [V, H]: lm_head.weight, or the embedding matrix when tied (a model
+  // that wraps another, e.g. an expert-parallel driver, forwards to the wrapped one).
+  virtual torch::Tensor LmHeadWeight() {
+    return lm_head ? lm_head->weight : embed_tokens_->weight;
+  }
   torch::Tensor Logits(const torch::Tensor& hidden) {
     return MatmulWeightT(hidden, LmHeadWeight());
   }
 
-  // Names of parameters that are the same tensor under another name (tied lm_head).
-  virtual std::vector<std::string> TiedAliases() const { return {}; }
+  // Names of parameters that are the same tensor under another name (a tied lm_head).
+  virtual std::vector<std::string> TiedAliases() const;
+
+  Linear lm_head{nullptr};  // null when tie_word_embeddings
 
   // Normal(0, std) init of every matrix, ones/zeros for norms (random models for tests/demos).
   void InitWeights(double std, uint64_t seed);
 
  protected:
+  // Called by each architecture's constructor after it registered its body (so that lm_head
+  // comes last, as in the checkpoints): registers lm_head unless the config ties it to `embed`.
+  void AddLmHead(const Embedding& embed);
+
   ModelConfig config_;
+
+ private:
+  Embedding embed_tokens_{nullptr};  // the body's embedding (not registered twice)
 };
 
 // A model with uninitialised weights for `config` (by model_type).

@@ -96,9 +96,7 @@ Qwen3MoeModelImpl::Qwen3MoeModelImpl(const ModelConfig& c) {
 Qwen3MoeForCausalLM::Qwen3MoeForCausalLM(ModelConfig c)
     : CausalLM(std::move(c)), rope_(config_.RotaryDim(), config_.rope_theta) {
   model = register_module("model", Qwen3MoeModel(config_));
-  if (!config_.tie_word_embeddings) {
-    lm_head = register_module("lm_head", Linear(config_.hidden_size, config_.vocab_size));
-  }
+  AddLmHead(model->embed_tokens);
 }
 
 torch::Tensor Qwen3MoeForCausalLM::Forward(const PackedBatch& batch, const ForwardOptions& opts) {
@@ -201,15 +199,6 @@ torch::Tensor Qwen3MoeForCausalLM::PagedForward(const PagedStep& step, PagedKVCa
   // Only the last new token of each sequence is sampled from: norm those rows alone.
   if (meta.max_new > 1) h = h.index_select(0, meta.last_rows);
   return model->norm(h);
-}
-
-torch::Tensor Qwen3MoeForCausalLM::LmHeadWeight() {
-  return lm_head ? lm_head->weight : model->embed_tokens->weight;
-}
-
-std::vector<std::string> Qwen3MoeForCausalLM::TiedAliases() const {
-  if (config_.tie_word_embeddings) return {"lm_head.weight"};
-  return {};
 }
 
 }  // namespace lm

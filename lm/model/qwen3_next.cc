@@ -585,9 +585,7 @@ Qwen3NextModelImpl::Qwen3NextModelImpl(const ModelConfig& c) {
 Qwen3NextForCausalLM::Qwen3NextForCausalLM(ModelConfig c)
     : CausalLM(std::move(c)), rope_(config_.RotaryDim(), config_.rope_theta) {
   model = register_module("model", Qwen3NextModel(config_));
-  if (!config_.tie_word_embeddings) {
-    lm_head = register_module("lm_head", Linear(config_.hidden_size, config_.vocab_size));
-  }
+  AddLmHead(model->embed_tokens);
 }
 
 torch::Tensor Qwen3NextForCausalLM::Forward(const PackedBatch& batch, const ForwardOptions& opts) {
@@ -720,15 +718,6 @@ torch::Tensor Qwen3NextForCausalLM::PagedForward(const PagedStep& step, PagedKVC
   // Only the last new token of each sequence is sampled from: norm those rows alone.
   if (meta.max_new > 1) h = h.index_select(0, meta.last_rows);
   return model->norm(h);
-}
-
-torch::Tensor Qwen3NextForCausalLM::LmHeadWeight() {
-  return lm_head ? lm_head->weight : model->embed_tokens->weight;
-}
-
-std::vector<std::string> Qwen3NextForCausalLM::TiedAliases() const {
-  if (config_.tie_word_embeddings) return {"lm_head.weight"};
-  return {};
 }
 
 }  // namespace lm

@@ -301,11 +301,8 @@ class Qwen3NextForCausalLM : public CausalLM {
   PagedKVCache NewPagedKVCache(int64_t num_blocks, int64_t block_size,
                                int64_t num_state_slots) const override;
   torch::Tensor PagedForward(const PagedStep& step, PagedKVCache& cache) override;
-  torch::Tensor LmHeadWeight() override;
-  std::vector<std::string> TiedAliases() const override;
 
   Qwen3NextModel model{nullptr};
-  Linear lm_head{nullptr};  // null when tie_word_embeddings
 
  private:
   Rope rope_;
