@@ -467,10 +467,18 @@ TEST(WeightStore, WrongTensorsAreRejected) {
     expect_invalid(staged->Add(v), "shape [1, 2, 3]");
   }
   {
+    // Another wire dtype is cast on arrival (a bf16 push to an fp32 worker), but then the
+    // tensor is bf16-sized: fp32's byte count is refused, naming the size.
     auto staged = *store.Stage(1);
     auto v = View(t, 0, t.bytes);
     v.dtype = "bfloat16";
-    expect_invalid(staged->Add(v), "dtype bfloat16");
+    expect_invalid(staged->Add(v), absl::StrCat(t.bytes, " bytes, more than its ", t.bytes / 2));
+  }
+  {
+    auto staged = *store.Stage(1);
+    auto v = View(t, 0, t.bytes);
+    v.dtype = "int8";
+    expect_invalid(staged->Add(v), "unknown dtype 'int8'");
   }
   {
     auto staged = *store.Stage(1);
