@@ -28,7 +28,12 @@ const std::vector<Architecture>& Table() {
       {"qwen3_moe", "Qwen3MoeForCausalLM", true, false, nullptr, {}, CreateQwen3Moe},
       // Dense Qwen3 runs as Qwen3-MoE without experts (num_experts 0: every MLP is dense).
       {"qwen3", "Qwen3ForCausalLM", false, false, nullptr, {}, CreateQwen3Moe},
-      {"qwen3_next", "Qwen3NextForCausalLM", true, true, Qwen3NextDefaults, {"mtp."},
+      {"qwen3_next",
+       "Qwen3NextForCausalLM",
+       true,
+       true,
+       Qwen3NextDefaults,
+       {"mtp."},
        CreateQwen3Next},
   };
   return table;

@@ -40,12 +40,15 @@ struct FastPaths {
 };
 
 inline FastPaths& MutableFastPaths(torch::DeviceType device) {
-  static std::array<FastPaths, static_cast<size_t>(torch::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>
+  static std::array<FastPaths,
+                    static_cast<size_t>(torch::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>
       table{};
   return table[static_cast<size_t>(device)];
 }
 
-inline const FastPaths& FastPathsFor(torch::DeviceType device) { return MutableFastPaths(device); }
+inline const FastPaths& FastPathsFor(torch::DeviceType device) {
+  return MutableFastPaths(device);
+}
 
 // `static const RegisterFastPaths r(torch::kCPU, [](FastPaths& p) { p.moe_experts = ...; });`
 struct RegisterFastPaths {

@@ -2,9 +2,6 @@
 
 #include <sys/resource.h>
 
-#include <ATen/autocast_mode.h>
-#include <torch/cuda.h>
-
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -21,26 +18,6 @@ double PeakRssMb() {
   struct rusage ru = {};
   getrusage(RUSAGE_SELF, &ru);
   return static_cast<double>(ru.ru_maxrss) / 1024.0;  // Linux reports KiB
-}
-
-absl::StatusOr<torch::Device> PickDevice(const std::string& name) {
-  const bool cuda = torch::cuda::is_available();
-  if (name == "cuda" && !cuda)
-    return absl::FailedPreconditionError("train.device: cuda is not available");
-  return (name == "cuda" || (name == "auto" && cuda)) ? torch::Device(torch::kCUDA, 0)
-                                                      : torch::Device(torch::kCPU);
-}
-
-AutocastGuard::AutocastGuard(bool enabled) : enabled_(enabled) {
-  if (!enabled_) return;
-  at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
-  at::autocast::set_autocast_enabled(at::kCUDA, true);
-}
-
-AutocastGuard::~AutocastGuard() {
-  if (!enabled_) return;
-  at::autocast::set_autocast_enabled(at::kCUDA, false);
-  at::autocast::clear_cache();
 }
 
 std::vector<std::string> TokenizerFiles(const std::string& path) {

@@ -22,8 +22,7 @@ absl::Status CheckLearnerTrain(const LearnerTrainConfig& t) {
   if (t.device.rfind("cuda:", 0) != 0 || t.device.size() == 5 ||
       t.device.find_first_not_of("0123456789", 5) != std::string::npos)
     RETURN_IF_ERROR(validate::OneOf("train.device", t.device, {"auto", "cpu", "cuda", "cuda:N"}));
-  RETURN_IF_ERROR(
-      validate::OneOf("train.precision", t.precision, {"auto", "fp32", "bf16-mixed"}));
+  RETURN_IF_ERROR(validate::OneOf("train.precision", t.precision, {"auto", "fp32", "bf16-mixed"}));
   RETURN_IF_ERROR(validate::IntAtLeast("train.threads", t.threads, 0));
   return validate::IntAtLeast("train.max_consecutive_nonfinite", t.max_consecutive_nonfinite, 1);
 }

@@ -92,7 +92,7 @@ absl::Status TrainingJob::LoadModel(const std::string& dir) {
   std::vector<std::pair<std::string, torch::Tensor>> params;
   for (const auto& p : model_->named_parameters()) params.emplace_back(p.key(), p.value());
   ASSIGN_OR_RETURN(optimizer_, MakeLearnerOptimizer(params, optim_config_, dist_config_,
-                                                       group_.get(), device_, precision_));
+                                                    group_.get(), device_, precision_));
   return absl::OkStatus();
 }
 
@@ -166,7 +166,9 @@ absl::Status TrainingJob::SaveCheckpoint() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<bool> TrainingJob::StopAgreed() { return group_->AnyRank(StopRequested()); }
+absl::StatusOr<bool> TrainingJob::StopAgreed() {
+  return group_->AnyRank(StopRequested());
+}
 
 absl::Status TrainingJob::StopForSignal() {
   const int sig = StopSignal();
