@@ -3,10 +3,11 @@
 # -DOPD_KERNELS_ONLY=ON: lm, kernels/, moe_kernels_test, bench_moe_kernels; no gRPC) and the bf16
 # placement test (bf16_test: loading to the GPU in bf16, scoring there, the host memory of that
 # load), and runs them on a GPU machine, in well under 5 minutes on 16 cores. With
-# OPD_GPU_FULL_BUILD=1 (a machine with gRPC & co.) it configures the full build instead and
-# bf16_test also serves a bf16 opd-teacher on the GPU. Results: gpu_check.txt (and
-# moe_kernels_bench.jsonl, moe_kernels_test.xml) in $OUT when the device tool runs it, else in
-# build-gpu/.
+# OPD_GPU_FULL_BUILD=1 (a machine with gRPC & co.) it configures the full build instead:
+# bf16_test also serves a bf16 opd-teacher on the GPU, and the other GPU cases run (the bf16-mixed
+# learner, the paged engine's bf16 KV cache, the device draw, Qwen3-Next bf16 decode, weight
+# sync). Results: gpu_check.txt (and moe_kernels_bench.jsonl, the tests' XML) in $OUT when the
+# device tool runs it, else in build-gpu/.
 #
 #   scripts/gpu_check.sh                 on the GPU machine (its python3 has torch 2.11 + CUDA)
 #   scripts/gpu_check.sh --sanitize      also runs small test cases under compute-sanitizer
@@ -130,6 +131,16 @@ BF16_TARGETS=(bf16_test load_rss_probe)
 if [[ "${OPD_GPU_FULL_BUILD:-0}" == 1 ]]; then
   KERNELS_ONLY=OFF
   BF16_TARGETS+=(opd-teacher)
+  # The other GPU cases of the full build: test binary and its GPU filter.
+  FULL_GPU_TESTS=(
+    "mixed_precision_test:PrecisionGpu.*:MixedOptimizerGpu.*:LearnerDevice.*"
+    "engine_test:PagedKV.AttentionOnCudaInBf16:Engine.CudaBf16KvCache"
+    "sampler_test:Sampler.DeviceDrawOnCudaEqualsCpu"
+    "qwen3_next_test:NextModel.Bf16DecodeStaysCloseCuda"
+    "weight_sync_test:WeightSyncGpu.*"
+  )
+  for t in "${FULL_GPU_TESTS[@]}"; do BF16_TARGETS+=("${t%%:*}"); done
+  BF16_TARGETS+=(opd-rollout opd-ctl)
 fi
 timeout 300 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DOPD_KERNELS_ONLY=$KERNELS_ONLY \
   -DOPD_PYTHON="$PY" -DOPD_CUDA_ARCHITECTURES="${OPD_CUDA_ARCHITECTURES:-80;90a}" \
@@ -162,6 +173,22 @@ timeout 300 "$BUILD/tests/bf16_test" --gtest_color=no --gtest_filter="$BF16_FILT
   --gtest_output="xml:$RESULTS_DIR/bf16_test.xml" 2>&1 | tee -a "$RESULTS" || bf16_status=$?
 say "bf16_test exit status $bf16_status, t=$(elapsed)s"
 [[ $status != 0 ]] || status=$bf16_status
+
+# Full build only: the learner's bf16-mixed, the paged engine's bf16 KV cache, the sampler's
+# device draw, Qwen3-Next bf16 decoding and collective weight sync, on the GPU. Their fixtures
+# come from the same scripts ctest runs (tests/CMakeLists.txt).
+if [[ "${OPD_GPU_FULL_BUILD:-0}" == 1 ]]; then
+  (cd "$BUILD" && timeout 600 ctest -R 'make_(fixtures|next_fixtures|sft_fixtures)$'     >"$BUILD/fixtures.log" 2>&1) || say "fixtures not made (log: $BUILD/fixtures.log)"
+  for t in "${FULL_GPU_TESTS[@]}"; do
+    bin=${t%%:*}
+    say "== $bin (${t#*:}), t=$(elapsed)s"
+    rc=0
+    timeout 300 "$BUILD/tests/$bin" --gtest_color=no --gtest_filter="${t#*:}" \
+      --gtest_output="xml:$RESULTS_DIR/$bin.xml" 2>&1 | tee -a "$RESULTS" || rc=$?
+    say "$bin exit status $rc, t=$(elapsed)s"
+    [[ $status != 0 ]] || status=$rc
+  done
+fi
 
 if [[ $SANITIZE == 1 ]]; then
   SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
