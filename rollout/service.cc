@@ -29,6 +29,17 @@ SamplingParams ToParams(const opd::v1::GenerateRequest& req) {
   return p;
 }
 
+// A chunk as the weight stores take it (views into the message, which outlives the call).
+ChunkView ViewOf(const opd::v1::WeightChunk& chunk) {
+  ChunkView v;
+  v.name = chunk.name();
+  v.shape.assign(chunk.shape().begin(), chunk.shape().end());
+  v.dtype = chunk.dtype();
+  v.offset = chunk.offset();
+  v.data = chunk.data();
+  return v;
+}
+
 opd::v1::Sample ToProto(const Sample& s, int64_t version) {
   opd::v1::Sample m;
   m.set_prompt_index(static_cast<int32_t>(s.prompt_index));
@@ -123,7 +134,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
 
   grpc::CallbackServerContext* ctx_;
   std::atomic<int>* running_;
-  Engine* engine_;  // null: the static sampler
+  Engine* engine_;          // null: the static sampler
   const SampleFn* sample_;  // the static sampler's replacement (expert parallelism), or null
   std::thread thread_;
   bool holds_slot_ = false;
@@ -171,20 +182,14 @@ class UpdateReactor final : public grpc::ServerReadReactor<opd::v1::WeightChunk>
       staged_ = std::move(*staged);
       if (chunk_.has_manifest() && chunk_.name().empty()) return absl::OkStatus();
     } else if (chunk_.has_manifest()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("chunk of tensor '", chunk_.name(), "' carries a manifest; only the first may"));
+      return absl::InvalidArgumentError(absl::StrCat("chunk of tensor '", chunk_.name(),
+                                                     "' carries a manifest; only the first may"));
     } else if (chunk_.version() != staged_->version()) {
       return absl::InvalidArgumentError(
           absl::StrCat("chunk of tensor '", chunk_.name(), "' has version ", chunk_.version(),
                        " in a stream of version ", staged_->version()));
     }
-    ChunkView v;
-    v.name = chunk_.name();
-    v.shape.assign(chunk_.shape().begin(), chunk_.shape().end());
-    v.dtype = chunk_.dtype();
-    v.offset = chunk_.offset();
-    v.data = chunk_.data();
-    return staged_->Add(v);
+    return staged_->Add(ViewOf(chunk_));
   }
 
   // Expert parallelism: every chunk goes to every rank, each keeps its own experts' bytes.
@@ -201,13 +206,7 @@ class UpdateReactor final : public grpc::ServerReadReactor<opd::v1::WeightChunk>
           absl::StrCat("chunk of tensor '", chunk_.name(), "' has version ", chunk_.version(),
                        " in a stream of version ", ep_update_->version()));
     }
-    ChunkView v;
-    v.name = chunk_.name();
-    v.shape.assign(chunk_.shape().begin(), chunk_.shape().end());
-    v.dtype = chunk_.dtype();
-    v.offset = chunk_.offset();
-    v.data = chunk_.data();
-    return ep_update_->Add(v);
+    return ep_update_->Add(ViewOf(chunk_));
   }
 
   // Reads end at the client's half-close, or because the call broke: only the first commits.

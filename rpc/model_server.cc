@@ -172,14 +172,13 @@ absl::StatusOr<LoadedModel> LoadServedModel() {
   ASSIGN_OR_RETURN(m.secret, LoadSecret(absl::GetFlag(FLAGS_secret_file)));
   ASSIGN_OR_RETURN(m.placement,
                    lm::ResolvePlacement(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_dtype)));
-  m.dtype = lm::PlacementDtypeName(m.placement.dtype);
+  m.dtype = DtypeName(m.placement.dtype);  // the names the flags and ServiceInfo use
   lm::LoadOptions load;
   load.dtype = m.placement.dtype;
   load.device = m.placement.device;
   ASSIGN_OR_RETURN(m.env, ExpertParallelEnv(absl::GetFlag(FLAGS_world_size)));
   if (m.env.distributed()) {
-    ASSIGN_OR_RETURN(m.model,
-                     lm::LoadExpertShard(m.model_dir, load, m.env.rank, m.env.world_size));
+    ASSIGN_OR_RETURN(m.model, lm::LoadExpertShard(m.model_dir, load, m.env.rank, m.env.world_size));
   } else {
     ASSIGN_OR_RETURN(m.model, lm::LoadModel(m.model_dir, load));
   }
@@ -187,18 +186,17 @@ absl::StatusOr<LoadedModel> LoadServedModel() {
   m.config = m.model->config();
   if (m.env.distributed()) {
     const lm::ParameterBytes bytes = lm::CountParameterBytes(*m.model);
-    lm::log::Info(absl::StrCat("expert-parallel rank ", m.env.rank, " of ", m.env.world_size,
-                               ": experts [", m.config.expert_first, ", ",
-                               m.config.expert_first + m.config.local_experts, ") of ",
-                               m.config.num_experts, "; parameter_bytes=", bytes.total,
-                               " expert_bytes=", bytes.experts));
+    lm::log::Info(absl::StrCat(
+        "expert-parallel rank ", m.env.rank, " of ", m.env.world_size, ": experts [",
+        m.config.expert_first, ", ", m.config.expert_first + m.config.local_experts, ") of ",
+        m.config.num_experts, "; parameter_bytes=", bytes.total, " expert_bytes=", bytes.experts));
     ASSIGN_OR_RETURN(
-        m.ep, EpGroup::Join(m.env, load.device, absl::Seconds(absl::GetFlag(FLAGS_ep_timeout_seconds)),
-                            *m.model,
-                            absl::StrCat(m.config.model_type, " layers=", m.config.num_hidden_layers,
-                                         " hidden=", m.config.hidden_size, " experts=",
-                                         m.config.num_experts, " vocab=", m.config.vocab_size,
-                                         " dtype=", m.dtype)));
+        m.ep,
+        EpGroup::Join(
+            m.env, load.device, absl::Seconds(absl::GetFlag(FLAGS_ep_timeout_seconds)), *m.model,
+            absl::StrCat(m.config.model_type, " layers=", m.config.num_hidden_layers,
+                         " hidden=", m.config.hidden_size, " experts=", m.config.num_experts,
+                         " vocab=", m.config.vocab_size, " dtype=", m.dtype)));
   }
   ASSIGN_OR_RETURN(m.tokenizer_fingerprint,
                    TokenizerFingerprint(absl::GetFlag(FLAGS_tokenizer), m.model_dir));

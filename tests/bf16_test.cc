@@ -42,6 +42,7 @@
 #ifdef OPD_BF16_SERVING
 #include "child_process.h"
 #include "rpc/client.h"
+#include "tests/gpu.h"
 #endif
 
 namespace lm {
@@ -50,16 +51,6 @@ namespace {
 namespace fs = std::filesystem;
 
 const std::string kFixtures = OPD_BF16_FIXTURES_DIR;
-
-// Skips without a CUDA device, unless OPD_REQUIRE_GPU is set (scripts/gpu_check.sh on a GPU
-// machine), where a missing device is a failure.
-#define REQUIRE_GPU()                                                            \
-  do {                                                                           \
-    if (!torch::cuda::is_available()) {                                          \
-      if (std::getenv("OPD_REQUIRE_GPU") != nullptr) FAIL() << "no CUDA device"; \
-      GTEST_SKIP() << "no CUDA device here";                                     \
-    }                                                                            \
-  } while (0)
 
 fs::path TempDir(const std::string& tag) {
   std::string tmpl = (fs::temp_directory_path() / ("bf16_test_" + tag + "_XXXXXX")).string();
@@ -366,7 +357,7 @@ TEST(LoadMemory, ReadingTheShardsHoldsAtMostOneShardPlus20Percent) {
 // GPU
 
 TEST(Bf16Gpu, LoadsToTheDeviceInBf16AndScoresThere) {
-  REQUIRE_GPU();
+  SKIP_WITHOUT_CUDA();
   const BigCheckpoint& c = MakeBigCheckpoint();
   LoadOptions cpu, gpu;
   cpu.dtype = gpu.dtype = torch::kBFloat16;
@@ -396,7 +387,7 @@ TEST(Bf16Gpu, LoadsToTheDeviceInBf16AndScoresThere) {
 }
 
 TEST(Bf16Gpu, LoadToTheDeviceHoldsAtMostOneShardPlus20PercentOnTheHost) {
-  REQUIRE_GPU();
+  SKIP_WITHOUT_CUDA();
   const BigCheckpoint& c = MakeBigCheckpoint();
   const ProbeResult r = Probe("--dir=" + c.dir.string() + " --mode=load --device=cuda:0");
   ASSERT_TRUE(r.ok) << r.output;
@@ -488,7 +479,7 @@ TEST(Bf16Serving, TeacherScoresMatchTransformersBf16) {
 }
 
 TEST(Bf16Serving, TeacherOnCudaDefaultsToBf16AndMatches) {
-  REQUIRE_GPU();
+  SKIP_WITHOUT_CUDA();
   ExpectServedBf16MatchesReference("moe_tied_topk8", {"--device=cuda"});
 }
 

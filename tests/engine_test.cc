@@ -25,6 +25,7 @@
 #include "rollout/weights.h"
 #include "rpc/auth.h"
 #include "rpc/codec.h"
+#include "tests/gpu.h"
 
 namespace rollout {
 namespace {
@@ -38,18 +39,6 @@ std::shared_ptr<lm::CausalLM> Load(const std::string& fixture = kModel) {
   (*m)->eval();
   return *m;
 }
-
-bool RequireGpu() {
-  const char* v = std::getenv("OPD_REQUIRE_GPU");
-  return v && std::string(v) == "1";
-}
-#define SKIP_WITHOUT_CUDA()                                          \
-  do {                                                               \
-    if (!torch::cuda::is_available()) {                              \
-      ASSERT_FALSE(RequireGpu()) << "OPD_REQUIRE_GPU=1 but no CUDA"; \
-      GTEST_SKIP() << "no CUDA device";                              \
-    }                                                                \
-  } while (0)
 
 const std::vector<std::vector<int64_t>> kPrompts = {
     {1, 5, 9, 13, 2}, {7, 3}, {40, 41, 42, 43, 44, 45, 46, 47}};

@@ -28,6 +28,7 @@
 #include "lm/model/precision.h"
 #include "nlohmann/json.hpp"
 #include "tests/child_process.h"
+#include "tests/gpu.h"
 #include "trainer/common/mixed_precision.h"
 #include "trainer/common/optim.h"
 #include "trainer/common/parallel.h"
@@ -43,20 +44,6 @@ double RelNormDiff(const torch::Tensor& a, const torch::Tensor& b) {
 torch::Tensor RoundBf16(const torch::Tensor& t) {
   return t.to(torch::kBFloat16).to(torch::kFloat32);
 }
-
-bool RequireGpu() {
-  const char* v = std::getenv("OPD_REQUIRE_GPU");
-  return v && std::string(v) == "1";
-}
-
-// GPU tests skip without a CUDA device and fail under OPD_REQUIRE_GPU=1.
-#define SKIP_WITHOUT_CUDA()                                                      \
-  do {                                                                           \
-    if (!torch::cuda::is_available()) {                                          \
-      if (RequireGpu()) FAIL() << "OPD_REQUIRE_GPU=1 but CUDA is not available"; \
-      GTEST_SKIP() << "no CUDA device";                                          \
-    }                                                                            \
-  } while (0)
 
 lm::ModelConfig TinyConfig() {
   std::ifstream in(std::string(OPD_SOURCE_DIR) + "/configs/sft/tiny_model.json");

@@ -25,20 +25,17 @@
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
 #include "nlohmann/json.hpp"
+#include "tests/gpu.h"
 
 namespace {
 
 constexpr int kSmall = 0, kMedium = 1, kLarge = 2, kFp32 = 3;  // kernels::TileConfig
 const std::vector<int> kBf16Configs = {kSmall, kMedium, kLarge};
 
-// Skips without a CUDA device, unless OPD_REQUIRE_GPU is set (scripts/gpu_check.sh on a GPU
-// machine): then a missing device is a failure, not a silent skip.
+// SKIP_WITHOUT_CUDA (tests/gpu.h), and the fp32 references stay fp32 (no TF32).
 #define REQUIRE_GPU()                                                             \
   do {                                                                            \
-    if (!torch::cuda::is_available()) {                                           \
-      if (std::getenv("OPD_REQUIRE_GPU") != nullptr) FAIL() << "no CUDA device";  \
-      GTEST_SKIP() << "no CUDA device here";                                      \
-    }                                                                             \
+    SKIP_WITHOUT_CUDA();                                                          \
     at::globalContext().setAllowTF32CuBLAS(false); /* fp32 references are fp32 */ \
   } while (0)
 

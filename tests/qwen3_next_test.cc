@@ -20,8 +20,8 @@
 #include <torch/torch.h>
 
 #include "child_process.h"
-#include "lm/io/checkpoint.h"
 #include "kernels/cpu/cpu_inference.h"
+#include "lm/io/checkpoint.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "lm/model/qwen3_next.h"
@@ -29,6 +29,7 @@
 #include "rollout/engine.h"
 #include "rollout/sampler.h"
 #include "rpc/client.h"
+#include "tests/gpu.h"
 
 namespace lm {
 namespace {
@@ -922,11 +923,6 @@ TEST(NextPaged, EngineEqualsStaticSampler) {
   }
 }
 
-bool RequireGpu() {
-  const char* v = std::getenv("OPD_REQUIRE_GPU");
-  return v && std::string(v) == "1";
-}
-
 // bf16, the GPU serving dtype (conv windows in bf16, delta-rule states in fp32): decoding through
 // the contiguous cache and through paged steps stays as close to the fp32 reference as the bf16
 // forward does (NextModel.Bf16ForwardStaysClose's bound).
@@ -955,10 +951,7 @@ TEST(NextModel, Bf16DecodeStaysCloseCpu) {
 }
 
 TEST(NextModel, Bf16DecodeStaysCloseCuda) {
-  if (!torch::cuda::is_available()) {
-    ASSERT_FALSE(RequireGpu()) << "OPD_REQUIRE_GPU=1 but no CUDA";
-    GTEST_SKIP() << "no CUDA device";
-  }
+  SKIP_WITHOUT_CUDA();
   Bf16DecodeStaysClose(torch::Device(torch::kCUDA, 0));
 }
 

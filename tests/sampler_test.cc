@@ -15,6 +15,7 @@
 #include "rollout/sampler.h"
 #include "rollout/weights.h"
 #include "rpc/tensor_codec.h"
+#include "tests/gpu.h"
 
 namespace rollout {
 namespace {
@@ -282,11 +283,7 @@ TEST(Sampler, DeviceDrawEqualsTheHostLoop) {
 
 // On a GPU the draw runs there and picks the same tokens as on the CPU.
 TEST(Sampler, DeviceDrawOnCudaEqualsCpu) {
-  if (!torch::cuda::is_available()) {
-    const char* req = std::getenv("OPD_REQUIRE_GPU");
-    ASSERT_FALSE(req && std::string(req) == "1") << "OPD_REQUIRE_GPU=1 but no CUDA";
-    GTEST_SKIP() << "no CUDA device";
-  }
+  SKIP_WITHOUT_CUDA();
   torch::manual_seed(2);
   auto logits = torch::randn({32, 5000}) * 2;
   SamplingParams p;

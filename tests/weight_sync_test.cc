@@ -34,6 +34,7 @@
 #include "rpc/status.h"
 #include "rpc/tensor_codec.h"
 #include "rpc/weight_wire.h"
+#include "tests/gpu.h"
 #include "trainer/opd/weight_push.h"
 
 namespace {
@@ -600,11 +601,7 @@ TEST(WeightSync, WorkersThatTakeFullUpdatesOnlyGetEveryTensorWithoutAManifest) {
 // is on the host) or streamed over gRPC. Skips without CUDA; fails under OPD_REQUIRE_GPU=1
 // (scripts/gpu_check.sh with OPD_GPU_FULL_BUILD=1 runs it).
 TEST(WeightSyncGpu, LearnerOnCudaDeliversBitIdenticalWeights) {
-  if (!torch::cuda::is_available()) {
-    const char* require = std::getenv("OPD_REQUIRE_GPU");
-    if (require != nullptr && std::string(require) == "1") FAIL() << "OPD_REQUIRE_GPU=1: no CUDA";
-    GTEST_SKIP() << "no CUDA device";
-  }
+  SKIP_WITHOUT_CUDA();
   for (torch::Dtype dtype : {torch::kFloat32, torch::kBFloat16}) {
     for (WeightSyncMode mode : {WeightSyncMode::kCollective, WeightSyncMode::kGrpc}) {
       LocalRollout worker(dtype);

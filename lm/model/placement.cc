@@ -82,17 +82,4 @@ absl::StatusOr<Placement> ResolvePlacement(const std::string& device, const std:
   return p;
 }
 
-std::string PlacementDtypeName(torch::Dtype dtype) {
-  switch (dtype) {
-    case torch::kFloat32:
-      return "float32";
-    case torch::kBFloat16:
-      return "bfloat16";
-    case torch::kFloat16:
-      return "float16";
-    default:
-      return std::string(c10::toString(dtype));
-  }
-}
-
 }  // namespace lm

@@ -42,7 +42,4 @@ absl::StatusOr<Placement> ResolvePlacement(const std::string& device, const std:
                                            const std::string& device_flag = "--device",
                                            const std::string& dtype_flag = "--dtype");
 
-// "float32", "bfloat16", ... (the names the flags and ServiceInfo use).
-std::string PlacementDtypeName(torch::Dtype dtype);
-
 }  // namespace lm
