@@ -1,8 +1,8 @@
-// The trainer's YAML configs (trainer/common/config.h): any input is a config file, optionally followed
-// by a NUL byte and --set overrides, one per line. Parsing and decoding either fail with a
+// The trainer's YAML configs (trainer/common/config.h): any input is a config file, optionally
+// followed by a NUL byte and --set overrides, one per line. Parsing and decoding either fail with a
 // status or give a config that survives a round trip: encoding it and decoding the text again
-// succeeds and encodes to the same text. (Only the torch-free layer: trainer/common/config.cc and the
-// config structs; ValidateOpdConfig needs LibTorch and is not fuzzed.)
+// succeeds and encodes to the same text. (Only the torch-free layer: trainer/common/config.cc and
+// the config structs; ValidateOpdConfig needs LibTorch and is not fuzzed.)
 #include <cstddef>
 #include <cstdint>
 #include <sstream>

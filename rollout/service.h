@@ -64,7 +64,7 @@ class RolloutService final : public opd::v1::Rollout::CallbackService {
   const opd::rpc::Authenticator* auth_;
   ServiceOptions opts_;
   opd::v1::ServiceInfo info_;
-  std::atomic<int> running_{0};  // generations in flight
+  std::atomic<int> running_{0};               // generations in flight
   std::unique_ptr<WeightSyncReceiver> sync_;  // collective weight sync (rollout/weight_sync.h)
 
  public:

@@ -41,8 +41,8 @@ namespace rollout {
 struct Snapshot {
   std::shared_ptr<lm::CausalLM> model;
   int64_t version = 0;
-  // The model's LM head packed for the CPU decode kernel (kernels/cpu/cpu_inference.h), built once per
-  // version and shared by its generations; null where that kernel does not apply.
+  // The model's LM head packed for the CPU decode kernel (kernels/cpu/cpu_inference.h), built once
+  // per version and shared by its generations; null where that kernel does not apply.
   std::shared_ptr<const lm::PackedLinear> lm_head;
 };
 

@@ -1,6 +1,6 @@
 // What opd-teacher and opd-rollout share: the flags both take (model, listen address, port file,
-// tokenizer, device, dtype, threads, shared secret, TLS, grace period), loading the served model, and
-// serving until SIGINT/SIGTERM. Each program's main adds its own flags and builds its service.
+// tokenizer, device, dtype, threads, shared secret, TLS, grace period), loading the served model,
+// and serving until SIGINT/SIGTERM. Each program's main adds its own flags and builds its service.
 #pragma once
 
 #include <functional>
@@ -23,7 +23,7 @@ struct LoadedModel {
   lm::ModelConfig config;
   std::string secret;  // empty: calls are not authenticated
   std::string tokenizer_fingerprint;
-  std::string dtype;       // "float32" | "bfloat16": placement.dtype's name
+  std::string dtype;        // "float32" | "bfloat16": placement.dtype's name
   lm::Placement placement;  // --device (LOCAL_RANK) and --dtype, resolved
   int threads = 0;
   // Expert parallelism (--world-size N > 1): this rank's place and its group; null with one

@@ -722,9 +722,10 @@ TEST(DistributedSft, Bf16MixedOnTwoRanksTrainsAsOne) {
   const double d_resumed =
       RelNormDiff(two, ModelWeights(dir + "/resumed/checkpoints/step_000004/model"));
   EXPECT_LE(d_resumed, 1e-3);
-  std::printf("bf16-mixed SFT, 4 steps: 2 ranks vs 1 %.2e; 2 ranks resumed on 1 at step 2 vs 2 "
-              "ranks %.2e\n",
-              d_two, d_resumed);
+  std::printf(
+      "bf16-mixed SFT, 4 steps: 2 ranks vs 1 %.2e; 2 ranks resumed on 1 at step 2 vs 2 "
+      "ranks %.2e\n",
+      d_two, d_resumed);
 }
 
 // Ranks launched with different configs would exchange tensors that do not belong together:

@@ -32,9 +32,9 @@
 #include "rpc/codec.h"
 #include "rpc/server.h"
 #include "rpc/tensor_codec.h"
+#include "trainer/common/signals.h"
 #include "trainer/opd/learner_service.h"
 #include "trainer/opd/rollout_pool.h"
-#include "trainer/common/signals.h"
 #include "trainer/opd/teacher_pool.h"
 
 namespace {
@@ -712,7 +712,8 @@ TEST_F(Opd, FailedTeacherReplicaIsReadmittedOnlyAfterItsCoolDown) {
   auto o = FakePoolOptions(&clock);
   o.max_sequences_per_call = 1;
   o.readmit_after = absl::Hours(1);
-  auto pool = trainer::TeacherPool::Connect("s", {flaky.address, steady.address}, Requirements(), o);
+  auto pool =
+      trainer::TeacherPool::Connect("s", {flaky.address, steady.address}, Requirements(), o);
   ASSERT_TRUE(pool.ok()) << pool.status();
   auto r = (*pool)->Score(SomeInputs(20), {});
   ASSERT_TRUE(r.ok()) << r.status();
@@ -736,7 +737,7 @@ TEST_F(Opd, DeterministicTeacherErrorEndsTheStepNamingTheTeacher) {
     return Fail(grpc::StatusCode::INVALID_ARGUMENT, "sequence 0: id 999 is outside [0, 320)");
   });
   auto pool = trainer::TeacherPool::Connect("stage_x", {refusing.address}, Requirements(),
-                                        FakePoolOptions(&clock));
+                                            FakePoolOptions(&clock));
   ASSERT_TRUE(pool.ok()) << pool.status();
   auto r = (*pool)->Score(SomeInputs(3), {});
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();

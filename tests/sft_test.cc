@@ -32,10 +32,10 @@
 #include "lm/model/model.h"
 #include "nlohmann/json.hpp"
 #include "trainer/common/config.h"
-#include "trainer/sft/fused_nll.h"
 #include "trainer/common/metrics.h"
 #include "trainer/common/optim.h"
 #include "trainer/common/progress.h"
+#include "trainer/sft/fused_nll.h"
 #include "trainer/sft/sft_config.h"
 
 namespace trainer {

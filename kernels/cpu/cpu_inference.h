@@ -4,8 +4,8 @@
 // cache. Each is tested against the library path it replaces (tests/model_test.cc,
 // tests/qwen3_next_test.cc), which stays in use for gradients and other devices.
 //   - MoE experts: tasks of up to 128 rows of one expert. Decode-sized tasks run the streaming
-//     kernel of kernels/cpu/cpu_kernels.h, which reads the expert's weight once where a library GEMM
-//     would spend its time packing it; larger ones run the library GEMM on their thread.
+//     kernel of kernels/cpu/cpu_kernels.h, which reads the expert's weight once where a library
+//     GEMM would spend its time packing it; larger ones run the library GEMM on their thread.
 //   - Gated delta rule (Qwen3-Next): one task per (document, value head), its chunks in order.
 //   - LM-head log-probs for scoring: one task per vocabulary tile, each [rows, tile] block of
 //     logits reduced to a log-sum-exp while still in cache; [rows, vocab] never exists.

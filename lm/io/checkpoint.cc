@@ -201,7 +201,8 @@ torch::Tensor TensorFromView(const TensorView& view, std::shared_ptr<const Safet
 }
 
 absl::Status ForEachCheckpointTensor(
-    const std::vector<std::shared_ptr<const SafetensorsFile>>& files, const CheckpointTensorFn& fn) {
+    const std::vector<std::shared_ptr<const SafetensorsFile>>& files,
+    const CheckpointTensorFn& fn) {
   torch::NoGradGuard no_grad;
   for (const auto& file : files) {
     std::vector<const TensorView*> order;
@@ -234,49 +235,50 @@ absl::StatusOr<LoadReport> LoadParameters(
   LoadReport report;
   std::map<std::string, Coverage> filled;
   const auto& ignore_names = filter.ignore_names;
-  RETURN_IF_ERROR(ForEachCheckpointTensor(files, [&](const SafetensorsFile& file,
-                                                     const std::string& name,
-                                                     const torch::Tensor& src) -> absl::Status {
-    if (HasPrefix(name, filter.ignore_prefixes) ||
-        std::find(ignore_names.begin(), ignore_names.end(), name) != ignore_names.end()) {
-      ++report.tensors_ignored;
-      return absl::OkStatus();
-    }
-    const absl::StatusOr<Target> resolved = Resolve(name);
-    if (!resolved.ok())
-      return absl::InvalidArgumentError(
-          absl::StrCat(file.path(), ": tensor '", name, "': ", resolved.status().message()));
-    Target t = *resolved;
-    if (t.expert >= 0 && filter.expert_row) {
-      t.expert = filter.expert_row(t.param, t.expert);
-      if (t.expert < 0) {  // another process's expert
-        ++report.tensors_ignored;
+  RETURN_IF_ERROR(ForEachCheckpointTensor(
+      files,
+      [&](const SafetensorsFile& file, const std::string& name,
+          const torch::Tensor& src) -> absl::Status {
+        if (HasPrefix(name, filter.ignore_prefixes) ||
+            std::find(ignore_names.begin(), ignore_names.end(), name) != ignore_names.end()) {
+          ++report.tensors_ignored;
+          return absl::OkStatus();
+        }
+        const absl::StatusOr<Target> resolved = Resolve(name);
+        if (!resolved.ok())
+          return absl::InvalidArgumentError(
+              absl::StrCat(file.path(), ": tensor '", name, "': ", resolved.status().message()));
+        Target t = *resolved;
+        if (t.expert >= 0 && filter.expert_row) {
+          t.expert = filter.expert_row(t.param, t.expert);
+          if (t.expert < 0) {  // another process's expert
+            ++report.tensors_ignored;
+            return absl::OkStatus();
+          }
+        }
+        auto it = params.find(t.param);
+        if (it == params.end()) {
+          return absl::InvalidArgumentError(absl::StrCat(file.path(), ": unexpected tensor '", name,
+                                                         "' (the model has no such parameter)"));
+        }
+        auto dest = Destination(t, it->second);
+        if (!dest.ok())
+          return absl::InvalidArgumentError(
+              absl::StrCat(file.path(), ": tensor '", name, "': ", dest.status().message()));
+        if (src.sizes() != dest->sizes()) {
+          return absl::InvalidArgumentError(absl::StrCat(file.path(), ": tensor '", name,
+                                                         "' has shape ", ShapeStr(src.sizes()),
+                                                         ", expected ", ShapeStr(dest->sizes())));
+        }
+        const int64_t rows = t.expert < 0 ? 0 : it->second.size(0);
+        if (absl::Status s = filled[t.param].Add(t, name, rows); !s.ok())
+          return absl::InvalidArgumentError(absl::StrCat(file.path(), ": ", s.message()));
+        // Converts to the parameter's dtype and places it on its device: a CPU-side temporary of
+        // this one tensor at most (LibTorch converts on the host before a host-to-device copy).
+        dest->copy_(src);
+        ++report.tensors_loaded;
         return absl::OkStatus();
-      }
-    }
-    auto it = params.find(t.param);
-    if (it == params.end()) {
-      return absl::InvalidArgumentError(absl::StrCat(file.path(), ": unexpected tensor '", name,
-                                                     "' (the model has no such parameter)"));
-    }
-    auto dest = Destination(t, it->second);
-    if (!dest.ok())
-      return absl::InvalidArgumentError(
-          absl::StrCat(file.path(), ": tensor '", name, "': ", dest.status().message()));
-    if (src.sizes() != dest->sizes()) {
-      return absl::InvalidArgumentError(absl::StrCat(file.path(), ": tensor '", name,
-                                                     "' has shape ", ShapeStr(src.sizes()),
-                                                     ", expected ", ShapeStr(dest->sizes())));
-    }
-    const int64_t rows = t.expert < 0 ? 0 : it->second.size(0);
-    if (absl::Status s = filled[t.param].Add(t, name, rows); !s.ok())
-      return absl::InvalidArgumentError(absl::StrCat(file.path(), ": ", s.message()));
-    // Converts to the parameter's dtype and places it on its device: a CPU-side temporary of
-    // this one tensor at most (LibTorch converts on the host before a host-to-device copy).
-    dest->copy_(src);
-    ++report.tensors_loaded;
-    return absl::OkStatus();
-  }));
+      }));
   // A parameter is complete when written whole, or (fused experts) when every slice was.
   std::vector<std::string> missing;
   for (auto& [name, p] : params) {

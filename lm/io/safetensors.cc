@@ -342,8 +342,8 @@ void SafetensorsFile::ReleasePages(const TensorView& view) const {
   if (!mapped_ || view.nbytes == 0) return;
   static const uintptr_t kPage = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   const uintptr_t begin = reinterpret_cast<uintptr_t>(view.data) & ~(kPage - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(view.data) + view.nbytes + kPage - 1) &
-                        ~(kPage - 1);
+  const uintptr_t end =
+      (reinterpret_cast<uintptr_t>(view.data) + view.nbytes + kPage - 1) & ~(kPage - 1);
   // Best effort: on failure the pages merely stay resident until the file is closed.
   (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
 }

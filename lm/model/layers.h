@@ -16,8 +16,8 @@ namespace lm {
 // x W^T for x [rows, in], W [out, in]. A decode step has few rows, and for those (W x^T)^T is
 // the faster CPU call: MKL then streams W instead of repacking it on every call (1.4-1.8x for <= 32
 // rows: the attention projections at decode, and the experts and LM head where the kernels of
-// kernels/cpu/cpu_inference.h do not apply). Other shapes and devices take the usual call. The result
-// is contiguous either way.
+// kernels/cpu/cpu_inference.h do not apply). Other shapes and devices take the usual call. The
+// result is contiguous either way.
 torch::Tensor MatmulWeightT(const torch::Tensor& x, const torch::Tensor& w);
 // The same into `out` [rows, out] (a slice of a larger buffer).
 void MatmulWeightTOut(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w);

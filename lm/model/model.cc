@@ -90,9 +90,9 @@ void CausalLM::InitWeights(double std, uint64_t seed) {
 absl::StatusOr<std::shared_ptr<CausalLM>> CreateModel(const ModelConfig& config) {
   const Architecture* arch = FindArchitecture(config.model_type);
   if (arch == nullptr)
-    return absl::UnimplementedError(
-        absl::StrCat("model_type '", config.model_type, "' has no implementation (expected ",
-                     KnownModelTypes(), ")"));
+    return absl::UnimplementedError(absl::StrCat("model_type '", config.model_type,
+                                                 "' has no implementation (expected ",
+                                                 KnownModelTypes(), ")"));
   return arch->create(config);
 }
 

@@ -59,9 +59,7 @@ class CausalLM : public torch::nn::Module {
 
   // The output projection [V, H]: lm_head.weight, or the embedding matrix when tied (a model
   // that wraps another, e.g. an expert-parallel driver, forwards to the wrapped one).
-  virtual torch::Tensor LmHeadWeight() {
-    return lm_head ? lm_head->weight : embed_tokens_->weight;
-  }
+  virtual torch::Tensor LmHeadWeight() { return lm_head ? lm_head->weight : embed_tokens_->weight; }
   torch::Tensor Logits(const torch::Tensor& hidden) {
     return MatmulWeightT(hidden, LmHeadWeight());
   }

@@ -68,10 +68,9 @@ Qwen3MoeDecoderLayerImpl::Qwen3MoeDecoderLayerImpl(const ModelConfig& c, int64_t
   post_attention_layernorm =
       register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
   if (c.IsMoeLayer(layer)) {
-    moe =
-        register_module("mlp", SparseMoeBlock(c.hidden_size, c.num_experts, c.moe_intermediate_size,
-                                              c.num_experts_per_tok, c.norm_topk_prob,
-                                              c.LocalExperts()));
+    moe = register_module(
+        "mlp", SparseMoeBlock(c.hidden_size, c.num_experts, c.moe_intermediate_size,
+                              c.num_experts_per_tok, c.norm_topk_prob, c.LocalExperts()));
   } else {
     dense = register_module("mlp", DenseMlp(c.hidden_size, c.intermediate_size));
   }
@@ -192,8 +191,8 @@ torch::Tensor Qwen3MoeForCausalLM::PagedForward(const PagedStep& step, PagedKVCa
   auto h = model->embed_tokens(step.input_ids);
   for (size_t i = 0; i < model->layers->size(); ++i) {
     auto layer = model->layers->ptr<Qwen3MoeDecoderLayerImpl>(i);
-    h = h + layer->self_attn->paged(layer->input_layernorm(h), cos, sin, cache.k[i], cache.v[i],
-                                    meta);
+    h = h +
+        layer->self_attn->paged(layer->input_layernorm(h), cos, sin, cache.k[i], cache.v[i], meta);
     h = h + layer->Mlp(layer->post_attention_layernorm(h), nullptr);
   }
   // Only the last new token of each sequence is sampled from: norm those rows alone.

@@ -210,9 +210,8 @@ absl::StatusOr<torch::Device> ResolveLearnerDevice(const std::string& spec, int 
         "train.device: ", spec, " but CUDA is not available (no device, or a CPU-only build)"));
   if (index >= cuda_devices)
     return absl::FailedPreconditionError(absl::StrCat(
-        "train.device: ", spec,
-        explicit_index ? "" : absl::StrCat(" with LOCAL_RANK=", local_rank), " needs cuda:", index,
-        " but this node has ", cuda_devices, " CUDA device(s)"));
+        "train.device: ", spec, explicit_index ? "" : absl::StrCat(" with LOCAL_RANK=", local_rank),
+        " needs cuda:", index, " but this node has ", cuda_devices, " CUDA device(s)"));
   return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 

@@ -91,8 +91,9 @@ absl::Status CheckSameOnEveryRank(lm::dist::ProcessGroup& group, const std::stri
                                   const std::string& what);
 
 // Reads the launcher's environment (lm::dist::LaunchEnv), picks the device (`device` as
-// train.device: auto | cpu | cuda | cuda:N, ResolveLearnerDevice), and joins the job's group with collectives that time out
-// after `timeout_s` on `backend` (auto | gloo | nccl). One process: the trivial group.
+// train.device: auto | cpu | cuda | cuda:N, ResolveLearnerDevice), and joins the job's group with
+// collectives that time out after `timeout_s` on `backend` (auto | gloo | nccl). One process: the
+// trivial group.
 absl::StatusOr<LearnerPlacement> JoinLearnerGroup(const std::string& device, double timeout_s,
                                                   const std::string& backend);
 
@@ -230,10 +231,10 @@ class DistributedOptimizer {
 
   // bf16-mixed.
   bool mixed_ = false;
-  torch::Tensor master_;                // fp32 [chunk]: this rank's slice of the flat space
-  torch::Tensor flat_compute_;          // bf16 [world * chunk]: the compute copies' storage
-  torch::Tensor exact_;                 // fp32: the parameters kept in fp32, concatenated
-  std::vector<int64_t> exact_offset_;   // per entry: its offset in exact_, or -1 (bf16)
+  torch::Tensor master_;               // fp32 [chunk]: this rank's slice of the flat space
+  torch::Tensor flat_compute_;         // bf16 [world * chunk]: the compute copies' storage
+  torch::Tensor exact_;                // fp32: the parameters kept in fp32, concatenated
+  std::vector<int64_t> exact_offset_;  // per entry: its offset in exact_, or -1 (bf16)
   int64_t steps_ = 0;
   std::vector<Bucket> buckets_;
   std::vector<size_t> bucket_of_entry_;

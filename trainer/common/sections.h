@@ -29,8 +29,8 @@ void VisitFields(V& v, StudentModelConfig& c) {
 // The `train:` fields every learner job has; each job's train section derives from this and adds
 // its batching (VisitLearnerFields lists these inside the job's VisitFields).
 struct LearnerTrainConfig {
-  std::string device = "auto";             // auto (cuda when available) | cpu | cuda | cuda:N;
-                                           // cuda is cuda:LOCAL_RANK under a launcher
+  std::string device = "auto";  // auto (cuda when available) | cpu | cuda | cuda:N;
+                                // cuda is cuda:LOCAL_RANK under a launcher
   // auto (bf16-mixed on CUDA, fp32 on the CPU) | fp32 | bf16-mixed: bf16 compute copies of the
   // matrices, fp32 masters and AdamW state (trainer/common/mixed_precision.h)
   std::string precision = "auto";
@@ -112,13 +112,15 @@ void VisitFields(V& v, LoggingConfig& c) {
 }
 
 // Several learner ranks (data parallel over c10d; trainer/common/parallel.h). The launcher's
-// environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) says how many; these say how.
+// environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) says how many; these say
+// how.
 struct DistConfig {
   std::string backend = "auto";  // auto (nccl on CUDA, gloo on CPU) | gloo | nccl
   double timeout_s = 600;        // a collective (or the rendezvous) fails after this long
   double bucket_mb = 32;         // gradient all-reduce bucket size
   // dtype of the updated weights' all-gather (ZeRO-1): auto (bfloat16 on CUDA, float32 on the
-  // CPU) | float32 | bfloat16. With bfloat16 the fp32 masters stay sharded (trainer/common/parallel.h).
+  // CPU) | float32 | bfloat16. With bfloat16 the fp32 masters stay sharded
+  // (trainer/common/parallel.h).
   std::string allgather_dtype = "auto";
 };
 

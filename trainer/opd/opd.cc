@@ -25,20 +25,20 @@
 #include "lm/util/status.h"
 #include "rpc/auth.h"
 #include "trainer/common/checkpoint.h"
-#include "trainer/opd/convergence.h"
 #include "trainer/common/job_main.h"
 #include "trainer/common/job_util.h"
-#include "trainer/opd/learner_service.h"
 #include "trainer/common/metrics.h"
-#include "trainer/opd/opd_loss.h"
 #include "trainer/common/optim.h"
 #include "trainer/common/parallel.h"
 #include "trainer/common/progress.h"
-#include "trainer/opd/rollout_pool.h"
 #include "trainer/common/run_dir.h"
 #include "trainer/common/signals.h"
-#include "trainer/opd/teacher_pool.h"
 #include "trainer/common/training_job.h"
+#include "trainer/opd/convergence.h"
+#include "trainer/opd/learner_service.h"
+#include "trainer/opd/opd_loss.h"
+#include "trainer/opd/rollout_pool.h"
+#include "trainer/opd/teacher_pool.h"
 
 namespace trainer {
 namespace {
@@ -173,10 +173,9 @@ absl::Status OpdJob::ConnectRollout() {
   base.tls = ClientTls(c_.auth);
   base.timeout = absl::Seconds(c_.rollout.timeout_s);
   base.canceller = canceller_;
-  ASSIGN_OR_RETURN(rollout_,
-                   RolloutPool::Connect(c_.rollout.endpoints, base, tokenizer_->Fingerprint(),
-                                        model_->config().vocab_size, PushOptionsOf(c_.rollout),
-                                        device_));
+  ASSIGN_OR_RETURN(rollout_, RolloutPool::Connect(
+                                 c_.rollout.endpoints, base, tokenizer_->Fingerprint(),
+                                 model_->config().vocab_size, PushOptionsOf(c_.rollout), device_));
   return absl::OkStatus();
 }
 
@@ -562,7 +561,7 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<MicroBatch>& min
       auto teacher_k = torch::tensor(topk_lp).view({n, k}).to(device_);
       loss = TopKLoss(logits_k, teacher_k, normaliser, divergence_, c_.loss.alpha);
       SampledTokenLoss(lp.detach(), lp_old, lp_teacher, normaliser, loss_opts_,
-                            &st->loss);  // stats only
+                       &st->loss);  // stats only
     } else {
       loss = SampledTokenLoss(lp, lp_old, lp_teacher, normaliser, loss_opts_, &st->loss);
     }

@@ -7,10 +7,11 @@
 //   4. the learner recomputes the student's log-probs with the current weights and minimises the
 //      per-token reverse KL (trainer/opd/opd_loss.h), micro-batched under a token budget;
 //   5. the new weights are pushed to every rollout worker under a new version.
-// Stages run in order; each ends by its convergence rule (trainer/opd/convergence.h) with a checkpoint
-// and a summary, then the next stage's teachers are connected and checked (tokenizer fingerprint,
-// vocabulary) before any step is spent on them. Teachers can be swapped while running through the
-// learner's admin RPC; the swap takes effect at the next step boundary, with the same checks.
+// Stages run in order; each ends by its convergence rule (trainer/opd/convergence.h) with a
+// checkpoint and a summary, then the next stage's teachers are connected and checked (tokenizer
+// fingerprint, vocabulary) before any step is spent on them. Teachers can be swapped while running
+// through the learner's admin RPC; the swap takes effect at the next step boundary, with the same
+// checks.
 #pragma once
 
 #include <string>

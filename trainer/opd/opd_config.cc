@@ -76,7 +76,8 @@ absl::Status ValidateRollout(const OpdRolloutConfig& r) {
     return Bad("rollout.weight_sync",
                absl::StrCat("'", r.weight_sync, "': use grpc, collective or auto"));
   RETURN_IF_ERROR(validate::Above("rollout.weight_sync_timeout_s", r.weight_sync_timeout_s, 0));
-  RETURN_IF_ERROR(validate::IntAtLeast("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb, 1));
+  RETURN_IF_ERROR(
+      validate::IntAtLeast("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb, 1));
   return validate::Above("rollout.timeout_s", r.timeout_s, 0);
 }
 
@@ -111,8 +112,8 @@ absl::Status ValidateDebug(const OpdDebugConfig& d) {
 }  // namespace
 
 absl::Status ValidateOpdConfig(const OpdConfig& c) {
-  RETURN_IF_ERROR(ValidateSharedSections(c.model, c.train, c.optim, c.checkpoint, c.logging, c.run,
-                                         c.dist));
+  RETURN_IF_ERROR(
+      ValidateSharedSections(c.model, c.train, c.optim, c.checkpoint, c.logging, c.run, c.dist));
   if (c.prompts.sources.empty())
     return Bad("prompts.sources", "at least one prompt source is required");
   RETURN_IF_ERROR(ValidateSources("prompts.sources", c.prompts.sources));

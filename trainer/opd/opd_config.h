@@ -1,7 +1,7 @@
-// The config of `opd-trainer opd`: configs/opd/*.yaml decode into OpdConfig (trainer/common/config.h).
-// Defaults are the Marco-MoE paper's OPD recipe: 512 prompts per step, 2 samples per prompt,
-// prompts <= 2048 tokens, responses <= 8192, temperature 1.0, top-p 1.0, constant lr 1e-6, AdamW
-// as in SFT, the sampled-token reverse-KL loss.
+// The config of `opd-trainer opd`: configs/opd/*.yaml decode into OpdConfig
+// (trainer/common/config.h). Defaults are the Marco-MoE paper's OPD recipe: 512 prompts per step, 2
+// samples per prompt, prompts <= 2048 tokens, responses <= 8192, temperature 1.0, top-p 1.0,
+// constant lr 1e-6, AdamW as in SFT, the sampled-token reverse-KL loss.
 #pragma once
 
 #include <string>
@@ -45,10 +45,10 @@ struct OpdRolloutConfig {
   // per worker, gRPC as the control plane) or "auto" (collective where the group forms, else
   // gRPC with a warning). See trainer/opd/weight_push.h.
   std::string weight_sync = "grpc";
-  std::string weight_sync_host;          // the learner's address as the workers reach it
-                                         // ("": 127.0.0.1 for loopback workers, else hostname)
-  double weight_sync_timeout_s = 120;    // group rendezvous and each broadcast
-  int64_t weight_sync_bucket_mb = 64;    // broadcast bucket (one cast buffer per worker)
+  std::string weight_sync_host;        // the learner's address as the workers reach it
+                                       // ("": 127.0.0.1 for loopback workers, else hostname)
+  double weight_sync_timeout_s = 120;  // group rendezvous and each broadcast
+  int64_t weight_sync_bucket_mb = 64;  // broadcast bucket (one cast buffer per worker)
 };
 
 template <class V>

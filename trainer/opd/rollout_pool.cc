@@ -189,9 +189,8 @@ absl::Status RolloutPool::PushWeights(torch::nn::Module& model, int64_t version)
   std::vector<std::future<absl::StatusOr<PushReport>>> calls;
   for (auto& p : pushers_) {
     const auto& tensors = wire.at(p->wire_dtype());
-    calls.push_back(std::async(std::launch::async, [&p, &tensors, version] {
-      return p->Push(tensors, version);
-    }));
+    calls.push_back(std::async(std::launch::async,
+                               [&p, &tensors, version] { return p->Push(tensors, version); }));
   }
   absl::Status first_error;
   last_push_.assign(calls.size(), PushReport{});
@@ -202,9 +201,10 @@ absl::Status RolloutPool::PushWeights(torch::nn::Module& model, int64_t version)
       continue;
     }
     if (first_error.ok()) {
-      first_error = absl::Status(
-          r.status().code(), absl::StrCat("weight push of version ", version, " to rollout worker ",
-                                          clients_[i]->address(), " failed: ", r.status().message()));
+      first_error =
+          absl::Status(r.status().code(),
+                       absl::StrCat("weight push of version ", version, " to rollout worker ",
+                                    clients_[i]->address(), " failed: ", r.status().message()));
     }
   }
   if (first_error.ok()) acked_version_.store(version);

@@ -178,7 +178,8 @@ bool TeacherPool::Wait(absl::Duration d, const std::function<bool()>& stopped) c
   return opts_.wait ? opts_.wait(d, stopped) : SleepUnlessStopped(d, stopped);
 }
 
-absl::Status TeacherPool::Validate(const std::vector<opd::rpc::ScoreOutput>& out, const Share& share,
+absl::Status TeacherPool::Validate(const std::vector<opd::rpc::ScoreOutput>& out,
+                                   const Share& share,
                                    const std::vector<opd::rpc::ScoreInput>& inputs, int32_t top_k,
                                    const std::string& address) const {
   auto bad = [&](size_t seq, const absl::Status& s) {
@@ -283,7 +284,7 @@ absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> TeacherPool::Score(
       calls.push_back({ready[c], rep, client->address(),
                        std::async(std::launch::async, [client, range, &inputs, &score_opts] {
                          std::vector<opd::rpc::ScoreInput> share(inputs.begin() + range.begin,
-                                                            inputs.begin() + range.end);
+                                                                 inputs.begin() + range.end);
                          return client->Score(share, score_opts);
                        })});
     }

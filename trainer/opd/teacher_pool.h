@@ -69,9 +69,9 @@ class TeacherPool {
       const TeacherRequirements& req, const TeacherPoolOptions& opts);
 
   // Scores every input (one output per input, in order); see the top of the file for failures.
-  absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> Score(const std::vector<opd::rpc::ScoreInput>& inputs,
-                                                      const opd::rpc::ScoreOptions& score_opts,
-                                                      const std::function<bool()>& stop = nullptr);
+  absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> Score(
+      const std::vector<opd::rpc::ScoreInput>& inputs, const opd::rpc::ScoreOptions& score_opts,
+      const std::function<bool()>& stop = nullptr);
 
   const std::string& stage() const { return stage_; }
   const TeacherPoolOptions& options() const { return opts_; }

@@ -110,8 +110,8 @@ struct StepOutcome {
 class SftJob : public TrainingJob {
  public:
   SftJob(SftConfig config, RunDir run, std::string config_yaml)
-      : TrainingJob("sft", std::move(run), std::move(config_yaml), config.checkpoint,
-                    config.optim, config.dist),
+      : TrainingJob("sft", std::move(run), std::move(config_yaml), config.checkpoint, config.optim,
+                    config.dist),
         c_(std::move(config)) {}
 
   absl::Status Init(const JobArgs& args) override;

@@ -38,8 +38,8 @@ absl::Status ValidateSources(const std::string& key, const std::vector<SftSource
 }
 
 absl::Status ValidateSftConfig(const SftConfig& c) {
-  RETURN_IF_ERROR(ValidateSharedSections(c.model, c.train, c.optim, c.checkpoint, c.logging, c.run,
-                                         c.dist));
+  RETURN_IF_ERROR(
+      ValidateSharedSections(c.model, c.train, c.optim, c.checkpoint, c.logging, c.run, c.dist));
   if (c.data.train.empty()) return Invalid("data.train", "required (at least one source)");
   RETURN_IF_ERROR(ValidateSources("data.train", c.data.train));
   RETURN_IF_ERROR(ValidateSources("data.eval", c.data.eval));

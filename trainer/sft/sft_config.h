@@ -1,7 +1,7 @@
-// The config of `opd-trainer sft`: configs/sft/*.yaml decode into SftConfig (trainer/common/config.h).
-// Defaults are the Marco-MoE paper's SFT recipe: AdamW (weight decay 0.1, betas 0.9/0.95), lr
-// 1e-5 cosine to 1e-6, one epoch, 512 sequences per step, context 8192, the router load-balancing
-// loss at the model's own coefficient.
+// The config of `opd-trainer sft`: configs/sft/*.yaml decode into SftConfig
+// (trainer/common/config.h). Defaults are the Marco-MoE paper's SFT recipe: AdamW (weight decay
+// 0.1, betas 0.9/0.95), lr 1e-5 cosine to 1e-6, one epoch, 512 sequences per step, context 8192,
+// the router load-balancing loss at the model's own coefficient.
 #pragma once
 
 #include <cstdint>
