@@ -61,8 +61,16 @@ struct RecomputeFn : torch::autograd::Function<RecomputeFn> {
                                const torch::Tensor& x) {
     ctx->saved_data["block"] = c10::IValue::make_capsule(holder);
     ctx->save_for_backward({x});
-    torch::NoGradGuard no_grad;
-    return holder->block(x);
+    // The forward runs with autograd on, as the recomputation will: kernels are chosen by whether
+    // a gradient is needed (the CPU fast paths serve only gradient-free calls), and a forward on
+    // other kernels than its recomputation would round differently, so the backward would not be
+    // the gradient of the values the forward passed on. The graph built here is one layer's and
+    // is freed as the detached outputs leave this scope.
+    torch::AutoGradMode grad(true);
+    torch::Tensor input = x.detach().requires_grad_(true);  // as in the backward
+    std::vector<torch::Tensor> outputs = holder->block(input);
+    for (auto& t : outputs) t = t.detach();
+    return outputs;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
