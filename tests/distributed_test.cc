@@ -121,6 +121,18 @@ TEST(ProcessGroup, OneProcessIsTheTrivialGroup) {
   EXPECT_EQ(bytes, "abc");
 }
 
+// NCCL's own default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) lets its watchdog kill the process on a
+// collective timeout; the group is made with blocking waits that throw and a watchdog that only
+// aborts the communicators, so a timeout reaches Run() as on Gloo (an NCCL group needs two GPUs,
+// so this checks what the backend is told; a user's other value is replaced).
+TEST(ProcessGroup, NcclTimeoutsAreErrorsNotAborts) {
+  setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3", 1);
+  unsetenv("TORCH_NCCL_BLOCKING_WAIT");
+  lm::dist::PrepareNcclErrorHandling();
+  EXPECT_STREQ(std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING"), "2");
+  EXPECT_STREQ(std::getenv("TORCH_NCCL_BLOCKING_WAIT"), "1");
+}
+
 TEST(ProcessGroup, GlooCollectivesOnLoopback) {
   for (int world : {2, 3}) {
     RunRanks(world, [&](int rank, ProcessGroup& g) {

@@ -22,6 +22,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "lm/dist/backends.h"
+#include "lm/util/log.h"
 
 namespace lm::dist {
 namespace {
@@ -140,6 +141,17 @@ absl::StatusOr<LaunchEnv> LaunchEnv::FromEnvironment() {
   return env;
 }
 
+void PrepareNcclErrorHandling() {
+  for (const auto& [name, value] : {std::pair<const char*, const char*>{"TORCH_NCCL_BLOCKING_WAIT", "1"},
+                                    {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"}}) {
+    const char* was = std::getenv(name);
+    if (was != nullptr && std::strcmp(was, value) != 0)
+      log::Warn(absl::StrCat(name, "=", was, " replaced by ", value,
+                             ": a collective timeout must be an error, not an abort"));
+    setenv(name, value, /*overwrite=*/1);
+  }
+}
+
 struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Backend> backend;
@@ -210,6 +222,7 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Create(const LaunchE
       impl.backend =
           c10::make_intrusive<c10d::ProcessGroupGloo>(impl.store, env.rank, env.world_size, gloo);
     } else {
+      PrepareNcclErrorHandling();
       absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> nccl =
           MakeNcclBackend(impl.store, env.rank, env.world_size, impl.timeout);
       if (!nccl.ok()) return nccl.status();

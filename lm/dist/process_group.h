@@ -104,4 +104,12 @@ class ProcessGroup {
   torch::Device device_{torch::kCPU};
 };
 
+// What c10d's NCCL backend is told before a group is made (environment variables it reads when a
+// ProcessGroupNCCL is constructed): wait() blocks and throws when a collective fails or outlives
+// the timeout (TORCH_NCCL_BLOCKING_WAIT=1), and the watchdog then aborts the communicators without
+// taking the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, CleanUpOnly; LibTorch's default,
+// 3, kills the process). So a timeout on NCCL is the same UNAVAILABLE as on Gloo, and the job
+// saves its checkpoint. Values a user set otherwise are replaced, with a warning.
+void PrepareNcclErrorHandling();
+
 }  // namespace lm::dist
