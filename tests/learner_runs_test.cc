@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
@@ -264,6 +265,35 @@ TEST_F(LearnerRuns, TeacherSwapRestartsThePlateauWindow) {
       kl = m["opd/reverse_kl"].get<double>();
   }
   EXPECT_DOUBLE_EQ(after["ema"].get<double>(), kl);
+}
+
+// The top-k loss end to end: the teacher sends its top-4 per position, the learner scores them
+// with the student's full-vocabulary log-probs (StudentTopKLogprobs) and the tail bucket. Three
+// steps must run with a finite, positive loss and move the weights.
+TEST_F(LearnerRuns, TopKLossTrainsEndToEnd) {
+  const std::string teacher = StartService("teacher_topk", kBin + "/teacher_service/opd-teacher",
+                                           (dir_ / "teacher_small").string());
+  const std::string rollout =
+      StartService("rollout_topk", kBin + "/rollout/opd-rollout", (dir_ / "student").string());
+  ASSERT_FALSE(teacher.empty() || rollout.empty());
+  const fs::path run = dir_ / "run_topk";
+  ChildProcess p(OpdArgs(run, 3, rollout, teacher,
+                         {"--set", "loss.form=topk", "--set", "loss.top_k=4"}),
+                 run.string() + ".log");
+  ASSERT_EQ(p.Wait(std::chrono::seconds(300)), 0) << p.Log();
+  int steps = 0;
+  std::ifstream metrics(run / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    auto m = nlohmann::json::parse(line);
+    if (!m.contains("opd/loss")) continue;
+    ++steps;
+    EXPECT_TRUE(std::isfinite(m["opd/loss"].get<double>())) << line;
+    EXPECT_GT(m["opd/loss"].get<double>(), 0.0) << line;
+    EXPECT_EQ(m["optim/skipped"].get<double>(), 0.0) << line;
+  }
+  EXPECT_EQ(steps, 3);
+  EXPECT_FALSE(ReadFile(run / "checkpoints/step_000003/model/model.safetensors") ==
+               ReadFile(dir_ / "student/model.safetensors"));
 }
 
 }  // namespace

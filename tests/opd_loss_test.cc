@@ -24,16 +24,20 @@ class OpdLoss : public ::testing::Test {
     lp_ = -torch::rand({N}) * 3;
     lp_old_ = lp_ + 0.3 * torch::randn({N});  // sampler a little off the learner: ratios spread
     lp_teacher_ = -torch::rand({N}) * 3;
-    student_k_ = torch::randn({N, k}) * 2;
-    teacher_k_ = torch::log_softmax(torch::randn({N, k}) * 2, -1);
+    // Full-vocabulary distributions over V = 64 ids; the teacher sends its top-k.
+    student_full_ = torch::randn({N, kVocab}) * 2;
+    teacher_full_ = torch::log_softmax(torch::randn({N, kVocab}) * 2, -1);
+    auto top = teacher_full_.topk(k, -1);
+    teacher_k_ = std::get<0>(top).contiguous();
+    topk_ids_ = std::get<1>(top);
     dir_ = fs::temp_directory_path() / ("opd_loss_test_" + std::to_string(::getpid()));
     fs::create_directories(dir_);
     std::vector<std::pair<std::string, torch::Tensor>> in = {
         {"lp", lp_},
         {"lp_old", lp_old_},
         {"lp_teacher", lp_teacher_},
-        {"student_k", student_k_},
-        {"teacher_k", teacher_k_},
+        {"student_full", student_full_},
+        {"teacher_full", teacher_full_},
         {"normaliser", torch::tensor({kNorm}, torch::kFloat32)}};
     std::vector<lm::TensorToWrite> w;
     for (auto& [n, t] : in) {
@@ -66,7 +70,9 @@ class OpdLoss : public ::testing::Test {
   }
 
   static constexpr float kNorm = 300.0f;  // the step's token count exceeds this micro-batch's
-  static inline torch::Tensor lp_, lp_old_, lp_teacher_, student_k_, teacher_k_;
+  static constexpr int64_t kVocab = 64;
+  static inline torch::Tensor lp_, lp_old_, lp_teacher_, student_full_, teacher_full_, teacher_k_,
+      topk_ids_;
   static inline std::map<std::string, torch::Tensor> ref_;
   static inline fs::path dir_;
 };
@@ -85,8 +91,9 @@ TEST_F(OpdLoss, TopKForwardReverseMixed) {
   for (auto [name, div, alpha] : {std::tuple{"forward", TopKDivergence::kForward, 1.0},
                                   {"reverse", TopKDivergence::kReverse, 0.0},
                                   {"mixed", TopKDivergence::kMixed, 0.5}}) {
-    auto s = student_k_.clone().requires_grad_(true);
-    auto loss = TopKLoss(s, teacher_k_, kNorm, div, alpha);
+    auto s = student_full_.clone().requires_grad_(true);
+    auto loss =
+        TopKLoss(torch::log_softmax(s, -1).gather(1, topk_ids_), teacher_k_, kNorm, div, alpha);
     loss.backward();
     const std::string key = std::string("topk_") + name;
     EXPECT_NEAR(loss.item<double>(), ref_[key + ".loss"].item<double>(), 1e-6) << name;
@@ -104,6 +111,68 @@ TEST_F(OpdLoss, ZeroWhenStudentMatchesTeacher) {
   EXPECT_EQ(lp.grad().abs().max().item<double>(), 0.0);
   EXPECT_NEAR(TopKLoss(teacher_k_, teacher_k_, kNorm, TopKDivergence::kMixed, 0.5).item<double>(),
               0.0, 1e-7);
+}
+
+// The tail bucket: a student that keeps the teacher's proportions on the teacher's top-k but puts
+// 90% more of its mass elsewhere (q = 0.1 p on the top-k). Renormalised over the top-k alone,
+// every divergence was 0 here; over k + 1 buckets, with S the teacher's top-k mass, reverse KL is
+// 0.1 S log 0.1 + (1 - 0.1 S) log((1 - 0.1 S) / (1 - S)) per token (computed in fp64; 1e-5
+// relative covers the fp32 sums of 8 terms and the logs).
+TEST_F(OpdLoss, TopKSeesStudentMassOutsideTheTeachersTopK) {
+  auto student_k = teacher_k_ + std::log(0.1);
+  const auto S = teacher_k_.to(torch::kFloat64).exp().sum(-1);
+  const auto q_tail = 1.0 - 0.1 * S;
+  const auto expected =
+      ((0.1 * S * std::log(0.1) + q_tail * torch::log(q_tail / (1.0 - S))).sum() / kNorm)
+          .item<double>();
+  const double got =
+      TopKLoss(student_k, teacher_k_, kNorm, TopKDivergence::kReverse, 0).item<double>();
+  EXPECT_GT(got, 0.5);
+  EXPECT_NEAR(got, expected, 1e-5 * expected);
+  EXPECT_GT(TopKLoss(student_k, teacher_k_, kNorm, TopKDivergence::kForward, 1).item<double>(),
+            0.5);
+}
+
+// The student's top-k log-probs from the hidden states and the LM head, without [n, V] logits or
+// an [n, k, H] gather, against log_softmax(hidden W^T / T) gathered at the ids, forward and
+// backward (fp32; bmm against matmul sums H = 32 products in another order: 1e-5).
+TEST(OpdLossTopK, StudentTopKLogprobsEqualTheFullSoftmax) {
+  torch::manual_seed(3);
+  const int64_t n = 37, H = 32, V = 50, k = 6;
+  const double T = 0.7;
+  auto hidden = torch::randn({n, H}).requires_grad_(true);
+  auto weight = (torch::randn({V, H}) * 0.3).requires_grad_(true);
+  auto ids = torch::randint(V, {n, k}, torch::kInt64);
+  auto targets = torch::randint(V, {n}, torch::kInt64);
+  auto full = torch::log_softmax(torch::matmul(hidden, weight.t()) / T, -1);
+  auto lp = full.gather(1, targets.unsqueeze(1)).squeeze(1);
+  auto ours = StudentTopKLogprobs(hidden, weight, ids, targets, lp, T);
+  auto ref = full.gather(1, ids);
+  EXPECT_LE((ours - ref).abs().max().item<double>(), 1e-5);
+  auto g = torch::randn({n, k});
+  auto [gh, gw] = [&] {
+    auto r = torch::autograd::grad({ours}, {hidden, weight}, {g}, /*retain_graph=*/true);
+    return std::pair{r[0], r[1]};
+  }();
+  auto r = torch::autograd::grad({ref}, {hidden, weight}, {g});
+  EXPECT_LE((gh - r[0]).abs().max().item<double>(), 1e-5);
+  EXPECT_LE((gw - r[1]).abs().max().item<double>(), 1e-5);
+}
+
+// GatheredLogits' weight gradient in a bf16 weight's dtype, accumulated in fp32: equal to the fp32
+// gradient rounded once to bf16.
+TEST(OpdLossTopK, GatheredLogitsAccumulatesBf16GradientsInFp32) {
+  torch::manual_seed(5);
+  const int64_t n = 300, H = 16, V = 7, k = 4;  // many contributions per row
+  auto hidden = torch::randn({n, H});
+  auto w32 = torch::randn({V, H}).to(torch::kBFloat16).to(torch::kFloat32).requires_grad_(true);
+  auto w16 = w32.detach().to(torch::kBFloat16).requires_grad_(true);
+  auto ids = torch::randint(V, {n, k}, torch::kInt64);
+  auto g = torch::randn({n, k});
+  GatheredLogits(hidden, w32, ids).backward(g);
+  GatheredLogits(hidden, w16, ids).backward(g);
+  ASSERT_EQ(w16.grad().scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(w16.grad(), w32.grad().to(torch::kBFloat16)));
 }
 
 // Normalisation is over the step's tokens: two micro-batches with the shared normaliser sum to

@@ -32,13 +32,26 @@ def sampled(kind, kl_coef=1.0, cap=2.0, lo=0.2, hi=0.28):
 for kind in ("none", "tis", "ppo"):
     sampled(kind)
 
-s0, t = inp["student_k"], inp["teacher_k"]
+# Top-k: the teacher's top-k of its full-vocabulary log-probs; k + 1 buckets (the k ids and the
+# rest of the vocabulary as one), both sides at full-vocabulary probabilities; the gradient is
+# w.r.t. the student's full logits.
+s0, t_full = inp["student_full"], inp["teacher_full"]
+k = 8
+t_k, ids = t_full.topk(k, -1)
+floor = k * 2.0**-24
+
+
+def log_tail(lp):
+    return torch.log(torch.clamp(1.0 - lp.exp().sum(-1), min=floor))
+
+
 for name, alpha in (("forward", 1.0), ("reverse", 0.0), ("mixed", 0.5)):
     s = s0.clone().requires_grad_(True)
-    q = torch.log_softmax(s, -1)
-    p = torch.log_softmax(t, -1)
-    fwd = (p.exp() * (p - q)).sum(-1)
-    rev = (q.exp() * (q - p)).sum(-1)
+    q = torch.log_softmax(s, -1).gather(1, ids)
+    p = t_k
+    qt, pt = log_tail(q), log_tail(p)
+    fwd = (p.exp() * (p - q)).sum(-1) + pt.exp() * (pt - qt)
+    rev = (q.exp() * (q - p)).sum(-1) + qt.exp() * (qt - pt)
     loss = (alpha * fwd + (1 - alpha) * rev).sum() / norm
     loss.backward()
     out[f"topk_{name}.loss"] = loss.detach().reshape(1)

@@ -555,11 +555,11 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<MicroBatch>& min
     torch::Tensor loss;
     if (c_.loss.form == "topk") {
       const int64_t n = hidden.size(0), k = c_.loss.top_k;
-      auto ids = torch::tensor(topk_ids, torch::kInt64).to(device_);
-      auto w = model_->LmHeadWeight().index_select(0, ids).view({n, k, -1});
-      auto logits_k = (hidden.unsqueeze(1) * w).sum(-1) / c_.rollout.temperature;
+      auto ids = torch::tensor(topk_ids, torch::kInt64).to(device_).view({n, k});
+      auto student_k = StudentTopKLogprobs(hidden, model_->LmHeadWeight(), ids, mb.targets, lp,
+                                           c_.rollout.temperature);
       auto teacher_k = torch::tensor(topk_lp).view({n, k}).to(device_);
-      loss = TopKLoss(logits_k, teacher_k, normaliser, divergence_, c_.loss.alpha);
+      loss = TopKLoss(student_k, teacher_k, normaliser, divergence_, c_.loss.alpha);
       SampledTokenLoss(lp.detach(), lp_old, lp_teacher, normaliser, loss_opts_,
                        &st->loss);  // stats only
     } else {

@@ -1,5 +1,8 @@
 #include "trainer/opd/opd_loss.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
@@ -63,14 +66,112 @@ torch::Tensor SampledTokenLoss(const torch::Tensor& lp, const torch::Tensor& lp_
   return per_token.sum() / token_normaliser;
 }
 
-torch::Tensor TopKLoss(const torch::Tensor& student_logits_k,
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Rows per chunk of GatheredLogits: a chunk's gathered weights, [rows, k, H] in fp32, stay near
+// 64 MiB whatever the micro-batch.
+int64_t ChunkRows(int64_t k, int64_t hidden) {
+  return std::max<int64_t>(1, (int64_t{64} << 20) / (4 * std::max<int64_t>(1, k * hidden)));
+}
+
+struct GatheredLogitsFn : torch::autograd::Function<GatheredLogitsFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
+                               const torch::Tensor& weight, const torch::Tensor& ids) {
+    ctx->save_for_backward({hidden, weight, ids});
+    const int64_t n = ids.size(0), k = ids.size(1), H = hidden.size(1);
+    auto out = torch::empty({n, k}, hidden.options().dtype(torch::kFloat32));
+    const int64_t rows = ChunkRows(k, H);
+    for (int64_t r0 = 0; r0 < n; r0 += rows) {
+      const int64_t c = std::min(rows, n - r0);
+      auto w = weight.index_select(0, ids.narrow(0, r0, c).reshape({-1}))
+                   .to(torch::kFloat32)
+                   .view({c, k, H});
+      auto h = hidden.narrow(0, r0, c).to(torch::kFloat32).unsqueeze(2);
+      out.narrow(0, r0, c).copy_(torch::bmm(w, h).squeeze(2));
+    }
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor &hidden = saved[0], &weight = saved[1], &ids = saved[2];
+    const auto g = grads[0].to(torch::kFloat32);
+    const int64_t n = ids.size(0), k = ids.size(1), H = hidden.size(1);
+    const int64_t rows = ChunkRows(k, H);
+    torch::Tensor grad_hidden, grad_weight;
+    const bool want_h = ctx->needs_input_grad(0), want_w = ctx->needs_input_grad(1);
+    if (want_h) grad_hidden = torch::empty({n, H}, g.options());
+    // The weight's gradient reaches only the rows the ids name: accumulated in fp32 over those
+    // rows, rounded once to the weight's dtype.
+    torch::Tensor uniq, slot, acc;
+    if (want_w) {
+      auto u = at::_unique2(ids.reshape({-1}), /*sorted=*/true, /*return_inverse=*/true);
+      uniq = std::get<0>(u);
+      slot = std::get<1>(u).view({n, k});
+      acc = torch::zeros({uniq.size(0), H}, g.options());
+    }
+    for (int64_t r0 = 0; r0 < n; r0 += rows) {
+      const int64_t c = std::min(rows, n - r0);
+      auto gc = g.narrow(0, r0, c);
+      if (want_h) {
+        auto w = weight.index_select(0, ids.narrow(0, r0, c).reshape({-1}))
+                     .to(torch::kFloat32)
+                     .view({c, k, H});
+        grad_hidden.narrow(0, r0, c).copy_(torch::bmm(gc.unsqueeze(1), w).squeeze(1));
+      }
+      if (want_w) {
+        auto h = hidden.narrow(0, r0, c).to(torch::kFloat32);
+        auto contrib = (gc.unsqueeze(2) * h.unsqueeze(1)).reshape({c * k, H});
+        acc.index_add_(0, slot.narrow(0, r0, c).reshape({-1}), contrib);
+      }
+    }
+    if (want_h) grad_hidden = grad_hidden.to(hidden.scalar_type());
+    if (want_w) grad_weight = torch::zeros_like(weight).index_copy_(0, uniq, acc.to(weight.scalar_type()));
+    return {grad_hidden, grad_weight, torch::Tensor()};
+  }
+};
+
+// log(1 - sum_i exp(log_probs_i)) over the last dim: the mass outside the k ids, floored at
+// k * 2^-24, the rounding of a sum of k fp32 probabilities near 1 (a smaller tail cannot be told
+// from 0, and the floor keeps its log finite).
+torch::Tensor LogTail(const torch::Tensor& log_probs) {
+  const double floor = static_cast<double>(log_probs.size(-1)) * std::ldexp(1.0, -24);
+  return torch::log(torch::clamp_min(1.0 - log_probs.exp().sum(-1), floor));
+}
+
+}  // namespace
+
+torch::Tensor GatheredLogits(const torch::Tensor& hidden, const torch::Tensor& weight,
+                             const torch::Tensor& ids) {
+  return GatheredLogitsFn::apply(hidden, weight, ids);
+}
+
+torch::Tensor StudentTopKLogprobs(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                  const torch::Tensor& ids, const torch::Tensor& targets,
+                                  const torch::Tensor& target_logprobs, double temperature) {
+  // lse_t = z_target / T - lp_t: the sampled token's log-prob already holds the full-vocabulary
+  // normaliser, so the [n, V] logits are never formed here.
+  const auto z_target = GatheredLogits(hidden, weight, targets.reshape({-1, 1}));
+  const auto z_k = GatheredLogits(hidden, weight, ids);
+  return (z_k - z_target) / temperature + target_logprobs.to(torch::kFloat32).unsqueeze(1);
+}
+
+torch::Tensor TopKLoss(const torch::Tensor& student_logprobs_k,
                        const torch::Tensor& teacher_logprobs_k, double token_normaliser,
                        TopKDivergence divergence, double alpha) {
-  // Both renormalised over the teacher's support S_t.
-  const auto log_q = torch::log_softmax(student_logits_k.to(torch::kFloat32), -1);
-  const auto log_p = torch::log_softmax(teacher_logprobs_k.to(torch::kFloat32), -1);
-  const auto forward = (log_p.exp() * (log_p - log_q)).sum(-1);
-  const auto reverse = (log_q.exp() * (log_q - log_p)).sum(-1);
+  // k + 1 buckets: the teacher's top-k ids and the rest of the vocabulary as one, both sides at
+  // their full-vocabulary probabilities (a student that moves mass off the teacher's support pays
+  // for it in the tail bucket).
+  const auto log_q = student_logprobs_k.to(torch::kFloat32);
+  const auto log_p = teacher_logprobs_k.to(torch::kFloat32);
+  const auto log_q_tail = LogTail(log_q), log_p_tail = LogTail(log_p);
+  const auto forward = (log_p.exp() * (log_p - log_q)).sum(-1) +
+                       log_p_tail.exp() * (log_p_tail - log_q_tail);
+  const auto reverse = (log_q.exp() * (log_q - log_p)).sum(-1) +
+                       log_q_tail.exp() * (log_q_tail - log_p_tail);
   torch::Tensor kl;
   switch (divergence) {
     case TopKDivergence::kForward:

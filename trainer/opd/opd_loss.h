@@ -9,8 +9,10 @@
 //   correction "none":  L_t = -A_t * lp_t
 //   correction "tis":   L_t = -min(sg(r_t), C) * A_t * lp_t         (truncated importance sampling)
 //   correction "ppo":   L_t = max(-r_t A_t, -clip(r_t, 1-eps_lo, 1+eps_hi) A_t)
-// Top-k form (option): the teacher's top-k ids S_t and log-probs at each position; both
-// distributions renormalised over S_t, p = teacher, q = student:
+// Top-k form (option): the teacher's top-k ids S_t and log-probs at each position; p = teacher,
+// q = student, both at their full-vocabulary probabilities over k + 1 buckets, S_t's ids and the
+// tail V \ S_t as one (p_tail = 1 - sum_S p, q_tail = 1 - sum_S q; as NeMo-RL's top-k KD), so a
+// student that moves its mass off the teacher's support is not free:
 //   forward KL(p||q), reverse KL(q||p), or mixed alpha * forward + (1 - alpha) * reverse.
 //
 // Normalisation: the step's loss is the sum of L_t over every response token of every sample in
@@ -55,10 +57,24 @@ torch::Tensor SampledTokenLoss(const torch::Tensor& lp, const torch::Tensor& lp_
                                const torch::Tensor& lp_teacher, double token_normaliser,
                                const SampledTokenLossOptions& opts, LossStats* stats);
 
-// student_logits_k: [N, k] the student's logits (already / temperature) at the teacher's top-k ids;
-// teacher_logprobs_k: [N, k]. Returns sum_t KL_t / token_normaliser.
-torch::Tensor TopKLoss(const torch::Tensor& student_logits_k,
+// student_logprobs_k, teacher_logprobs_k: [N, k] full-vocabulary log-probs at the teacher's top-k
+// ids. Returns sum_t KL_t / token_normaliser over the k + 1 buckets.
+torch::Tensor TopKLoss(const torch::Tensor& student_logprobs_k,
                        const torch::Tensor& teacher_logprobs_k, double token_normaliser,
                        TopKDivergence divergence, double alpha);
+
+// logits[n, j] = hidden[n] . weight[ids[n, j]] in fp32, differentiable in hidden and weight,
+// computed in row chunks: the [n, k, H] gather of the rows never exists whole, and the weight's
+// gradient is accumulated in fp32 over the rows the ids name, then rounded once to its dtype.
+// hidden [n, H], weight [V, H], ids [n, k] int64.
+torch::Tensor GatheredLogits(const torch::Tensor& hidden, const torch::Tensor& weight,
+                             const torch::Tensor& ids);
+
+// The student's full-vocabulary log-probs at ids [n, k]: (z_ids - z_target) / T + lp_target,
+// where lp_target [n] are the learner's log-probs of the sampled targets [n] (which carry the
+// normaliser log sum exp(z / T)); differentiable through all three.
+torch::Tensor StudentTopKLogprobs(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                  const torch::Tensor& ids, const torch::Tensor& targets,
+                                  const torch::Tensor& target_logprobs, double temperature);
 
 }  // namespace trainer
