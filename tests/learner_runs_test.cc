@@ -269,8 +269,9 @@ TEST_F(LearnerRuns, TeacherSwapRestartsThePlateauWindow) {
 
 // The top-k loss end to end: the teacher sends its top-4 per position, the learner scores them
 // with the student's full-vocabulary log-probs (StudentTopKLogprobs) and the tail bucket. Three
-// steps must run with a finite, positive loss and move the weights.
-TEST_F(LearnerRuns, TopKLossTrainsEndToEnd) {
+// steps must run with a finite, positive loss and move the weights. Then two steps of the sampled
+// form with per-sequence normalisation and a KL discount.
+TEST_F(LearnerRuns, LossFormsAndOptionsTrainEndToEnd) {
   const std::string teacher = StartService("teacher_topk", kBin + "/teacher_service/opd-teacher",
                                            (dir_ / "teacher_small").string());
   const std::string rollout =
@@ -294,6 +295,22 @@ TEST_F(LearnerRuns, TopKLossTrainsEndToEnd) {
   EXPECT_EQ(steps, 3);
   EXPECT_FALSE(ReadFile(run / "checkpoints/step_000003/model/model.safetensors") ==
                ReadFile(dir_ / "student/model.safetensors"));
+
+  // The sampled form with the peers' options: per-sequence normalisation and a KL discount.
+  const fs::path opts = dir_ / "run_loss_options";
+  ChildProcess q(OpdArgs(opts, 2, rollout, teacher,
+                         {"--set", "loss.normalization=sequence", "--set", "loss.kl_discount=0.9"}),
+                 opts.string() + ".log");
+  ASSERT_EQ(q.Wait(std::chrono::seconds(300)), 0) << q.Log();
+  std::ifstream m2(opts / "metrics.jsonl");
+  int finite = 0;
+  for (std::string line; std::getline(m2, line);) {
+    auto m = nlohmann::json::parse(line);
+    if (m.contains("opd/loss") && std::isfinite(m["opd/loss"].get<double>()) &&
+        m["optim/skipped"].get<double>() == 0.0)
+      ++finite;
+  }
+  EXPECT_EQ(finite, 2);
 }
 
 }  // namespace

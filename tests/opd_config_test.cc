@@ -69,6 +69,7 @@ TEST(ConfigValidation, NanAndInfinityAreRefusedByEveryRangeCheck) {
                                              "loss.clip_low",
                                              "loss.clip_high",
                                              "loss.alpha",
+                                             "loss.kl_discount",
                                              "loss.teacher_temperature"};
   // data.train.0.weight is reported as data.train[0].weight: the path as written in errors.
   auto error_key = [](std::string k) {
@@ -95,6 +96,8 @@ TEST(ConfigValidation, NanAndInfinityAreRefusedByEveryRangeCheck) {
       ExpectRefused(Opd({set}), error_key(key), "opd " + set);
     }
   }
+  ExpectRefused(Opd({"loss.kl_discount=1.5"}), "loss.kl_discount", "discount above 1");
+  ExpectRefused(Opd({"loss.normalization=tokens"}), "loss.normalization", "unknown normalization");
   // With a step budget the epochs are unused, but a NaN is still no number of epochs.
   ExpectRefused(Sft({"train.max_steps=5", "train.epochs=.nan"}), "train.epochs", "sft epochs nan");
   // An enabled plateau rule needs a threshold > 0: a change is never below 0, so it could never

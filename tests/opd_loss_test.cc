@@ -188,6 +188,75 @@ TEST_F(OpdLoss, MicroBatchesSumToTheStepLoss) {
   EXPECT_NEAR((a + b).item<double>(), whole.item<double>(), 1e-6);
 }
 
+// "token": every token weighs 1 / (the step's tokens); "sequence": each response's tokens share
+// 1 / (the step's responses) equally.
+TEST(OpdLossOptions, TokenWeightsForBothNormalizations) {
+  const std::vector<int64_t> lengths = {2, 5, 1};
+  auto token = TokenWeights(lengths, Normalization::kToken, 20, 4, torch::kFloat64);
+  EXPECT_TRUE(torch::allclose(token, torch::full({8}, 1.0 / 20, torch::kFloat64)));
+  auto seq = TokenWeights(lengths, Normalization::kSequence, 20, 4, torch::kFloat64);
+  EXPECT_DOUBLE_EQ(seq.narrow(0, 0, 2).sum().item<double>(), 0.25);
+  EXPECT_DOUBLE_EQ(seq.narrow(0, 2, 5).sum().item<double>(), 0.25);
+  EXPECT_DOUBLE_EQ(seq[7].item<double>(), 0.25);
+  EXPECT_EQ(*ParseNormalization("sequence"), Normalization::kSequence);
+  EXPECT_FALSE(ParseNormalization("tokens").ok());
+}
+
+// R_t = d_t + gamma R_{t+1}, restarting at each response.
+TEST(OpdLossOptions, DiscountedSumsStayWithinAResponse) {
+  auto d = torch::tensor({1.0, 2.0, 4.0, 8.0, 16.0}, torch::kFloat64);
+  auto r = DiscountedSums(d, {3, 2}, 0.5);
+  EXPECT_TRUE(torch::equal(r, torch::tensor({1.0 + 1.0 + 1.0, 2.0 + 2.0, 4.0, 8.0 + 8.0, 16.0},
+                                            torch::kFloat64)));
+  EXPECT_TRUE(torch::equal(DiscountedSums(d, {3, 2}, 0), d));
+}
+
+// The sampled estimator's expected gradient, on a tabular policy small enough to enumerate every
+// response (V = 3 tokens, length 2: the expectation is an exact sum over the 9 responses weighted
+// by their probability, so this is the Monte-Carlo estimator's mean without its noise): with
+// gamma = 0 it is the gradient of the per-token reverse KL (each position's KL(q || p) under a
+// prefix distribution held fixed), with gamma = 1 the gradient of the sequence-level reverse KL.
+// fp64 throughout; the two sides sum the same terms in another order (1e-12).
+TEST(OpdLossOptions, ExpectedGradientIsTheExactReverseKlGradient) {
+  torch::manual_seed(11);
+  const auto f64 = torch::kFloat64;
+  const int64_t V = 3;
+  auto th1 = torch::randn({V}, f64).requires_grad_(true);
+  auto th2 = torch::randn({V, V}, f64).requires_grad_(true);
+  const auto p1 = torch::log_softmax(torch::randn({V}, f64), -1);
+  const auto p2 = torch::log_softmax(torch::randn({V, V}, f64), -1);
+  auto expected_gradient = [&](double gamma) {
+    SampledTokenLossOptions o;
+    o.correction = Correction::kNone;
+    o.kl_discount = gamma;
+    const auto q1 = torch::log_softmax(th1, -1);
+    const auto q2 = torch::log_softmax(th2, -1);
+    torch::Tensor total = torch::zeros({}, f64);
+    for (int64_t a = 0; a < V; ++a)
+      for (int64_t b = 0; b < V; ++b) {
+        auto lp = torch::stack({q1[a], q2[a][b]});
+        auto lpt = torch::stack({p1[a], p2[a][b]});
+        auto loss = SampledTokenLoss(lp, lp.detach(), lpt, torch::ones({2}, f64), {2}, o, nullptr);
+        total = total + (q1[a] + q2[a][b]).exp().detach() * loss;
+      }
+    auto g = torch::autograd::grad({total}, {th1, th2});
+    return torch::cat({g[0].reshape(-1), g[1].reshape(-1)});
+  };
+  auto exact_gradient = [&](bool sequence_level) {
+    const auto q1 = torch::log_softmax(th1, -1);
+    const auto q2 = torch::log_softmax(th2, -1);
+    const auto kl1 = (q1.exp() * (q1 - p1)).sum();
+    const auto kl2 = (q2.exp() * (q2 - p2)).sum(-1);  // [V]: KL at position 2 after each a
+    const auto w = sequence_level ? q1.exp() : q1.exp().detach();
+    auto g = torch::autograd::grad({kl1 + (w * kl2).sum()}, {th1, th2});
+    return torch::cat({g[0].reshape(-1), g[1].reshape(-1)});
+  };
+  EXPECT_LE((expected_gradient(0) - exact_gradient(false)).abs().max().item<double>(), 1e-12);
+  EXPECT_LE((expected_gradient(1) - exact_gradient(true)).abs().max().item<double>(), 1e-12);
+  // The two objectives differ here, so the test tells the discounts apart.
+  EXPECT_GT((exact_gradient(true) - exact_gradient(false)).abs().max().item<double>(), 1e-3);
+}
+
 TEST(OpdLossParse, NamesAndErrors) {
   EXPECT_EQ(*ParseCorrection("ppo"), Correction::kPpoClip);
   EXPECT_EQ(*ParseTopKDivergence("mixed"), TopKDivergence::kMixed);

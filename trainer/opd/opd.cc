@@ -137,6 +137,7 @@ class OpdJob : public TrainingJob {
   std::shared_ptr<opd::rpc::CallCanceller> canceller_ = std::make_shared<opd::rpc::CallCanceller>();
   SampledTokenLossOptions loss_opts_;
   TopKDivergence divergence_ = TopKDivergence::kMixed;
+  Normalization normalization_ = Normalization::kToken;
 
   size_t stage_ = 0;            // index into c_.stages (step_ counts over all stages)
   int64_t weight_version_ = 0;  // version the rollout workers serve
@@ -523,7 +524,8 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<MicroBatch>& min
         static_cast<int64_t>(r.prompts[s.prompt_index].prompt_ids.size() + s.tokens.size());
     st->max_response = std::max<int64_t>(st->max_response, static_cast<int64_t>(s.tokens.size()));
   }
-  const double normaliser = static_cast<double>(std::max<int64_t>(st->response_tokens, 1));
+  int64_t sequences = 0;  // responses with a token: the "sequence" normalisation's count
+  for (const auto& s : r.samples) sequences += s.tokens.empty() ? 0 : 1;
   const auto& nan_steps = c_.debug.nan_steps;
   const bool poison = std::find(nan_steps.begin(), nan_steps.end(), step_ + 1) != nan_steps.end();
   lm::LogprobOptions lo;
@@ -537,9 +539,10 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<MicroBatch>& min
       return absl::CancelledError("stop requested");
     }
     std::vector<float> old_lp, teacher_lp, topk_lp;
-    std::vector<int64_t> topk_ids;
+    std::vector<int64_t> topk_ids, lengths;
     for (size_t i : mb.samples) {
       const auto& s = r.samples[i];
+      lengths.push_back(static_cast<int64_t>(s.logprobs.size()));
       old_lp.insert(old_lp.end(), s.logprobs.begin(), s.logprobs.end());
       teacher_lp.insert(teacher_lp.end(), scores[i].logprobs.begin(), scores[i].logprobs.end());
       topk_ids.insert(topk_ids.end(), scores[i].topk_ids.begin(), scores[i].topk_ids.end());
@@ -552,6 +555,8 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<MicroBatch>& min
     auto lp = lm::TokenLogprobs(hidden, model_->LmHeadWeight(), mb.targets, lo, &entropy);
     auto lp_old = torch::tensor(old_lp).to(device_);
     auto lp_teacher = torch::tensor(teacher_lp).to(device_);
+    const auto weights = TokenWeights(lengths, normalization_, st->response_tokens, sequences,
+                                      lp_old.options());
     torch::Tensor loss;
     if (c_.loss.form == "topk") {
       const int64_t n = hidden.size(0), k = c_.loss.top_k;
@@ -559,11 +564,11 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<MicroBatch>& min
       auto student_k = StudentTopKLogprobs(hidden, model_->LmHeadWeight(), ids, mb.targets, lp,
                                            c_.rollout.temperature);
       auto teacher_k = torch::tensor(topk_lp).view({n, k}).to(device_);
-      loss = TopKLoss(student_k, teacher_k, normaliser, divergence_, c_.loss.alpha);
-      SampledTokenLoss(lp.detach(), lp_old, lp_teacher, normaliser, loss_opts_,
+      loss = TopKLoss(student_k, teacher_k, weights, divergence_, c_.loss.alpha);
+      SampledTokenLoss(lp.detach(), lp_old, lp_teacher, weights, lengths, loss_opts_,
                        &st->loss);  // stats only
     } else {
-      loss = SampledTokenLoss(lp, lp_old, lp_teacher, normaliser, loss_opts_, &st->loss);
+      loss = SampledTokenLoss(lp, lp_old, lp_teacher, weights, lengths, loss_opts_, &st->loss);
     }
     if (poison) loss = loss * std::numeric_limits<double>::quiet_NaN();  // debug.nan_steps
     if (m + 1 == mine.size()) optimizer_->ExpectLastBackward();
@@ -719,6 +724,8 @@ absl::Status OpdJob::Init(const JobArgs& args) {
   loss_opts_.tis_cap = c_.loss.tis_cap;
   loss_opts_.clip_low = c_.loss.clip_low;
   loss_opts_.clip_high = c_.loss.clip_high;
+  loss_opts_.kl_discount = c_.loss.kl_discount;
+  ASSIGN_OR_RETURN(normalization_, ParseNormalization(c_.loss.normalization));
   schedule_ = {c_.optim.lr, c_.optim.min_lr, c_.optim.warmup_steps, 1};
   int64_t total = 0;
   for (const auto& s : c_.stages) total += s.max_steps;

@@ -99,6 +99,9 @@ absl::Status ValidateLoss(const OpdLossConfig& l) {
   RETURN_IF_ERROR(validate::InHalfOpen("loss.clip_low", l.clip_low, 0, 1));  // ratio >= 1 - low
   RETURN_IF_ERROR(validate::AtLeast("loss.clip_high", l.clip_high, 0));
   RETURN_IF_ERROR(validate::InRange("loss.alpha", l.alpha, 0, 1));
+  if (auto s = ParseNormalization(l.normalization); !s.ok())
+    return Bad("loss.normalization", std::string(s.status().message()));
+  RETURN_IF_ERROR(validate::InRange("loss.kl_discount", l.kl_discount, 0, 1));
   return validate::Above("loss.teacher_temperature", l.teacher_temperature, 0);
 }
 

@@ -110,6 +110,8 @@ struct OpdLossConfig {
   std::string divergence = "mixed";  // topk form: forward | reverse | mixed
   double alpha = 0.5;                // mixed: alpha * forward + (1 - alpha) * reverse
   double teacher_temperature = 1.0;  // explicit scoring temperature
+  std::string normalization = "token";  // token (mean over the step's tokens) | sequence
+  double kl_discount = 0.0;             // gamma over the rest of a response's KL, in [0, 1]
 };
 
 template <class V>
@@ -124,6 +126,8 @@ void VisitFields(V& v, OpdLossConfig& c) {
   v("divergence", c.divergence);
   v("alpha", c.alpha);
   v("teacher_temperature", c.teacher_temperature);
+  v("normalization", c.normalization);
+  v("kl_discount", c.kl_discount);
 }
 
 struct OpdTrainConfig : LearnerTrainConfig {

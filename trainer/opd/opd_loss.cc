@@ -25,11 +25,63 @@ absl::StatusOr<TopKDivergence> ParseTopKDivergence(const std::string& s) {
       absl::StrCat("unknown top-k divergence '", s, "' (forward | reverse | mixed)"));
 }
 
+absl::StatusOr<Normalization> ParseNormalization(const std::string& s) {
+  if (s == "token") return Normalization::kToken;
+  if (s == "sequence") return Normalization::kSequence;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown loss normalization '", s, "' (token | sequence)"));
+}
+
+torch::Tensor TokenWeights(const std::vector<int64_t>& response_lengths, Normalization norm,
+                           int64_t step_tokens, int64_t step_sequences,
+                           const torch::TensorOptions& options) {
+  int64_t n = 0;
+  for (int64_t len : response_lengths) n += len;
+  auto w = torch::empty({n}, options.dtype(torch::kFloat64).device(torch::kCPU));
+  auto* p = w.data_ptr<double>();
+  for (int64_t len : response_lengths) {
+    const double each =
+        norm == Normalization::kToken
+            ? 1.0 / static_cast<double>(std::max<int64_t>(step_tokens, 1))
+            : 1.0 / (static_cast<double>(len) *
+                     static_cast<double>(std::max<int64_t>(step_sequences, 1)));
+    std::fill(p, p + len, each);
+    p += len;
+  }
+  return w.to(options);
+}
+
+torch::Tensor DiscountedSums(const torch::Tensor& d, const std::vector<int64_t>& response_lengths,
+                             double gamma) {
+  if (gamma == 0) return d;
+  // Backwards through each response on the host: N is a micro-batch's response tokens, and the
+  // recurrence R_t = d_t + gamma R_{t+1} is sequential.
+  auto host = d.detach().to(torch::kCPU, torch::kFloat64).contiguous();
+  auto out = torch::empty_like(host);
+  const double* in = host.data_ptr<double>();
+  double* r = out.data_ptr<double>();
+  int64_t start = 0;
+  for (int64_t len : response_lengths) {
+    double acc = 0;
+    for (int64_t t = start + len - 1; t >= start; --t) r[t] = acc = in[t] + gamma * acc;
+    start += len;
+  }
+  return out.to(d.options());
+}
+
 torch::Tensor SampledTokenLoss(const torch::Tensor& lp, const torch::Tensor& lp_old,
                                const torch::Tensor& lp_teacher, double token_normaliser,
                                const SampledTokenLossOptions& opts, LossStats* stats) {
+  return SampledTokenLoss(lp, lp_old, lp_teacher, torch::full_like(lp, 1.0 / token_normaliser),
+                          {lp.numel()}, opts, stats);
+}
+
+torch::Tensor SampledTokenLoss(const torch::Tensor& lp, const torch::Tensor& lp_old,
+                               const torch::Tensor& lp_teacher, const torch::Tensor& token_weights,
+                               const std::vector<int64_t>& response_lengths,
+                               const SampledTokenLossOptions& opts, LossStats* stats) {
   const auto d = lp.detach() - lp_teacher;
-  const auto adv = -opts.kl_coef * d;
+  const auto adv = -opts.kl_coef * DiscountedSums(d, response_lengths, opts.kl_discount);
   const auto log_ratio = lp - lp_old;
   const auto ratio = log_ratio.exp();
   torch::Tensor per_token, clipped;
@@ -63,7 +115,7 @@ torch::Tensor SampledTokenLoss(const torch::Tensor& lp, const torch::Tensor& lp_
     stats->mismatch_abs_sum += log_ratio.detach().abs().sum().item<double>();
     stats->tokens += static_cast<double>(lp.numel());
   }
-  return per_token.sum() / token_normaliser;
+  return (per_token * token_weights.to(per_token.scalar_type())).sum();
 }
 
 namespace {
@@ -162,6 +214,15 @@ torch::Tensor StudentTopKLogprobs(const torch::Tensor& hidden, const torch::Tens
 torch::Tensor TopKLoss(const torch::Tensor& student_logprobs_k,
                        const torch::Tensor& teacher_logprobs_k, double token_normaliser,
                        TopKDivergence divergence, double alpha) {
+  return TopKLoss(student_logprobs_k, teacher_logprobs_k,
+                  torch::full({student_logprobs_k.size(0)}, 1.0 / token_normaliser,
+                              student_logprobs_k.options().dtype(torch::kFloat32)),
+                  divergence, alpha);
+}
+
+torch::Tensor TopKLoss(const torch::Tensor& student_logprobs_k,
+                       const torch::Tensor& teacher_logprobs_k, const torch::Tensor& token_weights,
+                       TopKDivergence divergence, double alpha) {
   // k + 1 buckets: the teacher's top-k ids and the rest of the vocabulary as one, both sides at
   // their full-vocabulary probabilities (a student that moves mass off the teacher's support pays
   // for it in the tail bucket).
@@ -184,7 +245,7 @@ torch::Tensor TopKLoss(const torch::Tensor& student_logprobs_k,
       kl = alpha * forward + (1.0 - alpha) * reverse;
       break;
   }
-  return kl.sum() / token_normaliser;
+  return (kl * token_weights.to(torch::kFloat32)).sum();
 }
 
 }  // namespace trainer

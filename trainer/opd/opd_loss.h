@@ -4,7 +4,10 @@
 // response token t, with the learner's log-prob lp_t (differentiable), the sampler's lp_old_t and
 // the teacher's lp_T_t:
 //   d_t = sg(lp_t) - lp_T_t                 per-token reverse-KL estimate
-//   A_t = -kl_coef * d_t                    advantage (stop-gradient), no discount
+//   A_t = -kl_coef * sum_{j >= t} gamma^(j - t) d_j     advantage (stop-gradient) over the rest of
+//                                           the same response; gamma = kl_discount, default 0 (the
+//                                           paper's per-token form; 1 is the sequence-level KL's
+//                                           gradient, as tinker-cookbook's kl_discount_factor)
 //   r_t = exp(lp_t - lp_old_t)              importance ratio learner / sampler
 //   correction "none":  L_t = -A_t * lp_t
 //   correction "tis":   L_t = -min(sg(r_t), C) * A_t * lp_t         (truncated importance sampling)
@@ -15,12 +18,15 @@
 // student that moves its mass off the teacher's support is not free:
 //   forward KL(p||q), reverse KL(q||p), or mixed alpha * forward + (1 - alpha) * reverse.
 //
-// Normalisation: the step's loss is the sum of L_t over every response token of every sample in
-// the step divided by the step's total response-token count (a token mean over the whole global
-// batch, so micro-batches with more tokens weigh more: `token_normaliser` is that total).
+// Normalisation (`loss.normalization`): "token" (default) divides the sum of L_t over every
+// response token of every sample in the step by the step's total response-token count (a token
+// mean over the whole global batch: `token_normaliser` is that total); "sequence" takes each
+// response's token mean, then the mean over the step's responses (TokenWeights gives each token
+// its weight either way).
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include <torch/types.h>
 
@@ -30,10 +36,12 @@ namespace trainer {
 
 enum class Correction { kNone, kTruncatedIs, kPpoClip };
 enum class TopKDivergence { kForward, kReverse, kMixed };
+enum class Normalization { kToken, kSequence };
 
 absl::StatusOr<Correction> ParseCorrection(const std::string& s);  // none | tis | ppo
 absl::StatusOr<TopKDivergence> ParseTopKDivergence(
     const std::string& s);  // forward | reverse | mixed
+absl::StatusOr<Normalization> ParseNormalization(const std::string& s);  // token | sequence
 
 struct SampledTokenLossOptions {
   Correction correction = Correction::kTruncatedIs;
@@ -41,6 +49,7 @@ struct SampledTokenLossOptions {
   double tis_cap = 2.0;     // C
   double clip_low = 0.2;    // eps_lo
   double clip_high = 0.28;  // eps_hi
+  double kl_discount = 0;   // gamma
 };
 
 struct LossStats {
@@ -51,14 +60,37 @@ struct LossStats {
   double tokens = 0;
 };
 
-// lp, lp_old, lp_teacher: [N] fp32 over this micro-batch's response tokens. Returns
-// sum_t L_t / token_normaliser (differentiable w.r.t. lp) and fills `stats` (sums, not means).
+// lp, lp_old, lp_teacher: [N] fp32 over this micro-batch's response tokens, the responses one
+// after another with `response_lengths` (summing to N; the discount stays within a response).
+// Returns sum_t w_t L_t (differentiable w.r.t. lp) and fills `stats` (sums, not means).
+torch::Tensor SampledTokenLoss(const torch::Tensor& lp, const torch::Tensor& lp_old,
+                               const torch::Tensor& lp_teacher, const torch::Tensor& token_weights,
+                               const std::vector<int64_t>& response_lengths,
+                               const SampledTokenLossOptions& opts, LossStats* stats);
+// The same with every w_t = 1 / token_normaliser, the N tokens one response (no discount across
+// responses matters then only where opts.kl_discount is 0).
 torch::Tensor SampledTokenLoss(const torch::Tensor& lp, const torch::Tensor& lp_old,
                                const torch::Tensor& lp_teacher, double token_normaliser,
                                const SampledTokenLossOptions& opts, LossStats* stats);
 
+// The weight of each of a micro-batch's response tokens in the step's loss: 1 / step_tokens
+// ("token"), or 1 / (|y_s| * step_sequences) for the tokens of response s ("sequence"), where
+// step_tokens and step_sequences count the whole step (every rank, every micro-batch; responses
+// with no token do not count).
+torch::Tensor TokenWeights(const std::vector<int64_t>& response_lengths, Normalization norm,
+                           int64_t step_tokens, int64_t step_sequences,
+                           const torch::TensorOptions& options);
+
+// R_t = sum_{j >= t} gamma^(j - t) d_j within each response (d [N], responses one after another).
+torch::Tensor DiscountedSums(const torch::Tensor& d, const std::vector<int64_t>& response_lengths,
+                             double gamma);
+
 // student_logprobs_k, teacher_logprobs_k: [N, k] full-vocabulary log-probs at the teacher's top-k
-// ids. Returns sum_t KL_t / token_normaliser over the k + 1 buckets.
+// ids. Returns sum_t w_t KL_t over the k + 1 buckets (token_weights [N], from TokenWeights).
+torch::Tensor TopKLoss(const torch::Tensor& student_logprobs_k,
+                       const torch::Tensor& teacher_logprobs_k, const torch::Tensor& token_weights,
+                       TopKDivergence divergence, double alpha);
+// The same with every w_t = 1 / token_normaliser.
 torch::Tensor TopKLoss(const torch::Tensor& student_logprobs_k,
                        const torch::Tensor& teacher_logprobs_k, double token_normaliser,
                        TopKDivergence divergence, double alpha);
