@@ -61,6 +61,7 @@ TEST(ConfigValidation, NanAndInfinityAreRefusedByEveryRangeCheck) {
                                              "rollout.top_p",
                                              "rollout.timeout_s",
                                              "train.teacher_timeout_s",
+                                             "train.score_deadline_s",
                                              "prompts.sources.0.weight",
                                              "stages.0.plateau.min_rel_improvement",
                                              "stages.0.plateau.ema_beta",

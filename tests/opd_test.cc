@@ -455,6 +455,37 @@ TEST_F(Opd, NoHealthyReplicaWaitsUntilOneReturns) {
   EXPECT_TRUE(absl::IsCancelled(r.status())) << r.status();
 }
 
+// Every replica down for good: Score ends DEADLINE_EXCEEDED at train.score_deadline_s, naming the
+// stage and its replicas, instead of waiting for one to return. Time is the pool's own (a clock
+// the waits advance), so the test does not depend on how fast this machine is.
+TEST_F(Opd, ScoringEndsAtItsDeadlineWhenNoReplicaReturns) {
+  const std::string a = StartTeacher("teacher_deadline");
+  ASSERT_FALSE(a.empty());
+  auto opts = PoolOptions();
+  absl::Time now = absl::UnixEpoch();
+  absl::Duration waited;
+  opts.clock = [&] { return now; };
+  opts.wait = [&](absl::Duration d, const std::function<bool()>&) {
+    now += d;
+    waited += d;
+    return true;
+  };
+  opts.score_deadline = absl::Seconds(90);
+  auto pool = trainer::TeacherPool::Connect("stage_one", {a}, Requirements(), opts);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  services_[0]->Kill(SIGKILL);
+  services_[0]->Wait(std::chrono::seconds(5));
+  auto r = (*pool)->Score({{{1, 2, 3, 4}, 2}}, {}, nullptr);
+  ASSERT_TRUE(absl::IsDeadlineExceeded(r.status())) << r.status();
+  const std::string m(r.status().message());
+  EXPECT_NE(m.find("stage 'stage_one'"), std::string::npos) << m;
+  EXPECT_NE(m.find(a), std::string::npos) << m;
+  EXPECT_NE(m.find("train.score_deadline_s"), std::string::npos) << m;
+  // The waits end at the deadline, not a backoff past it.
+  EXPECT_GE(waited, absl::Seconds(90));
+  EXPECT_LE(waited, absl::Seconds(90) + absl::Milliseconds(10));
+}
+
 TEST_F(Opd, TeacherWithAnotherTokenizerIsRefusedAtConnectAndAtSwap) {
   const std::string good = StartTeacher("teacher_good");
   const std::string bad = StartTeacher("teacher_bad", (dir_ / "other/tokenizer").string());

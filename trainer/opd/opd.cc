@@ -186,6 +186,7 @@ absl::Status OpdJob::StartStage(size_t index, bool resumed) {
   po.client.secret = secret_;
   po.client.tls = ClientTls(c_.auth);
   po.client.timeout = absl::Seconds(c_.train.teacher_timeout_s);
+  po.score_deadline = absl::Seconds(c_.train.score_deadline_s);
   po.client.canceller = canceller_;
   TeacherRequirements req{tokenizer_->Fingerprint(), model_->config().vocab_size};
   ASSIGN_OR_RETURN(teachers_, TeacherPool::Connect(s.name, s.teachers, req, po));

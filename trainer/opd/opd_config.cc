@@ -84,7 +84,8 @@ absl::Status ValidateRollout(const OpdRolloutConfig& r) {
 absl::Status ValidateTrain(const OpdTrainConfig& t) {
   RETURN_IF_ERROR(validate::IntAtLeast("train.prompts_per_step", t.prompts_per_step, 1));
   RETURN_IF_ERROR(validate::IntAtLeast("train.micro_batch_tokens", t.micro_batch_tokens, 1));
-  return validate::Above("train.teacher_timeout_s", t.teacher_timeout_s, 0);
+  RETURN_IF_ERROR(validate::Above("train.teacher_timeout_s", t.teacher_timeout_s, 0));
+  return validate::Above("train.score_deadline_s", t.score_deadline_s, 0);
 }
 
 absl::Status ValidateLoss(const OpdLossConfig& l) {

@@ -135,6 +135,7 @@ struct OpdTrainConfig : LearnerTrainConfig {
   int64_t micro_batch_tokens = 16384;  // learner forward/backward chunk (prompt + response tokens)
   bool async = false;                  // one-step-off: sample step k+1 while learning step k
   double teacher_timeout_s = 600;      // deadline of one Score call
+  double score_deadline_s = 3600;      // deadline of a step's scoring, replica waits included
 };
 
 template <class V>
@@ -143,6 +144,7 @@ void VisitFields(V& v, OpdTrainConfig& c) {
   v("micro_batch_tokens", c.micro_batch_tokens);
   v("async", c.async);
   v("teacher_timeout_s", c.teacher_timeout_s);
+  v("score_deadline_s", c.score_deadline_s);
   VisitLearnerFields(v, c);
 }
 

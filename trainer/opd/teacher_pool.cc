@@ -235,16 +235,25 @@ absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> TeacherPool::Score(
   for (size_t b = 0; b < inputs.size(); b += per_call)
     pending.push_back({b, std::min(inputs.size(), b + per_call)});
   std::string last_error = "none";
+  const absl::Time deadline = Now() + opts_.score_deadline;
   while (!pending.empty()) {
     if (stopped()) {
       return absl::CancelledError(absl::StrCat("stage '", stage_, "': stopped while scoring (",
                                                pending.size(),
                                                " share(s) of sequences not scored)"));
     }
+    if (Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "stage '", stage_, "': scoring passed its deadline of ",
+          absl::FormatDuration(opts_.score_deadline), " (train.score_deadline_s) with ",
+          pending.size(), " share(s) of sequences not scored; replicas: ",
+          absl::StrJoin(endpoints(), ", "), ". Last error: ", last_error));
+    }
     const auto healthy = HealthyReplicas();
     if (healthy.empty()) {
-      const absl::Duration wait =
-          std::max(absl::Milliseconds(10), std::min(NextReadmission() - Now(), opts_.backoff_max));
+      const absl::Duration wait = std::max(
+          absl::Milliseconds(10),
+          std::min({NextReadmission() - Now(), opts_.backoff_max, deadline - Now()}));
       lm::log::Warn(absl::StrCat("stage '", stage_, "': no healthy teacher replica (",
                                  absl::StrJoin(endpoints(), ", "), "); next health check in ",
                                  absl::FormatDuration(wait), ". Last error: ", last_error));
@@ -263,7 +272,7 @@ absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> TeacherPool::Score(
       }
     }
     if (ready.empty()) {
-      Wait(earliest - now, stopped);
+      Wait(std::max(absl::ZeroDuration(), std::min(earliest, deadline) - now), stopped);
       continue;
     }
     struct Call {

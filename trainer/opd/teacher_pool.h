@@ -50,6 +50,10 @@ struct TeacherPoolOptions {
   absl::Duration readmit_after = absl::Seconds(5);
   absl::Duration readmit_max = absl::Minutes(5);
   int max_sequences_per_call = 64;  // a replica's share is sent in calls of at most this many
+  // How long one Score() may take in all, waits for a healthy replica included: past it the call
+  // fails DEADLINE_EXCEEDED naming the stage, its replicas and the last error (the job then ends
+  // the step and checkpoints), instead of waiting for a replica that may never come back.
+  absl::Duration score_deadline = absl::InfiniteDuration();
   // How the pool waits `d`; returns false when `stopped()` ended the wait early. Unset: sleeps in
   // slices of at most 50 ms, checking `stopped()`. Tests set it to record the delays.
   std::function<bool(absl::Duration d, const std::function<bool()>& stopped)> wait;
