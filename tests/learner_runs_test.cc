@@ -278,9 +278,9 @@ TEST_F(LearnerRuns, LossFormsAndOptionsTrainEndToEnd) {
       StartService("rollout_topk", kBin + "/rollout/opd-rollout", (dir_ / "student").string());
   ASSERT_FALSE(teacher.empty() || rollout.empty());
   const fs::path run = dir_ / "run_topk";
-  ChildProcess p(OpdArgs(run, 3, rollout, teacher,
-                         {"--set", "loss.form=topk", "--set", "loss.top_k=4"}),
-                 run.string() + ".log");
+  ChildProcess p(
+      OpdArgs(run, 3, rollout, teacher, {"--set", "loss.form=topk", "--set", "loss.top_k=4"}),
+      run.string() + ".log");
   ASSERT_EQ(p.Wait(std::chrono::seconds(300)), 0) << p.Log();
   int steps = 0;
   std::ifstream metrics(run / "metrics.jsonl");

@@ -206,8 +206,8 @@ TEST(OpdLossOptions, TokenWeightsForBothNormalizations) {
 TEST(OpdLossOptions, DiscountedSumsStayWithinAResponse) {
   auto d = torch::tensor({1.0, 2.0, 4.0, 8.0, 16.0}, torch::kFloat64);
   auto r = DiscountedSums(d, {3, 2}, 0.5);
-  EXPECT_TRUE(torch::equal(r, torch::tensor({1.0 + 1.0 + 1.0, 2.0 + 2.0, 4.0, 8.0 + 8.0, 16.0},
-                                            torch::kFloat64)));
+  EXPECT_TRUE(torch::equal(
+      r, torch::tensor({1.0 + 1.0 + 1.0, 2.0 + 2.0, 4.0, 8.0 + 8.0, 16.0}, torch::kFloat64)));
   EXPECT_TRUE(torch::equal(DiscountedSums(d, {3, 2}, 0), d));
 }
 

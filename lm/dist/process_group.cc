@@ -142,8 +142,9 @@ absl::StatusOr<LaunchEnv> LaunchEnv::FromEnvironment() {
 }
 
 void PrepareNcclErrorHandling() {
-  for (const auto& [name, value] : {std::pair<const char*, const char*>{"TORCH_NCCL_BLOCKING_WAIT", "1"},
-                                    {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"}}) {
+  for (const auto& [name, value] :
+       {std::pair<const char*, const char*>{"TORCH_NCCL_BLOCKING_WAIT", "1"},
+        {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"}}) {
     const char* was = std::getenv(name);
     if (was != nullptr && std::strcmp(was, value) != 0)
       log::Warn(absl::StrCat(name, "=", was, " replaced by ", value,

@@ -106,10 +106,10 @@ struct OpdLossConfig {
   double tis_cap = 2.0;
   double clip_low = 0.2;
   double clip_high = 0.28;
-  int64_t top_k = 64;                // topk form: teacher support size
-  std::string divergence = "mixed";  // topk form: forward | reverse | mixed
-  double alpha = 0.5;                // mixed: alpha * forward + (1 - alpha) * reverse
-  double teacher_temperature = 1.0;  // explicit scoring temperature
+  int64_t top_k = 64;                   // topk form: teacher support size
+  std::string divergence = "mixed";     // topk form: forward | reverse | mixed
+  double alpha = 0.5;                   // mixed: alpha * forward + (1 - alpha) * reverse
+  double teacher_temperature = 1.0;     // explicit scoring temperature
   std::string normalization = "token";  // token (mean over the step's tokens) | sequence
   double kl_discount = 0.0;             // gamma over the rest of a response's KL, in [0, 1]
 };

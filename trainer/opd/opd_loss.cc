@@ -40,11 +40,10 @@ torch::Tensor TokenWeights(const std::vector<int64_t>& response_lengths, Normali
   auto w = torch::empty({n}, options.dtype(torch::kFloat64).device(torch::kCPU));
   auto* p = w.data_ptr<double>();
   for (int64_t len : response_lengths) {
-    const double each =
-        norm == Normalization::kToken
-            ? 1.0 / static_cast<double>(std::max<int64_t>(step_tokens, 1))
-            : 1.0 / (static_cast<double>(len) *
-                     static_cast<double>(std::max<int64_t>(step_sequences, 1)));
+    const double each = norm == Normalization::kToken
+                            ? 1.0 / static_cast<double>(std::max<int64_t>(step_tokens, 1))
+                            : 1.0 / (static_cast<double>(len) *
+                                     static_cast<double>(std::max<int64_t>(step_sequences, 1)));
     std::fill(p, p + len, each);
     p += len;
   }
@@ -181,7 +180,8 @@ struct GatheredLogitsFn : torch::autograd::Function<GatheredLogitsFn> {
       }
     }
     if (want_h) grad_hidden = grad_hidden.to(hidden.scalar_type());
-    if (want_w) grad_weight = torch::zeros_like(weight).index_copy_(0, uniq, acc.to(weight.scalar_type()));
+    if (want_w)
+      grad_weight = torch::zeros_like(weight).index_copy_(0, uniq, acc.to(weight.scalar_type()));
     return {grad_hidden, grad_weight, torch::Tensor()};
   }
 };
@@ -229,10 +229,10 @@ torch::Tensor TopKLoss(const torch::Tensor& student_logprobs_k,
   const auto log_q = student_logprobs_k.to(torch::kFloat32);
   const auto log_p = teacher_logprobs_k.to(torch::kFloat32);
   const auto log_q_tail = LogTail(log_q), log_p_tail = LogTail(log_p);
-  const auto forward = (log_p.exp() * (log_p - log_q)).sum(-1) +
-                       log_p_tail.exp() * (log_p_tail - log_q_tail);
-  const auto reverse = (log_q.exp() * (log_q - log_p)).sum(-1) +
-                       log_q_tail.exp() * (log_q_tail - log_p_tail);
+  const auto forward =
+      (log_p.exp() * (log_p - log_q)).sum(-1) + log_p_tail.exp() * (log_p_tail - log_q_tail);
+  const auto reverse =
+      (log_q.exp() * (log_q - log_p)).sum(-1) + log_q_tail.exp() * (log_q_tail - log_p_tail);
   torch::Tensor kl;
   switch (divergence) {
     case TopKDivergence::kForward:

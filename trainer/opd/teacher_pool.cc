@@ -251,9 +251,9 @@ absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> TeacherPool::Score(
     }
     const auto healthy = HealthyReplicas();
     if (healthy.empty()) {
-      const absl::Duration wait = std::max(
-          absl::Milliseconds(10),
-          std::min({NextReadmission() - Now(), opts_.backoff_max, deadline - Now()}));
+      const absl::Duration wait =
+          std::max(absl::Milliseconds(10),
+                   std::min({NextReadmission() - Now(), opts_.backoff_max, deadline - Now()}));
       lm::log::Warn(absl::StrCat("stage '", stage_, "': no healthy teacher replica (",
                                  absl::StrJoin(endpoints(), ", "), "); next health check in ",
                                  absl::FormatDuration(wait), ". Last error: ", last_error));
