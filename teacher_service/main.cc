@@ -8,6 +8,7 @@
 // --grace-seconds), then the process exits. The flags every model server takes are in
 // rpc/model_server.cc.
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "rpc/auth.h"
@@ -21,6 +22,9 @@ ABSL_FLAG(int64_t, max_queue, 64, "requests waiting at most; more get RESOURCE_E
 ABSL_FLAG(int64_t, max_seq_len, 0, "longest sequence accepted (0: the model's max positions)");
 ABSL_FLAG(int64_t, max_top_k, 1024, "largest top_k a request may ask for");
 ABSL_FLAG(int64_t, logprob_chunk, 512, "rows of [rows, vocab] logits alive at once");
+ABSL_FLAG(int64_t, max_reply_mb, 1024,
+          "largest reply a request may cost, in MiB (1..2047: protobuf cannot send 2 GiB); "
+          "larger requests get RESOURCE_EXHAUSTED");
 
 namespace {
 
@@ -40,6 +44,11 @@ absl::Status Run() {
   limits.max_seq_len = absl::GetFlag(FLAGS_max_seq_len) > 0 ? absl::GetFlag(FLAGS_max_seq_len)
                                                             : config.max_position_embeddings;
   limits.max_top_k = absl::GetFlag(FLAGS_max_top_k);
+  const int64_t reply_mb = absl::GetFlag(FLAGS_max_reply_mb);
+  if (reply_mb < 1 || reply_mb > 2047)
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-reply-mb=", reply_mb, " is outside [1, 2047]"));
+  limits.max_reply_bytes = reply_mb << 20;
 
   teacher::ScorerOptions so;
   so.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);

@@ -1,5 +1,7 @@
 #include "teacher_service/scorer.h"
 
+#include <algorithm>
+
 #include <cmath>
 #include <future>
 #include <map>
@@ -13,6 +15,17 @@
 #include "lm/util/log.h"
 
 namespace teacher {
+
+int64_t ReplyBytes(const ScoreJob& job) {
+  constexpr int64_t kPerSequence = 32;  // tags and varint lengths of SequenceScores' three fields
+  int64_t bytes = 16;                   // the response's own fields
+  for (size_t i = 0; i < job.sequences.size() && i < job.response_starts.size(); ++i) {
+    const int64_t n = std::max<int64_t>(
+        0, static_cast<int64_t>(job.sequences[i].size()) - job.response_starts[i]);
+    bytes += kPerSequence + n * (4 + 8 * std::max<int64_t>(job.top_k, 0));
+  }
+  return bytes;
+}
 
 absl::Status Validate(const ScoreJob& job, const ScoreLimits& limits) {
   if (job.sequences.empty())
@@ -53,6 +66,12 @@ absl::Status Validate(const ScoreJob& job, const ScoreLimits& limits) {
       return absl::InvalidArgumentError(
           absl::StrCat("sequence ", i, ": response_start ", start, " is outside [1, ", len, "]"));
     }
+  }
+  if (const int64_t bytes = ReplyBytes(job); bytes > limits.max_reply_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the reply would take ", bytes, " bytes (", job.sequences.size(), " sequences, top_k ",
+        job.top_k, "), over the server's limit of ", limits.max_reply_bytes,
+        " bytes (--max-reply-mb): send fewer sequences per request or a smaller top_k"));
   }
   return absl::OkStatus();
 }

@@ -52,8 +52,17 @@ struct ScoreLimits {
   int64_t max_seq_len = 0;
   int64_t max_top_k = 1024;
   int64_t max_sequences = 4096;  // per job
+  // The reply a job may cost (ReplyBytes): the server holds it whole until it is sent, and
+  // protobuf cannot serialise a message of 2 GiB or more (gRPC aborts on one).
+  int64_t max_reply_bytes = int64_t{1} << 30;
 };
 
+// The serialised size of a job's reply, an upper bound: per scored position a float32 log-prob and
+// top_k (int32 id, float32 log-prob) pairs, per sequence its field tags and lengths.
+int64_t ReplyBytes(const ScoreJob& job);
+
+// Checks a job against the limits; a reply over max_reply_bytes is RESOURCE_EXHAUSTED naming its
+// size and the limit, everything else INVALID_ARGUMENT naming the field.
 absl::Status Validate(const ScoreJob& job, const ScoreLimits& limits);
 
 struct ScorerOptions {

@@ -933,6 +933,30 @@ teacher::ScoreJob Job(const std::vector<std::vector<int64_t>>& seqs, int64_t top
   return j;
 }
 
+// A reply over the budget is refused before any work, naming its size and the flag; the bound is
+// exact for the wire format (4 bytes per position, 8 per top-k pair) plus a fixed overhead.
+TEST(Scorer, ReplyOverTheBudgetIsRefusedBeforeScoring) {
+  teacher::ScoreLimits limits;
+  limits.vocab_size = 320;
+  limits.max_seq_len = 4096;
+  auto job = Job({std::vector<int64_t>(1001, 7), std::vector<int64_t>(501, 9)}, 64);
+  const int64_t positions = 1000 + 500;
+  EXPECT_GE(teacher::ReplyBytes(job), positions * (4 + 64 * 8));
+  EXPECT_LE(teacher::ReplyBytes(job), positions * (4 + 64 * 8) + 16 + 2 * 32);
+  limits.max_reply_bytes = positions * (4 + 64 * 8);  // just under the reply
+  auto st = teacher::Validate(job, limits);
+  EXPECT_TRUE(absl::IsResourceExhausted(st)) << st;
+  EXPECT_NE(std::string(st.message()).find("--max-reply-mb"), std::string::npos) << st;
+  limits.max_reply_bytes = teacher::ReplyBytes(job);
+  EXPECT_TRUE(teacher::Validate(job, limits).ok());
+  // The default (1 GiB) refuses the 2,048 x 512, top-k 320 request that crossed protobuf's 2 GiB.
+  auto big = Job(std::vector<std::vector<int64_t>>(2048, std::vector<int64_t>(512, 3)), 320);
+  teacher::ScoreLimits defaults;
+  defaults.vocab_size = 320;
+  defaults.max_seq_len = 4096;
+  EXPECT_TRUE(absl::IsResourceExhausted(teacher::Validate(big, defaults)));
+}
+
 TEST(Scorer, PackedBatchesEqualOneSequenceAtATime) {
   auto model = TeacherModel();
   const auto seqs = FixtureSequences();
