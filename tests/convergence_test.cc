@@ -1,5 +1,7 @@
 // The stage convergence rule: step budget, plateau of the smoothed metric, and exact resume.
 #include <cmath>
+#include <limits>
+#include <string>
 
 #include <gtest/gtest.h>
 
@@ -137,6 +139,80 @@ TEST(Convergence, ResumeFromJsonContinuesIdentically) {
     ASSERT_DOUBLE_EQ(resumed.smoothed(), b.smoothed());
     if (x) break;
   }
+}
+
+// A skipped step's non-finite KL counts as a step but is not averaged: one NaN used to make the
+// smoothed value NaN for the rest of the stage, so the plateau rule never fired.
+TEST(Convergence, NonFiniteValuesAreSkipped) {
+  ConvergenceRule r;
+  r.plateau = true;
+  r.window = 2;
+  r.min_rel_improvement = 0.05;
+  r.ema_beta = 0.5;
+  r.max_steps = 100;
+  ConvergenceTracker t(r);
+  EXPECT_FALSE(t.Update(1.0));
+  EXPECT_FALSE(t.Update(std::numeric_limits<double>::quiet_NaN()));
+  EXPECT_FALSE(t.Update(std::numeric_limits<double>::infinity()));
+  EXPECT_DOUBLE_EQ(t.smoothed(), 1.0);
+  EXPECT_EQ(t.steps(), 3);
+  EXPECT_FALSE(t.Update(1.0));
+  EXPECT_TRUE(t.Update(1.0));  // window + 1 finite values: a plateau
+  EXPECT_EQ(t.reason(), "plateau");
+  EXPECT_DOUBLE_EQ(t.smoothed(), 1.0);
+}
+
+// The budget still counts a skipped step, also when it is the last one.
+TEST(Convergence, NonFiniteValueCountsTowardsTheBudget) {
+  ConvergenceRule r;
+  r.max_steps = 2;
+  ConvergenceTracker t(r);
+  EXPECT_FALSE(t.Update(1.0));
+  EXPECT_TRUE(t.Update(std::numeric_limits<double>::quiet_NaN()));
+  EXPECT_EQ(t.reason(), "max_steps");
+}
+
+// A state with a skipped value round-trips through the checkpoint's JSON: the NaN used to be
+// written as `null`, and FromJson threw on it, so the job could not resume.
+TEST(Convergence, StateWithASkippedValueResumes) {
+  ConvergenceRule r;
+  r.plateau = true;
+  r.window = 3;
+  r.min_rel_improvement = 0.01;
+  r.ema_beta = 0.5;
+  ConvergenceTracker a(r), b(r);
+  for (ConvergenceTracker* t : {&a, &b}) {
+    t->Update(2.0);
+    t->Update(std::numeric_limits<double>::quiet_NaN());
+    t->Update(1.0);
+  }
+  const std::string saved = a.ToJson().dump();
+  EXPECT_EQ(saved.find("null"), std::string::npos) << saved;
+  ConvergenceTracker resumed(r);
+  ASSERT_NO_THROW(resumed.FromJson(nlohmann::json::parse(saved)));
+  EXPECT_EQ(resumed.steps(), 3);
+  EXPECT_DOUBLE_EQ(resumed.smoothed(), b.smoothed());
+  for (int i = 0; i < 30; ++i) {
+    const bool x = resumed.Update(0.5), y = b.Update(0.5);
+    ASSERT_EQ(x, y) << i;
+    ASSERT_DOUBLE_EQ(resumed.smoothed(), b.smoothed());
+    if (x) break;
+  }
+  EXPECT_EQ(resumed.reason(), "plateau");
+}
+
+// A checkpoint written by the old code (a NaN saved as `null`) still resumes.
+TEST(Convergence, OldCheckpointWithNullResumes) {
+  ConvergenceRule r;
+  r.window = 2;
+  ConvergenceTracker t(r);
+  const auto j = nlohmann::json::parse(
+      R"({"steps": 4, "ema": null, "history": [2.0, 1.5, null], "reason": ""})");
+  ASSERT_NO_THROW(t.FromJson(j));
+  EXPECT_EQ(t.steps(), 4);
+  EXPECT_DOUBLE_EQ(t.smoothed(), 1.5);
+  t.Update(1.5);
+  EXPECT_TRUE(std::isfinite(t.smoothed()));
 }
 
 }  // namespace

@@ -5,17 +5,23 @@
 namespace trainer {
 
 bool ConvergenceTracker::Update(double value) {
-  // An empty history is the first step or the first after RestartWindow(): the average starts at
-  // the value itself instead of mixing in the values before.
-  ema_ = history_.empty() ? value : rule_.ema_beta * ema_ + (1.0 - rule_.ema_beta) * value;
   ++steps_;
-  history_.push_back(ema_);
-  while (static_cast<int64_t>(history_.size()) > rule_.window + 1) history_.pop_front();
+  // A non-finite value (a skipped step) counts as a step of the budget but leaves the average
+  // and the window alone: folded in, one NaN would make the average NaN for the rest of the stage
+  // (the plateau rule could never fire) and the checkpoint would hold `null`.
+  const bool finite = std::isfinite(value);
+  if (finite) {
+    // An empty history is the first step or the first after RestartWindow(): the average starts
+    // at the value itself instead of mixing in the values before.
+    ema_ = history_.empty() ? value : rule_.ema_beta * ema_ + (1.0 - rule_.ema_beta) * value;
+    history_.push_back(ema_);
+    while (static_cast<int64_t>(history_.size()) > rule_.window + 1) history_.pop_front();
+  }
   if (rule_.max_steps > 0 && steps_ >= rule_.max_steps) {
     reason_ = "max_steps";
     return true;
   }
-  if (rule_.plateau && steps_ >= rule_.min_steps &&
+  if (finite && rule_.plateau && steps_ >= rule_.min_steps &&
       static_cast<int64_t>(history_.size()) == rule_.window + 1) {
     const double before = history_.front(), now = history_.back();
     const double change = std::abs(before - now) / std::max(std::abs(before), 1e-12);
@@ -40,9 +46,15 @@ nlohmann::json ConvergenceTracker::ToJson() const {
 
 void ConvergenceTracker::FromJson(const nlohmann::json& j) {
   steps_ = j.at("steps").get<int64_t>();
-  ema_ = j.at("ema").get<double>();
-  auto h = j.at("history").get<std::vector<double>>();
-  history_.assign(h.begin(), h.end());
+  // A checkpoint written before non-finite values were skipped may hold `null` (JSON has no
+  // NaN): such entries are dropped rather than failing the resume.
+  const auto& e = j.at("ema");
+  ema_ = e.is_number() ? e.get<double>() : 0.0;
+  history_.clear();
+  for (const auto& v : j.at("history")) {
+    if (v.is_number() && std::isfinite(v.get<double>())) history_.push_back(v.get<double>());
+  }
+  if (!history_.empty() && !e.is_number()) ema_ = history_.back();
   reason_ = j.at("reason").get<std::string>();
 }
 

@@ -34,7 +34,8 @@ class ConvergenceTracker {
  public:
   explicit ConvergenceTracker(ConvergenceRule rule) : rule_(rule) {}
 
-  // Records the metric of the step just finished; returns true when the stage is done.
+  // Records the metric of the step just finished; returns true when the stage is done. A
+  // non-finite value (a skipped step) counts towards max_steps / min_steps but is not averaged.
   bool Update(double value);
   // Starts the plateau window (and the moving average) afresh from the next value.
   void RestartWindow();
