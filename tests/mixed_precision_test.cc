@@ -646,6 +646,28 @@ TEST(MixedSft, PrecisionAndDeviceAreValidated) {
   }
 }
 
+// dist.allgather_dtype: auto follows train.precision. It used to be bf16 on any CUDA device, so
+// `train.precision: fp32` on N CUDA ranks gathered its weights in bf16.
+TEST(AllGatherDtype, AutoFollowsThePrecision) {
+  using trainer::Precision;
+  using trainer::ResolveAllGatherDtype;
+  EXPECT_EQ(ResolveAllGatherDtype("auto", Precision::kFp32), torch::kFloat32);
+  EXPECT_EQ(ResolveAllGatherDtype("auto", Precision::kBf16Mixed), torch::kBFloat16);
+  // train.precision: auto on CUDA resolves to bf16-mixed, so the default there is still bf16.
+  EXPECT_EQ(ResolveAllGatherDtype(
+                "auto", trainer::ResolvePrecision("auto", torch::Device(torch::kCUDA, 0))),
+            torch::kBFloat16);
+  EXPECT_EQ(ResolveAllGatherDtype(
+                "auto", trainer::ResolvePrecision("fp32", torch::Device(torch::kCUDA, 0))),
+            torch::kFloat32);
+  EXPECT_EQ(ResolveAllGatherDtype("auto", trainer::ResolvePrecision("auto", torch::kCPU)),
+            torch::kFloat32);
+  for (Precision p : {Precision::kFp32, Precision::kBf16Mixed}) {
+    EXPECT_EQ(ResolveAllGatherDtype("float32", p), torch::kFloat32);
+    EXPECT_EQ(ResolveAllGatherDtype("bfloat16", p), torch::kBFloat16);
+  }
+}
+
 TEST(LearnerDevice, CudaIsTheLocalRanksGpuAndCudaNIsKept) {
   using trainer::ResolveLearnerDevice;
   EXPECT_EQ(ResolveLearnerDevice("cpu", 3, 8).value(), torch::Device(torch::kCPU));

@@ -181,15 +181,20 @@ absl::Status CheckSameOnEveryRank(lm::dist::ProcessGroup& group, const std::stri
                    " differs from rank 0's: every rank must be launched with the same one"));
 }
 
+torch::ScalarType ResolveAllGatherDtype(const std::string& value, Precision precision) {
+  if (value == "bfloat16") return torch::kBFloat16;
+  if (value == "float32") return torch::kFloat32;
+  // auto: the old rule (bf16 on any CUDA device) gathered an fp32 run's weights in bf16 too.
+  return precision == Precision::kBf16Mixed ? torch::kBFloat16 : torch::kFloat32;
+}
+
 absl::StatusOr<std::unique_ptr<DistributedOptimizer>> MakeLearnerOptimizer(
     const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& optim,
-    const DistConfig& dist, lm::dist::ProcessGroup* group, torch::Device device,
+    const DistConfig& dist, lm::dist::ProcessGroup* group, torch::Device /*device*/,
     Precision precision) {
-  const bool bf16 =
-      dist.allgather_dtype == "bfloat16" || (dist.allgather_dtype == "auto" && device.is_cuda());
   return DistributedOptimizer::Create(
       params, optim, group, static_cast<int64_t>(dist.bucket_mb * (1 << 20) / sizeof(float)),
-      bf16 ? torch::kBFloat16 : torch::kFloat32, precision);
+      ResolveAllGatherDtype(dist.allgather_dtype, precision), precision);
 }
 
 absl::StatusOr<torch::Device> ResolveLearnerDevice(const std::string& spec, int local_rank,

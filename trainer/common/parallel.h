@@ -77,6 +77,12 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> MakeLearnerOptimizer(
     const DistConfig& dist, lm::dist::ProcessGroup* group, torch::Device device,
     Precision precision = Precision::kFp32);
 
+// dist.allgather_dtype (validated: auto | float32 | bfloat16) under train.precision `precision`:
+// auto follows the precision, float32 for fp32 (an fp32 run keeps fp32 weights on every rank,
+// on CUDA too) and bfloat16 for bf16-mixed (whose compute copies are bf16 in any case); an
+// explicit float32 or bfloat16 is kept.
+torch::ScalarType ResolveAllGatherDtype(const std::string& value, Precision precision);
+
 // train.device for a rank with local rank `local_rank` on a node with `cuda_devices` CUDA devices
 // (0: no CUDA): cpu; cuda:N as given; cuda (and auto when CUDA is there) is cuda:LOCAL_RANK, so
 // each rank of a node takes its own GPU (LOCAL_RANK unset: 0). Errors name the value and what is

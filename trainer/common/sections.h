@@ -118,9 +118,9 @@ struct DistConfig {
   std::string backend = "auto";  // auto (nccl on CUDA, gloo on CPU) | gloo | nccl
   double timeout_s = 600;        // a collective (or the rendezvous) fails after this long
   double bucket_mb = 32;         // gradient all-reduce bucket size
-  // dtype of the updated weights' all-gather (ZeRO-1): auto (bfloat16 on CUDA, float32 on the
-  // CPU) | float32 | bfloat16. With bfloat16 the fp32 masters stay sharded
-  // (trainer/common/parallel.h).
+  // dtype of the updated weights' all-gather (ZeRO-1): auto (follows train.precision: float32
+  // for fp32, bfloat16 for bf16-mixed) | float32 | bfloat16. With bfloat16 the fp32 masters stay
+  // sharded (trainer/common/parallel.h).
   std::string allgather_dtype = "auto";
 };
 
