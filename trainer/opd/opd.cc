@@ -579,8 +579,10 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<MicroBatch>& min
     st->student_lp_sum += lp.detach().sum().item<double>();
     st->entropy_sum += entropy.sum().item<double>();
   }
-  RETURN_IF_ERROR(ReduceStats(st));
+  // Buckets, then statistics, on every rank (see sft.cc: a rank with no micro-batch sends its
+  // buckets in ReduceAndClip).
   ASSIGN_OR_RETURN(st->grad_norm, optimizer_->ReduceAndClip(c_.optim.max_grad_norm));
+  RETURN_IF_ERROR(ReduceStats(st));
   st->lr = schedule_.LrAt(step_);
   st->skipped = !std::isfinite(st->loss_value) || !std::isfinite(st->grad_norm);
   if (!st->skipped) RETURN_IF_ERROR(optimizer_->Step(st->lr));
@@ -847,8 +849,11 @@ absl::Status OpdJob::Run() {
     if (admin_)
       admin_->SetStatus(
           {c_.stages[stage_].name, step_, c_.stages[stage_].teachers, weight_version_});
+    // A skipped step (non-finite loss or gradient) changed nothing: its KL is not averaged.
     const double reverse_kl =
-        st.loss.reverse_kl_sum / static_cast<double>(std::max<int64_t>(st.response_tokens, 1));
+        st.skipped
+            ? std::numeric_limits<double>::quiet_NaN()
+            : st.loss.reverse_kl_sum / static_cast<double>(std::max<int64_t>(st.response_tokens, 1));
     const bool stage_over = FinishStageIfConverged(reverse_kl);
     LogStep(st);
     RETURN_IF_ERROR(CheckNonFinite(c_.train.max_consecutive_nonfinite));

@@ -367,10 +367,13 @@ absl::StatusOr<StepOutcome> SftJob::TrainStep(const StepBatch& b) {
     ce_total += ce;
     aux_total += aux;
   }
+  // The gradient buckets first, then the statistics, on every rank: a rank with micro-batches sent
+  // its buckets in its last backward, a rank with none sends them in ReduceAndClip, and a sum of
+  // statistics before that would pair with another rank's bucket.
+  ASSIGN_OR_RETURN(o.grad_norm, optimizer_->ReduceAndClip(c_.optim.max_grad_norm));
   ASSIGN_OR_RETURN(std::vector<double> sums, group_->AllReduceDoubles({ce_total, aux_total}));
   o.loss = sums[0] / static_cast<double>(std::max<int64_t>(b.trained, 1));
   o.aux_loss = sums[1] / static_cast<double>(b.micro.size());
-  ASSIGN_OR_RETURN(o.grad_norm, optimizer_->ReduceAndClip(c_.optim.max_grad_norm));
   o.lr = schedule_.LrAt(step_);
   o.skipped = !std::isfinite(o.loss) || !std::isfinite(o.aux_loss) || !std::isfinite(o.grad_norm);
   if (!o.skipped) RETURN_IF_ERROR(optimizer_->Step(o.lr));
