@@ -556,8 +556,8 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<MicroBatch>& min
     auto lp = lm::TokenLogprobs(hidden, model_->LmHeadWeight(), mb.targets, lo, &entropy);
     auto lp_old = torch::tensor(old_lp).to(device_);
     auto lp_teacher = torch::tensor(teacher_lp).to(device_);
-    const auto weights = TokenWeights(lengths, normalization_, st->response_tokens, sequences,
-                                      lp_old.options());
+    const auto weights =
+        TokenWeights(lengths, normalization_, st->response_tokens, sequences, lp_old.options());
     torch::Tensor loss;
     if (c_.loss.form == "topk") {
       const int64_t n = hidden.size(0), k = c_.loss.top_k;
@@ -851,9 +851,9 @@ absl::Status OpdJob::Run() {
           {c_.stages[stage_].name, step_, c_.stages[stage_].teachers, weight_version_});
     // A skipped step (non-finite loss or gradient) changed nothing: its KL is not averaged.
     const double reverse_kl =
-        st.skipped
-            ? std::numeric_limits<double>::quiet_NaN()
-            : st.loss.reverse_kl_sum / static_cast<double>(std::max<int64_t>(st.response_tokens, 1));
+        st.skipped ? std::numeric_limits<double>::quiet_NaN()
+                   : st.loss.reverse_kl_sum /
+                         static_cast<double>(std::max<int64_t>(st.response_tokens, 1));
     const bool stage_over = FinishStageIfConverged(reverse_kl);
     LogStep(st);
     RETURN_IF_ERROR(CheckNonFinite(c_.train.max_consecutive_nonfinite));
