@@ -190,8 +190,7 @@ torch::ScalarType ResolveAllGatherDtype(const std::string& value, Precision prec
 
 absl::StatusOr<std::unique_ptr<DistributedOptimizer>> MakeLearnerOptimizer(
     const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& optim,
-    const DistConfig& dist, lm::dist::ProcessGroup* group, torch::Device /*device*/,
-    Precision precision) {
+    const DistConfig& dist, lm::dist::ProcessGroup* group, Precision precision) {
   return DistributedOptimizer::Create(
       params, optim, group, static_cast<int64_t>(dist.bucket_mb * (1 << 20) / sizeof(float)),
       ResolveAllGatherDtype(dist.allgather_dtype, precision), precision);

@@ -69,13 +69,11 @@ struct LearnerPlacement {
   std::unique_ptr<lm::dist::ProcessGroup> group;
 };
 
-// The learner's optimizer for `params` on `device`, as the `dist` section says (bucket size, the
-// all-gather's dtype, which in bf16-mixed is bf16 for the compute copies whatever it says) and in
-// `precision`.
+// The learner's optimizer for `params`, as the `dist` section says (bucket size, the all-gather's
+// dtype, which in bf16-mixed is bf16 for the compute copies whatever it says) and in `precision`.
 absl::StatusOr<std::unique_ptr<DistributedOptimizer>> MakeLearnerOptimizer(
     const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& optim,
-    const DistConfig& dist, lm::dist::ProcessGroup* group, torch::Device device,
-    Precision precision = Precision::kFp32);
+    const DistConfig& dist, lm::dist::ProcessGroup* group, Precision precision = Precision::kFp32);
 
 // dist.allgather_dtype (validated: auto | float32 | bfloat16) under train.precision `precision`:
 // auto follows the precision, float32 for fp32 (an fp32 run keeps fp32 weights on every rank,

@@ -92,7 +92,7 @@ absl::Status TrainingJob::LoadModel(const std::string& dir) {
   std::vector<std::pair<std::string, torch::Tensor>> params;
   for (const auto& p : model_->named_parameters()) params.emplace_back(p.key(), p.value());
   ASSIGN_OR_RETURN(optimizer_, MakeLearnerOptimizer(params, optim_config_, dist_config_,
-                                                    group_.get(), device_, precision_));
+                                                    group_.get(), precision_));
   return absl::OkStatus();
 }
 

@@ -205,9 +205,9 @@ torch::Tensor StudentTopKLogprobs(const torch::Tensor& hidden, const torch::Tens
                                   const torch::Tensor& ids, const torch::Tensor& targets,
                                   const torch::Tensor& target_logprobs, double temperature) {
   // lse_t = z_target / T - lp_t: the sampled token's log-prob already holds the full-vocabulary
-  // normaliser, so the [n, V] logits are never formed here.
-  const auto z_target = GatheredLogits(hidden, weight, targets.reshape({-1, 1}));
-  const auto z_k = GatheredLogits(hidden, weight, ids);
+  // normaliser, so the [n, V] logits are never formed here. One pass: the target is column 0.
+  const auto z = GatheredLogits(hidden, weight, torch::cat({targets.reshape({-1, 1}), ids}, 1));
+  const auto z_target = z.narrow(1, 0, 1), z_k = z.narrow(1, 1, ids.size(1));
   return (z_k - z_target) / temperature + target_logprobs.to(torch::kFloat32).unsqueeze(1);
 }
 
