@@ -12,8 +12,10 @@
 #include "absl/strings/str_cat.h"
 #include "ctl/args.h"
 #include "ctl/command.h"
+#include "lm/io/checkpoint.h"
 #include "lm/model/model.h"
 #include "lm/text/tokenizer.h"
+#include "lm/util/memory.h"
 #include "lm/util/status.h"
 #include "nlohmann/json.hpp"
 
@@ -61,23 +63,51 @@ absl::StatusOr<std::vector<fs::path>> TokenizerFiles(const std::string& path, in
   return files;
 }
 
+// The host memory init-model needs, checked before the model is built: every parameter in fp32
+// (each is written by InitWeights), plus a copy of the experts (SaveModel writes them unfused).
+absl::Status CheckMemory(const std::string& config_path, const lm::ModelConfig& config) {
+  const lm::ParameterShapes shapes = lm::ExpectedParameterShapes(config);
+  lm::ParameterShapes experts;
+  for (const auto& [name, shape] : shapes) {
+    if (name.find(".experts.") != std::string::npos) experts[name] = shape;
+  }
+  const int64_t bytes = lm::ShapeBytes(shapes, 4), copies = lm::ShapeBytes(experts, 4);
+  const int64_t needed = bytes > INT64_MAX - copies ? INT64_MAX : bytes + copies;
+  return lm::CheckHostMemory(absl::StrCat(config_path, ": a ", config.model_type, " with ",
+                                          lm::ParameterCount(shapes), " parameters in float32"),
+                             needed);
+}
+
+// Builds, initialises and saves the model, returning its parameter count; what the allocator
+// throws becomes a status.
+absl::StatusOr<int64_t> WriteModel(const Args& args, const lm::ModelConfig& config) {
+  try {
+    ASSIGN_OR_RETURN(auto model, lm::CreateModel(config));
+    model->InitWeights(args.Number("std", 0.02), args.Uint64("seed", 0));
+    RETURN_IF_ERROR(lm::SaveModel(*model, args.Get("out")));
+    int64_t params = 0;
+    for (const auto& p : model->parameters()) params += p.numel();
+    return params;
+  } catch (const std::exception&) {
+    return lm::ExceptionStatus(
+        absl::StrCat(args.Get("config"), ": building a ", config.model_type, " model"));
+  }
+}
+
 absl::Status InitModel(const Args& args) {
   ASSIGN_OR_RETURN(lm::ModelConfig config, ReadConfig(args.Get("config")));
   std::vector<fs::path> tokenizer_files;
   if (args.Has("tokenizer")) {
     ASSIGN_OR_RETURN(tokenizer_files, TokenizerFiles(args.Get("tokenizer"), config.vocab_size));
   }
-  ASSIGN_OR_RETURN(auto model, lm::CreateModel(config));
-  model->InitWeights(args.Number("std", 0.02), args.Uint64("seed", 0));
+  RETURN_IF_ERROR(CheckMemory(args.Get("config"), config));
+  ASSIGN_OR_RETURN(const int64_t params, WriteModel(args, config));
   const std::string out = args.Get("out");
-  RETURN_IF_ERROR(lm::SaveModel(*model, out));
   for (const fs::path& f : tokenizer_files) {
     std::error_code ec;
     fs::copy_file(f, fs::path(out) / f.filename(), fs::copy_options::overwrite_existing, ec);
     if (ec) return absl::InternalError(absl::StrCat(f.string(), ": cannot copy: ", ec.message()));
   }
-  int64_t params = 0;
-  for (const auto& p : model->parameters()) params += p.numel();
   std::cerr << "opd-ctl init-model: " << config.model_type << " with " << params
             << " parameters -> " << out << "\n";
   return absl::OkStatus();

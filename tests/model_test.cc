@@ -3,6 +3,9 @@
 //   logits and log-probs: max abs diff <= 1e-4 (summation order differs from PyTorch eager);
 //   gradients: max abs diff <= 1e-4 x the tensor's largest reference entry;
 //   load-balancing loss: abs diff <= 1e-5.
+#include <sys/wait.h>
+
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -15,10 +18,13 @@
 #include "kernels/cpu/cpu_inference.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "lm/io/checkpoint.h"
+#include "lm/io/sharded_load.h"
+#include "lm/model/expert_parallel.h"
 #include "lm/model/fast_paths.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
+#include "lm/util/memory.h"
 #include "lm/util/threads.h"
 #include "nlohmann/json.hpp"
 
@@ -266,7 +272,8 @@ TEST(Checkpoint, FusedExpertLayoutLoads) {
 // Rewrites the fixture checkpoint with one edit and returns the load error.
 absl::Status LoadEdited(
     const std::string& tag,
-    const std::function<void(std::vector<std::pair<std::string, torch::Tensor>>&)>& edit) {
+    const std::function<void(std::vector<std::pair<std::string, torch::Tensor>>&)>& edit,
+    const LoadOptions& opts = {}) {
   const std::string fixture = std::string(OPD_FIXTURES_DIR) + "/moe_tied_topk8/model";
   auto file = SafetensorsFile::Open(fixture + "/model.safetensors");
   EXPECT_TRUE(file.ok());
@@ -280,7 +287,7 @@ absl::Status LoadEdited(
   for (auto& [n, t] : ts)
     out.push_back({n, DType::kF32, t.sizes().vec(), t.data_ptr(), static_cast<size_t>(t.nbytes())});
   EXPECT_TRUE(WriteSafetensors((dir / "model.safetensors").string(), out).ok());
-  auto m = LoadModel(dir.string());
+  auto m = LoadModel(dir.string(), opts);
   fs::remove_all(dir);
   return m.status();
 }
@@ -895,6 +902,379 @@ TEST(OpdCtl, LogprobsMatchesReference) {
   EXPECT_NE(msg.find("bad.jsonl:1"), std::string::npos) << msg;
   EXPECT_NE(msg.find("99999"), std::string::npos) << msg;
   fs::remove_all(dir);
+}
+
+// --- absurd configs, checkpoints that do not fit them, the memory budget, non-finite weights ---
+
+// Small configs of every architecture and layer kind: dense and MoE layers (sparse step,
+// mlp_only_layers), tied and untied, Qwen3-Next's linear and full attention with a shared expert.
+std::vector<nlohmann::json> ShapeConfigs() {
+  const auto qwen3 = nlohmann::json::parse(R"({"model_type": "qwen3", "vocab_size": 50,
+    "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 8, "tie_word_embeddings": true})");
+  const auto moe = nlohmann::json::parse(R"({"model_type": "qwen3_moe", "vocab_size": 50,
+    "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 1, "num_experts": 6, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 12, "decoder_sparse_step": 2, "mlp_only_layers": [3]})");
+  const auto next = nlohmann::json::parse(R"({"model_type": "qwen3_next", "vocab_size": 50,
+    "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 4, "num_attention_heads": 2,
+    "num_key_value_heads": 1, "head_dim": 8, "partial_rotary_factor": 0.5,
+    "full_attention_interval": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_key_head_dim": 4, "linear_value_head_dim": 6, "num_experts": 4,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 10, "shared_expert_intermediate_size": 14,
+    "mlp_only_layers": [1]})");
+  return {qwen3, moe, next};
+}
+
+// ExpectedParameterShapes, from the config alone, names and sizes every parameter the
+// constructors make: the checks before allocating rely on it.
+TEST(ExpectedShapes, EqualTheConstructedModels) {
+  for (const nlohmann::json& j : ShapeConfigs()) {
+    for (const int ranks : {1, 2}) {
+      auto config = ParseModelConfig(j);
+      ASSERT_TRUE(config.ok()) << config.status();
+      if (ranks > 1 && config->num_experts == 0) continue;
+      ASSERT_TRUE(ShardConfig(*config, 1, ranks).ok());  // rank 1's experts: a row range
+      auto model = CreateModel(*config);
+      ASSERT_TRUE(model.ok()) << model.status();
+      ParameterShapes built;
+      for (const auto& p : (*model)->named_parameters()) built[p.key()] = p.value().sizes().vec();
+      EXPECT_EQ(ExpectedParameterShapes(*config), built) << j.dump() << " ranks=" << ranks;
+      int64_t numel = 0;
+      for (const auto& p : (*model)->parameters()) numel += p.numel();
+      EXPECT_EQ(ParameterCount(built), numel);
+      EXPECT_EQ(ShapeBytes(built, 2), 2 * numel);
+    }
+  }
+}
+
+absl::Status ParseEdited(const nlohmann::json& base, const nlohmann::json& patch) {
+  nlohmann::json j = base;
+  j.merge_patch(patch);
+  return ParseModelConfig(j).status();
+}
+
+// A size beyond any model used to be parsed and handed to the allocator (an uncaught c10::Error,
+// exit 134 in every loader). Each bound is named in the error, and the bound itself is accepted.
+TEST(Config, AbsurdSizesAreRefusedNamingTheField) {
+  const std::vector<nlohmann::json> configs = ShapeConfigs();
+  const nlohmann::json& moe = configs[1];
+  const nlohmann::json& next = configs[2];
+  const std::vector<std::tuple<const nlohmann::json*, std::string, int64_t>> cases = {
+      {&moe, "hidden_size", 1000000000},
+      {&moe, "hidden_size", 65537},
+      {&moe, "num_hidden_layers", 1000000},
+      {&moe, "vocab_size", (int64_t{1} << 24) + 1},
+      {&moe, "intermediate_size", int64_t{1} << 40},
+      {&moe, "num_attention_heads", 4096},
+      {&moe, "head_dim", 8192},
+      {&moe, "num_experts", 1000000},
+      {&moe, "moe_intermediate_size", int64_t{1} << 30},
+      {&moe, "max_position_embeddings", int64_t{1} << 40},
+      {&next, "linear_num_value_heads", 1 << 20},
+      {&next, "linear_value_head_dim", 1 << 20},
+      {&next, "linear_conv_kernel_dim", 1 << 20},
+      {&next, "shared_expert_intermediate_size", int64_t{1} << 40},
+      {&next, "shared_expert_intermediate_size", -1},
+  };
+  for (const auto& [base, key, value] : cases) {
+    const absl::Status st = ParseEdited(*base, {{key, value}});
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << key << "=" << value << ": " << st;
+    EXPECT_NE(st.message().find("'" + key + "'"), std::string::npos) << st;
+  }
+  EXPECT_TRUE(ParseEdited(moe, {{"hidden_size", 65536}, {"head_dim", 4096}}).ok());
+  EXPECT_TRUE(ParseEdited(moe, {{"num_hidden_layers", 1024}}).ok());
+  EXPECT_TRUE(ParseEdited(moe, {{"vocab_size", int64_t{1} << 24}}).ok());
+  EXPECT_TRUE(ParseEdited(moe, {{"max_position_embeddings", 10485760}}).ok());  // Llama 4 Scout
+}
+
+// rms_norm_eps -1, max_position_embeddings 0 and the like were accepted and the model served
+// (NaN from every forward, or no sequence short enough to score).
+TEST(Config, NonPositiveEpsilonRopeBaseAndPositionsAreRefused) {
+  const nlohmann::json base = ShapeConfigs()[0];
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"rms_norm_eps", R"({"rms_norm_eps": -1})"},
+      {"rms_norm_eps", R"({"rms_norm_eps": 0})"},
+      {"rope_theta", R"({"rope_theta": 0})"},
+      {"rope_theta", R"({"rope_parameters": {"rope_type": "default", "rope_theta": -5}})"},
+      {"max_position_embeddings", R"({"max_position_embeddings": 0})"},
+      {"max_position_embeddings", R"({"max_position_embeddings": -4})"},
+  };
+  for (const auto& [key, patch] : cases) {
+    const absl::Status st = ParseEdited(base, nlohmann::json::parse(patch));
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << patch << ": " << st;
+    EXPECT_NE(st.message().find("'" + key + "'"), std::string::npos) << st;
+  }
+}
+
+// A copy of fixture model `name` in a fresh directory, its config.json patched with `patch`.
+fs::path EditedFixture(const std::string& name, const std::string& tag,
+                       const nlohmann::json& patch) {
+  const fs::path dir = TempDir(tag);
+  fs::copy(std::string(OPD_FIXTURES_DIR) + "/" + name + "/model", dir, fs::copy_options::recursive);
+  std::ifstream in(dir / "config.json");
+  nlohmann::json config = nlohmann::json::parse(in);
+  in.close();
+  config.merge_patch(patch);
+  std::ofstream(dir / "config.json") << config.dump(2);
+  return dir;
+}
+
+TEST(Config, LoadNamesTheFileAndTheField) {
+  const fs::path dir =
+      EditedFixture("moe_tied_topk8", "cfg_named", {{"num_hidden_layers", 1000000}});
+  auto config = LoadModelConfig(dir.string());
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(config.status().message().find((dir / "config.json").string()), std::string::npos)
+      << config.status();
+  EXPECT_NE(config.status().message().find("'num_hidden_layers'"), std::string::npos);
+  fs::remove_all(dir);
+}
+
+// A config whose sizes are within bounds but not its checkpoint's: hidden_size 65536 and
+// intermediate_size 2^20 over a 48-wide model. The model was allocated first (a 256 GiB MLP
+// matrix: std::bad_alloc or c10::Error, uncaught); now the headers are compared with the
+// shapes the config implies, and the first tensor that differs is named, before any allocation.
+TEST(Checkpoint, ConfigThatDisagreesWithTheCheckpointIsRefusedBeforeAllocating) {
+  const fs::path dir = EditedFixture("moe_tied_topk8", "cfg_mismatch",
+                                     {{"hidden_size", 65536}, {"intermediate_size", 1 << 20}});
+  auto m = LoadModel(dir.string());
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();
+  EXPECT_NE(m.status().message().find("tensor '"), std::string::npos) << m.status();
+  EXPECT_NE(m.status().message().find(", 65536]"), std::string::npos) << m.status();
+  fs::remove_all(dir);
+
+  // More layers than the checkpoint holds: the missing ones are named, still before allocating.
+  const fs::path more =
+      EditedFixture("moe_tied_topk8", "cfg_layers", {{"num_hidden_layers", 1024}});
+  m = LoadModel(more.string());
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kNotFound) << m.status();
+  EXPECT_NE(m.status().message().find("11242 parameter(s) missing"), std::string::npos)
+      << m.status();
+  EXPECT_NE(m.status().message().find("model.layers.10.input_layernorm.weight"), std::string::npos)
+      << m.status();
+  fs::remove_all(more);
+}
+
+// A checkpoint that matches its config but is far larger than the memory there is: a sparse
+// file (nothing of it on disk) whose header declares a qwen3 with a [2^22, 65536] embedding,
+// 1 TiB in float32.
+fs::path HugeSparseModel(const std::string& tag) {
+  const fs::path dir = TempDir(tag);
+  const nlohmann::json config = {
+      {"model_type", "qwen3"},  {"vocab_size", 1 << 22},     {"hidden_size", 65536},
+      {"num_hidden_layers", 1}, {"num_attention_heads", 8},  {"num_key_value_heads", 8},
+      {"head_dim", 128},        {"intermediate_size", 1024}, {"tie_word_embeddings", true}};
+  std::ofstream(dir / "config.json") << config.dump();
+  auto parsed = ParseModelConfig(config);
+  EXPECT_TRUE(parsed.ok()) << parsed.status();
+  nlohmann::json header = nlohmann::json::object();
+  uint64_t offset = 0;
+  for (const auto& [name, shape] : ExpectedParameterShapes(*parsed)) {
+    const uint64_t bytes = 2 * static_cast<uint64_t>(ParameterCount({{name, shape}}));
+    header[name] = {
+        {"dtype", "BF16"}, {"shape", shape}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  std::ofstream out(dir / "model.safetensors", std::ios::binary);
+  const uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i) out.put(static_cast<char>((n >> (8 * i)) & 0xff));
+  out << text;
+  out.close();
+  fs::resize_file(dir / "model.safetensors", 8 + n + offset);
+  return dir;
+}
+
+TEST(Checkpoint, ModelLargerThanTheMemoryIsRefusedNamingTheBytes) {
+  const fs::path dir = HugeSparseModel("huge");
+  auto config = LoadModelConfig(dir.string());
+  ASSERT_TRUE(config.ok()) << config.status();
+  const int64_t needed = ShapeBytes(ExpectedParameterShapes(*config), 4);
+  auto available = AvailableMemoryBytes();
+  ASSERT_TRUE(available.ok()) << available.status();
+  ASSERT_GT(needed, *available) << "a machine with more than 1 TiB free";
+  auto m = LoadModel(dir.string());
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kResourceExhausted) << m.status();
+  EXPECT_NE(m.status().message().find(dir.string()), std::string::npos) << m.status();
+  EXPECT_NE(m.status().message().find(absl::StrCat(needed, " bytes")), std::string::npos)
+      << m.status();
+  EXPECT_NE(m.status().message().find("available"), std::string::npos) << m.status();
+  fs::remove_all(dir);
+}
+
+// When an allocation fails anyway (here a 4 TiB embedding, beyond what the kernel commits to),
+// CreateModel returns RESOURCE_EXHAUSTED naming the model instead of throwing.
+TEST(Checkpoint, FailedAllocationIsAStatus) {
+  std::ifstream overcommit("/proc/sys/vm/overcommit_memory");
+  int mode = 0;
+  if (overcommit >> mode && mode == 1) GTEST_SKIP() << "overcommit_memory=1 grants any allocation";
+  auto config = ParseModelConfig(nlohmann::json::parse(R"({"model_type": "qwen3",
+    "vocab_size": 16777216, "hidden_size": 65536, "num_hidden_layers": 1,
+    "num_attention_heads": 8, "head_dim": 128, "intermediate_size": 64})"));
+  ASSERT_TRUE(config.ok()) << config.status();
+  absl::StatusOr<std::shared_ptr<CausalLM>> m = absl::UnknownError("not run");
+  EXPECT_NO_THROW(m = CreateModel(*config, LoadOptions{}));
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kResourceExhausted) << m.status();
+  EXPECT_NE(m.status().message().find("qwen3"), std::string::npos) << m.status();
+}
+
+// NaN or infinite weights loaded and were served (NaN log-probs). The tensor is named; a value
+// that only overflows in the target dtype (FLT_MAX as bfloat16) too.
+TEST(Checkpoint, NonFiniteWeightsAreRefusedNamingTheTensor) {
+  const std::string q = "model.layers.1.self_attn.q_proj.weight";
+  for (const float bad : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
+    auto st = LoadEdited("nonfinite", [&](auto& ts) {
+      for (auto& [n, t] : ts) {
+        if (n == q) t[2][3] = bad;
+      }
+    });
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(st.message().find("tensor '" + q + "'"), std::string::npos) << st;
+    EXPECT_NE(st.message().find("1 non-finite"), std::string::npos) << st;
+  }
+  const std::string expert = "model.layers.0.mlp.experts.5.down_proj.weight";
+  auto edit = [&](auto& ts) {
+    for (auto& [n, t] : ts) {
+      if (n == expert) t[0][0] = std::numeric_limits<float>::max();
+    }
+  };
+  EXPECT_TRUE(LoadEdited("fp32max", edit).ok());  // finite in float32
+  auto st = LoadEdited("bf16max", edit, LoadOptions{torch::kBFloat16, torch::kCPU});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("tensor '" + expert + "'"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("once converted to BFloat16"), std::string::npos) << st;
+}
+
+// An expert-parallel rank checks its part the same way: its experts' shapes before allocating,
+// and the values it reads (another rank's experts are never read, so never refused here).
+TEST(ExpertShard, ChecksItsPartOfTheCheckpoint) {
+  const std::string fixture = std::string(OPD_FIXTURES_DIR) + "/moe_many_experts/model";
+  auto shard = LoadExpertShard(fixture, {}, 0, 2);
+  ASSERT_TRUE(shard.ok()) << shard.status();
+  const fs::path wide =
+      EditedFixture("moe_many_experts", "ep_mismatch", {{"moe_intermediate_size", 1 << 20}});
+  auto st = LoadExpertShard(wide.string(), {}, 0, 2).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find(".mlp.experts."), std::string::npos) << st;
+  fs::remove_all(wide);
+
+  const fs::path dir = EditedFixture("moe_many_experts", "ep_nan", nlohmann::json::object());
+  auto file = SafetensorsFile::Open((dir / "model.safetensors").string());
+  ASSERT_TRUE(file.ok()) << file.status();
+  std::vector<std::pair<std::string, torch::Tensor>> ts;
+  for (const auto& [n, v] : (*file)->tensors())
+    ts.emplace_back(n, TensorFromView(v, *file).clone());
+  file->reset();
+  const std::string mine = "model.layers.1.mlp.experts.3.up_proj.weight";     // rank 0's
+  const std::string theirs = "model.layers.1.mlp.experts.20.up_proj.weight";  // rank 1's
+  for (auto& [n, t] : ts) {
+    if (n == mine || n == theirs) t[0][0] = std::nanf("");
+  }
+  std::vector<TensorToWrite> out;
+  for (auto& [n, t] : ts)
+    out.push_back({n, DType::kF32, t.sizes().vec(), t.data_ptr(), static_cast<size_t>(t.nbytes())});
+  ASSERT_TRUE(WriteSafetensors((dir / "model.safetensors").string(), out).ok());
+  st = LoadExpertShard(dir.string(), {}, 0, 2).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("tensor '" + mine + "'"), std::string::npos) << st;
+  st = LoadExpertShard(dir.string(), {}, 1, 2).status();
+  EXPECT_NE(st.message().find("tensor '" + theirs + "'"), std::string::npos) << st;
+  fs::remove_all(dir);
+}
+
+TEST(Memory, ParsesMemAvailableAndNamesBothCountsWhenShort) {
+  auto n = ParseMemAvailable("MemTotal:       24683584 kB\nMemAvailable:   22143260 kB\n");
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(*n, int64_t{22143260} * 1024);
+  EXPECT_FALSE(ParseMemAvailable("MemTotal: 1 kB\n").ok());
+  EXPECT_FALSE(ParseMemAvailable("MemAvailable: lots kB\n").ok());
+  EXPECT_FALSE(ParseMemAvailable("MemAvailable: 99999999999999999 kB\n").ok());  // overflows
+  EXPECT_TRUE(AvailableMemoryBytes().ok());
+  EXPECT_TRUE(CheckMemoryBudget("m", 10, 10).ok());
+  const absl::Status st = CheckMemoryBudget("/models/big", int64_t{3} << 40, int64_t{1} << 30);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(st.message().find("/models/big"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("3.0 TiB (3298534883328 bytes)"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("1.0 GiB (1073741824 bytes) available"), std::string::npos) << st;
+}
+
+// Runs `opd-ctl ARGS`, returning its exit code (-1 when it did not exit) and its stderr.
+std::pair<int, std::string> RunCtl(const std::string& args, const fs::path& scratch) {
+  const fs::path err = scratch / "ctl_err.txt";
+  const std::string cmd =
+      std::string(OPD_BINARY_DIR) + "/ctl/opd-ctl " + args + " > /dev/null 2> " + err.string();
+  const int rc = std::system(cmd.c_str());
+  std::ifstream in(err);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  return {WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, text};
+}
+
+// issue #27: every loader died on an absurd config.json (exit 134, an uncaught c10::Error from
+// the allocation) and served one with rms_norm_eps -1 or NaN weights. opd-ctl logprobs now
+// exits 1 with a message naming the field, the tensor or the memory.
+TEST(OpdCtl, LogprobsRefusesAbsurdModelsWithoutACrash) {
+  const fs::path scratch = TempDir("ctl_absurd");
+  std::ofstream(scratch / "in.jsonl") << R"({"tokens": [1, 2, 3]})"
+                                      << "\n";
+  const std::vector<std::pair<nlohmann::json, std::string>> cases = {
+      {{{"hidden_size", 1000000000}}, "'hidden_size'"},
+      {{{"num_hidden_layers", 1000000}}, "'num_hidden_layers'"},
+      {{{"rms_norm_eps", -1}}, "'rms_norm_eps'"},
+      {{{"max_position_embeddings", 0}}, "'max_position_embeddings'"},
+      {{{"hidden_size", 65536}, {"intermediate_size", 1 << 20}}, ", 65536]"},
+  };
+  for (const auto& [patch, named] : cases) {
+    const fs::path dir = EditedFixture("moe_untied_top1_sparse2", "ctl_model", patch);
+    const auto [rc, err] =
+        RunCtl("logprobs --model " + dir.string() + " --input " + (scratch / "in.jsonl").string(),
+               scratch);
+    EXPECT_EQ(rc, 1) << patch.dump() << ": " << err;
+    EXPECT_NE(err.find(named), std::string::npos) << patch.dump() << ": " << err;
+    EXPECT_NE(err.find(dir.string()), std::string::npos) << err;
+    fs::remove_all(dir);
+  }
+  const fs::path huge = HugeSparseModel("ctl_huge");
+  auto [rc, err] = RunCtl(
+      "logprobs --model " + huge.string() + " --input " + (scratch / "in.jsonl").string(), scratch);
+  EXPECT_EQ(rc, 1) << err;
+  EXPECT_NE(err.find(huge.string()), std::string::npos) << err;
+  EXPECT_NE(err.find("available"), std::string::npos) << err;
+  fs::remove_all(huge);
+  fs::remove_all(scratch);
+}
+
+// init-model builds a random model from a config alone: an absurd size is refused by the config
+// checks, and one within the bounds but beyond the memory by the budget, before construction.
+TEST(OpdCtl, InitModelRefusesAbsurdConfigsWithoutACrash) {
+  const fs::path scratch = TempDir("ctl_init");
+  const nlohmann::json base = ShapeConfigs()[1];
+  const std::vector<std::pair<nlohmann::json, std::string>> cases = {
+      {{{"hidden_size", 1000000000}}, "'hidden_size'"},
+      {{{"num_hidden_layers", 1000000}}, "'num_hidden_layers'"},
+      {{{"vocab_size", 1 << 24}, {"hidden_size", 65536}, {"head_dim", 128}}, "available"},
+  };
+  for (const auto& [patch, named] : cases) {
+    nlohmann::json config = base;
+    config.merge_patch(patch);
+    std::ofstream(scratch / "config.json") << config.dump();
+    const auto [rc, err] = RunCtl("init-model --config " + (scratch / "config.json").string() +
+                                      " --out " + (scratch / "out").string(),
+                                  scratch);
+    EXPECT_EQ(rc, 1) << patch.dump() << ": " << err;
+    EXPECT_NE(err.find(named), std::string::npos) << patch.dump() << ": " << err;
+    EXPECT_NE(err.find((scratch / "config.json").string()), std::string::npos) << err;
+    EXPECT_FALSE(fs::exists(scratch / "out")) << patch.dump();
+  }
+  // The unedited config still builds.
+  std::ofstream(scratch / "config.json") << base.dump();
+  const auto [rc, err] = RunCtl("init-model --config " + (scratch / "config.json").string() +
+                                    " --out " + (scratch / "out").string(),
+                                scratch);
+  EXPECT_EQ(rc, 0) << err;
+  EXPECT_TRUE(LoadModel((scratch / "out").string()).ok());
+  fs::remove_all(scratch);
 }
 
 }  // namespace

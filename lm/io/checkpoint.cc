@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <optional>
 #include <string_view>
 
 #include <torch/torch.h>
@@ -16,6 +18,7 @@
 #include "lm/model/config.h"
 #include "lm/model/model.h"
 #include "lm/util/log.h"
+#include "lm/util/memory.h"
 #include "lm/util/status.h"
 #include "nlohmann/json.hpp"
 
@@ -181,7 +184,241 @@ bool HasPrefix(const std::string& s, const std::vector<std::string>& prefixes) {
   return false;
 }
 
+// Where checkpoint tensor `name` goes under `filter`; nullopt when it is skipped (an ignored name
+// or prefix, or another process's expert).
+absl::StatusOr<std::optional<Target>> Route(const SafetensorsFile& file, const std::string& name,
+                                            const LoadFilter& filter) {
+  const auto& ignored = filter.ignore_names;
+  if (HasPrefix(name, filter.ignore_prefixes) ||
+      std::find(ignored.begin(), ignored.end(), name) != ignored.end())
+    return std::nullopt;
+  const absl::StatusOr<Target> resolved = Resolve(name);
+  if (!resolved.ok())
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.path(), ": tensor '", name, "': ", resolved.status().message()));
+  Target t = *resolved;
+  if (t.expert >= 0 && filter.expert_row) {
+    t.expert = filter.expert_row(t.param, t.expert);
+    if (t.expert < 0) return std::nullopt;  // another process's expert
+  }
+  return t;
+}
+
+// The shape of the slice `t` fills in a parameter of shape `param` (Destination, on shapes).
+absl::StatusOr<std::vector<int64_t>> SliceShape(const Target& t,
+                                                const std::vector<int64_t>& param) {
+  if (t.expert < 0) return param;
+  if (param.size() != 3) {
+    return absl::InvalidArgumentError(absl::StrCat("parameter '", t.param, "' has shape ",
+                                                   ShapeStr(param),
+                                                   ", not a fused [experts, rows, columns] one"));
+  }
+  if (t.expert >= param[0]) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("expert index ", t.expert, " >= num_experts ", param[0]));
+  }
+  if (t.part == Target::kDown) return std::vector<int64_t>{param[1], param[2]};
+  return std::vector<int64_t>{param[1] / 2, param[2]};
+}
+
+// A file's tensors in the order of their bytes, so that a walk over them reads sequentially.
+std::vector<const TensorView*> InByteOrder(const SafetensorsFile& file) {
+  std::vector<const TensorView*> order;
+  for (const auto& [name, view] : file.tensors()) order.push_back(&view);
+  std::sort(order.begin(), order.end(),
+            [](const TensorView* a, const TensorView* b) { return a->data < b->data; });
+  return order;
+}
+
+// Checks one checkpoint tensor's header against `shapes` and records what it fills.
+absl::Status CheckTensor(const SafetensorsFile& file, const TensorView& view,
+                         const ParameterShapes& shapes, const LoadFilter& filter,
+                         std::map<std::string, Coverage>& filled, LoadReport& report) {
+  ASSIGN_OR_RETURN(const std::optional<Target> t, Route(file, view.name, filter));
+  if (!t) {
+    ++report.tensors_ignored;
+    return absl::OkStatus();
+  }
+  const auto it = shapes.find(t->param);
+  if (it == shapes.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(file.path(), ": unexpected tensor '", view.name,
+                                                   "' (the model has no such parameter)"));
+  }
+  const absl::StatusOr<std::vector<int64_t>> want = SliceShape(*t, it->second);
+  if (!want.ok())
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.path(), ": tensor '", view.name, "': ", want.status().message()));
+  if (view.shape != *want) {
+    return absl::InvalidArgumentError(absl::StrCat(file.path(), ": tensor '", view.name,
+                                                   "' has shape ", ShapeStr(view.shape),
+                                                   ", expected ", ShapeStr(*want)));
+  }
+  const int64_t rows = t->expert < 0 ? 0 : it->second[0];
+  if (absl::Status s = filled[t->param].Add(*t, view.name, rows); !s.ok())
+    return absl::InvalidArgumentError(absl::StrCat(file.path(), ": ", s.message()));
+  ++report.tensors_loaded;
+  return absl::OkStatus();
+}
+
+// A parameter is complete when written whole, or (fused experts) when every slice was.
+absl::Status CheckComplete(const std::vector<std::shared_ptr<const SafetensorsFile>>& files,
+                           const ParameterShapes& shapes,
+                           const std::map<std::string, Coverage>& filled) {
+  std::vector<std::string> missing;
+  for (const auto& [name, shape] : shapes) {
+    const auto it = filled.find(name);
+    if (it == filled.end()) continue;
+    const std::vector<std::string> slices = it->second.Missing();
+    if (slices.empty()) continue;
+    const size_t shown = std::min<size_t>(slices.size(), 4);
+    missing.push_back(absl::StrCat(
+        name, " (", absl::StrJoin(slices.begin(), slices.begin() + shown, ", "),
+        slices.size() > shown ? absl::StrCat(", ... ", slices.size(), " slices in all") : "", ")"));
+  }
+  for (const auto& [name, shape] : shapes) {
+    if (!filled.count(name)) missing.push_back(name);
+  }
+  if (missing.empty()) return absl::OkStatus();
+  const size_t shown = std::min<size_t>(missing.size(), 8);
+  return absl::NotFoundError(
+      absl::StrCat(files.empty() ? "checkpoint" : fs::path(files[0]->path()).parent_path().string(),
+                   ": ", missing.size(), " parameter(s) missing from the checkpoint: ",
+                   absl::StrJoin(missing.begin(), missing.begin() + shown, ", "),
+                   missing.size() > shown ? ", ..." : ""));
+}
+
+// A NaN or infinite weight would be served: every activation after it turns NaN, and nothing
+// else stops it. Checked on the loaded values, so that an fp32 value beyond a bf16/fp16
+// parameter's range (converted to infinity) is refused too. aminmax propagates NaN and, unlike
+// isfinite(), needs no temporary the size of the tensor; the count is taken on the error path.
+absl::Status CheckFinite(const SafetensorsFile& file, const std::string& name,
+                         const torch::Tensor& src, const torch::Tensor& dest) {
+  if (dest.numel() == 0) return absl::OkStatus();
+  const auto [lo, hi] = torch::aminmax(dest);
+  if (torch::isfinite(torch::stack({lo, hi})).all().item<bool>()) return absl::OkStatus();
+  const int64_t bad = dest.numel() - torch::isfinite(dest).sum().item<int64_t>();
+  const bool in_file = !torch::isfinite(src).all().item<bool>();
+  return absl::InvalidArgumentError(absl::StrCat(
+      file.path(), ": tensor '", name, "' has ", bad, " non-finite value(s) (NaN or infinity)",
+      in_file ? "" : absl::StrCat(" once converted to ", c10::toString(dest.scalar_type()))));
+}
+
+void AddDenseMlp(ParameterShapes& s, const std::string& p, int64_t hidden, int64_t width) {
+  s[p + "gate_proj.weight"] = {width, hidden};
+  s[p + "up_proj.weight"] = {width, hidden};
+  s[p + "down_proj.weight"] = {hidden, width};
+}
+
+// Qwen3 attention; Qwen3-Next's (`gated`) projects a gate with the queries.
+void AddAttention(ParameterShapes& s, const std::string& p, const ModelConfig& c, bool gated) {
+  const int64_t q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
+  s[p + "q_proj.weight"] = {gated ? 2 * q : q, c.hidden_size};
+  s[p + "k_proj.weight"] = {kv, c.hidden_size};
+  s[p + "v_proj.weight"] = {kv, c.hidden_size};
+  s[p + "o_proj.weight"] = {c.hidden_size, q};
+  s[p + "q_norm.weight"] = {c.head_dim};
+  s[p + "k_norm.weight"] = {c.head_dim};
+}
+
+// Qwen3-Next's Gated DeltaNet (linear attention).
+void AddGatedDeltaNet(ParameterShapes& s, const std::string& p, const ModelConfig& c) {
+  const int64_t key_dim = c.linear_num_key_heads * c.linear_key_head_dim;
+  const int64_t value_dim = c.linear_num_value_heads * c.linear_value_head_dim;
+  s[p + "in_proj_qkvz.weight"] = {2 * key_dim + 2 * value_dim, c.hidden_size};
+  s[p + "in_proj_ba.weight"] = {2 * c.linear_num_value_heads, c.hidden_size};
+  s[p + "conv1d.weight"] = {2 * key_dim + value_dim, 1, c.linear_conv_kernel_dim};
+  s[p + "dt_bias"] = {c.linear_num_value_heads};
+  s[p + "A_log"] = {c.linear_num_value_heads};
+  s[p + "norm.weight"] = {c.linear_value_head_dim};
+  s[p + "out_proj.weight"] = {c.hidden_size, value_dim};
+}
+
+// The sparse MoE block: router over all experts, this process's experts fused; Qwen3-Next's
+// (`shared`) adds its shared expert and that expert's gate.
+void AddMoe(ParameterShapes& s, const std::string& p, const ModelConfig& c, bool shared) {
+  const int64_t e = c.LocalExperts(), h = c.hidden_size, i = c.moe_intermediate_size;
+  s[p + "gate.weight"] = {c.num_experts, h};
+  s[p + "experts.gate_up_proj"] = {e, 2 * i, h};
+  s[p + "experts.down_proj"] = {e, h, i};
+  if (!shared) return;
+  AddDenseMlp(s, p + "shared_expert.", h, c.shared_expert_intermediate_size);
+  s[p + "shared_expert_gate.weight"] = {1, h};
+}
+
+int64_t SaturatingAdd(int64_t a, int64_t b) {
+  return a > std::numeric_limits<int64_t>::max() - b ? std::numeric_limits<int64_t>::max() : a + b;
+}
+
 }  // namespace
+
+ParameterShapes ExpectedParameterShapes(const ModelConfig& c) {
+  const Architecture* arch = FindArchitecture(c.model_type);
+  const bool next = arch != nullptr && arch->hybrid_attention;
+  ParameterShapes s;
+  s["model.embed_tokens.weight"] = {c.vocab_size, c.hidden_size};
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    s[p + "input_layernorm.weight"] = {c.hidden_size};
+    s[p + "post_attention_layernorm.weight"] = {c.hidden_size};
+    if (c.IsFullAttentionLayer(i)) {
+      AddAttention(s, p + "self_attn.", c, /*gated=*/next);
+    } else {
+      AddGatedDeltaNet(s, p + "linear_attn.", c);
+    }
+    if (c.IsMoeLayer(i)) {
+      AddMoe(s, p + "mlp.", c, /*shared=*/next);
+    } else {
+      AddDenseMlp(s, p + "mlp.", c.hidden_size, c.intermediate_size);
+    }
+  }
+  s["model.norm.weight"] = {c.hidden_size};
+  if (!c.tie_word_embeddings) s["lm_head.weight"] = {c.vocab_size, c.hidden_size};
+  return s;
+}
+
+int64_t ParameterCount(const ParameterShapes& shapes) {
+  int64_t n = 0;
+  for (const auto& [name, shape] : shapes) {
+    int64_t numel = 1;
+    // Each size is bounded by the config's checks; the product of a header's dims is not.
+    for (int64_t d : shape) {
+      if (d != 0 && numel > std::numeric_limits<int64_t>::max() / d)
+        return std::numeric_limits<int64_t>::max();
+      numel *= d;
+    }
+    n = SaturatingAdd(n, numel);
+  }
+  return n;
+}
+
+int64_t ShapeBytes(const ParameterShapes& shapes, int64_t element_size) {
+  const int64_t n = ParameterCount(shapes);
+  if (n > std::numeric_limits<int64_t>::max() / element_size)
+    return std::numeric_limits<int64_t>::max();
+  return n * element_size;
+}
+
+LoadFilter ModelLoadFilter(const ModelConfig& config) {
+  LoadFilter filter;
+  // CausalLM::TiedAliases(), known before the model exists.
+  if (config.tie_word_embeddings) filter.ignore_names = {"lm_head.weight"};
+  if (const Architecture* arch = FindArchitecture(config.model_type))
+    filter.ignore_prefixes = arch->ignored_prefixes;
+  return filter;
+}
+
+absl::StatusOr<LoadReport> CheckCheckpoint(
+    const std::vector<std::shared_ptr<const SafetensorsFile>>& files, const ParameterShapes& shapes,
+    const LoadFilter& filter) {
+  LoadReport report;
+  std::map<std::string, Coverage> filled;
+  for (const auto& file : files) {
+    for (const TensorView* view : InByteOrder(*file))
+      RETURN_IF_ERROR(CheckTensor(*file, *view, shapes, filter, filled, report));
+  }
+  RETURN_IF_ERROR(CheckComplete(files, shapes, filled));
+  return report;
+}
 
 absl::StatusOr<std::vector<std::shared_ptr<const SafetensorsFile>>> OpenCheckpointFiles(
     const std::string& dir) {
@@ -205,11 +442,7 @@ absl::Status ForEachCheckpointTensor(
     const CheckpointTensorFn& fn) {
   torch::NoGradGuard no_grad;
   for (const auto& file : files) {
-    std::vector<const TensorView*> order;
-    for (const auto& [name, view] : file->tensors()) order.push_back(&view);
-    std::sort(order.begin(), order.end(),
-              [](const TensorView* a, const TensorView* b) { return a->data < b->data; });
-    for (const TensorView* view : order) {
+    for (const TensorView* view : InByteOrder(*file)) {
       const absl::Status st = fn(*file, view->name, TensorFromView(*view, file));
       file->ReleasePages(*view);
       RETURN_IF_ERROR(st);
@@ -232,76 +465,26 @@ absl::StatusOr<LoadReport> LoadParameters(
     const std::vector<std::shared_ptr<const SafetensorsFile>>& files,
     std::map<std::string, torch::Tensor>& params, const LoadFilter& filter) {
   torch::NoGradGuard no_grad;
-  LoadReport report;
-  std::map<std::string, Coverage> filled;
-  const auto& ignore_names = filter.ignore_names;
+  ParameterShapes shapes;
+  for (const auto& [name, p] : params) shapes[name] = p.sizes().vec();
+  // Names, shapes and completeness come from the headers: a checkpoint that does not fit is
+  // refused before a byte of it is read, and the walk below only copies.
+  ASSIGN_OR_RETURN(const LoadReport report, CheckCheckpoint(files, shapes, filter));
   RETURN_IF_ERROR(ForEachCheckpointTensor(
       files,
       [&](const SafetensorsFile& file, const std::string& name,
           const torch::Tensor& src) -> absl::Status {
-        if (HasPrefix(name, filter.ignore_prefixes) ||
-            std::find(ignore_names.begin(), ignore_names.end(), name) != ignore_names.end()) {
-          ++report.tensors_ignored;
-          return absl::OkStatus();
-        }
-        const absl::StatusOr<Target> resolved = Resolve(name);
-        if (!resolved.ok())
-          return absl::InvalidArgumentError(
-              absl::StrCat(file.path(), ": tensor '", name, "': ", resolved.status().message()));
-        Target t = *resolved;
-        if (t.expert >= 0 && filter.expert_row) {
-          t.expert = filter.expert_row(t.param, t.expert);
-          if (t.expert < 0) {  // another process's expert
-            ++report.tensors_ignored;
-            return absl::OkStatus();
-          }
-        }
-        auto it = params.find(t.param);
-        if (it == params.end()) {
-          return absl::InvalidArgumentError(absl::StrCat(file.path(), ": unexpected tensor '", name,
-                                                         "' (the model has no such parameter)"));
-        }
-        auto dest = Destination(t, it->second);
+        ASSIGN_OR_RETURN(const std::optional<Target> t, Route(file, name, filter));
+        if (!t) return absl::OkStatus();
+        const absl::StatusOr<torch::Tensor> dest = Destination(*t, params.at(t->param));
         if (!dest.ok())
           return absl::InvalidArgumentError(
               absl::StrCat(file.path(), ": tensor '", name, "': ", dest.status().message()));
-        if (src.sizes() != dest->sizes()) {
-          return absl::InvalidArgumentError(absl::StrCat(file.path(), ": tensor '", name,
-                                                         "' has shape ", ShapeStr(src.sizes()),
-                                                         ", expected ", ShapeStr(dest->sizes())));
-        }
-        const int64_t rows = t.expert < 0 ? 0 : it->second.size(0);
-        if (absl::Status s = filled[t.param].Add(t, name, rows); !s.ok())
-          return absl::InvalidArgumentError(absl::StrCat(file.path(), ": ", s.message()));
         // Converts to the parameter's dtype and places it on its device: a CPU-side temporary of
         // this one tensor at most (LibTorch converts on the host before a host-to-device copy).
         dest->copy_(src);
-        ++report.tensors_loaded;
-        return absl::OkStatus();
+        return CheckFinite(file, name, src, *dest);
       }));
-  // A parameter is complete when written whole, or (fused experts) when every slice was.
-  std::vector<std::string> missing;
-  for (auto& [name, p] : params) {
-    const auto it = filled.find(name);
-    if (it == filled.end()) continue;
-    const std::vector<std::string> slices = it->second.Missing();
-    if (slices.empty()) continue;
-    const size_t shown = std::min<size_t>(slices.size(), 4);
-    missing.push_back(absl::StrCat(
-        name, " (", absl::StrJoin(slices.begin(), slices.begin() + shown, ", "),
-        slices.size() > shown ? absl::StrCat(", ... ", slices.size(), " slices in all") : "", ")"));
-  }
-  for (auto& [name, p] : params) {
-    if (!filled.count(name)) missing.push_back(name);
-  }
-  if (!missing.empty()) {
-    const size_t shown = std::min<size_t>(missing.size(), 8);
-    return absl::NotFoundError(absl::StrCat(
-        files.empty() ? "checkpoint" : fs::path(files[0]->path()).parent_path().string(), ": ",
-        missing.size(), " parameter(s) missing from the checkpoint: ",
-        absl::StrJoin(missing.begin(), missing.begin() + shown, ", "),
-        missing.size() > shown ? ", ..." : ""));
-  }
   return report;
 }
 
@@ -374,37 +557,103 @@ absl::Status SaveParameters(const std::string& dir,
   return absl::OkStatus();
 }
 
+absl::Status ExceptionStatus(const std::string& what) {
+  try {
+    throw;
+  } catch (const c10::OutOfMemoryError& e) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(what, ": out of memory: ", e.what_without_backtrace()));
+  } catch (const std::bad_alloc& e) {
+    return absl::ResourceExhaustedError(absl::StrCat(what, ": out of memory (", e.what(), ")"));
+  } catch (const c10::Error& e) {
+    // The CPU allocator reports a failed allocation as a plain c10::Error (an enforce failure
+    // naming itself), not as OutOfMemoryError as the CUDA one does.
+    const std::string message = e.what_without_backtrace();
+    if (message.find("DefaultCPUAllocator") != std::string::npos)
+      return absl::ResourceExhaustedError(absl::StrCat(what, ": out of memory: ", message));
+    return absl::InternalError(absl::StrCat(what, ": ", message));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(what, ": ", e.what()));
+  }
+}
+
 // ---- model-level load/save (declared in lm/model/model.h) ----
+
+namespace {
+
+absl::Status CheckLoadMemory(const std::string& dir, const ModelConfig& config,
+                             const ParameterShapes& shapes, const LoadOptions& opts) {
+  // Only a model on the host is held in host memory: a device's own allocator reports what does
+  // not fit there (as RESOURCE_EXHAUSTED, through CreateModel), and the host then holds about one
+  // tensor of the checkpoint at a time.
+  if (!opts.device.is_cpu()) return absl::OkStatus();
+  const int64_t bytes = ShapeBytes(shapes, c10::elementSize(opts.dtype));
+  return CheckHostMemory(
+      absl::StrCat(dir, ": ", config.model_type, " with ", ParameterCount(shapes),
+                   " parameters as ", c10::toString(opts.dtype)),
+      bytes);
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<CausalLM>> LoadCheckpoint(const std::string& dir,
+                                                         const ModelConfig& config,
+                                                         const LoadOptions& opts,
+                                                         const LoadFilter& filter,
+                                                         LoadReport* report) {
+  // Everything that can refuse the load does so from the headers and the config, before the
+  // model is allocated: a config that disagrees with its checkpoint (hidden_size 1e6 over a small
+  // model) would otherwise ask for its absurd size first.
+  const ParameterShapes shapes = ExpectedParameterShapes(config);
+  ASSIGN_OR_RETURN(auto files, OpenCheckpointFiles(dir));
+  RETURN_IF_ERROR(CheckCheckpoint(files, shapes, filter).status());
+  RETURN_IF_ERROR(CheckLoadMemory(dir, config, shapes, opts));
+  // The parameters exist only in the target dtype on the target device; each checkpoint tensor
+  // is converted and placed as it is read.
+  absl::StatusOr<std::shared_ptr<CausalLM>> model = CreateModel(config, opts);
+  if (!model.ok())
+    return absl::Status(model.status().code(), absl::StrCat(dir, ": ", model.status().message()));
+  std::map<std::string, torch::Tensor> params;
+  for (auto& p : (*model)->named_parameters()) params[p.key()] = p.value();
+  absl::StatusOr<LoadReport> loaded;
+  try {
+    loaded = LoadParameters(files, params, filter);
+  } catch (const std::exception&) {
+    return ExceptionStatus(absl::StrCat(dir, ": loading the checkpoint"));
+  }
+  if (!loaded.ok()) return loaded.status();
+  if (report != nullptr) *report = *loaded;
+  return model;
+}
 
 absl::StatusOr<std::shared_ptr<CausalLM>> LoadModel(const std::string& dir,
                                                     const LoadOptions& opts) {
   ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir));
-  // The parameters exist only in the target dtype on the target device; each checkpoint tensor
-  // is converted and placed as it is read.
-  ASSIGN_OR_RETURN(auto model, CreateModel(config, opts));
-  ASSIGN_OR_RETURN(auto files, OpenCheckpointFiles(dir));
-  std::map<std::string, torch::Tensor> params;
-  for (auto& p : model->named_parameters()) params[p.key()] = p.value();
-  const std::vector<std::string>& ignore_prefixes =
-      FindArchitecture(config.model_type)->ignored_prefixes;  // known: CreateModel succeeded
-  ASSIGN_OR_RETURN(LoadReport report,
-                   LoadParameters(files, params, model->TiedAliases(), ignore_prefixes));
+  LoadReport report;
+  ASSIGN_OR_RETURN(auto model, LoadCheckpoint(dir, config, opts, ModelLoadFilter(config), &report));
   log::Info(absl::StrCat("loaded ", dir, " (", config.model_type, "): ", report.tensors_loaded,
-                         " tensors from ", files.size(), " file(s), ", report.tensors_ignored,
-                         " ignored, as ", c10::toString(opts.dtype), " on ", opts.device.str()));
+                         " tensors, ", report.tensors_ignored, " ignored, as ",
+                         c10::toString(opts.dtype), " on ", opts.device.str()));
   return model;
 }
 
 absl::StatusOr<std::shared_ptr<CausalLM>> CreateModel(const ModelConfig& config,
                                                       const LoadOptions& placement) {
-  ASSIGN_OR_RETURN(auto model, CreateModel(config));
-  // The constructors allocate fp32 host tensors without writing them (no page is touched, so
-  // they cost address space, not memory); each is replaced at once by an uninitialised tensor of
-  // the target dtype on the target device, as Module::to() would do after copying.
-  torch::NoGradGuard no_grad;
-  const auto options = torch::TensorOptions().dtype(placement.dtype).device(placement.device);
-  for (auto& p : model->parameters()) p.set_data(torch::empty(p.sizes(), options));
-  return model;
+  try {
+    ASSIGN_OR_RETURN(auto model, CreateModel(config));
+    // The constructors allocate fp32 host tensors without writing them (no page is touched, so
+    // they cost address space, not memory); each is replaced at once by an uninitialised tensor
+    // of the target dtype on the target device, as Module::to() would do after copying.
+    torch::NoGradGuard no_grad;
+    const auto options = torch::TensorOptions().dtype(placement.dtype).device(placement.device);
+    for (auto& p : model->parameters()) p.set_data(torch::empty(p.sizes(), options));
+    return model;
+  } catch (const std::exception&) {
+    return ExceptionStatus(absl::StrCat("allocating a ", config.model_type, " model of ",
+                                        ParameterCount(ExpectedParameterShapes(config)),
+                                        " parameters as ", c10::toString(placement.dtype), " on ",
+                                        placement.device.str()));
+  }
 }
 
 absl::Status SaveModel(CausalLM& model, const std::string& dir, const SaveOptions& opts) {

@@ -12,6 +12,8 @@
 
 #include "absl/status/statusor.h"
 #include "lm/io/safetensors.h"
+#include "lm/model/config.h"
+#include "lm/model/model.h"
 
 namespace lm {
 
@@ -47,12 +49,38 @@ struct LoadFilter {
   std::function<int64_t(const std::string& param, int64_t expert)> expert_row;
 };
 
+// Parameter name -> shape.
+using ParameterShapes = std::map<std::string, std::vector<int64_t>>;
+
+// The parameters of the model for `config`, as its architecture's constructors register them
+// (fused experts [LocalExperts(), 2I, H] and [LocalExperts(), H, I]; no lm_head when tied), from
+// the config alone: what a checkpoint and the memory budget are checked against before anything
+// is allocated. ExpectedShapes tests (tests/model_test.cc) keep it equal to the constructors.
+ParameterShapes ExpectedParameterShapes(const ModelConfig& config);
+// The elements, and the bytes at `element_size` bytes each, of `shapes`; INT64_MAX on overflow.
+int64_t ParameterCount(const ParameterShapes& shapes);
+int64_t ShapeBytes(const ParameterShapes& shapes, int64_t element_size);
+
+// What loading a model directory skips: its tied lm_head copy and its architecture's ignored
+// prefixes (known from the config, before the model exists).
+LoadFilter ModelLoadFilter(const ModelConfig& config);
+
+// Checks the checkpoint's headers against `shapes`, reading no tensor's bytes: every tensor that
+// `filter` keeps must fill a parameter (or an expert's slice of a fused one) of its exact shape,
+// once, and every parameter must be filled. Errors name the tensor and its file (missing
+// parameters: the directory). Returns the counts a load reports.
+absl::StatusOr<LoadReport> CheckCheckpoint(
+    const std::vector<std::shared_ptr<const SafetensorsFile>>& files, const ParameterShapes& shapes,
+    const LoadFilter& filter);
+
 // Copies checkpoint tensors into `params` (name -> parameter), through ForEachCheckpointTensor:
 // each tensor is converted to its parameter's dtype and copied to its parameter's device as it is
 // read, so nothing of the model is staged on the host beyond the tensor in hand. Per-expert
 // tensors `...mlp.experts.E.{gate,up,down}_proj.weight` fill rows of the fused
 // `...mlp.experts.gate_up_proj` [E, 2I, H] (gate first) and `...mlp.experts.down_proj` [E, H, I].
-// Missing, unexpected, duplicate and mis-shaped tensors are errors naming the tensor (and file).
+// Missing, unexpected, duplicate and mis-shaped tensors are errors naming the tensor (and file),
+// found from the headers (CheckCheckpoint) before anything is copied; so is a tensor holding a
+// NaN or an infinity once loaded (as read, or after conversion to the parameter's dtype).
 absl::StatusOr<LoadReport> LoadParameters(
     const std::vector<std::shared_ptr<const SafetensorsFile>>& files,
     std::map<std::string, torch::Tensor>& params, const LoadFilter& filter);
@@ -60,6 +88,23 @@ absl::StatusOr<LoadReport> LoadParameters(
     const std::vector<std::shared_ptr<const SafetensorsFile>>& files,
     std::map<std::string, torch::Tensor>& params, const std::vector<std::string>& ignore_names,
     const std::vector<std::string>& ignore_prefixes);
+
+// Called inside a catch block: the exception being handled as a status naming `what`. A failed
+// allocation (c10::OutOfMemoryError, std::bad_alloc) is RESOURCE_EXHAUSTED, any other LibTorch or
+// standard exception INTERNAL. The loaders return statuses: an exception out of one would end
+// its process with an abort (exit 134) and no word of which model did not fit.
+absl::Status ExceptionStatus(const std::string& what);
+
+// The checkpoint of `dir` loaded into a new model for `config` (LoadModel, and LoadExpertShard with
+// its experts' filter), refused before anything is allocated when CheckCheckpoint fails against
+// ExpectedParameterShapes(config), or when a model on the CPU needs more bytes than the memory
+// available (RESOURCE_EXHAUSTED naming `dir` and both counts). An allocation that fails anyway
+// is RESOURCE_EXHAUSTED naming `dir`, not an exception. `report`, when set, receives the counts.
+absl::StatusOr<std::shared_ptr<CausalLM>> LoadCheckpoint(const std::string& dir,
+                                                         const ModelConfig& config,
+                                                         const LoadOptions& opts,
+                                                         const LoadFilter& filter,
+                                                         LoadReport* report = nullptr);
 
 // Writes named tensors as HF safetensors into `dir`: one model.safetensors, or shards
 // model-0000i-of-0000N.safetensors plus model.safetensors.index.json above `max_shard_bytes`.

@@ -1,6 +1,7 @@
 #include "lm/model/config.h"
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <sstream>
 
@@ -46,6 +47,41 @@ absl::Status Positive(const char* key, int64_t v) {
   return absl::InvalidArgumentError(absl::StrCat("config.json: '", key, "' must be > 0, got ", v));
 }
 
+// Upper bounds on the sizes a config.json may state. Each is far above every published model (the
+// largest one in the comment), so no real checkpoint is refused; and each is low enough that the
+// products sizing the tensors cannot overflow (the largest, an expert stack E x 2I x H, stays
+// below 2^50 elements) and that loops over layers and experts end, before the checkpoint and the
+// memory budget are checked (lm/io/checkpoint.h). A larger size is a mistyped or hostile file.
+constexpr int64_t kMaxVocab = int64_t{1} << 24;   // 262,144 (Gemma 3); the tokenizer's id limit
+constexpr int64_t kMaxHidden = int64_t{1} << 16;  // 16,384 (Llama 3.1 405B)
+constexpr int64_t kMaxWidth = int64_t{1} << 20;   // MLP widths: 53,248 (Llama 3.1 405B)
+constexpr int64_t kMaxLayers = 1024;              // 126 (Llama 3.1 405B)
+constexpr int64_t kMaxHeads = 1024;               // 128 (attention and linear-attention heads)
+constexpr int64_t kMaxHeadDim = 4096;             // 256 (Qwen3-Next); also its conv window
+constexpr int64_t kMaxExperts = 4096;             // 512 (Qwen3-Next)
+// 10,485,760 (Llama 4 Scout). RoPE computes positions in fp32, exact integers only up to 2^24.
+constexpr int64_t kMaxPositions = int64_t{1} << 24;
+
+absl::Status AtMost(const char* key, int64_t v, int64_t max) {
+  if (v <= max) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("config.json: '", key, "' is ", v,
+                                                 ", more than the largest accepted, ", max,
+                                                 " (published models stay far below it)"));
+}
+
+absl::Status AllAtMost(std::initializer_list<std::pair<const char*, int64_t>> fields, int64_t max) {
+  for (auto [key, v] : fields) RETURN_IF_ERROR(AtMost(key, v, max));
+  return absl::OkStatus();
+}
+
+// A float that must be > 0 (and finite, for a config built in code): an epsilon or a RoPE base of
+// 0 or below turns every activation into NaN.
+absl::Status FinitePositive(const char* key, double v) {
+  if (std::isfinite(v) && v > 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("config.json: '", key, "' must be finite and > 0, got ", v));
+}
+
 // RoPE: `rope_theta` at top level (transformers v4) or inside `rope_parameters` (v5). Only the
 // default (unscaled) RoPE is implemented; any scaling type is refused rather than ignored.
 absl::Status ReadRope(const json& j, ModelConfig* c) {
@@ -69,6 +105,29 @@ absl::Status ReadRope(const json& j, ModelConfig* c) {
   return absl::OkStatus();
 }
 
+// The common sizes: > 0 where a zero means no model, and within the bounds above.
+absl::Status CheckSizes(const ModelConfig& c) {
+  for (auto [key, v] : {std::pair{"vocab_size", c.vocab_size},
+                        {"hidden_size", c.hidden_size},
+                        {"num_hidden_layers", c.num_hidden_layers},
+                        {"num_attention_heads", c.num_attention_heads},
+                        {"num_key_value_heads", c.num_key_value_heads},
+                        {"max_position_embeddings", c.max_position_embeddings}}) {
+    RETURN_IF_ERROR(Positive(key, v));
+  }
+  RETURN_IF_ERROR(AtMost("vocab_size", c.vocab_size, kMaxVocab));
+  RETURN_IF_ERROR(AtMost("hidden_size", c.hidden_size, kMaxHidden));
+  RETURN_IF_ERROR(AtMost("intermediate_size", c.intermediate_size, kMaxWidth));
+  RETURN_IF_ERROR(AtMost("num_hidden_layers", c.num_hidden_layers, kMaxLayers));
+  RETURN_IF_ERROR(AllAtMost({{"num_attention_heads", c.num_attention_heads},
+                             {"num_key_value_heads", c.num_key_value_heads}},
+                            kMaxHeads));
+  RETURN_IF_ERROR(AtMost("max_position_embeddings", c.max_position_embeddings, kMaxPositions));
+  RETURN_IF_ERROR(FinitePositive("rms_norm_eps", c.rms_norm_eps));
+  RETURN_IF_ERROR(FinitePositive("rope_theta", c.rope_theta));
+  return absl::OkStatus();
+}
+
 absl::Status ReadCommon(const json& j, ModelConfig* c) {
   RETURN_IF_ERROR(Read(j, "vocab_size", &c->vocab_size, true));
   RETURN_IF_ERROR(Read(j, "hidden_size", &c->hidden_size, true));
@@ -84,13 +143,7 @@ absl::Status ReadCommon(const json& j, ModelConfig* c) {
   RETURN_IF_ERROR(Read(j, "partial_rotary_factor", &c->partial_rotary_factor));
   RETURN_IF_ERROR(ReadRope(j, c));
 
-  for (auto [key, v] : {std::pair{"vocab_size", c->vocab_size},
-                        {"hidden_size", c->hidden_size},
-                        {"num_hidden_layers", c->num_hidden_layers},
-                        {"num_attention_heads", c->num_attention_heads},
-                        {"num_key_value_heads", c->num_key_value_heads}}) {
-    RETURN_IF_ERROR(Positive(key, v));
-  }
+  RETURN_IF_ERROR(CheckSizes(*c));
   if (c->head_dim == 0) {
     if (c->hidden_size % c->num_attention_heads != 0) {
       return absl::InvalidArgumentError(
@@ -99,12 +152,13 @@ absl::Status ReadCommon(const json& j, ModelConfig* c) {
     c->head_dim = c->hidden_size / c->num_attention_heads;
   }
   RETURN_IF_ERROR(Positive("head_dim", c->head_dim));
+  RETURN_IF_ERROR(AtMost("head_dim", c->head_dim, kMaxHeadDim));
   if (c->num_attention_heads % c->num_key_value_heads != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("config.json: num_attention_heads (", c->num_attention_heads,
                      ") is not a multiple of num_key_value_heads (", c->num_key_value_heads, ")"));
   }
-  if (c->partial_rotary_factor <= 0 || c->partial_rotary_factor > 1 || c->RotaryDim() % 2 != 0) {
+  if (!(c->partial_rotary_factor > 0 && c->partial_rotary_factor <= 1) || c->RotaryDim() % 2 != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("config.json: partial_rotary_factor ", c->partial_rotary_factor,
                      " must be in (0, 1] and give an even rotary dimension"));
@@ -134,6 +188,12 @@ absl::Status ReadMoe(const json& j, ModelConfig* c) {
   RETURN_IF_ERROR(Read(j, "decoder_sparse_step", &c->decoder_sparse_step));
   RETURN_IF_ERROR(Read(j, "mlp_only_layers", &c->mlp_only_layers));
   RETURN_IF_ERROR(Read(j, "router_aux_loss_coef", &c->router_aux_loss_coef));
+  if (!std::isfinite(c->router_aux_loss_coef))
+    return absl::InvalidArgumentError("config.json: 'router_aux_loss_coef' must be finite");
+  RETURN_IF_ERROR(
+      AllAtMost({{"num_experts", c->num_experts}, {"num_experts_per_tok", c->num_experts_per_tok}},
+                kMaxExperts));
+  RETURN_IF_ERROR(AtMost("moe_intermediate_size", c->moe_intermediate_size, kMaxWidth));
   if (c->num_experts > 0) {
     RETURN_IF_ERROR(Positive("num_experts_per_tok", c->num_experts_per_tok));
     RETURN_IF_ERROR(Positive("moe_intermediate_size", c->moe_intermediate_size));
@@ -176,6 +236,19 @@ absl::Status ReadQwen3Next(const json& j, ModelConfig* c) {
                         {"linear_conv_kernel_dim", c->linear_conv_kernel_dim}}) {
     RETURN_IF_ERROR(Positive(key, v));
   }
+  RETURN_IF_ERROR(AllAtMost({{"linear_num_key_heads", c->linear_num_key_heads},
+                             {"linear_num_value_heads", c->linear_num_value_heads}},
+                            kMaxHeads));
+  RETURN_IF_ERROR(AllAtMost({{"linear_key_head_dim", c->linear_key_head_dim},
+                             {"linear_value_head_dim", c->linear_value_head_dim},
+                             {"linear_conv_kernel_dim", c->linear_conv_kernel_dim}},
+                            kMaxHeadDim));
+  if (c->shared_expert_intermediate_size < 0)  // 0: no shared expert
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: 'shared_expert_intermediate_size' must be >= 0, got ",
+                     c->shared_expert_intermediate_size));
+  RETURN_IF_ERROR(
+      AtMost("shared_expert_intermediate_size", c->shared_expert_intermediate_size, kMaxWidth));
   if (c->linear_num_value_heads % c->linear_num_key_heads != 0) {
     return absl::InvalidArgumentError(
         "config.json: linear_num_value_heads must be a multiple of linear_num_key_heads");
