@@ -399,6 +399,9 @@ void Engine::RunRows(std::vector<StepRow>& rows, bool prefill) {
     size_t k = 0;
     for (size_t i : idx)
       for (auto& s : rows[i].seqs) {
+        // A non-finite log-prob ends its request only: others (other weight versions) go on.
+        if (absl::Status st = CheckDrawn(s->out, d.logprobs[k]); !st.ok())
+          Finish(*s->req, std::move(st));
         Append(s, d.tokens[k], d.logprobs[k]);
         ++k;
       }
@@ -407,6 +410,7 @@ void Engine::RunRows(std::vector<StepRow>& rows, bool prefill) {
 
 // Records a drawn token; the sequence goes on running, or retires when it is done.
 void Engine::Append(std::unique_ptr<Seq>& seq, int64_t token, float logprob) {
+  if (seq->req->ended) return ReleaseSeq(*seq);  // failed or cancelled: the sequence leaves
   const SamplingParams& p = seq->req->params;
   seq->tokens.push_back(token);
   seq->out.tokens.push_back(token);

@@ -73,6 +73,8 @@ class Engine {
   // Queues a request (prompts and params as Validate() accepted them). `on_sample` gets each
   // sample as it finishes, on the engine thread; `cancelled` is polled every iteration (also on
   // the engine thread): when it returns true the request's sequences leave and it ends CANCELLED.
+  // A request whose model produces a non-finite log-prob ends with CheckDrawn's
+  // FAILED_PRECONDITION (rollout/sampler.h), the others sharing its steps going on.
   absl::StatusOr<std::shared_ptr<Request>> Submit(Snapshot snapshot,
                                                   std::vector<std::vector<int64_t>> prompts,
                                                   SamplingParams params,

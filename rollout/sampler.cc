@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "kernels/cpu/cpu_inference.h"
 #include "lm/model/model.h"
+#include "lm/model/sampling_limits.h"
 
 namespace rollout {
 namespace {
@@ -101,7 +102,12 @@ Draws DrawTokens(const torch::Tensor& logits, const std::vector<std::mt19937_64*
   torch::Tensor tokens, logprobs;
   if (p.temperature == 0) {
     tokens = logits.argmax(-1);
-    logprobs = torch::zeros({B}, logits.options().dtype(torch::kFloat64));  // a point mass
+    // 0: a point mass; NaN where the chosen logit is not finite (argmax picks a NaN), so that a
+    // broken model is caught here as in sampling.
+    const auto chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1);
+    logprobs = torch::zeros({B}, logits.options().dtype(torch::kFloat64))
+                   .masked_fill(torch::isfinite(chosen).logical_not(),
+                                std::numeric_limits<double>::quiet_NaN());
   } else {
     // softmax, not exp(log_softmax): LibTorch's standalone exp is several times slower on CPU,
     // and this runs over [B, vocab] every step.
@@ -123,6 +129,14 @@ Draws DrawTokens(const torch::Tensor& logits, const std::vector<std::mt19937_64*
     d.logprobs[i] = static_cast<float>(h[B + i]);
   }
   return d;
+}
+
+absl::Status CheckDrawn(const Sample& s, float logprob) {
+  if (std::isfinite(logprob)) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("prompt ", s.prompt_index, ", sample ", s.sample_index,
+                   ": the log-prob of response token ", s.tokens.size(), " is ", logprob,
+                   ": the model produced non-finite values (are its weights broken?)"));
 }
 
 torch::Tensor DecodeLogits(lm::CausalLM& model, const lm::PackedLinear* lm_head,
@@ -148,9 +162,13 @@ absl::Status Validate(const std::vector<std::vector<int64_t>>& prompts, const Sa
         prompts.size(), " prompts x ", p.samples_per_prompt, " samples is more than the ",
         limits.max_slots, " sequences one request may decode"));
   }
-  if (!(p.temperature >= 0) || !std::isfinite(p.temperature)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("temperature must be >= 0, got ", p.temperature));
+  // Compared as the float it travels as, so that a client's float(1e-4) passes.
+  if (!(p.temperature == 0 ||
+        static_cast<float>(p.temperature) >= static_cast<float>(lm::kMinTemperature)) ||
+      !std::isfinite(p.temperature)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "temperature must be 0 (greedy) or finite and at least ", lm::kMinTemperature,
+        " (below it logits / temperature overflow fp32 into NaN log-probs), got ", p.temperature));
   }
   if (p.top_k < 0 || p.top_k > limits.vocab_size) {
     return absl::InvalidArgumentError(
@@ -280,6 +298,10 @@ absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
     std::vector<std::mt19937_64*> rngs;
     for (auto& slot : slots) rngs.push_back(&slot.rng);
     Draws d = DrawTokens(logits, rngs, params);
+    for (size_t i = 0; i < slots.size(); ++i) {
+      absl::Status st = CheckDrawn(slots[i].out, d.logprobs[i]);
+      if (!st.ok()) return st;
+    }
     std::vector<int64_t> keep, next;
     for (size_t i = 0; i < slots.size(); ++i) {
       Sample& out = slots[i].out;

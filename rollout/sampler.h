@@ -79,9 +79,10 @@ absl::Status Validate(const std::vector<std::vector<int64_t>>& prompts,
 
 // Samples every prompt; `on_sample` receives each sample as it finishes (on the calling thread).
 // `cancelled` is polled between decode steps; when it returns true, sampling stops with
-// CANCELLED. Prompts and params must have passed Validate(). `lm_head`: the model's LM head
-// already packed for the CPU decode kernel (a WeightStore snapshot's); without one it is packed
-// here when that kernel applies.
+// CANCELLED; when the model produces non-finite log-probs, with CheckDrawn's
+// FAILED_PRECONDITION. Prompts and params must have passed Validate(). `lm_head`: the model's LM
+// head already packed for the CPU decode kernel (a WeightStore snapshot's); without one it is
+// packed here when that kernel applies.
 absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
                                              const std::vector<std::vector<int64_t>>& prompts,
                                              const SamplingParams& params,
@@ -104,13 +105,19 @@ uint64_t SampleSeed(uint64_t seed, int64_t prompt, int64_t sample);
 // One token per row of logits [B, V], on the logits' device: greedy is the argmax; otherwise row i
 // draws one uniform from *rngs[i] and takes the inverse CDF of the filtered softmax (per-1024-token
 // block sums, then within the block, in fp64). The tokens and their log-probs come back to the
-// host in one copy.
+// host in one copy. A row whose logits are not finite gets a NaN log-prob (see CheckDrawn).
 struct Draws {
   std::vector<int64_t> tokens;
   std::vector<float> logprobs;
 };
 Draws DrawTokens(const torch::Tensor& logits, const std::vector<std::mt19937_64*>& rngs,
                  const SamplingParams& params);
+
+// FAILED_PRECONDITION naming the sample and the position of the token about to be appended to
+// `s` when its drawn log-prob is not finite: finite logits always give finite log-probs (a greedy
+// draw's is NaN when its logit is not finite), so the model produced NaN or infinite values and
+// nothing drawn from them may be returned as OK. A host check on the step's one copy back.
+absl::Status CheckDrawn(const Sample& s, float logprob);
 
 // Logits [B, V] fp32 of a decode step's hidden states [B, H]: the packed LM head (when given and
 // B is at most kPackedHeadMaxRows), else the model's.

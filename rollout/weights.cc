@@ -78,7 +78,25 @@ absl::Status StagedWeights::Finish(const std::string& name, Target& t) {
     t.tensor.copy_(t.buffer.view(t.wire).view(t.tensor.sizes()));
     t.buffer = torch::Tensor();
   }
-  return absl::OkStatus();
+  return CheckFinite(name, t);
+}
+
+// Weights with a NaN or an infinity make every log-prob sampled from them NaN: such an update is
+// refused whole. Checked in the model's dtype, so that a wire value the cast overflows (an fp32
+// 1e5 into float16) counts too; one device sync per tensor.
+absl::Status StagedWeights::CheckFinite(const std::string& name, const Target& t) {
+  torch::NoGradGuard no_grad;
+  if (!t.tensor.is_floating_point() || torch::isfinite(t.tensor).all().item<bool>())
+    return absl::OkStatus();
+  const int64_t bad = torch::isfinite(t.tensor).logical_not().sum().item<int64_t>();
+  const std::string model_dtype = opd::rpc::DtypeName(t.tensor.scalar_type());
+  return absl::InvalidArgumentError(
+      absl::StrCat("tensor '", name, "': ", bad, " of its ", t.tensor.numel(),
+                   " values are not finite (NaN or infinity)",
+                   t.wire_dtype == model_dtype
+                       ? ""
+                       : absl::StrCat(" after the cast from ", t.wire_dtype, " to ", model_dtype),
+                   "; the update is refused and the serving weights stay"));
 }
 
 absl::Status StagedWeights::Add(const ChunkView& chunk) {
@@ -161,6 +179,10 @@ Snapshot WeightStore::Current() const {
 namespace {
 
 absl::Status CheckVersion(int64_t version, int64_t serving) {
+  if (version > kMaxWeightVersion)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weight version ", version, " is above the largest allowed, 2^53 = ", kMaxWeightVersion,
+        " (rollout/weights.h)"));
   if (version > serving) return absl::OkStatus();
   return absl::FailedPreconditionError(
       absl::StrCat("weight version ", version, " is not above the serving version ", serving));

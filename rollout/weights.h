@@ -2,10 +2,10 @@
 //
 // Requests take a Snapshot (a shared_ptr to the model and its version) and keep it for their
 // whole duration. An update stages a complete new model next to the serving one, checks every
-// tensor against the model (name, shape, dtype, each byte received exactly once, and the
-// announced checksum when there is one) and only then swaps the pointer under the mutex. A request
-// therefore sees the old or the new weights, never a mix, and an update that fails or is
-// interrupted (its Staged object is dropped) changes nothing.
+// tensor against the model (name, shape, dtype, each byte received exactly once, the announced
+// checksum when there is one, and finite values) and only then swaps the pointer under the
+// mutex. A request therefore sees the old or the new weights, never a mix, and an update that
+// fails or is interrupted (its Staged object is dropped) changes nothing.
 //
 // Two kinds of update: a full one (every parameter sent; the staged model starts empty) and an
 // announced one (a manifest names exactly the tensors that come, with their checksums; the staged
@@ -37,6 +37,12 @@ class PackedLinear;
 }  // namespace lm
 
 namespace rollout {
+
+// The largest weight version a worker takes (INVALID_ARGUMENT above it). Versions only grow and
+// count the learner's updates, which records them as doubles (exact to 2^53) and resumes from the
+// served version + 1: a version near INT64_MAX would make every later push stale (a worker
+// serving INT64_MAX could never be updated again) and overflow the learner's count.
+inline constexpr int64_t kMaxWeightVersion = int64_t{1} << 53;
 
 struct Snapshot {
   std::shared_ptr<lm::CausalLM> model;
@@ -70,8 +76,9 @@ class StagedWeights {
 
   // INVALID_ARGUMENT naming the tensor when the name is unknown (or not announced), the shape or
   // dtype differ from the model's (or the announcement's), the tensor was already complete, the
-  // chunk is not the next bytes of the tensor, or another tensor was left incomplete; DATA_LOSS
-  // naming the tensor when its bytes do not match the announced checksum.
+  // chunk is not the next bytes of the tensor, another tensor was left incomplete, or, once it is
+  // complete, it holds a NaN or an infinity (in the model's dtype); DATA_LOSS naming the tensor
+  // when its bytes do not match the announced checksum.
   absl::Status Add(const ChunkView& chunk);
   // INVALID_ARGUMENT listing (the first few) tensors not (fully) received.
   absl::Status CheckComplete() const;
@@ -101,6 +108,7 @@ class StagedWeights {
   StagedWeights(std::shared_ptr<lm::CausalLM> model, int64_t version, int64_t base_version);
   absl::Status Begin(const std::string& name, Target& t, const ChunkView& chunk);
   absl::Status Finish(const std::string& name, Target& t);
+  static absl::Status CheckFinite(const std::string& name, const Target& t);
 
   std::shared_ptr<lm::CausalLM> model_;
   int64_t version_;
@@ -119,7 +127,8 @@ class WeightStore {
   Snapshot Current() const;
 
   // A fresh copy of the serving architecture to fill with version `version` (every parameter);
-  // FAILED_PRECONDITION unless `version` is above the serving version.
+  // FAILED_PRECONDITION unless `version` is above the serving version; INVALID_ARGUMENT above
+  // kMaxWeightVersion.
   absl::StatusOr<std::unique_ptr<StagedWeights>> Stage(int64_t version) const;
   // An update of only the `announced` tensors onto a copy of the serving weights (no copy at all
   // when nothing is announced). FAILED_PRECONDITION for a stale version or when `base_version`

@@ -12,6 +12,7 @@
 #include "lm/model/expert_parallel.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
+#include "lm/model/sampling_limits.h"
 #include "lm/util/log.h"
 
 namespace teacher {
@@ -37,9 +38,13 @@ absl::Status Validate(const ScoreJob& job, const ScoreLimits& limits) {
   if (job.response_starts.size() != job.sequences.size()) {
     return absl::InvalidArgumentError("one response_start per sequence");
   }
-  if (!(job.temperature > 0) || !std::isfinite(job.temperature)) {
+  // Compared as the float it travels as, so that a client's float(1e-4) passes.
+  if (!(static_cast<float>(job.temperature) >= static_cast<float>(lm::kMinTemperature)) ||
+      !std::isfinite(job.temperature)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("temperature must be > 0, got ", job.temperature));
+        absl::StrCat("temperature must be finite and at least ", lm::kMinTemperature,
+                     " (below it logits / temperature overflow fp32 into NaN log-probs), got ",
+                     job.temperature));
   }
   if (job.top_k < 0 || job.top_k > std::min(limits.max_top_k, limits.vocab_size)) {
     return absl::InvalidArgumentError(absl::StrCat("top_k ", job.top_k, " is outside [0, ",
@@ -215,9 +220,27 @@ torch::Tensor PackGroup(const torch::Tensor& logprobs, const lm::TopKLogprobs* t
                      top->ids.to(torch::kInt32).contiguous().view(torch::kFloat32).reshape({-1})});
 }
 
+// FAILED_PRECONDITION naming the sequence (`index` in its job) and the position of the first
+// non-finite log-prob in `s`, a scored token's or a top-k one. Finite logits always give finite
+// log-probs (log_softmax), so this means the model produced NaN or infinite values (broken
+// weights) and the score must not go out as OK. Runs on the batch's host copy: no device sync.
+absl::Status CheckFinite(const SequenceScore& s, int64_t index, int64_t response_start, int64_t k) {
+  auto bad = [&](float lp, int64_t j, const char* what) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", index, ": the ", what, " log-prob at position ", response_start + j, " is ",
+        lp, ": the model produced non-finite values (are its weights broken?)"));
+  };
+  for (size_t j = 0; j < s.logprobs.size(); ++j)
+    if (!std::isfinite(s.logprobs[j])) return bad(s.logprobs[j], j, "scored token's");
+  for (size_t j = 0; j < s.topk_logprobs.size(); ++j)
+    if (!std::isfinite(s.topk_logprobs[j])) return bad(s.topk_logprobs[j], j / k, "top-k");
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 void Scorer::RunBatch(const std::vector<Item>& items) {
+  std::vector<absl::Status> verdicts(items.size());  // per item: OK or why its scores are bad
   try {
     std::vector<std::vector<int64_t>> seqs;
     seqs.reserve(items.size());
@@ -288,6 +311,7 @@ void Scorer::RunBatch(const std::vector<Item>& items) {
             out.topk_ids.assign(ids, ids + n * g.k);
             out.topk_logprobs.assign(tlp, tlp + n * g.k);
           }
+          verdicts[i] = CheckFinite(out, items[i].index, job.response_starts[items[i].index], g.k);
           lpp += n;
           tlp += n * g.k;
           ids += n * g.k;
@@ -302,15 +326,20 @@ void Scorer::RunBatch(const std::vector<Item>& items) {
     Complete(items, absl::InternalError(absl::StrCat("scoring failed: ", e.what())));
     return;
   }
-  Complete(items, absl::OkStatus());
+  Complete(items, verdicts);
 }
 
 void Scorer::Complete(const std::vector<Item>& items, const absl::Status& error) {
+  Complete(items, std::vector<absl::Status>(items.size(), error));
+}
+
+void Scorer::Complete(const std::vector<Item>& items, const std::vector<absl::Status>& errors) {
   std::vector<std::shared_ptr<Pending>> finished;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& it : items) {
-      if (!error.ok() && it.job->error.ok()) it.job->error = error;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const Item& it = items[i];
+      if (!errors[i].ok() && it.job->error.ok()) it.job->error = errors[i];
       if (--it.job->outstanding == 0) finished.push_back(it.job);
     }
   }

@@ -82,7 +82,8 @@ class Scorer {
   // Queues `job` (already validated); `done` is called exactly once, from a worker thread, with
   // the scores in job order or the reason there are none (CANCELLED, DEADLINE_EXCEEDED,
   // UNAVAILABLE at shutdown, INTERNAL). Returns RESOURCE_EXHAUSTED, without calling `done`, when
-  // the queue is full.
+  // the queue is full. A job whose scores came out non-finite (a broken model) fails with
+  // FAILED_PRECONDITION naming the sequence and position: no NaN log-prob is ever returned as OK.
   absl::Status Submit(ScoreJob job, ScoreDone done);
   // Blocking convenience for in-process use.
   absl::StatusOr<std::vector<SequenceScore>> Score(ScoreJob job);
@@ -105,6 +106,8 @@ class Scorer {
   void RunBatch(const std::vector<Item>& items);
   // Records that `items` finished (with `error` when not OK) and completes finished jobs.
   void Complete(const std::vector<Item>& items, const absl::Status& error);
+  // The same with one verdict per item (a job fails with the first of its items' errors).
+  void Complete(const std::vector<Item>& items, const std::vector<absl::Status>& errors);
 
   std::shared_ptr<lm::CausalLM> model_;
   ScorerOptions opts_;

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <random>
@@ -472,6 +473,44 @@ TEST(Engine, CancellationRemovesTheRequestsSequences) {
   ExpectSameSamples(RunEngine(*engine, model, kPrompts, p), Static(*model, kPrompts, p));
 }
 
+// A request on weights with a NaN fails with FAILED_PRECONDITION naming the sample and position,
+// returning no sample; a request of healthy weights in the same steps (the same draw) gets its
+// samples, and so does a later one on the blocks the failed request used.
+TEST(Engine, NonFiniteModelFailsItsRequestOnly) {
+  auto model = Load();
+  auto broken = Load();
+  {
+    torch::NoGradGuard no_grad;
+    broken->named_parameters()["model.norm.weight"][3] = std::numeric_limits<float>::quiet_NaN();
+  }
+  auto engine = MakeEngine(*model, 64);
+  for (double temperature : {0.0, 1.0}) {
+    SCOPED_TRACE(testing::Message() << "temperature " << temperature);
+    SamplingParams p;
+    p.samples_per_prompt = 2;
+    p.max_new_tokens = 12;
+    p.temperature = temperature;
+    p.seed = 5;
+    std::vector<Sample> good, bad;
+    engine->Pause();
+    auto r_bad = engine->Submit(Snapshot{broken, 1, nullptr}, kPrompts, p,
+                                [&](Sample s) { bad.push_back(std::move(s)); });
+    auto r_good = engine->Submit(Snapshot{model, 0, nullptr}, kPrompts, p,
+                                 [&](Sample s) { good.push_back(std::move(s)); });
+    ASSERT_TRUE(r_bad.ok() && r_good.ok());
+    engine->Resume();
+    absl::Status st = Engine::Wait(**r_bad);
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_NE(std::string(st.message()).find("response token 0"), std::string::npos) << st;
+    EXPECT_NE(std::string(st.message()).find("non-finite"), std::string::npos) << st;
+    EXPECT_TRUE(bad.empty());
+    ASSERT_TRUE(Engine::Wait(**r_good).ok());
+    SortSamples(good);
+    ExpectSameSamples(good, Static(*model, kPrompts, p));
+    ExpectSameSamples(RunEngine(*engine, model, kPrompts, p), Static(*model, kPrompts, p));
+  }
+}
+
 TEST(Engine, ModelWithoutPagedCacheIsRefused) {
   struct NoPaged : lm::CausalLM {
     NoPaged() : CausalLM(lm::ModelConfig{}) { config_.model_type = "toy_without_paging"; }
@@ -613,6 +652,40 @@ TEST(Engine, ThroughTheGrpcServiceSameAsTheStaticService) {
   tiny.Generate({std::vector<int64_t>(10, 1)}, p, &st);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_NE(st.error_message().find("--kv-cache-gb"), std::string::npos) << st.error_message();
+}
+
+// Over the wire, on the engine and on the static sampler: a temperature that underflows is
+// INVALID_ARGUMENT naming it and the minimum, and weights that produce NaN never stream a NaN
+// log-prob with OK (FAILED_PRECONDITION; no sample).
+TEST(Engine, ThroughTheGrpcServiceNoNaNIsServedWithOk) {
+  auto model = Load();
+  model->named_parameters()["model.norm.weight"].detach()[3] =
+      std::numeric_limits<float>::quiet_NaN();
+  WeightStore store(model);
+  auto engine = MakeEngine(*model, 64);
+  Server paged(&store, engine.get()), fixed(&store, nullptr);
+  for (Server* server : {&paged, &fixed}) {
+    SCOPED_TRACE(server == &paged ? "engine" : "static sampler");
+    SamplingParams p;
+    p.samples_per_prompt = 2;
+    p.max_new_tokens = 8;
+    grpc::Status st;
+    for (double t : {double(1e-45f), std::numeric_limits<double>::quiet_NaN(),
+                     std::numeric_limits<double>::infinity()}) {
+      p.temperature = t;
+      server->Generate(kPrompts, p, &st);
+      EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << t;
+      EXPECT_NE(st.error_message().find("temperature"), std::string::npos) << st.error_message();
+      EXPECT_NE(st.error_message().find("0.0001"), std::string::npos) << st.error_message();
+    }
+    for (double t : {0.0, 1.0}) {
+      p.temperature = t;
+      auto got = server->Generate(kPrompts, p, &st);
+      EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+      EXPECT_NE(st.error_message().find("non-finite"), std::string::npos) << st.error_message();
+      EXPECT_TRUE(got.empty());
+    }
+  }
 }
 
 }  // namespace

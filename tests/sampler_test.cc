@@ -4,14 +4,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <random>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "absl/strings/str_cat.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
+#include "lm/model/sampling_limits.h"
 #include "rollout/sampler.h"
 #include "rollout/weights.h"
 #include "rpc/tensor_codec.h"
@@ -379,6 +382,59 @@ TEST(Sampler, ValidateNamesTheProblem) {
   code_and_msg({{1}}, q, "stop token id 500");
 }
 
+// Temperatures that underflow (logits / temperature overflowing fp32 into NaN) are refused naming
+// the field, the value and the minimum; so are NaN, infinite and negative ones. 0 stays greedy,
+// and the minimum passes also as the float it travels as on the wire.
+TEST(Sampler, ValidateRefusesTemperaturesThatUnderflow) {
+  GenerateLimits limits{96, 256, 8, 64};
+  SamplingParams p;
+  p.max_new_tokens = 8;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  for (double t : {double(1e-45f), 1e-30, 1e-5, nan, inf, -inf, -1.0, -1e-45}) {
+    p.temperature = t;
+    auto st = Validate(kPrompts, p, limits);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << t;
+    EXPECT_NE(std::string(st.message()).find("temperature"), std::string::npos) << st;
+    EXPECT_NE(std::string(st.message()).find("at least 0.0001"), std::string::npos) << st;
+    EXPECT_NE(std::string(st.message()).find(absl::StrCat("got ", t)), std::string::npos) << st;
+  }
+  for (double t : {0.0, lm::kMinTemperature, double(float(lm::kMinTemperature)), 0.7, 100.0}) {
+    p.temperature = t;
+    EXPECT_TRUE(Validate(kPrompts, p, limits).ok()) << t;
+  }
+}
+
+// A model with a NaN or an infinity in its weights: sampling (greedy or not) fails with
+// FAILED_PRECONDITION naming the sample and the position, and no sample is returned.
+TEST(Sampler, NonFiniteModelFailsInsteadOfReturningNaN) {
+  for (float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    auto model = Load();
+    {
+      torch::NoGradGuard no_grad;
+      model->named_parameters()["model.norm.weight"][3] = bad;
+    }
+    for (double temperature : {0.0, 1.0}) {
+      SCOPED_TRACE(testing::Message() << "weight " << bad << " temperature " << temperature);
+      SamplingParams p;
+      p.samples_per_prompt = 2;
+      p.max_new_tokens = 4;
+      p.temperature = temperature;
+      int samples = 0;
+      auto st = SampleResponses(*model, kPrompts, p, [&](Sample) { ++samples; });
+      EXPECT_EQ(st.status().code(), absl::StatusCode::kFailedPrecondition) << st.status();
+      EXPECT_NE(std::string(st.status().message()).find("prompt 0, sample 0"), std::string::npos)
+          << st.status();
+      EXPECT_NE(std::string(st.status().message()).find("response token 0"), std::string::npos)
+          << st.status();
+      EXPECT_NE(std::string(st.status().message()).find("non-finite"), std::string::npos)
+          << st.status();
+      EXPECT_EQ(samples, 0);
+    }
+  }
+}
+
 // The request's whole KV cache against the worker's budget: RESOURCE_EXHAUSTED naming the
 // budget and the need, just past it; OK at it.
 TEST(Sampler, ValidateRefusesARequestOverTheKvBudget) {
@@ -506,6 +562,78 @@ TEST(WeightStore, WrongTensorsAreRejected) {
   ASSERT_TRUE(store.Commit(std::move(s1)).ok());
   EXPECT_EQ(store.Commit(std::move(s2)).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(store.Current().version, 1);
+}
+
+// A tensor with a NaN or an infinity is refused naming it, whether it arrives in the model's
+// dtype or overflows in the cast to it; full and announced updates alike. Nothing changes.
+TEST(WeightStore, NonFiniteTensorsAreRefusedNamingThem) {
+  auto a = Load();
+  auto b = Load();
+  b->InitWeights(0.1, 42);
+  const std::string victim = "model.layers.0.self_attn.k_proj.weight";
+  {
+    torch::NoGradGuard no_grad;
+    b->named_parameters()[victim][1][2] = std::numeric_limits<float>::quiet_NaN();
+  }
+  WeightStore store(a);
+  auto source = opd::rpc::WeightsOf(*b);
+  auto expect_refused = [&](const absl::Status& st, const std::string& needle) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(std::string(st.message()).find("'" + victim + "'"), std::string::npos) << st;
+    EXPECT_NE(std::string(st.message()).find(needle), std::string::npos) << st;
+  };
+  {
+    auto staged = *store.Stage(1);
+    expect_refused(StageAll(*staged, source), "1 of its");
+  }
+  {
+    const auto& t = *std::find_if(source.views.begin(), source.views.end(),
+                                  [&](const auto& v) { return v.name == victim; });
+    AnnouncedTensor at{victim, t.shape, t.dtype, opd::rpc::Xxh64::Of(t.data, t.bytes)};
+    auto staged = store.StageAnnounced(1, {at});
+    ASSERT_TRUE(staged.ok()) << staged.status();
+    expect_refused((*staged)->Add(View(t, 0, t.bytes)), "not finite");
+  }
+  {
+    // A bf16 worker: an fp32 value past bf16's largest (FLT_MAX rounds up) becomes inf.
+    auto a16 = lm::LoadModel(std::string(OPD_FIXTURES_DIR) + "/" + kModel + "/model",
+                             lm::LoadOptions{torch::kBFloat16, torch::kCPU});
+    ASSERT_TRUE(a16.ok()) << a16.status();
+    WeightStore store16(*a16);
+    auto c = Load();
+    {
+      torch::NoGradGuard no_grad;
+      c->named_parameters()[victim][0][0] = std::numeric_limits<float>::max();
+    }
+    auto fp32 = opd::rpc::WeightsOf(*c);
+    auto staged = *store16.Stage(1);
+    expect_refused(StageAll(*staged, fp32), "after the cast from float32 to bfloat16");
+    EXPECT_EQ(store16.Current().version, 0);
+  }
+  EXPECT_EQ(store.Current().version, 0);
+  EXPECT_EQ(store.Current().model, a);
+}
+
+// A version above kMaxWeightVersion (2^53) is INVALID_ARGUMENT naming it; INT64_MAX would
+// otherwise be accepted and make every later push stale. The maximum itself is taken.
+TEST(WeightStore, VersionsAboveTheMaximumAreRefused) {
+  auto a = Load();
+  WeightStore store(a);
+  for (int64_t v : {std::numeric_limits<int64_t>::max(), kMaxWeightVersion + 1}) {
+    auto full = store.Stage(v);
+    EXPECT_EQ(full.status().code(), absl::StatusCode::kInvalidArgument) << full.status();
+    EXPECT_NE(std::string(full.status().message()).find(absl::StrCat("weight version ", v)),
+              std::string::npos)
+        << full.status();
+    EXPECT_NE(std::string(full.status().message()).find("2^53"), std::string::npos)
+        << full.status();
+    EXPECT_EQ(store.StageAnnounced(v, {}).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(kMaxWeightVersion, int64_t{1} << 53);
+  auto staged = store.StageAnnounced(kMaxWeightVersion, {});
+  ASSERT_TRUE(staged.ok()) << staged.status();
+  ASSERT_TRUE(store.Commit(std::move(*staged)).ok());
+  EXPECT_EQ(store.Current().version, kMaxWeightVersion);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 
 #include <gtest/gtest.h>
@@ -322,6 +323,47 @@ TEST(WeightSync, StaleVersionsAndWrongChecksumsAreRefusedAndChangeNothing) {
   EXPECT_TRUE(ok->collective);
   EXPECT_EQ(ok->tensors, static_cast<int64_t>(wire.size()));
   ExpectServes(worker.store(), *changed, torch::kFloat32, 6);
+}
+
+// A push with a NaN or an infinity in one tensor, over Gloo and over gRPC, to fp32 and bf16
+// workers: refused with INVALID_ARGUMENT naming the tensor (it was served), the old weights stay;
+// a version above the maximum (INT64_MAX blocked every later push) is refused naming it; then a
+// healthy push goes through.
+TEST(WeightSync, NonFiniteWeightsAndHugeVersionsAreRefusedAndChangeNothing) {
+  const std::string victim = "model.layers.1.self_attn.o_proj.weight";
+  for (torch::Dtype dtype : {torch::kFloat32, torch::kBFloat16}) {
+    for (WeightSyncMode mode : {WeightSyncMode::kCollective, WeightSyncMode::kGrpc}) {
+      const bool collective = mode == WeightSyncMode::kCollective;
+      SCOPED_TRACE(std::string(opd::rpc::DtypeName(dtype)) + (collective ? " gloo" : " grpc"));
+      LocalRollout worker(dtype);
+      auto b = ModelB();
+      auto pusher = Pusher(worker.address(), mode);
+      ASSERT_NE(pusher, nullptr);
+      ASSERT_TRUE(pusher->Push(Wire(*b, dtype), 1).ok());
+      for (float bad :
+           {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity()}) {
+        auto broken = ModelB();
+        broken->InitWeights(0.1, 7);
+        broken->named_parameters()[victim].detach()[2][5] = bad;
+        auto r = pusher->Push(Wire(*broken, dtype), 2);
+        EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+        EXPECT_NE(r.status().message().find("'" + victim + "'"), std::string::npos) << r.status();
+        EXPECT_NE(r.status().message().find("not finite"), std::string::npos) << r.status();
+        ExpectServes(worker.store(), *b, dtype, 1);
+      }
+      auto huge = pusher->Push(Wire(*b, dtype), std::numeric_limits<int64_t>::max());
+      EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument) << huge.status();
+      EXPECT_NE(huge.status().message().find("weight version 9223372036854775807"),
+                std::string::npos)
+          << huge.status();
+      ExpectServes(worker.store(), *b, dtype, 1);
+      auto c = ModelB();
+      c->InitWeights(0.1, 8);
+      auto ok = pusher->Push(Wire(*c, dtype), 2);
+      ASSERT_TRUE(ok.ok()) << ok.status();
+      ExpectServes(worker.store(), *c, dtype, 2);
+    }
+  }
 }
 
 // The protocol driven by hand (rollout.proto, SyncWeightsRequest): a learner that announces two
