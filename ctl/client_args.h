@@ -8,6 +8,7 @@
 
 #include "absl/time/time.h"
 #include "ctl/args.h"
+#include "ctl/flag_ranges.h"
 #include "rpc/auth.h"
 #include "rpc/client.h"
 
@@ -30,9 +31,14 @@ inline FlagSpec WithClientFlags(FlagSpec spec, const std::string& address_flag =
   return spec;
 }
 
-// Fills `*out` from the client flags. Returns -1 to go on, else the exit code after printing the
-// error: 2 for flags that do not fit together (no address, a partial TLS set, a timeout <= 0),
-// 1 when the secret cannot be read.
+// The longest --timeout: a week. Far above any call (a weight push of a big model, a teacher swap
+// waiting for a step boundary), so only a typo reaches it.
+inline constexpr double kMaxTimeoutSeconds = 7 * 24 * 3600;
+
+// Fills `*out` from the client flags. Returns -1 to go on, else 2 after printing the error: flags
+// that do not fit together (no address, a partial TLS set), a timeout outside (0, a week], or a
+// secret file that cannot be used (missing, empty, readable by others: a bad value, as in every
+// process).
 inline int ClientOptionsFrom(const char* command, const Args& args, opd::rpc::ClientOptions* out,
                              const std::string& address_flag = "addr",
                              double default_timeout_s = 120) {
@@ -45,7 +51,7 @@ inline int ClientOptionsFrom(const char* command, const Args& args, opd::rpc::Cl
   const double timeout = args.Number("timeout", default_timeout_s);
   absl::Status st = opd::rpc::CheckClientTls(o.tls);
   if (o.address.empty()) st = absl::InvalidArgumentError("--" + address_flag + " is required");
-  if (st.ok() && timeout <= 0) st = absl::InvalidArgumentError("--timeout must be > 0");
+  if (st.ok()) st = CheckFlagPositive("--timeout", timeout, kMaxTimeoutSeconds);
   if (!st.ok()) {
     std::cerr << "opd-ctl " << command << ": " << st.message() << "\n";
     return 2;
@@ -54,7 +60,7 @@ inline int ClientOptionsFrom(const char* command, const Args& args, opd::rpc::Cl
   auto secret = opd::rpc::LoadSecret(args.Get("secret-file"));
   if (!secret.ok()) {
     std::cerr << "opd-ctl " << command << ": " << secret.status().message() << "\n";
-    return 1;
+    return 2;
   }
   o.secret = *secret;
   *out = std::move(o);

@@ -10,6 +10,7 @@
 #include "absl/strings/str_split.h"
 #include "ctl/args.h"
 #include "ctl/command.h"
+#include "ctl/flag_ranges.h"
 #include "trainer/common/eval.h"
 
 namespace ctl {
@@ -29,6 +30,15 @@ constexpr const char* kUsage =
     "  --seed S                sampling seed (0)\n"
     "  --threads N             compute threads (LibTorch's default)\n";
 
+absl::Status CheckFlags(const Args& args) {
+  return FirstError({
+      CheckFlagRange("--samples", args.Int64("samples", 1), 1, kMillion),
+      CheckFlagRange("--temperature", args.Number("temperature", 1.0), 0.0, kMaxTemperature),
+      CheckFlagRange("--max-new-tokens", args.Int64("max-new-tokens", 32), 1, kMaxTokens),
+      CheckFlagRange("--threads", args.Int("threads", 0), 0, opd::rpc::kMaxThreads),
+  });
+}
+
 }  // namespace
 
 int RunEval(const std::vector<std::string>& words) {
@@ -39,6 +49,7 @@ int RunEval(const std::vector<std::string>& words) {
       {"max-new-tokens", Kind::kInt64}, {"seed", Kind::kUint64},    {"threads", Kind::kInt}};
   if (int rc = ParseCommandArgs("eval", words, spec, {"model", "prompts"}, kUsage, &args); rc >= 0)
     return rc;
+  if (int rc = RangeExitCode("eval", CheckFlags(args), kUsage); rc >= 0) return rc;
   if (args.Int("threads", 0) > 0) torch::set_num_threads(args.Int("threads", 0));
   trainer::EvalOptions options;
   options.model = args.Get("model");

@@ -9,6 +9,7 @@
 #include "absl/strings/str_split.h"
 #include "ctl/client_args.h"
 #include "ctl/command.h"
+#include "ctl/flag_ranges.h"
 #include "ctl/json_lines.h"
 
 namespace ctl {
@@ -38,6 +39,18 @@ absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& csv) {
   return ids;
 }
 
+// The services refuse more (samples over their --max-samples-per-prompt, top-k over the
+// vocabulary); these are the values no service could take.
+absl::Status CheckFlags(const Args& args) {
+  return FirstError({
+      CheckFlagRange("--samples", args.Int("samples", 1), 1, kMillion),
+      CheckFlagRange("--temperature", args.Number("temperature", 1.0), 0.0, kMaxTemperature),
+      CheckFlagRange("--top-p", args.Number("top-p", 1.0), 0.0, 1.0),
+      CheckFlagRange("--top-k", args.Int("top-k", 0), 0, kMaxTokens),
+      CheckFlagRange("--max-new-tokens", args.Int("max-new-tokens", 256), 1, kMaxTokens),
+  });
+}
+
 }  // namespace
 
 int RunGenerate(const std::vector<std::string>& words) {
@@ -52,6 +65,7 @@ int RunGenerate(const std::vector<std::string>& words) {
                                          {"seed", Kind::kUint64}});
   if (int rc = ParseCommandArgs("generate", words, spec, {"input"}, kUsage, &args); rc >= 0)
     return rc;
+  if (int rc = RangeExitCode("generate", CheckFlags(args), kUsage); rc >= 0) return rc;
   auto stops = ParseIds(args.Get("stop-ids"));
   if (!stops.ok()) {
     std::cerr << "opd-ctl generate: " << stops.status().message() << "\n" << kUsage;

@@ -7,6 +7,7 @@
 
 #include "ctl/client_args.h"
 #include "ctl/command.h"
+#include "ctl/flag_ranges.h"
 #include "lm/model/model.h"
 #include "nlohmann/json.hpp"
 #include "rpc/tensor_codec.h"
@@ -31,11 +32,14 @@ int RunPushWeights(const std::vector<std::string>& words) {
   if (int rc = ParseCommandArgs("push-weights", words, spec, {"from", "version"}, usage, &args);
       rc >= 0)
     return rc;
+  // A worker serves version 0 or later and takes only a version above the one it serves; a chunk
+  // is one message, and protobuf cannot send 2 GiB.
   const double chunk_mb = args.Number("chunk-mb", 4);
-  if (chunk_mb <= 0) {
-    std::cerr << "opd-ctl push-weights: --chunk-mb must be > 0\n" << usage;
-    return 2;
-  }
+  const absl::Status ranges = FirstError({
+      CheckFlagRange("--version", args.Int64("version", 0), 1, INT64_MAX),
+      CheckFlagPositive("--chunk-mb", chunk_mb, 2047),
+  });
+  if (int rc = RangeExitCode("push-weights", ranges, usage); rc >= 0) return rc;
   opd::rpc::ClientOptions opts;
   if (int rc = ClientOptionsFrom("push-weights", args, &opts); rc >= 0) return rc;
   lm::LoadOptions load;

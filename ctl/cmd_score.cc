@@ -7,6 +7,7 @@
 
 #include "ctl/client_args.h"
 #include "ctl/command.h"
+#include "ctl/flag_ranges.h"
 #include "ctl/json_lines.h"
 
 namespace ctl {
@@ -21,6 +22,16 @@ const std::string kUsage = std::string(
                                "  --temperature T         scoring temperature (1.0)\n"
                                "  --batch N               sequences per call (64)\n") +
                            kClientUsage;
+
+// A teacher takes at most 4096 sequences per call (teacher::ScoreLimits) and a top-k of at most
+// its --max-top-k (a million at most); scoring needs a temperature above 0.
+absl::Status CheckFlags(const Args& args) {
+  return FirstError({
+      CheckFlagRange("--top-k", args.Int("top-k", 0), 0, kMillion),
+      CheckFlagPositive("--temperature", args.Number("temperature", 1.0), kMaxTemperature),
+      CheckFlagRange("--batch", args.Int("batch", 64), 1, 4096),
+  });
+}
 
 void PrintScores(const opd::rpc::ScoreOutput& s, int k) {
   nlohmann::json out{{"logprobs", s.logprobs}};
@@ -47,6 +58,7 @@ int RunScore(const std::vector<std::string>& words) {
                                          {"temperature", Kind::kNumber},
                                          {"batch", Kind::kInt}});
   if (int rc = ParseCommandArgs("score", words, spec, {"input"}, kUsage, &args); rc >= 0) return rc;
+  if (int rc = RangeExitCode("score", CheckFlags(args), kUsage); rc >= 0) return rc;
   opd::rpc::ClientOptions opts;
   if (int rc = ClientOptionsFrom("score", args, &opts); rc >= 0) return rc;
   auto client = opd::rpc::TeacherClient::Create(opts);
@@ -54,7 +66,7 @@ int RunScore(const std::vector<std::string>& words) {
   opd::rpc::ScoreOptions so;
   so.top_k = args.Int("top-k", 0);
   so.temperature = static_cast<float>(args.Number("temperature", 1.0));
-  const size_t batch = std::max(1, args.Int("batch", 64));
+  const size_t batch = args.Int("batch", 64);
 
   std::vector<opd::rpc::ScoreInput> pending;
   auto flush = [&]() -> absl::Status {

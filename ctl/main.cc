@@ -6,6 +6,7 @@
 
 #include "ctl/command.h"
 #include "lm/util/memory.h"
+#include "rpc/last_resort.h"
 
 namespace {
 
@@ -32,6 +33,18 @@ void PrintUsage(std::FILE* out) {
   for (const auto& c : kCommands) std::fprintf(out, "  %-12s %s\n", c.name, c.summary);
 }
 
+// What a command works on, for the last-resort message: "model DIR" from its --model or --from
+// flag (the commands that load a model), else "".
+std::string ModelOf(const std::vector<std::string>& words) {
+  for (size_t i = 0; i < words.size(); ++i) {
+    for (const std::string flag : {"--model", "--from"}) {
+      if (words[i] == flag && i + 1 < words.size()) return "model " + words[i + 1];
+      if (words[i].rfind(flag + "=", 0) == 0) return "model " + words[i].substr(flag.size() + 1);
+    }
+  }
+  return "";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -41,8 +54,13 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   for (const auto& c : kCommands) {
-    if (std::strcmp(argv[1], c.name) == 0)
-      return c.run(std::vector<std::string>(argv + 2, argv + argc));
+    if (std::strcmp(argv[1], c.name) != 0) continue;
+    const std::vector<std::string> words(argv + 2, argv + argc);
+    return opd::rpc::ExitCodeCatchingExceptions(std::string("opd-ctl ") + c.name, ModelOf(words),
+                                                [&] {
+                                                  opd::rpc::DebugThrowForTests();
+                                                  return c.run(words);
+                                                });
   }
   std::fprintf(stderr, "opd-ctl: unknown command '%s'\n\n", argv[1]);
   PrintUsage(stderr);

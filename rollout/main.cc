@@ -14,6 +14,7 @@
 #include "rollout/ep_rollout.h"
 #include "rollout/service.h"
 #include "rpc/auth.h"
+#include "rpc/flag_range.h"
 #include "rpc/model_server.h"
 
 ABSL_FLAG(int, max_concurrent, 4, "generations at once; more get RESOURCE_EXHAUSTED");
@@ -38,6 +39,38 @@ namespace {
 
 constexpr const char* kServiceName = "opd.v1.Rollout";
 
+// Sizes past these are typos: 16M tokens in one sequence, a million sequences in one request or
+// samples of one prompt, 64 TiB of KV cache, blocks of more than 1024 tokens (the paged engine's
+// blocks are a few dozen tokens; a huge block wastes its unused tail in every sequence).
+constexpr int64_t kMaxTokens = int64_t{1} << 24;
+constexpr int64_t kMillion = int64_t{1} << 20;
+constexpr double kMaxGiB = 65536;
+// Generations at once: each holds a gRPC reactor and, with the static engine, a sampling thread
+// of its own (opd::rpc::kMaxThreads bounds thread counts everywhere).
+constexpr int kMaxConcurrent = opd::rpc::kMaxThreads;
+
+// The ranges of opd-rollout's own flags and --engine, checked before the model is loaded.
+absl::Status CheckFlags() {
+  using opd::rpc::CheckFlagRange;
+  const std::string engine = absl::GetFlag(FLAGS_engine);
+  if (engine != "paged" && engine != "static")
+    return absl::InvalidArgumentError(
+        absl::StrCat("--engine=", engine, " is neither paged nor static"));
+  return opd::rpc::FirstError({
+      CheckFlagRange("--max-concurrent", absl::GetFlag(FLAGS_max_concurrent), 1, kMaxConcurrent),
+      CheckFlagRange("--max-seq-len", absl::GetFlag(FLAGS_max_seq_len), 0, kMaxTokens),
+      CheckFlagRange("--max-samples-per-prompt", absl::GetFlag(FLAGS_max_samples_per_prompt), 1,
+                     kMillion),
+      CheckFlagRange("--max-slots", absl::GetFlag(FLAGS_max_slots), 1, kMillion),
+      CheckFlagRange("--kv-budget-gb", absl::GetFlag(FLAGS_kv_budget_gb), 0.0, kMaxGiB),
+      opd::rpc::CheckFlagPositive("--kv-cache-gb", absl::GetFlag(FLAGS_kv_cache_gb), kMaxGiB),
+      CheckFlagRange("--kv-block-size", absl::GetFlag(FLAGS_kv_block_size), 1, 1024),
+      CheckFlagRange("--max-running-seqs", absl::GetFlag(FLAGS_max_running_seqs), 1, kMillion),
+      CheckFlagRange("--max-queued-requests", absl::GetFlag(FLAGS_max_queued_requests), 1,
+                     kMillion),
+  });
+}
+
 absl::Status Run() {
   ASSIGN_OR_RETURN(opd::rpc::LoadedModel loaded, opd::rpc::LoadServedModel());
   std::string engine_kind = absl::GetFlag(FLAGS_engine);
@@ -46,9 +79,6 @@ absl::Status Run() {
     lm::log::Info("expert parallelism: the static sampler (the paged engine is single-process)");
     engine_kind = "static";
   }
-  if (engine_kind != "paged" && engine_kind != "static")
-    return absl::InvalidArgumentError(
-        absl::StrCat("--engine=", engine_kind, " is neither paged nor static"));
   // Refused at start-up rather than on every Generate.
   if (engine_kind == "paged" && !loaded.model->SupportsPagedKV())
     return absl::FailedPreconditionError(absl::StrCat(
@@ -60,9 +90,6 @@ absl::Status Run() {
         loaded.model_dir, " is a ", loaded.config.model_type,
         " model, which this rollout worker cannot sample: it has no incremental decode (KV "
         "cache); serve a qwen3_moe or qwen3_next student"));
-  if (absl::GetFlag(FLAGS_kv_budget_gb) < 0)
-    return absl::InvalidArgumentError(
-        absl::StrCat("--kv-budget-gb=", absl::GetFlag(FLAGS_kv_budget_gb), " is negative"));
   if (loaded.secret.empty()) {
     lm::log::Warn(
         "no shared secret (--secret-file or OPD_SECRET): calls are not authenticated and "
@@ -121,5 +148,5 @@ int main(int argc, char** argv) {
       "samples from a student model over gRPC:\n"
       "  opd-rollout --model DIR [--listen 127.0.0.1:7002] [--secret-file F] [--tls-cert F "
       "--tls-key F]",
-      Run);
+      CheckFlags, Run);
 }

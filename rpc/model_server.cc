@@ -19,6 +19,8 @@
 #include "lm/util/status.h"
 #include "lm/util/threads.h"
 #include "rpc/auth.h"
+#include "rpc/flag_range.h"
+#include "rpc/last_resort.h"
 #include "rpc/server.h"
 #include "rpc/service_info.h"
 #include "rpc/tensor_codec.h"
@@ -71,29 +73,47 @@ ServerOptions ServingOptions(bool has_secret) {
   return opts;
 }
 
+// Expert-parallel ranks one model may be split over: far more than any model's experts allow
+// (lm::ShardConfig refuses a rank without experts), far fewer than would overflow a rank id.
+constexpr int kMaxWorldSize = 1024;
+
+// The ranges of the shared numeric flags. --max-message-mb stops at 2047: its bytes are an int
+// (gRPC's limit) and protobuf cannot parse a message of 2 GiB. A grace period or a collective
+// timeout past a day is a typo, not a wait anyone means.
+absl::Status CheckFlagRanges() {
+  return FirstError({
+      CheckFlagRange("--threads", absl::GetFlag(FLAGS_threads), 0, kMaxThreads),
+      CheckFlagRange("--max-message-mb", absl::GetFlag(FLAGS_max_message_mb), 1, 2047),
+      CheckFlagRange("--grace-seconds", absl::GetFlag(FLAGS_grace_seconds), 0, 86400),
+      CheckFlagRange("--world-size", absl::GetFlag(FLAGS_world_size), 0, kMaxWorldSize),
+      CheckFlagRange("--ep-timeout-seconds", absl::GetFlag(FLAGS_ep_timeout_seconds), 1, 86400),
+      CheckFlagRange("--debug-kill-rank", absl::GetFlag(FLAGS_debug_kill_rank), -1,
+                     kMaxWorldSize - 1),
+      CheckListenPort(absl::GetFlag(FLAGS_listen)),
+  });
+}
+
 // --world-size against the environment and against the model's experts (a rank without experts
 // to hold is a bad flag, found before any load).
 absl::Status CheckExpertParallelFlags() {
   ASSIGN_OR_RETURN(const lm::dist::LaunchEnv env,
                    ExpertParallelEnv(absl::GetFlag(FLAGS_world_size)));
   if (!env.distributed() || absl::GetFlag(FLAGS_model).empty()) return absl::OkStatus();
-  if (absl::GetFlag(FLAGS_ep_timeout_seconds) < 1)
-    return absl::InvalidArgumentError("--ep-timeout-seconds must be >= 1");
   absl::StatusOr<lm::ModelConfig> config = lm::LoadModelConfig(absl::GetFlag(FLAGS_model));
   if (!config.ok()) return absl::OkStatus();  // the load reports it
   return lm::ShardConfig(*config, env.rank, env.world_size);
 }
 
-// Checks what can be checked before the (slow) model load: the TLS flag set, the secret, whether
-// the listen address may be used without one. Returns -1 to go on, else the exit code (2: bad
-// flags, 1: the secret cannot be read), after printing the reason.
-int CheckServingFlags(const char* program) {
+// Checks what can be checked before the (slow) model load: the flags' ranges (the shared ones,
+// then the program's own `check_flags`), the TLS flag set, the secret, whether the listen address
+// may be used without one. Returns -1 to go on, else the exit code 2 (a bad flag or value; a
+// secret file that is missing, empty or readable by others is a bad value too, as everywhere),
+// after printing the reason.
+int CheckServingFlags(const char* program, const std::function<absl::Status()>& check_flags) {
   ServerOptions opts = ServingOptions(false);
-  absl::Status st = CheckServerTls(opts.tls);
-  if (st.ok() && absl::GetFlag(FLAGS_max_message_mb) < 1)
-    st = absl::InvalidArgumentError("--max-message-mb must be >= 1");
-  if (st.ok() && absl::GetFlag(FLAGS_threads) < 0)
-    st = absl::InvalidArgumentError("--threads must be >= 0");
+  absl::Status st = CheckFlagRanges();
+  if (st.ok() && check_flags) st = check_flags();
+  if (st.ok()) st = CheckServerTls(opts.tls);
   // A device or dtype the process cannot use is a bad flag too, found before the load.
   if (st.ok())
     st = lm::ResolvePlacement(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_dtype)).status();
@@ -104,8 +124,8 @@ int CheckServingFlags(const char* program) {
   }
   absl::StatusOr<std::string> secret = LoadSecret(absl::GetFlag(FLAGS_secret_file));
   if (!secret.ok()) {
-    std::cerr << program << ": " << secret.status() << "\n";
-    return 1;
+    std::cerr << program << ": " << secret.status().message() << "\n";
+    return 2;
   }
   opts.has_secret = !secret->empty();
   if (st = CheckListenAuth(opts); !st.ok()) {
@@ -120,6 +140,9 @@ int CheckServingFlags(const char* program) {
   return -1;
 }
 
+class LoadSignalWatch;
+LoadSignalWatch* g_load_watch = nullptr;  // the one alive while ModelServerMain runs `run`
+
 // SIGINT/SIGTERM are blocked in every thread (the serving loop takes them with sigwait), so
 // while the model loads nothing would take them: this thread does, and a signal then ends the
 // process at once (nothing is served yet, nothing can be lost). End() hands the signals over to
@@ -127,6 +150,7 @@ int CheckServingFlags(const char* program) {
 class LoadSignalWatch {
  public:
   explicit LoadSignalWatch(const char* program) {
+    g_load_watch = this;
     sigset_t wake;
     sigemptyset(&wake);
     sigaddset(&wake, SIGUSR1);  // End()'s wake-up, blocked before the thread exists
@@ -142,7 +166,10 @@ class LoadSignalWatch {
       std::_Exit(128 + sig);
     });
   }
-  ~LoadSignalWatch() { End(); }
+  ~LoadSignalWatch() {
+    End();
+    g_load_watch = nullptr;
+  }
   void End() {
     if (!thread_.joinable()) return;
     pthread_kill(thread_.native_handle(), SIGUSR1);
@@ -152,8 +179,6 @@ class LoadSignalWatch {
  private:
   std::thread thread_;
 };
-LoadSignalWatch* g_load_watch = nullptr;  // set while ModelServerMain runs
-
 }  // namespace
 
 opd::v1::ServiceInfo LoadedModel::Info(const std::string& service, int64_t max_seq_len) const {
@@ -243,20 +268,25 @@ absl::Status FollowUntilStopped(const char* program, const LoadedModel& loaded,
 }
 
 int ModelServerMain(int argc, char** argv, const char* program, const char* default_listen,
-                    const char* usage, const std::function<absl::Status()>& run) {
+                    const char* usage, const std::function<absl::Status()>& check_flags,
+                    const std::function<absl::Status()>& run) {
   lm::RetainFreedMemory();
   BlockShutdownSignals();
   absl::SetFlag(&FLAGS_listen, default_listen);
   if (const int code = ParseFlagsOrExitCode(argc, argv, usage); code >= 0) return code;
-  if (const int code = CheckServingFlags(program); code >= 0) return code;
-  LoadSignalWatch watch(program);
-  g_load_watch = &watch;
-  const absl::Status st = run();
-  watch.End();
-  g_load_watch = nullptr;
-  if (st.ok()) return 0;
-  std::cerr << program << ": " << st << "\n";
-  return 1;
+  const std::string model = absl::GetFlag(FLAGS_model);
+  return ExitCodeCatchingExceptions(program, model.empty() ? "" : "model " + model, [&] {
+    if (const int code = CheckServingFlags(program, check_flags); code >= 0) return code;
+    absl::Status st;
+    {
+      LoadSignalWatch watch(program);
+      DebugThrowForTests();
+      st = run();
+    }
+    if (st.ok()) return 0;
+    std::cerr << program << ": " << st << "\n";
+    return 1;
+  });
 }
 
 }  // namespace opd::rpc

@@ -53,9 +53,13 @@ absl::Status FollowUntilStopped(const char* program, const LoadedModel& loaded,
 
 // A program's main: blocks the shutdown signals, parses the flags (--listen defaults to
 // `default_listen`; --help prints every flag and exits 0, a bad flag exits 2), checks the
-// serving flags before any model is loaded (inconsistent TLS flags, or a non-loopback --listen
-// without a secret and without --insecure: exit 2), runs `run` and prints its error (exit 1).
+// serving flags and then the program's own (`check_flags`: its flags' ranges) before any model
+// is loaded (a value out of its range, inconsistent TLS flags, a secret file that cannot be used,
+// or a non-loopback --listen without a secret and without --insecure: exit 2), runs `run` and
+// prints its error (exit 1). An exception escaping `run` is reported naming --model (exit 1,
+// rpc/last_resort.h), never an abort.
 int ModelServerMain(int argc, char** argv, const char* program, const char* default_listen,
-                    const char* usage, const std::function<absl::Status()>& run);
+                    const char* usage, const std::function<absl::Status()>& check_flags,
+                    const std::function<absl::Status()>& run);
 
 }  // namespace opd::rpc

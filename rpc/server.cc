@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -62,6 +63,21 @@ std::string ListenHost(const std::string& listen) {
   // More than one colon without brackets: a bare IPv6 address.
   if (colon != std::string::npos && listen.find(':') == colon) return listen.substr(0, colon);
   return listen;
+}
+
+// The port part of "host:port" or "[v6]:port" (possibly empty: "host:"); nullopt when there is
+// none (a bare host, a bare IPv6 address).
+std::optional<std::string> ListenPort(const std::string& listen) {
+  size_t colon = std::string::npos;
+  if (!listen.empty() && listen[0] == '[') {
+    const size_t close = listen.find(']');
+    if (close != std::string::npos && close + 1 < listen.size() && listen[close + 1] == ':')
+      colon = close + 1;
+  } else if (listen.find(':') == listen.rfind(':')) {
+    colon = listen.find(':');
+  }
+  if (colon == std::string::npos) return std::nullopt;
+  return listen.substr(colon + 1);
 }
 
 // Abseil's own flags (--flagfile, --fromenv, --helpfull, ...) live in absl/flags/: not ours to
@@ -134,6 +150,17 @@ bool IsLoopbackListen(const std::string& listen) {
   if (absl::StartsWith(listen, "unix:") || absl::StartsWith(listen, "unix-abstract:")) return true;
   const std::string host = ListenHost(listen);
   return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
+}
+
+absl::Status CheckListenPort(const std::string& listen, const std::string& flag) {
+  if (absl::StartsWith(listen, "unix:") || absl::StartsWith(listen, "unix-abstract:"))
+    return absl::OkStatus();
+  const std::optional<std::string> port = ListenPort(listen);
+  int value = -1;
+  if (!port || (absl::SimpleAtoi(*port, &value) && value >= 0 && value <= 65535))
+    return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(flag, "=", listen, ": the port '", *port, "' is not a number in [0, 65535]"));
 }
 
 absl::Status CheckListenAuth(const ServerOptions& opts) {

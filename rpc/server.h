@@ -39,6 +39,11 @@ struct RunningServer {
 // reach (0.0.0.0, [::], a host name, an empty host).
 bool IsLoopbackListen(const std::string& listen);
 
+// INVALID_ARGUMENT naming `flag` when `listen` has a port that is not a number in [0, 65535]
+// ("host:99999", "host:http"), so that it is refused at start-up rather than after loading a model.
+// A unix: address, or one without a port, is left to gRPC.
+absl::Status CheckListenPort(const std::string& listen, const std::string& flag = "--listen");
+
 // FAILED_PRECONDITION when the server would accept unauthenticated calls from other hosts: a
 // non-loopback `listen` without a secret and without `insecure`. OK otherwise.
 absl::Status CheckListenAuth(const ServerOptions& opts);

@@ -8,10 +8,10 @@
 // --grace-seconds), then the process exits. The flags every model server takes are in
 // rpc/model_server.cc.
 #include "absl/flags/flag.h"
-#include "absl/strings/str_cat.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "rpc/auth.h"
+#include "rpc/flag_range.h"
 #include "rpc/model_server.h"
 #include "teacher_service/ep_teacher.h"
 #include "teacher_service/service.h"
@@ -30,6 +30,30 @@ namespace {
 
 constexpr const char* kServiceName = "opd.v1.Teacher";
 
+// Scoring workers each run whole forwards with an OpenMP pool of --threads threads of their own,
+// so the process holds about workers x threads; past a few hundred forwards at once only split
+// the same cores and multiply the activations held.
+constexpr int kMaxWorkers = 256;
+// Sizes past these are typos: 16M tokens in one forward or in one sequence, a million requests
+// waiting, a top-k or a chunk of a million rows exceed any device and any vocabulary.
+constexpr int64_t kMaxTokens = int64_t{1} << 24;
+constexpr int64_t kMillion = int64_t{1} << 20;
+
+// The ranges of opd-teacher's own flags, checked before the model is loaded. --max-reply-mb
+// stops at 2047: protobuf cannot send a message of 2 GiB.
+absl::Status CheckFlags() {
+  using opd::rpc::CheckFlagRange;
+  return opd::rpc::FirstError({
+      CheckFlagRange("--workers", absl::GetFlag(FLAGS_workers), 1, kMaxWorkers),
+      CheckFlagRange("--max-batch-tokens", absl::GetFlag(FLAGS_max_batch_tokens), 1, kMaxTokens),
+      CheckFlagRange("--max-queue", absl::GetFlag(FLAGS_max_queue), 1, kMillion),
+      CheckFlagRange("--max-seq-len", absl::GetFlag(FLAGS_max_seq_len), 0, kMaxTokens),
+      CheckFlagRange("--max-top-k", absl::GetFlag(FLAGS_max_top_k), 0, kMillion),
+      CheckFlagRange("--logprob-chunk", absl::GetFlag(FLAGS_logprob_chunk), 1, kMillion),
+      CheckFlagRange("--max-reply-mb", absl::GetFlag(FLAGS_max_reply_mb), 1, 2047),
+  });
+}
+
 absl::Status Run() {
   ASSIGN_OR_RETURN(opd::rpc::LoadedModel loaded, opd::rpc::LoadServedModel());
   // Expert parallelism: a follower runs rank 0's forwards and serves nothing.
@@ -44,11 +68,7 @@ absl::Status Run() {
   limits.max_seq_len = absl::GetFlag(FLAGS_max_seq_len) > 0 ? absl::GetFlag(FLAGS_max_seq_len)
                                                             : config.max_position_embeddings;
   limits.max_top_k = absl::GetFlag(FLAGS_max_top_k);
-  const int64_t reply_mb = absl::GetFlag(FLAGS_max_reply_mb);
-  if (reply_mb < 1 || reply_mb > 2047)
-    return absl::InvalidArgumentError(
-        absl::StrCat("--max-reply-mb=", reply_mb, " is outside [1, 2047]"));
-  limits.max_reply_bytes = reply_mb << 20;
+  limits.max_reply_bytes = absl::GetFlag(FLAGS_max_reply_mb) << 20;
 
   teacher::ScorerOptions so;
   so.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
@@ -74,5 +94,5 @@ int main(int argc, char** argv) {
       "serves a teacher model's log-probs over gRPC:\n"
       "  opd-teacher --model DIR [--listen 127.0.0.1:7001] [--secret-file F] [--tls-cert F "
       "--tls-key F]",
-      Run);
+      CheckFlags, Run);
 }

@@ -16,10 +16,13 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <limits>
 #include <random>
 #include <thread>
 
@@ -360,6 +363,17 @@ TEST_F(TeacherService, BadInputGetsInvalidArgumentAndServerKeepsServing) {
   expect({{{1, 2}, 1}}, so, "temperature");
   so.temperature = -1;
   expect({{{1, 2}, 1}}, so, "temperature");
+  // Temperatures that underflow (1e-45 gave NaN log-probs with OK), NaN and infinity: refused
+  // naming the minimum; the minimum itself, as a float, is taken.
+  for (float t : {1e-45f, 1e-6f, std::numeric_limits<float>::quiet_NaN(),
+                  std::numeric_limits<float>::infinity()}) {
+    so.temperature = t;
+    expect({{{1, 2}, 1}}, so, "temperature must be finite and at least 0.0001");
+  }
+  so.temperature = 1e-4f;
+  auto coldest = c->Score({{{1, 2, 3}, 1}}, so);
+  ASSERT_TRUE(coldest.ok()) << coldest.status();
+  for (float lp : (*coldest)[0].logprobs) EXPECT_TRUE(std::isfinite(lp)) << lp;
   so = {};
   so.top_k = 1000000;
   expect({{{1, 2}, 1}}, so, "top_k");
@@ -508,12 +522,12 @@ TEST(TeacherStartup, SecretFromEnvironmentAndFilePermissions) {
         (*opd::rpc::TeacherClient::Create(Options(*teacher, kSecret)))->Info().status().code(),
         absl::StatusCode::kUnauthenticated);
   }
-  // A secret file others can read is refused at start.
+  // A secret file others can read is refused at start, as a bad value (exit 2).
   const auto loose = WriteSecret(dir, kSecret, 0644);
   const std::string cmd = Binary("teacher_service/opd-teacher") + " --threads 1 --model " +
                           FixtureModel() + " --listen 127.0.0.1:0 --secret-file " + loose.string() +
                           " 2> " + (dir / "err").string();
-  EXPECT_EQ(Shell(cmd), 1);
+  EXPECT_EQ(Shell(cmd), 2);
   EXPECT_NE(ReadAll(dir / "err").find("chmod 600"), std::string::npos) << ReadAll(dir / "err");
   fs::remove_all(dir);
 }
@@ -721,6 +735,10 @@ TEST_F(RolloutService, BadInputGetsInvalidArgumentAndServerKeepsServing) {
   expect({{1}}, Sampling(0, 1.0f, 1, 1 << 30), "max_new_tokens");
   expect({{1}}, Sampling(0, 1.0f, 1000000, 4), "samples_per_prompt");
   expect({{1}}, Sampling(0, -0.5f), "temperature");
+  // Temperatures that underflow (1e-45 gave NaN log-probs and token 0 with OK), NaN, infinity.
+  for (float t : {1e-45f, 1e-6f, std::numeric_limits<float>::quiet_NaN(),
+                  std::numeric_limits<float>::infinity()})
+    expect({{1}}, Sampling(0, t), "temperature must be 0 (greedy) or finite and at least 0.0001");
   auto g = Sampling(0);
   g.top_p = 2;
   expect({{1}}, g, "top_p");
@@ -861,6 +879,28 @@ TEST_F(RolloutService, InterruptedOrWrongUpdatesLeaveOldWeightsServing) {
   EXPECT_EQ(RawUpdate(*rollout_, bad, false).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(RawUpdate(*rollout_, {}, false).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   unchanged("wrong tensors");
+  // A NaN in one tensor: INVALID_ARGUMENT naming it (it was served).
+  bad = chunks;
+  {
+    std::string data = bad[5].data();
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::memcpy(data.data() + 4 * 3, &nan, 4);
+    bad[5].set_data(data);
+  }
+  st = RawUpdate(*rollout_, bad, false);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_NE(st.error_message().find("'" + bad[5].name() + "'"), std::string::npos)
+      << st.error_message();
+  EXPECT_NE(st.error_message().find("not finite"), std::string::npos) << st.error_message();
+  unchanged("a NaN weight");
+  // Version INT64_MAX (it was accepted, and then every later push was stale).
+  bad = chunks;
+  for (auto& c : bad) c.set_version(std::numeric_limits<int64_t>::max());
+  st = RawUpdate(*rollout_, bad, false);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_NE(st.error_message().find("weight version 9223372036854775807"), std::string::npos)
+      << st.error_message();
+  unchanged("version INT64_MAX");
 }
 
 TEST(RolloutStartup, WithoutSecretUpdateWeightsIsDisabled) {
@@ -980,6 +1020,34 @@ TEST(Scorer, PackedBatchesEqualOneSequenceAtATime) {
       EXPECT_EQ((*r)[i].topk_ids.size(), (seqs[i].size() - 1) * 4);
     }
   }
+}
+
+// Weights with a NaN or an infinity: the job fails with FAILED_PRECONDITION naming the sequence
+// and the position (it returned NaN log-probs with OK), with and without top-k; the scorer goes
+// on serving other models' jobs.
+TEST(Scorer, NonFiniteScoresAreFailedPreconditionNamingThePosition) {
+  for (float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    auto model = TeacherModel();
+    model->named_parameters()["model.norm.weight"].detach()[3] = bad;
+    teacher::Scorer scorer(model, {});
+    for (int64_t k : {0, 4}) {
+      SCOPED_TRACE(testing::Message() << "weight " << bad << " top_k " << k);
+      auto job = Job({{1, 2, 3}, {4, 5, 6, 7}}, k);
+      job.response_starts = {2, 3};
+      auto r = scorer.Score(job);
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+      EXPECT_NE(std::string(r.status().message()).find("sequence 0: "), std::string::npos)
+          << r.status();
+      EXPECT_NE(std::string(r.status().message()).find("at position 2"), std::string::npos)
+          << r.status();
+      EXPECT_NE(std::string(r.status().message()).find("non-finite"), std::string::npos)
+          << r.status();
+    }
+  }
+  teacher::Scorer healthy(TeacherModel(), {});
+  auto r = healthy.Score(Job({{1, 2, 3}}, 4));
+  ASSERT_TRUE(r.ok()) << r.status();
 }
 
 TEST(Scorer, QueueBoundCancellationAndDeadline) {
