@@ -5,11 +5,13 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "lm/util/status.h"
 
 namespace trainer {
 namespace {
@@ -31,6 +33,53 @@ std::string Describe(const YAML::Node& node) {
   return "nothing";
 }
 
+constexpr int64_t kMaxYamlNodes = int64_t{1} << 20;
+
+std::string Position(const std::string& label, const YAML::Mark& m) {
+  if (m.is_null()) return label;
+  return absl::StrCat(label, ":", m.line + 1, ":", m.column + 1);
+}
+
+// yaml-cpp keeps every entry of a mapping, duplicates included, and a lookup returns the first:
+// a repeated key must be refused here or its second value is silently dropped. `path` is the
+// key path as decoding errors write it (train.threads, stages[0].name). Aliases are walked
+// wherever they are used, so `budget` (nodes left to visit) stops an alias bomb: a real config
+// has hundreds of nodes.
+absl::Status CheckDuplicateKeys(const YAML::Node& node, const std::string& label,
+                                const std::string& path, int64_t* budget) {
+  if (--*budget < 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat(label, ": more than ", kMaxYamlNodes, " YAML nodes (aliases?)"));
+  if (node.IsSequence()) {
+    for (size_t i = 0; i < node.size(); ++i)
+      RETURN_IF_ERROR(CheckDuplicateKeys(node[i], label, absl::StrCat(path, "[", i, "]"), budget));
+    return absl::OkStatus();
+  }
+  if (!node.IsMap()) return absl::OkStatus();
+  std::map<std::string, YAML::Mark> seen;
+  for (const auto& kv : node) {
+    const std::string key = kv.first.IsScalar() ? kv.first.Scalar() : "";
+    const std::string child = config_internal::JoinPath(path, key);
+    if (kv.first.IsScalar()) {
+      const auto [first, fresh] = seen.emplace(key, kv.first.Mark());
+      if (!fresh)
+        return absl::InvalidArgumentError(
+            absl::StrCat(Position(label, kv.first.Mark()), ": duplicate key '", child, "'",
+                         first->second.is_null()
+                             ? ""
+                             : absl::StrCat(" (first at line ", first->second.line + 1, ")")));
+    }
+    RETURN_IF_ERROR(CheckDuplicateKeys(kv.second, label, child, budget));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDuplicateKeys(const YAML::Node& root, const std::string& label,
+                                const std::string& path) {
+  int64_t budget = kMaxYamlNodes;
+  return CheckDuplicateKeys(root, label, path, &budget);
+}
+
 }  // namespace
 
 absl::StatusOr<YAML::Node> ParseYaml(const std::string& text, const std::string& label) {
@@ -39,6 +88,7 @@ absl::StatusOr<YAML::Node> ParseYaml(const std::string& text, const std::string&
     if (root.IsNull() || !root.IsDefined()) return YAML::Node(YAML::NodeType::Map);
     if (!root.IsMap())
       return absl::InvalidArgumentError(label + ": the top level must be a mapping");
+    RETURN_IF_ERROR(CheckDuplicateKeys(root, label, ""));
     return root;
   } catch (const YAML::Exception& e) {
     return absl::InvalidArgumentError(YamlError(label, e));
@@ -65,6 +115,7 @@ absl::Status ApplyOverride(YAML::Node& root, const std::string& assignment) {
   } catch (const YAML::Exception& e) {
     return absl::InvalidArgumentError(YamlError("--set " + key, e));
   }
+  RETURN_IF_ERROR(CheckDuplicateKeys(value, "--set " + key, key));
   const std::vector<std::string> parts = absl::StrSplit(key, '.');
   // yaml-cpp nodes are references: `node = x` would overwrite the referenced value, so walking the
   // tree rebinds with reset().
@@ -175,6 +226,12 @@ absl::Status TypeError(const YAML::Node& node, const std::string& path, const ch
       absl::StrCat(path, ": expected ", expected, ", got ", Describe(node)));
 }
 
+template <class Int>
+std::string IntRange() {
+  return absl::StrCat("an integer in [", std::numeric_limits<Int>::min(), ", ",
+                      std::numeric_limits<Int>::max(), "]");
+}
+
 }  // namespace
 
 absl::Status DecodeScalar(const YAML::Node& node, const std::string& path, bool* out) {
@@ -189,6 +246,9 @@ absl::Status DecodeScalar(const YAML::Node& node, const std::string& path, int64
   const std::string& s = node.Scalar();
   int64_t v = 0;
   const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  // Out of range is refused, never clamped or wrapped.
+  if (ec == std::errc::result_out_of_range && end == s.data() + s.size())
+    return TypeError(node, path, IntRange<int64_t>().c_str());
   if (ec != std::errc() || end != s.data() + s.size()) return TypeError(node, path, "an integer");
   *out = v;
   return absl::OkStatus();
@@ -198,7 +258,7 @@ absl::Status DecodeScalar(const YAML::Node& node, const std::string& path, int32
   int64_t v = 0;
   if (absl::Status s = DecodeScalar(node, path, &v); !s.ok()) return s;
   if (v < std::numeric_limits<int32_t>::min() || v > std::numeric_limits<int32_t>::max())
-    return TypeError(node, path, "a 32-bit integer");
+    return TypeError(node, path, IntRange<int32_t>().c_str());
   *out = static_cast<int32_t>(v);
   return absl::OkStatus();
 }
@@ -255,8 +315,18 @@ void EmitScalar(YAML::Emitter& out, const std::string& v) {
 namespace validate {
 namespace {
 
+// The shortest text that reads back as `v`: StrCat's 6 digits would print 1048576 as 1.04858e+06
+// and make a bound look unlike the value that fails it.
+std::string Num(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  char buf[64];
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), v);
+  return std::string(buf, end);
+}
+
 absl::Status Bad(const std::string& key, double v, const std::string& want) {
-  return absl::InvalidArgumentError(absl::StrCat(key, ": must be ", want, ", got ", v));
+  return absl::InvalidArgumentError(absl::StrCat(key, ": must be ", want, ", got ", Num(v)));
 }
 
 }  // namespace
@@ -267,29 +337,54 @@ absl::Status Finite(const std::string& key, double v) {
 
 absl::Status Above(const std::string& key, double v, double lo) {
   return std::isfinite(v) && v > lo ? absl::OkStatus()
-                                    : Bad(key, v, absl::StrCat("finite and > ", lo));
+                                    : Bad(key, v, absl::StrCat("finite and > ", Num(lo)));
 }
 
 absl::Status AtLeast(const std::string& key, double v, double lo) {
   return std::isfinite(v) && v >= lo ? absl::OkStatus()
-                                     : Bad(key, v, absl::StrCat("finite and >= ", lo));
+                                     : Bad(key, v, absl::StrCat("finite and >= ", Num(lo)));
 }
 
 absl::Status InRange(const std::string& key, double v, double lo, double hi) {
   return v >= lo && v <= hi && std::isfinite(v)
              ? absl::OkStatus()
-             : Bad(key, v, absl::StrCat("in [", lo, ", ", hi, "]"));
+             : Bad(key, v, absl::StrCat("in [", Num(lo), ", ", Num(hi), "]"));
 }
 
 absl::Status InHalfOpen(const std::string& key, double v, double lo, double hi) {
   return v >= lo && v < hi && std::isfinite(v)
              ? absl::OkStatus()
-             : Bad(key, v, absl::StrCat("in [", lo, ", ", hi, ")"));
+             : Bad(key, v, absl::StrCat("in [", Num(lo), ", ", Num(hi), ")"));
+}
+
+absl::Status AboveAtMost(const std::string& key, double v, double lo, double hi) {
+  return v > lo && v <= hi && std::isfinite(v)
+             ? absl::OkStatus()
+             : Bad(key, v, absl::StrCat("in (", Num(lo), ", ", Num(hi), "]"));
 }
 
 absl::Status IntAtLeast(const std::string& key, int64_t v, int64_t lo) {
   if (v >= lo) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(key, ": must be >= ", lo, ", got ", v));
+}
+
+absl::Status IntInRange(const std::string& key, int64_t v, int64_t lo, int64_t hi) {
+  if (v >= lo && v <= hi) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(key, ": must be in [", lo, ", ", hi, "], got ", v));
+}
+
+absl::Status DistinctNonEmpty(const std::string& key, const std::vector<std::string>& items) {
+  std::map<std::string, size_t> first;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const std::string at = absl::StrCat(key, "[", i, "]");
+    if (items[i].empty()) return absl::InvalidArgumentError(at + ": empty");
+    const auto [it, fresh] = first.emplace(items[i], i);
+    if (!fresh)
+      return absl::InvalidArgumentError(absl::StrCat(
+          at, ": '", items[i], "' is listed twice (also ", key, "[", it->second, "])"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status OneOf(const std::string& key, const std::string& v,

@@ -35,11 +35,15 @@
 namespace trainer {
 
 // The YAML document in `path` (an empty file is an empty mapping). Errors name the file and line.
+// A key written twice in one mapping (a second `train:` block, `{a: 1, a: 2}`) is an error naming
+// the key's path and both lines: yaml-cpp keeps both entries and a lookup finds the first, so the
+// second would be ignored without a word.
 absl::StatusOr<YAML::Node> LoadYamlFile(const std::string& path);
 absl::StatusOr<YAML::Node> ParseYaml(const std::string& text, const std::string& label);
 
 // Applies `assignment` ("a.b.c=value") to `root`. Intermediate mappings are created when absent
-// (decoding then rejects unknown keys); a numeric component indexes into a sequence.
+// (decoding then rejects unknown keys); a numeric component indexes into a sequence. The value is
+// checked for duplicate keys as a file is.
 absl::Status ApplyOverride(YAML::Node& root, const std::string& assignment);
 
 // The words every job sub-command accepts: --config FILE, --set k=v (repeatable), --resume[=DIR].
@@ -207,12 +211,18 @@ absl::StatusOr<T> LoadConfig(const std::string& path, const std::vector<std::str
 // test lets `lr: .nan` through).
 namespace validate {
 
-absl::Status Finite(const std::string& key, double v);                            // any finite
-absl::Status Above(const std::string& key, double v, double lo);                  // lo < v
-absl::Status AtLeast(const std::string& key, double v, double lo);                // lo <= v
-absl::Status InRange(const std::string& key, double v, double lo, double hi);     // lo <= v <= hi
-absl::Status InHalfOpen(const std::string& key, double v, double lo, double hi);  // lo <= v < hi
+absl::Status Finite(const std::string& key, double v);                             // any finite
+absl::Status Above(const std::string& key, double v, double lo);                   // lo < v
+absl::Status AtLeast(const std::string& key, double v, double lo);                 // lo <= v
+absl::Status InRange(const std::string& key, double v, double lo, double hi);      // lo <= v <= hi
+absl::Status InHalfOpen(const std::string& key, double v, double lo, double hi);   // lo <= v < hi
+absl::Status AboveAtMost(const std::string& key, double v, double lo, double hi);  // lo < v <= hi
 absl::Status IntAtLeast(const std::string& key, int64_t v, int64_t lo);
+// lo <= v <= hi: every integer field has one (the job narrows some to int32, sums others).
+absl::Status IntInRange(const std::string& key, int64_t v, int64_t lo, int64_t hi);
+// Each item non-empty and none twice (endpoint lists: a replica listed twice would be connected,
+// loaded and counted twice). Errors name the item as key[i].
+absl::Status DistinctNonEmpty(const std::string& key, const std::vector<std::string>& items);
 absl::Status OneOf(const std::string& key, const std::string& v,
                    std::initializer_list<const char*> allowed);
 absl::Status Required(const std::string& key, const std::string& v, const std::string& what);

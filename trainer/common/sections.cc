@@ -10,7 +10,7 @@ namespace {
 absl::Status CheckOptim(const OptimConfig& o) {
   RETURN_IF_ERROR(validate::Above("optim.lr", o.lr, 0));
   RETURN_IF_ERROR(validate::InRange("optim.min_lr", o.min_lr, 0, o.lr));
-  RETURN_IF_ERROR(validate::IntAtLeast("optim.warmup_steps", o.warmup_steps, 0));
+  RETURN_IF_ERROR(validate::IntInRange("optim.warmup_steps", o.warmup_steps, 0, limits::kMaxSteps));
   RETURN_IF_ERROR(validate::AtLeast("optim.weight_decay", o.weight_decay, 0));
   RETURN_IF_ERROR(validate::InHalfOpen("optim.beta1", o.beta1, 0, 1));
   RETURN_IF_ERROR(validate::InHalfOpen("optim.beta2", o.beta2, 0, 1));
@@ -23,14 +23,16 @@ absl::Status CheckLearnerTrain(const LearnerTrainConfig& t) {
       t.device.find_first_not_of("0123456789", 5) != std::string::npos)
     RETURN_IF_ERROR(validate::OneOf("train.device", t.device, {"auto", "cpu", "cuda", "cuda:N"}));
   RETURN_IF_ERROR(validate::OneOf("train.precision", t.precision, {"auto", "fp32", "bf16-mixed"}));
-  RETURN_IF_ERROR(validate::IntAtLeast("train.threads", t.threads, 0));
-  return validate::IntAtLeast("train.max_consecutive_nonfinite", t.max_consecutive_nonfinite, 1);
+  RETURN_IF_ERROR(validate::IntInRange("train.threads", t.threads, 0, limits::kMaxThreads));
+  // train.seed: any int64 (used as its uint64 bits).
+  return validate::IntInRange("train.max_consecutive_nonfinite", t.max_consecutive_nonfinite, 1,
+                              limits::kMaxSteps);
 }
 
 absl::Status CheckDist(const DistConfig& c) {
   RETURN_IF_ERROR(validate::OneOf("dist.backend", c.backend, {"auto", "gloo", "nccl"}));
-  RETURN_IF_ERROR(validate::Above("dist.timeout_s", c.timeout_s, 0));
-  RETURN_IF_ERROR(validate::Above("dist.bucket_mb", c.bucket_mb, 0));
+  RETURN_IF_ERROR(validate::AboveAtMost("dist.timeout_s", c.timeout_s, 0, limits::kMaxTimeoutS));
+  RETURN_IF_ERROR(validate::AboveAtMost("dist.bucket_mb", c.bucket_mb, 0, limits::kMaxBucketMb));
   return validate::OneOf("dist.allgather_dtype", c.allgather_dtype,
                          {"auto", "float32", "bfloat16"});
 }
@@ -46,9 +48,11 @@ absl::Status ValidateSharedSections(const StudentModelConfig& model,
   RETURN_IF_ERROR(validate::OneOf("model.chat_format", model.chat_format, {"qwen3", "qwen2"}));
   RETURN_IF_ERROR(CheckLearnerTrain(train));
   RETURN_IF_ERROR(CheckOptim(optim));
-  RETURN_IF_ERROR(validate::IntAtLeast("checkpoint.every", checkpoint.every, 0));
-  RETURN_IF_ERROR(validate::IntAtLeast("checkpoint.keep_last", checkpoint.keep_last, 0));
-  RETURN_IF_ERROR(validate::IntAtLeast("logging.log_every", logging.log_every, 1));
+  RETURN_IF_ERROR(validate::IntInRange("checkpoint.every", checkpoint.every, 0, limits::kMaxSteps));
+  RETURN_IF_ERROR(
+      validate::IntInRange("checkpoint.keep_last", checkpoint.keep_last, 0, limits::kMaxInt32));
+  RETURN_IF_ERROR(
+      validate::IntInRange("logging.log_every", logging.log_every, 1, limits::kMaxSteps));
   RETURN_IF_ERROR(validate::Required("run.dir", run.dir, "the run directory"));
   RETURN_IF_ERROR(validate::OneOf("run.resume", run.resume, {"auto", "never"}));
   return CheckDist(dist);
