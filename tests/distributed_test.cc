@@ -726,36 +726,42 @@ TEST(DistributedSft, TwoAndFourRanksTrainAsOne) {
 }
 
 // `opd-trainer sft` in bf16-mixed on 2 ranks against 1 rank in bf16-mixed, and the 2-rank
-// checkpoint of step 2 resumed on 1 rank. Tolerance: the ranks' fp32 gradient sums differ in the
-// last bits (1e-7), and a master that lands on the other side of a bf16 rounding boundary moves its
-// compute copy by a whole bf16 ulp (2^-8 relative); over several real steps such flips feed back
-// into the gradients, and AdamW, which divides by |g|, turns a changed near-zero gradient into a
-// full-size update. So the masters stay within 1e-3 per tensor (measured 3e-4 after 4 steps)
-// instead of the fp32 path's 1e-6, while the optimizer on its own (no flip in 3 small steps,
-// DistributedOptimizer.Bf16MixedOnNRanksEqualsOneRank) agrees to 1e-8.
+// checkpoint of step 2 resumed on 1 rank. Tolerances: after step 1 the two runs differ only by
+// how the ranks' fp32 gradient sums round (relative 1e-7 of each gradient); AdamW's first update
+// is lr * g / (|g| + eps), which moves by at most that relative amount, so the masters agree to
+// 1e-6 of their norm. Later steps compute with bf16 copies of the masters: a master that lands
+// on the other side of a bf16 rounding boundary moves its copy by a whole bf16 ulp (2^-8), the
+// flips feed back into the gradients, and AdamW turns a changed near-zero gradient into a
+// full-size update, a divergence that grows with the steps and differs between machines
+// (measured 3e-4 and 5.9e-3 after 4 steps on two): step 4 is only held to a few bf16 ulps
+// (2^-6), the scale past which it would be another trajectory rather than rounding. The resumed
+// run repeats the 2-rank run's arithmetic from the same state and agrees to 1e-6.
 TEST(DistributedSft, Bf16MixedOnTwoRanksTrainsAsOne) {
   const std::string dir = TestDir();
   const std::string student = MakeStudent(dir);
-  const std::vector<std::string> mixed = {"train.precision=bf16-mixed", "checkpoint.every=2",
+  const std::vector<std::string> mixed = {"train.precision=bf16-mixed", "checkpoint.every=1",
                                           "checkpoint.keep_last=0"};
   ExpectSucceeded(RunSft(1, student, dir + "/one", mixed));
   ExpectSucceeded(RunSft(2, student, dir + "/two", mixed));
+  const double d_first = RelNormDiff(ModelWeights(dir + "/one/checkpoints/step_000001/model"),
+                                     ModelWeights(dir + "/two/checkpoints/step_000001/model"));
+  EXPECT_LE(d_first, 1e-6);
   const auto one = ModelWeights(dir + "/one/checkpoints/step_000004/model");
   const auto two = ModelWeights(dir + "/two/checkpoints/step_000004/model");
   ASSERT_FALSE(one.empty());
   const double d_two = RelNormDiff(one, two);
-  EXPECT_LE(d_two, 1e-3);
+  EXPECT_LE(d_two, 1.0 / 64);
   fs::create_directories(dir + "/resumed/checkpoints");
   fs::copy(dir + "/two/checkpoints/step_000002", dir + "/resumed/checkpoints/step_000002",
            fs::copy_options::recursive);
   ExpectSucceeded(RunSft(1, student, dir + "/resumed", mixed));
   const double d_resumed =
       RelNormDiff(two, ModelWeights(dir + "/resumed/checkpoints/step_000004/model"));
-  EXPECT_LE(d_resumed, 1e-3);
+  EXPECT_LE(d_resumed, 1e-6);
   std::printf(
-      "bf16-mixed SFT, 4 steps: 2 ranks vs 1 %.2e; 2 ranks resumed on 1 at step 2 vs 2 "
-      "ranks %.2e\n",
-      d_two, d_resumed);
+      "bf16-mixed SFT: 2 ranks vs 1 %.2e after step 1, %.2e after step 4; 2 ranks resumed on 1 "
+      "at step 2 vs 2 ranks %.2e\n",
+      d_first, d_two, d_resumed);
 }
 
 // Ranks launched with different configs would exchange tensors that do not belong together:

@@ -17,6 +17,9 @@ extern "C" void sgemm_(const char* transa, const char* transb, const int* m, con
                        const int* k, const float* alpha, const float* a, const int* lda,
                        const float* b, const int* ldb, const float* beta, float* c, const int* ldc)
     __attribute__((weak));
+// MKL's thread count for the calling thread only (its Fortran interface, like sgemm_: the argument
+// by address); returns the previous one (0: the global setting).
+extern "C" int mkl_set_num_threads_local_(const int* nt) __attribute__((weak));
 
 namespace lm {
 namespace {
@@ -30,14 +33,19 @@ bool HasBlas() {
 // Row-major C = alpha op(A) op(B) + beta C, with op(A) [m, k] and op(B) [k, n]; `ta` means A is
 // stored as [k, m], `tb` that B is stored as [n, k]. BLAS is column-major, so this asks it for
 // C^T = op(B)^T op(A)^T. Called directly rather than through a tensor op: a chunk's products take
-// a few microseconds, about what an op costs in dispatch alone. Inside a parallel region the
-// library runs on the calling thread.
+// a few microseconds, about what an op costs in dispatch alone. The library runs on the calling
+// thread, also outside a parallel region: a multi-threaded MKL product can round differently from
+// a single-threaded one, and the kernels' results must not depend on the thread count (the
+// parallelism is the kernels' own, over tiles and rows).
 void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   const char transa = tb ? 'T' : 'N', transb = ta ? 'T' : 'N';
   const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
   const int LDA = static_cast<int>(ldb), LDB = static_cast<int>(lda), LDC = static_cast<int>(ldc);
+  const int one = 1;
+  const int previous = mkl_set_num_threads_local_ ? mkl_set_num_threads_local_(&one) : 0;
   sgemm_(&transa, &transb, &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
+  if (mkl_set_num_threads_local_) mkl_set_num_threads_local_(&previous);
 }
 
 bool NeedsGrad(std::initializer_list<const torch::Tensor*> ts) {
