@@ -2,6 +2,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -213,6 +214,82 @@ TEST(Convergence, OldCheckpointWithNullResumes) {
   EXPECT_DOUBLE_EQ(t.smoothed(), 1.5);
   t.Update(1.5);
   EXPECT_TRUE(std::isfinite(t.smoothed()));
+}
+
+// One held-out evaluation: n per-sample values mean +- sigma alternating, so that the sample
+// standard deviation is sigma * sqrt(n / (n - 1)) exactly and no random draw (nor a libm) enters.
+std::vector<double> Eval(double mean, double sigma, int n = 64) {
+  std::vector<double> v;
+  for (int i = 0; i < n; ++i) v.push_back(mean + (i % 2 == 0 ? sigma : -sigma));
+  return v;
+}
+
+ConvergenceRule HeldoutRule() {
+  ConvergenceRule r;
+  r.plateau = true;
+  r.heldout = true;
+  r.window = 2;  // evaluations per window
+  r.min_rel_improvement = 0.02;
+  r.z = 2.0;
+  return r;
+}
+
+TEST(Convergence, EvalSummaryPoolsLikeTheConcatenation) {
+  const std::vector<double> a = {1, -1, 1, -1}, b = {3, 5};
+  const EvalSummary sa = EvalSummary::Of(a), sb = EvalSummary::Of(b);
+  EXPECT_EQ(sa.n, 4);
+  EXPECT_DOUBLE_EQ(sa.mean, 0.0);
+  EXPECT_DOUBLE_EQ(sa.m2, 4.0);
+  EXPECT_DOUBLE_EQ(sa.StandardError(), std::sqrt(4.0 / 3.0 / 4.0));
+  std::vector<double> ab = a;
+  ab.insert(ab.end(), b.begin(), b.end());
+  const EvalSummary pooled = sa.Pooled(sb), direct = EvalSummary::Of(ab);
+  EXPECT_EQ(pooled.n, 6);
+  // Two summation orders of 6 small integers: equal to a few ulps.
+  EXPECT_NEAR(pooled.mean, direct.mean, 1e-14);
+  EXPECT_NEAR(pooled.m2, direct.m2, 1e-12);
+  EXPECT_TRUE(std::isinf(EvalSummary::Of({2.0}).StandardError()));
+}
+
+// A flat held-out KL with little noise is a plateau as soon as both windows are full (the 4th
+// evaluation): the improvement 0 plus z * se (2 * hypot of two windows' se, 0.0126 at sigma 0.05
+// over 128 values each) is under 2% of 1.0.
+TEST(Convergence, HeldoutPlateauStopsWhenConfidentlyFlat) {
+  ConvergenceTracker t(HeldoutRule());
+  for (int i = 0; i < 3; ++i) EXPECT_FALSE(t.UpdateHeldout(Eval(1.0, 0.05))) << i;
+  EXPECT_TRUE(t.UpdateHeldout(Eval(1.0, 0.05)));
+  EXPECT_EQ(t.reason(), "heldout_plateau");
+}
+
+// The same flat KL with per-sample noise sigma 1.0 (se 0.089 per window): the windows' means are
+// equal, which the training-batch rule reads as a plateau, but the difference is not known to
+// better than 0.25, so the stage goes on (max_steps ends it if nothing else does).
+TEST(Convergence, HeldoutNoiseDoesNotEndTheStage) {
+  ConvergenceTracker t(HeldoutRule());
+  for (int i = 0; i < 20; ++i) EXPECT_FALSE(t.UpdateHeldout(Eval(1.0, 1.0))) << i;
+  EXPECT_EQ(t.reason(), "");
+}
+
+// Steady progress of 3% per evaluation (about 6% between windows of two) never looks like a
+// plateau, whatever the noise: the optimistic improvement is at least the real one.
+TEST(Convergence, HeldoutSteadyProgressIsNotAPlateau) {
+  ConvergenceTracker t(HeldoutRule());
+  for (int i = 0; i < 20; ++i) EXPECT_FALSE(t.UpdateHeldout(Eval(std::pow(0.97, i), 0.2))) << i;
+}
+
+// In held-out mode the training-batch KL only counts steps: a flat training KL ends nothing.
+// min_steps holds the held-out rule too, and its evaluations survive a checkpoint.
+TEST(Convergence, HeldoutModeIgnoresTheTrainingPlateauAndResumes) {
+  ConvergenceRule r = HeldoutRule();
+  r.min_steps = 5;
+  ConvergenceTracker t(r);
+  for (int i = 0; i < 4; ++i) EXPECT_FALSE(t.Update(1.0));
+  for (int i = 0; i < 4; ++i) EXPECT_FALSE(t.UpdateHeldout(Eval(1.0, 0.05))) << i;  // 4 < 5 steps
+  ConvergenceTracker resumed(r);
+  resumed.FromJson(nlohmann::json::parse(t.ToJson().dump()));
+  EXPECT_FALSE(resumed.Update(1.0));  // step 5
+  EXPECT_TRUE(resumed.UpdateHeldout(Eval(1.0, 0.05)));
+  EXPECT_EQ(resumed.reason(), "heldout_plateau");
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <thread>
 
@@ -61,6 +62,21 @@ fs::path OvercountedCopy(const fs::path& checkpoint, const fs::path& to) {
   state["optimizer_steps"] = state["step"];
   std::ofstream(to / "trainer_state.json") << state.dump(2);
   return to;
+}
+
+// The learning-rate schedule counts updates, not steps: step 2 was skipped, so step 3 applies the
+// rate step 2 would have (the second update's), and the cosine decays between updates (warm-up 0).
+void ExpectScheduleCountsUpdates(const fs::path& metrics, const std::string& key) {
+  std::map<int, double> lr;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    auto m = nlohmann::json::parse(line);
+    if (m.contains(key)) lr[m["step"].get<int>()] = m[key].get<double>();
+  }
+  ASSERT_EQ(lr.size(), 4u);
+  EXPECT_EQ(lr[3], lr[2]) << "the skipped step 2 moved the schedule";
+  EXPECT_LT(lr[2], lr[1]);
+  EXPECT_LT(lr[4], lr[3]);
 }
 
 int64_t OptimizerSteps(const fs::path& checkpoint) {
@@ -157,6 +173,7 @@ TEST_F(LearnerRuns, SftResumeAfterASkippedStepIsExact) {
   const fs::path a = dir_ / "sft_a", b = dir_ / "sft_b";
   ASSERT_EQ(RunSft(a), 0);
   ExpectStepTwoWasSkipped(a / "checkpoints/step_000002");
+  ExpectScheduleCountsUpdates(a / "metrics.jsonl", "train/lr");
   ASSERT_EQ(RunSft(b, {"--resume=" + (a / "checkpoints/step_000002").string()}), 0);
   ASSERT_FALSE(fs::exists(b / "checkpoints/step_000002")) << "run B did not resume";
   EXPECT_EQ(OptimizerSteps(a / "checkpoints/step_000004"), 3);
@@ -197,6 +214,202 @@ TEST_F(LearnerRuns, OpdResumeAfterASkippedStepIsExact) {
   EXPECT_FALSE(ReadFile(a4 / "model/model.safetensors") ==
                ReadFile(c / "checkpoints/step_000004/model/model.safetensors"))
       << "the step count does not reach the weights: this test cannot see the bug";
+}
+
+// One-step-off sampling (train.async) resumes exactly too: step 3's samples were drawn during
+// step 2 with step 1's weights, so the checkpoint of step 2 holds them and run B, resumed from it,
+// learns from the same samples and ends with run A's weights and moments at step 4. Run C resumes
+// from a copy without them (what a checkpoint held before): it samples step 3 anew on step 2's
+// weights, and must differ, or the comparison could not see the bug.
+TEST_F(LearnerRuns, OpdOneStepOffResumeIsExact) {
+  const std::string teacher = StartService("teacher_async", kBin + "/teacher_service/opd-teacher",
+                                           (dir_ / "teacher_small").string());
+  const std::string rollout =
+      StartService("rollout_async", kBin + "/rollout/opd-rollout", (dir_ / "student").string());
+  ASSERT_FALSE(teacher.empty() || rollout.empty());
+  auto run = [&](const fs::path& dir, const std::vector<std::string>& extra) {
+    std::vector<std::string> args = {"--set", "train.async=true"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    ChildProcess p(OpdArgs(dir, 4, rollout, teacher, args), dir.string() + ".log");
+    const int code = p.Wait(std::chrono::seconds(300));
+    EXPECT_EQ(code, 0) << p.Log();
+    return code;
+  };
+  const fs::path a = dir_ / "async_a", b = dir_ / "async_b", c = dir_ / "async_c";
+  ASSERT_EQ(run(a, {}), 0);
+  const fs::path a2 = a / "checkpoints/step_000002", a4 = a / "checkpoints/step_000004";
+  ASSERT_TRUE(fs::exists(a2 / "prefetched_samples.bin"));
+  ASSERT_EQ(run(b, {"--resume=" + a2.string()}), 0);
+  ExpectSameWeightsAndMoments(a4, b / "checkpoints/step_000004");
+
+  const fs::path stripped = dir_ / "async_a2_without_samples";
+  fs::copy(a2, stripped, fs::copy_options::recursive);
+  auto state = nlohmann::json::parse(std::ifstream(stripped / "trainer_state.json"));
+  state.erase("prefetched");
+  std::ofstream(stripped / "trainer_state.json") << state.dump(2);
+  ASSERT_EQ(run(c, {"--resume=" + stripped.string()}), 0);
+  EXPECT_FALSE(ReadFile(a4 / "model/model.safetensors") ==
+               ReadFile(c / "checkpoints/step_000004/model/model.safetensors"))
+      << "re-sampling step 3 does not reach the weights: this test cannot see the bug";
+}
+
+// The held-out convergence set end to end: 4 fixed prompts of task/eval_prompts.jsonl, sampled
+// and scored every 2 steps of a 5-step stage whose plateau watches them. Each evaluation is logged
+// (finite mean and standard error over 4 responses) and lands in the checkpoint's tracker state,
+// with the logged mean; the rule's decisions are tested in convergence_test.
+TEST_F(LearnerRuns, HeldoutEvaluationsFeedTheStagesRule) {
+  const std::string teacher = StartService("teacher_heldout", kBin + "/teacher_service/opd-teacher",
+                                           (dir_ / "teacher_small").string());
+  const std::string rollout =
+      StartService("rollout_heldout", kBin + "/rollout/opd-rollout", (dir_ / "student").string());
+  ASSERT_FALSE(teacher.empty() || rollout.empty());
+  const fs::path run = dir_ / "run_heldout";
+  ChildProcess p(
+      OpdArgs(run, 5, rollout, teacher,
+              {"--set",
+               "heldout={sources: [{files: [" + (dir_ / "task/eval_prompts.jsonl").string() +
+                   "]}], num_prompts: 4, every: 2, seed: 5}",
+               "--set",
+               "stages.0.plateau={enabled: true, metric: heldout, window: 2, "
+               "min_rel_improvement: 0.01}"}),
+      run.string() + ".log");
+  ASSERT_EQ(p.Wait(std::chrono::seconds(300)), 0) << p.Log();
+  std::map<int, double> logged;
+  std::ifstream in(run / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    auto m = nlohmann::json::parse(line);
+    if (!m.contains("opd/heldout_reverse_kl")) continue;
+    logged[m["step"].get<int>()] = m["opd/heldout_reverse_kl"].get<double>();
+    EXPECT_EQ(m["opd/heldout_samples"].get<double>(), 4.0) << line;
+    EXPECT_TRUE(std::isfinite(m["opd/heldout_reverse_kl_se"].get<double>())) << line;
+  }
+  ASSERT_EQ(logged.size(), 2u) << p.Log();
+  ASSERT_TRUE(logged.count(2) && logged.count(4));
+  const auto conv = nlohmann::json::parse(
+      std::ifstream(run / "checkpoints/step_000004/trainer_state.json"))["convergence"];
+  ASSERT_EQ(conv["heldout"].size(), 2u) << conv.dump();
+  EXPECT_EQ(conv["heldout"][0][0], 4);
+  EXPECT_DOUBLE_EQ(conv["heldout"][0][1].get<double>(), logged[2]);
+  EXPECT_DOUBLE_EQ(conv["heldout"][1][1].get<double>(), logged[4]);
+  EXPECT_EQ(conv["reason"], "");  // two evaluations cannot fill two windows of two
+  const auto last = nlohmann::json::parse(
+      std::ifstream(run / "checkpoints/step_000005/trainer_state.json"))["convergence"];
+  EXPECT_EQ(last["reason"], "max_steps");
+}
+
+// Teachers by domain with real teachers: the task's prompts split into two domains, each scored
+// by its own opd-teacher. Student and teacher are both random, hence nearly uniform and close
+// (KL ~0.03, inside its step-to-step noise); scored at temperature 0.1 the teacher is peaked and
+// the KL starts near 5.5 nats. At lr 1e-2 it stays there for ~30 steps, then falls to 1-3 (seen:
+// the last 8 of 40 steps average ~2.7 against ~5.5 for the first 8, on both domains). The test
+// asks each domain's last-8 mean to be below its first-8 mean.
+TEST_F(LearnerRuns, EachDomainsKlFallsOnItsOwnTeacher) {
+  const std::string t_add = StartService("teacher_add", kBin + "/teacher_service/opd-teacher",
+                                         (dir_ / "teacher_small").string());
+  const std::string t_mul = StartService("teacher_mul", kBin + "/teacher_service/opd-teacher",
+                                         (dir_ / "teacher_small").string());
+  const std::string rollout =
+      StartService("rollout_domains", kBin + "/rollout/opd-rollout", (dir_ / "student").string());
+  ASSERT_FALSE(t_add.empty() || t_mul.empty() || rollout.empty());
+  const fs::path add_file = dir_ / "domain_add.jsonl", mul_file = dir_ / "domain_mul.jsonl";
+  testing_util::SplitPromptsByDomain(dir_, add_file, "add", mul_file, "mul");
+  const fs::path run = dir_ / "run_domain_kl";
+  ChildProcess p(
+      testing_util::OpdTrainerArgs(
+          dir_, run.string(), rollout,
+          {"prompts.sources=[{files: [" + add_file.string() + "]}, {files: [" + mul_file.string() +
+               "]}]",
+           "stages=[{name: only, teachers: [" + t_add +
+               "], max_steps: 40, domains: [{domain: add, "
+               "teachers: [" +
+               t_add + "]}, {domain: mul, teachers: [" + t_mul + "]}]}]",
+           "train.prompts_per_step=16", "loss.teacher_temperature=0.1", "optim.warmup_steps=0",
+           "optim.lr=1e-2", "optim.min_lr=1e-2", "checkpoint.every=0"}),
+      run.string() + ".log");
+  ASSERT_EQ(p.Wait(std::chrono::seconds(600)), 0) << p.Log();
+  std::map<std::string, std::vector<double>> kl;
+  std::ifstream in(run / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    auto m = nlohmann::json::parse(line);
+    for (const std::string d : {"add", "mul"}) {
+      if (m.contains("teacher_kl/" + d) && m["teacher_kl/" + d].is_number())
+        kl[d].push_back(m["teacher_kl/" + d].get<double>());
+    }
+  }
+  for (const std::string d : {"add", "mul"}) {
+    const auto& v = kl[d];
+    ASSERT_GE(v.size(), 36u) << d;  // a domain may miss a step's 16 prompts only by chance
+    double first = 0, last = 0;
+    for (size_t i = 0; i < 8; ++i) {
+      first += v[i] / 8;
+      last += v[v.size() - 1 - i] / 8;
+    }
+    EXPECT_LT(last, first) << d << ": " << ::testing::PrintToString(v);
+  }
+}
+
+// A failed weight push comes after the update: the step is complete and so is its bookkeeping.
+// Step 3 is the stage's last (max_steps), skipped (NaN) and its push fails. Its checkpoint must
+// count the step in the tracker (3 steps, the stage finished by max_steps), in the non-finite
+// count and in the stage's end; the resume then finds the run done and trains nothing more. Before,
+// the tracker held 2 steps and no reason, so the resume ran a fourth step.
+TEST_F(LearnerRuns, FailedPushCheckpointsTheStepWithItsBookkeeping) {
+  const std::string teacher = StartService("teacher_push", kBin + "/teacher_service/opd-teacher",
+                                           (dir_ / "teacher_small").string());
+  const std::string rollout =
+      StartService("rollout_push", kBin + "/rollout/opd-rollout", (dir_ / "student").string());
+  ASSERT_FALSE(teacher.empty() || rollout.empty());
+  const fs::path run = dir_ / "run_push_fails";
+  const std::vector<std::string> hooks = {"--set", "debug.fail_push_steps=[3]", "--set",
+                                          "debug.nan_steps=[3]"};
+  {
+    ChildProcess p(OpdArgs(run, 3, rollout, teacher, hooks), run.string() + ".log");
+    ASSERT_EQ(p.Wait(std::chrono::seconds(300)), 1) << p.Log();
+    EXPECT_NE(p.Log().find("the weight push failed"), std::string::npos) << p.Log();
+  }
+  const auto state =
+      nlohmann::json::parse(std::ifstream(run / "checkpoints/step_000003/trainer_state.json"));
+  EXPECT_EQ(state["step"], 3);
+  EXPECT_EQ(state["convergence"]["steps"], 3) << state["convergence"].dump();
+  EXPECT_EQ(state["convergence"]["reason"], "max_steps");
+  EXPECT_EQ(state["stage_done"], true);
+  EXPECT_EQ(state["nonfinite"]["total"], 1);
+  EXPECT_EQ(state["optimizer_steps"], 2);
+
+  ChildProcess q(OpdArgs(run, 3, rollout, teacher, {"--resume"}), run.string() + "_resume.log");
+  ASSERT_EQ(q.Wait(std::chrono::seconds(300)), 0) << q.Log();
+  EXPECT_FALSE(fs::exists(run / "checkpoints/step_000004")) << q.Log();
+}
+
+// An exception after a step's update (a torch error in the push or the logging) is checkpointed
+// as that step: run X throws after step 2's update and must leave a checkpoint of step 2 equal to
+// the uninterrupted run Y's; X resumed from it then equals Y at step 3. Before, step_ still said 1,
+// the step-1 checkpoint already existed, so the updated weights were lost (or, without it, saved
+// as step 1 and the batch applied twice on resume).
+TEST_F(LearnerRuns, ExceptionAfterTheUpdateCheckpointsTheNewStep) {
+  const std::string teacher = StartService("teacher_throw", kBin + "/teacher_service/opd-teacher",
+                                           (dir_ / "teacher_small").string());
+  const std::string rollout =
+      StartService("rollout_throw", kBin + "/rollout/opd-rollout", (dir_ / "student").string());
+  ASSERT_FALSE(teacher.empty() || rollout.empty());
+  const fs::path x = dir_ / "run_throws", y = dir_ / "run_straight";
+  {
+    ChildProcess p(OpdArgs(y, 3, rollout, teacher, {}), y.string() + ".log");
+    ASSERT_EQ(p.Wait(std::chrono::seconds(300)), 0) << p.Log();
+  }
+  {
+    ChildProcess p(OpdArgs(x, 3, rollout, teacher, {"--set", "debug.throw_after_update_steps=[2]"}),
+                   x.string() + ".log");
+    ASSERT_EQ(p.Wait(std::chrono::seconds(300)), 1) << p.Log();
+    EXPECT_NE(p.Log().find("debug.throw_after_update_steps: step 2"), std::string::npos) << p.Log();
+  }
+  ASSERT_TRUE(fs::exists(x / "checkpoints/step_000002/trainer_state.json"));
+  ExpectSameWeightsAndMoments(x / "checkpoints/step_000002", y / "checkpoints/step_000002");
+  {
+    ChildProcess p(OpdArgs(x, 3, rollout, teacher, {"--resume"}), x.string() + "_resume.log");
+    ASSERT_EQ(p.Wait(std::chrono::seconds(300)), 0) << p.Log();
+  }
+  ExpectSameWeightsAndMoments(x / "checkpoints/step_000003", y / "checkpoints/step_000003");
 }
 
 // The plateau window restarts when the running stage's teachers are swapped: the checkpoint of

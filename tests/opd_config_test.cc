@@ -1,12 +1,26 @@
-// Config validation of both learner jobs: every numeric range check refuses NaN and infinity, the
-// sections SFT and OPD share are checked the same way for both, OPD refuses sampling filters that
-// would bias its importance ratio, and every error names the key. No files, no processes.
+// Config validation of both learner jobs: every numeric range check refuses NaN and infinity and
+// every number has an upper bound (no integer runs truncated), a key written twice is an error,
+// the sections SFT and OPD share are checked the same way for both, OPD refuses sampling filters
+// that would bias its importance ratio, and every error names the key. Also the endpoint lists
+// of swap-teacher (opd-ctl and the learner's admin service). No model, no data.
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_join.h"
+
+#include "lm/model/sampling_limits.h"
+#include "opd/v1/learner.grpc.pb.h"
+#include "rpc/client.h"
 #include "trainer/common/config.h"
+#include "trainer/opd/learner_service.h"
 #include "trainer/opd/opd_config.h"
 #include "trainer/sft/sft_config.h"
 
@@ -42,6 +56,22 @@ absl::Status Opd(const std::vector<std::string>& sets) {
 void ExpectRefused(const absl::Status& status, const std::string& key, const std::string& set) {
   EXPECT_FALSE(status.ok()) << set << " was accepted";
   EXPECT_EQ(status.message().rfind(key + ":", 0), 0u) << set << ": " << status;
+}
+
+// The decoding error of `sets` applied to `base` (OK when it decodes).
+template <class T>
+absl::Status DecodeError(const char* base, const std::vector<std::string>& sets) {
+  auto root = ParseYaml(base, "test");
+  if (!root.ok()) return root.status();
+  for (const auto& s : sets) {
+    if (absl::Status st = ApplyOverride(*root, s); !st.ok()) return st;
+  }
+  T c;
+  return DecodeConfig(*root, &c);
+}
+
+bool Contains(const absl::Status& s, const std::string& text) {
+  return s.message().find(text) != std::string::npos;
 }
 
 TEST(ConfigValidation, BaseConfigsPass) {
@@ -130,6 +160,33 @@ TEST(ConfigValidation, SharedSectionsAreCheckedTheSameForBothJobs) {
   EXPECT_TRUE(Opd({"model.chat_format=qwen2"}).ok());
 }
 
+// Teachers by domain and the held-out convergence set: each mistake is refused naming its key.
+TEST(ConfigValidation, DomainsAndHeldoutAreChecked) {
+  const std::string pool = "stages.0.domains=[{domain: math, teachers: [\"t:1\"]}]";
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"stages.0.domains=[{domain: math, teachers: [\"t:1\"]}, {domain: math, teachers: "
+        "[\"t:2\"]}]"},
+       "stages[0].domains[1].domain"},
+      {{"stages.0.domains=[{domain: \"\", teachers: [\"t:1\"]}]"}, "stages[0].domains[0].domain"},
+      {{"stages.0.domains=[{domain: math, teachers: []}]"}, "stages[0].domains[0].teachers"},
+      {{"stages.0.domains=[{domain: math, teachers: [\"t:1\", \"t:1\"]}]"},
+       "stages[0].domains[0].teachers[1]"},
+      {{"stages.0.plateau={enabled: true, per_domain: true}"}, "stages[0].plateau.per_domain"},
+      {{pool, "stages.0.plateau={enabled: true, per_domain: true, metric: heldout}",
+        "heldout.sources=[{files: [h.jsonl]}]"},
+       "stages[0].plateau.per_domain"},
+      {{"stages.0.plateau.metric=heldout"}, "stages[0].plateau.metric"},
+      {{"stages.0.plateau.metric=eval"}, "stages[0].plateau.metric"},
+      {{"stages.0.plateau.z=-1"}, "stages[0].plateau.z"},
+      {{"heldout.sources=[{files: [h.jsonl]}]", "heldout.every=0"}, "heldout.every"},
+      {{"heldout.sources=[{files: [h.jsonl]}]", "heldout.num_prompts=0"}, "heldout.num_prompts"},
+  };
+  for (const auto& [sets, key] : cases) ExpectRefused(Opd(sets), key, absl::StrJoin(sets, " "));
+  EXPECT_TRUE(Opd({pool, "stages.0.plateau={enabled: true, per_domain: true}"}).ok());
+  EXPECT_TRUE(
+      Opd({"heldout.sources=[{files: [h.jsonl]}]", "stages.0.plateau.metric=heldout"}).ok());
+}
+
 TEST(ConfigValidation, OpdTimeoutsAndCountsAreChecked) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"rollout.timeout_s=0", "rollout.timeout_s"},
@@ -195,6 +252,244 @@ TEST(ConfigValidation, ShippedConfigsPass) {
     auto c = LoadConfig<SftConfig>(root + f, {});
     ASSERT_TRUE(c.ok()) << f << ": " << c.status();
     EXPECT_TRUE(ValidateSftConfig(*c).ok()) << f << ": " << ValidateSftConfig(*c);
+  }
+}
+
+}  // namespace
+}  // namespace trainer
+
+namespace trainer {
+namespace {
+
+// yaml-cpp keeps both entries of a repeated key and a lookup finds the first: a second `train:`
+// block was silently ignored. It is an error naming the key's path and both lines.
+TEST(Config, DuplicateKeysAreErrorsNamingKeyAndLine) {
+  auto top = ParseYaml("train:\n  threads: 1\nrun: {dir: r}\ntrain:\n  threads: 2\n", "job.yaml");
+  ASSERT_FALSE(top.ok());
+  EXPECT_EQ(top.status().message(), "job.yaml:4:1: duplicate key 'train' (first at line 1)");
+  auto nested = ParseYaml("train:\n  threads: 1\n  seed: 3\n  threads: 2\n", "job.yaml");
+  ASSERT_FALSE(nested.ok());
+  EXPECT_EQ(nested.status().message(),
+            "job.yaml:4:3: duplicate key 'train.threads' (first at line 2)");
+  auto in_list = ParseYaml("stages:\n  - name: a\n  - {name: b, max_steps: 1, name: c}\n", "j");
+  ASSERT_FALSE(in_list.ok());
+  EXPECT_TRUE(Contains(in_list.status(), "j:3:")) << in_list.status();
+  EXPECT_TRUE(Contains(in_list.status(), "duplicate key 'stages[1].name'")) << in_list.status();
+  // Quoting does not make it another key: both decode as `seed`.
+  EXPECT_FALSE(ParseYaml("seed: 1\n\"seed\": 2\n", "j").ok());
+  // The same name in different mappings is no duplicate.
+  EXPECT_TRUE(ParseYaml("a: {x: 1}\nb: {x: 1}\nl: [{x: 1}, {x: 2}]\n", "j").ok());
+
+  // Aliases are walked where they are used: an alias bomb (10^7 nodes from 70 lines) is refused
+  // instead of walked.
+  std::string bomb = "l0: &l0 [x, x, x, x, x, x, x, x, x, x]\n";
+  for (int i = 1; i < 7; ++i) {
+    const std::string prev = "*l" + std::to_string(i - 1);
+    bomb += "l" + std::to_string(i) + ": &l" + std::to_string(i) + " [" + prev;
+    for (int j = 1; j < 10; ++j) bomb += ", " + prev;
+    bomb += "]\n";
+  }
+  auto bombed = ParseYaml(bomb, "j");
+  ASSERT_FALSE(bombed.ok());
+  EXPECT_TRUE(Contains(bombed.status(), "YAML nodes")) << bombed.status();
+
+  // A --set value is checked as a file is.
+  auto root = ParseYaml(kSft, "test");
+  ASSERT_TRUE(root.ok());
+  const absl::Status set = ApplyOverride(*root, "train={threads: 1, threads: 2}");
+  EXPECT_FALSE(set.ok());
+  EXPECT_TRUE(Contains(set, "duplicate key 'train.threads'")) << set;
+
+  // Through the whole pipeline (what the job's exit 2 reports).
+  const std::string path = testing::TempDir() + "/duplicate_block.yaml";
+  std::ofstream(path) << kOpd << "train:\n  threads: 1\ntrain:\n  threads: 100\n";
+  auto c = LoadConfig<OpdConfig>(path, {});
+  ASSERT_FALSE(c.ok());
+  EXPECT_TRUE(Contains(c.status(), path + ":8:1: duplicate key 'train' (first at line 6)"))
+      << c.status();
+}
+
+// An integer is decoded whole or refused: never wrapped, clamped or truncated.
+TEST(Config, IntegersOutOfRangeAreRefusedWhenDecoded) {
+  const absl::Status big = DecodeError<SftConfig>(kSft, {"data.max_seq_len=9223372036854775808"});
+  EXPECT_EQ(big.message(),
+            "data.max_seq_len: expected an integer in [-9223372036854775808, "
+            "9223372036854775807], got '9223372036854775808'");
+  EXPECT_FALSE(DecodeError<SftConfig>(kSft, {"data.max_seq_len=-9223372036854775809"}).ok());
+  EXPECT_FALSE(DecodeError<SftConfig>(kSft, {"data.max_seq_len=8192.5"}).ok());
+  EXPECT_TRUE(DecodeError<SftConfig>(kSft, {"data.seed=-9223372036854775808"}).ok());
+}
+
+// 4294967424 is 2^32 + 128: it ran as 128 through an int32 cast while config.yaml recorded the
+// big value; threads 100000 hung creating them. Every count has an upper bound, named in the
+// error, and the bound itself is accepted.
+TEST(ConfigValidation, EveryIntegerHasAnUpperBound) {
+  const absl::Status seq = Sft({"data.max_seq_len=4294967424"});
+  ExpectRefused(seq, "data.max_seq_len", "max_seq_len 2^32 + 128");
+  EXPECT_TRUE(Contains(seq, "must be in [8, 16777216], got 4294967424")) << seq;
+  for (auto* job : {&Sft, &Opd}) {
+    const absl::Status threads = (*job)({"train.threads=100000"});
+    ExpectRefused(threads, "train.threads", "threads 100000");
+    EXPECT_TRUE(Contains(threads, "[0, 1024]")) << threads;
+    EXPECT_TRUE((*job)({"train.threads=1024"}).ok());
+  }
+  const std::string int32_over = "=2147483648", steps_over = "=2147483648",
+                    tokens_over = "=16777217";
+  const std::vector<std::pair<std::string, std::string>> shared = {
+      {"optim.warmup_steps" + steps_over, "optim.warmup_steps"},
+      {"checkpoint.every" + steps_over, "checkpoint.every"},
+      {"checkpoint.keep_last" + int32_over, "checkpoint.keep_last"},
+      {"logging.log_every" + steps_over, "logging.log_every"},
+      {"train.max_consecutive_nonfinite" + steps_over, "train.max_consecutive_nonfinite"},
+  };
+  for (const auto& [set, key] : shared) {
+    ExpectRefused(Sft({set}), key, "sft " + set);
+    ExpectRefused(Opd({set}), key, "opd " + set);
+  }
+  const std::vector<std::pair<std::string, std::string>> sft = {
+      {"train.global_batch_size=1048577", "train.global_batch_size"},
+      {"train.micro_batch_size=1048577", "train.micro_batch_size"},
+      {"train.max_steps" + steps_over, "train.max_steps"},
+      {"eval.every" + steps_over, "eval.every"},
+      {"eval.max_sequences" + int32_over, "eval.max_sequences"},
+      {"eval.micro_batch_size=1048577", "eval.micro_batch_size"},
+      {"debug.nan_steps=[0]", "debug.nan_steps[0]"},
+      {"debug.nan_steps=[1, 2147483648]", "debug.nan_steps[1]"},
+      {"debug.step_sleep_ms=3600001", "debug.step_sleep_ms"},
+      {"debug.kill_rank=-2", "debug.kill_rank"},
+      {"debug.kill_at_step=-1", "debug.kill_at_step"},
+  };
+  for (const auto& [set, key] : sft) ExpectRefused(Sft({set}), key, "sft " + set);
+  const std::vector<std::pair<std::string, std::string>> opd = {
+      {"prompts.max_prompt_len" + tokens_over, "prompts.max_prompt_len"},
+      {"rollout.max_new_tokens" + tokens_over, "rollout.max_new_tokens"},
+      {"rollout.samples_per_prompt=1048577", "rollout.samples_per_prompt"},
+      {"rollout.weight_sync_bucket_mb=8796093022208", "rollout.weight_sync_bucket_mb"},
+      {"train.prompts_per_step=1048577", "train.prompts_per_step"},
+      {"train.micro_batch_tokens" + tokens_over, "train.micro_batch_tokens"},
+      {"stages.0.max_steps=9223372036854775807", "stages[0].max_steps"},
+      {"stages.0.plateau.window=9223372036854775807", "stages[0].plateau.window"},
+      {"stages.0.plateau.min_steps" + steps_over, "stages[0].plateau.min_steps"},
+      {"debug.nan_steps=[2147483648]", "debug.nan_steps[0]"},
+  };
+  for (const auto& [set, key] : opd) ExpectRefused(Opd({set}), key, "opd " + set);
+  ExpectRefused(Opd({"loss.form=topk", "loss.top_k=16777217"}), "loss.top_k", "top_k 2^24 + 1");
+  // The bounds themselves pass.
+  EXPECT_TRUE(Sft({"data.max_seq_len=16777216", "train.global_batch_size=1048576",
+                   "train.max_steps=2147483647", "debug.kill_rank=-1"})
+                  .ok());
+  EXPECT_TRUE(Opd({"rollout.max_new_tokens=16777216", "prompts.max_prompt_len=16777216",
+                   "rollout.samples_per_prompt=1048576", "stages.0.max_steps=2147483647",
+                   "loss.form=topk", "loss.top_k=16777216"})
+                  .ok());
+}
+
+// Deadlines, buffer sizes, epochs and weights are bounded too: 1e300 seconds or MiB overflowed
+// their conversions (an int64 cast of 1e300 is undefined).
+TEST(ConfigValidation, EveryRealHasABound) {
+  const std::vector<std::pair<std::string, std::string>> shared = {
+      {"dist.timeout_s=604801", "dist.timeout_s"},
+      {"dist.bucket_mb=1e300", "dist.bucket_mb"},
+  };
+  for (const auto& [set, key] : shared) {
+    ExpectRefused(Sft({set}), key, "sft " + set);
+    ExpectRefused(Opd({set}), key, "opd " + set);
+  }
+  const absl::Status bucket = Opd({"dist.bucket_mb=1048577"});
+  EXPECT_TRUE(Contains(bucket, "in (0, 1048576], got 1048577")) << bucket;  // not 1.04858e+06
+  ExpectRefused(Sft({"train.epochs=1e7"}), "train.epochs", "epochs 1e7");
+  ExpectRefused(Sft({"train.max_steps=3", "train.epochs=-1"}), "train.epochs", "epochs -1");
+  ExpectRefused(Sft({"data.train.0.weight=1e13"}), "data.train[0].weight", "weight 1e13");
+  const std::vector<std::pair<std::string, std::string>> opd = {
+      {"rollout.timeout_s=1e9", "rollout.timeout_s"},
+      {"rollout.weight_sync_timeout_s=1e9", "rollout.weight_sync_timeout_s"},
+      {"train.teacher_timeout_s=1e9", "train.teacher_timeout_s"},
+      {"train.score_deadline_s=1e9", "train.score_deadline_s"},
+      {"stages.0.plateau.min_rel_improvement=-1", "stages[0].plateau.min_rel_improvement"},
+  };
+  for (const auto& [set, key] : opd) ExpectRefused(Opd({set}), key, "opd " + set);
+  EXPECT_TRUE(Sft({"dist.timeout_s=604800", "dist.bucket_mb=1048576", "train.epochs=1e6"}).ok());
+  EXPECT_TRUE(Opd({"rollout.timeout_s=604800", "train.score_deadline_s=604800"}).ok());
+}
+
+// 1e-45 is a float denormal: logits / T overflowed to inf and the log-probs were NaN. Both
+// temperatures (sampling and teacher scoring) are refused below lm::kMinTemperature.
+TEST(ConfigValidation, TemperaturesBelowTheMinimumAreRefused) {
+  for (const char* key : {"rollout.temperature", "loss.teacher_temperature"}) {
+    for (const char* bad : {"1e-45", "5e-5", "0", "-1", "1001", ".nan"}) {
+      const std::string set = std::string(key) + "=" + bad;
+      const absl::Status s = Opd({set});
+      ExpectRefused(s, key, set);
+      EXPECT_TRUE(Contains(s, "must be in [1e-04, 1000], got ")) << s;
+    }
+  }
+  EXPECT_EQ(lm::kMinTemperature, 1e-4);
+  EXPECT_EQ(lm::kMaxTemperature, 1000);
+  EXPECT_TRUE(Opd({"rollout.temperature=1e-4", "loss.teacher_temperature=1e-4"}).ok());
+  EXPECT_TRUE(Opd({"rollout.temperature=1000", "loss.teacher_temperature=1000"}).ok());
+}
+
+// A replica listed twice would be connected twice and get two shares of every step.
+TEST(ConfigValidation, EndpointListsHaveNoDuplicatesOrBlanks) {
+  const absl::Status rollout = Opd({"rollout.endpoints=[r:1, r:2, r:1]"});
+  ExpectRefused(rollout, "rollout.endpoints[2]", "rollout twice");
+  EXPECT_TRUE(Contains(rollout, "'r:1' is listed twice (also rollout.endpoints[0])")) << rollout;
+  ExpectRefused(Opd({"stages.0.teachers=[t:1, t:1]"}), "stages[0].teachers[1]", "teacher twice");
+  ExpectRefused(Opd({"stages.0.teachers=[\"\"]"}), "stages[0].teachers[0]", "empty teacher");
+  ExpectRefused(Opd({"rollout.endpoints=[\"\"]"}), "rollout.endpoints[0]", "empty rollout");
+  EXPECT_TRUE(Opd({"rollout.endpoints=[r:1, r:2]", "stages.0.teachers=[t:1, t:2]"}).ok());
+}
+
+// The learner's admin service refuses a swap naming a replica twice at once (INVALID_ARGUMENT),
+// before queueing it for the step boundary.
+TEST(SwapTeacher, ServiceRefusesAnEndpointGivenTwice) {
+  LearnerServerOptions lo;
+  lo.listen = "127.0.0.1:0";
+  lo.secret = "swap-test-secret";
+  lo.stages = {"s1"};
+  auto learner = LearnerServer::Start(lo);
+  ASSERT_TRUE(learner.ok()) << learner.status();
+  opd::rpc::ClientOptions co;
+  co.address = "127.0.0.1:" + std::to_string((*learner)->port());
+  co.secret = lo.secret;
+  co.timeout = absl::Seconds(30);
+  auto channel = opd::rpc::MakeChannel(co);
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  auto stub = opd::v1::Learner::NewStub(*channel);
+  for (const std::vector<std::string>& endpoints :
+       std::vector<std::vector<std::string>>{{"t:1", "t:1"}, {"t:1", "t:2", "t:1"}, {"t:1", ""}}) {
+    opd::v1::SwapTeacherRequest req;
+    req.set_stage("s1");
+    for (const auto& e : endpoints) req.add_endpoints(e);
+    opd::v1::SwapTeacherResponse resp;
+    grpc::ClientContext ctx;
+    opd::rpc::PrepareContext(co, &ctx);
+    const grpc::Status s = stub->SwapTeacher(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_NE(s.error_message().find(endpoints[1].empty() ? "empty" : "listed twice"),
+              std::string::npos)
+        << s.error_message();
+    EXPECT_FALSE((*learner)->swap_pending());
+  }
+}
+
+// opd-ctl refuses it too, with exit 2 (a bad flag), before connecting to anything.
+TEST(SwapTeacher, CtlRefusesAnEndpointGivenTwice) {
+  const std::string out = testing::TempDir() + "/swap_twice.txt";
+  for (const char* endpoints : {"t:1,t:1", "t:1, t:2 ,t:1", ","}) {
+    const std::string cmd = std::string(OPD_BINARY_DIR) +
+                            "/ctl/opd-ctl swap-teacher --learner 127.0.0.1:1 --stage s1 "
+                            "--endpoints '" +
+                            endpoints + "' > " + out + " 2>&1";
+    const int rc = std::system(cmd.c_str());
+    ASSERT_TRUE(WIFEXITED(rc)) << cmd;
+    EXPECT_EQ(WEXITSTATUS(rc), 2) << cmd;
+    std::ifstream in(out);
+    const std::string text((std::istreambuf_iterator<char>(in)), {});
+    const bool blank = std::string(endpoints) == ",";
+    EXPECT_NE(text.find(blank ? "--endpoints: no endpoint given" : "'t:1' is given twice"),
+              std::string::npos)
+        << text;
   }
 }
 

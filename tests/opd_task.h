@@ -14,6 +14,8 @@
 
 #include <gtest/gtest.h>
 
+#include "nlohmann/json.hpp"
+
 namespace testing_util {
 
 // Writes <dir>/task (make_task.py with `task_args`), <dir>/student, <dir>/teacher_small and
@@ -57,6 +59,26 @@ inline std::vector<std::string> OpdTrainerArgs(const std::filesystem::path& dir,
     argv.push_back(s);
   }
   return argv;
+}
+
+// Two prompt sources for teachers-by-domain tests: the task's prompts alternately into `a` and
+// `b`, each line's "domain" set to `domain_a` / `domain_b` (removed where that is empty, so that
+// the source's name is the domain).
+inline void SplitPromptsByDomain(const std::filesystem::path& dir, const std::filesystem::path& a,
+                                 const std::string& domain_a, const std::filesystem::path& b,
+                                 const std::string& domain_b) {
+  std::ifstream in(dir / "task/opd_prompts.jsonl");
+  std::ofstream out_a(a), out_b(b);
+  int n = 0;
+  for (std::string line; std::getline(in, line); ++n) {
+    auto j = nlohmann::json::parse(line);
+    const std::string& domain = n % 2 == 0 ? domain_a : domain_b;
+    if (domain.empty())
+      j.erase("domain");
+    else
+      j["domain"] = domain;
+    (n % 2 == 0 ? out_a : out_b) << j.dump() << "\n";
+  }
 }
 
 }  // namespace testing_util

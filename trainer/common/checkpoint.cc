@@ -103,7 +103,8 @@ absl::Status AgreeOnOutcome(absl::Status mine, lm::dist::ProcessGroup& group, co
 absl::Status CheckpointManager::Save(int64_t step, lm::CausalLM& model,
                                      DistributedOptimizer& optimizer, nlohmann::json state,
                                      const std::vector<std::string>& model_extra_files,
-                                     lm::dist::ProcessGroup& group) {
+                                     lm::dist::ProcessGroup& group,
+                                     const JobFilesWriter& job_files) {
   // The saved weights are the exact fp32 masters, whatever dtype the all-gathers used.
   RETURN_IF_ERROR(optimizer.SyncMasters());
   const std::string final_dir = dir_ + "/" + StepDirName(step);
@@ -130,6 +131,7 @@ absl::Status CheckpointManager::Save(int64_t step, lm::CausalLM& model,
     save.dtype = torch::kFloat32;  // master weights: an exact resume needs every bit
     RETURN_IF_ERROR(lm::SaveModel(model, tmp + "/model", save));
     RETURN_IF_ERROR(CopyFiles(model_extra_files, tmp + "/model"));
+    if (job_files) RETURN_IF_ERROR(job_files(tmp));
     state["version"] = kTrainerStateVersion;
     state["step"] = step;
     state["optimizer_steps"] = optimizer.steps();

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -43,10 +44,12 @@ class CheckpointManager {
 
   // Saves a checkpoint for `step` (a no-op when a complete one for that step exists). `state`
   // becomes trainer_state.json (a "version", "step" and "world_size" are added);
-  // `model_extra_files` (tokenizer files) are copied into model/. Collective over `group`.
+  // `model_extra_files` (tokenizer files) are copied into model/; `job_files`, when given, writes
+  // the job's own files into the checkpoint directory on rank 0. Collective over `group`.
+  using JobFilesWriter = std::function<absl::Status(const std::string& dir)>;
   absl::Status Save(int64_t step, lm::CausalLM& model, DistributedOptimizer& optimizer,
                     nlohmann::json state, const std::vector<std::string>& model_extra_files,
-                    lm::dist::ProcessGroup& group);
+                    lm::dist::ProcessGroup& group, const JobFilesWriter& job_files = nullptr);
 
   // Complete checkpoints, oldest first: (step, directory).
   std::vector<std::pair<int64_t, std::string>> List() const;

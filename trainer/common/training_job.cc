@@ -149,7 +149,26 @@ absl::Status TrainingJob::CheckNonFinite(int64_t max_consecutive) const {
                       nonfinite_consecutive_, max_consecutive, step_));
 }
 
+absl::Status TrainingJob::ApplyUpdate(bool skipped, double lr, const lm::DataCursor& after) {
+  if (!skipped) {
+    update_torn_ = true;
+    RETURN_IF_ERROR(optimizer_->Step(lr));
+    update_torn_ = false;
+  }
+  optimizer_->ZeroGrad();
+  ++step_;
+  cursor_ = after;
+  return absl::OkStatus();
+}
+
 absl::Status TrainingJob::SaveCheckpoint() {
+  if (update_torn_)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the update of step ", step_ + 1,
+        " failed half-way, so the weights are those of no step: nothing is checkpointed; ",
+        last_checkpoint_step_ >= 0
+            ? absl::StrCat("resume from the last checkpoint (step ", last_checkpoint_step_, ")")
+            : "no checkpoint of this run exists yet"));
   if (last_checkpoint_step_ == step_) return absl::OkStatus();
   const auto t0 = Clock::now();
   nlohmann::json state = JobState();
@@ -159,7 +178,8 @@ absl::Status TrainingJob::SaveCheckpoint() {
   state["nonfinite"] = {{"consecutive", nonfinite_consecutive_}, {"total", nonfinite_total_}};
   state["config"] = config_yaml_;
   RETURN_IF_ERROR(checkpoints_.Save(step_, *model_, *optimizer_, state,
-                                    TokenizerFiles(TokenizerPath()), *group_));
+                                    TokenizerFiles(TokenizerPath()), *group_,
+                                    [this](const std::string& dir) { return WriteJobFiles(dir); }));
   last_checkpoint_step_ = step_;
   progress_->Log(absl::StrFormat("step %d: checkpoint %s/%s (%.1fs)", step_, checkpoints_.dir(),
                                  StepDirName(step_), Seconds(t0)));

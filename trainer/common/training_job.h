@@ -52,6 +52,8 @@ class TrainingJob {
 
   // The job's own fields of trainer_state.json (the common ones are added by SaveCheckpoint).
   virtual nlohmann::json JobState() const = 0;
+  // Files of the job's own written into each checkpoint directory `dir` (rank 0, after JobState).
+  virtual absl::Status WriteJobFiles(const std::string& /*dir*/) const { return absl::OkStatus(); }
   // Where the tokenizer files that travel with each checkpoint come from.
   virtual std::string TokenizerPath() const = 0;
 
@@ -71,6 +73,15 @@ class TrainingJob {
   // Metrics (JSONL + TensorBoard, rank 0 only) and the progress line with ETA.
   absl::Status OpenRecords(int64_t total_steps, const LoggingConfig& logging, bool resumed);
 
+  // The learning rate of the next update. The schedule counts the updates applied (as AdamW's
+  // bias correction does), not the steps run: a skipped step moves neither.
+  double NextLr() const { return schedule_.LrAt(optimizer_->steps()); }
+  // Ends a step's learning: applies the update at `lr` (none when `skipped`), clears the
+  // gradients and advances step_ and cursor_ (to `after`) in the same move. So a checkpoint
+  // written after it (a failed push, an exception, a stop) is of the new step and one written
+  // before it of the old one: a resume never applies a batch twice or loses one. While the update
+  // is half applied (an error inside it) no checkpoint can be written (SaveCheckpoint refuses).
+  absl::Status ApplyUpdate(bool skipped, double lr, const lm::DataCursor& after);
   // Counts a finished step (step_ already advanced): a skipped update (non-finite loss or
   // gradient norm) is logged with both values.
   void CountNonFinite(bool skipped, double loss, double grad_norm);
@@ -105,6 +116,7 @@ class TrainingJob {
   lm::DataCursor cursor_;  // data cursor after the last completed step
   int64_t nonfinite_consecutive_ = 0, nonfinite_total_ = 0;
   int64_t last_checkpoint_step_ = -1;
+  bool update_torn_ = false;  // an update failed half-way: the weights match no step
 };
 
 // What every job's entry point does around its job, after validating its config: the launch

@@ -6,6 +6,7 @@
 #include "absl/strings/str_join.h"
 #include "lm/util/log.h"
 #include "rpc/status.h"
+#include "trainer/common/config.h"
 
 namespace trainer {
 
@@ -71,6 +72,7 @@ bool LearnerServer::ServePendingSwap(const std::function<absl::Status(const Swap
   if (s.ok()) {
     auto* resp = p->call->resp();
     resp->set_stage(p->request.stage);
+    resp->set_domain(p->request.domain);
     for (const auto& e : p->request.endpoints) resp->add_endpoints(e);
     resp->set_message(absl::StrCat("applied at the step boundary after step ", step));
     lm::log::Info(
@@ -109,11 +111,18 @@ absl::Status LearnerServer::Check(const opd::v1::SwapTeacherRequest& req) const 
     return absl::NotFoundError(absl::StrCat("no stage named '", req.stage(),
                                             "' (stages: ", absl::StrJoin(opts_.stages, ", "), ")"));
   }
-  if (req.endpoints().empty()) return absl::InvalidArgumentError("no endpoints given");
-  for (const auto& e : req.endpoints()) {
-    if (e.empty()) return absl::InvalidArgumentError("an empty endpoint");
+  if (!req.domain().empty()) {
+    const auto it = opts_.stage_domains.find(req.stage());
+    const std::vector<std::string> none;
+    const std::vector<std::string>& domains = it == opts_.stage_domains.end() ? none : it->second;
+    if (std::find(domains.begin(), domains.end(), req.domain()) == domains.end())
+      return absl::NotFoundError(absl::StrCat(
+          "stage '", req.stage(), "' has no pool for domain '", req.domain(),
+          "' (its domains: ", domains.empty() ? "none" : absl::StrJoin(domains, ", "), ")"));
   }
-  return absl::OkStatus();
+  if (req.endpoints().empty()) return absl::InvalidArgumentError("no endpoints given");
+  // A replica given twice would be connected and checked twice and get two shares of every step.
+  return validate::DistinctNonEmpty("endpoints", {req.endpoints().begin(), req.endpoints().end()});
 }
 
 grpc::ServerUnaryReactor* LearnerServer::SwapTeacher(grpc::CallbackServerContext* ctx,
@@ -133,7 +142,8 @@ grpc::ServerUnaryReactor* LearnerServer::SwapTeacher(grpc::CallbackServerContext
           absl::StrJoin(pending_->request.endpoints, ", "),
           ") is already queued for the next step boundary; send this one after it is answered"));
     } else {
-      pending_ = Pending{{req->stage(), {req->endpoints().begin(), req->endpoints().end()}}, call};
+      pending_ = Pending{
+          {req->stage(), {req->endpoints().begin(), req->endpoints().end()}, req->domain()}, call};
       lm::log::Info(absl::StrCat("swap-teacher queued for stage '", req->stage(),
                                  "': ", absl::StrJoin(req->endpoints(), ", "),
                                  " (checked and applied at the next step boundary)"));

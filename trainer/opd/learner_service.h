@@ -1,12 +1,12 @@
 // The learner's admin endpoint (opd.v1.Learner): swap a stage's teachers while the job runs.
 //
 // A SwapTeacher call is authenticated (always) and checked for what needs no network (a known
-// stage, at least one endpoint), then queued; the call stays open. The training loop serves it
-// at the next step boundary (ServePendingSwap), on its own thread: it connects to the new
-// endpoints with the stage's own pool options (deadline, TLS, secret), checks them against the
-// student (tokenizer fingerprint, vocabulary) and installs them, and the caller gets that outcome
-// (OK, or the error naming the endpoint). So a step never mixes two teacher sets, and no gRPC
-// thread blocks on a connection.
+// stage, at least one endpoint, none empty or given twice: INVALID_ARGUMENT), then queued; the call
+// stays open. The training loop serves it at the next step boundary (ServePendingSwap), on its own
+// thread: it connects to the new endpoints with the stage's own pool options (deadline, TLS,
+// secret), checks them against the student (tokenizer fingerprint, vocabulary) and installs them,
+// and the caller gets that outcome (OK, or the error naming the endpoint). So a step never mixes
+// two teacher sets, and no gRPC thread blocks on a connection.
 //
 // One swap at a time: a second SwapTeacher while one is queued is refused with
 // FAILED_PRECONDITION (it would otherwise silently replace the first); send it again once the
@@ -15,6 +15,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -31,6 +32,7 @@ namespace trainer {
 struct SwapRequest {
   std::string stage;
   std::vector<std::string> endpoints;
+  std::string domain;  // "": the stage's default pool
 };
 
 struct LearnerServerOptions {
@@ -40,6 +42,8 @@ struct LearnerServerOptions {
   opd::rpc::TlsServerOptions tls;   // TLS of the admin port (unset: plaintext)
   bool insecure = false;            // allow a non-loopback listen without a secret
   std::vector<std::string> stages;  // known stage names
+  // Each stage's data domains with a pool of their own (stages[].domains).
+  std::map<std::string, std::vector<std::string>> stage_domains;
 };
 
 struct LearnerStatusSnapshot {

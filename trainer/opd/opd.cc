@@ -11,7 +11,9 @@
 #include <filesystem>
 #include <future>
 #include <limits>
+#include <map>
 #include <optional>
+#include <stdexcept>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -24,6 +26,7 @@
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "rpc/auth.h"
+#include "rpc/tls.h"
 #include "trainer/common/checkpoint.h"
 #include "trainer/common/job_main.h"
 #include "trainer/common/job_util.h"
@@ -44,6 +47,28 @@ namespace trainer {
 namespace {
 
 namespace fs = std::filesystem;
+
+bool Contains(const std::vector<int64_t>& steps, int64_t step) {
+  return std::find(steps.begin(), steps.end(), step) != steps.end();
+}
+
+// The metrics' name for the samples of domains without a pool of their own.
+constexpr const char* kOtherDomain = "other";
+
+// How errors name a domain's pool: "stage/domain".
+std::string DomainPoolName(const std::string& stage, const std::string& domain) {
+  return absl::StrCat(stage, "/", domain);
+}
+
+// Sums of one domain's samples in a step, in the order they are all-reduced.
+enum DomainSum {
+  kDomainSequences,
+  kDomainTokens,
+  kDomainKl,
+  kDomainTeacherLp,
+  kDomainStudentLp,
+  kDomainSums
+};
 
 // One step's samples: the prompts, what the rollout workers returned, and the data cursor after
 // these prompts were drawn (what a checkpoint of this step records).
@@ -66,6 +91,8 @@ struct StepStats {
   // (the same when synchronous; with one-step-off the work overlapped the previous step).
   double sample_s = 0, sample_work_s = 0, score_s = 0, learn_s = 0, push_s = 0, step_s = 0;
   SampleStats samples;  // weight-version lag and truncation of the step's samples
+  // metric_domains_.size() x kDomainSums, row-major (DomainSum).
+  std::vector<double> domain_sums;
 };
 
 // Response positions of one micro-batch: rows of the packed hidden states that predict the
@@ -96,22 +123,41 @@ class OpdJob : public TrainingJob {
 
  private:
   nlohmann::json JobState() const override;
+  absl::Status WriteJobFiles(const std::string& dir) const override;
   std::string TokenizerPath() const override {
     return c_.model.tokenizer.empty() ? c_.model.path : c_.model.tokenizer;
   }
 
   absl::Status LoadPrompts();
+  absl::StatusOr<std::vector<double>> EvaluateHeldout();
+  absl::StatusOr<std::vector<double>> HeldoutReverseKl();
+  bool FinishStageOnHeldout(const std::vector<double>& kl);
+  void LogHeldout(const std::vector<double>& kl);
+  void RecordStageEnd();
   absl::Status ConnectRollout();
   absl::Status StartStage(size_t index, bool resumed);
   absl::Status Resume(const std::string& checkpoint);
   absl::Status ApplyPendingSwap();
+  absl::StatusOr<std::unique_ptr<TeacherPool>> ConnectSwap(const SwapRequest& swap,
+                                                           absl::Status* collective);
+  void InstallSwap(const SwapRequest& swap, std::unique_ptr<TeacherPool> pool);
 
   absl::StatusOr<Rollouts> Sample(std::vector<lm::PromptExample> prompts,
                                   lm::DataCursor cursor_after);
   std::vector<lm::PromptExample> DrawPrompts(lm::DataCursor* cursor_after);
   absl::StatusOr<Rollouts> ShareRollouts(absl::StatusOr<Rollouts> mine);
+  std::future<absl::StatusOr<Rollouts>> LaunchSampling();
+  absl::StatusOr<Rollouts> NextRollouts();
+  void SettlePrefetch();
+  absl::Status LoadPrefetched(const std::string& checkpoint, const nlohmann::json& state);
   absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> Score(const Rollouts& r,
                                                            const std::vector<MicroBatch>& mine);
+  const std::string& DomainOf(const Rollouts& r, size_t sample) const;
+  TeacherPool& PoolFor(const std::string& domain);
+  size_t MetricRow(const std::string& domain) const;
+  void AddDomainSums(const Rollouts& r, const MicroBatch& mb, const torch::Tensor& lp,
+                     const std::vector<float>& teacher_lp, StepStats* st) const;
+  bool FinishStageOnDomains(const StepStats& st);
   std::vector<MicroBatch> MyMicroBatches(const Rollouts& r);
   absl::Status ReduceStats(StepStats* st);
   std::vector<MicroBatch> MakeMicroBatches(const Rollouts& r);
@@ -119,6 +165,7 @@ class OpdJob : public TrainingJob {
                      const std::vector<opd::rpc::ScoreOutput>& scores, StepStats* st);
   absl::Status PushWeights();
   void LogStep(const StepStats& st);
+  Scalars DomainScalars(const StepStats& st) const;
   bool FinishStageIfConverged(double reverse_kl);
 
   absl::Status FailStep(const absl::Status& error, const std::string& what);
@@ -127,18 +174,33 @@ class OpdJob : public TrainingJob {
   std::string secret_;
   std::unique_ptr<lm::Tokenizer> tokenizer_;
   std::unique_ptr<lm::PromptDataset> prompts_;
+  std::vector<lm::PromptExample> heldout_prompts_;  // heldout.sources' fixed set (may be empty)
   // Rank 0 drives the rollout workers and the admin service; every rank scores and learns its
   // share of each step's micro-batches.
   std::unique_ptr<RolloutPool> rollout_;
-  std::unique_ptr<TeacherPool> teachers_;
+  std::unique_ptr<TeacherPool> teachers_;  // the stage's default pool
+  // The stage's pools by data domain (stages[].domains); a domain not named here uses teachers_.
+  std::map<std::string, std::unique_ptr<TeacherPool>> domain_teachers_;
+  // Domains with metrics of their own: the stage's, then kOtherDomain (none without domains).
+  std::vector<std::string> metric_domains_;
   std::unique_ptr<ConvergenceTracker> tracker_;
+  // plateau.per_domain: a rule per domain's KL; the stage ends once all have converged.
+  std::map<std::string, std::unique_ptr<ConvergenceTracker>> domain_trackers_;
   std::unique_ptr<LearnerServer> admin_;
+  // One-step-off sampling: the next step's samples while they are drawn (prefetch_), once a
+  // checkpoint has waited for them (settled_), or as a resumed checkpoint saved them (rank 0's
+  // resumed_samples_). A checkpoint holds them so that its resume samples nothing anew.
+  std::optional<std::future<absl::StatusOr<Rollouts>>> prefetch_;
+  std::optional<absl::StatusOr<Rollouts>> settled_;
+  std::optional<std::vector<opd::rpc::GeneratedSample>> resumed_samples_;
+  uint64_t resumed_prompts_hash_ = 0;
   // Ends every Generate/Score/UpdateWeights in flight when the job stops (a signal or a failure).
   std::shared_ptr<opd::rpc::CallCanceller> canceller_ = std::make_shared<opd::rpc::CallCanceller>();
   SampledTokenLossOptions loss_opts_;
   TopKDivergence divergence_ = TopKDivergence::kMixed;
   Normalization normalization_ = Normalization::kToken;
 
+  nlohmann::json swapped_domains_ = nlohmann::json::object();  // {stage: {domain: endpoints}}
   size_t stage_ = 0;            // index into c_.stages (step_ counts over all stages)
   int64_t weight_version_ = 0;  // version the rollout workers serve
   bool done_ = false;
@@ -165,7 +227,72 @@ absl::Status OpdJob::LoadPrompts() {
   o.drop_final_assistant = true;
   ASSIGN_OR_RETURN(prompts_, lm::PromptDataset::Load(*tokenizer_, o));
   lm::log::Info(absl::StrCat("prompts: ", prompts_->stats().Summary()));
+  if (c_.heldout.sources.empty()) return absl::OkStatus();
+  // The held-out set: the first num_prompts prompts in file order, the same at every evaluation.
+  o.sources.clear();
+  for (const auto& s : c_.heldout.sources) o.sources.push_back({s.name, s.files, s.weight});
+  o.shuffle = false;
+  ASSIGN_OR_RETURN(std::unique_ptr<lm::PromptDataset> heldout,
+                   lm::PromptDataset::Load(*tokenizer_, o));
+  heldout_prompts_ = heldout->NextBatch(static_cast<size_t>(c_.heldout.num_prompts));
+  lm::log::Info(absl::StrCat("held-out prompts: ", heldout_prompts_.size(), ", evaluated every ",
+                             c_.heldout.every, " steps"));
   return absl::OkStatus();
+}
+
+// One response per held-out prompt from the weights just pushed (the same seed every time), each
+// scored by the stage's teachers: the per-response mean of log p_student - log p_teacher over its
+// tokens, on every rank (rank 0 evaluates, the others receive its values or its error).
+absl::StatusOr<std::vector<double>> OpdJob::EvaluateHeldout() {
+  std::string bytes, verdict;
+  if (group_->is_root()) {
+    absl::StatusOr<std::vector<double>> kl = HeldoutReverseKl();
+    if (kl.ok())
+      bytes.assign(reinterpret_cast<const char*>(kl->data()), kl->size() * sizeof(double));
+    else
+      verdict = std::string(kl.status().message());
+  }
+  RETURN_IF_ERROR(group_->BroadcastBytes(&verdict));
+  if (!verdict.empty()) return absl::UnavailableError(verdict);
+  RETURN_IF_ERROR(group_->BroadcastBytes(&bytes));
+  std::vector<double> out(bytes.size() / sizeof(double));
+  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(double));
+  return out;
+}
+
+absl::StatusOr<std::vector<double>> OpdJob::HeldoutReverseKl() {
+  std::vector<std::vector<int32_t>> ids;
+  for (const auto& p : heldout_prompts_) ids.push_back(p.prompt_ids);
+  opd::rpc::GenerateOptions g;
+  g.samples_per_prompt = 1;
+  g.temperature = static_cast<float>(c_.rollout.temperature);
+  g.top_p = static_cast<float>(c_.rollout.top_p);
+  g.top_k = static_cast<int32_t>(c_.rollout.top_k);
+  g.max_new_tokens = static_cast<int32_t>(c_.rollout.max_new_tokens);
+  ASSIGN_OR_RETURN(g.stop_token_ids, lm::ChatFormat::StopIds(*tokenizer_));
+  g.seed = static_cast<uint64_t>(c_.heldout.seed);
+  ASSIGN_OR_RETURN(const auto samples, rollout_->Generate(ids, g));
+  std::vector<opd::rpc::ScoreInput> inputs;
+  for (const auto& s : samples) {
+    const auto& prompt = heldout_prompts_.at(static_cast<size_t>(s.prompt_index)).prompt_ids;
+    inputs.push_back({Concat(prompt, s.tokens), static_cast<int32_t>(prompt.size())});
+  }
+  opd::rpc::ScoreOptions so;
+  so.temperature = static_cast<float>(c_.loss.teacher_temperature);
+  ASSIGN_OR_RETURN(const auto scores, teachers_->Score(inputs, so, [] { return StopRequested(); }));
+  std::vector<double> kl;
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const auto& student = samples[i].logprobs;
+    const auto& teacher = scores.at(i).logprobs;
+    if (student.empty() || teacher.size() != student.size())
+      return absl::InternalError(absl::StrCat("held-out prompt ", samples[i].prompt_index, ": ",
+                                              teacher.size(), " teacher log-probs for ",
+                                              student.size(), " sampled tokens"));
+    double sum = 0;
+    for (size_t t = 0; t < student.size(); ++t) sum += student[t] - teacher[t];
+    kl.push_back(sum / static_cast<double>(student.size()));
+  }
+  return kl;
 }
 
 absl::Status OpdJob::ConnectRollout() {
@@ -190,6 +317,14 @@ absl::Status OpdJob::StartStage(size_t index, bool resumed) {
   po.client.canceller = canceller_;
   TeacherRequirements req{tokenizer_->Fingerprint(), model_->config().vocab_size};
   ASSIGN_OR_RETURN(teachers_, TeacherPool::Connect(s.name, s.teachers, req, po));
+  domain_teachers_.clear();
+  metric_domains_.clear();
+  for (const auto& d : s.domains) {
+    ASSIGN_OR_RETURN(domain_teachers_[d.domain],
+                     TeacherPool::Connect(DomainPoolName(s.name, d.domain), d.teachers, req, po));
+    metric_domains_.push_back(d.domain);
+  }
+  if (!s.domains.empty()) metric_domains_.push_back(kOtherDomain);
   if (!resumed) {
     ConvergenceRule rule;
     rule.max_steps = s.max_steps;
@@ -198,6 +333,17 @@ absl::Status OpdJob::StartStage(size_t index, bool resumed) {
     rule.min_rel_improvement = s.plateau.min_rel_improvement;
     rule.ema_beta = s.plateau.ema_beta;
     rule.min_steps = s.plateau.min_steps;
+    rule.heldout = s.plateau.metric == "heldout";
+    rule.z = s.plateau.z;
+    domain_trackers_.clear();
+    if (s.plateau.per_domain) {
+      // Each domain's KL has the plateau rule; the stage's own tracker keeps the step budget.
+      ConvergenceRule per = rule;
+      per.max_steps = 0;
+      for (const auto& d : s.domains)
+        domain_trackers_[d.domain] = std::make_unique<ConvergenceTracker>(per);
+      rule.plateau = false;
+    }
     tracker_ = std::make_unique<ConvergenceTracker>(rule);
   }
   stage_ = index;
@@ -206,46 +352,25 @@ absl::Status OpdJob::StartStage(size_t index, bool resumed) {
   return absl::OkStatus();
 }
 
-// Applies a teacher swap requested through the admin RPC (already checked by the handler).
-// Applies a teacher swap requested through rank 0's admin RPC, at a step boundary on the training
-// thread: rank 0 announces the swap (stage and endpoints; empty when there is none), every rank
+// Applies a teacher swap requested through rank 0's admin RPC (already checked by the handler),
+// at a step boundary on the training thread, in four moves: rank 0 takes the queued request,
+// announces it (stage, domain and endpoints; empty when there is none), every rank
 // connects its own pool with the running stage's options (teacher_timeout_s, TLS, secret, the
 // stop canceller) and checks it against the student, and the swap takes effect only if it worked
 // on every rank. The caller of swap-teacher gets that outcome; a refused swap changes nothing.
 absl::Status OpdJob::ApplyPendingSwap() {
   if (group_->size() == 1 && !admin_) return absl::OkStatus();
-  absl::Status collective = absl::OkStatus();
+  absl::Status collective = absl::OkStatus();  // a failed collective ends the job
+  // Announce (rank 0's request, or "" for none), connect on every rank and agree, then install.
   auto apply = [this, &collective](std::string announced) -> absl::Status {
     collective = group_->BroadcastBytes(&announced);
-    if (!collective.ok()) return collective;
-    if (announced.empty()) return absl::OkStatus();
-    const nlohmann::json swap = nlohmann::json::parse(announced);
-    const std::string stage = swap.at("stage").get<std::string>();
-    const auto endpoints = swap.at("endpoints").get<std::vector<std::string>>();
-    const TeacherRequirements req{tokenizer_->Fingerprint(), model_->config().vocab_size};
-    absl::StatusOr<std::unique_ptr<TeacherPool>> pool =
-        TeacherPool::Connect(stage, endpoints, req, teachers_->options());
-    std::vector<double> failed(static_cast<size_t>(group_->size()), 0.0);
-    failed[static_cast<size_t>(group_->rank())] = pool.ok() ? 0.0 : 1.0;
-    absl::StatusOr<std::vector<double>> agreed = group_->AllReduceDoubles(failed);
-    if (!agreed.ok()) return collective = agreed.status();
-    if (!pool.ok()) return pool.status();
-    for (size_t r = 0; r < agreed->size(); ++r) {
-      if ((*agreed)[r] > 0)
-        return absl::UnavailableError(
-            absl::StrCat("learner rank ", r, " cannot connect to the new teachers (see its log)"));
-    }
-    for (auto& s : c_.stages) {
-      if (s.name != stage) continue;
-      s.teachers = endpoints;
-      swapped_[s.name] = s.teachers;
-      if (&s == &c_.stages[stage_]) {
-        teachers_ = std::move(*pool);
-        tracker_->RestartWindow();  // KL to the new teachers is not comparable with the old ones
-      }
-      progress_->Log(absl::StrFormat("teacher swap applied at step %d: stage '%s' now uses %s",
-                                     step_, s.name, absl::StrJoin(s.teachers, ", ")));
-    }
+    if (!collective.ok() || announced.empty()) return collective;
+    const nlohmann::json j = nlohmann::json::parse(announced);
+    const SwapRequest swap{j.at("stage").get<std::string>(),
+                           j.at("endpoints").get<std::vector<std::string>>(),
+                           j.at("domain").get<std::string>()};
+    ASSIGN_OR_RETURN(std::unique_ptr<TeacherPool> pool, ConnectSwap(swap, &collective));
+    InstallSwap(swap, std::move(pool));
     return absl::OkStatus();
   };
   if (!group_->is_root()) {
@@ -253,14 +378,68 @@ absl::Status OpdJob::ApplyPendingSwap() {
     return collective;
   }
   bool served = false;
-  if (admin_) {
+  if (admin_) {  // take the queued request; the admin service answers its caller with apply's
     admin_->ServePendingSwap([&](const SwapRequest& swap) -> absl::Status {
       served = true;
-      return apply(nlohmann::json{{"stage", swap.stage}, {"endpoints", swap.endpoints}}.dump());
+      return apply(nlohmann::json{
+          {"stage", swap.stage}, {"endpoints", swap.endpoints}, {"domain", swap.domain}}
+                       .dump());
     });
   }
   if (!served) (void)apply("");
   return collective;
+}
+
+// Every rank connects to the swap's endpoints (checked against the student as at a stage's
+// start) and all agree: one rank that cannot connect refuses the swap for all.
+absl::StatusOr<std::unique_ptr<TeacherPool>> OpdJob::ConnectSwap(const SwapRequest& swap,
+                                                                 absl::Status* collective) {
+  const TeacherRequirements req{tokenizer_->Fingerprint(), model_->config().vocab_size};
+  const std::string name =
+      swap.domain.empty() ? swap.stage : DomainPoolName(swap.stage, swap.domain);
+  absl::StatusOr<std::unique_ptr<TeacherPool>> pool =
+      TeacherPool::Connect(name, swap.endpoints, req, teachers_->options());
+  std::vector<double> failed(static_cast<size_t>(group_->size()), 0.0);
+  failed[static_cast<size_t>(group_->rank())] = pool.ok() ? 0.0 : 1.0;
+  absl::StatusOr<std::vector<double>> agreed = group_->AllReduceDoubles(failed);
+  if (!agreed.ok()) return *collective = agreed.status();
+  if (!pool.ok()) return pool.status();
+  for (size_t r = 0; r < agreed->size(); ++r) {
+    if ((*agreed)[r] > 0)
+      return absl::UnavailableError(
+          absl::StrCat("learner rank ", r, " cannot connect to the new teachers (see its log)"));
+  }
+  return pool;
+}
+
+// The swap takes effect: the config (and the record that outlives a restart) names the new
+// endpoints; for the running stage the pool changes now and the windows of the KL it changes
+// restart (KL to the new teachers is not comparable with the old).
+void OpdJob::InstallSwap(const SwapRequest& swap, std::unique_ptr<TeacherPool> pool) {
+  for (auto& s : c_.stages) {
+    if (s.name != swap.stage) continue;
+    const bool running = &s == &c_.stages[stage_];
+    if (swap.domain.empty()) {
+      s.teachers = swap.endpoints;
+      swapped_[s.name] = swap.endpoints;
+      if (running) teachers_ = std::move(pool);
+    } else {
+      for (auto& d : s.domains) {
+        if (d.domain == swap.domain) d.teachers = swap.endpoints;
+      }
+      swapped_domains_[s.name][swap.domain] = swap.endpoints;
+      if (running) {
+        domain_teachers_[swap.domain] = std::move(pool);
+        if (auto it = domain_trackers_.find(swap.domain); it != domain_trackers_.end())
+          it->second->RestartWindow();
+      }
+    }
+    if (running) tracker_->RestartWindow();  // the stage's KL mixes every pool's
+    progress_->Log(
+        absl::StrFormat("teacher swap applied at step %d: stage '%s'%s now uses %s", step_, s.name,
+                        swap.domain.empty() ? "" : absl::StrCat(" (domain '", swap.domain, "')"),
+                        absl::StrJoin(swap.endpoints, ", ")));
+  }
 }
 
 std::vector<lm::PromptExample> OpdJob::DrawPrompts(lm::DataCursor* cursor_after) {
@@ -301,31 +480,84 @@ absl::StatusOr<Rollouts> OpdJob::Sample(std::vector<lm::PromptExample> prompts,
 // indexed like r.samples, with the other ranks' samples left empty.
 absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> OpdJob::Score(
     const Rollouts& r, const std::vector<MicroBatch>& mine) {
-  std::vector<size_t> which;
-  for (const MicroBatch& mb : mine) which.insert(which.end(), mb.samples.begin(), mb.samples.end());
-  std::vector<opd::rpc::ScoreInput> inputs;
-  inputs.reserve(which.size());
-  for (size_t i : which) {
-    const auto& s = r.samples[i];
-    const auto& prompt = r.prompts[s.prompt_index].prompt_ids;
-    inputs.push_back({Concat(prompt, s.tokens), static_cast<int32_t>(prompt.size())});
+  // This rank's samples, grouped by the pool that scores them (their domain's or the default).
+  std::map<TeacherPool*, std::vector<size_t>> by_pool;
+  for (const MicroBatch& mb : mine) {
+    for (size_t i : mb.samples) by_pool[&PoolFor(DomainOf(r, i))].push_back(i);
   }
   std::vector<opd::rpc::ScoreOutput> out(r.samples.size());
-  if (inputs.empty()) return out;
   opd::rpc::ScoreOptions so;
   so.temperature = static_cast<float>(c_.loss.teacher_temperature);
   so.top_k = c_.loss.form == "topk" ? static_cast<int32_t>(c_.loss.top_k) : 0;
-  ASSIGN_OR_RETURN(auto scores, teachers_->Score(inputs, so, [] { return StopRequested(); }));
-  for (size_t j = 0; j < scores.size(); ++j) {
-    const size_t i = which[j];
-    if (scores[j].logprobs.size() != r.samples[i].tokens.size()) {
-      return absl::InternalError(absl::StrCat("teacher returned ", scores[j].logprobs.size(),
-                                              " scores for a response of ",
-                                              r.samples[i].tokens.size(), " tokens"));
+  auto score = [&](TeacherPool* pool, const std::vector<size_t>& which) -> absl::Status {
+    std::vector<opd::rpc::ScoreInput> inputs;
+    inputs.reserve(which.size());
+    for (size_t i : which) {
+      const auto& s = r.samples[i];
+      const auto& prompt = r.prompts[s.prompt_index].prompt_ids;
+      inputs.push_back({Concat(prompt, s.tokens), static_cast<int32_t>(prompt.size())});
     }
-    out[i] = std::move(scores[j]);
-  }
+    ASSIGN_OR_RETURN(auto scores, pool->Score(inputs, so, [] { return StopRequested(); }));
+    for (size_t j = 0; j < scores.size(); ++j) {
+      const size_t i = which[j];
+      if (scores[j].logprobs.size() != r.samples[i].tokens.size()) {
+        return absl::InternalError(
+            absl::StrCat("teacher pool '", pool->stage(), "' returned ", scores[j].logprobs.size(),
+                         " scores for a response of ", r.samples[i].tokens.size(), " tokens"));
+      }
+      out[i] = std::move(scores[j]);  // each sample has one pool: no two writers share a slot
+    }
+    return absl::OkStatus();
+  };
+  // The pools score at once (each spreads over its own replicas); the first error is the step's.
+  std::vector<std::future<absl::Status>> running;
+  for (const auto& [pool, which] : by_pool)
+    running.push_back(std::async(std::launch::async, score, pool, std::cref(which)));
+  absl::Status status = absl::OkStatus();
+  for (auto& f : running) status.Update(f.get());
+  RETURN_IF_ERROR(status);
   return out;
+}
+
+// Adds a micro-batch's samples to their domains' sums (one host copy of the learner's log-probs).
+void OpdJob::AddDomainSums(const Rollouts& r, const MicroBatch& mb, const torch::Tensor& lp,
+                           const std::vector<float>& teacher_lp, StepStats* st) const {
+  if (metric_domains_.empty()) return;
+  const torch::Tensor student = lp.detach().to(torch::kCPU, torch::kFloat64).contiguous();
+  const double* s = student.data_ptr<double>();
+  size_t at = 0;
+  for (size_t i : mb.samples) {
+    double* row = &st->domain_sums[MetricRow(DomainOf(r, i)) * kDomainSums];
+    const size_t n = r.samples[i].tokens.size();
+    row[kDomainSequences] += 1;
+    row[kDomainTokens] += static_cast<double>(n);
+    for (size_t t = at; t < at + n; ++t) {
+      row[kDomainKl] += s[t] - teacher_lp[t];
+      row[kDomainTeacherLp] += teacher_lp[t];
+      row[kDomainStudentLp] += s[t];
+    }
+    at += n;
+  }
+}
+
+// A sample's data domain: its prompt line's "domain", or else its source's name.
+const std::string& OpdJob::DomainOf(const Rollouts& r, size_t sample) const {
+  const lm::PromptExample& p = r.prompts[r.samples[sample].prompt_index];
+  if (!p.domain.empty()) return p.domain;
+  return c_.prompts.sources[static_cast<size_t>(p.source)].name;
+}
+
+TeacherPool& OpdJob::PoolFor(const std::string& domain) {
+  auto it = domain_teachers_.find(domain);
+  return it == domain_teachers_.end() ? *teachers_ : *it->second;
+}
+
+// The row of metric_domains_ a domain's sums go to (kOtherDomain for a domain without a pool).
+size_t OpdJob::MetricRow(const std::string& domain) const {
+  for (size_t d = 0; d + 1 < metric_domains_.size(); ++d) {
+    if (metric_domains_[d] == domain) return d;
+  }
+  return metric_domains_.size() - 1;
 }
 
 // Rank r learns micro-batches r, r + N, ... of the step (each rank packs them all the same way).
@@ -432,6 +664,109 @@ absl::StatusOr<Rollouts> OpdJob::ShareRollouts(absl::StatusOr<Rollouts> mine) {
   return mine;
 }
 
+// Every rank draws the same prompts; rank 0 samples them (in the background) and shares the
+// samples at the step.
+std::future<absl::StatusOr<Rollouts>> OpdJob::LaunchSampling() {
+  lm::DataCursor after;
+  auto prompts = DrawPrompts(&after);
+  if (!group_->is_root()) {
+    return std::async(std::launch::deferred,
+                      [p = std::move(prompts), after]() mutable -> absl::StatusOr<Rollouts> {
+                        Rollouts r;
+                        r.prompts = std::move(p);
+                        r.cursor_after = std::move(after);
+                        return r;
+                      });
+  }
+  return std::async(std::launch::async, [this, p = std::move(prompts), after]() mutable {
+    return Sample(std::move(p), std::move(after));
+  });
+}
+
+namespace {
+
+// FNV-1a over a step's prompts: a resume checks that the prompts it draws are the ones the
+// checkpoint's samples answer (the data files or the mixture did not change in between).
+uint64_t PromptsHash(const std::vector<lm::PromptExample>& prompts) {
+  uint64_t h = 1469598103934665603ULL;
+  auto mix = [&h](uint64_t v) {
+    for (int b = 0; b < 8; ++b) h = (h ^ ((v >> (8 * b)) & 0xff)) * 1099511628211ULL;
+  };
+  for (const auto& p : prompts) {
+    mix(p.prompt_ids.size());
+    for (int32_t id : p.prompt_ids) mix(static_cast<uint32_t>(id));
+  }
+  return h;
+}
+
+constexpr const char* kPrefetchedFile = "prefetched_samples.bin";
+
+}  // namespace
+
+// This step's samples: the prefetched ones (settled by a checkpoint or still being drawn), the
+// ones a resumed checkpoint saved (rank 0; the others draw the same prompts), or new ones.
+absl::StatusOr<Rollouts> OpdJob::NextRollouts() {
+  if (settled_) {
+    absl::StatusOr<Rollouts> r = std::move(*settled_);
+    settled_.reset();
+    return r;
+  }
+  if (prefetch_) {
+    absl::StatusOr<Rollouts> r = prefetch_->get();
+    prefetch_.reset();
+    return r;
+  }
+  if (!resumed_samples_) return LaunchSampling().get();
+  Rollouts r;
+  r.prompts = DrawPrompts(&r.cursor_after);
+  r.samples = std::move(*resumed_samples_);
+  resumed_samples_.reset();
+  if (PromptsHash(r.prompts) != resumed_prompts_hash_)
+    return absl::FailedPreconditionError(
+        "the checkpoint's prefetched samples answer other prompts than the data now gives (the "
+        "prompt files or the mixture changed since): resume from a checkpoint taken without "
+        "train.async, or restore the data");
+  for (const auto& s : r.samples) {
+    if (s.prompt_index < 0 || static_cast<size_t>(s.prompt_index) >= r.prompts.size())
+      return absl::DataLossError(absl::StrCat("the checkpoint's prefetched samples name prompt ",
+                                              s.prompt_index, " of ", r.prompts.size()));
+  }
+  return r;
+}
+
+// Waits for the prefetched samples so that a checkpoint can hold them. A prefetch that failed
+// stays settled as its error: the next step fails as it would have.
+void OpdJob::SettlePrefetch() {
+  if (!prefetch_) return;
+  settled_ = prefetch_->get();
+  prefetch_.reset();
+}
+
+absl::Status OpdJob::WriteJobFiles(const std::string& dir) const {
+  if (!settled_ || !settled_->ok()) return absl::OkStatus();
+  return WriteFileAtomic(dir + "/" + kPrefetchedFile, EncodeSamples((*settled_)->samples));
+}
+
+// Rank 0 takes the samples a one-step-off checkpoint saved for the next step.
+absl::Status OpdJob::LoadPrefetched(const std::string& checkpoint, const nlohmann::json& state) {
+  if (!state.contains("prefetched")) return absl::OkStatus();
+  if (!c_.train.async) {
+    lm::log::Info(
+        "the checkpoint holds one-step-off samples; train.async is off, so the next "
+        "step samples anew");
+    return absl::OkStatus();
+  }
+  resumed_prompts_hash_ = std::stoull(state.at("prefetched").at("prompts_hash").get<std::string>());
+  if (!group_->is_root()) return absl::OkStatus();
+  const std::string path = checkpoint + "/" + kPrefetchedFile;
+  ASSIGN_OR_RETURN(const std::string bytes, opd::rpc::ReadFile(path));
+  absl::StatusOr<std::vector<opd::rpc::GeneratedSample>> samples = DecodeSamples(bytes);
+  if (!samples.ok())
+    return absl::DataLossError(absl::StrCat(path, ": ", samples.status().message()));
+  resumed_samples_ = std::move(*samples);
+  return absl::OkStatus();
+}
+
 // Sums (and extremes) of the step's statistics over the ranks, so every rank logs and decides
 // (convergence, non-finite steps) on the same numbers.
 absl::Status OpdJob::ReduceStats(StepStats* st) {
@@ -459,6 +794,9 @@ absl::Status OpdJob::ReduceStats(StepStats* st) {
   l.tokens = sums[8];
   l.ratio_min = std::isfinite(lo[0]) ? lo[0] : 0;
   l.ratio_max = std::isfinite(hi[0]) ? hi[0] : 0;
+  if (!st->domain_sums.empty()) {
+    ASSIGN_OR_RETURN(st->domain_sums, group_->AllReduceDoubles(st->domain_sums));
+  }
   return absl::OkStatus();
 }
 
@@ -527,8 +865,8 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<MicroBatch>& min
   }
   int64_t sequences = 0;  // responses with a token: the "sequence" normalisation's count
   for (const auto& s : r.samples) sequences += s.tokens.empty() ? 0 : 1;
-  const auto& nan_steps = c_.debug.nan_steps;
-  const bool poison = std::find(nan_steps.begin(), nan_steps.end(), step_ + 1) != nan_steps.end();
+  st->domain_sums.assign(metric_domains_.size() * kDomainSums, 0.0);
+  const bool poison = Contains(c_.debug.nan_steps, step_ + 1);
   lm::LogprobOptions lo;
   lo.temperature = c_.rollout.temperature;
   ForwardPrecision autocast(optimizer_->precision(), device_);
@@ -578,15 +916,15 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<MicroBatch>& min
     st->teacher_lp_sum += lp_teacher.sum().item<double>();
     st->student_lp_sum += lp.detach().sum().item<double>();
     st->entropy_sum += entropy.sum().item<double>();
+    AddDomainSums(r, mb, lp, teacher_lp, st);
   }
   // Buckets, then statistics, on every rank (see sft.cc: a rank with no micro-batch sends its
   // buckets in ReduceAndClip).
   ASSIGN_OR_RETURN(st->grad_norm, optimizer_->ReduceAndClip(c_.optim.max_grad_norm));
   RETURN_IF_ERROR(ReduceStats(st));
-  st->lr = schedule_.LrAt(step_);
+  st->lr = NextLr();
   st->skipped = !std::isfinite(st->loss_value) || !std::isfinite(st->grad_norm);
-  if (!st->skipped) RETURN_IF_ERROR(optimizer_->Step(st->lr));
-  optimizer_->ZeroGrad();
+  RETURN_IF_ERROR(ApplyUpdate(st->skipped, st->lr, r.cursor_after));  // step_ counts this step now
   st->learn_s = Seconds(t0);
   return absl::OkStatus();
 }
@@ -602,6 +940,24 @@ absl::Status OpdJob::PushWeights() {
   if (!pushed.ok()) return pushed;
   if (!verdict.empty()) return absl::UnavailableError(absl::StrCat("rank 0: ", verdict));
   return absl::OkStatus();
+}
+
+// Per domain: the mean per-token reverse KL, teacher and student log-probs (NaN for a domain
+// without tokens this step: no value rather than a made-up 0), its tokens and sequences.
+Scalars OpdJob::DomainScalars(const StepStats& st) const {
+  Scalars out;
+  for (size_t d = 0; d < metric_domains_.size(); ++d) {
+    const double* row = &st.domain_sums[d * kDomainSums];
+    const double tokens = row[kDomainTokens];
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    const std::string& name = metric_domains_[d];
+    out.push_back({"teacher_kl/" + name, tokens > 0 ? row[kDomainKl] / tokens : nan});
+    out.push_back({"teacher_logprob/" + name, tokens > 0 ? row[kDomainTeacherLp] / tokens : nan});
+    out.push_back({"student_logprob/" + name, tokens > 0 ? row[kDomainStudentLp] / tokens : nan});
+    out.push_back({"tokens/" + name, tokens});
+    out.push_back({"sequences/" + name, row[kDomainSequences]});
+  }
+  return out;
 }
 
 void OpdJob::LogStep(const StepStats& st) {
@@ -639,6 +995,7 @@ void OpdJob::LogStep(const StepStats& st) {
                  {"time/push_s", st.push_s},
                  {"time/step_s", st.step_s},
                  {"throughput/tokens_per_s", static_cast<double>(st.total_tokens) / st.step_s}});
+  if (!metric_domains_.empty()) metrics_->Log(step_, DomainScalars(st));
   progress_->Update({step_, st.loss.reverse_kl_sum / n, st.lr,
                      static_cast<double>(st.total_tokens) / st.step_s, st.grad_norm, st.skipped},
                     st.step_s);
@@ -647,6 +1004,52 @@ void OpdJob::LogStep(const StepStats& st) {
 // Feeds the stage's rule; on convergence logs the stage summary and returns true.
 bool OpdJob::FinishStageIfConverged(double reverse_kl) {
   if (!tracker_->Update(reverse_kl)) return false;
+  RecordStageEnd();
+  return true;
+}
+
+// plateau.per_domain: feeds each domain's KL to its rule (a domain that has converged stays so);
+// once every domain has, the stage ends.
+bool OpdJob::FinishStageOnDomains(const StepStats& st) {
+  bool all = true;
+  for (auto& [domain, tracker] : domain_trackers_) {
+    if (!tracker->reason().empty()) continue;
+    const double* row = &st.domain_sums[MetricRow(domain) * kDomainSums];
+    // A skipped step, or one without this domain's samples, counts as a step but is not averaged.
+    const double kl = st.skipped || row[kDomainTokens] == 0
+                          ? std::numeric_limits<double>::quiet_NaN()
+                          : row[kDomainKl] / row[kDomainTokens];
+    if (tracker->Update(kl)) {
+      progress_->Log(absl::StrFormat("step %d: domain '%s' of stage '%s' converged (%s)", step_,
+                                     domain, c_.stages[stage_].name, tracker->reason()));
+    } else {
+      all = false;
+    }
+  }
+  if (!all) return false;
+  tracker_->MarkConverged("domains_plateau");
+  RecordStageEnd();
+  return true;
+}
+
+// Feeds a held-out evaluation to the stage's rule, as FinishStageIfConverged.
+bool OpdJob::FinishStageOnHeldout(const std::vector<double>& kl) {
+  if (!tracker_->UpdateHeldout(kl)) return false;
+  RecordStageEnd();
+  return true;
+}
+
+void OpdJob::LogHeldout(const std::vector<double>& kl) {
+  const EvalSummary e = EvalSummary::Of(kl);
+  if (metrics_)
+    metrics_->Log(step_, {{"opd/heldout_reverse_kl", e.mean},
+                          {"opd/heldout_reverse_kl_se", e.StandardError()},
+                          {"opd/heldout_samples", static_cast<double>(e.n)}});
+  progress_->Log(absl::StrFormat("step %d: held-out reverse KL %.5f (se %.5f, %d responses)", step_,
+                                 e.mean, e.StandardError(), e.n));
+}
+
+void OpdJob::RecordStageEnd() {
   const auto& s = c_.stages[stage_];
   nlohmann::json summary = {{"stage", s.name},
                             {"steps", tracker_->steps()},
@@ -658,17 +1061,28 @@ bool OpdJob::FinishStageIfConverged(double reverse_kl) {
   progress_->Log(
       absl::StrFormat("stage '%s' finished after %d steps (%s): smoothed reverse KL %.4f", s.name,
                       tracker_->steps(), tracker_->reason(), tracker_->smoothed()));
-  return true;
 }
 
 nlohmann::json OpdJob::JobState() const {
-  return {{"stage", stage_},
-          {"stage_name", c_.stages[stage_].name},
-          {"stage_done", done_},
-          {"convergence", tracker_->ToJson()},
-          {"stage_summaries", stage_summaries_},
-          {"swapped_teachers", swapped_},
-          {"weight_version", weight_version_}};
+  nlohmann::json state = {{"stage", stage_},
+                          {"stage_name", c_.stages[stage_].name},
+                          {"stage_done", done_},
+                          {"convergence", tracker_->ToJson()},
+                          {"stage_summaries", stage_summaries_},
+                          {"swapped_teachers", swapped_},
+                          {"swapped_domain_teachers", swapped_domains_},
+                          {"weight_version", weight_version_}};
+  if (!domain_trackers_.empty()) {
+    nlohmann::json domains = nlohmann::json::object();
+    for (const auto& [domain, tracker] : domain_trackers_) domains[domain] = tracker->ToJson();
+    state["domain_convergence"] = domains;
+  }
+  // One-step-off: the next step's samples are in kPrefetchedFile (WriteJobFiles).
+  if (settled_ && settled_->ok())
+    state["prefetched"] = {{"file", kPrefetchedFile},
+                           {"samples", (*settled_)->samples.size()},
+                           {"prompts_hash", std::to_string(PromptsHash((*settled_)->prompts))}};
+  return state;
 }
 
 // A step that cannot finish. When a stop signal is what failed it, stops as for the signal;
@@ -701,8 +1115,14 @@ absl::Status OpdJob::Resume(const std::string& checkpoint) {
   stage_summaries_ = state.at("stage_summaries");
   // Endpoints swapped in through the admin RPC outlive a restart; the config's others stand.
   swapped_ = state.value("swapped_teachers", nlohmann::json::object());
+  swapped_domains_ = state.value("swapped_domain_teachers", nlohmann::json::object());
   for (auto& s : c_.stages) {
     if (swapped_.contains(s.name)) s.teachers = swapped_[s.name].get<std::vector<std::string>>();
+    if (!swapped_domains_.contains(s.name)) continue;
+    for (auto& d : s.domains) {
+      if (swapped_domains_[s.name].contains(d.domain))
+        d.teachers = swapped_domains_[s.name][d.domain].get<std::vector<std::string>>();
+    }
   }
   stage_ = state.at("stage").get<size_t>();
   if (stage_ >= c_.stages.size() ||
@@ -743,7 +1163,11 @@ absl::Status OpdJob::Init(const JobArgs& args) {
     RETURN_IF_ERROR(LoadStudent(c_.model.path));
   }
   RETURN_IF_ERROR(LoadPrompts());
-  if (resumed) RETURN_IF_ERROR(prompts_->Seek(cursor_));
+  if (resumed) {
+    RETURN_IF_ERROR(prompts_->Seek(cursor_));
+    ASSIGN_OR_RETURN(const nlohmann::json state, ReadTrainerState(resume_from));
+    RETURN_IF_ERROR(LoadPrefetched(resume_from, state));
+  }
   cursor_ = prompts_->cursor();
   if (root) {  // only rank 0 talks to the rollout workers
     RETURN_IF_ERROR(ConnectRollout());
@@ -760,6 +1184,10 @@ absl::Status OpdJob::Init(const JobArgs& args) {
     } else {
       RETURN_IF_ERROR(StartStage(stage_, false));
       tracker_->FromJson(state.at("convergence"));
+      const nlohmann::json domains = state.value("domain_convergence", nlohmann::json::object());
+      for (auto& [domain, tracker] : domain_trackers_) {
+        if (domains.contains(domain)) tracker->FromJson(domains.at(domain));
+      }
     }
   }
   if (root && !c_.admin.listen.empty()) {
@@ -769,7 +1197,10 @@ absl::Status OpdJob::Init(const JobArgs& args) {
     ao.port_file = c_.admin.port_file;
     ao.tls = AdminTls(c_.auth);
     ao.insecure = c_.admin.insecure;
-    for (const auto& s : c_.stages) ao.stages.push_back(s.name);
+    for (const auto& s : c_.stages) {
+      ao.stages.push_back(s.name);
+      for (const auto& d : s.domains) ao.stage_domains[s.name].push_back(d.domain);
+    }
     ASSIGN_OR_RETURN(admin_, LearnerServer::Start(ao));
   }
   RETURN_IF_ERROR(OpenRecords(schedule_.total_steps, c_.logging, resumed));
@@ -787,40 +1218,20 @@ absl::Status OpdJob::Run() {
   InstallStopHandlers();
   // The signal handler only sets a flag; this ends the calls in flight (deadlines up to an hour).
   StopCallback cancel_calls([c = canceller_] { c->Cancel(); });
-  std::optional<std::future<absl::StatusOr<Rollouts>>> prefetch;
-  // Every rank draws the same prompts; rank 0 samples them and shares the samples at the step.
-  auto launch = [this] {
-    lm::DataCursor after;
-    auto prompts = DrawPrompts(&after);
-    if (!group_->is_root()) {
-      return std::async(std::launch::deferred,
-                        [p = std::move(prompts), after]() mutable -> absl::StatusOr<Rollouts> {
-                          Rollouts r;
-                          r.prompts = std::move(p);
-                          r.cursor_after = std::move(after);
-                          return r;
-                        });
-    }
-    return std::async(std::launch::async, [this, p = std::move(prompts), after]() mutable {
-      return Sample(std::move(p), std::move(after));
-    });
-  };
   while (!done_) {
     ASSIGN_OR_RETURN(const bool stop, StopAgreed());
     if (stop) return StopForSignal();
     RETURN_IF_ERROR(ApplyPendingSwap());
     const auto t0 = Clock::now();
     StepStats st;
-    auto current = prefetch ? std::move(*prefetch) : launch();
-    prefetch.reset();
-    absl::StatusOr<Rollouts> sampled = ShareRollouts(current.get());
+    absl::StatusOr<Rollouts> sampled = ShareRollouts(NextRollouts());
     if (!sampled.ok()) return FailStep(sampled.status(), "sampling");
     Rollouts r = std::move(*sampled);
     st.sample_s = Seconds(t0);
     st.sample_work_s = r.seconds;
     st.samples = SummarizeSamples(r.samples, weight_version_);
     // One-step-off: the next step's sampling runs on the current weights while this step learns.
-    if (c_.train.async) prefetch = launch();
+    if (c_.train.async) prefetch_ = LaunchSampling();
     auto t1 = Clock::now();
     const std::vector<MicroBatch> mine = MyMicroBatches(r);
     auto scores = Score(r, mine);
@@ -833,41 +1244,54 @@ absl::Status OpdJob::Run() {
                       "scoring");
     st.score_s = Seconds(t1);
     if (absl::Status s = Learn(r, mine, *scores, &st); !s.ok()) return FailStep(s, "learning");
-    t1 = Clock::now();
-    if (absl::Status pushed = PushWeights(); !pushed.ok()) {
-      // The update is in the learner's weights: the step is complete, only its distribution
-      // failed (a resumed job pushes its weights first), so the checkpoint is of this step.
-      ++step_;
-      cursor_ = r.cursor_after;
-      return FailStep(pushed, "the weight push");
-    }
-    st.push_s = Seconds(t1);
-    st.step_s = Seconds(t0);
-    ++step_;
-    cursor_ = r.cursor_after;
+    // The step is complete from here (step_ counts it), and so is its bookkeeping: whatever fails
+    // after this is checkpointed as this step.
     CountNonFinite(st.skipped, st.loss_value, st.grad_norm);
-    if (admin_)
-      admin_->SetStatus(
-          {c_.stages[stage_].name, step_, c_.stages[stage_].teachers, weight_version_});
     // A skipped step (non-finite loss or gradient) changed nothing: its KL is not averaged.
     const double reverse_kl =
         st.skipped ? std::numeric_limits<double>::quiet_NaN()
                    : st.loss.reverse_kl_sum /
                          static_cast<double>(std::max<int64_t>(st.response_tokens, 1));
-    const bool stage_over = FinishStageIfConverged(reverse_kl);
+    bool stage_over = FinishStageIfConverged(reverse_kl);
+    if (!stage_over && !domain_trackers_.empty()) stage_over = FinishStageOnDomains(st);
+    if (stage_over) done_ = stage_ + 1 == c_.stages.size();
+    if (Contains(c_.debug.throw_after_update_steps, step_))
+      throw std::runtime_error(absl::StrCat("debug.throw_after_update_steps: step ", step_));
+    t1 = Clock::now();
+    absl::Status pushed = PushWeights();
+    if (pushed.ok() && Contains(c_.debug.fail_push_steps, step_))
+      pushed = absl::UnavailableError(absl::StrCat("debug.fail_push_steps: step ", step_));
+    st.push_s = Seconds(t1);
+    st.step_s = Seconds(t0);
+    if (admin_)
+      admin_->SetStatus(
+          {c_.stages[stage_].name, step_, c_.stages[stage_].teachers, weight_version_});
     LogStep(st);
+    // Only the step's distribution failed, after its bookkeeping: the checkpoint is of this step
+    // (a resumed job pushes its weights first).
+    if (!pushed.ok()) return FailStep(pushed, "the weight push");
+    if (!heldout_prompts_.empty() && step_ % c_.heldout.every == 0) {
+      absl::StatusOr<std::vector<double>> kl = EvaluateHeldout();
+      if (!kl.ok()) return FailStep(kl.status(), "the held-out evaluation");
+      LogHeldout(*kl);
+      if (!stage_over && FinishStageOnHeldout(*kl)) {
+        stage_over = true;
+        done_ = stage_ + 1 == c_.stages.size();
+      }
+    }
     RETURN_IF_ERROR(CheckNonFinite(c_.train.max_consecutive_nonfinite));
     if (stage_over) {
       // The checkpoint records the finished stage (its rule says why); a resume from it starts
       // the next stage. The next stage's teachers are checked before any step is spent on them.
-      done_ = stage_ + 1 == c_.stages.size();
+      SettlePrefetch();
       RETURN_IF_ERROR(SaveCheckpoint());
       if (!done_) RETURN_IF_ERROR(StartStage(stage_ + 1, false));
     } else if (c_.checkpoint.every > 0 && step_ % c_.checkpoint.every == 0) {
+      SettlePrefetch();  // the next step's samples go into the checkpoint
       RETURN_IF_ERROR(SaveCheckpoint());
     }
   }
-  if (prefetch) (void)prefetch->get();
+  if (prefetch_) (void)prefetch_->get();
   progress_->Finish();
   nlohmann::json summary = {{"steps", step_},
                             {"stages", stage_summaries_},

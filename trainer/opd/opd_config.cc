@@ -3,6 +3,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "lm/model/sampling_limits.h"
 #include "lm/util/status.h"
 #include "trainer/common/config.h"
 #include "trainer/opd/opd_loss.h"
@@ -14,15 +15,57 @@ absl::Status Bad(const std::string& key, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat(key, ": ", what));
 }
 
+// Below lm::kMinTemperature logits / T stops being finite in fp32 (1e-45 gave NaN log-probs);
+// above lm::kMaxTemperature it is a typo (lm/model/sampling_limits.h says why).
+absl::Status Temperature(const std::string& key, double t) {
+  return validate::InRange(key, t, lm::kMinTemperature, lm::kMaxTemperature);
+}
+
 absl::Status ValidatePlateau(const std::string& key, const PlateauConfig& p) {
-  if (p.enabled) {
-    RETURN_IF_ERROR(validate::IntAtLeast(key + ".window", p.window, 1));
-    // 0 could never fire (a change is never < 0): the stage would run forever.
+  // The window is read even when the rule is off (the tracker keeps window + 1 values).
+  RETURN_IF_ERROR(validate::IntInRange(key + ".window", p.window, 1, limits::kMaxSteps));
+  // 0 could never fire (a change is never < 0): the stage would run forever.
+  if (p.enabled)
     RETURN_IF_ERROR(validate::Above(key + ".min_rel_improvement", p.min_rel_improvement, 0));
-  }
-  RETURN_IF_ERROR(validate::Finite(key + ".min_rel_improvement", p.min_rel_improvement));
+  RETURN_IF_ERROR(validate::AtLeast(key + ".min_rel_improvement", p.min_rel_improvement, 0));
   RETURN_IF_ERROR(validate::InHalfOpen(key + ".ema_beta", p.ema_beta, 0, 1));
-  return validate::IntAtLeast(key + ".min_steps", p.min_steps, 0);
+  RETURN_IF_ERROR(validate::OneOf(key + ".metric", p.metric, {"train", "heldout"}));
+  RETURN_IF_ERROR(validate::InRange(key + ".z", p.z, 0, 10));
+  return validate::IntInRange(key + ".min_steps", p.min_steps, 0, limits::kMaxSteps);
+}
+
+absl::Status ValidateHeldout(const OpdConfig& c) {
+  const OpdHeldoutConfig& h = c.heldout;
+  for (size_t i = 0; i < c.stages.size(); ++i) {
+    if (c.stages[i].plateau.metric == "heldout" && h.sources.empty())
+      return Bad(absl::StrCat("stages[", i, "].plateau.metric"),
+                 "'heldout' needs held-out prompts (heldout.sources)");
+  }
+  if (h.sources.empty()) return absl::OkStatus();
+  RETURN_IF_ERROR(ValidateSources("heldout.sources", h.sources));
+  RETURN_IF_ERROR(validate::IntInRange("heldout.num_prompts", h.num_prompts, 1, limits::kMaxBatch));
+  return validate::IntInRange("heldout.every", h.every, 1, limits::kMaxSteps);
+}
+
+absl::Status ValidateDomains(const std::string& key, const OpdStageConfig& s) {
+  std::set<std::string> domains;
+  for (size_t d = 0; d < s.domains.size(); ++d) {
+    const auto& dom = s.domains[d];
+    const std::string dkey = absl::StrCat(key, ".domains[", d, "]");
+    if (dom.domain.empty()) return Bad(dkey + ".domain", "required");
+    if (!domains.insert(dom.domain).second)
+      return Bad(dkey + ".domain", absl::StrCat("duplicate domain '", dom.domain, "'"));
+    if (dom.teachers.empty())
+      return Bad(dkey + ".teachers", "at least one teacher endpoint is required");
+    RETURN_IF_ERROR(validate::DistinctNonEmpty(dkey + ".teachers", dom.teachers));
+  }
+  if (s.plateau.per_domain) {
+    if (s.domains.empty()) return Bad(key + ".plateau.per_domain", "needs the stage's domains");
+    if (s.plateau.metric != "train")
+      return Bad(key + ".plateau.per_domain", "watches the training KL: use metric train");
+    if (!s.plateau.enabled) return Bad(key + ".plateau.per_domain", "needs plateau.enabled");
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ValidateStages(const OpdConfig& c) {
@@ -36,11 +79,14 @@ absl::Status ValidateStages(const OpdConfig& c) {
       return Bad(key + ".name", absl::StrCat("duplicate stage name '", s.name, "'"));
     if (s.teachers.empty())
       return Bad(key + ".teachers", "at least one teacher endpoint is required");
-    RETURN_IF_ERROR(validate::IntAtLeast(key + ".max_steps", s.max_steps, 0));
+    RETURN_IF_ERROR(validate::DistinctNonEmpty(key + ".teachers", s.teachers));
+    // The job sums the stages' budgets: bounded, the sum cannot overflow.
+    RETURN_IF_ERROR(validate::IntInRange(key + ".max_steps", s.max_steps, 0, limits::kMaxSteps));
     if (s.max_steps == 0 && !s.plateau.enabled) {
       return Bad(key, "needs a convergence rule: max_steps > 0 and/or plateau.enabled");
     }
     RETURN_IF_ERROR(ValidatePlateau(key + ".plateau", s.plateau));
+    RETURN_IF_ERROR(ValidateDomains(key, s));
   }
   return absl::OkStatus();
 }
@@ -57,9 +103,14 @@ absl::Status ValidateStages(const OpdConfig& c) {
 absl::Status ValidateRollout(const OpdRolloutConfig& r) {
   if (r.endpoints.empty())
     return Bad("rollout.endpoints", "at least one rollout worker is required");
-  RETURN_IF_ERROR(validate::IntAtLeast("rollout.samples_per_prompt", r.samples_per_prompt, 1));
-  RETURN_IF_ERROR(validate::IntAtLeast("rollout.max_new_tokens", r.max_new_tokens, 1));
-  RETURN_IF_ERROR(validate::Above("rollout.temperature", r.temperature, 0));
+  RETURN_IF_ERROR(validate::DistinctNonEmpty("rollout.endpoints", r.endpoints));
+  // The sampler takes both as int32; samples_per_prompt also multiplies the step's prompts, whose
+  // samples are all held at once.
+  RETURN_IF_ERROR(validate::IntInRange("rollout.samples_per_prompt", r.samples_per_prompt, 1,
+                                       limits::kMaxBatch));
+  RETURN_IF_ERROR(
+      validate::IntInRange("rollout.max_new_tokens", r.max_new_tokens, 1, limits::kMaxTokens));
+  RETURN_IF_ERROR(Temperature("rollout.temperature", r.temperature));
   if (!(r.top_p == 1.0)) {
     return Bad("rollout.top_p",
                absl::StrCat("must be 1.0 for OPD, got ", r.top_p,
@@ -75,17 +126,23 @@ absl::Status ValidateRollout(const OpdRolloutConfig& r) {
   if (r.weight_sync != "grpc" && r.weight_sync != "collective" && r.weight_sync != "auto")
     return Bad("rollout.weight_sync",
                absl::StrCat("'", r.weight_sync, "': use grpc, collective or auto"));
-  RETURN_IF_ERROR(validate::Above("rollout.weight_sync_timeout_s", r.weight_sync_timeout_s, 0));
-  RETURN_IF_ERROR(
-      validate::IntAtLeast("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb, 1));
-  return validate::Above("rollout.timeout_s", r.timeout_s, 0);
+  RETURN_IF_ERROR(validate::AboveAtMost("rollout.weight_sync_timeout_s", r.weight_sync_timeout_s, 0,
+                                        limits::kMaxTimeoutS));
+  RETURN_IF_ERROR(validate::IntInRange("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb, 1,
+                                       limits::kMaxBucketMb));
+  // rollout.seed: any int64 (used as its uint64 bits).
+  return validate::AboveAtMost("rollout.timeout_s", r.timeout_s, 0, limits::kMaxTimeoutS);
 }
 
 absl::Status ValidateTrain(const OpdTrainConfig& t) {
-  RETURN_IF_ERROR(validate::IntAtLeast("train.prompts_per_step", t.prompts_per_step, 1));
-  RETURN_IF_ERROR(validate::IntAtLeast("train.micro_batch_tokens", t.micro_batch_tokens, 1));
-  RETURN_IF_ERROR(validate::Above("train.teacher_timeout_s", t.teacher_timeout_s, 0));
-  return validate::Above("train.score_deadline_s", t.score_deadline_s, 0);
+  RETURN_IF_ERROR(
+      validate::IntInRange("train.prompts_per_step", t.prompts_per_step, 1, limits::kMaxBatch));
+  RETURN_IF_ERROR(validate::IntInRange("train.micro_batch_tokens", t.micro_batch_tokens, 1,
+                                       limits::kMaxTokens));
+  RETURN_IF_ERROR(validate::AboveAtMost("train.teacher_timeout_s", t.teacher_timeout_s, 0,
+                                        limits::kMaxTimeoutS));
+  return validate::AboveAtMost("train.score_deadline_s", t.score_deadline_s, 0,
+                               limits::kMaxTimeoutS);
 }
 
 absl::Status ValidateLoss(const OpdLossConfig& l) {
@@ -94,7 +151,9 @@ absl::Status ValidateLoss(const OpdLossConfig& l) {
     return Bad("loss.correction", std::string(s.status().message()));
   if (auto s = ParseTopKDivergence(l.divergence); !s.ok())
     return Bad("loss.divergence", std::string(s.status().message()));
-  if (l.form == "topk") RETURN_IF_ERROR(validate::IntAtLeast("loss.top_k", l.top_k, 1));
+  // Unused (and never sent) by the sampled form; k ids of a vocabulary (bounded as token counts).
+  if (l.form == "topk")
+    RETURN_IF_ERROR(validate::IntInRange("loss.top_k", l.top_k, 1, limits::kMaxTokens));
   RETURN_IF_ERROR(validate::Above("loss.kl_coef", l.kl_coef, 0));
   RETURN_IF_ERROR(validate::Above("loss.tis_cap", l.tis_cap, 0));
   RETURN_IF_ERROR(validate::InHalfOpen("loss.clip_low", l.clip_low, 0, 1));  // ratio >= 1 - low
@@ -103,14 +162,20 @@ absl::Status ValidateLoss(const OpdLossConfig& l) {
   if (auto s = ParseNormalization(l.normalization); !s.ok())
     return Bad("loss.normalization", std::string(s.status().message()));
   RETURN_IF_ERROR(validate::InRange("loss.kl_discount", l.kl_discount, 0, 1));
-  return validate::Above("loss.teacher_temperature", l.teacher_temperature, 0);
+  return Temperature("loss.teacher_temperature", l.teacher_temperature);
+}
+
+absl::Status ValidateSteps(const std::string& key, const std::vector<int64_t>& steps) {
+  for (size_t i = 0; i < steps.size(); ++i)
+    RETURN_IF_ERROR(
+        validate::IntInRange(absl::StrCat(key, "[", i, "]"), steps[i], 1, limits::kMaxSteps));
+  return absl::OkStatus();
 }
 
 absl::Status ValidateDebug(const OpdDebugConfig& d) {
-  for (size_t i = 0; i < d.nan_steps.size(); ++i)
-    RETURN_IF_ERROR(
-        validate::IntAtLeast(absl::StrCat("debug.nan_steps[", i, "]"), d.nan_steps[i], 1));
-  return absl::OkStatus();
+  RETURN_IF_ERROR(ValidateSteps("debug.nan_steps", d.nan_steps));
+  RETURN_IF_ERROR(ValidateSteps("debug.fail_push_steps", d.fail_push_steps));
+  return ValidateSteps("debug.throw_after_update_steps", d.throw_after_update_steps);
 }
 
 }  // namespace
@@ -121,10 +186,13 @@ absl::Status ValidateOpdConfig(const OpdConfig& c) {
   if (c.prompts.sources.empty())
     return Bad("prompts.sources", "at least one prompt source is required");
   RETURN_IF_ERROR(ValidateSources("prompts.sources", c.prompts.sources));
-  RETURN_IF_ERROR(validate::IntAtLeast("prompts.max_prompt_len", c.prompts.max_prompt_len, 1));
+  // The prompt dataset takes it as an int32. prompts.seed: any int64 (its uint64 bits).
+  RETURN_IF_ERROR(validate::IntInRange("prompts.max_prompt_len", c.prompts.max_prompt_len, 1,
+                                       limits::kMaxTokens));
   RETURN_IF_ERROR(ValidateRollout(c.rollout));
   RETURN_IF_ERROR(ValidateTrain(c.train));
   RETURN_IF_ERROR(ValidateStages(c));
+  RETURN_IF_ERROR(ValidateHeldout(c));
   RETURN_IF_ERROR(ValidateLoss(c.loss));
   RETURN_IF_ERROR(ValidateAuthConfig(c.auth, c.admin.listen));
   return ValidateDebug(c.debug);

@@ -73,6 +73,13 @@ struct PlateauConfig {
   double min_rel_improvement = 0.02;  // stop when the smoothed reverse KL improved < 2% over W
   double ema_beta = 0.9;
   int64_t min_steps = 0;
+  // What the rule watches: "train" (each step's batch KL, smoothed) or "heldout" (the `heldout`
+  // section's evaluations; window counts evaluations; noise-aware, trainer/opd/convergence.h).
+  std::string metric = "train";
+  double z = 2.0;  // heldout: the improvement must be below the threshold by z standard errors
+  // With the stage's `domains`: each domain's training KL has its own rule (these settings), and
+  // the stage has converged once every domain's has (metric train only).
+  bool per_domain = false;
 };
 
 template <class V>
@@ -82,12 +89,47 @@ void VisitFields(V& v, PlateauConfig& c) {
   v("min_rel_improvement", c.min_rel_improvement);
   v("ema_beta", c.ema_beta);
   v("min_steps", c.min_steps);
+  v("metric", c.metric);
+  v("z", c.z);
+  v("per_domain", c.per_domain);
+}
+
+// A fixed held-out prompt set, sampled and scored by the running stage's teachers every `every`
+// steps: `opd/heldout_reverse_kl` in the metrics, and what a stage's plateau.metric: heldout
+// watches. Off without sources.
+struct OpdHeldoutConfig {
+  std::vector<SftSourceConfig> sources;  // JSONL prompts, as prompts.sources
+  int64_t num_prompts = 64;              // the first N prompts of the sources (in file order)
+  int64_t every = 10;                    // steps between evaluations
+  int64_t seed = 0;                      // sampling seed: the same at every evaluation
+};
+
+template <class V>
+void VisitFields(V& v, OpdHeldoutConfig& c) {
+  v("sources", c.sources);
+  v("num_prompts", c.num_prompts);
+  v("every", c.every);
+  v("seed", c.seed);
+}
+
+// A data domain's own teacher pool in a stage. A prompt's domain is its line's "domain" field,
+// or else its source's name; prompts of a domain no entry names go to the stage's `teachers`.
+struct OpdDomainTeachersConfig {
+  std::string domain;                 // required, unique in the stage
+  std::vector<std::string> teachers;  // its replicas (host:port); required
+};
+
+template <class V>
+void VisitFields(V& v, OpdDomainTeachersConfig& c) {
+  v("domain", c.domain);
+  v("teachers", c.teachers);
 }
 
 struct OpdStageConfig {
   std::string name;                   // required, unique
-  std::vector<std::string> teachers;  // teacher service replicas (host:port); required
-  int64_t max_steps = 0;              // step budget (0: none; then the plateau rule must be on)
+  std::vector<std::string> teachers;  // the default pool's replicas (host:port); required
+  std::vector<OpdDomainTeachersConfig> domains;  // pools by data domain (optional)
+  int64_t max_steps = 0;  // step budget (0: none; then the plateau rule must be on)
   PlateauConfig plateau;
 };
 
@@ -95,6 +137,7 @@ template <class V>
 void VisitFields(V& v, OpdStageConfig& c) {
   v("name", c.name);
   v("teachers", c.teachers);
+  v("domains", c.domains);
   v("max_steps", c.max_steps);
   v("plateau", c.plateau);
 }
@@ -165,12 +208,17 @@ void VisitFields(V& v, OpdAdminConfig& c) {
 
 // Test and debugging hooks; all off by default.
 struct OpdDebugConfig {
-  std::vector<int64_t> nan_steps;  // 1-based steps whose loss is poisoned with NaN (skipped)
+  std::vector<int64_t> nan_steps;        // 1-based steps whose loss is poisoned with NaN (skipped)
+  std::vector<int64_t> fail_push_steps;  // 1-based steps whose weight push fails (UNAVAILABLE)
+  // 1-based steps that throw after their update, as a torch error in the push or the logging would
+  std::vector<int64_t> throw_after_update_steps;
 };
 
 template <class V>
 void VisitFields(V& v, OpdDebugConfig& c) {
   v("nan_steps", c.nan_steps);
+  v("fail_push_steps", c.fail_push_steps);
+  v("throw_after_update_steps", c.throw_after_update_steps);
 }
 
 // OPD's optimizer defaults: constant lr 1e-6 (min_lr = lr), otherwise AdamW as in SFT.
@@ -184,6 +232,7 @@ inline OptimConfig OpdOptimDefaults() {
 struct OpdConfig {
   StudentModelConfig model;  // the student (usually an SFT checkpoint's model/)
   OpdPromptsConfig prompts;
+  OpdHeldoutConfig heldout;
   OpdRolloutConfig rollout;
   std::vector<OpdStageConfig> stages;
   OpdLossConfig loss;
@@ -202,6 +251,7 @@ template <class V>
 void VisitFields(V& v, OpdConfig& c) {
   v("model", c.model);
   v("prompts", c.prompts);
+  v("heldout", c.heldout);
   v("rollout", c.rollout);
   v("stages", c.stages);
   v("loss", c.loss);

@@ -374,18 +374,15 @@ absl::StatusOr<StepOutcome> SftJob::TrainStep(const StepBatch& b) {
   ASSIGN_OR_RETURN(std::vector<double> sums, group_->AllReduceDoubles({ce_total, aux_total}));
   o.loss = sums[0] / static_cast<double>(std::max<int64_t>(b.trained, 1));
   o.aux_loss = sums[1] / static_cast<double>(b.micro.size());
-  o.lr = schedule_.LrAt(step_);
+  o.lr = NextLr();
   o.skipped = !std::isfinite(o.loss) || !std::isfinite(o.aux_loss) || !std::isfinite(o.grad_norm);
-  if (!o.skipped) RETURN_IF_ERROR(optimizer_->Step(o.lr));
-  optimizer_->ZeroGrad();
+  RETURN_IF_ERROR(ApplyUpdate(o.skipped, o.lr, b.cursor_after));
+  tokens_seen_ += b.tokens;
+  trained_tokens_seen_ += b.trained;
   return o;
 }
 
 absl::Status SftJob::AfterStep(const StepOutcome& o, const StepBatch& b, double seconds) {
-  ++step_;
-  cursor_ = b.cursor_after;
-  tokens_seen_ += b.tokens;
-  trained_tokens_seen_ += b.trained;
   if (step_ > 1 || schedule_.total_steps == 1) {  // the first step pays for warm-up
     step_seconds_sum_ += seconds;
     step_tokens_sum_ += static_cast<double>(b.tokens);
@@ -452,7 +449,7 @@ nlohmann::json SftJob::JobState() const {
             {"min_lr", schedule_.min_lr},
             {"warmup_steps", schedule_.warmup_steps},
             {"total_steps", schedule_.total_steps},
-            {"next_lr", schedule_.LrAt(step_)}}},
+            {"next_lr", NextLr()}}},
           {"tokens_seen", tokens_seen_},
           {"trained_tokens_seen", trained_tokens_seen_},
           {"first_eval_loss",
