@@ -113,6 +113,11 @@ Scorer::~Scorer() {
   Stop();
 }
 
+int64_t Scorer::batches() const {
+  absl::MutexLock lock(&mu_);
+  return batches_;
+}
+
 int64_t Scorer::queued() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int64_t>(queue_.size());
@@ -187,23 +192,35 @@ std::vector<Scorer::Item> Scorer::TakeBatch() {
     auto ready = [this]()
                      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); };
     absl::MutexLock lock(&mu_, absl::Condition(&ready));
+    // Fair packing: one sequence from each queued job in turn until the token budget is full, so
+    // every job queued when a batch is packed gets a share of it. A small request then waits for
+    // at most the batch in flight, not for every batch of the large ones queued ahead of it.
     int64_t tokens = 0;
-    while (!queue_.empty()) {
-      auto& p = queue_.front();
-      const int64_t n = static_cast<int64_t>(p->job.sequences.size());
-      if (absl::Status why = Abandoned(p->job); !why.ok()) {
-        p->error = why;
-        p->outstanding -= n - p->next;
-        if (p->outstanding == 0) abandoned.push_back(p);
-        queue_.pop_front();
-        continue;
+    bool full = false, took = true;
+    while (!full && took && !queue_.empty()) {
+      took = false;
+      for (auto it = queue_.begin(); it != queue_.end();) {
+        const std::shared_ptr<Pending>& p = *it;
+        const int64_t n = static_cast<int64_t>(p->job.sequences.size());
+        if (absl::Status why = Abandoned(p->job); !why.ok()) {
+          p->error = why;
+          p->outstanding -= n - p->next;
+          if (p->outstanding == 0) abandoned.push_back(p);
+          it = queue_.erase(it);
+          continue;
+        }
+        const int64_t len = static_cast<int64_t>(p->job.sequences[p->next].size());
+        if (!items.empty() && tokens + len > opts_.max_batch_tokens) {
+          full = true;
+          break;
+        }
+        tokens += len;
+        items.push_back({p, p->next++});
+        took = true;
+        it = p->next == n ? queue_.erase(it) : std::next(it);
       }
-      const int64_t len = static_cast<int64_t>(p->job.sequences[p->next].size());
-      if (!items.empty() && tokens + len > opts_.max_batch_tokens) break;
-      tokens += len;
-      items.push_back({p, p->next++});
-      if (p->next == n) queue_.pop_front();
     }
+    if (!items.empty()) ++batches_;
   }
   for (auto& p : abandoned) p->done(p->error);
   return items;

@@ -4,11 +4,11 @@
 //
 // Teacher scoring dominates an OPD step, so the forward runs on as many tokens as the budget
 // allows regardless of how clients split their requests. Sequences are the unit of packing: a
-// big job may span several batches and a batch may hold the tail of one job and the head of the
-// next. Log-probs go through lm::TokenLogprobs / lm::TopK, which chunk the LM head over rows:
-// [tokens, vocab] logits are never materialised. Everything runs on the model's device (the
-// batch's ids, the row gathers, the LM head, top-k); a batch's results come back to the host in
-// one copy at its end.
+// big job spans several batches, and each batch takes sequences from every queued job in turn,
+// so that a small request is not held behind the whole of a large one. Log-probs go through
+// lm::TokenLogprobs / lm::TopK, which chunk the LM head over rows: [tokens, vocab] logits are never
+// materialised. Everything runs on the model's device (the batch's ids, the row gathers, the LM
+// head, top-k); a batch's results come back to the host in one copy at its end.
 #pragma once
 
 #include <cstdint>
@@ -92,6 +92,8 @@ class Scorer {
   void Stop();
 
   int64_t queued() const;
+  // Batches packed so far (a batch counts from the moment it is packed).
+  int64_t batches() const;
 
  private:
   struct Pending;
@@ -114,6 +116,7 @@ class Scorer {
   mutable absl::Mutex mu_;
   std::deque<std::shared_ptr<Pending>> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t batches_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::thread> workers_;
 };
 

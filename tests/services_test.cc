@@ -1022,6 +1022,46 @@ TEST(Scorer, PackedBatchesEqualOneSequenceAtATime) {
   }
 }
 
+// Fair scheduling, on the scorer's batch counter: with one worker, a large job of 40 sequences
+// (10 batches of 4 under the token budget) is queued, then a small job of 2 sequences once the
+// large one's first batch is packed. The small job must finish in the next batch packed after it
+// was queued (its latency is one batch, whatever is queued ahead), while the large one still has
+// batches to go. Before, packing was first in, first out: the small job waited for all 10.
+TEST(Scorer, SmallJobFinishesInTheNextBatchBehindALargeOne) {
+  auto model = TeacherModel();
+  teacher::ScorerOptions o;
+  o.workers = 1;
+  o.max_batch_tokens = 40;  // 4 sequences of 10 tokens per batch
+  teacher::Scorer scorer(model, o);
+  std::promise<int64_t> large_done, small_done;
+  std::atomic<bool> large_finished{false};
+  std::vector<std::vector<int64_t>> large_seqs(40, std::vector<int64_t>(10, 5));
+  ASSERT_TRUE(scorer
+                  .Submit(Job(large_seqs),
+                          [&](absl::StatusOr<std::vector<teacher::SequenceScore>> r) {
+                            EXPECT_TRUE(r.ok()) << r.status();
+                            large_finished = true;
+                            large_done.set_value(scorer.batches());
+                          })
+                  .ok());
+  // Wait (on the counter, not on time) until the large job's first batch is packed.
+  for (int i = 0; i < 60000 && scorer.batches() == 0; ++i)  // a failure bound of a minute
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_GE(scorer.batches(), 1);
+  ASSERT_TRUE(scorer
+                  .Submit(Job({std::vector<int64_t>(10, 6), std::vector<int64_t>(10, 7)}),
+                          [&](absl::StatusOr<std::vector<teacher::SequenceScore>> r) {
+                            EXPECT_TRUE(r.ok()) << r.status();
+                            EXPECT_FALSE(large_finished) << "the small job waited for the large";
+                            small_done.set_value(scorer.batches());
+                          })
+                  .ok());
+  const int64_t queued_at = scorer.batches();  // batches packed before the small job could be
+  const int64_t small_in = small_done.get_future().get();
+  EXPECT_LE(small_in, queued_at + 1);
+  EXPECT_GE(large_done.get_future().get(), 10);
+}
+
 // Weights with a NaN or an infinity: the job fails with FAILED_PRECONDITION naming the sequence
 // and the position (it returned NaN log-probs with OK), with and without top-k; the scorer goes
 // on serving other models' jobs.
