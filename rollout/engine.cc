@@ -1,6 +1,7 @@
 #include "rollout/engine.h"
 
 #include <algorithm>
+#include <iterator>
 #include <map>
 #include <random>
 #include <tuple>
@@ -198,8 +199,7 @@ void Engine::Loop() {
           }
           req->lm_head = last_head;
         }
-        for (int64_t p = 0; p < static_cast<int64_t>(req->prompts.size()); ++p)
-          waiting_.push_back(Waiting{req, p, nullptr});
+        EnqueuePrompts(req);
         active_.push_back(std::move(req));
       }
       inbox_.clear();
@@ -283,6 +283,28 @@ void Engine::FailAll(const absl::Status& st) {
     req->done = true;
   }
   inbox_.clear();
+}
+
+// A new request's prompts join the waiting queue by turn: its prompt p goes behind every waiting
+// prompt of index <= p of the requests before it (and before those of index > p), behind the
+// preempted sequences, which come back first. So requests take turns, one prompt each: a small
+// request waits for about as many admissions as it has prompts, not for every prompt of the large
+// requests queued ahead of it, and requests of one prompt each keep their arrival order.
+void Engine::EnqueuePrompts(const std::shared_ptr<Request>& req) {
+  auto queued = waiting_.begin();
+  while (queued != waiting_.end() && queued->seq) ++queued;  // recomputes stay first
+  std::deque<Waiting> added;
+  for (int64_t p = 0; p < static_cast<int64_t>(req->prompts.size()); ++p)
+    added.push_back(Waiting{req, p, nullptr});
+  std::deque<Waiting> merged(std::make_move_iterator(waiting_.begin()),
+                             std::make_move_iterator(queued));
+  // The waiting prompts are in turn order already (this merge keeps it; admission takes the
+  // front); on a tie the older request's prompt stays first.
+  std::merge(std::make_move_iterator(queued), std::make_move_iterator(waiting_.end()),
+             std::make_move_iterator(added.begin()), std::make_move_iterator(added.end()),
+             std::back_inserter(merged),
+             [](const Waiting& a, const Waiting& b) { return a.prompt < b.prompt; });
+  waiting_ = std::move(merged);
 }
 
 // Admits waiting work in order while seats and blocks allow, and runs the admitted prompts and

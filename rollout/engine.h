@@ -102,6 +102,7 @@ class Engine {
 
   void Loop();
   void DropCancelled();
+  void EnqueuePrompts(const std::shared_ptr<Request>& req);
   void Admit();
   void DecodeStep();
   // Runs `rows` (one model forward per model among them) and draws each row's next token.

@@ -313,6 +313,33 @@ TEST(Engine, ConcurrentRequestsGetTheirOwnSamples) {
   EXPECT_EQ(st.decode_steps, 20 - 1);
 }
 
+// Fair admission, on the order samples finish: two seats, a large request of 30 prompts queued
+// before a small one of 2 (both while the engine is paused), every sample the same length (no
+// stop ids). The small request's prompts are interleaved with the large one's, so both of its
+// samples are among the first 4 to finish; first in, first out they came after all 30.
+TEST(Engine, SmallRequestIsAdmittedBetweenALargeOnesPrompts) {
+  auto model = Load();
+  auto engine = MakeEngine(*model, 64, /*max_running=*/2);
+  SamplingParams p;
+  p.max_new_tokens = 4;
+  p.temperature = 1.0;
+  p.seed = 9;
+  std::vector<int> order;  // 0: the large request's sample, 1: the small one's (engine thread)
+  engine->Pause();
+  auto large =
+      engine->Submit(Snapshot{model, 0, nullptr}, std::vector<std::vector<int64_t>>(30, {1, 5, 9}),
+                     p, [&order](Sample) { order.push_back(0); });
+  auto small = engine->Submit(Snapshot{model, 0, nullptr}, {{7, 3}, {40, 41}}, p,
+                              [&order](Sample) { order.push_back(1); });
+  ASSERT_TRUE(large.ok() && small.ok());
+  engine->Resume();
+  ASSERT_TRUE(Engine::Wait(**large).ok());
+  ASSERT_TRUE(Engine::Wait(**small).ok());
+  ASSERT_EQ(order.size(), 32u);
+  const auto first4 = std::vector<int>(order.begin(), order.begin() + 4);
+  EXPECT_EQ(std::count(first4.begin(), first4.end(), 1), 2) << ::testing::PrintToString(order);
+}
+
 // A pool too small for all sequences at once: the youngest are preempted and recomputed, and the
 // samples are those of an engine that never preempts.
 TEST(Engine, PreemptionGivesTheSameSamples) {
