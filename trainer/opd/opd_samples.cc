@@ -1,0 +1,231 @@
+// The OPD job's samples: drawing prompts, sampling them on the rollout workers, sharing rank 0's
+// samples with the other ranks, and the one-step-off prefetch that checkpoints keep.
+#include "trainer/opd/opd_job.h"
+
+namespace trainer::opd_detail {
+
+std::vector<lm::PromptExample> OpdJob::DrawPrompts(lm::DataCursor* cursor_after) {
+  auto prompts = prompts_->NextBatch(static_cast<size_t>(c_.train.prompts_per_step));
+  *cursor_after = prompts_->cursor();
+  return prompts;
+}
+
+absl::StatusOr<Rollouts> OpdJob::Sample(std::vector<lm::PromptExample> prompts,
+                                        lm::DataCursor cursor_after) {
+  const auto t0 = Clock::now();
+  Rollouts r;
+  r.prompts = std::move(prompts);
+  r.cursor_after = std::move(cursor_after);
+  std::vector<std::vector<int32_t>> ids;
+  for (const auto& p : r.prompts) ids.push_back(p.prompt_ids);
+  opd::rpc::GenerateOptions g;
+  g.samples_per_prompt = static_cast<int32_t>(c_.rollout.samples_per_prompt);
+  g.temperature = static_cast<float>(c_.rollout.temperature);
+  g.top_p = static_cast<float>(c_.rollout.top_p);
+  g.top_k = static_cast<int32_t>(c_.rollout.top_k);
+  g.max_new_tokens = static_cast<int32_t>(c_.rollout.max_new_tokens);
+  ASSIGN_OR_RETURN(g.stop_token_ids, lm::ChatFormat::StopIds(*tokenizer_));
+  // A fresh seed per step (the data cursor's position), reproducible across resumes.
+  g.seed = static_cast<uint64_t>(c_.rollout.seed) * 1000003ULL + r.cursor_after.step;
+  ASSIGN_OR_RETURN(r.samples, rollout_->Generate(ids, g));
+  for (const auto& s : r.samples) {
+    if (s.tokens.empty() || s.tokens.size() != s.logprobs.size()) {
+      return absl::InternalError(
+          absl::StrCat("rollout returned a malformed sample for prompt ", s.prompt_index));
+    }
+  }
+  r.seconds = Seconds(t0);
+  return r;
+}
+
+namespace {
+
+// Rollouts cross from rank 0 to the others as flat little-endian records.
+template <class T>
+void Put(std::string* out, const T& v) {
+  out->append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+template <class T>
+void PutVector(std::string* out, const std::vector<T>& v) {
+  Put<uint64_t>(out, v.size());
+  out->append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+}
+
+std::string EncodeSamples(const std::vector<opd::rpc::GeneratedSample>& samples) {
+  std::string out;
+  Put<uint64_t>(&out, samples.size());
+  for (const auto& s : samples) {
+    Put(&out, s.prompt_index);
+    Put(&out, s.sample_index);
+    Put<int32_t>(&out, static_cast<int32_t>(s.finish_reason));
+    Put(&out, s.weight_version);
+    PutVector(&out, s.tokens);
+    PutVector(&out, s.logprobs);
+  }
+  return out;
+}
+
+class Reader {
+ public:
+  explicit Reader(const std::string& bytes) : p_(bytes.data()), end_(bytes.data() + bytes.size()) {}
+  template <class T>
+  bool Get(T* v) {
+    if (static_cast<size_t>(end_ - p_) < sizeof(T)) return false;
+    std::memcpy(v, p_, sizeof(T));
+    p_ += sizeof(T);
+    return true;
+  }
+  template <class T>
+  bool GetVector(std::vector<T>* v) {
+    uint64_t n = 0;
+    if (!Get(&n) || n > static_cast<uint64_t>(end_ - p_) / sizeof(T)) return false;
+    v->resize(n);
+    std::memcpy(v->data(), p_, n * sizeof(T));
+    p_ += n * sizeof(T);
+    return true;
+  }
+  bool done() const { return p_ == end_; }
+
+ private:
+  const char* p_;
+  const char* end_;
+};
+
+absl::StatusOr<std::vector<opd::rpc::GeneratedSample>> DecodeSamples(const std::string& bytes) {
+  Reader in(bytes);
+  uint64_t n = 0;
+  std::vector<opd::rpc::GeneratedSample> out;
+  bool ok = in.Get(&n);
+  for (uint64_t i = 0; ok && i < n; ++i) {
+    opd::rpc::GeneratedSample s;
+    int32_t reason = 0;
+    ok = in.Get(&s.prompt_index) && in.Get(&s.sample_index) && in.Get(&reason) &&
+         in.Get(&s.weight_version) && in.GetVector(&s.tokens) && in.GetVector(&s.logprobs);
+    s.finish_reason = static_cast<opd::v1::FinishReason>(reason);
+    out.push_back(std::move(s));
+  }
+  if (!ok || !in.done())
+    return absl::DataLossError("the step's samples from rank 0 are truncated or malformed");
+  return out;
+}
+
+}  // namespace
+
+// Rank 0's samples (or its failure) on every rank; the others pass their drawn prompts.
+absl::StatusOr<Rollouts> OpdJob::ShareRollouts(absl::StatusOr<Rollouts> mine) {
+  if (group_->size() == 1) return mine;
+  std::string verdict = group_->is_root() && !mine.ok() ? std::string(mine.status().message()) : "";
+  RETURN_IF_ERROR(group_->BroadcastBytes(&verdict));
+  if (!group_->is_root() && !verdict.empty())
+    return absl::UnavailableError(absl::StrCat("rank 0: ", verdict));
+  if (!mine.ok()) return mine;
+  std::string bytes = group_->is_root() ? EncodeSamples(mine->samples) : "";
+  RETURN_IF_ERROR(group_->BroadcastBytes(&bytes));
+  if (!group_->is_root()) {
+    ASSIGN_OR_RETURN(mine->samples, DecodeSamples(bytes));
+    for (const auto& s : mine->samples) {
+      if (s.prompt_index < 0 || static_cast<size_t>(s.prompt_index) >= mine->prompts.size())
+        return absl::DataLossError(absl::StrCat("rank 0's samples name prompt ", s.prompt_index,
+                                                " of ", mine->prompts.size(),
+                                                ": the ranks drew different prompts"));
+    }
+  }
+  return mine;
+}
+
+// Every rank draws the same prompts; rank 0 samples them (in the background) and shares the
+// samples at the step.
+std::future<absl::StatusOr<Rollouts>> OpdJob::LaunchSampling() {
+  lm::DataCursor after;
+  auto prompts = DrawPrompts(&after);
+  if (!group_->is_root()) {
+    return std::async(std::launch::deferred,
+                      [p = std::move(prompts), after]() mutable -> absl::StatusOr<Rollouts> {
+                        Rollouts r;
+                        r.prompts = std::move(p);
+                        r.cursor_after = std::move(after);
+                        return r;
+                      });
+  }
+  return std::async(std::launch::async, [this, p = std::move(prompts), after]() mutable {
+    return Sample(std::move(p), std::move(after));
+  });
+}
+
+uint64_t PromptsHash(const std::vector<lm::PromptExample>& prompts) {
+  uint64_t h = 1469598103934665603ULL;
+  auto mix = [&h](uint64_t v) {
+    for (int b = 0; b < 8; ++b) h = (h ^ ((v >> (8 * b)) & 0xff)) * 1099511628211ULL;
+  };
+  for (const auto& p : prompts) {
+    mix(p.prompt_ids.size());
+    for (int32_t id : p.prompt_ids) mix(static_cast<uint32_t>(id));
+  }
+  return h;
+}
+
+// This step's samples: the prefetched ones (settled by a checkpoint or still being drawn), the
+// ones a resumed checkpoint saved (rank 0; the others draw the same prompts), or new ones.
+absl::StatusOr<Rollouts> OpdJob::NextRollouts() {
+  if (settled_) {
+    absl::StatusOr<Rollouts> r = std::move(*settled_);
+    settled_.reset();
+    return r;
+  }
+  if (prefetch_) {
+    absl::StatusOr<Rollouts> r = prefetch_->get();
+    prefetch_.reset();
+    return r;
+  }
+  if (!resumed_samples_) return LaunchSampling().get();
+  Rollouts r;
+  r.prompts = DrawPrompts(&r.cursor_after);
+  r.samples = std::move(*resumed_samples_);
+  resumed_samples_.reset();
+  if (PromptsHash(r.prompts) != resumed_prompts_hash_)
+    return absl::FailedPreconditionError(
+        "the checkpoint's prefetched samples answer other prompts than the data now gives (the "
+        "prompt files or the mixture changed since): resume from a checkpoint taken without "
+        "train.async, or restore the data");
+  for (const auto& s : r.samples) {
+    if (s.prompt_index < 0 || static_cast<size_t>(s.prompt_index) >= r.prompts.size())
+      return absl::DataLossError(absl::StrCat("the checkpoint's prefetched samples name prompt ",
+                                              s.prompt_index, " of ", r.prompts.size()));
+  }
+  return r;
+}
+
+// Waits for the prefetched samples so that a checkpoint can hold them. A prefetch that failed
+// stays settled as its error: the next step fails as it would have.
+void OpdJob::SettlePrefetch() {
+  if (!prefetch_) return;
+  settled_ = prefetch_->get();
+  prefetch_.reset();
+}
+
+absl::Status OpdJob::WriteJobFiles(const std::string& dir) const {
+  if (!settled_ || !settled_->ok()) return absl::OkStatus();
+  return WriteFileAtomic(dir + "/" + kPrefetchedFile, EncodeSamples((*settled_)->samples));
+}
+
+// Rank 0 takes the samples a one-step-off checkpoint saved for the next step.
+absl::Status OpdJob::LoadPrefetched(const std::string& checkpoint, const nlohmann::json& state) {
+  if (!state.contains("prefetched")) return absl::OkStatus();
+  if (!c_.train.async) {
+    lm::log::Info(
+        "the checkpoint holds one-step-off samples; train.async is off, so the next "
+        "step samples anew");
+    return absl::OkStatus();
+  }
+  resumed_prompts_hash_ = std::stoull(state.at("prefetched").at("prompts_hash").get<std::string>());
+  if (!group_->is_root()) return absl::OkStatus();
+  const std::string path = checkpoint + "/" + kPrefetchedFile;
+  ASSIGN_OR_RETURN(const std::string bytes, opd::rpc::ReadFile(path));
+  absl::StatusOr<std::vector<opd::rpc::GeneratedSample>> samples = DecodeSamples(bytes);
+  if (!samples.ok())
+    return absl::DataLossError(absl::StrCat(path, ": ", samples.status().message()));
+  resumed_samples_ = std::move(*samples);
+  return absl::OkStatus();
+}
+
+}  // namespace trainer::opd_detail
