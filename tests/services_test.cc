@@ -1022,11 +1022,13 @@ TEST(Scorer, PackedBatchesEqualOneSequenceAtATime) {
   }
 }
 
-// Fair scheduling, on the scorer's batch counter: with one worker, a large job of 40 sequences
-// (10 batches of 4 under the token budget) is queued, then a small job of 2 sequences once the
+// Fair scheduling, on the scorer's batch counter: with one worker, a large job of 400 sequences
+// (100 batches of 4 under the token budget) is queued, then a small job of 2 sequences once the
 // large one's first batch is packed. The small job must finish in the next batch packed after it
-// was queued (its latency is one batch, whatever is queued ahead), while the large one still has
-// batches to go. Before, packing was first in, first out: the small job waited for all 10.
+// was queued: at most the batch in flight is ahead of it, whatever is queued. That holds on any
+// machine; with first-in-first-out packing the small job waited for all the large one's batches
+// (here: finished in batch 11 of a 40-sequence job, queued at 2), unless the large job was done
+// before the small one arrived, which its size makes unlikely but never a false failure.
 TEST(Scorer, SmallJobFinishesInTheNextBatchBehindALargeOne) {
   auto model = TeacherModel();
   teacher::ScorerOptions o;
@@ -1034,13 +1036,11 @@ TEST(Scorer, SmallJobFinishesInTheNextBatchBehindALargeOne) {
   o.max_batch_tokens = 40;  // 4 sequences of 10 tokens per batch
   teacher::Scorer scorer(model, o);
   std::promise<int64_t> large_done, small_done;
-  std::atomic<bool> large_finished{false};
-  std::vector<std::vector<int64_t>> large_seqs(40, std::vector<int64_t>(10, 5));
+  std::vector<std::vector<int64_t>> large_seqs(400, std::vector<int64_t>(10, 5));
   ASSERT_TRUE(scorer
                   .Submit(Job(large_seqs),
                           [&](absl::StatusOr<std::vector<teacher::SequenceScore>> r) {
                             EXPECT_TRUE(r.ok()) << r.status();
-                            large_finished = true;
                             large_done.set_value(scorer.batches());
                           })
                   .ok());
@@ -1052,14 +1052,13 @@ TEST(Scorer, SmallJobFinishesInTheNextBatchBehindALargeOne) {
                   .Submit(Job({std::vector<int64_t>(10, 6), std::vector<int64_t>(10, 7)}),
                           [&](absl::StatusOr<std::vector<teacher::SequenceScore>> r) {
                             EXPECT_TRUE(r.ok()) << r.status();
-                            EXPECT_FALSE(large_finished) << "the small job waited for the large";
                             small_done.set_value(scorer.batches());
                           })
                   .ok());
   const int64_t queued_at = scorer.batches();  // batches packed before the small job could be
   const int64_t small_in = small_done.get_future().get();
   EXPECT_LE(small_in, queued_at + 1);
-  EXPECT_GE(large_done.get_future().get(), 10);
+  EXPECT_GE(large_done.get_future().get(), 100);
 }
 
 // Weights with a NaN or an infinity: the job fails with FAILED_PRECONDITION naming the sequence
