@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <random>
 #include <tuple>
 
@@ -12,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "kernels/cpu/cpu_inference.h"
 #include "lm/model/model.h"
+#include "lm/model/moe.h"
 #include "rollout/block_allocator.h"
 
 namespace rollout {
@@ -115,6 +117,15 @@ absl::StatusOr<std::shared_ptr<Engine::Request>> Engine::Submit(
     return absl::ResourceExhaustedError(absl::StrCat(
         "samples_per_prompt ", params.samples_per_prompt, " is more than the ", opts_.max_running,
         " sequences this worker decodes at once (--max-running-seqs)"));
+  if (params.return_routing) {
+    const lm::ModelConfig& c = snapshot.model->config();
+    int64_t moe_layers = 0;
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) moe_layers += c.IsMoeLayer(i);
+    if (!snapshot.model->SupportsRoutingReplay() || moe_layers == 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat("return_routing: a ", c.model_type,
+                       " model has no recordable MoE routing (routing replay supports qwen3_moe)"));
+  }
   // A sequence must fit the whole pool on its own, or it could never finish.
   for (size_t i = 0; i < prompts.size(); ++i) {
     const int64_t tokens = static_cast<int64_t>(prompts[i].size()) + params.max_new_tokens;
@@ -372,7 +383,67 @@ void Engine::RunRows(std::vector<StepRow>& rows, bool prefill) {
       step.state_slots.push_back(s.slot);
     }
     step.input_ids = torch::tensor(ids, torch::kInt64).to(device);
+    // Routing replay: the experts each fed token was routed to, recorded for the requests that
+    // asked (over the whole step: they share the forward).
+    bool routing = false;
+    for (size_t i : idx) routing |= rows[i].req->params.return_routing;
+    std::vector<torch::Tensor> seen, replay;
+    const lm::ModelConfig& c = model->config();
+    int64_t layers = 0;
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) layers += c.IsMoeLayer(l);
+    const int64_t top_k = c.num_experts_per_tok, row = layers * top_k;
+    if (routing) {
+      // A recompute after a preemption refeeds positions whose routing is recorded: it routes
+      // them as recorded, so that the recomputed keys/values are the ones the later tokens would
+      // have seen, and the learner's replay of one routing per position stays exact.
+      std::vector<int32_t> forced;
+      for (size_t k = 0; k < idx.size(); ++k) {
+        const Seq& s = *rows[idx[k]].seqs[0];
+        if (!s.req->params.return_routing) continue;
+        const int64_t have = static_cast<int64_t>(s.out.routed_experts.size()) / row;
+        for (int64_t pos = s.cached; pos < have; ++pos) {
+          if (forced.empty()) forced.assign(ids.size() * row, -1);
+          const int64_t at = step.cu_seqlens[k] + (pos - s.cached);
+          std::copy(s.out.routed_experts.begin() + pos * row,
+                    s.out.routed_experts.begin() + (pos + 1) * row, forced.begin() + at * row);
+        }
+      }
+      if (!forced.empty()) {
+        const auto t = torch::tensor(forced, torch::kInt32)
+                           .view({static_cast<int64_t>(ids.size()), layers, top_k});
+        for (int64_t l = 0; l < layers; ++l) replay.push_back(t.select(1, l));
+      }
+    }
+    std::optional<lm::ScopedRoutingRecorder> record;
+    std::optional<lm::ScopedRoutingReplay> replaying;
+    if (routing) record.emplace(&seen);
+    if (!replay.empty()) replaying.emplace(&replay);
     const torch::Tensor hidden = model->PagedForward(step, cache_);
+    replaying.reset();
+    record.reset();
+    if (routing) {
+      TORCH_CHECK(static_cast<int64_t>(seen.size()) == layers, "return_routing: recorded ",
+                  seen.size(), " MoE layers, expected ", layers);
+      const auto t = torch::stack(seen, 1).to(torch::kCPU, torch::kInt32).contiguous();
+      TORCH_CHECK(t.size(0) == static_cast<int64_t>(ids.size()) && t.size(2) == top_k,
+                  "return_routing: recorded routing of shape ", t.sizes());
+      const int32_t* d = t.data_ptr<int32_t>();
+      for (size_t k = 0; k < idx.size(); ++k) {
+        Seq& s = *rows[idx[k]].seqs[0];
+        if (!s.req->params.return_routing) continue;
+        auto& r = s.out.routed_experts;
+        s.out.routing_layers = layers;
+        s.out.routing_top_k = top_k;
+        // Positions s.cached.. were fed in this step; after a preemption the recompute refeeds
+        // positions already recorded (routed as recorded, above): only new ones are appended.
+        const int64_t have = static_cast<int64_t>(r.size()) / row;
+        const int64_t end = static_cast<int64_t>(s.tokens.size());
+        for (int64_t pos = std::max(have, s.cached); pos < end; ++pos) {
+          const int64_t at = step.cu_seqlens[k] + (pos - s.cached);
+          r.insert(r.end(), d + at * row, d + (at + 1) * row);
+        }
+      }
+    }
     // The prefill's logits through the model's head, a decode step's as the static sampler's.
     const torch::Tensor lg = prefill
                                  ? model->Logits(hidden).to(torch::kFloat32)
@@ -398,6 +469,9 @@ void Engine::RunRows(std::vector<StepRow>& rows, bool prefill) {
       seq->rng.seed(SampleSeed(row.req->params.seed, first.out.prompt_index, s));
       seq->out.prompt_index = first.out.prompt_index;
       seq->out.sample_index = s;
+      seq->out.routed_experts = first.out.routed_experts;
+      seq->out.routing_layers = first.out.routing_layers;
+      seq->out.routing_top_k = first.out.routing_top_k;
       seq->admitted = first.admitted;
       row.seqs.push_back(std::move(seq));
     }

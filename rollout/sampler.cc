@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "kernels/cpu/cpu_inference.h"
 #include "lm/model/model.h"
+#include "lm/model/moe.h"
 #include "lm/model/sampling_limits.h"
 
 namespace rollout {
@@ -35,6 +36,22 @@ struct Slot {
   std::mt19937_64 rng;
   Sample out;
 };
+
+// What a ScopedRoutingRecorder saw over one forward of T rows: [T, layers, k] int32 on the host.
+// INTERNAL when it did not see `layers` MoE layers of `top_k` ids (a model whose routing does
+// not go through SparseMoeBlock).
+absl::StatusOr<torch::Tensor> StackRouting(const std::vector<torch::Tensor>& seen, int64_t rows,
+                                           int64_t layers, int64_t top_k) {
+  if (static_cast<int64_t>(seen.size()) != layers)
+    return absl::InternalError(absl::StrCat("return_routing: recorded ", seen.size(),
+                                            " MoE layers in a forward, expected ", layers));
+  auto t = torch::stack(seen, 1).to(torch::kCPU, torch::kInt32).contiguous();
+  if (t.size(0) != rows || t.size(2) != top_k)
+    return absl::InternalError(absl::StrCat("return_routing: recorded routing of shape [",
+                                            t.size(0), ", ", t.size(1), ", ", t.size(2),
+                                            "], expected [", rows, ", ", layers, ", ", top_k, "]"));
+  return t;
+}
 
 constexpr int64_t kBlock = 1024;  // probabilities summed per block for the two-level search
 
@@ -72,15 +89,20 @@ torch::Tensor InverseCdf(const torch::Tensor& probs, const torch::Tensor& u) {
 }
 
 // Logits [P, V] (fp32) at the last position of every prompt, filling `cache`.
+// `routing`, when given, receives what a ScopedRoutingRecorder saw over the prefill.
 torch::Tensor Prefill(lm::CausalLM& model, const std::vector<std::vector<int64_t>>& prompts,
-                      lm::KVCache& cache, SamplerStats& stats) {
+                      lm::KVCache& cache, SamplerStats& stats,
+                      std::vector<torch::Tensor>* routing = nullptr) {
   auto batch = lm::PackedBatch::FromSequences(prompts);
   const auto device = model.LmHeadWeight().device();
   batch.input_ids = batch.input_ids.to(device);
   batch.position_ids = batch.position_ids.to(device);
   lm::ForwardOptions fo;
   fo.cache = &cache;
+  std::optional<lm::ScopedRoutingRecorder> record;
+  if (routing) record.emplace(routing);
   const auto hidden = model.Forward(batch, fo);
+  record.reset();
   stats.prefill_tokens += batch.num_tokens();
   std::vector<int64_t> last;
   for (int64_t b = 0; b < batch.num_sequences(); ++b) last.push_back(batch.cu_seqlens[b + 1] - 1);
@@ -276,9 +298,38 @@ absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
   };
   const auto device = model.LmHeadWeight().device();
 
+  // Routing replay: every MoE layer's top-k per fed token, [positions, layers, k] per slot.
+  const bool routing = params.return_routing;
+  int64_t moe_layers = 0;
+  const int64_t top_k = model.config().num_experts_per_tok;
+  if (routing) {
+    for (int64_t i = 0; i < model.config().num_hidden_layers; ++i)
+      moe_layers += model.config().IsMoeLayer(i);
+    if (!model.SupportsRoutingReplay() || moe_layers == 0 || top_k <= 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat("return_routing: a ", model.config().model_type,
+                       " model has no recordable MoE routing (routing replay supports qwen3_moe)"));
+  }
+  std::vector<torch::Tensor> seen;
+
   lm::KVCache cache = model.NewKVCache(P, longest + params.max_new_tokens);
-  auto logits = Prefill(model, prompts, cache, stats).repeat_interleave(n, 0);
+  auto logits =
+      Prefill(model, prompts, cache, stats, routing ? &seen : nullptr).repeat_interleave(n, 0);
   cache = cache.RepeatInterleave(n);
+  std::vector<std::vector<int32_t>> prompt_routing(P);
+  if (routing) {
+    int64_t rows = 0;
+    for (const auto& p : prompts) rows += static_cast<int64_t>(p.size());
+    auto t = StackRouting(seen, rows, moe_layers, top_k);
+    if (!t.ok()) return t.status();
+    const int32_t* d = t->data_ptr<int32_t>();
+    int64_t at = 0;
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t len = static_cast<int64_t>(prompts[p].size()) * moe_layers * top_k;
+      prompt_routing[p].assign(d + at, d + at + len);
+      at += len;
+    }
+  }
 
   std::vector<Slot> slots;
   slots.reserve(P * n);
@@ -287,6 +338,11 @@ absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
       Slot slot{std::mt19937_64(SampleSeed(params.seed, p, s)), Sample{}};
       slot.out.prompt_index = p;
       slot.out.sample_index = s;
+      if (routing) {
+        slot.out.routed_experts = prompt_routing[p];
+        slot.out.routing_layers = moe_layers;
+        slot.out.routing_top_k = top_k;
+      }
       slots.push_back(std::move(slot));
     }
   }
@@ -325,7 +381,21 @@ absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
       for (int64_t i : keep) live.push_back(std::move(slots[i]));
       slots = std::move(live);
     }
+    seen.clear();
+    std::optional<lm::ScopedRoutingRecorder> record;
+    if (routing) record.emplace(&seen);
     const auto hidden = model.Decode(torch::tensor(next, torch::kInt64).to(device), cache);
+    record.reset();
+    if (routing) {
+      auto t = StackRouting(seen, static_cast<int64_t>(slots.size()), moe_layers, top_k);
+      if (!t.ok()) return t.status();
+      const int32_t* d = t->data_ptr<int32_t>();
+      const int64_t row = moe_layers * top_k;
+      for (size_t i = 0; i < slots.size(); ++i) {
+        auto& r = slots[i].out.routed_experts;
+        r.insert(r.end(), d + i * row, d + (i + 1) * row);
+      }
+    }
     ++stats.decode_steps;
     stats.decoded_tokens += static_cast<int64_t>(keep.size());
     logits = decode_logits(hidden);

@@ -40,6 +40,9 @@ struct SamplingParams {
   int64_t max_new_tokens = 16;
   std::vector<int64_t> stop_ids;
   uint64_t seed = 0;
+  // Routing replay (R3): record the top-k experts every MoE layer picked for every input
+  // position (Sample::routed_experts). Models whose MoE routing is not recordable refuse it.
+  bool return_routing = false;
 };
 
 enum class FinishReason { kStop, kLength };
@@ -50,6 +53,11 @@ struct Sample {
   std::vector<int64_t> tokens;  // the response
   std::vector<float> logprobs;  // one per response token
   FinishReason finish = FinishReason::kLength;
+  // With return_routing: [positions, routing_layers, routing_top_k] expert ids, positions =
+  // prompt length + tokens.size() - 1: every token that was fed to the model (the prompt in the
+  // prefill, then each response token but the last, which is drawn and never fed).
+  std::vector<int32_t> routed_experts;
+  int64_t routing_layers = 0, routing_top_k = 0;
 };
 
 struct SamplerStats {

@@ -26,6 +26,7 @@ SamplingParams ToParams(const opd::v1::GenerateRequest& req) {
   p.max_new_tokens = m.max_new_tokens();
   p.stop_ids.assign(m.stop_token_ids().begin(), m.stop_token_ids().end());
   p.seed = m.seed();
+  p.return_routing = req.return_routing();
   return p;
 }
 
@@ -49,6 +50,12 @@ opd::v1::Sample ToProto(const Sample& s, int64_t version) {
   m.set_finish_reason(s.finish == FinishReason::kStop ? opd::v1::FINISH_REASON_STOP
                                                       : opd::v1::FINISH_REASON_LENGTH);
   m.set_weight_version(version);
+  if (!s.routed_experts.empty()) {
+    opd::rpc::PackArray(s.routed_experts.data(), s.routed_experts.size(),
+                        m.mutable_routed_experts());
+    m.set_routing_layers(static_cast<int32_t>(s.routing_layers));
+    m.set_routing_top_k(static_cast<int32_t>(s.routing_top_k));
+  }
   return m;
 }
 
@@ -94,6 +101,9 @@ class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
         return engine_->Generate(
             snapshot, prompts, params, [&](Sample s) { Queue(ToProto(s, snapshot.version)); },
             [this] { return broken_.load() || ctx_->IsCancelled(); });
+      if (sample_ && params.return_routing)
+        return absl::UnimplementedError(
+            "return_routing: this worker's sampler (expert-parallel) does not record routing");
       if (sample_)
         return (*sample_)(
             snapshot, prompts, params, [&](Sample s) { Queue(ToProto(s, snapshot.version)); },

@@ -145,10 +145,12 @@ opd::v1::GenerateRequest MakeGenerateRequest(const std::vector<std::vector<int32
   params->set_max_new_tokens(o.max_new_tokens);
   params->mutable_stop_token_ids()->Add(o.stop_token_ids.begin(), o.stop_token_ids.end());
   params->set_seed(o.seed);
+  req.set_return_routing(o.return_routing);
   return req;
 }
 
-absl::StatusOr<GeneratedSample> FromProto(const opd::v1::Sample& m) {
+// `prompt_len`: the sample's prompt's length (routed_experts covers prompt + response - 1).
+absl::StatusOr<GeneratedSample> FromProto(const opd::v1::Sample& m, int64_t prompt_len) {
   GeneratedSample s;
   s.prompt_index = m.prompt_index();
   s.sample_index = m.sample_index();
@@ -156,6 +158,19 @@ absl::StatusOr<GeneratedSample> FromProto(const opd::v1::Sample& m) {
   ASSIGN_OR_RETURN(s.logprobs, UnpackArray<float>(m.logprobs(), m.tokens_size(), "logprobs"));
   s.finish_reason = m.finish_reason();
   s.weight_version = m.weight_version();
+  if (!m.routed_experts().empty()) {
+    if (m.routing_layers() <= 0 || m.routing_top_k() <= 0)
+      return absl::InvalidArgumentError(absl::StrCat("routed_experts without routing_layers (",
+                                                     m.routing_layers(), ") and routing_top_k (",
+                                                     m.routing_top_k(), ")"));
+    const int64_t positions = prompt_len + m.tokens_size() - 1;
+    ASSIGN_OR_RETURN(
+        s.routed_experts,
+        UnpackArray<int32_t>(m.routed_experts(), positions * m.routing_layers() * m.routing_top_k(),
+                             "routed_experts"));
+    s.routing_layers = m.routing_layers();
+    s.routing_top_k = m.routing_top_k();
+  }
   return s;
 }
 
@@ -172,7 +187,11 @@ absl::StatusOr<std::vector<GeneratedSample>> RolloutClient::Generate(
   opd::v1::Sample msg;
   absl::Status decode_error;
   while (reader->Read(&msg)) {
-    auto s = FromProto(msg);
+    const int64_t prompt_len =
+        msg.prompt_index() >= 0 && msg.prompt_index() < static_cast<int32_t>(prompts.size())
+            ? static_cast<int64_t>(prompts[msg.prompt_index()].size())
+            : 0;
+    auto s = FromProto(msg, prompt_len);
     if (!s.ok()) {
       decode_error = s.status();
       ctx.TryCancel();

@@ -106,6 +106,7 @@ struct GenerateOptions {
   int32_t max_new_tokens = 256;
   std::vector<int32_t> stop_token_ids;
   uint64_t seed = 0;
+  bool return_routing = false;  // routing replay: each sample carries routed_experts
 };
 
 struct GeneratedSample {
@@ -115,6 +116,10 @@ struct GeneratedSample {
   std::vector<float> logprobs;  // per response token, under the distribution sampled from
   opd::v1::FinishReason finish_reason = opd::v1::FINISH_REASON_UNSPECIFIED;
   int64_t weight_version = 0;
+  // With return_routing: [positions, routing_layers, routing_top_k] expert ids, positions =
+  // prompt length + tokens.size() - 1 (checked on arrival); empty otherwise.
+  std::vector<int32_t> routed_experts;
+  int32_t routing_layers = 0, routing_top_k = 0;
 };
 
 // A tensor to send: raw bytes in row-major order (see tensor_codec.h for model parameters).

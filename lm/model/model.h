@@ -25,6 +25,10 @@ struct ForwardOptions {
   // backward (lm/model/recompute.h). Same gradients, less memory, one more forward. Training only
   // (not with a cache).
   bool checkpoint_layers = false;
+  // Routing replay (R3): [T, moe_layers, top_k] integer expert ids; MoE layer j (in layer order)
+  // routes token t to replay_experts[t, j] with the router's own fp32 gate weights at those ids
+  // (lm/model/moe.h RouteForced). Only where SupportsRoutingReplay().
+  torch::Tensor replay_experts;
 };
 
 class CausalLM : public torch::nn::Module {
@@ -38,6 +42,9 @@ class CausalLM : public torch::nn::Module {
   // cache and returns hidden states [B, H].
   virtual torch::Tensor Decode(const torch::Tensor& tokens, KVCache& cache) = 0;
   virtual bool SupportsKVCache() const { return true; }
+  // Whether Forward honours ForwardOptions::replay_experts and ScopedRoutingRecorder sees every
+  // MoE layer (lm/model/moe.h): the architectures built on SparseMoeBlock.
+  virtual bool SupportsRoutingReplay() const { return false; }
   // An empty cache for `batch` slots of `capacity` tokens, on the model's device and dtype.
   virtual KVCache NewKVCache(int64_t batch, int64_t capacity) const = 0;
 

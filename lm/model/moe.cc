@@ -71,7 +71,55 @@ class GroupedSwiGlu : public torch::autograd::Function<GroupedSwiGlu> {
   }
 };
 
+thread_local std::vector<torch::Tensor>* routing_recorder = nullptr;
+thread_local const std::vector<torch::Tensor>* routing_replay = nullptr;
+thread_local size_t routing_replay_next = 0;
+
 }  // namespace
+
+ScopedRoutingRecorder::ScopedRoutingRecorder(std::vector<torch::Tensor>* out)
+    : prev_(routing_recorder) {
+  routing_recorder = out;
+}
+ScopedRoutingRecorder::~ScopedRoutingRecorder() {
+  routing_recorder = prev_;
+}
+
+ScopedRoutingReplay::ScopedRoutingReplay(const std::vector<torch::Tensor>* layers)
+    : prev_(routing_replay), prev_next_(routing_replay_next) {
+  routing_replay = layers;
+  routing_replay_next = 0;
+}
+ScopedRoutingReplay::~ScopedRoutingReplay() {
+  routing_replay = prev_;
+  routing_replay_next = prev_next_;
+}
+
+Routing RouteForced(const torch::Tensor& x, const torch::Tensor& gate_weight,
+                    const torch::Tensor& ids, bool norm_topk_prob) {
+  Routing r;
+  {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    r.logits = torch::linear(x.to(gate_weight.scalar_type()), gate_weight);
+  }
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0),
+              "routing replay: forced expert ids must be [tokens=", x.size(0), ", top_k], got ",
+              ids.sizes());
+  r.ids = ids.to(r.logits.device(), torch::kInt64);
+  const int64_t E = r.logits.size(-1);
+  TORCH_CHECK(
+      ids.numel() == 0 || (r.ids.min().item<int64_t>() >= -1 && r.ids.max().item<int64_t>() < E),
+      "routing replay: forced expert ids outside [-1, ", E, ")");
+  auto probs = torch::softmax(r.logits, -1, torch::kFloat32);
+  // A row with a negative id takes the router's own top-k (a position not replayed).
+  const auto own_row = (r.ids < 0).any(-1, /*keepdim=*/true);
+  if (own_row.any().item<bool>())
+    r.ids = torch::where(own_row, std::get<1>(probs.detach().topk(ids.size(1), -1)), r.ids);
+  auto p = probs.gather(1, r.ids);
+  if (norm_topk_prob) p = p / p.sum(-1, /*keepdim=*/true);
+  r.weights = p.to(x.scalar_type());
+  return r;
+}
 
 Routing Route(const torch::Tensor& x, const torch::Tensor& gate_weight, int64_t top_k,
               bool norm_topk_prob) {
@@ -153,8 +201,25 @@ SparseMoeBlockImpl::SparseMoeBlockImpl(int64_t hidden, int64_t num_experts, int6
       "experts", Experts(local_experts > 0 ? local_experts : num_experts, hidden, intermediate));
 }
 
-torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& x, torch::Tensor* router_logits) {
-  Routing r = Route(x, gate->weight, top_k, norm_topk_prob);
+torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& x, torch::Tensor* router_logits,
+                                          const torch::Tensor& forced) {
+  torch::Tensor forced_ids = forced;
+  if (!forced_ids.defined() && routing_replay) {
+    TORCH_CHECK(routing_replay_next < routing_replay->size(),
+                "routing replay: ", routing_replay->size(),
+                " MoE layers given, a forward ran more");
+    forced_ids = (*routing_replay)[routing_replay_next++];
+  }
+  Routing r = forced_ids.defined() ? RouteForced(x, gate->weight, forced_ids, norm_topk_prob)
+                                   : Route(x, gate->weight, top_k, norm_topk_prob);
+  if (routing_recorder) {
+    if (forced_ids.defined()) {  // what the router would have picked on its own
+      routing_recorder->push_back(
+          std::get<1>(torch::softmax(r.logits.detach(), -1, torch::kFloat32).topk(top_k, -1)));
+    } else {
+      routing_recorder->push_back(r.ids.detach().to(torch::kInt64));
+    }
+  }
   if (router_logits) *router_logits = r.logits;
   return RunExperts(x, r, *experts);
 }

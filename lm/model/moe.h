@@ -29,6 +29,42 @@ struct Routing {
 Routing Route(const torch::Tensor& x, const torch::Tensor& gate_weight, int64_t top_k,
               bool norm_topk_prob);
 
+// Routing replay (R3): the experts are given (`ids` [T, k], any integer dtype), the weights are
+// the router's own fp32 softmax at those ids, renormalised over them when norm_topk_prob. A row
+// holding a negative id (-1) is not replayed: it takes the router's own top-k.
+Routing RouteForced(const torch::Tensor& x, const torch::Tensor& gate_weight,
+                    const torch::Tensor& ids, bool norm_topk_prob);
+
+// Records routing on this thread while alive: every SparseMoeBlock forward appends the top-k ids
+// [T, k] (int64) its router picked on its own (under replay: what it would have picked, not the
+// replayed ids), in call order (one entry per MoE layer per forward). Not nestable.
+class ScopedRoutingRecorder {
+ public:
+  explicit ScopedRoutingRecorder(std::vector<torch::Tensor>* out);
+  ~ScopedRoutingRecorder();
+  ScopedRoutingRecorder(const ScopedRoutingRecorder&) = delete;
+  ScopedRoutingRecorder& operator=(const ScopedRoutingRecorder&) = delete;
+
+ private:
+  std::vector<torch::Tensor>* prev_;
+};
+
+// Routing replay for forwards that take no ForwardOptions (the rollout engine's recompute of a
+// preempted sequence through PagedForward): while alive, the n-th SparseMoeBlock forward on this
+// thread routes through (*layers)[n] ([T, k]; rows holding -1 take their own top-k), as
+// RouteForced. Inference only (a recomputed backward would not see it). Not nestable.
+class ScopedRoutingReplay {
+ public:
+  explicit ScopedRoutingReplay(const std::vector<torch::Tensor>* layers);
+  ~ScopedRoutingReplay();
+  ScopedRoutingReplay(const ScopedRoutingReplay&) = delete;
+  ScopedRoutingReplay& operator=(const ScopedRoutingReplay&) = delete;
+
+ private:
+  const std::vector<torch::Tensor>* prev_;
+  size_t prev_next_;
+};
+
 // Experts computation: x [T, H], ids/weights [T, k], gate_up [E, 2I, H] (gate rows first),
 // down [E, H, I] -> [T, H]. Differentiable w.r.t. x, weights, gate_up and down.
 torch::Tensor MoeExperts(const torch::Tensor& x, const torch::Tensor& ids,
@@ -70,7 +106,9 @@ class SparseMoeBlockImpl : public torch::nn::Module {
   SparseMoeBlockImpl(int64_t hidden, int64_t num_experts, int64_t intermediate, int64_t top_k,
                      bool norm_topk_prob, int64_t local_experts = 0);
   // x [T, H] -> [T, H]; the router logits go to `router_logits` when given (aux loss).
-  torch::Tensor forward(const torch::Tensor& x, torch::Tensor* router_logits = nullptr);
+  // `forced_ids` [T, top_k] when defined: routing replay (RouteForced) instead of the top-k.
+  torch::Tensor forward(const torch::Tensor& x, torch::Tensor* router_logits = nullptr,
+                        const torch::Tensor& forced_ids = {});
 
   Router gate{nullptr};
   Experts experts{nullptr};

@@ -77,10 +77,11 @@ Qwen3MoeDecoderLayerImpl::Qwen3MoeDecoderLayerImpl(const ModelConfig& c, int64_t
 }
 
 torch::Tensor Qwen3MoeDecoderLayerImpl::Mlp(const torch::Tensor& x,
-                                            std::vector<torch::Tensor>* router_logits) {
+                                            std::vector<torch::Tensor>* router_logits,
+                                            const torch::Tensor& forced_ids) {
   if (!moe) return dense(x);
   torch::Tensor logits;
-  auto y = moe(x, router_logits ? &logits : nullptr);
+  auto y = moe(x, router_logits ? &logits : nullptr, forced_ids);
   if (router_logits) router_logits->push_back(logits);
   return y;
 }
@@ -101,18 +102,32 @@ Qwen3MoeForCausalLM::Qwen3MoeForCausalLM(ModelConfig c)
 torch::Tensor Qwen3MoeForCausalLM::Forward(const PackedBatch& batch, const ForwardOptions& opts) {
   auto [cos, sin] = rope_.Tables(batch.position_ids);
   auto h = model->embed_tokens(batch.input_ids);
+  const bool replay = opts.replay_experts.defined();
+  if (replay) {
+    int64_t moe_layers = 0;
+    for (int64_t i = 0; i < config_.num_hidden_layers; ++i) moe_layers += config_.IsMoeLayer(i);
+    TORCH_CHECK(opts.replay_experts.dim() == 3 &&
+                    opts.replay_experts.size(0) == batch.num_tokens() &&
+                    opts.replay_experts.size(1) == moe_layers &&
+                    opts.replay_experts.size(2) == config_.num_experts_per_tok,
+                "replay_experts must be [tokens=", batch.num_tokens(), ", moe_layers=", moe_layers,
+                ", top_k=", config_.num_experts_per_tok, "], got ", opts.replay_experts.sizes());
+  }
+  int64_t moe_index = 0;
   for (size_t i = 0; i < model->layers->size(); ++i) {
     auto layer = model->layers->ptr<Qwen3MoeDecoderLayerImpl>(i);
+    torch::Tensor forced;
+    if (replay && layer->moe) forced = opts.replay_experts.select(1, moe_index++);
     if (opts.checkpoint_layers && !opts.cache && torch::GradMode::is_enabled()) {
       // The block returns the layer's output and, when asked for, its router logits (the aux
       // loss backpropagates through them into the router).
       const bool logits = opts.router_logits != nullptr;
-      auto block = [layer, cos = cos, sin = sin, cu = batch.cu_seqlens,
-                    logits](const torch::Tensor& x) {
+      auto block = [layer, cos = cos, sin = sin, cu = batch.cu_seqlens, logits,
+                    forced](const torch::Tensor& x) {
         std::vector<torch::Tensor> router;
         torch::Tensor y =
             x + layer->self_attn(layer->input_layernorm(x), cos, sin, cu, nullptr, nullptr);
-        y = y + layer->Mlp(layer->post_attention_layernorm(y), logits ? &router : nullptr);
+        y = y + layer->Mlp(layer->post_attention_layernorm(y), logits ? &router : nullptr, forced);
         router.insert(router.begin(), y);
         return router;
       };
@@ -124,7 +139,7 @@ torch::Tensor Qwen3MoeForCausalLM::Forward(const PackedBatch& batch, const Forwa
     torch::Tensor* kc = opts.cache ? &opts.cache->k[i] : nullptr;
     torch::Tensor* vc = opts.cache ? &opts.cache->v[i] : nullptr;
     h = h + layer->self_attn(layer->input_layernorm(h), cos, sin, batch.cu_seqlens, kc, vc);
-    h = h + layer->Mlp(layer->post_attention_layernorm(h), opts.router_logits);
+    h = h + layer->Mlp(layer->post_attention_layernorm(h), opts.router_logits, forced);
   }
   if (opts.cache) {
     for (int64_t b = 0; b < batch.num_sequences(); ++b) opts.cache->lengths[b] = batch.length(b);

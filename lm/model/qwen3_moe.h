@@ -47,7 +47,9 @@ TORCH_MODULE(Qwen3MoeAttention);
 class Qwen3MoeDecoderLayerImpl : public torch::nn::Module {
  public:
   Qwen3MoeDecoderLayerImpl(const ModelConfig& c, int64_t layer);
-  torch::Tensor Mlp(const torch::Tensor& x, std::vector<torch::Tensor>* router_logits);
+  // `forced_ids` [T, k] when defined: routing replay for this (MoE) layer.
+  torch::Tensor Mlp(const torch::Tensor& x, std::vector<torch::Tensor>* router_logits,
+                    const torch::Tensor& forced_ids = {});
 
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Qwen3MoeAttention self_attn{nullptr};
@@ -73,6 +75,7 @@ class Qwen3MoeForCausalLM : public CausalLM {
   torch::Tensor Decode(const torch::Tensor& tokens, KVCache& cache) override;
   KVCache NewKVCache(int64_t batch, int64_t capacity) const override;
   bool SupportsPagedKV() const override { return true; }
+  bool SupportsRoutingReplay() const override { return true; }
   PagedCacheSpec PagedSpec() const override;
   PagedKVCache NewPagedKVCache(int64_t num_blocks, int64_t block_size,
                                int64_t num_state_slots) const override;

@@ -65,7 +65,8 @@ absl::Status OpdJob::ReduceStats(StepStats* st) {
   ASSIGN_OR_RETURN(std::vector<double> sums,
                    group_->AllReduceDoubles({st->loss_value, st->teacher_lp_sum, st->student_lp_sum,
                                              st->entropy_sum, l.reverse_kl_sum, l.ratio_sum,
-                                             l.clipped, l.mismatch_abs_sum, l.tokens}));
+                                             l.clipped, l.mismatch_abs_sum, l.tokens,
+                                             st->routing_pairs, st->routing_mismatches}));
   const double inf = std::numeric_limits<double>::infinity();
   ASSIGN_OR_RETURN(
       std::vector<double> lo,
@@ -82,12 +83,28 @@ absl::Status OpdJob::ReduceStats(StepStats* st) {
   l.clipped = sums[6];
   l.mismatch_abs_sum = sums[7];
   l.tokens = sums[8];
+  st->routing_pairs = sums[9];
+  st->routing_mismatches = sums[10];
   l.ratio_min = std::isfinite(lo[0]) ? lo[0] : 0;
   l.ratio_max = std::isfinite(hi[0]) ? hi[0] : 0;
   if (!st->domain_sums.empty()) {
     ASSIGN_OR_RETURN(st->domain_sums, group_->AllReduceDoubles(st->domain_sums));
   }
   return absl::OkStatus();
+}
+
+// Routing replay: replayed [T, L, k] (-1 rows not replayed) against the learner's own top-k per
+// MoE layer ([T, k] each), as sets.
+void OpdJob::AddRoutingMismatch(const torch::Tensor& replayed,
+                                const std::vector<torch::Tensor>& own, StepStats* st) {
+  torch::NoGradGuard no_grad;
+  if (own.size() != static_cast<size_t>(replayed.size(1))) return;        // not a recordable model
+  const auto rollout = std::get<0>(replayed.to(torch::kInt64).sort(-1));  // [T, L, k]
+  const auto learner = std::get<0>(torch::stack(own, 1).to(rollout.device()).sort(-1));
+  const auto replayed_pair = (rollout >= 0).all(-1);  // [T, L]
+  const auto differs = (rollout != learner).any(-1) & replayed_pair;
+  st->routing_pairs += replayed_pair.sum().item<double>();
+  st->routing_mismatches += differs.sum().item<double>();
 }
 
 // Packs samples (prompt + response) into micro-batches of at most micro_batch_tokens tokens (a
@@ -97,6 +114,12 @@ std::vector<MicroBatch> OpdJob::MakeMicroBatches(const Rollouts& r) {
   std::vector<MicroBatch> out;
   std::vector<std::vector<int64_t>> docs;
   std::vector<int64_t> rows, targets;
+  std::vector<int32_t> routing;  // routing replay: [tokens, moe layers, top_k], packed as docs
+  const bool replay = c_.rollout.routing_replay;
+  int64_t moe_layers = 0;
+  for (int64_t l = 0; l < model_->config().num_hidden_layers; ++l)
+    moe_layers += model_->config().IsMoeLayer(l);
+  const int64_t per_token = moe_layers * model_->config().num_experts_per_tok;
   int64_t tokens = 0;
   auto flush = [&] {
     if (docs.empty()) return;
@@ -110,6 +133,11 @@ std::vector<MicroBatch> OpdJob::MakeMicroBatches(const Rollouts& r) {
       mb.batch.position_ids = mb.batch.position_ids.to(device_);
       mb.rows = torch::tensor(rows, torch::kInt64).to(device_);
       mb.targets = torch::tensor(targets, torch::kInt64).to(device_);
+      if (replay) {
+        mb.replay_experts = torch::tensor(routing, torch::kInt32)
+                                .view({tokens, moe_layers, model_->config().num_experts_per_tok})
+                                .to(device_);
+      }
     }
     mb.response_tokens = static_cast<int64_t>(rows.size());
     mb.samples = std::move(out.empty() ? mb.samples : mb.samples);
@@ -117,6 +145,7 @@ std::vector<MicroBatch> OpdJob::MakeMicroBatches(const Rollouts& r) {
     docs.clear();
     rows.clear();
     targets.clear();
+    routing.clear();
     tokens = 0;
   };
   std::vector<size_t> current;
@@ -134,6 +163,10 @@ std::vector<MicroBatch> OpdJob::MakeMicroBatches(const Rollouts& r) {
     for (size_t t = 0; t < s.tokens.size(); ++t) {
       rows.push_back(tokens + static_cast<int64_t>(prompt.size() + t) - 1);
       targets.push_back(s.tokens[t]);
+    }
+    if (replay) {  // fed positions as the rollout routed them (CheckRouting), the last own
+      routing.insert(routing.end(), s.routed_experts.begin(), s.routed_experts.end());
+      routing.insert(routing.end(), per_token, -1);
     }
     docs.push_back(std::move(doc));
     current.push_back(i);
@@ -179,7 +212,17 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<MicroBatch>& min
     }
     lm::ForwardOptions fwd;
     fwd.checkpoint_layers = c_.train.activation_checkpointing;
+    // Routing replay: the rollout's experts; the recorder sees what the learner's router would
+    // have picked (lm/model/moe.h), compared below as sets per (token, MoE layer).
+    std::vector<torch::Tensor> own_routing;
+    std::optional<lm::ScopedRoutingRecorder> record;
+    if (mb.replay_experts.defined()) {
+      fwd.replay_experts = mb.replay_experts;
+      record.emplace(&own_routing);
+    }
     auto hidden = model_->Forward(mb.batch, fwd).index_select(0, mb.rows);
+    record.reset();
+    if (mb.replay_experts.defined()) AddRoutingMismatch(mb.replay_experts, own_routing, st);
     torch::Tensor entropy;
     auto lp = lm::TokenLogprobs(hidden, model_->LmHeadWeight(), mb.targets, lo, &entropy);
     auto lp_old = torch::tensor(old_lp).to(device_);
@@ -268,6 +311,10 @@ void OpdJob::LogStep(const StepStats& st) {
                  {"opd/ratio_max", st.loss.ratio_max},
                  {"opd/clip_frac", st.loss.clipped / n},
                  {"opd/sampler_learner_abs_diff", st.loss.mismatch_abs_sum / n},
+                 // Routing replay: the trained forward's gap above is the replayed one; the
+                 // share of (fed token, MoE layer) whose learner top-k differs from the rollout's.
+                 {"opd/routing_mismatch_frac",
+                  st.routing_pairs > 0 ? st.routing_mismatches / st.routing_pairs : 0.0},
                  {"opd/stage", static_cast<double>(stage_)},
                  {"opd/smoothed_reverse_kl", tracker_->smoothed()},
                  {"opd/weight_version", static_cast<double>(weight_version_)},
@@ -452,6 +499,10 @@ absl::Status OpdJob::Init(const JobArgs& args) {
     torch::manual_seed(static_cast<uint64_t>(c_.train.seed));
     RETURN_IF_ERROR(LoadStudent(c_.model.path));
   }
+  if (c_.rollout.routing_replay && !model_->SupportsRoutingReplay())
+    return absl::InvalidArgumentError(
+        absl::StrCat("rollout.routing_replay: a ", model_->config().model_type,
+                     " student does not support routing replay (qwen3_moe students do)"));
   RETURN_IF_ERROR(LoadPrompts());
   if (resumed) {
     RETURN_IF_ERROR(prompts_->Seek(cursor_));

@@ -49,6 +49,10 @@ struct OpdRolloutConfig {
                                        // ("": 127.0.0.1 for loopback workers, else hostname)
   double weight_sync_timeout_s = 120;  // group rendezvous and each broadcast
   int64_t weight_sync_bucket_mb = 64;  // broadcast bucket (one cast buffer per worker)
+  // Routing replay (R3, slime's --use-rollout-routing-replay): the workers return the experts
+  // every MoE layer picked for each fed token, and the learner's forward and backward route
+  // through exactly those (with its own fp32 gate weights). Qwen3-MoE students only.
+  bool routing_replay = false;
 };
 
 template <class V>
@@ -65,6 +69,7 @@ void VisitFields(V& v, OpdRolloutConfig& c) {
   v("weight_sync_host", c.weight_sync_host);
   v("weight_sync_timeout_s", c.weight_sync_timeout_s);
   v("weight_sync_bucket_mb", c.weight_sync_bucket_mb);
+  v("routing_replay", c.routing_replay);
 }
 
 struct PlateauConfig {

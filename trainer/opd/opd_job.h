@@ -28,6 +28,7 @@
 #include "lm/data/prompt_dataset.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
+#include "lm/model/moe.h"
 #include "lm/text/tokenizer.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
@@ -38,7 +39,7 @@
 #include "trainer/common/job_util.h"
 #include "trainer/common/metrics.h"
 #include "trainer/common/optim.h"
-#include "trainer/common/parallel.h"
+#include "trainer/common/zero1.h"
 #include "trainer/common/progress.h"
 #include "trainer/common/run_dir.h"
 #include "trainer/common/signals.h"
@@ -93,6 +94,9 @@ struct StepStats {
   double grad_norm = 0, lr = 0;
   bool skipped = false;
   int64_t response_tokens = 0, total_tokens = 0, max_response = 0;
+  // Routing replay: replayed (token, MoE layer) pairs, and those whose learner top-k (as a set)
+  // differs from the rollout's.
+  double routing_pairs = 0, routing_mismatches = 0;
   // sample_s is the wait for this step's samples; sample_work_s how long sampling them took
   // (the same when synchronous; with one-step-off the work overlapped the previous step).
   double sample_s = 0, sample_work_s = 0, score_s = 0, learn_s = 0, push_s = 0, step_s = 0;
@@ -108,6 +112,9 @@ struct MicroBatch {
   lm::PackedBatch batch;
   torch::Tensor rows, targets;
   int64_t response_tokens = 0;
+  // Routing replay: [T, moe_layers, top_k] int32, packed as `batch`; -1 at each document's last
+  // token (never fed to the rollout; its row predicts nothing): the learner's own routing there.
+  torch::Tensor replay_experts;
 };
 
 inline std::vector<int32_t> Concat(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
@@ -148,6 +155,11 @@ class OpdJob : public TrainingJob {
                                                            absl::Status* collective);
   void InstallSwap(const SwapRequest& swap, std::unique_ptr<TeacherPool> pool);
 
+  // rollout.routing_replay: INVALID_ARGUMENT naming routed_experts when a sample's routing does
+  // not fit its tokens and the student's MoE layers.
+  absl::Status CheckRouting(const Rollouts& r) const;
+  static void AddRoutingMismatch(const torch::Tensor& replayed,
+                                 const std::vector<torch::Tensor>& own, StepStats* st);
   absl::StatusOr<Rollouts> Sample(std::vector<lm::PromptExample> prompts,
                                   lm::DataCursor cursor_after);
   std::vector<lm::PromptExample> DrawPrompts(lm::DataCursor* cursor_after);

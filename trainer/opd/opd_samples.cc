@@ -27,6 +27,7 @@ absl::StatusOr<Rollouts> OpdJob::Sample(std::vector<lm::PromptExample> prompts,
   ASSIGN_OR_RETURN(g.stop_token_ids, lm::ChatFormat::StopIds(*tokenizer_));
   // A fresh seed per step (the data cursor's position), reproducible across resumes.
   g.seed = static_cast<uint64_t>(c_.rollout.seed) * 1000003ULL + r.cursor_after.step;
+  g.return_routing = c_.rollout.routing_replay;
   ASSIGN_OR_RETURN(r.samples, rollout_->Generate(ids, g));
   for (const auto& s : r.samples) {
     if (s.tokens.empty() || s.tokens.size() != s.logprobs.size()) {
@@ -34,8 +35,36 @@ absl::StatusOr<Rollouts> OpdJob::Sample(std::vector<lm::PromptExample> prompts,
           absl::StrCat("rollout returned a malformed sample for prompt ", s.prompt_index));
     }
   }
+  RETURN_IF_ERROR(CheckRouting(r));
   r.seconds = Seconds(t0);
   return r;
+}
+
+// Routing replay: every sample's routed_experts covers its fed positions (prompt + response - 1)
+// x the student's MoE layers x top_k, with ids of its experts.
+absl::Status OpdJob::CheckRouting(const Rollouts& r) const {
+  if (!c_.rollout.routing_replay) return absl::OkStatus();
+  const lm::ModelConfig& mc = model_->config();
+  int64_t layers = 0;
+  for (int64_t l = 0; l < mc.num_hidden_layers; ++l) layers += mc.IsMoeLayer(l);
+  const int64_t k = mc.num_experts_per_tok;
+  for (const auto& s : r.samples) {
+    const int64_t positions =
+        static_cast<int64_t>(r.prompts[s.prompt_index].prompt_ids.size() + s.tokens.size()) - 1;
+    if (s.routing_layers != layers || s.routing_top_k != k ||
+        static_cast<int64_t>(s.routed_experts.size()) != positions * layers * k)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rollout.routing_replay: routed_experts of prompt ", s.prompt_index, ", sample ",
+          s.sample_index, " holds ", s.routed_experts.size(), " ids as [", s.routing_layers,
+          " layers, top_k ", s.routing_top_k, "], expected ", positions, " positions x ", layers,
+          " MoE layers x top_k ", k, " (does the worker serve this student's architecture?)"));
+    for (int32_t e : s.routed_experts)
+      if (e < 0 || e >= mc.num_experts)
+        return absl::InvalidArgumentError(
+            absl::StrCat("rollout.routing_replay: routed_experts of prompt ", s.prompt_index,
+                         " names expert ", e, " of ", mc.num_experts));
+  }
+  return absl::OkStatus();
 }
 
 namespace {
@@ -61,6 +90,17 @@ std::string EncodeSamples(const std::vector<opd::rpc::GeneratedSample>& samples)
     Put(&out, s.weight_version);
     PutVector(&out, s.tokens);
     PutVector(&out, s.logprobs);
+  }
+  // Routing replay's routing after every sample (a trailing section, so that files written
+  // without it still read).
+  bool routing = false;
+  for (const auto& s : samples) routing |= !s.routed_experts.empty();
+  if (routing) {
+    for (const auto& s : samples) {
+      Put(&out, s.routing_layers);
+      Put(&out, s.routing_top_k);
+      PutVector(&out, s.routed_experts);
+    }
   }
   return out;
 }
@@ -104,6 +144,11 @@ absl::StatusOr<std::vector<opd::rpc::GeneratedSample>> DecodeSamples(const std::
     s.finish_reason = static_cast<opd::v1::FinishReason>(reason);
     out.push_back(std::move(s));
   }
+  if (ok && !in.done()) {
+    for (auto& s : out)
+      ok = ok && in.Get(&s.routing_layers) && in.Get(&s.routing_top_k) &&
+           in.GetVector(&s.routed_experts);
+  }
   if (!ok || !in.done())
     return absl::DataLossError("the step's samples from rank 0 are truncated or malformed");
   return out;
@@ -129,6 +174,7 @@ absl::StatusOr<Rollouts> OpdJob::ShareRollouts(absl::StatusOr<Rollouts> mine) {
                                                 " of ", mine->prompts.size(),
                                                 ": the ranks drew different prompts"));
     }
+    RETURN_IF_ERROR(CheckRouting(*mine));
   }
   return mine;
 }
@@ -192,6 +238,7 @@ absl::StatusOr<Rollouts> OpdJob::NextRollouts() {
       return absl::DataLossError(absl::StrCat("the checkpoint's prefetched samples name prompt ",
                                               s.prompt_index, " of ", r.prompts.size()));
   }
+  RETURN_IF_ERROR(CheckRouting(r));
   return r;
 }
 
