@@ -18,7 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "lm/dist/process_group.h"
-#include "trainer/common/parallel.h"
+#include "trainer/common/zero1.h"
 
 ABSL_FLAG(std::string, sizes_mb, "1,16,64", "all-reduce sizes, MiB (comma-separated)");
 ABSL_FLAG(int, iters, 5, "timed repetitions per size (after one warm-up)");

@@ -26,7 +26,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/child_process.h"
 #include "trainer/common/optim.h"
-#include "trainer/common/parallel.h"
+#include "trainer/common/zero1.h"
 
 namespace {
 

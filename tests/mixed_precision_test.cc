@@ -31,7 +31,8 @@
 #include "tests/gpu.h"
 #include "trainer/common/mixed_precision.h"
 #include "trainer/common/optim.h"
-#include "trainer/common/parallel.h"
+#include "trainer/common/learner_group.h"
+#include "trainer/common/zero1.h"
 
 namespace {
 

@@ -212,7 +212,7 @@ struct DeltaRuleScratch {
   torch::Tensor buf_;
 };
 
-// The state-free terms of the L tokens from c0 (lm/model/qwen3_next.h): D, U and W by the UT
+// The state-free terms of the L tokens from c0 (lm/model/gated_deltanet.h): D, U and W by the UT
 // transform, the causal (Q K^T) * D, exp(G) Q and exp(G_last - G) K.
 void IntraChunk(const DeltaRuleHead& h, int64_t c0, int64_t L, DeltaRuleScratch& s) {
   const int64_t C = s.C, dk = s.dk, dv = s.dv, ldr = dv + dk;

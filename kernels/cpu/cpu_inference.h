@@ -39,7 +39,7 @@ bool UseCpuInferenceDeltaRule(const torch::Tensor& q, const torch::Tensor& k,
                               const torch::Tensor& v, const torch::Tensor& g,
                               const torch::Tensor& beta);
 
-// GatedDeltaRuleChunked (lm/model/qwen3_next.h), a short last chunk computed at its length. q, k
+// GatedDeltaRuleChunked (lm/model/gated_deltanet.h), a short last chunk computed at its length. q, k
 // [T, Hk, dk] may have fewer heads than v [T, Hv, dv]: value head h reads key head h / (Hv / Hk),
 // so grouped heads need not be repeated. g, beta [T, Hv]; returns o [T, Hv, dv]. The result does
 // not depend on the thread count. `final_state`, when given, receives each document's state after

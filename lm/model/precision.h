@@ -12,7 +12,7 @@
 //     (2^-8) per step at learning rates of 1e-5, so a bf16 norm weight could not even be read
 //     back as updated.
 //
-// The fp32 master weights and the AdamW state live in the optimizer (trainer/common/parallel.h).
+// The fp32 master weights and the AdamW state live in the optimizer (trainer/common/zero1.h).
 #pragma once
 
 #include <string>

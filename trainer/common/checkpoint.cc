@@ -138,7 +138,7 @@ absl::Status CheckpointManager::Save(int64_t step, lm::CausalLM& model,
     state["world_size"] = group.size();
     return WriteFileAtomic(tmp + "/" + kStateFile, state.dump(2) + "\n");
   };
-  // bf16-mixed: rank 0's model holds the fp32 masters while it is written (parallel.h).
+  // bf16-mixed: rank 0's model holds the fp32 masters while it is written (zero1.h).
   RETURN_IF_ERROR(optimizer.WithMasterWeights(
       [&] { return AgreeOnOutcome(write(), group, "writing the checkpoint"); }));
 

@@ -5,7 +5,7 @@
 //                             plus the tokenizer files, so transformers loads it as it is
 //     optimizer.safetensors   AdamW moments by parameter name (exp_avg.<name>, exp_avg_sq.<name>),
 //                             or with N ranks optimizer-RRRRR-of-NNNNN.safetensors, one per rank
-//                             (trainer/common/parallel.h); either loads on any world size
+//                             (trainer/common/zero1.h); either loads on any world size
 //     trainer_state.json      step, scheduler, RNG states, data cursor, counters, config (the job
 //                             decides what goes in; see trainer/sft/sft.cc)
 //
@@ -25,7 +25,7 @@
 #include "absl/status/statusor.h"
 #include "lm/model/model.h"
 #include "nlohmann/json.hpp"
-#include "trainer/common/parallel.h"
+#include "trainer/common/zero1.h"
 
 namespace lm::dist {
 class ProcessGroup;

@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "lm/util/status.h"
-#include "trainer/common/parallel.h"
+#include "trainer/common/zero1.h"
 
 namespace trainer {
 
@@ -20,7 +20,7 @@ const char* PrecisionName(Precision p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The bf16-mixed part of DistributedOptimizer (trainer/common/parallel.h): its buffers, the
+// The bf16-mixed part of DistributedOptimizer (trainer/common/zero1.h): its buffers, the
 // refresh of the compute copies after an update, and the fp32 masters for checkpoints.
 
 void DistributedOptimizer::MoveIntoMixedBuffers(std::map<std::string, torch::Tensor>& by_name,

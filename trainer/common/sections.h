@@ -139,7 +139,7 @@ void VisitFields(V& v, LoggingConfig& c) {
   v("tensorboard", c.tensorboard);
 }
 
-// Several learner ranks (data parallel over c10d; trainer/common/parallel.h). The launcher's
+// Several learner ranks (data parallel over c10d; trainer/common/learner_group.h). The launcher's
 // environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) says how many; these say
 // how.
 struct DistConfig {
@@ -148,7 +148,7 @@ struct DistConfig {
   double bucket_mb = 32;         // gradient all-reduce bucket size
   // dtype of the updated weights' all-gather (ZeRO-1): auto (follows train.precision: float32
   // for fp32, bfloat16 for bf16-mixed) | float32 | bfloat16. With bfloat16 the fp32 masters stay
-  // sharded (trainer/common/parallel.h).
+  // sharded (trainer/common/zero1.h).
   std::string allgather_dtype = "auto";
 };
 

@@ -12,6 +12,7 @@
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "trainer/common/job_util.h"
+#include "trainer/common/learner_group.h"
 #include "trainer/common/signals.h"
 
 namespace trainer {

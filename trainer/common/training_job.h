@@ -25,7 +25,7 @@
 #include "trainer/common/metrics.h"
 #include "trainer/common/mixed_precision.h"
 #include "trainer/common/optim.h"
-#include "trainer/common/parallel.h"
+#include "trainer/common/zero1.h"
 #include "trainer/common/progress.h"
 #include "trainer/common/run_dir.h"
 #include "trainer/common/sections.h"

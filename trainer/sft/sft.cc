@@ -29,7 +29,7 @@
 #include "trainer/common/job_util.h"
 #include "trainer/common/metrics.h"
 #include "trainer/common/optim.h"
-#include "trainer/common/parallel.h"
+#include "trainer/common/zero1.h"
 #include "trainer/common/progress.h"
 #include "trainer/common/run_dir.h"
 #include "trainer/common/signals.h"

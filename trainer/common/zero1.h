@@ -1,4 +1,4 @@
-// The learner's optimizer over one or several ranks (data parallel).
+// The learner's optimizer over one or several ranks (data parallel): ZeRO-1.
 //
 // Every rank holds the whole model and runs its share of a step's micro-batches. Then:
 //
@@ -52,8 +52,9 @@
 #include <torch/types.h>
 
 #include "absl/status/statusor.h"
-#include "nlohmann/json.hpp"
+#include "trainer/common/learner_group.h"
 #include "trainer/common/mixed_precision.h"
+#include "trainer/common/optimizer_state.h"
 #include "trainer/common/sections.h"
 
 #include "lm/dist/process_group.h"
@@ -62,12 +63,6 @@ namespace trainer {
 
 class AdamW;
 class DistributedOptimizer;
-
-// Where a learner rank runs: its device (cuda:LOCAL_RANK on a GPU node) and the job's group.
-struct LearnerPlacement {
-  torch::Device device{torch::kCPU};
-  std::unique_ptr<lm::dist::ProcessGroup> group;
-};
 
 // The learner's optimizer for `params`, as the `dist` section says (bucket size, the all-gather's
 // dtype, which in bf16-mixed is bf16 for the compute copies whatever it says) and in `precision`.
@@ -80,61 +75,6 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> MakeLearnerOptimizer(
 // on CUDA too) and bfloat16 for bf16-mixed (whose compute copies are bf16 in any case); an
 // explicit float32 or bfloat16 is kept.
 torch::ScalarType ResolveAllGatherDtype(const std::string& value, Precision precision);
-
-// train.device for a rank with local rank `local_rank` on a node with `cuda_devices` CUDA devices
-// (0: no CUDA): cpu; cuda:N as given; cuda (and auto when CUDA is there) is cuda:LOCAL_RANK, so
-// each rank of a node takes its own GPU (LOCAL_RANK unset: 0). Errors name the value and what is
-// missing.
-absl::StatusOr<torch::Device> ResolveLearnerDevice(const std::string& spec, int local_rank,
-                                                   int cuda_devices);
-
-// Collective: fails on every rank, naming `what` and the ranks, unless every rank passed the same
-// `value` as rank 0 (ranks launched with different configs or models would otherwise exchange
-// tensors that do not belong together).
-absl::Status CheckSameOnEveryRank(lm::dist::ProcessGroup& group, const std::string& value,
-                                  const std::string& what);
-
-// Reads the launcher's environment (lm::dist::LaunchEnv), picks the device (`device` as
-// train.device: auto | cpu | cuda | cuda:N, ResolveLearnerDevice), and joins the job's group with
-// collectives that time out after `timeout_s` on `backend` (auto | gloo | nccl). One process: the
-// trivial group.
-absl::StatusOr<LearnerPlacement> JoinLearnerGroup(const std::string& device, double timeout_s,
-                                                  const std::string& backend);
-
-struct FlatLayout {
-  struct Entry {
-    std::string name;
-    int64_t offset = 0, numel = 0;
-    bool decay = false;
-  };
-  std::vector<Entry> entries;  // in flat order: the model's parameters last to first
-  int64_t total = 0;
-
-  static FlatLayout Of(const std::vector<std::pair<std::string, torch::Tensor>>& params);
-  nlohmann::json ToJson() const;  // [[name, numel], ...] in flat order
-};
-
-// This rank's part [begin, end) of a flat space of `total` elements split over `world` ranks in
-// equal chunks of ceil(total / world) (the last ones shorter or empty).
-struct Shard {
-  int64_t begin = 0, end = 0, chunk = 0;
-  static Shard Of(int64_t total, int world, int rank);
-};
-
-// AdamW moments stored in a checkpoint, read back as ranges of the flat space whatever world size
-// wrote them.
-class OptimizerStateReader {
- public:
-  // Opens optimizer.safetensors or the complete set of optimizer-*-of-*.safetensors in `dir`, and
-  // checks that they were written for `layout`. Errors name the file and what is wrong.
-  static absl::StatusOr<std::unique_ptr<OptimizerStateReader>> Open(const std::string& dir,
-                                                                    const FlatLayout& layout);
-  virtual ~OptimizerStateReader() = default;
-  // Copies moment `which` ("exp_avg" | "exp_avg_sq") over [begin, end) into `out` (fp32, CPU).
-  virtual absl::Status Read(const std::string& which, int64_t begin, int64_t end,
-                            float* out) const = 0;
-};
-
 class DistributedOptimizer {
  public:
   // `group` must outlive the optimizer. With one rank this is AdamW over the parameters as they

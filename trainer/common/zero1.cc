@@ -1,185 +1,22 @@
-#include "trainer/common/parallel.h"
+#include "trainer/common/zero1.h"
 
-#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
-#include <filesystem>
 #include <map>
-#include <regex>
 
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "lm/dist/process_group.h"
 #include "lm/io/safetensors.h"
 #include "lm/model/precision.h"
-#include "lm/util/log.h"
 #include "lm/util/status.h"
-#include "trainer/common/job_util.h"
 #include "trainer/common/optim.h"
 
 namespace trainer {
-namespace {
-
-namespace fs = std::filesystem;
-
-constexpr char kNamedFile[] = "optimizer.safetensors";
-constexpr char kShardFormat[] = "opd-adamw-zero1";
-const char* const kMoments[] = {"exp_avg", "exp_avg_sq"};
-
-std::string ShardFileName(int rank, int world) {
-  return absl::StrFormat("optimizer-%05d-of-%05d.safetensors", rank, world);
-}
-
-// Copies [begin, end) of the flat space from pieces that each cover [piece_begin, piece_end).
-struct Piece {
-  int64_t begin, end;
-  const float* data;
-};
-absl::Status CopyRange(const std::vector<Piece>& pieces, int64_t begin, int64_t end, float* out,
-                       const std::string& what) {
-  int64_t covered = 0;
-  for (const Piece& p : pieces) {
-    const int64_t b = std::max(begin, p.begin), e = std::min(end, p.end);
-    if (b >= e) continue;
-    std::memcpy(out + (b - begin), p.data + (b - p.begin), static_cast<size_t>(e - b) * 4);
-    covered += e - b;
-  }
-  if (covered != end - begin)
-    return absl::DataLossError(absl::StrCat(what, ": the stored state covers ", covered, " of the ",
-                                            end - begin, " elements of [", begin, ", ", end, ")"));
-  return absl::OkStatus();
-}
-
-absl::StatusOr<const float*> F32Data(const lm::SafetensorsFile& f, const std::string& name,
-                                     int64_t numel) {
-  ASSIGN_OR_RETURN(lm::TensorView v, f.Get(name));
-  if (v.dtype != lm::DType::kF32 || v.numel() != numel)
-    return absl::DataLossError(absl::StrCat(f.path(), ": ", name, " is ", lm::DTypeName(v.dtype),
-                                            " with ", v.numel(), " elements, expected F32 with ",
-                                            numel));
-  return reinterpret_cast<const float*>(v.data);
-}
-
-// optimizer.safetensors: the moments by parameter name (one rank wrote it).
-class NamedReader : public OptimizerStateReader {
- public:
-  static absl::StatusOr<std::unique_ptr<OptimizerStateReader>> Open(const std::string& path,
-                                                                    const FlatLayout& layout) {
-    auto r = std::unique_ptr<NamedReader>(new NamedReader());
-    ASSIGN_OR_RETURN(r->file_, lm::SafetensorsFile::Open(path));
-    for (const char* m : kMoments) {
-      for (const auto& e : layout.entries) {
-        ASSIGN_OR_RETURN(const float* data,
-                         F32Data(*r->file_, absl::StrCat(m, ".", e.name), e.numel));
-        r->pieces_[m].push_back({e.offset, e.offset + e.numel, data});
-      }
-    }
-    return std::unique_ptr<OptimizerStateReader>(std::move(r));
-  }
-  absl::Status Read(const std::string& which, int64_t begin, int64_t end,
-                    float* out) const override {
-    return CopyRange(pieces_.at(which), begin, end, out, file_->path());
-  }
-
- private:
-  std::shared_ptr<const lm::SafetensorsFile> file_;
-  std::map<std::string, std::vector<Piece>> pieces_;
-};
-
-// optimizer-RRRRR-of-NNNNN.safetensors: flat ranges (N ranks wrote them).
-class ShardReader : public OptimizerStateReader {
- public:
-  static absl::StatusOr<std::unique_ptr<OptimizerStateReader>> Open(const std::string& dir,
-                                                                    int world,
-                                                                    const FlatLayout& layout) {
-    auto r = std::unique_ptr<ShardReader>(new ShardReader());
-    const std::string want_layout = layout.ToJson().dump();
-    for (int rank = 0; rank < world; ++rank) {
-      const std::string path = dir + "/" + ShardFileName(rank, world);
-      ASSIGN_OR_RETURN(auto file, lm::SafetensorsFile::Open(path));
-      const auto& meta = file->metadata();
-      auto field = [&](const char* key) -> std::string {
-        auto it = meta.find(key);
-        return it == meta.end() ? std::string() : it->second;
-      };
-      int64_t begin = 0, end = 0, total = 0;
-      if (field("format") != kShardFormat || !absl::SimpleAtoi(field("begin"), &begin) ||
-          !absl::SimpleAtoi(field("end"), &end) || !absl::SimpleAtoi(field("total"), &total))
-        return absl::DataLossError(absl::StrCat(path, ": not an ", kShardFormat, " shard"));
-      if (total != layout.total || field("layout") != want_layout)
-        return absl::FailedPreconditionError(absl::StrCat(path, ": written for other parameters (",
-                                                          total, " elements; this model has ",
-                                                          layout.total, ") or in another order"));
-      const Shard expect = Shard::Of(total, world, rank);
-      if (begin != expect.begin || end != expect.end)
-        return absl::DataLossError(absl::StrCat(path, ": covers [", begin, ", ", end,
-                                                "), expected [", expect.begin, ", ", expect.end,
-                                                ")"));
-      for (const char* m : kMoments) {
-        ASSIGN_OR_RETURN(const float* data, F32Data(*file, m, end - begin));
-        r->pieces_[m].push_back({begin, end, data});
-      }
-      r->files_.push_back(std::move(file));
-    }
-    r->dir_ = dir;
-    return std::unique_ptr<OptimizerStateReader>(std::move(r));
-  }
-  absl::Status Read(const std::string& which, int64_t begin, int64_t end,
-                    float* out) const override {
-    return CopyRange(pieces_.at(which), begin, end, out, dir_ + "/optimizer-*");
-  }
-
- private:
-  std::string dir_;
-  std::vector<std::shared_ptr<const lm::SafetensorsFile>> files_;
-  std::map<std::string, std::vector<Piece>> pieces_;
-};
-
-// The world size of the optimizer shards in `dir` (0: none).
-absl::StatusOr<int> ShardWorld(const std::string& dir) {
-  static const std::regex re("optimizer-([0-9]{5})-of-([0-9]{5})\\.safetensors");
-  int world = 0;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    std::smatch m;
-    const std::string name = e.path().filename().string();
-    if (!std::regex_match(name, m, re)) continue;
-    const int w = std::stoi(m[2].str());
-    if (world != 0 && w != world)
-      return absl::DataLossError(
-          absl::StrCat(dir, ": optimizer shards of two world sizes (", world, " and ", w, ")"));
-    world = w;
-  }
-  return world;
-}
-
-}  // namespace
-
-absl::Status CheckSameOnEveryRank(lm::dist::ProcessGroup& group, const std::string& value,
-                                  const std::string& what) {
-  if (group.size() == 1) return absl::OkStatus();
-  std::string root = value;
-  RETURN_IF_ERROR(group.BroadcastBytes(&root));
-  std::vector<double> differs(static_cast<size_t>(group.size()), 0.0);
-  differs[static_cast<size_t>(group.rank())] = root == value ? 0.0 : 1.0;
-  ASSIGN_OR_RETURN(differs, group.AllReduceDoubles(differs));
-  std::vector<std::string> ranks;
-  for (size_t r = 0; r < differs.size(); ++r)
-    if (differs[r] > 0) ranks.push_back(std::to_string(r));
-  if (ranks.empty()) return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      absl::StrCat("the ", what, " of rank(s) ", absl::StrJoin(ranks, ", "),
-                   " differs from rank 0's: every rank must be launched with the same one"));
-}
 
 torch::ScalarType ResolveAllGatherDtype(const std::string& value, Precision precision) {
   if (value == "bfloat16") return torch::kBFloat16;
@@ -194,83 +31,6 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> MakeLearnerOptimizer(
   return DistributedOptimizer::Create(
       params, optim, group, static_cast<int64_t>(dist.bucket_mb * (1 << 20) / sizeof(float)),
       ResolveAllGatherDtype(dist.allgather_dtype, precision), precision);
-}
-
-absl::StatusOr<torch::Device> ResolveLearnerDevice(const std::string& spec, int local_rank,
-                                                   int cuda_devices) {
-  if (spec == "cpu" || (spec == "auto" && cuda_devices == 0)) return torch::Device(torch::kCPU);
-  int index = local_rank;
-  const bool explicit_index = absl::StartsWith(spec, "cuda:");
-  if (explicit_index) {
-    if (!absl::SimpleAtoi(spec.substr(5), &index) || index < 0)
-      return absl::InvalidArgumentError(
-          absl::StrCat("train.device: '", spec, "' is not cuda:N with N a device index"));
-  } else if (spec != "cuda" && spec != "auto") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("train.device: '", spec, "' is not one of auto, cpu, cuda, cuda:N"));
-  }
-  if (cuda_devices == 0)
-    return absl::FailedPreconditionError(absl::StrCat(
-        "train.device: ", spec, " but CUDA is not available (no device, or a CPU-only build)"));
-  if (index >= cuda_devices)
-    return absl::FailedPreconditionError(absl::StrCat(
-        "train.device: ", spec, explicit_index ? "" : absl::StrCat(" with LOCAL_RANK=", local_rank),
-        " needs cuda:", index, " but this node has ", cuda_devices, " CUDA device(s)"));
-  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
-}
-
-absl::StatusOr<LearnerPlacement> JoinLearnerGroup(const std::string& device, double timeout_s,
-                                                  const std::string& backend) {
-  ASSIGN_OR_RETURN(const lm::dist::LaunchEnv env, lm::dist::LaunchEnv::FromEnvironment());
-  lm::log::SetRank(env.rank, env.world_size);
-  LearnerPlacement p;
-  const int cuda_devices =
-      torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
-  ASSIGN_OR_RETURN(p.device, ResolveLearnerDevice(device, env.local_rank, cuda_devices));
-  lm::dist::GroupOptions o;
-  o.timeout = absl::Seconds(timeout_s);
-  o.backend = backend;
-  ASSIGN_OR_RETURN(p.group, lm::dist::ProcessGroup::Create(env, p.device, o));
-  if (env.distributed()) {
-    lm::log::Info(absl::StrFormat("rank %d of %d (local rank %d) on %s, %s collectives via %s:%d",
-                                  env.rank, env.world_size, env.local_rank, p.device.str(),
-                                  p.group->backend(), env.master_addr, env.master_port));
-  }
-  return p;
-}
-
-FlatLayout FlatLayout::Of(const std::vector<std::pair<std::string, torch::Tensor>>& params) {
-  FlatLayout l;
-  for (auto it = params.rbegin(); it != params.rend(); ++it) {
-    l.entries.push_back(
-        {it->first, l.total, it->second.numel(), UsesWeightDecay(it->first, it->second)});
-    l.total += it->second.numel();
-  }
-  return l;
-}
-
-nlohmann::json FlatLayout::ToJson() const {
-  nlohmann::json j = nlohmann::json::array();
-  for (const auto& e : entries) j.push_back({e.name, e.numel});
-  return j;
-}
-
-Shard Shard::Of(int64_t total, int world, int rank) {
-  Shard s;
-  s.chunk = (total + world - 1) / world;
-  s.begin = std::min(total, s.chunk * rank);
-  s.end = std::min(total, s.begin + s.chunk);
-  return s;
-}
-
-absl::StatusOr<std::unique_ptr<OptimizerStateReader>> OptimizerStateReader::Open(
-    const std::string& dir, const FlatLayout& layout) {
-  ASSIGN_OR_RETURN(const int world, ShardWorld(dir));
-  if (world > 0) return ShardReader::Open(dir, world, layout);
-  if (!fs::exists(fs::path(dir) / kNamedFile))
-    return absl::NotFoundError(
-        absl::StrCat(dir, ": no optimizer state (", kNamedFile, " or optimizer-*-of-*)"));
-  return NamedReader::Open(dir + "/" + kNamedFile, layout);
 }
 
 DistributedOptimizer::~DistributedOptimizer() {
@@ -536,17 +296,17 @@ absl::Status DistributedOptimizer::SaveState(const std::string& dir) const {
                      static_cast<size_t>(t.numel() * t.element_size())});
     }
     return lm::WriteSafetensors(
-        dir + "/" + kNamedFile, out,
+        dir + "/" + kOptimizerNamedFile, out,
         {{"format", "opd-adamw"}, {"steps", std::to_string(adamw_->steps())}});
   }
   torch::Tensor m = exp_avg_.to(torch::kCPU).contiguous();
   torch::Tensor v = exp_avg_sq_.to(torch::kCPU).contiguous();
   const std::vector<int64_t> shape{m.numel()};
   const size_t bytes = static_cast<size_t>(m.numel()) * sizeof(float);
-  return lm::WriteSafetensors(dir + "/" + ShardFileName(group_->rank(), group_->size()),
+  return lm::WriteSafetensors(dir + "/" + OptimizerShardFileName(group_->rank(), group_->size()),
                               {{"exp_avg", lm::DType::kF32, shape, m.data_ptr(), bytes},
                                {"exp_avg_sq", lm::DType::kF32, shape, v.data_ptr(), bytes}},
-                              {{"format", kShardFormat},
+                              {{"format", kOptimizerShardFormat},
                                {"begin", std::to_string(shard_.begin)},
                                {"end", std::to_string(shard_.end)},
                                {"total", std::to_string(layout_.total)},
@@ -564,7 +324,7 @@ absl::Status DistributedOptimizer::LoadState(const std::string& checkpoint_dir, 
     for (const auto& e : layout_.entries) {
       const torch::Tensor& p =
           params_[entry_param_[static_cast<size_t>(&e - layout_.entries.data())]];
-      for (const char* m : kMoments) {
+      for (const char* m : kOptimizerMoments) {
         torch::Tensor t = torch::empty(p.sizes(), torch::kFloat32);
         RETURN_IF_ERROR(reader->Read(m, e.offset, e.offset + e.numel, t.data_ptr<float>()));
         tensors[absl::StrCat(m, ".", e.name)] = t;
@@ -575,7 +335,8 @@ absl::Status DistributedOptimizer::LoadState(const std::string& checkpoint_dir, 
     return absl::OkStatus();
   }
   const int64_t n = shard_.end - shard_.begin;
-  for (auto [m, dst] : {std::pair{kMoments[0], &exp_avg_}, std::pair{kMoments[1], &exp_avg_sq_}}) {
+  for (auto [m, dst] : {std::pair{kOptimizerMoments[0], &exp_avg_},
+                        std::pair{kOptimizerMoments[1], &exp_avg_sq_}}) {
     torch::Tensor host = torch::empty({n}, torch::kFloat32);
     RETURN_IF_ERROR(reader->Read(m, shard_.begin, shard_.end, host.data_ptr<float>()));
     dst->copy_(host);
