@@ -20,6 +20,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "opd/v1/rollout.grpc.pb.h"
 #include "opd/v1/teacher.grpc.pb.h"
+#include "rpc/teacher_endpoint.h"
 #include "rpc/tls.h"
 
 namespace opd::rpc {
@@ -79,15 +80,17 @@ struct ScoreOutput {
   std::vector<float> topk_logprobs;  // [n * k]
 };
 
-class TeacherClient {
+class TeacherClient : public TeacherEndpoint {
  public:
   static absl::StatusOr<std::unique_ptr<TeacherClient>> Create(const ClientOptions& opts);
 
-  absl::StatusOr<opd::v1::ServiceInfo> Info();
+  absl::StatusOr<opd::v1::ServiceInfo> Info() override;
   // One output per input, in order.
   absl::StatusOr<std::vector<ScoreOutput>> Score(const std::vector<ScoreInput>& seqs,
-                                                 const ScoreOptions& opts = {});
-  const std::string& address() const { return opts_.address; }
+                                                 const ScoreOptions& opts = {}) override;
+  // The standard gRPC health check (2 s deadline) answers SERVING.
+  bool Healthy() override;
+  const std::string& address() const override { return opts_.address; }
 
  private:
   TeacherClient(ClientOptions opts, std::shared_ptr<grpc::Channel> channel);

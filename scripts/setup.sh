@@ -10,6 +10,7 @@ DEB_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev libyaml-cpp-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libpcre2-dev libutf8proc-dev python3-venv
+  libcurl4-openssl-dev  # rpc/http_teacher.cc: SGLang / vLLM teachers over HTTP
   libgloo-dev  # declarations for c10d's ProcessGroupGloo (the library itself is in libtorch)
   clang-14 libclang-rt-14-dev  # fuzz/: clang's libFuzzer and sanitizer runtimes
 )

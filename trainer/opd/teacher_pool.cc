@@ -72,7 +72,7 @@ absl::StatusOr<std::unique_ptr<TeacherPool>> TeacherPool::Connect(
     Replica r;
     r.opts = opts.client;
     r.opts.address = ep;
-    auto client = opd::rpc::TeacherClient::Create(r.opts);
+    auto client = opd::rpc::CreateTeacherEndpoint(r.opts);
     if (!client.ok()) return client.status();
     auto info = (*client)->Info();
     if (!info.ok()) {
@@ -80,14 +80,15 @@ absl::StatusOr<std::unique_ptr<TeacherPool>> TeacherPool::Connect(
                           absl::StrCat("stage '", stage, "': teacher ", ep,
                                        " is not usable: ", info.status().message()));
     }
-    if (!req.tokenizer_fingerprint.empty() &&
+    // An external server (SGLang, vLLM) leaves what it cannot tell empty: not checked.
+    if (!req.tokenizer_fingerprint.empty() && !info->tokenizer_fingerprint().empty() &&
         info->tokenizer_fingerprint() != req.tokenizer_fingerprint) {
       return absl::FailedPreconditionError(absl::StrCat(
           "stage '", stage, "': teacher ", ep, " has tokenizer fingerprint ",
           info->tokenizer_fingerprint(), " but the student's is ", req.tokenizer_fingerprint,
           ": teacher and student must share the tokenizer"));
     }
-    if (req.vocab_size > 0 && info->vocab_size() != req.vocab_size) {
+    if (req.vocab_size > 0 && info->vocab_size() > 0 && info->vocab_size() != req.vocab_size) {
       return absl::FailedPreconditionError(absl::StrCat("stage '", stage, "': teacher ", ep,
                                                         " has vocabulary size ", info->vocab_size(),
                                                         ", the student ", req.vocab_size));
@@ -117,21 +118,18 @@ int TeacherPool::healthy_count() const {
 
 std::vector<int> TeacherPool::HealthyReplicas() {
   // Health checks run without the lock (each can take its 2 s deadline).
-  std::vector<std::pair<int, opd::rpc::ClientOptions>> due;
+  // (Replicas are never removed, so the endpoint pointers stay valid.)
+  std::vector<std::pair<int, opd::rpc::TeacherEndpoint*>> due;
   {
     absl::MutexLock lock(&mu_);
     const absl::Time now = Now();
     for (size_t i = 0; i < replicas_.size(); ++i) {
       if (!replicas_[i].healthy && now >= replicas_[i].readmit_at)
-        due.emplace_back(static_cast<int>(i), replicas_[i].opts);
+        due.emplace_back(static_cast<int>(i), replicas_[i].client.get());
     }
   }
   std::vector<bool> passed(due.size());
-  for (size_t d = 0; d < due.size(); ++d) {
-    due[d].second.timeout = absl::Seconds(2);
-    auto h = opd::rpc::CheckHealth(due[d].second);
-    passed[d] = h.ok() && *h == grpc::health::v1::HealthCheckResponse::SERVING;
-  }
+  for (size_t d = 0; d < due.size(); ++d) passed[d] = due[d].second->Healthy();
   absl::MutexLock lock(&mu_);
   for (size_t d = 0; d < due.size(); ++d) {
     Replica& r = replicas_[due[d].first];
@@ -284,7 +282,7 @@ absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> TeacherPool::Score(
     std::vector<Call> calls;
     for (size_t c = 0; c < ready.size(); ++c) {
       const int rep = healthy[c % healthy.size()];
-      opd::rpc::TeacherClient* client;
+      opd::rpc::TeacherEndpoint* client;
       {
         absl::MutexLock lock(&mu_);
         client = replicas_[rep].client.get();

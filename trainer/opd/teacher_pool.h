@@ -33,6 +33,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "rpc/client.h"
+#include "rpc/teacher_endpoint.h"
 
 namespace trainer {
 
@@ -87,7 +88,7 @@ class TeacherPool {
 
  private:
   struct Replica {
-    std::unique_ptr<opd::rpc::TeacherClient> client;
+    std::unique_ptr<opd::rpc::TeacherEndpoint> client;  // opd-teacher, SGLang or vLLM
     opd::rpc::ClientOptions opts;
     bool healthy = true;
     int consecutive_failures = 0;

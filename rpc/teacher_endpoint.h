@@ -1,0 +1,38 @@
+// A scoring endpoint of an OPD teacher pool: our gRPC opd-teacher (TeacherClient, rpc/client.h)
+// or an external inference server (SGLang / vLLM, rpc/http_teacher.h). The pool only sees this.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "opd/v1/teacher.pb.h"
+
+namespace opd::rpc {
+
+struct ClientOptions;
+struct ScoreInput;
+struct ScoreOptions;
+struct ScoreOutput;
+
+class TeacherEndpoint {
+ public:
+  virtual ~TeacherEndpoint() = default;
+  // What the endpoint serves (model name, vocabulary size, tokenizer fingerprint when known).
+  // An external server fills what it can; an empty tokenizer_fingerprint means "not known".
+  virtual absl::StatusOr<opd::v1::ServiceInfo> Info() = 0;
+  // One output per input, in order.
+  virtual absl::StatusOr<std::vector<ScoreOutput>> Score(const std::vector<ScoreInput>& seqs,
+                                                         const ScoreOptions& opts) = 0;
+  // True when the endpoint answers its health check (used to re-admit a replica).
+  virtual bool Healthy() = 0;
+  virtual const std::string& address() const = 0;
+};
+
+// The endpoint for `opts.address`: "sglang://host:port", "vllm://host:port" (and the
+// "sglang+https://", "vllm+https://" variants, CA from opts.tls.ca_file) are external servers;
+// anything else ("host:port") is our gRPC opd-teacher.
+absl::StatusOr<std::unique_ptr<TeacherEndpoint>> CreateTeacherEndpoint(const ClientOptions& opts);
+
+}  // namespace opd::rpc
