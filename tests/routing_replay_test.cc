@@ -31,6 +31,7 @@
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
 #include "lm/model/qwen3_moe.h"
+#include "lm/util/status.h"
 #include "nlohmann/json.hpp"
 #include "opd_task.h"
 #include "rollout/engine.h"
@@ -319,6 +320,24 @@ TEST(RoutingReplay, RefusedWithoutMoeRouting) {
   EXPECT_NE(st.status().message().find("return_routing"), std::string::npos) << st.status();
 }
 
+// A rollout service on a loopback port and a client of it; the test shuts the server down.
+struct LocalRollout {
+  opd::rpc::RunningServer running;
+  std::unique_ptr<opd::rpc::RolloutClient> client;
+};
+
+absl::StatusOr<LocalRollout> ServeOnLoopback(grpc::Service* service) {
+  opd::rpc::ServerOptions server_opts;
+  server_opts.listen = "127.0.0.1:0";
+  LocalRollout local;
+  ASSIGN_OR_RETURN(local.running,
+                   opd::rpc::StartServer(server_opts, {service}, {"opd.v1.Rollout"}));
+  opd::rpc::ClientOptions co;
+  co.address = "127.0.0.1:" + std::to_string(local.running.port);
+  ASSIGN_OR_RETURN(local.client, opd::rpc::RolloutClient::Create(co));
+  return local;
+}
+
 // Routing survives the wire: Generate with return_routing over gRPC (an in-process rollout
 // service on the static sampler) returns each sample's routed_experts as the sampler made them.
 TEST(RoutingReplay, SurvivesTheWire) {
@@ -332,14 +351,9 @@ TEST(RoutingReplay, SurvivesTheWire) {
   info.set_service("opd.v1.Rollout");
   info.set_vocab_size(model->config().vocab_size);
   RolloutService service(&store, &auth, so, info);
-  opd::rpc::ServerOptions server_opts;
-  server_opts.listen = "127.0.0.1:0";
-  auto running = opd::rpc::StartServer(server_opts, {&service}, {"opd.v1.Rollout"});
-  ASSERT_TRUE(running.ok()) << running.status();
-  opd::rpc::ClientOptions co;
-  co.address = "127.0.0.1:" + std::to_string(running->port);
-  auto client = opd::rpc::RolloutClient::Create(co);
-  ASSERT_TRUE(client.ok()) << client.status();
+  auto served = ServeOnLoopback(&service);
+  ASSERT_TRUE(served.ok()) << served.status();
+  auto& client = served->client;
 
   std::vector<std::vector<int32_t>> prompts;
   for (const auto& p : kPrompts) prompts.emplace_back(p.begin(), p.end());
@@ -348,7 +362,7 @@ TEST(RoutingReplay, SurvivesTheWire) {
   g.max_new_tokens = 12;
   g.seed = 7;
   g.return_routing = true;
-  auto got = (*client)->Generate(prompts, g);
+  auto got = client->Generate(prompts, g);
   ASSERT_TRUE(got.ok()) << got.status();
   const auto local = SampleStatic(*model, Params());
   ASSERT_EQ(got->size(), local.size());
@@ -359,10 +373,10 @@ TEST(RoutingReplay, SurvivesTheWire) {
     EXPECT_FALSE((*got)[i].routed_experts.empty());
   }
   g.return_routing = false;  // off: nothing on the wire
-  auto plain = (*client)->Generate(prompts, g);
+  auto plain = client->Generate(prompts, g);
   ASSERT_TRUE(plain.ok()) << plain.status();
   for (const auto& s : *plain) EXPECT_TRUE(s.routed_experts.empty());
-  running->server->Shutdown(std::chrono::system_clock::now());
+  served->running.server->Shutdown(std::chrono::system_clock::now());
 }
 
 // A worker whose routed_experts does not fit the sample (prompt + response - 1 positions x
@@ -387,20 +401,15 @@ class BadRoutingRollout final : public opd::v1::Rollout::Service {
 
 TEST(RoutingReplay, WrongSizeIsRefusedNamingTheField) {
   BadRoutingRollout service;
-  opd::rpc::ServerOptions server_opts;
-  server_opts.listen = "127.0.0.1:0";
-  auto running = opd::rpc::StartServer(server_opts, {&service}, {"opd.v1.Rollout"});
-  ASSERT_TRUE(running.ok()) << running.status();
-  opd::rpc::ClientOptions co;
-  co.address = "127.0.0.1:" + std::to_string(running->port);
-  auto client = opd::rpc::RolloutClient::Create(co);
-  ASSERT_TRUE(client.ok()) << client.status();
+  auto served = ServeOnLoopback(&service);
+  ASSERT_TRUE(served.ok()) << served.status();
+  auto& client = served->client;
   opd::rpc::GenerateOptions g;
   g.return_routing = true;
-  auto got = (*client)->Generate({{1, 2, 3}}, g);
+  auto got = client->Generate({{1, 2, 3}}, g);
   ASSERT_FALSE(got.ok());
   EXPECT_NE(got.status().message().find("routed_experts"), std::string::npos) << got.status();
-  running->server->Shutdown(std::chrono::system_clock::now());
+  served->running.server->Shutdown(std::chrono::system_clock::now());
 }
 
 // A short OPD run with rollout.routing_replay on against real services (the demo task's
