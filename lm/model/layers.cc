@@ -2,7 +2,7 @@
 
 #include <torch/torch.h>
 
-#include <numeric>
+#include <algorithm>
 
 namespace lm {
 
@@ -95,7 +95,9 @@ torch::Tensor Rope::Apply(const torch::Tensor& x, const torch::Tensor& cos,
 
 namespace {
 
-// Causal attention of one document: q/k/v [L, H, D] -> [L, Hq, D].
+// Causal attention of one document: q/k/v [L, H, D] -> [L, Hq, D]. No mask: the kernel applies
+// causality itself (on the CPU the flash kernel, which tiles the scores and reads GQA heads
+// natively), so nothing [L, L] is ever materialised.
 torch::Tensor DocumentAttention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, double scale) {
   auto o = at::scaled_dot_product_attention(
@@ -105,65 +107,32 @@ torch::Tensor DocumentAttention(const torch::Tensor& q, const torch::Tensor& k,
   return o.squeeze(0).transpose(0, 1);
 }
 
-// Documents of similar length, padded into one [n, Lmax] batch: one attention call instead of n.
-struct Bucket {
-  std::vector<int64_t> docs;
-  int64_t max_len = 0, tokens = 0;
-};
-
-// Groups documents (sorted by length) so that padding wastes at most ~25% of a bucket's slots.
-std::vector<Bucket> MakeBuckets(const std::vector<int64_t>& cu_seqlens) {
-  std::vector<int64_t> order(cu_seqlens.size() - 1);
-  std::iota(order.begin(), order.end(), 0);
-  auto len = [&](int64_t b) { return cu_seqlens[b + 1] - cu_seqlens[b]; };
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return len(a) < len(b); });
-  std::vector<Bucket> buckets;
-  for (int64_t b : order) {
-    const int64_t l = len(b);
-    if (buckets.empty() || 4 * static_cast<int64_t>(buckets.back().docs.size() + 1) * l >
-                               5 * (buckets.back().tokens + l)) {
-      buckets.emplace_back();
-    }
-    Bucket& k = buckets.back();
-    k.docs.push_back(b);
-    k.max_len = std::max(k.max_len, l);
-    k.tokens += l;
-  }
-  return buckets;
+// FlashAttention-2's varlen kernel (LibTorch's own build) takes half-precision CUDA tensors with
+// head_dim a multiple of 8 up to 256; its backward is registered with autograd.
+bool UseFlashVarlen(const torch::Tensor& q) {
+  const auto dtype = q.scalar_type();
+  const int64_t d = q.size(-1);
+  return q.is_cuda() && (dtype == torch::kBFloat16 || dtype == torch::kHalf) && d % 8 == 0 &&
+         d <= 256;
 }
 
-// Attention of a bucket: rows gathered into [n, Lmax] (padding reads a zero row), causal mask
-// restricted to each document's valid keys, valid rows returned in bucket order.
-torch::Tensor BucketAttention(const torch::Tensor& q, const torch::Tensor& k,
-                              const torch::Tensor& v, const std::vector<int64_t>& cu_seqlens,
-                              const Bucket& bucket, double scale, std::vector<int64_t>* rows_out) {
-  const int64_t n = static_cast<int64_t>(bucket.docs.size()), L = bucket.max_len, T = q.size(0);
-  std::vector<int64_t> gather(n * L, T), lengths(n);
-  std::vector<int64_t> valid;  // positions in the [n * L] layout that are real tokens
+// The whole packed batch in one launch: documents are told apart by cumulative lengths (int32 on
+// the device, copied from pinned memory without waiting on the stream), GQA read natively.
+torch::Tensor FlashVarlenAttention(const torch::Tensor& q, const torch::Tensor& k,
+                                   const torch::Tensor& v, const std::vector<int64_t>& cu_seqlens,
+                                   double scale) {
+  const int64_t n = static_cast<int64_t>(cu_seqlens.size());
+  auto cu_host = torch::empty({n}, torch::TensorOptions().dtype(torch::kInt32).pinned_memory(true));
+  int64_t max_len = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t s = cu_seqlens[bucket.docs[i]], l = cu_seqlens[bucket.docs[i] + 1] - s;
-    lengths[i] = l;
-    for (int64_t t = 0; t < l; ++t) {
-      gather[i * L + t] = s + t;
-      valid.push_back(i * L + t);
-      rows_out->push_back(s + t);
-    }
+    cu_host.data_ptr<int32_t>()[i] = static_cast<int32_t>(cu_seqlens[i]);
+    if (i > 0) max_len = std::max(max_len, cu_seqlens[i] - cu_seqlens[i - 1]);
   }
-  auto idx = torch::tensor(gather, torch::kInt64).to(q.device());
-  auto pad = [&](const torch::Tensor& x) {
-    auto padded = torch::cat({x, torch::zeros({1, x.size(1), x.size(2)}, x.options())}, 0);
-    return padded.index_select(0, idx).view({n, L, x.size(1), x.size(2)}).transpose(1, 2);
-  };
-  auto lens = torch::tensor(lengths, torch::kInt64).to(q.device());
-  auto pos = torch::arange(L, lens.options());
-  auto causal = pos.unsqueeze(1) >= pos.unsqueeze(0);                       // [L, L]
-  auto key_ok = (pos.unsqueeze(0) < lens.unsqueeze(1)).view({n, 1, 1, L});  // [n, 1, 1, L]
-  auto mask = causal.view({1, 1, L, L}) & key_ok;
-  auto o = at::scaled_dot_product_attention(pad(q), pad(k), pad(v), mask, 0.0, false, scale,
-                                            /*enable_gqa=*/q.size(1) != k.size(1));
-  o = o.transpose(1, 2).reshape({n * L, q.size(1), q.size(2)});
-  return o.index_select(0, torch::tensor(valid, torch::kInt64).to(q.device()));
+  auto cu = cu_host.to(q.device(), /*non_blocking=*/true);
+  auto out = at::_flash_attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu,
+                                          max_len, max_len, /*dropout_p=*/0.0,
+                                          /*is_causal=*/true, /*return_debug_mask=*/false, scale);
+  return std::get<0>(out);
 }
 
 }  // namespace
@@ -171,24 +140,23 @@ torch::Tensor BucketAttention(const torch::Tensor& q, const torch::Tensor& k,
 torch::Tensor VarlenCausalAttention(const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v, const std::vector<int64_t>& cu_seqlens,
                                     double scale) {
+  TORCH_CHECK(cu_seqlens.size() >= 2 && cu_seqlens.front() == 0 && cu_seqlens.back() == q.size(0),
+              "VarlenCausalAttention: cu_seqlens must run from 0 to the ", q.size(0),
+              " packed rows");
   const int64_t B = static_cast<int64_t>(cu_seqlens.size()) - 1;
+  if (UseFlashVarlen(q)) return FlashVarlenAttention(q, k, v, cu_seqlens, scale);
   if (B == 1) return DocumentAttention(q, k, v, scale);
+  // One document at a time: its scores are the only ones alive, and documents are consecutive
+  // rows, so the outputs concatenate back in packed order.
   std::vector<torch::Tensor> outs;
-  std::vector<int64_t> rows;  // the packed row of each output row, in output order
-  for (const Bucket& bucket : MakeBuckets(cu_seqlens)) {
-    if (bucket.docs.size() == 1) {
-      const int64_t s = cu_seqlens[bucket.docs[0]], l = bucket.max_len;
-      outs.push_back(
-          DocumentAttention(q.narrow(0, s, l), k.narrow(0, s, l), v.narrow(0, s, l), scale));
-      for (int64_t t = 0; t < l; ++t) rows.push_back(s + t);
-    } else {
-      outs.push_back(BucketAttention(q, k, v, cu_seqlens, bucket, scale, &rows));
-    }
+  outs.reserve(B);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t s = cu_seqlens[b], l = cu_seqlens[b + 1] - s;
+    if (l == 0) continue;
+    outs.push_back(
+        DocumentAttention(q.narrow(0, s, l), k.narrow(0, s, l), v.narrow(0, s, l), scale));
   }
-  // Back to packed order: output row i holds packed row rows[i].
-  std::vector<int64_t> inverse(rows.size());
-  for (size_t i = 0; i < rows.size(); ++i) inverse[rows[i]] = static_cast<int64_t>(i);
-  return torch::cat(outs, 0).index_select(0, torch::tensor(inverse, torch::kInt64).to(q.device()));
+  return outs.empty() ? torch::empty({0, q.size(1), v.size(2)}, q.options()) : torch::cat(outs, 0);
 }
 
 torch::Tensor CachedAttention(const torch::Tensor& q, const torch::Tensor& k_cache,

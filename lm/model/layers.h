@@ -80,7 +80,10 @@ class Rope {
 };
 
 // Causal attention within each document of a packed batch; q [T, Hq, D], k/v [T, Hkv, D] with
-// Hq a multiple of Hkv (GQA). Returns [T, Hq, D].
+// Hq a multiple of Hkv (GQA), cu_seqlens [B+1] from 0 to T. Returns [T, Hq, D]. No mask is built:
+// on CUDA (bf16/fp16, head_dim % 8 == 0, <= 256) one FlashAttention varlen launch over the whole
+// batch; elsewhere one causal flash-style SDPA per document, so at most one document's scores are
+// alive at a time. Differentiable (autograd) on both paths.
 torch::Tensor VarlenCausalAttention(const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v, const std::vector<int64_t>& cu_seqlens,
                                     double scale);
