@@ -44,8 +44,10 @@ json ParseLenient(const std::string& body) {
     const char c = body[i];
     if (in_str) {
       t += c;
-      if (c == '\\' && i + 1 < body.size()) t += body[++i];
-      else if (c == '"') in_str = false;
+      if (c == '\\' && i + 1 < body.size())
+        t += body[++i];
+      else if (c == '"')
+        in_str = false;
       continue;
     }
     if (c == '"') in_str = true;
@@ -168,6 +170,10 @@ absl::StatusOr<std::string> HttpTeacher::Request(const std::string& path, const 
         absl::StrCat(where, ": no reply within ", absl::FormatDuration(opts_.timeout)));
   if (rc == CURLE_ABORTED_BY_CALLBACK)
     return absl::CancelledError(absl::StrCat(where, ": cancelled"));
+  if (rc == CURLE_PEER_FAILED_VERIFICATION || rc == CURLE_SSL_CACERT_BADFILE)
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ": ", curl_easy_strerror(rc), " (CA file '",
+                     opts_.tls.ca_file.empty() ? "the system roots" : opts_.tls.ca_file, "')"));
   if (rc != CURLE_OK)
     return absl::UnavailableError(absl::StrCat(where, ": ", curl_easy_strerror(rc)));
   if (code >= 200 && code < 300) return out;
@@ -176,6 +182,7 @@ absl::StatusOr<std::string> HttpTeacher::Request(const std::string& path, const 
   if (code >= 500) return absl::UnavailableError(msg);
   if (code == 429) return absl::ResourceExhaustedError(msg);
   if (code == 401 || code == 403) return absl::UnauthenticatedError(msg);
+  if (code == 404) return absl::NotFoundError(msg);
   return absl::InvalidArgumentError(msg);
 }
 
@@ -226,15 +233,29 @@ absl::StatusOr<opd::v1::ServiceInfo> HttpTeacher::Info() {
 }
 
 absl::StatusOr<std::vector<int32_t>> HttpTeacher::Tokenize(const std::string& text) {
-  auto model = ModelName();
-  if (!model.ok()) return model.status();
-  auto body = Request("/tokenize", json{{"model", *model}, {"prompt", text}}.dump());
+  json req = {{"prompt", text}, {"add_special_tokens", false}};
+  if (kind_ == HttpTeacherKind::kVllm) {  // SGLang serves one model and needs no name
+    auto model = ModelName();
+    if (!model.ok()) return model.status();
+    req["model"] = *model;
+  }
+  long code = 0;
+  auto body = Request("/tokenize", req.dump(), &code);
+  // A server that answers, but not with ids, cannot tell (no endpoint, or no tokenizer loaded);
+  // refused credentials and unreachable servers stay errors.
+  if (!body.ok() && code >= 400 && code != 401 && code != 403 && code != 429)
+    return absl::UnimplementedError(body.status().message());
   if (!body.ok()) return body.status();
   const json j = json::parse(*body, nullptr, false);
   if (j.is_discarded() || !j.contains("tokens") || !j["tokens"].is_array())
     return absl::DataLossError(absl::StrCat(opts_.address, ": /tokenize reply has no tokens"));
   std::vector<int32_t> ids;
-  for (const auto& t : j["tokens"]) ids.push_back(t.get<int32_t>());
+  for (const auto& t : j["tokens"]) {
+    if (!t.is_number_integer())
+      return absl::DataLossError(
+          absl::StrCat(opts_.address, ": /tokenize reply holds a token that is not an id"));
+    ids.push_back(t.get<int32_t>());
+  }
   return ids;
 }
 

@@ -8,10 +8,12 @@
 // requests in flight.
 //
 // Errors: connection errors and HTTP 5xx are UNAVAILABLE (the pool fails over), 429
-// RESOURCE_EXHAUSTED, 401/403 UNAUTHENTICATED, other 4xx INVALID_ARGUMENT, a request past its
-// timeout DEADLINE_EXCEEDED, a cancelled one CANCELLED, a body that is not JSON INTERNAL, and a
-// reply whose fields are wrong (lengths, token ids, missing fields) DATA_LOSS naming the endpoint
-// and the field. Non-finite log-probs are passed on as such and refused by the pool's validation.
+// RESOURCE_EXHAUSTED, 401/403 UNAUTHENTICATED, 404 NOT_FOUND, other 4xx INVALID_ARGUMENT, a
+// server certificate that the CA does not vouch for FAILED_PRECONDITION (retrying cannot help), a
+// request past its timeout DEADLINE_EXCEEDED, a cancelled one CANCELLED, a body that is not JSON
+// INTERNAL, and a reply whose fields are wrong (lengths, token ids, missing fields) DATA_LOSS
+// naming the endpoint and the field. Non-finite log-probs are passed on as such and refused by the
+// pool's validation.
 #pragma once
 
 #include <memory>
@@ -51,8 +53,10 @@ class HttpTeacher : public TeacherEndpoint {
   const std::string& address() const override { return opts_.address; }
   HttpTeacherKind kind() const { return kind_; }
 
-  // vLLM: POST /tokenize of `text`; the ids the server's tokenizer gives.
-  absl::StatusOr<std::vector<int32_t>> Tokenize(const std::string& text);
+  // POST /tokenize of `text` with add_special_tokens false (vLLM, and SGLang since it has one):
+  // the ids the server's tokenizer gives. UNIMPLEMENTED when the server answers that it cannot
+  // (no such endpoint, or no tokenizer: SGLang's --skip-tokenizer-init).
+  absl::StatusOr<std::vector<int32_t>> Tokenize(const std::string& text) override;
 
  private:
   struct Reply {

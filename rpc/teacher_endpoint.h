@@ -2,10 +2,12 @@
 // or an external inference server (SGLang / vLLM, rpc/http_teacher.h). The pool only sees this.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "opd/v1/teacher.pb.h"
 
@@ -27,6 +29,13 @@ class TeacherEndpoint {
                                                          const ScoreOptions& opts) = 0;
   // True when the endpoint answers its health check (used to re-admit a replica).
   virtual bool Healthy() = 0;
+  // The ids the endpoint's own tokenizer gives `text`, no special tokens added: the pool compares
+  // them with the student's at connect. UNIMPLEMENTED where the endpoint cannot tell (our
+  // opd-teacher reports a tokenizer fingerprint instead, which says more).
+  virtual absl::StatusOr<std::vector<int32_t>> Tokenize(const std::string& text) {
+    (void)text;
+    return absl::UnimplementedError(address() + ": cannot tokenize");
+  }
   virtual const std::string& address() const = 0;
 };
 

@@ -67,7 +67,7 @@ absl::Status OpdJob::StartStage(size_t index, bool resumed) {
   po.client.timeout = absl::Seconds(c_.train.teacher_timeout_s);
   po.score_deadline = absl::Seconds(c_.train.score_deadline_s);
   po.client.canceller = canceller_;
-  TeacherRequirements req{tokenizer_->Fingerprint(), model_->config().vocab_size};
+  TeacherRequirements req = StudentRequirements(*tokenizer_, model_->config().vocab_size);
   ASSIGN_OR_RETURN(teachers_, TeacherPool::Connect(s.name, s.teachers, req, po));
   domain_teachers_.clear();
   metric_domains_.clear();
@@ -146,7 +146,7 @@ absl::Status OpdJob::ApplyPendingSwap() {
 // start) and all agree: one rank that cannot connect refuses the swap for all.
 absl::StatusOr<std::unique_ptr<TeacherPool>> OpdJob::ConnectSwap(const SwapRequest& swap,
                                                                  absl::Status* collective) {
-  const TeacherRequirements req{tokenizer_->Fingerprint(), model_->config().vocab_size};
+  const TeacherRequirements req = StudentRequirements(*tokenizer_, model_->config().vocab_size);
   const std::string name =
       swap.domain.empty() ? swap.stage : DomainPoolName(swap.stage, swap.domain);
   absl::StatusOr<std::unique_ptr<TeacherPool>> pool =

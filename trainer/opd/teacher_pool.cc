@@ -4,8 +4,10 @@
 #include <cmath>
 #include <future>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "lm/text/tokenizer.h"
 #include "lm/util/log.h"
 
 namespace trainer {
@@ -62,6 +64,87 @@ absl::Duration RetryBackoff(int attempt, absl::Duration initial, absl::Duration 
   return std::min(d, max);
 }
 
+TeacherRequirements StudentRequirements(const lm::Tokenizer& tokenizer, int64_t vocab_size) {
+  TeacherRequirements req;
+  req.tokenizer_fingerprint = tokenizer.Fingerprint();
+  req.vocab_size = vocab_size;
+  req.probe_text = kTokenizerProbe;
+  req.probe_ids = tokenizer.Encode(kTokenizerProbe);
+  return req;
+}
+
+namespace {
+
+std::string IdList(const std::vector<int32_t>& ids) {
+  constexpr size_t kShown = 40;  // enough to see where they part, short enough for a log line
+  std::vector<int32_t> head(ids.begin(), ids.begin() + std::min(ids.size(), kShown));
+  return absl::StrCat("[", absl::StrJoin(head, ", "), ids.size() > kShown ? ", ...]" : "]");
+}
+
+// An endpoint with no fingerprint (SGLang, vLLM) is asked to tokenize the probe: different ids
+// mean a different tokenizer, whose log-probs would score other tokens than the student's.
+absl::Status CheckTokenizerProbe(const std::string& stage, const std::string& ep,
+                                 opd::rpc::TeacherEndpoint& client,
+                                 const TeacherRequirements& req) {
+  if (req.probe_text.empty()) return absl::OkStatus();
+  absl::StatusOr<std::vector<int32_t>> ids = client.Tokenize(req.probe_text);
+  if (absl::IsUnimplemented(ids.status())) {
+    lm::log::Warn(absl::StrCat("stage '", stage, "': teacher ", ep,
+                               " cannot tokenize, so its tokenizer is not checked (",
+                               ids.status().message(), ")"));
+    return absl::OkStatus();
+  }
+  if (!ids.ok()) {
+    return absl::Status(ids.status().code(),
+                        absl::StrCat("stage '", stage, "': teacher ", ep,
+                                     " is not usable: ", ids.status().message()));
+  }
+  if (*ids == req.probe_ids) return absl::OkStatus();
+  size_t at = 0;
+  while (at < ids->size() && at < req.probe_ids.size() && (*ids)[at] == req.probe_ids[at]) ++at;
+  auto id_at = [at](const std::vector<int32_t>& v) {
+    return at < v.size() ? std::to_string(v[at]) : std::string("none (it ends)");
+  };
+  return absl::FailedPreconditionError(absl::StrCat(
+      "stage '", stage, "': teacher ", ep, " tokenizes the probe \"",
+      absl::CHexEscape(req.probe_text), "\" as ", IdList(*ids), " (", ids->size(),
+      " ids) but the student's tokenizer gives ", IdList(req.probe_ids), " (", req.probe_ids.size(),
+      " ids); first different at id ", at, ": the teacher's ", id_at(*ids), ", the student's ",
+      id_at(req.probe_ids), ". Teacher and student must share the tokenizer"));
+}
+
+// Info() of a new endpoint against the student's requirements; what the endpoint leaves unknown
+// is not checked.
+absl::Status CheckEndpoint(const std::string& stage, const std::string& ep,
+                           opd::rpc::TeacherEndpoint& client, const TeacherRequirements& req) {
+  auto info = client.Info();
+  if (!info.ok()) {
+    return absl::Status(info.status().code(),
+                        absl::StrCat("stage '", stage, "': teacher ", ep,
+                                     " is not usable: ", info.status().message()));
+  }
+  if (!req.tokenizer_fingerprint.empty() && !info->tokenizer_fingerprint().empty() &&
+      info->tokenizer_fingerprint() != req.tokenizer_fingerprint) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("stage '", stage, "': teacher ", ep, " has tokenizer fingerprint ",
+                     info->tokenizer_fingerprint(), " but the student's is ",
+                     req.tokenizer_fingerprint, ": teacher and student must share the tokenizer"));
+  }
+  if (req.vocab_size > 0 && info->vocab_size() > 0 && info->vocab_size() != req.vocab_size) {
+    return absl::FailedPreconditionError(absl::StrCat("stage '", stage, "': teacher ", ep,
+                                                      " has vocabulary size ", info->vocab_size(),
+                                                      ", the student ", req.vocab_size));
+  }
+  if (info->tokenizer_fingerprint().empty()) {
+    if (absl::Status s = CheckTokenizerProbe(stage, ep, client, req); !s.ok()) return s;
+  }
+  lm::log::Info(absl::StrCat("stage '", stage, "': teacher ", ep, " ok (", info->architecture(),
+                             ", ", info->model_name(), ", vocab ", info->vocab_size(), ")"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<TeacherPool>> TeacherPool::Connect(
     const std::string& stage, const std::vector<std::string>& endpoints,
     const TeacherRequirements& req, const TeacherPoolOptions& opts) {
@@ -74,27 +157,7 @@ absl::StatusOr<std::unique_ptr<TeacherPool>> TeacherPool::Connect(
     r.opts.address = ep;
     auto client = opd::rpc::CreateTeacherEndpoint(r.opts);
     if (!client.ok()) return client.status();
-    auto info = (*client)->Info();
-    if (!info.ok()) {
-      return absl::Status(info.status().code(),
-                          absl::StrCat("stage '", stage, "': teacher ", ep,
-                                       " is not usable: ", info.status().message()));
-    }
-    // An external server (SGLang, vLLM) leaves what it cannot tell empty: not checked.
-    if (!req.tokenizer_fingerprint.empty() && !info->tokenizer_fingerprint().empty() &&
-        info->tokenizer_fingerprint() != req.tokenizer_fingerprint) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "stage '", stage, "': teacher ", ep, " has tokenizer fingerprint ",
-          info->tokenizer_fingerprint(), " but the student's is ", req.tokenizer_fingerprint,
-          ": teacher and student must share the tokenizer"));
-    }
-    if (req.vocab_size > 0 && info->vocab_size() > 0 && info->vocab_size() != req.vocab_size) {
-      return absl::FailedPreconditionError(absl::StrCat("stage '", stage, "': teacher ", ep,
-                                                        " has vocabulary size ", info->vocab_size(),
-                                                        ", the student ", req.vocab_size));
-    }
-    lm::log::Info(absl::StrCat("stage '", stage, "': teacher ", ep, " ok (", info->architecture(),
-                               ", ", info->model_name(), ", vocab ", info->vocab_size(), ")"));
+    if (absl::Status s = CheckEndpoint(stage, ep, **client, req); !s.ok()) return s;
     r.client = std::move(*client);
     absl::MutexLock lock(&pool->mu_);
     pool->replicas_.push_back(std::move(r));

@@ -27,6 +27,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -35,13 +36,36 @@
 #include "rpc/client.h"
 #include "rpc/teacher_endpoint.h"
 
+namespace lm {
+class Tokenizer;
+}
+
 namespace trainer {
 
 // What every teacher must agree on with the student.
 struct TeacherRequirements {
+  // Not an aggregate, so that callers naming only the first two fields need not spell the probe.
+  TeacherRequirements(std::string fingerprint = {}, int64_t vocab = 0)
+      : tokenizer_fingerprint(std::move(fingerprint)), vocab_size(vocab) {}
   std::string tokenizer_fingerprint;  // empty: not checked
   int64_t vocab_size = 0;             // 0: not checked (then top-k ids are only checked >= 0)
+  // A text and the ids the student's tokenizer gives it (no special tokens added). An endpoint
+  // that reports no fingerprint but can tokenize (SGLang, vLLM: POST /tokenize) must give the
+  // same ids. Empty probe_text: not checked.
+  std::string probe_text;
+  std::vector<int32_t> probe_ids;
 };
+
+// The text of the connect-time tokenizer probe: ChatML markers, digits, spaces, accents, CJK and
+// an emoji, so that a different vocabulary, merges, pre-tokenizer, normaliser or set of added
+// tokens shows in the ids.
+inline constexpr const char* kTokenizerProbe =
+    "<|im_start|>user\nWhat is 12345 + 678?  Caf\u00e9 na\u00efve \u4e2d\u6587 "
+    "\U0001F642<|im_end|>\n";
+
+// A student's requirements: its tokenizer's fingerprint and kTokenizerProbe as it tokenizes it,
+// and its vocabulary size.
+TeacherRequirements StudentRequirements(const lm::Tokenizer& tokenizer, int64_t vocab_size);
 
 struct TeacherPoolOptions {
   opd::rpc::ClientOptions client;  // address is filled per replica

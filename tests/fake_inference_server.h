@@ -1,0 +1,115 @@
+// Test helpers for external teachers: the fake SGLang / vLLM server
+// (tests/python/fake_inference_server.py) and an opd-teacher, each a child process on an ephemeral
+// loopback port, stopped when the object goes away.
+#pragma once
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "child_process.h"
+#include "rpc/client.h"
+
+namespace testing_util {
+
+// A fresh directory under the test's temp dir.
+inline std::filesystem::path FreshDir(const std::string& tag) {
+  static int n = 0;
+  const auto d = std::filesystem::path(::testing::TempDir()) /
+                 (tag + "_" + std::to_string(getpid()) + "_" + std::to_string(n++));
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  return d;
+}
+
+// The fake server in `mode` with extra `flags` (--model DIR, --tls-cert ..., --marker FILE).
+class FakeInferenceServer {
+ public:
+  explicit FakeInferenceServer(const std::string& mode, const std::vector<std::string>& flags = {})
+      : dir_(FreshDir("fake_server")) {
+    std::vector<std::string> argv = {OPD_PYTHON,
+                                     OPD_SOURCE_DIR "/tests/python/fake_inference_server.py",
+                                     (dir_ / "port").string(), mode};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    proc_ = std::make_unique<ChildProcess>(argv, (dir_ / "log").string());
+    // A failure bound, not a synchronisation: the port file appears once the model is loaded.
+    port_ = WaitForPort(*proc_, (dir_ / "port").string(), std::chrono::seconds(120));
+    EXPECT_GT(port_, 0) << "the fake server did not start:\n" << proc_->Log();
+  }
+  std::string Endpoint(const std::string& scheme) const {
+    return scheme + "://127.0.0.1:" + std::to_string(port_);
+  }
+  bool ok() const { return port_ > 0; }
+  const std::filesystem::path& dir() const { return dir_; }
+  std::string Log() const { return proc_->Log(); }
+
+ private:
+  std::filesystem::path dir_;
+  std::unique_ptr<ChildProcess> proc_;
+  int port_ = 0;
+};
+
+// An opd-teacher serving `model` (and `tokenizer` when given), with a 0600 secret file.
+class OpdTeacherProcess {
+ public:
+  static constexpr const char* kSecret = "http-teacher-test-secret";
+  explicit OpdTeacherProcess(const std::string& model, const std::string& tokenizer = "",
+                             std::string secret_text = kSecret)
+      : dir_(FreshDir("opd_teacher")), secret_(std::move(secret_text)) {
+    const auto secret = dir_ / "secret";
+    std::ofstream(secret) << secret_ << "\n";
+    std::filesystem::permissions(
+        secret, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+    std::vector<std::string> argv = {std::string(OPD_BINARY_DIR) + "/teacher_service/opd-teacher",
+                                     "--model=" + model,
+                                     "--secret-file=" + secret.string(),
+                                     "--threads=1",
+                                     "--listen=127.0.0.1:0",
+                                     "--port-file=" + (dir_ / "port").string()};
+    if (!tokenizer.empty()) argv.push_back("--tokenizer=" + tokenizer);
+    proc_ = std::make_unique<ChildProcess>(argv, (dir_ / "log").string());
+    const int port = WaitForPort(*proc_, (dir_ / "port").string(), std::chrono::seconds(120));
+    EXPECT_GT(port, 0) << "opd-teacher did not start:\n" << proc_->Log();
+    if (port > 0) address_ = "127.0.0.1:" + std::to_string(port);
+    opd::rpc::ClientOptions o = Options();
+    const absl::Status serving = opd::rpc::WaitUntilServing(o, absl::Seconds(60));
+    EXPECT_TRUE(serving.ok()) << serving << "\n" << proc_->Log();
+  }
+  opd::rpc::ClientOptions Options() const {
+    opd::rpc::ClientOptions o;
+    o.address = address_;
+    o.secret = secret_;
+    o.timeout = absl::Seconds(60);
+    return o;
+  }
+  const std::string& address() const { return address_; }
+  bool ok() const { return !address_.empty(); }
+
+ private:
+  std::filesystem::path dir_;
+  std::string secret_;
+  std::unique_ptr<ChildProcess> proc_;
+  std::string address_;
+};
+
+// The largest |a[i] - b[i]| (sizes must agree).
+inline double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double m = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    m = std::max(m, std::abs(static_cast<double>(a[i]) - b[i]));
+  return m;
+}
+
+}  // namespace testing_util
