@@ -20,6 +20,8 @@ int RunLogprobs(const std::vector<std::string>& args);
 int RunTokenize(const std::vector<std::string>& args);
 int RunDetokenize(const std::vector<std::string>& args);
 int RunInitModel(const std::vector<std::string>& args);
+// The memory and time plan of a job config (lm/plan/plan.h); no model weights needed.
+int RunPlan(const std::vector<std::string>& args);
 
 // Clients of running services (opd-teacher, opd-rollout).
 int RunInfo(const std::vector<std::string>& args);

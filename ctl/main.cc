@@ -20,6 +20,7 @@ constexpr ctl::Command kCommands[] = {
     {"generate", "samples from a running rollout worker", ctl::RunGenerate},
     {"push-weights", "send a model directory's weights to a rollout worker", ctl::RunPushWeights},
     {"init-model", "a random model (HF directory) from a config.json", ctl::RunInitModel},
+    {"plan", "memory per device and roofline time per step of an SFT or OPD job", ctl::RunPlan},
     {"eval", "task accuracy (and reverse KL to teachers) of a model on prompts with answers",
      ctl::RunEval},
     {"swap-teacher", "make a running OPD learner use other teacher replicas for a stage",

@@ -9,10 +9,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "lm/plan/device_memory.h"
+#include "lm/plan/plan.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "trainer/common/job_util.h"
 #include "trainer/common/learner_group.h"
+#include "trainer/common/learner_plan.h"
 #include "trainer/common/signals.h"
 
 namespace trainer {
@@ -80,7 +83,48 @@ absl::StatusOr<std::string> TrainingJob::AgreeOnCheckpoint(const JobArgs& args,
   return chosen;
 }
 
+namespace {
+
+// The plan's settings of this job, from its resolved config (the YAML every rank agreed on).
+absl::StatusOr<lm::plan::LearnerSettings> PlanSettings(const std::string& job,
+                                                       const std::string& yaml, int64_t ranks,
+                                                       bool bf16_mixed) {
+  ASSIGN_OR_RETURN(YAML::Node root, ParseYaml(yaml, "resolved config"));
+  if (job == "opd") {
+    OpdConfig c;
+    RETURN_IF_ERROR(DecodeConfig(root, &c));
+    return LearnerPlanSettings(c, ranks, bf16_mixed, /*cuda=*/true);
+  }
+  SftConfig c;
+  RETURN_IF_ERROR(DecodeConfig(root, &c));
+  return LearnerPlanSettings(c, ranks, bf16_mixed, /*cuda=*/true);
+}
+
+}  // namespace
+
+absl::Status TrainingJob::CheckPlannedMemory(const std::string& dir) const {
+  // A host has no fixed budget: lm::LoadModel checks the weights against MemAvailable, and the
+  // rest grows into swap or the OOM killer, which no start-up figure predicts.
+  if (!device_.is_cuda()) return absl::OkStatus();
+  absl::StatusOr<int64_t> device_bytes =
+      lm::plan::CudaDeviceMemoryBytes(device_.has_index() ? device_.index() : 0);
+  // A model directory without a readable config.json is lm::LoadModel's error to report.
+  absl::StatusOr<lm::ModelConfig> config = lm::LoadModelConfig(dir);
+  absl::StatusOr<lm::plan::LearnerSettings> settings =
+      PlanSettings(job_, config_yaml_, group_->size(), precision_ == Precision::kBf16Mixed);
+  // The plan guards against a configuration that cannot fit; it never stops one it cannot read.
+  for (const absl::Status& s : {device_bytes.status(), config.status(), settings.status()}) {
+    if (s.ok()) continue;
+    lm::log::Warn(absl::StrCat("memory plan not checked: ", s.message()));
+    return absl::OkStatus();
+  }
+  return lm::plan::CheckLearnerFits(*config, *settings, *device_bytes);
+}
+
 absl::Status TrainingJob::LoadModel(const std::string& dir) {
+  // Before any weight is allocated: a plan that cannot fit is refused naming its term, instead of
+  // a CUDA out-of-memory error some steps in.
+  RETURN_IF_ERROR(CheckPlannedMemory(dir));
   lm::LoadOptions opts;
   opts.dtype = torch::kFloat32;  // master weights; GPUs compute in bf16 under autocast
   opts.device = device_;

@@ -25,10 +25,10 @@
 #include "trainer/common/metrics.h"
 #include "trainer/common/mixed_precision.h"
 #include "trainer/common/optim.h"
-#include "trainer/common/zero1.h"
 #include "trainer/common/progress.h"
 #include "trainer/common/run_dir.h"
 #include "trainer/common/sections.h"
+#include "trainer/common/zero1.h"
 
 namespace trainer {
 
@@ -64,7 +64,11 @@ class TrainingJob {
   // --resume / --resume=DIR / run.resume; every rank gets rank 0's answer or its error.
   absl::StatusOr<std::string> AgreeOnCheckpoint(const JobArgs& args, const RunConfig& run);
   // The model of an HF directory on this rank's device, in training mode, and its optimizer.
+  // On a CUDA device the memory plan (lm/plan/plan.h) is checked first.
   absl::Status LoadModel(const std::string& dir);
+  // RESOURCE_EXHAUSTED naming the term when the planned peak of this rank (the model in `dir`,
+  // the job's micro-batch, this many ranks) exceeds its CUDA device; OK on the CPU.
+  absl::Status CheckPlannedMemory(const std::string& dir) const;
   // LoadModel plus the job's own checks of the model (a job may add them).
   virtual absl::Status LoadStudent(const std::string& dir) { return LoadModel(dir); }
   // Reads `checkpoint` (refusing another job's), loads its model (LoadStudent) and optimizer
