@@ -8,6 +8,7 @@
 #include <grpcpp/create_channel.h>
 
 #include "absl/strings/str_cat.h"
+#include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "rpc/auth.h"
 #include "rpc/codec.h"
@@ -76,8 +77,10 @@ absl::StatusOr<opd::v1::ServiceInfo> TeacherClient::Info() {
   return info;
 }
 
-absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::Score(const std::vector<ScoreInput>& seqs,
-                                                              const ScoreOptions& opts) {
+namespace {
+
+opd::v1::ScoreRequest MakeScoreRequest(const std::vector<ScoreInput>& seqs,
+                                       const ScoreOptions& opts) {
   opd::v1::ScoreRequest req;
   req.set_temperature(opts.temperature);
   req.set_top_k(opts.top_k);
@@ -86,8 +89,114 @@ absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::Score(const std::vector<
     m->mutable_tokens()->Add(s.tokens.begin(), s.tokens.end());
     m->set_response_start(s.response_start);
   }
+  return req;
+}
+
+// PrepareContext with an absolute deadline, shared by the tries of one Score (stream, then unary).
+void PrepareContextUntil(const ClientOptions& opts, absl::Time deadline, grpc::ClientContext* ctx) {
+  PrepareContext(opts, ctx);
+  ctx->set_deadline(absl::ToChronoTime(deadline));
+}
+
+// `s` with `what: ` in front of its message, same code.
+absl::Status Prefixed(const absl::Status& s, absl::string_view what) {
+  return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+}
+
+// One sequence's scores; `in` says how many positions it has.
+absl::StatusOr<ScoreOutput> UnpackScores(const opd::v1::SequenceScores& r, const ScoreInput& in,
+                                         int32_t top_k) {
+  const int64_t n = static_cast<int64_t>(in.tokens.size()) - in.response_start;
+  ScoreOutput out;
+  ASSIGN_OR_RETURN(out.logprobs, UnpackArray<float>(r.logprobs(), n, "logprobs"));
+  if (top_k > 0) {
+    ASSIGN_OR_RETURN(out.topk_ids, UnpackArray<int32_t>(r.topk_ids(), n * top_k, "topk_ids"));
+    ASSIGN_OR_RETURN(out.topk_logprobs,
+                     UnpackArray<float>(r.topk_logprobs(), n * top_k, "topk_logprobs"));
+  }
+  return out;
+}
+
+// Appends `chunk`'s sequences to `out`: they must be the next ones of `seqs`, with the top_k of
+// the first chunk (`*top_k`, -1 before it).
+absl::Status AppendChunk(const opd::v1::ScoreChunk& chunk, const std::vector<ScoreInput>& seqs,
+                         int32_t* top_k, std::vector<ScoreOutput>* out) {
+  if (chunk.first_sequence() != static_cast<int64_t>(out->size())) {
+    return absl::InternalError(absl::StrCat("a chunk starts at sequence ", chunk.first_sequence(),
+                                            ", expected ", out->size()));
+  }
+  if (chunk.top_k() < 0 || (*top_k >= 0 && chunk.top_k() != *top_k)) {
+    return absl::InternalError(absl::StrCat("chunk at sequence ", chunk.first_sequence(),
+                                            " has top_k ", chunk.top_k(), ", the first had ",
+                                            *top_k));
+  }
+  *top_k = chunk.top_k();
+  if (out->size() + chunk.sequences_size() > seqs.size()) {
+    return absl::InternalError(
+        absl::StrCat("chunks carry more than the ", seqs.size(), " sequences asked for"));
+  }
+  for (const auto& r : chunk.sequences()) {
+    const size_t i = out->size();
+    absl::StatusOr<ScoreOutput> o = UnpackScores(r, seqs[i], *top_k);
+    if (!o.ok()) return Prefixed(o.status(), absl::StrCat("sequence ", i));
+    out->push_back(*std::move(o));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::Score(const std::vector<ScoreInput>& seqs,
+                                                              const ScoreOptions& opts) {
+  const opd::v1::ScoreRequest req = MakeScoreRequest(seqs, opts);
+  const absl::Time deadline = absl::Now() + opts_.timeout;
+  if (!unary_only_.load()) {
+    bool unimplemented = false;
+    absl::StatusOr<std::vector<ScoreOutput>> out =
+        ScoreStreamed(req, seqs, deadline, &unimplemented);
+    if (!unimplemented) return out;
+    if (!unary_only_.exchange(true)) {
+      lm::log::Info(absl::StrCat(opts_.address,
+                                 ": the teacher has no ScoreStream (an older opd-teacher); "
+                                 "scoring with unary Score calls from now on"));
+    }
+  }
+  return ScoreUnary(req, seqs, deadline);
+}
+
+absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::ScoreStreamed(
+    const opd::v1::ScoreRequest& req, const std::vector<ScoreInput>& seqs, absl::Time deadline,
+    bool* unimplemented) {
   grpc::ClientContext ctx;
-  PrepareContext(opts_, &ctx);
+  PrepareContextUntil(opts_, deadline, &ctx);
+  CallCanceller::Scope cancel_scope(opts_.canceller.get(), &ctx);
+  auto reader = stub_->ScoreStream(&ctx, req);
+  std::vector<ScoreOutput> out;
+  out.reserve(seqs.size());
+  int32_t top_k = -1;
+  absl::Status bad;
+  opd::v1::ScoreChunk chunk;
+  while (reader->Read(&chunk)) {
+    if (!bad.ok()) continue;  // drains what was in flight when the call was cancelled
+    bad = AppendChunk(chunk, seqs, &top_k, &out);
+    if (!bad.ok()) ctx.TryCancel();
+  }
+  const grpc::Status st = reader->Finish();
+  if (!bad.ok()) return Prefixed(bad, opts_.address);
+  // An older server answers before any chunk; an UNIMPLEMENTED after chunks is a failure.
+  *unimplemented = st.error_code() == grpc::StatusCode::UNIMPLEMENTED && out.empty();
+  RETURN_IF_ERROR(FromGrpc(st, opts_.address));
+  if (out.size() != seqs.size()) {
+    return absl::InternalError(
+        absl::StrCat(opts_.address, ": ", out.size(), " results for ", seqs.size(), " sequences"));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::ScoreUnary(
+    const opd::v1::ScoreRequest& req, const std::vector<ScoreInput>& seqs, absl::Time deadline) {
+  grpc::ClientContext ctx;
+  PrepareContextUntil(opts_, deadline, &ctx);
   CallCanceller::Scope cancel_scope(opts_.canceller.get(), &ctx);
   opd::v1::ScoreResponse resp;
   RETURN_IF_ERROR(FromGrpc(stub_->Score(&ctx, req, &resp), opts_.address));
@@ -97,15 +206,10 @@ absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::Score(const std::vector<
   }
   std::vector<ScoreOutput> out(seqs.size());
   for (size_t i = 0; i < seqs.size(); ++i) {
-    const int64_t n = static_cast<int64_t>(seqs[i].tokens.size()) - seqs[i].response_start;
-    const auto& r = resp.sequences(static_cast<int>(i));
-    ASSIGN_OR_RETURN(out[i].logprobs, UnpackArray<float>(r.logprobs(), n, "logprobs"));
-    if (resp.top_k() > 0) {
-      ASSIGN_OR_RETURN(out[i].topk_ids,
-                       UnpackArray<int32_t>(r.topk_ids(), n * resp.top_k(), "topk_ids"));
-      ASSIGN_OR_RETURN(out[i].topk_logprobs,
-                       UnpackArray<float>(r.topk_logprobs(), n * resp.top_k(), "topk_logprobs"));
-    }
+    absl::StatusOr<ScoreOutput> o =
+        UnpackScores(resp.sequences(static_cast<int>(i)), seqs[i], resp.top_k());
+    if (!o.ok()) return Prefixed(o.status(), absl::StrCat(opts_.address, ": sequence ", i));
+    out[i] = *std::move(o);
   }
   return out;
 }

@@ -5,6 +5,7 @@
 // error names the server it came from. Clients are thread-safe: one per server is enough.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -85,7 +86,10 @@ class TeacherClient : public TeacherEndpoint {
   static absl::StatusOr<std::unique_ptr<TeacherClient>> Create(const ClientOptions& opts);
 
   absl::StatusOr<opd::v1::ServiceInfo> Info() override;
-  // One output per input, in order.
+  // One output per input, in order. Asks for the reply as a ScoreStream (chunks of whole
+  // sequences, so that no reply message has to hold the whole batch), and falls back to the unary
+  // Score when the server has no ScoreStream (UNIMPLEMENTED: an older opd-teacher), remembering
+  // that for this client's later calls. One deadline (ClientOptions::timeout) covers both tries.
   absl::StatusOr<std::vector<ScoreOutput>> Score(const std::vector<ScoreInput>& seqs,
                                                  const ScoreOptions& opts = {}) override;
   // The standard gRPC health check (2 s deadline) answers SERVING.
@@ -94,9 +98,17 @@ class TeacherClient : public TeacherEndpoint {
 
  private:
   TeacherClient(ClientOptions opts, std::shared_ptr<grpc::Channel> channel);
+  // The two ways of asking; `unimplemented` is set when the server has no ScoreStream.
+  absl::StatusOr<std::vector<ScoreOutput>> ScoreStreamed(const opd::v1::ScoreRequest& req,
+                                                         const std::vector<ScoreInput>& seqs,
+                                                         absl::Time deadline, bool* unimplemented);
+  absl::StatusOr<std::vector<ScoreOutput>> ScoreUnary(const opd::v1::ScoreRequest& req,
+                                                      const std::vector<ScoreInput>& seqs,
+                                                      absl::Time deadline);
   ClientOptions opts_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<opd::v1::Teacher::Stub> stub_;
+  std::atomic<bool> unary_only_{false};  // the server answered ScoreStream with UNIMPLEMENTED
 };
 
 // --- rollout ---

@@ -230,9 +230,10 @@ absl::StatusOr<LoadedModel> LoadServedModel() {
 
 absl::Status ServeUntilSignal(const char* program, const std::string& service_name,
                               grpc::Service* service, const LoadedModel& loaded,
-                              const std::function<void()>& after_shutdown) {
+                              const std::function<void()>& after_shutdown, int max_send_bytes) {
   if (g_load_watch) g_load_watch->End();  // the signals are WaitForShutdownSignal's from here
-  const ServerOptions opts = ServingOptions(!loaded.secret.empty());
+  ServerOptions opts = ServingOptions(!loaded.secret.empty());
+  opts.max_send_bytes = max_send_bytes;
   ASSIGN_OR_RETURN(auto server, StartServer(opts, {service}, {service_name}));
   const lm::ModelConfig& config = loaded.config;
   lm::log::Info(absl::StrCat(program, ": serving ", loaded.model_dir, " (", config.model_type,

@@ -14,6 +14,7 @@
 #include "lm/model/placement.h"
 #include "opd/v1/common.pb.h"
 #include "rpc/ep_group.h"
+#include "rpc/server.h"
 
 namespace opd::rpc {
 
@@ -42,9 +43,11 @@ absl::StatusOr<LoadedModel> LoadServedModel();
 // Starts `service` (named `service_name`) with health and reflection on --listen, logs a line
 // naming `program` and the model, blocks until SIGINT/SIGTERM, then stops taking calls, lets
 // calls in flight finish for up to --grace-seconds, and calls `after_shutdown`.
+// `max_send_bytes` is the server's ServerOptions::max_send_bytes (the largest reply it sends).
 absl::Status ServeUntilSignal(const char* program, const std::string& service_name,
                               grpc::Service* service, const LoadedModel& loaded,
-                              const std::function<void()>& after_shutdown = {});
+                              const std::function<void()>& after_shutdown = {},
+                              int max_send_bytes = kMaxSendBytes);
 
 // An expert-parallel follower's loop, instead of ServeUntilSignal: runs each of rank 0's commands
 // with `work` until rank 0 stops the group (OK) or the group fails (its error).

@@ -193,7 +193,7 @@ absl::StatusOr<RunningServer> StartServer(const ServerOptions& opts,
   grpc::ServerBuilder builder;
   builder.AddListeningPort(opts.listen, creds, &running.port);
   builder.SetMaxReceiveMessageSize(opts.max_message_bytes);
-  builder.SetMaxSendMessageSize(-1);
+  builder.SetMaxSendMessageSize(opts.max_send_bytes);
   for (auto* s : services) builder.RegisterService(s);
   running.server = builder.BuildAndStart();
   if (!running.server || running.port == 0) {

@@ -14,6 +14,9 @@
 
 namespace opd::rpc {
 
+// 2047 MiB: the largest message size in whole MiB below protobuf's 2 GiB.
+inline constexpr int kMaxSendBytes = 2047 << 20;
+
 struct ServerOptions {
   std::string listen = "127.0.0.1:0";  // host:port; port 0 picks a free one
   TlsServerOptions tls;
@@ -24,6 +27,11 @@ struct ServerOptions {
   std::string secret_source = "--secret-file or $OPD_SECRET";
   std::string insecure_option = "--insecure";
   int max_message_bytes = 64 << 20;  // largest request accepted (bigger ones: RESOURCE_EXHAUSTED)
+  // Largest message sent; a bigger one fails its call with RESOURCE_EXHAUSTED instead of going
+  // out. gRPC checks it after serialising, so it cannot stop a message protobuf cannot serialise
+  // (2 GiB and up): the services bound what they build (opd-teacher: --max-reply-mb) and set this
+  // to that bound; the default is the largest an int allows in whole MiB, just under 2 GiB.
+  int max_send_bytes = kMaxSendBytes;
   std::string port_file;  // when set, the bound port is written here once serving (tests, scripts)
 };
 

@@ -7,7 +7,10 @@
 // gracefully: no new calls, calls in flight finish (up to
 // --grace-seconds), then the process exits. The flags every model server takes are in
 // rpc/model_server.cc.
+#include <algorithm>
+
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "rpc/auth.h"
@@ -24,7 +27,11 @@ ABSL_FLAG(int64_t, max_top_k, 1024, "largest top_k a request may ask for");
 ABSL_FLAG(int64_t, logprob_chunk, 512, "rows of [rows, vocab] logits alive at once");
 ABSL_FLAG(int64_t, max_reply_mb, 1024,
           "largest reply a request may cost, in MiB (1..2047: protobuf cannot send 2 GiB); "
-          "larger requests get RESOURCE_EXHAUSTED");
+          "larger requests get RESOURCE_EXHAUSTED; with ScoreStream, the largest reply one "
+          "sequence may cost");
+ABSL_FLAG(int64_t, max_chunk_mb, 32,
+          "ScoreStream: reply bytes per chunk, in MiB (1..2047; above --max-reply-mb it is "
+          "--max-reply-mb); the server scores and holds one chunk per stream at a time");
 
 namespace {
 
@@ -39,6 +46,19 @@ constexpr int kMaxWorkers = 256;
 constexpr int64_t kMaxTokens = int64_t{1} << 24;
 constexpr int64_t kMillion = int64_t{1} << 20;
 
+// The chunk budget of ScoreStream. A chunk is one reply message, so it obeys --max-reply-mb: a
+// larger --max-chunk-mb is lowered to it, with a warning, rather than refused, so that a command
+// line lowering only --max-reply-mb (below the 32 MiB default chunk) still starts.
+int64_t ChunkBytes() {
+  const int64_t chunk = absl::GetFlag(FLAGS_max_chunk_mb),
+                reply = absl::GetFlag(FLAGS_max_reply_mb);
+  if (chunk > reply) {
+    lm::log::Warn(absl::StrCat("--max-chunk-mb=", chunk, " is above --max-reply-mb=", reply,
+                               ": ScoreStream chunks take at most ", reply, " MiB"));
+  }
+  return std::min(chunk, reply) << 20;
+}
+
 // The ranges of opd-teacher's own flags, checked before the model is loaded. --max-reply-mb
 // stops at 2047: protobuf cannot send a message of 2 GiB.
 absl::Status CheckFlags() {
@@ -51,6 +71,7 @@ absl::Status CheckFlags() {
       CheckFlagRange("--max-top-k", absl::GetFlag(FLAGS_max_top_k), 0, kMillion),
       CheckFlagRange("--logprob-chunk", absl::GetFlag(FLAGS_logprob_chunk), 1, kMillion),
       CheckFlagRange("--max-reply-mb", absl::GetFlag(FLAGS_max_reply_mb), 1, 2047),
+      CheckFlagRange("--max-chunk-mb", absl::GetFlag(FLAGS_max_chunk_mb), 1, 2047),
   });
 }
 
@@ -69,6 +90,7 @@ absl::Status Run() {
                                                             : config.max_position_embeddings;
   limits.max_top_k = absl::GetFlag(FLAGS_max_top_k);
   limits.max_reply_bytes = absl::GetFlag(FLAGS_max_reply_mb) << 20;
+  limits.max_chunk_bytes = ChunkBytes();
 
   teacher::ScorerOptions so;
   so.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
@@ -82,8 +104,11 @@ absl::Status Run() {
   opd::rpc::Authenticator auth(loaded.secret);
   teacher::TeacherService service(&scorer, &auth, limits,
                                   loaded.Info(kServiceName, limits.max_seq_len));
-  return opd::rpc::ServeUntilSignal("opd-teacher", kServiceName, &service, loaded,
-                                    [&scorer] { scorer.Stop(); });
+  // No reply or chunk exceeds max_reply_bytes (Validate, and the service's last check), so gRPC's
+  // send limit can be that: it stays below the 2 GiB protobuf cannot serialise.
+  return opd::rpc::ServeUntilSignal(
+      "opd-teacher", kServiceName, &service, loaded, [&scorer] { scorer.Stop(); },
+      static_cast<int>(limits.max_reply_bytes));
 }
 
 }  // namespace

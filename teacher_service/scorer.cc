@@ -12,74 +12,9 @@
 #include "lm/model/expert_parallel.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
-#include "lm/model/sampling_limits.h"
 #include "lm/util/log.h"
 
 namespace teacher {
-
-int64_t ReplyBytes(const ScoreJob& job) {
-  constexpr int64_t kPerSequence = 32;  // tags and varint lengths of SequenceScores' three fields
-  int64_t bytes = 16;                   // the response's own fields
-  for (size_t i = 0; i < job.sequences.size() && i < job.response_starts.size(); ++i) {
-    const int64_t n = std::max<int64_t>(
-        0, static_cast<int64_t>(job.sequences[i].size()) - job.response_starts[i]);
-    bytes += kPerSequence + n * (4 + 8 * std::max<int64_t>(job.top_k, 0));
-  }
-  return bytes;
-}
-
-absl::Status Validate(const ScoreJob& job, const ScoreLimits& limits) {
-  if (job.sequences.empty())
-    return absl::InvalidArgumentError("empty batch: no sequences to score");
-  if (static_cast<int64_t>(job.sequences.size()) > limits.max_sequences) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        job.sequences.size(), " sequences in one request; at most ", limits.max_sequences));
-  }
-  if (job.response_starts.size() != job.sequences.size()) {
-    return absl::InvalidArgumentError("one response_start per sequence");
-  }
-  // Compared as the float it travels as, so that a client's float(1e-4) passes.
-  if (!(static_cast<float>(job.temperature) >= static_cast<float>(lm::kMinTemperature)) ||
-      !std::isfinite(job.temperature)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("temperature must be finite and at least ", lm::kMinTemperature,
-                     " (below it logits / temperature overflow fp32 into NaN log-probs), got ",
-                     job.temperature));
-  }
-  if (job.top_k < 0 || job.top_k > std::min(limits.max_top_k, limits.vocab_size)) {
-    return absl::InvalidArgumentError(absl::StrCat("top_k ", job.top_k, " is outside [0, ",
-                                                   std::min(limits.max_top_k, limits.vocab_size),
-                                                   "]"));
-  }
-  for (size_t i = 0; i < job.sequences.size(); ++i) {
-    const auto& s = job.sequences[i];
-    const int64_t len = static_cast<int64_t>(s.size());
-    if (len == 0) return absl::InvalidArgumentError(absl::StrCat("sequence ", i, ": empty"));
-    if (len > limits.max_seq_len) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "sequence ", i, ": ", len, " tokens, longer than the maximum ", limits.max_seq_len));
-    }
-    for (int64_t p = 0; p < len; ++p) {
-      if (s[p] < 0 || s[p] >= limits.vocab_size) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("sequence ", i, ": token id ", s[p], " at position ", p,
-                         " is outside the vocabulary [0, ", limits.vocab_size, ")"));
-      }
-    }
-    const int64_t start = job.response_starts[i];
-    if (start < 1 || start > len) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("sequence ", i, ": response_start ", start, " is outside [1, ", len, "]"));
-    }
-  }
-  if (const int64_t bytes = ReplyBytes(job); bytes > limits.max_reply_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the reply would take ", bytes, " bytes (", job.sequences.size(), " sequences, top_k ",
-        job.top_k, "), over the server's limit of ", limits.max_reply_bytes,
-        " bytes (--max-reply-mb): send fewer sequences per request or a smaller top_k"));
-  }
-  return absl::OkStatus();
-}
 
 struct Scorer::Pending {
   ScoreJob job;
@@ -133,7 +68,8 @@ absl::Status Scorer::Submit(ScoreJob job, ScoreDone done) {
   p->done = std::move(done);
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the teacher is shutting down");
-  if (static_cast<int64_t>(queue_.size()) >= opts_.max_queue) {
+  // Admission control applies to requests, not to the later slices of one already admitted.
+  if (!p->job.admitted && static_cast<int64_t>(queue_.size()) >= opts_.max_queue) {
     return absl::ResourceExhaustedError(
         absl::StrCat("scoring queue full (", queue_.size(), " requests waiting); retry later"));
   }

@@ -8,7 +8,8 @@
 // so that a small request is not held behind the whole of a large one. Log-probs go through
 // lm::TokenLogprobs / lm::TopK, which chunk the LM head over rows: [tokens, vocab] logits are never
 // materialised. Everything runs on the model's device (the batch's ids, the row gathers, the LM
-// head, top-k); a batch's results come back to the host in one copy at its end.
+// head, top-k); a batch's results come back to the host in one copy at its end. The jobs, their
+// limits and checks are torch-free, in teacher_service/score_job.h.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "teacher_service/score_job.h"
 
 namespace lm {
 class CausalLM;
@@ -29,41 +31,7 @@ class CausalLM;
 
 namespace teacher {
 
-struct ScoreJob {
-  std::vector<std::vector<int64_t>> sequences;  // prompt + response each
-  std::vector<int64_t> response_starts;         // first scored position of each, in [1, len]
-  double temperature = 1.0;
-  int64_t top_k = 0;  // > 0: also the top-k ids and log-probs per scored position
-  absl::Time deadline = absl::InfiniteFuture();
-  std::function<bool()> cancelled;  // polled before the job's sequences are packed; may be empty
-};
-
-struct SequenceScore {
-  std::vector<float> logprobs;       // [n], n = len - response_start
-  std::vector<int32_t> topk_ids;     // [n * k] row-major
-  std::vector<float> topk_logprobs;  // [n * k]
-};
-
 using ScoreDone = std::function<void(absl::StatusOr<std::vector<SequenceScore>>)>;
-
-// What a job may ask for; Validate() turns a violation into INVALID_ARGUMENT naming the sequence.
-struct ScoreLimits {
-  int64_t vocab_size = 0;
-  int64_t max_seq_len = 0;
-  int64_t max_top_k = 1024;
-  int64_t max_sequences = 4096;  // per job
-  // The reply a job may cost (ReplyBytes): the server holds it whole until it is sent, and
-  // protobuf cannot serialise a message of 2 GiB or more (gRPC aborts on one).
-  int64_t max_reply_bytes = int64_t{1} << 30;
-};
-
-// The serialised size of a job's reply, an upper bound: per scored position a float32 log-prob and
-// top_k (int32 id, float32 log-prob) pairs, per sequence its field tags and lengths.
-int64_t ReplyBytes(const ScoreJob& job);
-
-// Checks a job against the limits; a reply over max_reply_bytes is RESOURCE_EXHAUSTED naming its
-// size and the limit, everything else INVALID_ARGUMENT naming the field.
-absl::Status Validate(const ScoreJob& job, const ScoreLimits& limits);
 
 struct ScorerOptions {
   int64_t max_batch_tokens = 16384;  // tokens per forward (one longer sequence runs alone)
@@ -82,8 +50,9 @@ class Scorer {
   // Queues `job` (already validated); `done` is called exactly once, from a worker thread, with
   // the scores in job order or the reason there are none (CANCELLED, DEADLINE_EXCEEDED,
   // UNAVAILABLE at shutdown, INTERNAL). Returns RESOURCE_EXHAUSTED, without calling `done`, when
-  // the queue is full. A job whose scores came out non-finite (a broken model) fails with
-  // FAILED_PRECONDITION naming the sequence and position: no NaN log-prob is ever returned as OK.
+  // the queue is full, unless the job is `admitted` (a later slice of a stream, ScoreJob). A job
+  // whose scores came out non-finite (a broken model) fails with FAILED_PRECONDITION naming the
+  // sequence and position: no NaN log-prob is ever returned as OK.
   absl::Status Submit(ScoreJob job, ScoreDone done);
   // Blocking convenience for in-process use.
   absl::StatusOr<std::vector<SequenceScore>> Score(ScoreJob job);
