@@ -73,6 +73,87 @@ def tokenizer_json(merges_as_lists=False, split_regex=False, ignore_merges=False
     return json.dumps(j, ensure_ascii=False)
 
 
+# Protocol buffers wire format, by hand (the seeds of the request validators' fuzzers are
+# serialized opd.v1 messages; see proto/opd/v1/*.proto for the field numbers).
+def varint(v):
+    v &= (1 << 64) - 1  # negative int32/int64 travel as ten-byte two's complement
+    out = b""
+    while True:
+        b = v & 0x7F
+        v >>= 7
+        if v:
+            out += bytes([b | 0x80])
+        else:
+            return out + bytes([b])
+
+
+def pb_int(field, v):
+    return varint(field << 3) + varint(v)
+
+
+def pb_bytes(field, data):
+    data = data.encode() if isinstance(data, str) else data
+    return varint(field << 3 | 2) + varint(len(data)) + data
+
+
+def pb_packed(field, values):
+    return pb_bytes(field, b"".join(varint(v) for v in values))
+
+
+def pb_float(field, v):
+    return varint(field << 3 | 5) + struct.pack("<f", v)
+
+
+def pb_fixed64(field, v):
+    return varint(field << 3 | 1) + struct.pack("<Q", v)
+
+
+def score_request(seqs, temperature=None, top_k=None):
+    """seqs: (tokens, response_start) pairs."""
+    out = b"".join(pb_bytes(1, pb_packed(1, t) + pb_int(2, start)) for t, start in seqs)
+    if temperature is not None:
+        out += pb_float(2, temperature)
+    if top_k is not None:
+        out += pb_int(3, top_k)
+    return out
+
+
+def generate_request(prompts, samples=None, temperature=None, top_p=None, top_k=None,
+                     max_new=None, stop=None, seed=None, routing=False):
+    params = b""
+    if temperature is not None:
+        params += pb_float(1, temperature)
+    if top_p is not None:
+        params += pb_float(2, top_p)
+    if top_k is not None:
+        params += pb_int(3, top_k)
+    if max_new is not None:
+        params += pb_int(4, max_new)
+    if stop:
+        params += pb_packed(5, stop)
+    if seed is not None:
+        params += pb_int(6, seed)
+    out = b"".join(pb_bytes(1, pb_packed(1, p)) for p in prompts)
+    if samples is not None:
+        out += pb_int(2, samples)
+    out += pb_bytes(3, params)
+    if routing:
+        out += pb_int(4, 1)
+    return out
+
+
+def weight_chunk(tensors, base_version=None, version=1, name="", data=b""):
+    """The first chunk of an UpdateWeights stream; tensors: (name, shape, dtype, checksum)."""
+    manifest = b"".join(pb_bytes(1, pb_bytes(1, n) + pb_packed(2, shape) + pb_bytes(3, dt) +
+                                 pb_fixed64(4, ck)) for n, shape, dt, ck in tensors)
+    if base_version is not None:
+        manifest += pb_int(2, base_version)
+    out = pb_int(1, version)
+    if name:
+        out += pb_bytes(2, name) + pb_bytes(6, data)
+    return out + pb_bytes(7, manifest)
+
+
 def main():
     shutil.rmtree(os.path.join(HERE, "corpus"), ignore_errors=True)
 
@@ -130,6 +211,56 @@ def main():
                     write(t, f"{sub}_{name[:-5]}", f.read())
     write(t, "with_overrides", "model: {path: m}\n\0train.max_steps=5\noptim.lr=[1, 2]\nstages.0.name=x\n")
     write(t, "anchors", "a: &x {lr: 1.0}\noptim: *x\ntrain: {max_steps: 1e3}\n")
+
+    # The limits the fuzzers check against: vocabulary 1000, sequences of at most 64 tokens.
+    t = "score_request_fuzzer"
+    write(t, "valid", score_request([([1, 2, 3, 4], 2), ([7, 8], 1)]))
+    write(t, "top_k", score_request([(list(range(10, 30)), 5)], temperature=0.7, top_k=8))
+    write(t, "stream_chunks", score_request([(list(range(40)), 1)] * 6, top_k=2))
+    write(t, "reply_too_big", score_request([(list(range(64)), 1)] * 4, top_k=16))
+    write(t, "start_past_end", score_request([([1, 2], 3)]))
+    write(t, "start_zero", score_request([([1, 2], 0)]))
+    write(t, "id_outside", score_request([([5, 1000], 1)]))
+    write(t, "negative_id", score_request([([5, -1], 1)]))
+    write(t, "tiny_temperature", score_request([([1, 2], 1)], temperature=1e-5))
+    write(t, "nan_temperature", score_request([([1, 2], 1)], temperature=float("nan")))
+    write(t, "top_k_over", score_request([([1, 2], 1)], top_k=17))
+    write(t, "empty", b"")
+    write(t, "empty_sequence", score_request([([], 0)]))
+
+    t = "generate_request_fuzzer"
+    write(t, "valid", generate_request([[1, 2, 3], [4, 5]], samples=2, max_new=8, seed=7))
+    write(t, "greedy_stop", generate_request([[9] * 10], temperature=0, max_new=16, stop=[2, 999]))
+    write(t, "filters", generate_request([[1]], temperature=0.8, top_p=0.9, top_k=50, max_new=4,
+                                         routing=True))
+    write(t, "kv_budget", generate_request([[1] * 40] * 4, samples=8, max_new=20))
+    write(t, "too_many_slots", generate_request([[1]] * 5, samples=8, max_new=1))
+    write(t, "too_long", generate_request([[1] * 60], max_new=8))
+    write(t, "no_max_new", generate_request([[1, 2]]))
+    write(t, "bad_stop", generate_request([[1, 2]], max_new=2, stop=[1000]))
+    write(t, "bad_temperature", generate_request([[1, 2]], temperature=-1.0, max_new=2))
+    write(t, "bad_top_p", generate_request([[1, 2]], top_p=1.5, max_new=2))
+    write(t, "negative_id", generate_request([[3, -7]], max_new=2))
+    write(t, "empty_prompt", generate_request([[]], max_new=2))
+    write(t, "no_prompts", generate_request([], max_new=2))
+
+    # The fuzzer's model: model.embed_tokens.weight [64, 8], model.layers.0.self_attn.q_proj.weight
+    # [8, 8], model.layers.0.mlp.experts.gate_up_proj [2, 16, 8], model.norm.weight [8],
+    # lm_head.weight [64, 8], scale [], empty [0, 8].
+    t = "weight_manifest_fuzzer"
+    embed, norm = "model.embed_tokens.weight", "model.norm.weight"
+    write(t, "valid", weight_chunk([(embed, [64, 8], "bfloat16", 0x1234),
+                                    (norm, [8], "float32", 0xFFFFFFFFFFFFFFFF),
+                                    ("scale", [], "float16", 0), ("empty", [0, 8], "float32", 5)],
+                                   base_version=3))
+    write(t, "with_data", weight_chunk([("model.layers.0.mlp.experts.gate_up_proj", [2, 16, 8],
+                                         "float32", 1)], name=norm, data=b"\0" * 32))
+    write(t, "empty_manifest", weight_chunk([], base_version=0))
+    write(t, "unknown_name", weight_chunk([(norm, [8], "float32", 0), ("nope", [8], "float32", 0)]))
+    write(t, "twice", weight_chunk([(norm, [8], "float32", 0), (norm, [8], "float32", 0)]))
+    write(t, "bad_shape", weight_chunk([("lm_head.weight", [8, 64], "float32", 0)]))
+    write(t, "bad_dtype", weight_chunk([("lm_head.weight", [64, 8], "int8", 0)]))
+    write(t, "negative_dim", weight_chunk([("empty", [0, -8], "float32", 0)]))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ while (($#)); do
   shift
 done
 ((${#targets[@]})) || targets=(safetensors_header_fuzzer checkpoint_index_fuzzer
-  tokenizer_json_fuzzer jsonl_fuzzer yaml_config_fuzzer)
+  tokenizer_json_fuzzer jsonl_fuzzer yaml_config_fuzzer score_request_fuzzer
+  generate_request_fuzzer weight_manifest_fuzzer)
 
 cxx="${FUZZ_CXX:-}"
 if [ -z "$cxx" ]; then

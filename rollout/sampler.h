@@ -24,6 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "lm/model/config.h"
+#include "rollout/generate_request.h"
 
 namespace lm {
 class CausalLM;
@@ -31,19 +32,6 @@ class PackedLinear;
 }  // namespace lm
 
 namespace rollout {
-
-struct SamplingParams {
-  int64_t samples_per_prompt = 1;
-  double temperature = 1.0;  // 0: greedy (argmax)
-  int64_t top_k = 0;         // 0: off
-  double top_p = 1.0;        // >= 1 or <= 0: off
-  int64_t max_new_tokens = 16;
-  std::vector<int64_t> stop_ids;
-  uint64_t seed = 0;
-  // Routing replay (R3): record the top-k experts every MoE layer picked for every input
-  // position (Sample::routed_experts). Models whose MoE routing is not recordable refuse it.
-  bool return_routing = false;
-};
 
 enum class FinishReason { kStop, kLength };
 
@@ -66,24 +54,9 @@ struct SamplerStats {
   int64_t decoded_tokens = 0;  // slot-steps over all Decode calls
 };
 
-// What a request may ask for; Validate() turns a violation into INVALID_ARGUMENT naming it.
-struct GenerateLimits {
-  int64_t vocab_size = 0;
-  int64_t max_seq_len = 0;  // prompt + new tokens
-  int64_t max_samples_per_prompt = 64;
-  int64_t max_slots = 1024;  // prompts x samples per request
-  // The KV cache one request may need: every sequence (prompt x sample) holds prompt +
-  // max_new_tokens tokens of kv_bytes_per_token each. 0: no budget.
-  int64_t kv_bytes_per_token = 0;
-  double max_kv_bytes = 0;
-};
-
 // Bytes of KV cache per token of a sequence: keys and values of every layer's KV heads, in the
 // model's dtype (element_size bytes).
 int64_t KvBytesPerToken(const lm::ModelConfig& config, int64_t element_size);
-
-absl::Status Validate(const std::vector<std::vector<int64_t>>& prompts,
-                      const SamplingParams& params, const GenerateLimits& limits);
 
 // Samples every prompt; `on_sample` receives each sample as it finishes (on the calling thread).
 // `cancelled` is polled between decode steps; when it returns true, sampling stops with

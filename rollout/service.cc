@@ -10,25 +10,12 @@
 #include "lm/util/threads.h"
 #include "rollout/engine.h"
 #include "rollout/ep_rollout.h"
+#include "rollout/generate_request.h"
 #include "rpc/codec.h"
 #include "rpc/status.h"
 
 namespace rollout {
 namespace {
-
-SamplingParams ToParams(const opd::v1::GenerateRequest& req) {
-  const auto& m = req.params();
-  SamplingParams p;
-  p.samples_per_prompt = req.samples_per_prompt() == 0 ? 1 : req.samples_per_prompt();
-  p.temperature = m.has_temperature() ? m.temperature() : 1.0;
-  p.top_k = m.top_k();
-  p.top_p = m.top_p() == 0 ? 1.0 : m.top_p();
-  p.max_new_tokens = m.max_new_tokens();
-  p.stop_ids.assign(m.stop_token_ids().begin(), m.stop_token_ids().end());
-  p.seed = m.seed();
-  p.return_routing = req.return_routing();
-  return p;
-}
 
 // A chunk as the weight stores take it (views into the message, which outlives the call).
 ChunkView ViewOf(const opd::v1::WeightChunk& chunk) {
@@ -276,11 +263,8 @@ grpc::ServerWriteReactor<opd::v1::Sample>* RolloutService::Generate(
     reactor->Refuse(auth);
     return reactor;
   }
-  std::vector<std::vector<int64_t>> prompts;
-  prompts.reserve(req->prompts_size());
-  for (const auto& p : req->prompts()) prompts.emplace_back(p.tokens().begin(), p.tokens().end());
-  const SamplingParams params = ToParams(*req);
-  if (absl::Status st = Validate(prompts, params, opts_.limits); !st.ok()) {
+  GenerateJob job = JobFromRequest(*req);
+  if (absl::Status st = Validate(job.prompts, job.params, opts_.limits); !st.ok()) {
     reactor->Refuse(opd::rpc::ToGrpc(st));
     return reactor;
   }
@@ -291,7 +275,7 @@ grpc::ServerWriteReactor<opd::v1::Sample>* RolloutService::Generate(
         absl::StrCat(opts_.max_concurrent, " generations running already; retry later")));
     return reactor;
   }
-  reactor->Start(store_->Current(), std::move(prompts), params);
+  reactor->Start(store_->Current(), std::move(job.prompts), job.params);
   return reactor;
 }
 

@@ -68,19 +68,6 @@ class ManifestCursor {
 
 }  // namespace
 
-std::vector<AnnouncedTensor> Announced(const opd::v1::WeightManifest& m) {
-  std::vector<AnnouncedTensor> out;
-  out.reserve(m.tensors_size());
-  for (const auto& t : m.tensors())
-    out.push_back({t.name(), {t.shape().begin(), t.shape().end()}, t.dtype(), t.checksum()});
-  return out;
-}
-
-std::optional<int64_t> BaseVersion(const opd::v1::WeightManifest& m) {
-  if (!m.has_base_version()) return std::nullopt;
-  return m.base_version();
-}
-
 WeightSyncReceiver::WeightSyncReceiver(WeightStore* store, torch::Device device)
     : store_(store), device_(device) {}
 

@@ -29,6 +29,7 @@
 #include "absl/time/time.h"
 #include "opd/v1/rollout.pb.h"
 #include "rollout/weights.h"
+#include "rpc/weight_manifest.h"
 
 namespace lm::dist {
 class ProcessGroup;
@@ -36,9 +37,9 @@ class ProcessGroup;
 
 namespace rollout {
 
-// The manifest's tensors as the weight store takes them.
-std::vector<AnnouncedTensor> Announced(const opd::v1::WeightManifest& m);
-std::optional<int64_t> BaseVersion(const opd::v1::WeightManifest& m);
+// The manifest's tensors as the weight store takes them (rpc/weight_manifest.h).
+using opd::rpc::Announced;
+using opd::rpc::BaseVersion;
 
 class WeightSyncReceiver {
  public:

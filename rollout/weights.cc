@@ -221,27 +221,14 @@ absl::StatusOr<std::unique_ptr<StagedWeights>> WeightStore::StageAnnounced(
                      ", but version ", cur.version, " is serving (send every tensor)"));
   // Everything is checked against the serving model before anything is copied.
   std::map<std::string, torch::Tensor> serving;
-  for (const auto& p : cur.model->named_parameters()) serving[p.key()] = p.value();
-  std::set<std::string> seen;
-  int64_t bytes = 0;
-  for (const AnnouncedTensor& a : announced) {
-    auto it = serving.find(a.name);
-    if (it == serving.end())
-      return absl::InvalidArgumentError(
-          absl::StrCat("manifest: tensor '", a.name, "' is not a parameter of the model"));
-    if (!seen.insert(a.name).second)
-      return absl::InvalidArgumentError(
-          absl::StrCat("manifest: tensor '", a.name, "' is announced twice"));
-    if (a.shape != it->second.sizes().vec())
-      return absl::InvalidArgumentError(absl::StrCat("manifest: tensor '", a.name, "': shape ",
-                                                     ShapeString(a.shape), ", the model's is ",
-                                                     ShapeString(it->second.sizes())));
-    auto wire = opd::rpc::DtypeFromName(a.dtype);
-    if (!wire.ok())
-      return absl::InvalidArgumentError(
-          absl::StrCat("manifest: tensor '", a.name, "': ", wire.status().message()));
-    bytes += it->second.numel() * static_cast<int64_t>(c10::elementSize(*wire));
+  opd::rpc::ParamShapes shapes;
+  for (const auto& p : cur.model->named_parameters()) {
+    serving[p.key()] = p.value();
+    shapes[p.key()] = p.value().sizes().vec();
   }
+  ASSIGN_OR_RETURN(const int64_t bytes, opd::rpc::CheckAnnounced(announced, shapes));
+  std::set<std::string> seen;
+  for (const AnnouncedTensor& a : announced) seen.insert(a.name);
   std::shared_ptr<lm::CausalLM> model = cur.model;  // nothing announced: the same weights
   if (!announced.empty()) {
     ASSIGN_OR_RETURN(model, FreshModel(*cur.model));

@@ -29,6 +29,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "rpc/weight_manifest.h"
 #include "rpc/weight_wire.h"
 
 namespace lm {
@@ -61,13 +62,9 @@ struct ChunkView {
   std::string_view data;
 };
 
-// One tensor of an announced update, as the control plane named it.
-struct AnnouncedTensor {
-  std::string name;
-  std::vector<int64_t> shape;
-  std::string dtype;      // wire dtype
-  uint64_t checksum = 0;  // XXH64 of the wire bytes (rpc/weight_wire.h)
-};
+// One tensor of an announced update, as the control plane named it (checked torch-free:
+// rpc/weight_manifest.h).
+using AnnouncedTensor = opd::rpc::AnnouncedTensor;
 
 // A new model being filled chunk by chunk. Not thread-safe (one update stream owns it).
 class StagedWeights {
