@@ -14,6 +14,7 @@
 #include "kernels/cpu/cpu_inference.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
+#include "lm/model/placement.h"
 #include "rollout/block_allocator.h"
 
 namespace rollout {
@@ -99,7 +100,13 @@ Engine::Engine(EngineOptions opts, lm::PagedKVCache cache) : opts_(opts), cache_
   local_.usable_blocks = blocks_->usable();
   local_.pool_bytes = cache_.bytes();
   stats_ = local_;
-  thread_ = std::thread([this] { Loop(); });
+  const torch::Device device = !cache_.k.empty()       ? cache_.k.front().device()
+                               : !cache_.state.empty() ? cache_.state.front().device()
+                                                       : torch::Device(torch::kCPU);
+  thread_ = std::thread([this, device] {
+    lm::BindThreadToDevice(device);  // CUDA's current device is per thread: the pool's
+    Loop();
+  });
 }
 
 Engine::~Engine() {

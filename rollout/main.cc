@@ -8,6 +8,8 @@
 // The flags every model server takes are in rpc/model_server.cc.
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "lm/plan/device_memory.h"
+#include "lm/plan/plan.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "rollout/engine.h"
@@ -96,6 +98,20 @@ absl::Status Run() {
         "UpdateWeights is disabled");
   }
   const lm::ModelConfig& config = loaded.config;
+  // Refused here, naming the term, rather than by an allocation failure in the KV pool (the
+  // largest term, allocated below); the arithmetic is opd-ctl plan's (lm/plan/plan.h).
+  if (engine_kind == "paged" && loaded.placement.device.is_cuda()) {
+    lm::plan::RolloutSettings plan;
+    plan.weight_bytes = loaded.dtype == "float32" ? 4 : 2;
+    plan.kv_cache_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_kv_cache_gb) * lm::plan::kGiB);
+    plan.block_size = absl::GetFlag(FLAGS_kv_block_size);
+    plan.max_running = absl::GetFlag(FLAGS_max_running_seqs);
+    const torch::Device& d = loaded.placement.device;
+    if (absl::StatusOr<int64_t> device =
+            lm::plan::CudaDeviceMemoryBytes(d.has_index() ? d.index() : 0);
+        device.ok())
+      RETURN_IF_ERROR(lm::plan::CheckRolloutFits(config, plan, *device));
+  }
   rollout::ServiceOptions so;
   so.limits.vocab_size = config.vocab_size;
   so.limits.max_seq_len = absl::GetFlag(FLAGS_max_seq_len) > 0 ? absl::GetFlag(FLAGS_max_seq_len)

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "lm/model/model.h"
+#include "lm/model/placement.h"
 #include "lm/util/threads.h"
 #include "rollout/engine.h"
 #include "rollout/ep_rollout.h"
@@ -58,8 +59,11 @@ class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
   // Starts sampling on a thread of its own; the caller has taken a generation slot for it.
   void Start(Snapshot snapshot, std::vector<std::vector<int64_t>> prompts, SamplingParams params) {
     holds_slot_ = true;
-    thread_ = std::thread([this, snapshot = std::move(snapshot), prompts = std::move(prompts),
-                           params] { SamplerDone(RunSampler(snapshot, prompts, params)); });
+    thread_ =
+        std::thread([this, snapshot = std::move(snapshot), prompts = std::move(prompts), params] {
+          lm::BindThreadToDevice(snapshot.model->LmHeadWeight().device());  // per thread in CUDA
+          SamplerDone(RunSampler(snapshot, prompts, params));
+        });
   }
 
   void Refuse(const grpc::Status& why) { Finish(why); }

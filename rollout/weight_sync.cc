@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "lm/dist/process_group.h"
+#include "lm/model/placement.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "lm/util/threads.h"
@@ -79,7 +80,10 @@ WeightSyncReceiver::~WeightSyncReceiver() {
 void WeightSyncReceiver::Launch(std::function<void()> fn) {
   absl::MutexLock lock(&launch_mu_);
   if (worker_.joinable()) worker_.join();  // it has ended: the state was kNone or kReady
-  worker_ = std::thread(std::move(fn));
+  worker_ = std::thread([fn = std::move(fn), device = device_] {
+    lm::BindThreadToDevice(device);  // the receive's NCCL calls and copies go to the model's device
+    fn();
+  });
 }
 
 absl::StatusOr<opd::v1::JoinWeightGroupResponse> WeightSyncReceiver::Join(

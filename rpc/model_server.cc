@@ -197,7 +197,8 @@ absl::StatusOr<LoadedModel> LoadServedModel() {
   ASSIGN_OR_RETURN(m.secret, LoadSecret(absl::GetFlag(FLAGS_secret_file)));
   ASSIGN_OR_RETURN(m.placement,
                    lm::ResolvePlacement(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_dtype)));
-  m.dtype = DtypeName(m.placement.dtype);  // the names the flags and ServiceInfo use
+  lm::BindThreadToDevice(m.placement.device);  // before the load and any group: not device 0
+  m.dtype = DtypeName(m.placement.dtype);      // the names the flags and ServiceInfo use
   lm::LoadOptions load;
   load.dtype = m.placement.dtype;
   load.device = m.placement.device;
@@ -262,7 +263,10 @@ absl::Status FollowUntilStopped(const char* program, const LoadedModel& loaded,
   const bool kill = absl::GetFlag(FLAGS_debug_kill_rank) == loaded.ep->rank();
   // Computed on a thread of its own: this one keeps the single thread it loaded with.
   absl::Status st;
-  std::thread follower([&] { st = loaded.ep->Follow(work, kill); });
+  std::thread follower([&] {
+    lm::BindThreadToDevice(loaded.placement.device);
+    st = loaded.ep->Follow(work, kill);
+  });
   follower.join();
   if (st.ok()) lm::log::Info(absl::StrCat(program, ": rank 0 stopped the group"));
   return st;

@@ -11,6 +11,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "lm/plan/device_memory.h"
+#include "lm/plan/plan.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "rpc/auth.h"
@@ -97,6 +99,21 @@ absl::Status Run() {
   so.max_queue = absl::GetFlag(FLAGS_max_queue);
   so.workers = absl::GetFlag(FLAGS_workers);
   so.logprob_chunk_rows = absl::GetFlag(FLAGS_logprob_chunk);
+  // The scoring buckets and LM-head chunks on top of the loaded weights, as opd-ctl plan counts
+  // them (lm/plan/plan.h): refused naming the term rather than failing mid-request. Under
+  // --world-size the loaded config's local_experts is already this rank's share.
+  if (loaded.placement.device.is_cuda()) {
+    lm::plan::TeacherSettings plan;
+    plan.weight_bytes = loaded.dtype == "float32" ? 4 : 2;
+    plan.workers = so.workers;
+    plan.max_batch_tokens = so.max_batch_tokens;
+    plan.logprob_chunk_rows = so.logprob_chunk_rows;
+    const torch::Device& d = loaded.placement.device;
+    if (absl::StatusOr<int64_t> device =
+            lm::plan::CudaDeviceMemoryBytes(d.has_index() ? d.index() : 0);
+        device.ok())
+      RETURN_IF_ERROR(lm::plan::CheckTeacherFits(config, plan, *device));
+  }
   std::shared_ptr<lm::CausalLM> model = loaded.model;
   if (loaded.ep) model = std::make_shared<teacher::EpLeaderModel>(loaded.model, loaded.ep.get());
   teacher::Scorer scorer(model, so);

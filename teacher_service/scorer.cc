@@ -12,6 +12,7 @@
 #include "lm/model/expert_parallel.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
+#include "lm/model/placement.h"
 #include "lm/util/log.h"
 
 namespace teacher {
@@ -40,8 +41,13 @@ absl::Status Abandoned(const ScoreJob& job) {
 
 Scorer::Scorer(std::shared_ptr<lm::CausalLM> model, ScorerOptions opts)
     : model_(std::move(model)), opts_(opts) {
-  for (int i = 0; i < std::max(1, opts_.workers); ++i)
-    workers_.emplace_back([this] { WorkerLoop(); });
+  const torch::Device device = model_->LmHeadWeight().device();
+  for (int i = 0; i < std::max(1, opts_.workers); ++i) {
+    workers_.emplace_back([this, device] {
+      lm::BindThreadToDevice(device);  // CUDA's current device is per thread: the model's
+      WorkerLoop();
+    });
+  }
 }
 
 Scorer::~Scorer() {

@@ -28,7 +28,9 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -90,6 +92,23 @@ TEST(Placement, ErrorsNameTheFlag) {
          {"--dtype", "'float16'", "not supported"});
   expect(ResolveDtype("int8", torch::Device(torch::kCUDA, 0), "--x").status(),
          absl::StatusCode::kInvalidArgument, {"--x", "'int8'"});
+}
+
+// A thread starts on CUDA device 0 whatever its parent chose: BindThreadToDevice makes the
+// given device current for the calling thread only. On the CPU it does nothing.
+TEST(Placement, BindThreadToDeviceIsPerThread) {
+  lm::BindThreadToDevice(torch::Device(torch::kCPU));  // no CUDA call, so no error here
+  SKIP_WITHOUT_CUDA();
+  auto* guard = c10::impl::getDeviceGuardImpl(torch::kCUDA);
+  const auto last = static_cast<c10::DeviceIndex>(torch::cuda::device_count() - 1);
+  c10::DeviceIndex in_thread = -1, fresh_thread = -1;
+  std::thread([&] {
+    lm::BindThreadToDevice(torch::Device(torch::kCUDA, last));
+    in_thread = guard->getDevice().index();
+  }).join();
+  std::thread([&] { fresh_thread = guard->getDevice().index(); }).join();
+  EXPECT_EQ(in_thread, last);
+  EXPECT_EQ(fresh_thread, 0);  // another thread did not inherit it
 }
 
 TEST(Placement, DtypeDefaultsToBf16OnCudaOnly) {

@@ -225,7 +225,8 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Create(const LaunchE
     } else {
       PrepareNcclErrorHandling();
       absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> nccl =
-          MakeNcclBackend(impl.store, env.rank, env.world_size, impl.timeout);
+          MakeNcclBackend(impl.store, env.rank, env.world_size, impl.timeout,
+                          device.has_index() ? device : c10::Device(c10::kCUDA, 0));
       if (!nccl.ok()) return nccl.status();
       impl.backend = *nccl;
     }

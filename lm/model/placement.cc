@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
 
 #include "absl/strings/numbers.h"
@@ -80,6 +81,14 @@ absl::StatusOr<Placement> ResolvePlacement(const std::string& device, const std:
   ASSIGN_OR_RETURN(p.device, ResolveDevice(device, local_rank, cuda_devices, device_flag));
   ASSIGN_OR_RETURN(p.dtype, ResolveDtype(dtype, p.device, dtype_flag));
   return p;
+}
+
+void BindThreadToDevice(const torch::Device& device) {
+  if (!device.is_cuda()) return;
+  // Through the device-guard registry rather than c10::cuda: lm links no CUDA header, and the
+  // CUDA guard is registered by libc10_cuda wherever a CUDA device can exist at all.
+  const torch::Device indexed(torch::kCUDA, device.has_index() ? device.index() : 0);
+  c10::impl::getDeviceGuardImpl(torch::kCUDA)->setDevice(indexed);
 }
 
 }  // namespace lm

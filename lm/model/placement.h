@@ -42,4 +42,10 @@ absl::StatusOr<Placement> ResolvePlacement(const std::string& device, const std:
                                            const std::string& device_flag = "--device",
                                            const std::string& dtype_flag = "--dtype");
 
+// Makes `device` the calling thread's current CUDA device (a no-op for the CPU). CUDA's current
+// device is per thread and starts at 0: every process calls it once its device is resolved, and
+// every thread it starts that launches work calls it first, so that nothing (streams, the
+// caching allocator's pools, NCCL, cuBLAS handles) silently lands on device 0.
+void BindThreadToDevice(const torch::Device& device);
+
 }  // namespace lm

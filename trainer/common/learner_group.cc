@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "lm/model/placement.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 
@@ -62,6 +63,7 @@ absl::StatusOr<LearnerPlacement> JoinLearnerGroup(const std::string& device, dou
   const int cuda_devices =
       torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
   ASSIGN_OR_RETURN(p.device, ResolveLearnerDevice(device, env.local_rank, cuda_devices));
+  lm::BindThreadToDevice(p.device);  // before the group: NCCL and every later launch use it
   lm::dist::GroupOptions o;
   o.timeout = absl::Seconds(timeout_s);
   o.backend = backend;
