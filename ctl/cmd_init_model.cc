@@ -4,7 +4,6 @@
 // transformers loads. With --tokenizer (a directory or a tokenizer.json) the tokenizer files are
 // copied in, after checking that the tokenizer's ids fit the model's vocabulary.
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 
 #include <torch/torch.h>
@@ -12,12 +11,12 @@
 #include "absl/strings/str_cat.h"
 #include "ctl/args.h"
 #include "ctl/command.h"
+#include "ctl/model_config_file.h"
 #include "lm/io/checkpoint.h"
 #include "lm/model/model.h"
 #include "lm/text/tokenizer.h"
 #include "lm/util/memory.h"
 #include "lm/util/status.h"
-#include "nlohmann/json.hpp"
 
 namespace ctl {
 namespace {
@@ -36,17 +35,6 @@ constexpr const char* kUsage =
 constexpr const char* kTokenizerFiles[] = {
     "tokenizer.json", "tokenizer_config.json",   "vocab.json",
     "merges.txt",     "special_tokens_map.json", "chat_template.jinja"};
-
-absl::StatusOr<lm::ModelConfig> ReadConfig(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  auto j = nlohmann::json::parse(in, nullptr, false);
-  if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(path, ": not JSON"));
-  auto config = lm::ParseModelConfig(j);
-  if (!config.ok())
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", config.status().message()));
-  return config;
-}
 
 // The tokenizer files to copy, after checking that the tokenizer fits the model.
 absl::StatusOr<std::vector<fs::path>> TokenizerFiles(const std::string& path, int64_t vocab) {
@@ -95,7 +83,7 @@ absl::StatusOr<int64_t> WriteModel(const Args& args, const lm::ModelConfig& conf
 }
 
 absl::Status InitModel(const Args& args) {
-  ASSIGN_OR_RETURN(lm::ModelConfig config, ReadConfig(args.Get("config")));
+  ASSIGN_OR_RETURN(lm::ModelConfig config, ReadModelConfigFile(args.Get("config")));
   std::vector<fs::path> tokenizer_files;
   if (args.Has("tokenizer")) {
     ASSIGN_OR_RETURN(tokenizer_files, TokenizerFiles(args.Get("tokenizer"), config.vocab_size));

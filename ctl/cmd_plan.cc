@@ -5,7 +5,6 @@
 // start-up on stderr), 2 on a bad flag.
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <optional>
 
@@ -16,10 +15,10 @@
 #include "ctl/args.h"
 #include "ctl/command.h"
 #include "ctl/flag_ranges.h"
+#include "ctl/model_config_file.h"
 #include "lm/model/config.h"
 #include "lm/plan/plan.h"
 #include "lm/util/status.h"
-#include "nlohmann/json.hpp"
 #include "trainer/common/config.h"
 #include "trainer/common/learner_plan.h"
 
@@ -80,22 +79,11 @@ absl::Status CheckRanges(const Args& a) {
   });
 }
 
-absl::StatusOr<lm::ModelConfig> ReadModelConfig(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  auto j = nlohmann::json::parse(in, nullptr, false);
-  if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(path, ": not JSON"));
-  auto config = lm::ParseModelConfig(j);
-  if (!config.ok())
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", config.status().message()));
-  return config;
-}
-
 // model.path's config.json, else --model-config (the shipped configs' paths are placeholders).
 absl::StatusOr<lm::ModelConfig> StudentConfig(const std::string& model_path, const Args& a) {
   const std::string own = model_path + "/config.json";
-  if (!model_path.empty() && fs::is_regular_file(own)) return ReadModelConfig(own);
-  if (a.Has("model-config")) return ReadModelConfig(a.Get("model-config"));
+  if (!model_path.empty() && fs::is_regular_file(own)) return ReadModelConfigFile(own);
+  if (a.Has("model-config")) return ReadModelConfigFile(a.Get("model-config"));
   return absl::NotFoundError(absl::StrCat(
       "model.path '", model_path,
       "' has no config.json: pass --model-config F (e.g. configs/models/marco_nano.json)"));
@@ -107,7 +95,7 @@ absl::StatusOr<std::optional<lm::ModelConfig>> TeacherConfig(const std::string& 
                                                              const Args& a) {
   const std::vector<std::string> given =
       absl::StrSplit(a.Get("teacher-config"), ',', absl::SkipEmpty());
-  if (i < given.size()) return ReadModelConfig(given[i]);
+  if (i < given.size()) return ReadModelConfigFile(given[i]);
   const fs::path dir = a.Get("models-dir", "configs/models");
   std::vector<fs::path> found;
   std::error_code ec;
@@ -116,7 +104,7 @@ absl::StatusOr<std::optional<lm::ModelConfig>> TeacherConfig(const std::string& 
     if (absl::StartsWith(name, stage) && absl::EndsWith(name, ".json")) found.push_back(e.path());
   }
   if (found.size() != 1) return std::optional<lm::ModelConfig>();
-  return ReadModelConfig(found[0].string());
+  return ReadModelConfigFile(found[0].string());
 }
 
 DeviceSpec Device(const Args& a) {
