@@ -39,6 +39,27 @@ echo "== rollout engine (paged KV, continuous batching) vs static sampler vs tra
 cmake --build build -j"$(nproc)" --target bench_rollout_engine >/dev/null
 $PY scripts/bench/rollout_engine.py --build build --workdir build/bench
 
+echo "== paged decode attention, one layer (Qwen3-30B-A3B heads): CPU kernel vs gather + SDPA =="
+cmake --build build -j"$(nproc)" --target bench_paged_decode >/dev/null
+build/bench/bench_paged_decode --device cpu --iters 3 --max_gb 4
+
+# The engine's decode with the kernel and with the path it replaced (OPD_PAGED_DECODE=gather:
+# every layer gathers each sequence's K/V and applies a host-built mask), on the model above:
+# the long-tail workload, then 32 prompts of 1,024 tokens x 2 samples x 128 new tokens.
+echo "== rollout engine decode tokens/s: paged decode kernel vs gather + mask =="
+$PY -c "import json, random; r = random.Random(2)
+json.dump([{'prompt': [r.randrange(32000) for _ in range(1024)], 'max_new': 128}
+           for _ in range(32)], open('build/bench/paged_decode_long.json', 'w'))"
+for reqs in rollout_engine_requests paged_decode_long; do
+  for path in kernel gather; do
+    OPD_PAGED_DECODE=$path build/bench/bench_rollout_engine \
+      --model=build/bench/qwen3moe_h256_l4_e32_v32k --requests="build/bench/$reqs.json" \
+      --mode=engine --threads="$(nproc)" --samples=2 --kv_cache_gb=1 | tail -1 |
+      $PY -c "import json, sys; r = json.load(sys.stdin); \
+print(f'  $reqs, $path: {r[\"tokens_per_s\"]:.1f} tokens/s (prefill included)')"
+  done
+done
+
 echo "== SFT training step (forward + backward + optimizer) =="
 cmake --build build -j"$(nproc)" --target opd-trainer >/dev/null
 $PY scripts/bench/sft.py --build build --workdir build/bench

@@ -1,7 +1,8 @@
-// The CPU fast paths (kernels/cpu/cpu_inference.h), registered for CPU tensors: each applies
-// where its Use* predicate says (no gradient needed, fp32, shapes the kernels handle, AVX2) and
-// leaves everything else to lm/model's reference math.
+// The CPU fast paths (kernels/cpu/cpu_inference.h, kernels/cpu/paged_decode.h), registered for
+// CPU tensors: each applies where its Use* predicate says (no gradient needed, fp32, shapes the
+// kernels handle, AVX2) and leaves everything else to lm/model's reference math.
 #include "kernels/cpu/cpu_inference.h"
+#include "kernels/cpu/paged_decode.h"
 #include "lm/model/fast_paths.h"
 
 namespace lm {
@@ -32,11 +33,19 @@ torch::Tensor LogSumExp(const torch::Tensor& logits) {
   return UseCpuLogSumExpRows(logits) ? LogSumExpRowsCpu(logits) : torch::Tensor();
 }
 
+torch::Tensor PagedDecode(const torch::Tensor& q, const torch::Tensor& k_pool,
+                          const torch::Tensor& v_pool, const torch::Tensor& block_tables,
+                          const torch::Tensor& seq_lens, double scale) {
+  if (!UseCpuPagedDecode(q, k_pool, v_pool, block_tables, seq_lens)) return {};
+  return PagedDecodeCpu(q, k_pool, v_pool, block_tables, seq_lens, scale);
+}
+
 const RegisterFastPaths kCpu(torch::kCPU, [](FastPaths& p) {
   p.moe_experts = &Experts;
   p.gated_delta_rule = &DeltaRule;
   p.token_logprobs = &Logprobs;
   p.logsumexp_rows = &LogSumExp;
+  p.paged_decode = &PagedDecode;
 });
 
 }  // namespace

@@ -1,5 +1,7 @@
-// The CUDA MoE kernels (kernels/cuda/moe_cuda.h), registered for CUDA tensors.
+// The CUDA MoE kernels (kernels/cuda/moe_cuda.h) and paged decode attention
+// (kernels/cuda/paged_decode_cuda.h), registered for CUDA tensors.
 #include "kernels/cuda/moe_cuda.h"
+#include "kernels/cuda/paged_decode_cuda.h"
 #include "lm/model/fast_paths.h"
 
 namespace kernels {
@@ -17,6 +19,7 @@ torch::Tensor Experts(const torch::Tensor& x, const torch::Tensor& ids,
 const lm::RegisterFastPaths kCuda(torch::kCUDA, [](lm::FastPaths& p) {
   p.moe_experts = &Experts;
   p.route_topk = &RouteTopkCuda;
+  p.paged_decode = &PagedDecodeCuda;
 });
 
 }  // namespace

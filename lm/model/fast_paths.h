@@ -37,6 +37,11 @@ struct FastPaths {
                                   const torch::Tensor& targets, double temperature) = nullptr;
   // logsumexp of each row of logits [rows, V].
   torch::Tensor (*logsumexp_rows)(const torch::Tensor& logits) = nullptr;
+  // PagedDecodeAttention (lm/model/paged_kv.h): q [B, Hq, D], pools [blocks, block_size, Hkv, D],
+  // block_tables [B, max_blocks] and seq_lens [B] int32 on q's device -> [B, Hq, D] in q's dtype.
+  torch::Tensor (*paged_decode)(const torch::Tensor& q, const torch::Tensor& k_pool,
+                                const torch::Tensor& v_pool, const torch::Tensor& block_tables,
+                                const torch::Tensor& seq_lens, double scale) = nullptr;
 };
 
 inline FastPaths& MutableFastPaths(torch::DeviceType device) {

@@ -73,14 +73,21 @@ struct PagedStep {
 // Index tensors for paged attention, built once per step and shared by every layer.
 struct PagedAttentionMeta {
   int64_t batch = 0, max_new = 0, max_len = 0;  // B, longest new tokens, longest context + new
-  torch::Tensor positions;                      // [T] int64: position of every new token
+  // A decode step: one new token per sequence. Its attention reads the pools in place through
+  // block_tables and seq_lens (PagedDecodeAttention); the gather indices and the mask below are
+  // not built. (OPD_PAGED_DECODE=gather in the environment turns this off, for benchmarks.)
+  bool decode = false;
+  torch::Tensor positions;  // [T] int64: position of every new token
   torch::Tensor
-      slot_mapping;         // [T] int64: pool row (block * block_size + offset) of each new token
+      slot_mapping;  // [T] int64: pool row (block * block_size + offset) of each new token
+  torch::Tensor block_tables;  // [B, max_blocks] int32 (0, the null block, past a table's end)
+  torch::Tensor seq_lens;      // [B] int32: context + new tokens of each sequence
+  torch::Tensor last_rows;     // [B] row (in [T]) of each sequence's last new token
+  // Steps other than decode only:
   torch::Tensor q_gather;   // [B * max_new] row of q for each padded query (T: a zero row)
   torch::Tensor q_valid;    // [T] padded-query index of every new token
   torch::Tensor kv_gather;  // [B, max_len] pool row of each key (row 0, the null block, pads)
   torch::Tensor mask;       // [B, 1, max_new, max_len] bool: key visible to query
-  torch::Tensor last_rows;  // [B] row (in [T]) of each sequence's last new token
 };
 
 PagedAttentionMeta BuildPagedAttentionMeta(const PagedStep& step, int64_t block_size,
@@ -96,5 +103,24 @@ void WritePagedKV(torch::Tensor& k_pool, torch::Tensor& v_pool, const torch::Ten
 torch::Tensor PagedAttention(const torch::Tensor& q, const torch::Tensor& k_pool,
                              const torch::Tensor& v_pool, const PagedAttentionMeta& meta,
                              double scale);
+
+// Decode attention read in place through the block tables: the one new token of each sequence b,
+// q[b] [Hq, D], attends to its sequence's first seq_lens[b] tokens (context and itself; keys and
+// values already written), token i in row i % block_size of block block_tables[b][i / block_size]
+// of the pools [num_blocks, block_size, Hkv, D]. block_tables [B, max_blocks] and seq_lens [B]
+// are int32 on q's device (1 <= seq_lens[b] <= max_blocks * block_size); query head h reads KV
+// head h / (Hq / Hkv). Returns [B, Hq, D] in q's dtype, accumulated in fp32 (online softmax).
+// Takes the device's kernel (kernels/cpu/paged_decode.h, kernels/cuda/paged_decode_cuda.h) where
+// it applies, the reference below elsewhere. No host synchronisation on CUDA.
+torch::Tensor PagedDecodeAttention(const torch::Tensor& q, const torch::Tensor& k_pool,
+                                   const torch::Tensor& v_pool, const torch::Tensor& block_tables,
+                                   const torch::Tensor& seq_lens, double scale);
+
+// The same by library ops on the device: every sequence's rows gathered, padded to the table's
+// width with the null block, and SDPA under a length mask (differentiable, any dtype).
+torch::Tensor PagedDecodeAttentionReference(const torch::Tensor& q, const torch::Tensor& k_pool,
+                                            const torch::Tensor& v_pool,
+                                            const torch::Tensor& block_tables,
+                                            const torch::Tensor& seq_lens, double scale);
 
 }  // namespace lm
