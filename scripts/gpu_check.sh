@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the CUDA MoE kernels with their test and benchmark (a CMake configuration with
-# -DOPD_KERNELS_ONLY=ON: lm, kernels/, moe_kernels_test, bench_moe_kernels; no gRPC) and the bf16
+# -DOPD_KERNELS_ONLY=ON: lm, kernels/, moe_kernels_test, bench_moe_kernels, attention_test,
+# paged_decode_test and bench_paged_decode; no gRPC) and the bf16
 # placement test (bf16_test: loading to the GPU in bf16, scoring there, the host memory of that
 # load), and runs them on a GPU machine, in well under 5 minutes on 16 cores. With
 # OPD_GPU_FULL_BUILD=1 (a machine with gRPC & co.) it configures the full build instead:
@@ -146,7 +147,9 @@ timeout 300 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DO
   -DOPD_PYTHON="$PY" -DOPD_CUDA_ARCHITECTURES="${OPD_CUDA_ARCHITECTURES:-80;90a}" \
   "${CMAKE_EXTRA[@]}" >"$BUILD/configure.log" 2>&1 ||
   { tail -40 "$BUILD/configure.log" | tee -a "$RESULTS"; die "configure failed (log: $BUILD/configure.log; missing packages? see --fetch-debs)"; }
-timeout 600 cmake --build "$BUILD" -j "$JOBS" --target moe_kernels_test bench_moe_kernels "${BF16_TARGETS[@]}" \
+ATTENTION_TARGETS=(attention_test paged_decode_test bench_paged_decode)
+timeout 600 cmake --build "$BUILD" -j "$JOBS" --target moe_kernels_test bench_moe_kernels \
+  "${ATTENTION_TARGETS[@]}" "${BF16_TARGETS[@]}" \
   >"$BUILD/build.log" 2>&1 ||
   { tail -60 "$BUILD/build.log" | tee -a "$RESULTS"; die "build failed (log: $BUILD/build.log)"; }
 say "built in $(elapsed)s"
@@ -156,6 +159,16 @@ say "== moe_kernels_test, t=$(elapsed)s"
 timeout 300 "$BUILD/tests/moe_kernels_test" --gtest_color=no \
   --gtest_output="xml:$RESULTS_DIR/moe_kernels_test.xml" 2>&1 | tee -a "$RESULTS" || status=$?
 say "moe_kernels_test exit status $status, t=$(elapsed)s"
+
+# Packed (FlashAttention varlen) and paged decode attention against their references.
+for bin in attention_test paged_decode_test; do
+  say "== $bin, t=$(elapsed)s"
+  rc=0
+  timeout 300 "$BUILD/tests/$bin" --gtest_color=no \
+    --gtest_output="xml:$RESULTS_DIR/$bin.xml" 2>&1 | tee -a "$RESULTS" || rc=$?
+  say "$bin exit status $rc, t=$(elapsed)s"
+  [[ $status != 0 ]] || status=$rc
+done
 
 # bf16 on the GPU. The parity and serving cases need transformers' bf16 references: made here
 # when this python has transformers, else only the cases that need none run.
@@ -206,6 +219,12 @@ timeout 240 "$BUILD/bench/bench_moe_kernels" --iters 20 \
   --json "$RESULTS_DIR/moe_kernels_bench.jsonl" 2>&1 | tee -a "$RESULTS" || {
   rc=$?
   say "bench_moe_kernels exit status $rc"
+  [[ $status != 0 ]] || status=$rc
+}
+say "== bench_paged_decode (B = 1, 64, 256 x L = 512, 4k, 8k), t=$(elapsed)s"
+timeout 180 "$BUILD/bench/bench_paged_decode" --device cuda --iters 20 --max_gb 40 2>&1 | tee -a "$RESULTS" || {
+  rc=$?
+  say "bench_paged_decode exit status $rc"
   [[ $status != 0 ]] || status=$rc
 }
 say "== done in $(elapsed)s, status $status; results in $RESULTS"
