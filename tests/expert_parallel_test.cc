@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <regex>
 #include <string>
@@ -27,6 +28,7 @@
 #include "lm/io/sharded_load.h"
 #include "lm/model/expert_parallel.h"
 #include "lm/model/model.h"
+#include "lm/model/moe.h"
 #include "nlohmann/json.hpp"
 #include "rpc/client.h"
 #include "rpc/ep_group.h"
@@ -201,6 +203,59 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, TeacherParity, ::testing::Values(kMoe, kNext)
 
 // A shard holds the replicated tensors as they are and exactly its rows of every fused expert
 // tensor.
+// The combine in one process: two "ranks" holding experts [0, 4) and [4, 8), the all-reduce
+// adding the other rank's partial sum. It must equal all eight experts run at once (fp32:
+// the same products, summed in another grouping, so within a few ulps), hand the all-reduce
+// fp32 partials whatever the activations' dtype, and give the same bits every time.
+TEST(ExpertCombine, TwoShardsSumToAllExpertsInFp32) {
+  torch::manual_seed(5);
+  const int64_t T = 9, H = 16, I = 8, E = 8, k = 3;
+  lm::ExpertsImpl all(E, H, I);
+  for (auto& p : all.parameters()) p.data().normal_(0, 0.3);
+  auto shard = [&](int64_t first) {
+    auto e = std::make_shared<lm::ExpertsImpl>(E / 2, H, I);
+    e->gate_up_proj.data().copy_(all.gate_up_proj.narrow(0, first, E / 2));
+    e->down_proj.data().copy_(all.down_proj.narrow(0, first, E / 2));
+    return e;
+  };
+  auto lo = shard(0), hi = shard(E / 2);
+  lm::Routing r;
+  r.ids = torch::empty({T, k}, torch::kInt64);
+  for (int64_t t = 0; t < T; ++t) r.ids[t] = torch::randperm(E).narrow(0, 0, k);
+  r.weights = torch::softmax(torch::randn({T, k}), -1);
+  auto x = torch::randn({T, H});
+
+  auto run = [&](const torch::Tensor& xs, const lm::Routing& rs, torch::Dtype* seen) {
+    torch::Tensor hi_part;
+    lm::ExpertParallel ep_hi{{E / 2, E / 2}, [&](torch::Tensor& y) {
+                               *seen = y.scalar_type();
+                               hi_part = y.clone();
+                               return absl::OkStatus();
+                             }};
+    lm::ExpertParallelExperts(ep_hi, xs, rs, *hi);
+    lm::ExpertParallel ep_lo{{0, E / 2}, [&](torch::Tensor& y) {
+                               y.add_(hi_part);
+                               return absl::OkStatus();
+                             }};
+    return lm::ExpertParallelExperts(ep_lo, xs, rs, *lo);
+  };
+  torch::Dtype seen = torch::kFloat64;
+  auto got = run(x, r, &seen);
+  auto want = lm::MoeExperts(x, r.ids, r.weights, all.gate_up_proj, all.down_proj);
+  // Each output is a sum of k weighted expert rows; the shards add them in two groups instead of
+  // one, which moves the result by at most a few fp32 ulps of the largest row.
+  EXPECT_LE((got - want).abs().max().item<double>(),
+            8 * k * std::numeric_limits<float>::epsilon() * want.abs().max().item<double>());
+  EXPECT_EQ(seen, torch::kFloat32);
+  EXPECT_TRUE(torch::equal(got, run(x, r, &seen)));  // the same bits on a second run
+
+  lm::Routing rb = r;
+  rb.weights = r.weights.to(torch::kBFloat16);
+  auto got_bf16 = run(x.to(torch::kBFloat16), rb, &seen);
+  EXPECT_EQ(seen, torch::kFloat32) << "a bf16 model's partial sums must travel in fp32";
+  EXPECT_EQ(got_bf16.scalar_type(), torch::kBFloat16);
+}
+
 TEST(ShardedLoad, EachRankHoldsItsSliceOfTheExperts) {
   for (const std::string& fixture : {kMoe, kNext}) {
     auto full = lm::LoadModel(fixture + "/model");

@@ -57,18 +57,29 @@ torch::Tensor ExpertParallelExperts(const ExpertParallel& ep, const torch::Tenso
   auto pairs = ((flat_ids >= ep.local.first) & (flat_ids < ep.local.first + ep.local.count))
                    .nonzero()
                    .squeeze(1);
-  auto y = torch::zeros({x.size(0), x.size(1)}, x.options());
+  // The combine and the all-reduce in fp32, rounded to the activations' dtype once at the end: a
+  // bf16 sum over k experts and then over ranks would round at every addition.
+  auto y = torch::zeros({x.size(0), x.size(1)}, x.options().dtype(torch::kFloat32));
   if (pairs.numel() > 0) {
     auto tokens = torch::div(pairs, k, "floor");
     auto ids = (flat_ids.index_select(0, pairs) - ep.local.first).unsqueeze(1);
     auto weights = r.weights.reshape({-1}).index_select(0, pairs).unsqueeze(1);
     // One row per pair (a token routed to two local experts appears twice), then summed back.
-    auto part = MoeExperts(x.index_select(0, tokens), ids, weights, experts.gate_up_proj,
-                           experts.down_proj);
-    y.index_add_(0, tokens, part);
+    auto part =
+        MoeExperts(x.index_select(0, tokens), ids, weights, experts.gate_up_proj, experts.down_proj)
+            .to(torch::kFloat32);
+    // One slot at a time: a token has at most one pair per slot, so each pass adds one non-zero
+    // term per row (the others are exact zeros) and the sum cannot depend on the order in which
+    // index_add_'s atomics land on a GPU. In slot order, as one pass over the pairs would add.
+    auto slot = pairs.remainder(k).unsqueeze(1);
+    if (k == 1) {
+      y.index_add_(0, tokens, part);
+    } else {
+      for (int64_t s = 0; s < k; ++s) y.index_add_(0, tokens, part * (slot == s));
+    }
   }
   if (absl::Status st = ep.all_reduce_sum(y); !st.ok()) throw CollectiveError(std::move(st));
-  return y;
+  return y.to(x.scalar_type());
 }
 
 ParameterBytes CountParameterBytes(CausalLM& model) {
