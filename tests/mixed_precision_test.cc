@@ -29,9 +29,9 @@
 #include "nlohmann/json.hpp"
 #include "tests/child_process.h"
 #include "tests/gpu.h"
+#include "trainer/common/learner_group.h"
 #include "trainer/common/mixed_precision.h"
 #include "trainer/common/optim.h"
-#include "trainer/common/learner_group.h"
 #include "trainer/common/zero1.h"
 
 namespace {
@@ -650,22 +650,27 @@ TEST(MixedSft, PrecisionAndDeviceAreValidated) {
 // dist.allgather_dtype: auto follows train.precision. It used to be bf16 on any CUDA device, so
 // `train.precision: fp32` on N CUDA ranks gathered its weights in bf16.
 TEST(AllGatherDtype, AutoFollowsThePrecision) {
+  using trainer::AllGatherDtype;
   using trainer::Precision;
+  using trainer::PrecisionSetting;
   using trainer::ResolveAllGatherDtype;
-  EXPECT_EQ(ResolveAllGatherDtype("auto", Precision::kFp32), torch::kFloat32);
-  EXPECT_EQ(ResolveAllGatherDtype("auto", Precision::kBf16Mixed), torch::kBFloat16);
+  using trainer::ResolvePrecision;
+  EXPECT_EQ(ResolveAllGatherDtype(AllGatherDtype::kAuto, Precision::kFp32), torch::kFloat32);
+  EXPECT_EQ(ResolveAllGatherDtype(AllGatherDtype::kAuto, Precision::kBf16Mixed), torch::kBFloat16);
   // train.precision: auto on CUDA resolves to bf16-mixed, so the default there is still bf16.
-  EXPECT_EQ(ResolveAllGatherDtype(
-                "auto", trainer::ResolvePrecision("auto", torch::Device(torch::kCUDA, 0))),
-            torch::kBFloat16);
-  EXPECT_EQ(ResolveAllGatherDtype(
-                "auto", trainer::ResolvePrecision("fp32", torch::Device(torch::kCUDA, 0))),
-            torch::kFloat32);
-  EXPECT_EQ(ResolveAllGatherDtype("auto", trainer::ResolvePrecision("auto", torch::kCPU)),
+  const torch::Device cuda(torch::kCUDA, 0);
+  EXPECT_EQ(
+      ResolveAllGatherDtype(AllGatherDtype::kAuto, ResolvePrecision(PrecisionSetting::kAuto, cuda)),
+      torch::kBFloat16);
+  EXPECT_EQ(
+      ResolveAllGatherDtype(AllGatherDtype::kAuto, ResolvePrecision(PrecisionSetting::kFp32, cuda)),
+      torch::kFloat32);
+  EXPECT_EQ(ResolveAllGatherDtype(AllGatherDtype::kAuto,
+                                  ResolvePrecision(PrecisionSetting::kAuto, torch::kCPU)),
             torch::kFloat32);
   for (Precision p : {Precision::kFp32, Precision::kBf16Mixed}) {
-    EXPECT_EQ(ResolveAllGatherDtype("float32", p), torch::kFloat32);
-    EXPECT_EQ(ResolveAllGatherDtype("bfloat16", p), torch::kBFloat16);
+    EXPECT_EQ(ResolveAllGatherDtype(AllGatherDtype::kFloat32, p), torch::kFloat32);
+    EXPECT_EQ(ResolveAllGatherDtype(AllGatherDtype::kBfloat16, p), torch::kBFloat16);
   }
 }
 

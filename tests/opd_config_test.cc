@@ -45,19 +45,6 @@ T DecodeWith(const char* base, const std::vector<std::string>& sets) {
   return c;
 }
 
-absl::Status Sft(const std::vector<std::string>& sets) {
-  return ValidateSftConfig(DecodeWith<SftConfig>(kSft, sets));
-}
-absl::Status Opd(const std::vector<std::string>& sets) {
-  return ValidateOpdConfig(DecodeWith<OpdConfig>(kOpd, sets));
-}
-
-// `status` is an error whose message starts with the key.
-void ExpectRefused(const absl::Status& status, const std::string& key, const std::string& set) {
-  EXPECT_FALSE(status.ok()) << set << " was accepted";
-  EXPECT_EQ(status.message().rfind(key + ":", 0), 0u) << set << ": " << status;
-}
-
 // The decoding error of `sets` applied to `base` (OK when it decodes).
 template <class T>
 absl::Status DecodeError(const char* base, const std::vector<std::string>& sets) {
@@ -68,6 +55,23 @@ absl::Status DecodeError(const char* base, const std::vector<std::string>& sets)
   }
   T c;
   return DecodeConfig(*root, &c);
+}
+
+// The job's verdict on `sets`: the decoding error (a word not among a choice field's), else the
+// validation's.
+absl::Status Sft(const std::vector<std::string>& sets) {
+  if (absl::Status s = DecodeError<SftConfig>(kSft, sets); !s.ok()) return s;
+  return ValidateSftConfig(DecodeWith<SftConfig>(kSft, sets));
+}
+absl::Status Opd(const std::vector<std::string>& sets) {
+  if (absl::Status s = DecodeError<OpdConfig>(kOpd, sets); !s.ok()) return s;
+  return ValidateOpdConfig(DecodeWith<OpdConfig>(kOpd, sets));
+}
+
+// `status` is an error whose message starts with the key.
+void ExpectRefused(const absl::Status& status, const std::string& key, const std::string& set) {
+  EXPECT_FALSE(status.ok()) << set << " was accepted";
+  EXPECT_EQ(status.message().rfind(key + ":", 0), 0u) << set << ": " << status;
 }
 
 bool Contains(const absl::Status& s, const std::string& text) {
@@ -223,6 +227,124 @@ TEST(ConfigValidation, OpdRefusesTopPAndTopK) {
     EXPECT_NE(s.message().find("importance ratio"), std::string::npos) << s;
   }
   EXPECT_TRUE(Opd({"rollout.top_p=1.0", "rollout.top_k=0"}).ok());
+}
+
+// Every choice field is an enum decoded once: a word not among its choices is an error naming the
+// key and every choice, and so is a list or a mapping.
+TEST(ConfigEnums, UnknownWordsNameTheKeyAndTheChoices) {
+  const std::vector<std::pair<std::string, std::string>> shared = {
+      {"model.chat_format", "qwen3, qwen2"},
+      {"train.precision", "auto, fp32, bf16-mixed"},
+      {"run.resume", "auto, never"},
+      {"dist.backend", "auto, gloo, nccl"},
+      {"dist.allgather_dtype", "auto, float32, bfloat16"},
+  };
+  for (const auto& [key, choices] : shared) {
+    const std::string want = key + ": 'bogus' is not one of " + choices;
+    EXPECT_EQ(DecodeError<SftConfig>(kSft, {key + "=bogus"}).message(), want);
+    EXPECT_EQ(DecodeError<OpdConfig>(kOpd, {key + "=bogus"}).message(), want);
+  }
+  EXPECT_EQ(DecodeError<SftConfig>(kSft, {"data.overlong=cut"}).message(),
+            "data.overlong: 'cut' is not one of truncate, drop");
+  const std::vector<std::pair<std::string, std::string>> opd = {
+      {"rollout.weight_sync", "grpc, collective, auto"},
+      {"loss.form", "sampled, topk"},
+      {"loss.correction", "none, tis, ppo"},
+      {"loss.divergence", "forward, reverse, mixed"},
+      {"loss.normalization", "token, sequence"},
+  };
+  for (const auto& [key, choices] : opd)
+    EXPECT_EQ(DecodeError<OpdConfig>(kOpd, {key + "=bogus"}).message(),
+              key + ": 'bogus' is not one of " + choices);
+  EXPECT_EQ(DecodeError<OpdConfig>(kOpd, {"stages.0.plateau.metric=eval"}).message(),
+            "stages[0].plateau.metric: 'eval' is not one of train, heldout");
+  // Words are exact: no case folding, no other spelling.
+  EXPECT_FALSE(DecodeError<OpdConfig>(kOpd, {"loss.form=TopK"}).ok());
+  EXPECT_FALSE(DecodeError<OpdConfig>(kOpd, {"loss.form=top-k"}).ok());
+  EXPECT_EQ(DecodeError<OpdConfig>(kOpd, {"loss.form=[topk]"}).message(),
+            "loss.form: expected a word, got a list");
+  // Through the whole pipeline, as the job reports it (exit 2).
+  const std::string path = testing::TempDir() + "/bad_enum.yaml";
+  std::ofstream(path) << kOpd << "loss: {correction: clip}\n";
+  auto c = LoadConfig<OpdConfig>(path, {});
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().message(), path + ": loss.correction: 'clip' is not one of none, tis, ppo");
+}
+
+// The YAML spellings decode to their values; the defaults are the documented ones.
+TEST(ConfigEnums, SpellingsDecodeToTheirValues) {
+  const OpdConfig d = DecodeWith<OpdConfig>(kOpd, {});
+  EXPECT_EQ(d.model.chat_format, ChatFormatName::kQwen3);
+  EXPECT_EQ(d.train.precision, PrecisionSetting::kAuto);
+  EXPECT_EQ(d.run.resume, ResumeMode::kAuto);
+  EXPECT_EQ(d.dist.backend, DistBackend::kAuto);
+  EXPECT_EQ(d.dist.allgather_dtype, AllGatherDtype::kAuto);
+  EXPECT_EQ(d.rollout.weight_sync, WeightSyncMode::kGrpc);
+  EXPECT_EQ(d.stages[0].plateau.metric, PlateauMetric::kTrain);
+  EXPECT_EQ(d.loss.form, LossForm::kSampled);
+  EXPECT_EQ(d.loss.correction, Correction::kTruncatedIs);
+  EXPECT_EQ(d.loss.divergence, TopKDivergence::kMixed);
+  EXPECT_EQ(d.loss.normalization, Normalization::kToken);
+  const OpdConfig c = DecodeWith<OpdConfig>(
+      kOpd, {"model.chat_format=qwen2", "train.precision=bf16-mixed", "run.resume=never",
+             "dist.backend=nccl", "dist.allgather_dtype=bfloat16", "rollout.weight_sync=collective",
+             "stages.0.plateau.metric=heldout", "loss.form=topk", "loss.correction=ppo",
+             "loss.divergence=reverse", "loss.normalization=sequence"});
+  EXPECT_EQ(c.model.chat_format, ChatFormatName::kQwen2);
+  EXPECT_EQ(c.train.precision, PrecisionSetting::kBf16Mixed);
+  EXPECT_EQ(c.run.resume, ResumeMode::kNever);
+  EXPECT_EQ(c.dist.backend, DistBackend::kNccl);
+  EXPECT_EQ(c.dist.allgather_dtype, AllGatherDtype::kBfloat16);
+  EXPECT_EQ(c.rollout.weight_sync, WeightSyncMode::kCollective);
+  EXPECT_EQ(c.stages[0].plateau.metric, PlateauMetric::kHeldout);
+  EXPECT_EQ(c.loss.form, LossForm::kTopK);
+  EXPECT_EQ(c.loss.correction, Correction::kPpoClip);
+  EXPECT_EQ(c.loss.divergence, TopKDivergence::kReverse);
+  EXPECT_EQ(c.loss.normalization, Normalization::kSequence);
+  EXPECT_EQ(
+      DecodeWith<OpdConfig>(kOpd, {"loss.correction=none", "dist.backend=gloo"}).loss.correction,
+      Correction::kNone);
+  EXPECT_EQ(DecodeWith<SftConfig>(kSft, {"data.overlong=drop"}).data.overlong,
+            lm::OverlongPolicy::kDrop);
+  EXPECT_EQ(DecodeWith<SftConfig>(kSft, {}).data.overlong, lm::OverlongPolicy::kTruncate);
+  EXPECT_STREQ(ChoiceName(LossForm::kTopK), "topk");
+  EXPECT_STREQ(ChoiceName(PrecisionSetting::kBf16Mixed), "bf16-mixed");
+}
+
+// The resolved config (config.yaml in the run directory) writes each enum as its word, quoted as
+// the string fields were, and reads back to the same values and the same text.
+TEST(ConfigEnums, ResolvedConfigRoundTrips) {
+  const OpdConfig c = DecodeWith<OpdConfig>(
+      kOpd, {"loss.form=topk", "loss.correction=none", "rollout.weight_sync=auto",
+             "stages.0.plateau.metric=heldout", "train.precision=fp32"});
+  const std::string text = EncodeConfig(c);
+  for (const char* line : {"form: \"topk\"", "correction: \"none\"", "weight_sync: \"auto\"",
+                           "metric: \"heldout\"", "precision: \"fp32\"", "chat_format: \"qwen3\"",
+                           "divergence: \"mixed\"", "normalization: \"token\"", "resume: \"auto\"",
+                           "backend: \"auto\"", "allgather_dtype: \"auto\""})
+    EXPECT_NE(text.find(line), std::string::npos) << line << " in\n" << text;
+  auto root = ParseYaml(text, "resolved");
+  ASSERT_TRUE(root.ok()) << root.status();
+  OpdConfig again;
+  ASSERT_TRUE(DecodeConfig(*root, &again).ok()) << text;
+  EXPECT_EQ(EncodeConfig(again), text);
+  EXPECT_EQ(again.loss.form, LossForm::kTopK);
+  EXPECT_EQ(again.loss.correction, Correction::kNone);
+  EXPECT_EQ(again.rollout.weight_sync, WeightSyncMode::kAuto);
+  EXPECT_EQ(again.stages[0].plateau.metric, PlateauMetric::kHeldout);
+  EXPECT_EQ(again.train.precision, PrecisionSetting::kFp32);
+
+  const SftConfig s =
+      DecodeWith<SftConfig>(kSft, {"data.overlong=drop", "model.chat_format=qwen2"});
+  const std::string sft_text = EncodeConfig(s);
+  EXPECT_NE(sft_text.find("overlong: \"drop\""), std::string::npos) << sft_text;
+  auto sft_root = ParseYaml(sft_text, "resolved");
+  ASSERT_TRUE(sft_root.ok()) << sft_root.status();
+  SftConfig sft_again;
+  ASSERT_TRUE(DecodeConfig(*sft_root, &sft_again).ok()) << sft_text;
+  EXPECT_EQ(EncodeConfig(sft_again), sft_text);
+  EXPECT_EQ(sft_again.data.overlong, lm::OverlongPolicy::kDrop);
+  EXPECT_EQ(sft_again.model.chat_format, ChatFormatName::kQwen2);
 }
 
 TEST(ConfigValidation, TeacherTemperatureOtherThanRolloutTemperatureWarns) {

@@ -198,8 +198,8 @@ TEST(OpdLossOptions, TokenWeightsForBothNormalizations) {
   EXPECT_DOUBLE_EQ(seq.narrow(0, 0, 2).sum().item<double>(), 0.25);
   EXPECT_DOUBLE_EQ(seq.narrow(0, 2, 5).sum().item<double>(), 0.25);
   EXPECT_DOUBLE_EQ(seq[7].item<double>(), 0.25);
-  EXPECT_EQ(*ParseNormalization("sequence"), Normalization::kSequence);
-  EXPECT_FALSE(ParseNormalization("tokens").ok());
+  EXPECT_EQ(*ParseChoice<Normalization>("sequence"), Normalization::kSequence);
+  EXPECT_FALSE(ParseChoice<Normalization>("tokens").ok());
 }
 
 // R_t = d_t + gamma R_{t+1}, restarting at each response.
@@ -257,12 +257,14 @@ TEST(OpdLossOptions, ExpectedGradientIsTheExactReverseKlGradient) {
   EXPECT_GT((exact_gradient(true) - exact_gradient(false)).abs().max().item<double>(), 1e-3);
 }
 
+// The loss's options are the config's words (trainer/opd/opd_config.h), parsed once.
 TEST(OpdLossParse, NamesAndErrors) {
-  EXPECT_EQ(*ParseCorrection("ppo"), Correction::kPpoClip);
-  EXPECT_EQ(*ParseTopKDivergence("mixed"), TopKDivergence::kMixed);
-  auto bad = ParseCorrection("clipped");
+  EXPECT_EQ(*ParseChoice<Correction>("ppo"), Correction::kPpoClip);
+  EXPECT_EQ(*ParseChoice<TopKDivergence>("mixed"), TopKDivergence::kMixed);
+  EXPECT_STREQ(ChoiceName(Correction::kTruncatedIs), "tis");
+  auto bad = ParseChoice<Correction>("clipped");
   ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.status().message().find("clipped"), std::string::npos);
+  EXPECT_EQ(bad.status().message(), "'clipped' is not one of none, tis, ppo");
 }
 
 }  // namespace

@@ -275,6 +275,8 @@ TEST(Config, OverridesAreTypeChecked) {
            {"train.max_steps=1.5", "train.max_steps: expected an integer"},
            {"train.max_steps=[1]", "train.max_steps: expected an integer"},
            {"logging.tensorboard=maybe", "logging.tensorboard: expected true or false"},
+           {"data.overlong=cut", "data.overlong: 'cut' is not one of truncate, drop"},
+           {"model.chat_format=chatml", "model.chat_format: 'chatml' is not one of qwen3, qwen2"},
            {"optim.lrr=1", "unknown key 'optim.lrr'"},
            {"optim.lr.x=1", "cannot set a key inside optim.lr"},
            {"noequals", "expected key.path=value"}}) {
@@ -287,7 +289,8 @@ TEST(Config, OverridesAreTypeChecked) {
 
 TEST(Config, ResolvedConfigRoundTrips) {
   auto c = Decode("model: {path: /m}\ndata: {train: [{files: [a, b], weight: 0.25}]}",
-                  {"optim.lr=1e-5", "optim.eps=1e-8", "debug.nan_steps=[3]", "run.dir=\"007\""});
+                  {"optim.lr=1e-5", "optim.eps=1e-8", "debug.nan_steps=[3]", "run.dir=\"007\"",
+                   "data.overlong=drop"});
   ASSERT_TRUE(c.ok()) << c.status();
   const std::string text = EncodeConfig(*c);
   auto again = Decode(text);
@@ -295,6 +298,8 @@ TEST(Config, ResolvedConfigRoundTrips) {
   EXPECT_EQ(EncodeConfig(*again), text);
   EXPECT_EQ(again->optim.eps, 1e-8);
   EXPECT_EQ(again->run.dir, "007");  // a string that looks like a number stays a string
+  EXPECT_EQ(again->data.overlong, lm::OverlongPolicy::kDrop);  // an enum is written as its word
+  EXPECT_NE(text.find("overlong: \"drop\""), std::string::npos) << text;
   // Floats carry a point so that YAML 1.1 readers (PyYAML) see numbers.
   EXPECT_NE(text.find("eps: 1.0e-08"), std::string::npos) << text;
 }

@@ -201,6 +201,16 @@ absl::Status ExpectMap(const YAML::Node& node, const std::string& path) {
       absl::StrCat(path.empty() ? "config" : path, ": expected a mapping, got ", Describe(node)));
 }
 
+absl::Status NotOneOf(std::string_view word, const std::vector<const char*>& names) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("'", std::string(word), "' is not one of ", absl::StrJoin(names, ", ")));
+}
+
+absl::Status ExpectWord(const YAML::Node& node, const std::string& path) {
+  if (node.IsScalar()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(path, ": expected a word, got ", Describe(node)));
+}
+
 absl::Status ExpectSequence(const YAML::Node& node, const std::string& path) {
   if (node.IsSequence()) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(path, ": expected a list, got ", Describe(node)));

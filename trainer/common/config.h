@@ -11,8 +11,21 @@
 // That one list drives decoding (strict: a key the struct does not list is an error naming its
 // full path, so a typo never falls back to a default silently), encoding (the resolved config,
 // every field including defaults, written into the run directory) and nothing else. Field types:
-// bool, int32_t, int64_t, double, std::string, std::vector<T> and nested config structs. A key
-// that is absent or null keeps the struct's default.
+// bool, int32_t, int64_t, double, std::string, enums (below), std::vector<T> and nested config
+// structs. A key that is absent or null keeps the struct's default.
+//
+// A field with a fixed set of words is an enum, decoded once here so that the jobs compare enum
+// values, never strings. The enum lists its YAML spellings once, in a Choices overload in its own
+// namespace (found by argument-dependent lookup, as VisitFields is):
+//
+//   enum class LossForm { kSampled, kTopK };
+//   inline const ConfigChoices<LossForm>& Choices(LossForm) {
+//     static const ConfigChoices<LossForm> c{{"sampled", LossForm::kSampled},
+//                                            {"topk", LossForm::kTopK}};
+//     return c;
+//   }
+//
+// A word not in the list is an error naming the key and every choice; encoding writes the word.
 //
 // Overrides `--set a.b.c=VALUE` are applied to the YAML tree before decoding: VALUE is parsed as
 // YAML (so `[1, 2]` is a list and `{files: [x]}` a mapping), and it is type-checked by the same
@@ -22,6 +35,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <unordered_set>
 #include <utility>
@@ -55,6 +69,35 @@ struct JobArgs {
 };
 absl::StatusOr<JobArgs> ParseJobArgs(const std::vector<std::string>& words);
 
+// An enum field's YAML spellings, one per value (see the top of this file).
+template <class E>
+using ConfigChoices = std::vector<std::pair<const char*, E>>;
+
+// The YAML spelling of `value` (for logs and messages); "?" for a value Choices does not list.
+template <class E>
+const char* ChoiceName(E value) {
+  for (const auto& [name, v] : Choices(value))
+    if (v == value) return name;
+  return "?";
+}
+
+namespace config_internal {
+// INVALID_ARGUMENT "'word' is not one of a, b, c".
+absl::Status NotOneOf(std::string_view word, const std::vector<const char*>& names);
+}  // namespace config_internal
+
+// The value spelled `word`, else INVALID_ARGUMENT listing the choices (for flags that take the
+// same words as a config field).
+template <class E>
+absl::StatusOr<E> ParseChoice(std::string_view word) {
+  std::vector<const char*> names;
+  for (const auto& [name, v] : Choices(E{})) {
+    if (word == name) return v;
+    names.push_back(name);
+  }
+  return config_internal::NotOneOf(word, names);
+}
+
 namespace config_internal {
 
 // True when `T` has a VisitFields(V&, T&) overload: it is decoded as a nested mapping.
@@ -75,6 +118,8 @@ absl::Status DecodeScalar(const YAML::Node& node, const std::string& path, int32
 absl::Status DecodeScalar(const YAML::Node& node, const std::string& path, int64_t* out);
 absl::Status DecodeScalar(const YAML::Node& node, const std::string& path, double* out);
 absl::Status DecodeScalar(const YAML::Node& node, const std::string& path, std::string* out);
+// The error of a node that is not one word (a list, a mapping).
+absl::Status ExpectWord(const YAML::Node& node, const std::string& path);
 absl::Status ExpectMap(const YAML::Node& node, const std::string& path);
 absl::Status ExpectSequence(const YAML::Node& node, const std::string& path);
 // Error naming the first key of the mapping `node` that is not in `known`.
@@ -151,6 +196,12 @@ absl::Status Decode(const YAML::Node& node, const std::string& path, T* out) {
     }
     *out = std::move(items);
     return absl::OkStatus();
+  } else if constexpr (std::is_enum_v<T>) {
+    if (absl::Status s = ExpectWord(node, path); !s.ok()) return s;
+    absl::StatusOr<T> v = ParseChoice<T>(node.Scalar());
+    if (!v.ok()) return absl::InvalidArgumentError(path + ": " + std::string(v.status().message()));
+    *out = *v;
+    return absl::OkStatus();
   } else {
     return DecodeScalar(node, path, out);
   }
@@ -169,6 +220,8 @@ void Encode(YAML::Emitter& out, T& value) {
     out << (flow ? YAML::Flow : YAML::Block) << YAML::BeginSeq;
     for (auto& item : value) Encode(out, item);
     out << YAML::EndSeq;
+  } else if constexpr (std::is_enum_v<T>) {
+    EmitScalar(out, std::string(ChoiceName(value)));  // quoted, as a string field is
   } else {
     EmitScalar(out, value);
   }

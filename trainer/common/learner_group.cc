@@ -56,7 +56,7 @@ absl::StatusOr<torch::Device> ResolveLearnerDevice(const std::string& spec, int 
 }
 
 absl::StatusOr<LearnerPlacement> JoinLearnerGroup(const std::string& device, double timeout_s,
-                                                  const std::string& backend) {
+                                                  DistBackend backend) {
   ASSIGN_OR_RETURN(const lm::dist::LaunchEnv env, lm::dist::LaunchEnv::FromEnvironment());
   lm::log::SetRank(env.rank, env.world_size);
   LearnerPlacement p;
@@ -66,7 +66,7 @@ absl::StatusOr<LearnerPlacement> JoinLearnerGroup(const std::string& device, dou
   lm::BindThreadToDevice(p.device);  // before the group: NCCL and every later launch use it
   lm::dist::GroupOptions o;
   o.timeout = absl::Seconds(timeout_s);
-  o.backend = backend;
+  o.backend = ChoiceName(backend);  // lm::dist takes the same words
   ASSIGN_OR_RETURN(p.group, lm::dist::ProcessGroup::Create(env, p.device, o));
   if (env.distributed()) {
     lm::log::Info(absl::StrFormat("rank %d of %d (local rank %d) on %s, %s collectives via %s:%d",

@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "lm/dist/process_group.h"
+#include "trainer/common/sections.h"
 
 namespace trainer {
 
@@ -33,9 +34,8 @@ absl::Status CheckSameOnEveryRank(lm::dist::ProcessGroup& group, const std::stri
 
 // Reads the launcher's environment (lm::dist::LaunchEnv), picks the device (`device` as
 // train.device: auto | cpu | cuda | cuda:N, ResolveLearnerDevice), and joins the job's group with
-// collectives that time out after `timeout_s` on `backend` (auto | gloo | nccl). One process: the
-// trivial group.
+// collectives that time out after `timeout_s` on `backend`. One process: the trivial group.
 absl::StatusOr<LearnerPlacement> JoinLearnerGroup(const std::string& device, double timeout_s,
-                                                  const std::string& backend);
+                                                  DistBackend backend);
 
 }  // namespace trainer

@@ -10,8 +10,10 @@
 
 namespace trainer {
 
-Precision ResolvePrecision(const std::string& value, torch::Device device) {
-  if (value == "bf16-mixed" || (value == "auto" && device.is_cuda())) return Precision::kBf16Mixed;
+Precision ResolvePrecision(PrecisionSetting setting, torch::Device device) {
+  if (setting == PrecisionSetting::kBf16Mixed ||
+      (setting == PrecisionSetting::kAuto && device.is_cuda()))
+    return Precision::kBf16Mixed;
   return Precision::kFp32;
 }
 

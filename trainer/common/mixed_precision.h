@@ -25,14 +25,14 @@
 
 #include "absl/status/statusor.h"
 #include "lm/model/precision.h"
+#include "trainer/common/sections.h"
 
 namespace trainer {
 
 enum class Precision { kFp32, kBf16Mixed };
 
-// train.precision (validated with the config: auto | fp32 | bf16-mixed); auto: bf16-mixed on CUDA,
-// fp32 on the CPU.
-Precision ResolvePrecision(const std::string& value, torch::Device device);
+// train.precision on `device`: auto is bf16-mixed on CUDA, fp32 on the CPU.
+Precision ResolvePrecision(PrecisionSetting setting, torch::Device device);
 const char* PrecisionName(Precision p);
 
 // The scope of a training or evaluation forward: bf16 autocast on the device in bf16-mixed, nothing

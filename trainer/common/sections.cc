@@ -22,7 +22,6 @@ absl::Status CheckLearnerTrain(const LearnerTrainConfig& t) {
   if (t.device.rfind("cuda:", 0) != 0 || t.device.size() == 5 ||
       t.device.find_first_not_of("0123456789", 5) != std::string::npos)
     RETURN_IF_ERROR(validate::OneOf("train.device", t.device, {"auto", "cpu", "cuda", "cuda:N"}));
-  RETURN_IF_ERROR(validate::OneOf("train.precision", t.precision, {"auto", "fp32", "bf16-mixed"}));
   RETURN_IF_ERROR(validate::IntInRange("train.threads", t.threads, 0, limits::kMaxThreads));
   // train.seed: any int64 (used as its uint64 bits).
   return validate::IntInRange("train.max_consecutive_nonfinite", t.max_consecutive_nonfinite, 1,
@@ -30,11 +29,8 @@ absl::Status CheckLearnerTrain(const LearnerTrainConfig& t) {
 }
 
 absl::Status CheckDist(const DistConfig& c) {
-  RETURN_IF_ERROR(validate::OneOf("dist.backend", c.backend, {"auto", "gloo", "nccl"}));
   RETURN_IF_ERROR(validate::AboveAtMost("dist.timeout_s", c.timeout_s, 0, limits::kMaxTimeoutS));
-  RETURN_IF_ERROR(validate::AboveAtMost("dist.bucket_mb", c.bucket_mb, 0, limits::kMaxBucketMb));
-  return validate::OneOf("dist.allgather_dtype", c.allgather_dtype,
-                         {"auto", "float32", "bfloat16"});
+  return validate::AboveAtMost("dist.bucket_mb", c.bucket_mb, 0, limits::kMaxBucketMb);
 }
 
 }  // namespace
@@ -45,7 +41,6 @@ absl::Status ValidateSharedSections(const StudentModelConfig& model,
                                     const LoggingConfig& logging, const RunConfig& run,
                                     const DistConfig& dist) {
   RETURN_IF_ERROR(validate::Required("model.path", model.path, "the student's HF model directory"));
-  RETURN_IF_ERROR(validate::OneOf("model.chat_format", model.chat_format, {"qwen3", "qwen2"}));
   RETURN_IF_ERROR(CheckLearnerTrain(train));
   RETURN_IF_ERROR(CheckOptim(optim));
   RETURN_IF_ERROR(validate::IntInRange("checkpoint.every", checkpoint.every, 0, limits::kMaxSteps));
@@ -54,8 +49,11 @@ absl::Status ValidateSharedSections(const StudentModelConfig& model,
   RETURN_IF_ERROR(
       validate::IntInRange("logging.log_every", logging.log_every, 1, limits::kMaxSteps));
   RETURN_IF_ERROR(validate::Required("run.dir", run.dir, "the run directory"));
-  RETURN_IF_ERROR(validate::OneOf("run.resume", run.resume, {"auto", "never"}));
   return CheckDist(dist);
+}
+
+lm::ChatFormat ChatFormatOf(ChatFormatName name) {
+  return name == ChatFormatName::kQwen2 ? lm::ChatFormat::Qwen2() : lm::ChatFormat::Qwen3();
 }
 
 }  // namespace trainer

@@ -1,7 +1,7 @@
 // Config sections shared by the learner's jobs (sft/, opd/): the student model, the learner's
 // common train fields, optimizer and schedule, run directory, checkpoints, logging, ranks. Each
 // struct lists its fields for trainer/common/config.h; ValidateSharedSections checks them the same
-// way for both jobs.
+// way for both jobs. The choice fields are enums, their words listed once by their Choices.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "lm/text/chat.h"
+#include "trainer/common/config.h"
 
 namespace trainer {
 
@@ -40,11 +42,20 @@ inline constexpr int64_t kMaxBucketMb = int64_t{1} << 20;
 
 }  // namespace limits
 
+// model.chat_format: qwen3 (no default system message) | qwen2 (lm::ChatFormat::Qwen2()).
+enum class ChatFormatName { kQwen3, kQwen2 };
+inline const ConfigChoices<ChatFormatName>& Choices(ChatFormatName) {
+  static const ConfigChoices<ChatFormatName> c{{"qwen3", ChatFormatName::kQwen3},
+                                               {"qwen2", ChatFormatName::kQwen2}};
+  return c;
+}
+lm::ChatFormat ChatFormatOf(ChatFormatName name);
+
 // The student: an HF model directory (usually an SFT checkpoint's model/ for OPD).
 struct StudentModelConfig {
-  std::string path;                   // HF model directory of the student (required)
-  std::string tokenizer;              // tokenizer.json or a directory; default: `path`
-  std::string chat_format = "qwen3";  // qwen3 (no default system message) | qwen2
+  std::string path;       // HF model directory of the student (required)
+  std::string tokenizer;  // tokenizer.json or a directory; default: `path`
+  ChatFormatName chat_format = ChatFormatName::kQwen3;
 };
 
 template <class V>
@@ -54,14 +65,23 @@ void VisitFields(V& v, StudentModelConfig& c) {
   v("chat_format", c.chat_format);
 }
 
+// train.precision: auto (bf16-mixed on CUDA, fp32 on the CPU) | fp32 | bf16-mixed: bf16 compute
+// copies of the matrices, fp32 masters and AdamW state (trainer/common/mixed_precision.h resolves
+// auto for the device).
+enum class PrecisionSetting { kAuto, kFp32, kBf16Mixed };
+inline const ConfigChoices<PrecisionSetting>& Choices(PrecisionSetting) {
+  static const ConfigChoices<PrecisionSetting> c{{"auto", PrecisionSetting::kAuto},
+                                                 {"fp32", PrecisionSetting::kFp32},
+                                                 {"bf16-mixed", PrecisionSetting::kBf16Mixed}};
+  return c;
+}
+
 // The `train:` fields every learner job has; each job's train section derives from this and adds
 // its batching (VisitLearnerFields lists these inside the job's VisitFields).
 struct LearnerTrainConfig {
   std::string device = "auto";  // auto (cuda when available) | cpu | cuda | cuda:N;
                                 // cuda is cuda:LOCAL_RANK under a launcher
-  // auto (bf16-mixed on CUDA, fp32 on the CPU) | fp32 | bf16-mixed: bf16 compute copies of the
-  // matrices, fp32 masters and AdamW state (trainer/common/mixed_precision.h)
-  std::string precision = "auto";
+  PrecisionSetting precision = PrecisionSetting::kAuto;
   int64_t threads = 0;                     // intra-op CPU threads; 0: LibTorch's default
   int64_t max_consecutive_nonfinite = 10;  // skipped NaN/Inf steps in a row before giving up
   int64_t seed = 0;                        // torch's RNG (saved and restored with checkpoints)
@@ -102,11 +122,19 @@ void VisitFields(V& v, OptimConfig& c) {
   v("max_grad_norm", c.max_grad_norm);
 }
 
+// run.resume: auto continues from the latest checkpoint if there is one; never refuses to start
+// in a run directory with checkpoints.
+enum class ResumeMode { kAuto, kNever };
+inline const ConfigChoices<ResumeMode>& Choices(ResumeMode) {
+  static const ConfigChoices<ResumeMode> c{{"auto", ResumeMode::kAuto},
+                                           {"never", ResumeMode::kNever}};
+  return c;
+}
+
 // Where the run lives and whether it continues an earlier one.
 struct RunConfig {
-  std::string dir;              // run directory (created); required
-  std::string resume = "auto";  // auto: continue from the latest checkpoint if there is one;
-                                // never: refuse to start in a run directory with checkpoints
+  std::string dir;  // run directory (created); required
+  ResumeMode resume = ResumeMode::kAuto;
 };
 
 template <class V>
@@ -139,17 +167,33 @@ void VisitFields(V& v, LoggingConfig& c) {
   v("tensorboard", c.tensorboard);
 }
 
+// dist.backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl.
+enum class DistBackend { kAuto, kGloo, kNccl };
+inline const ConfigChoices<DistBackend>& Choices(DistBackend) {
+  static const ConfigChoices<DistBackend> c{
+      {"auto", DistBackend::kAuto}, {"gloo", DistBackend::kGloo}, {"nccl", DistBackend::kNccl}};
+  return c;
+}
+
+// dist.allgather_dtype: the dtype of the updated weights' all-gather (ZeRO-1): auto (follows
+// train.precision: float32 for fp32, bfloat16 for bf16-mixed) | float32 | bfloat16. With bfloat16
+// the fp32 masters stay sharded (trainer/common/zero1.h).
+enum class AllGatherDtype { kAuto, kFloat32, kBfloat16 };
+inline const ConfigChoices<AllGatherDtype>& Choices(AllGatherDtype) {
+  static const ConfigChoices<AllGatherDtype> c{{"auto", AllGatherDtype::kAuto},
+                                               {"float32", AllGatherDtype::kFloat32},
+                                               {"bfloat16", AllGatherDtype::kBfloat16}};
+  return c;
+}
+
 // Several learner ranks (data parallel over c10d; trainer/common/learner_group.h). The launcher's
 // environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) says how many; these say
 // how.
 struct DistConfig {
-  std::string backend = "auto";  // auto (nccl on CUDA, gloo on CPU) | gloo | nccl
-  double timeout_s = 600;        // a collective (or the rendezvous) fails after this long
-  double bucket_mb = 32;         // gradient all-reduce bucket size
-  // dtype of the updated weights' all-gather (ZeRO-1): auto (follows train.precision: float32
-  // for fp32, bfloat16 for bf16-mixed) | float32 | bfloat16. With bfloat16 the fp32 masters stay
-  // sharded (trainer/common/zero1.h).
-  std::string allgather_dtype = "auto";
+  DistBackend backend = DistBackend::kAuto;
+  double timeout_s = 600;  // a collective (or the rendezvous) fails after this long
+  double bucket_mb = 32;   // gradient all-reduce bucket size
+  AllGatherDtype allgather_dtype = AllGatherDtype::kAuto;
 };
 
 template <class V>

@@ -56,7 +56,7 @@ absl::StatusOr<std::string> PickCheckpoint(const CheckpointManager& checkpoints,
     return args.resume_from;
   }
   absl::StatusOr<std::string> latest = checkpoints.Latest();
-  if (latest.ok() && run.resume == "never" && !args.resume)
+  if (latest.ok() && run.resume == ResumeMode::kNever && !args.resume)
     return absl::FailedPreconditionError(absl::StrCat(
         run_dir.path(), " already has checkpoints and run.resume is 'never': use another run.dir"));
   if (!latest.ok() && args.resume) return latest.status();

@@ -18,9 +18,9 @@
 
 namespace trainer {
 
-torch::ScalarType ResolveAllGatherDtype(const std::string& value, Precision precision) {
-  if (value == "bfloat16") return torch::kBFloat16;
-  if (value == "float32") return torch::kFloat32;
+torch::ScalarType ResolveAllGatherDtype(AllGatherDtype setting, Precision precision) {
+  if (setting == AllGatherDtype::kBfloat16) return torch::kBFloat16;
+  if (setting == AllGatherDtype::kFloat32) return torch::kFloat32;
   // auto: the old rule (bf16 on any CUDA device) gathered an fp32 run's weights in bf16 too.
   return precision == Precision::kBf16Mixed ? torch::kBFloat16 : torch::kFloat32;
 }

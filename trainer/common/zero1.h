@@ -70,11 +70,11 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> MakeLearnerOptimizer(
     const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& optim,
     const DistConfig& dist, lm::dist::ProcessGroup* group, Precision precision = Precision::kFp32);
 
-// dist.allgather_dtype (validated: auto | float32 | bfloat16) under train.precision `precision`:
+// dist.allgather_dtype under train.precision `precision`:
 // auto follows the precision, float32 for fp32 (an fp32 run keeps fp32 weights on every rank,
 // on CUDA too) and bfloat16 for bf16-mixed (whose compute copies are bf16 in any case); an
 // explicit float32 or bfloat16 is kept.
-torch::ScalarType ResolveAllGatherDtype(const std::string& value, Precision precision);
+torch::ScalarType ResolveAllGatherDtype(AllGatherDtype setting, Precision precision);
 class DistributedOptimizer {
  public:
   // `group` must outlive the optimizer. With one rank this is AdamW over the parameters as they

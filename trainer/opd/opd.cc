@@ -18,8 +18,7 @@ absl::Status OpdJob::LoadPrompts() {
   o.skip_bad_lines = c_.prompts.skip_bad_lines;
   o.shuffle = c_.prompts.shuffle;
   o.seed = static_cast<uint64_t>(c_.prompts.seed);
-  o.chat_format =
-      c_.model.chat_format == "qwen2" ? lm::ChatFormat::Qwen2() : lm::ChatFormat::Qwen3();
+  o.chat_format = ChatFormatOf(c_.model.chat_format);
   o.drop_final_assistant = true;
   ASSIGN_OR_RETURN(prompts_, lm::PromptDataset::Load(*tokenizer_, o));
   lm::log::Info(absl::StrCat("prompts: ", prompts_->stats().Summary()));
@@ -227,16 +226,16 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<MicroBatch>& min
     auto lp = lm::TokenLogprobs(hidden, model_->LmHeadWeight(), mb.targets, lo, &entropy);
     auto lp_old = torch::tensor(old_lp).to(device_);
     auto lp_teacher = torch::tensor(teacher_lp).to(device_);
-    const auto weights =
-        TokenWeights(lengths, normalization_, st->response_tokens, sequences, lp_old.options());
+    const auto weights = TokenWeights(lengths, c_.loss.normalization, st->response_tokens,
+                                      sequences, lp_old.options());
     torch::Tensor loss;
-    if (c_.loss.form == "topk") {
+    if (c_.loss.form == LossForm::kTopK) {
       const int64_t n = hidden.size(0), k = c_.loss.top_k;
       auto ids = torch::tensor(topk_ids, torch::kInt64).to(device_).view({n, k});
       auto student_k = StudentTopKLogprobs(hidden, model_->LmHeadWeight(), ids, mb.targets, lp,
                                            c_.rollout.temperature);
       auto teacher_k = torch::tensor(topk_lp).view({n, k}).to(device_);
-      loss = TopKLoss(student_k, teacher_k, weights, divergence_, c_.loss.alpha);
+      loss = TopKLoss(student_k, teacher_k, weights, c_.loss.divergence, c_.loss.alpha);
       SampledTokenLoss(lp.detach(), lp_old, lp_teacher, weights, lengths, loss_opts_,
                        &st->loss);  // stats only
     } else {
@@ -478,14 +477,12 @@ absl::Status OpdJob::Init(const JobArgs& args) {
   RETURN_IF_ERROR(JoinGroup(c_.train, c_.dist));
   const bool root = group_->is_root();
   ASSIGN_OR_RETURN(secret_, opd::rpc::LoadSecret(c_.auth.secret_file));
-  ASSIGN_OR_RETURN(loss_opts_.correction, ParseCorrection(c_.loss.correction));
-  ASSIGN_OR_RETURN(divergence_, ParseTopKDivergence(c_.loss.divergence));
+  loss_opts_.correction = c_.loss.correction;
   loss_opts_.kl_coef = c_.loss.kl_coef;
   loss_opts_.tis_cap = c_.loss.tis_cap;
   loss_opts_.clip_low = c_.loss.clip_low;
   loss_opts_.clip_high = c_.loss.clip_high;
   loss_opts_.kl_discount = c_.loss.kl_discount;
-  ASSIGN_OR_RETURN(normalization_, ParseNormalization(c_.loss.normalization));
   schedule_ = {c_.optim.lr, c_.optim.min_lr, c_.optim.warmup_steps, 1};
   int64_t total = 0;
   for (const auto& s : c_.stages) total += s.max_steps;

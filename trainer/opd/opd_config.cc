@@ -6,7 +6,6 @@
 #include "lm/model/sampling_limits.h"
 #include "lm/util/status.h"
 #include "trainer/common/config.h"
-#include "trainer/opd/opd_loss.h"
 
 namespace trainer {
 namespace {
@@ -29,7 +28,6 @@ absl::Status ValidatePlateau(const std::string& key, const PlateauConfig& p) {
     RETURN_IF_ERROR(validate::Above(key + ".min_rel_improvement", p.min_rel_improvement, 0));
   RETURN_IF_ERROR(validate::AtLeast(key + ".min_rel_improvement", p.min_rel_improvement, 0));
   RETURN_IF_ERROR(validate::InHalfOpen(key + ".ema_beta", p.ema_beta, 0, 1));
-  RETURN_IF_ERROR(validate::OneOf(key + ".metric", p.metric, {"train", "heldout"}));
   RETURN_IF_ERROR(validate::InRange(key + ".z", p.z, 0, 10));
   return validate::IntInRange(key + ".min_steps", p.min_steps, 0, limits::kMaxSteps);
 }
@@ -37,7 +35,7 @@ absl::Status ValidatePlateau(const std::string& key, const PlateauConfig& p) {
 absl::Status ValidateHeldout(const OpdConfig& c) {
   const OpdHeldoutConfig& h = c.heldout;
   for (size_t i = 0; i < c.stages.size(); ++i) {
-    if (c.stages[i].plateau.metric == "heldout" && h.sources.empty())
+    if (c.stages[i].plateau.metric == PlateauMetric::kHeldout && h.sources.empty())
       return Bad(absl::StrCat("stages[", i, "].plateau.metric"),
                  "'heldout' needs held-out prompts (heldout.sources)");
   }
@@ -61,7 +59,7 @@ absl::Status ValidateDomains(const std::string& key, const OpdStageConfig& s) {
   }
   if (s.plateau.per_domain) {
     if (s.domains.empty()) return Bad(key + ".plateau.per_domain", "needs the stage's domains");
-    if (s.plateau.metric != "train")
+    if (s.plateau.metric != PlateauMetric::kTrain)
       return Bad(key + ".plateau.per_domain", "watches the training KL: use metric train");
     if (!s.plateau.enabled) return Bad(key + ".plateau.per_domain", "needs plateau.enabled");
   }
@@ -123,9 +121,6 @@ absl::Status ValidateRollout(const OpdRolloutConfig& r) {
                             ": the learner's log-probs are over the whole vocabulary, so a "
                             "top-k filter would bias the importance ratio"));
   }
-  if (r.weight_sync != "grpc" && r.weight_sync != "collective" && r.weight_sync != "auto")
-    return Bad("rollout.weight_sync",
-               absl::StrCat("'", r.weight_sync, "': use grpc, collective or auto"));
   RETURN_IF_ERROR(validate::AboveAtMost("rollout.weight_sync_timeout_s", r.weight_sync_timeout_s, 0,
                                         limits::kMaxTimeoutS));
   RETURN_IF_ERROR(validate::IntInRange("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb, 1,
@@ -146,21 +141,14 @@ absl::Status ValidateTrain(const OpdTrainConfig& t) {
 }
 
 absl::Status ValidateLoss(const OpdLossConfig& l) {
-  RETURN_IF_ERROR(validate::OneOf("loss.form", l.form, {"sampled", "topk"}));
-  if (auto s = ParseCorrection(l.correction); !s.ok())
-    return Bad("loss.correction", std::string(s.status().message()));
-  if (auto s = ParseTopKDivergence(l.divergence); !s.ok())
-    return Bad("loss.divergence", std::string(s.status().message()));
   // Unused (and never sent) by the sampled form; k ids of a vocabulary (bounded as token counts).
-  if (l.form == "topk")
+  if (l.form == LossForm::kTopK)
     RETURN_IF_ERROR(validate::IntInRange("loss.top_k", l.top_k, 1, limits::kMaxTokens));
   RETURN_IF_ERROR(validate::Above("loss.kl_coef", l.kl_coef, 0));
   RETURN_IF_ERROR(validate::Above("loss.tis_cap", l.tis_cap, 0));
   RETURN_IF_ERROR(validate::InHalfOpen("loss.clip_low", l.clip_low, 0, 1));  // ratio >= 1 - low
   RETURN_IF_ERROR(validate::AtLeast("loss.clip_high", l.clip_high, 0));
   RETURN_IF_ERROR(validate::InRange("loss.alpha", l.alpha, 0, 1));
-  if (auto s = ParseNormalization(l.normalization); !s.ok())
-    return Bad("loss.normalization", std::string(s.status().message()));
   RETURN_IF_ERROR(validate::InRange("loss.kl_discount", l.kl_discount, 0, 1));
   return Temperature("loss.teacher_temperature", l.teacher_temperature);
 }

@@ -9,10 +9,61 @@
 
 #include "absl/status/status.h"
 #include "trainer/common/auth_config.h"
+#include "trainer/common/config.h"
 #include "trainer/common/sections.h"
 #include "trainer/sft/sft_config.h"
 
 namespace trainer {
+
+// The choice fields' enums (trainer/common/config.h), used as they are by the code they configure.
+
+// rollout.weight_sync: how weights reach the workers (trainer/opd/weight_push.h).
+enum class WeightSyncMode { kGrpc, kCollective, kAuto };
+inline const ConfigChoices<WeightSyncMode>& Choices(WeightSyncMode) {
+  static const ConfigChoices<WeightSyncMode> c{{"grpc", WeightSyncMode::kGrpc},
+                                               {"collective", WeightSyncMode::kCollective},
+                                               {"auto", WeightSyncMode::kAuto}};
+  return c;
+}
+
+// stages[].plateau.metric: what the convergence rule watches.
+enum class PlateauMetric { kTrain, kHeldout };
+inline const ConfigChoices<PlateauMetric>& Choices(PlateauMetric) {
+  static const ConfigChoices<PlateauMetric> c{{"train", PlateauMetric::kTrain},
+                                              {"heldout", PlateauMetric::kHeldout}};
+  return c;
+}
+
+// loss.form, loss.correction, loss.divergence, loss.normalization (trainer/opd/opd_loss.h).
+enum class LossForm { kSampled, kTopK };
+inline const ConfigChoices<LossForm>& Choices(LossForm) {
+  static const ConfigChoices<LossForm> c{{"sampled", LossForm::kSampled},
+                                         {"topk", LossForm::kTopK}};
+  return c;
+}
+
+enum class Correction { kNone, kTruncatedIs, kPpoClip };
+inline const ConfigChoices<Correction>& Choices(Correction) {
+  static const ConfigChoices<Correction> c{{"none", Correction::kNone},
+                                           {"tis", Correction::kTruncatedIs},
+                                           {"ppo", Correction::kPpoClip}};
+  return c;
+}
+
+enum class TopKDivergence { kForward, kReverse, kMixed };
+inline const ConfigChoices<TopKDivergence>& Choices(TopKDivergence) {
+  static const ConfigChoices<TopKDivergence> c{{"forward", TopKDivergence::kForward},
+                                               {"reverse", TopKDivergence::kReverse},
+                                               {"mixed", TopKDivergence::kMixed}};
+  return c;
+}
+
+enum class Normalization { kToken, kSequence };
+inline const ConfigChoices<Normalization>& Choices(Normalization) {
+  static const ConfigChoices<Normalization> c{{"token", Normalization::kToken},
+                                              {"sequence", Normalization::kSequence}};
+  return c;
+}
 
 struct OpdPromptsConfig {
   std::vector<SftSourceConfig>
@@ -41,10 +92,10 @@ struct OpdRolloutConfig {
   int64_t max_new_tokens = 8192;
   int64_t seed = 0;
   double timeout_s = 3600;  // deadline of one Generate call
-  // How weights reach the workers: "grpc" (streamed), "collective" (broadcast over a c10d group
-  // per worker, gRPC as the control plane) or "auto" (collective where the group forms, else
+  // How weights reach the workers: grpc (streamed), collective (broadcast over a c10d group
+  // per worker, gRPC as the control plane) or auto (collective where the group forms, else
   // gRPC with a warning). See trainer/opd/weight_push.h.
-  std::string weight_sync = "grpc";
+  WeightSyncMode weight_sync = WeightSyncMode::kGrpc;
   std::string weight_sync_host;        // the learner's address as the workers reach it
                                        // ("": 127.0.0.1 for loopback workers, else hostname)
   double weight_sync_timeout_s = 120;  // group rendezvous and each broadcast
@@ -78,9 +129,9 @@ struct PlateauConfig {
   double min_rel_improvement = 0.02;  // stop when the smoothed reverse KL improved < 2% over W
   double ema_beta = 0.9;
   int64_t min_steps = 0;
-  // What the rule watches: "train" (each step's batch KL, smoothed) or "heldout" (the `heldout`
+  // What the rule watches: train (each step's batch KL, smoothed) or heldout (the `heldout`
   // section's evaluations; window counts evaluations; noise-aware, trainer/opd/convergence.h).
-  std::string metric = "train";
+  PlateauMetric metric = PlateauMetric::kTrain;
   double z = 2.0;  // heldout: the improvement must be below the threshold by z standard errors
   // With the stage's `domains`: each domain's training KL has its own rule (these settings), and
   // the stage has converged once every domain's has (metric train only).
@@ -148,18 +199,20 @@ void VisitFields(V& v, OpdStageConfig& c) {
 }
 
 struct OpdLossConfig {
-  std::string form = "sampled";    // sampled (per-token reverse KL, policy gradient) | topk
-  std::string correction = "tis";  // none | tis (truncated importance ratio) | ppo (clip)
+  LossForm form = LossForm::kSampled;  // sampled (per-token reverse KL, policy gradient) | topk
+  // none | tis (truncated importance ratio) | ppo (clip)
+  Correction correction = Correction::kTruncatedIs;
   double kl_coef = 1.0;
   double tis_cap = 2.0;
   double clip_low = 0.2;
   double clip_high = 0.28;
-  int64_t top_k = 64;                   // topk form: teacher support size
-  std::string divergence = "mixed";     // topk form: forward | reverse | mixed
-  double alpha = 0.5;                   // mixed: alpha * forward + (1 - alpha) * reverse
-  double teacher_temperature = 1.0;     // explicit scoring temperature
-  std::string normalization = "token";  // token (mean over the step's tokens) | sequence
-  double kl_discount = 0.0;             // gamma over the rest of a response's KL, in [0, 1]
+  int64_t top_k = 64;                                  // topk form: teacher support size
+  TopKDivergence divergence = TopKDivergence::kMixed;  // topk form: forward | reverse | mixed
+  double alpha = 0.5;                // mixed: alpha * forward + (1 - alpha) * reverse
+  double teacher_temperature = 1.0;  // explicit scoring temperature
+  // token (mean over the step's tokens) | sequence
+  Normalization normalization = Normalization::kToken;
+  double kl_discount = 0.0;  // gamma over the rest of a response's KL, in [0, 1]
 };
 
 template <class V>

@@ -39,11 +39,11 @@
 #include "trainer/common/job_util.h"
 #include "trainer/common/metrics.h"
 #include "trainer/common/optim.h"
-#include "trainer/common/zero1.h"
 #include "trainer/common/progress.h"
 #include "trainer/common/run_dir.h"
 #include "trainer/common/signals.h"
 #include "trainer/common/training_job.h"
+#include "trainer/common/zero1.h"
 #include "trainer/opd/convergence.h"
 #include "trainer/opd/learner_service.h"
 #include "trainer/opd/opd.h"
@@ -215,8 +215,6 @@ class OpdJob : public TrainingJob {
   // Ends every Generate/Score/UpdateWeights in flight when the job stops (a signal or a failure).
   std::shared_ptr<opd::rpc::CallCanceller> canceller_ = std::make_shared<opd::rpc::CallCanceller>();
   SampledTokenLossOptions loss_opts_;
-  TopKDivergence divergence_ = TopKDivergence::kMixed;
-  Normalization normalization_ = Normalization::kToken;
 
   nlohmann::json swapped_domains_ = nlohmann::json::object();  // {stage: {domain: endpoints}}
   size_t stage_ = 0;            // index into c_.stages (step_ counts over all stages)

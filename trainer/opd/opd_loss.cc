@@ -5,32 +5,7 @@
 
 #include <torch/torch.h>
 
-#include "absl/strings/str_cat.h"
-
 namespace trainer {
-
-absl::StatusOr<Correction> ParseCorrection(const std::string& s) {
-  if (s == "none") return Correction::kNone;
-  if (s == "tis") return Correction::kTruncatedIs;
-  if (s == "ppo") return Correction::kPpoClip;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown importance correction '", s, "' (none | tis | ppo)"));
-}
-
-absl::StatusOr<TopKDivergence> ParseTopKDivergence(const std::string& s) {
-  if (s == "forward") return TopKDivergence::kForward;
-  if (s == "reverse") return TopKDivergence::kReverse;
-  if (s == "mixed") return TopKDivergence::kMixed;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown top-k divergence '", s, "' (forward | reverse | mixed)"));
-}
-
-absl::StatusOr<Normalization> ParseNormalization(const std::string& s) {
-  if (s == "token") return Normalization::kToken;
-  if (s == "sequence") return Normalization::kSequence;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown loss normalization '", s, "' (token | sequence)"));
-}
 
 torch::Tensor TokenWeights(const std::vector<int64_t>& response_lengths, Normalization norm,
                            int64_t step_tokens, int64_t step_sequences,

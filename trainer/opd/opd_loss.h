@@ -31,17 +31,9 @@
 #include <torch/types.h>
 
 #include "absl/status/statusor.h"
+#include "trainer/opd/opd_config.h"  // Correction, TopKDivergence, Normalization: the loss's words
 
 namespace trainer {
-
-enum class Correction { kNone, kTruncatedIs, kPpoClip };
-enum class TopKDivergence { kForward, kReverse, kMixed };
-enum class Normalization { kToken, kSequence };
-
-absl::StatusOr<Correction> ParseCorrection(const std::string& s);  // none | tis | ppo
-absl::StatusOr<TopKDivergence> ParseTopKDivergence(
-    const std::string& s);  // forward | reverse | mixed
-absl::StatusOr<Normalization> ParseNormalization(const std::string& s);  // token | sequence
 
 struct SampledTokenLossOptions {
   Correction correction = Correction::kTruncatedIs;

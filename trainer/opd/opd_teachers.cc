@@ -85,7 +85,7 @@ absl::Status OpdJob::StartStage(size_t index, bool resumed) {
     rule.min_rel_improvement = s.plateau.min_rel_improvement;
     rule.ema_beta = s.plateau.ema_beta;
     rule.min_steps = s.plateau.min_steps;
-    rule.heldout = s.plateau.metric == "heldout";
+    rule.heldout = s.plateau.metric == PlateauMetric::kHeldout;
     rule.z = s.plateau.z;
     domain_trackers_.clear();
     if (s.plateau.per_domain) {
@@ -206,7 +206,7 @@ absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> OpdJob::Score(
   std::vector<opd::rpc::ScoreOutput> out(r.samples.size());
   opd::rpc::ScoreOptions so;
   so.temperature = static_cast<float>(c_.loss.teacher_temperature);
-  so.top_k = c_.loss.form == "topk" ? static_cast<int32_t>(c_.loss.top_k) : 0;
+  so.top_k = c_.loss.form == LossForm::kTopK ? static_cast<int32_t>(c_.loss.top_k) : 0;
   auto score = [&](TeacherPool* pool, const std::vector<size_t>& which) -> absl::Status {
     std::vector<opd::rpc::ScoreInput> inputs;
     inputs.reserve(which.size());

@@ -21,7 +21,7 @@ constexpr float kLogprobSlack = 1e-3f;  // a log-prob is <= 0, up to rounding
 
 WeightPushOptions PushOptionsOf(const OpdRolloutConfig& r) {
   WeightPushOptions o;
-  o.mode = ParseWeightSyncMode(r.weight_sync).value_or(WeightSyncMode::kGrpc);
+  o.mode = r.weight_sync;
   o.store_host = r.weight_sync_host;
   o.group_timeout = absl::Seconds(r.weight_sync_timeout_s);
   o.bucket_bytes = r.weight_sync_bucket_mb << 20;

@@ -77,14 +77,6 @@ opd::v1::ManifestTensor ManifestEntry(const opd::rpc::WireTensor& t) {
 
 }  // namespace
 
-absl::StatusOr<WeightSyncMode> ParseWeightSyncMode(const std::string& name) {
-  if (name == "grpc") return WeightSyncMode::kGrpc;
-  if (name == "collective") return WeightSyncMode::kCollective;
-  if (name == "auto") return WeightSyncMode::kAuto;
-  return absl::InvalidArgumentError(
-      absl::StrCat("weight sync mode '", name, "': use grpc, collective or auto"));
-}
-
 WeightPusher::~WeightPusher() = default;
 
 absl::StatusOr<std::unique_ptr<WeightPusher>> WeightPusher::Connect(

@@ -34,16 +34,13 @@
 #include "absl/time/time.h"
 #include "rpc/client.h"
 #include "rpc/weight_wire.h"
+#include "trainer/opd/opd_config.h"  // WeightSyncMode
 
 namespace lm::dist {
 class ProcessGroup;
 }
 
 namespace trainer {
-
-enum class WeightSyncMode { kGrpc, kCollective, kAuto };
-// "grpc" | "collective" | "auto"; INVALID_ARGUMENT naming the value otherwise.
-absl::StatusOr<WeightSyncMode> ParseWeightSyncMode(const std::string& name);
 
 struct WeightPushOptions {
   WeightSyncMode mode = WeightSyncMode::kGrpc;

@@ -29,11 +29,11 @@
 #include "trainer/common/job_util.h"
 #include "trainer/common/metrics.h"
 #include "trainer/common/optim.h"
-#include "trainer/common/zero1.h"
 #include "trainer/common/progress.h"
 #include "trainer/common/run_dir.h"
 #include "trainer/common/signals.h"
 #include "trainer/common/training_job.h"
+#include "trainer/common/zero1.h"
 #include "trainer/sft/fused_nll.h"
 #include "trainer/sft/sft_data.h"
 
@@ -51,13 +51,11 @@ lm::SftDatasetOptions DatasetOptions(const SftConfig& c,
   lm::SftDatasetOptions o;
   for (const auto& s : sources) o.sources.push_back({s.name, s.files, s.weight});
   o.max_seq_len = static_cast<int32_t>(c.data.max_seq_len);
-  o.overlong =
-      c.data.overlong == "drop" ? lm::OverlongPolicy::kDrop : lm::OverlongPolicy::kTruncate;
+  o.overlong = c.data.overlong;
   o.skip_bad_lines = c.data.skip_bad_lines;
   o.shuffle = shuffle;
   o.seed = static_cast<uint64_t>(c.data.seed);
-  o.chat_format =
-      c.model.chat_format == "qwen2" ? lm::ChatFormat::Qwen2() : lm::ChatFormat::Qwen3();
+  o.chat_format = ChatFormatOf(c.model.chat_format);
   return o;
 }
 

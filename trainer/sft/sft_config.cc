@@ -78,7 +78,6 @@ absl::Status ValidateSftConfig(const SftConfig& c) {
   // The datasets take max_seq_len as an int32: 4294967424 ran as 128.
   RETURN_IF_ERROR(
       validate::IntInRange("data.max_seq_len", c.data.max_seq_len, 8, limits::kMaxTokens));
-  RETURN_IF_ERROR(validate::OneOf("data.overlong", c.data.overlong, {"truncate", "drop"}));
   // data.seed: any int64 (used as its uint64 bits).
   RETURN_IF_ERROR(CheckTrain(c.train));
   RETURN_IF_ERROR(CheckEval(c.eval));

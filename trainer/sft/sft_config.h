@@ -9,7 +9,19 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "lm/data/sft_dataset.h"
+#include "trainer/common/config.h"
 #include "trainer/common/sections.h"
+
+namespace lm {
+// data.overlong: the dataset's own enum. Its words are declared here, in lm, where
+// argument-dependent lookup looks for them; lm knows nothing of configs.
+inline const trainer::ConfigChoices<OverlongPolicy>& Choices(OverlongPolicy) {
+  static const trainer::ConfigChoices<OverlongPolicy> c{{"truncate", OverlongPolicy::kTruncate},
+                                                        {"drop", OverlongPolicy::kDrop}};
+  return c;
+}
+}  // namespace lm
 
 namespace trainer {
 
@@ -30,7 +42,8 @@ struct SftDataConfig {
   std::vector<SftSourceConfig> train;  // required
   std::vector<SftSourceConfig> eval;   // held-out conversations; none: no evaluation
   int64_t max_seq_len = 8192;          // packed sequence length (the max context)
-  std::string overlong = "truncate";   // truncate | drop conversations above max_seq_len
+  // truncate | drop conversations above max_seq_len
+  lm::OverlongPolicy overlong = lm::OverlongPolicy::kTruncate;
   bool shuffle = true;
   int64_t seed = 0;             // data order
   bool skip_bad_lines = false;  // else a malformed line is an error naming file:line
@@ -123,8 +136,8 @@ void VisitFields(V& v, SftConfig& c) {
   v("debug", c.debug);
 }
 
-// Checks that need no files: required fields, ranges, enumerations, divisibility. The error
-// names the key.
+// Checks that need no files: required fields, ranges, divisibility (a choice field's word was
+// checked when the config was decoded). The error names the key.
 absl::Status ValidateSftConfig(const SftConfig& c);
 
 // A list of JSONL sources (data.train, data.eval, prompts.sources) under `key`.
