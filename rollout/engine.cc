@@ -451,9 +451,10 @@ void Engine::RunRows(std::vector<StepRow>& rows, bool prefill) {
         }
       }
     }
-    // The prefill's logits through the model's head, a decode step's as the static sampler's.
+    // The prefill's logits through the model's head, a decode step's as the static sampler's:
+    // fp32 either way, from a bf16 head without bf16 rounding (lm/model/precision.h LogitsFp32).
     const torch::Tensor lg = prefill
-                                 ? model->Logits(hidden).to(torch::kFloat32)
+                                 ? model->Logits(hidden)
                                  : DecodeLogits(*model, rows[idx[0]].req->lm_head.get(), hidden);
     for (size_t k = 0; k < idx.size(); ++k) logits[idx[k]] = lg[k];
   }

@@ -104,9 +104,9 @@ torch::Tensor Prefill(lm::CausalLM& model, const std::vector<std::vector<int64_t
   stats.prefill_tokens += batch.num_tokens();
   std::vector<int64_t> last;
   for (int64_t b = 0; b < batch.num_sequences(); ++b) last.push_back(batch.cu_seqlens[b + 1] - 1);
-  return model
-      .Logits(hidden.index_select(0, torch::tensor(last, torch::kInt64).to(hidden.device())))
-      .to(torch::kFloat32);
+  // fp32 logits from the head as they are (bf16 operands, fp32 accumulate: CausalLM::Logits).
+  return model.Logits(
+      hidden.index_select(0, torch::tensor(last, torch::kInt64).to(hidden.device())));
 }
 
 }  // namespace
@@ -162,7 +162,7 @@ absl::Status CheckDrawn(const Sample& s, float logprob) {
 torch::Tensor DecodeLogits(lm::CausalLM& model, const lm::PackedLinear* lm_head,
                            const torch::Tensor& hidden) {
   if (lm_head && hidden.size(0) <= kPackedHeadMaxRows) return (*lm_head)(hidden);
-  return model.Logits(hidden).to(torch::kFloat32);
+  return model.Logits(hidden);  // fp32, never rounded to bf16 (lm/model/precision.h LogitsFp32)
 }
 
 int64_t KvBytesPerToken(const lm::ModelConfig& config, int64_t element_size) {

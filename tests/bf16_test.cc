@@ -13,13 +13,14 @@
 // implementations of one model in bf16) accept |a - b| <= atol + rtol |b| with atol = rtol = 1e-2
 // on CPU (rtol 3e-2 on CUDA): bf16 keeps 8 bits of mantissa, so two correct implementations that
 // round at different points differ by a few units of 2^-8. We apply that rule per element to the
-// final hidden states, the logits and the log-probs, and require it of every token but a few
-// (kRowsWithin, below: top-k routing flips on near ties). Measured: the Qwen3-MoE fixtures agree
-// bit for bit; Qwen3-Next's (large random weights that amplify rounding: transformers' own bf16
-// run is 0.21 nats from fp32 at its worst token) has 98.5% of tokens within the rule and its
-// worst log-prob 0.009 nats away. The worst log-prob must also stay within half of the model's
-// own bf16 rounding error (transformers bf16 against the same weights in fp32, recorded by the
-// fixture), and our own distance from fp32 no larger than twice transformers'.
+// log-probs and require it of every token but a few (kRowsWithin, below: top-k routing flips on
+// near ties). Our routers and LM head compute in fp32 where transformers' bf16 run rounds them
+// to bf16 (issue #25: the rollout must route and score as the learner does), so its near-ties
+// go the other way in ours and the final hidden states and logits are reported, not held to
+// the rule (measured: 76% / 87% / 29% of tokens' hidden states within it; log-probs 100% /
+// 100% / 99.2%). The worst log-prob must stay within the model's own bf16 rounding error
+// (transformers bf16 against the same weights in fp32, recorded by the fixture), and our own
+// distance from fp32 within 1.1x transformers' (measured: at most equal).
 #include <sys/stat.h>
 
 #include <cstdio>
@@ -238,12 +239,16 @@ TEST_P(Bf16Parity, HiddenLogitsAndLogprobsMatchTransformersBf16) {
       "transformers %.4f, ours %.4f\n",
       GetParam().c_str(), 100 * hidden.rows_within, 100 * logits.rows_within, 100 * lp.rows_within,
       lp_diff, theirs_fp32, ours_fp32);
-  EXPECT_GE(hidden.rows_within, kRowsWithin) << "final hidden states";
-  EXPECT_GE(logits.rows_within, kRowsWithin) << "logits";
+  // Our routers and LM head run in fp32 (lm/model/precision.h LogitsFp32, moe.cc RouterLogits),
+  // transformers' in bf16: where its bf16 router logits flip a near-tie the two pick different
+  // experts and that token's hidden state (and, through attention, later ones) differs by more
+  // than the elementwise rule. So the hidden states and logits are reported, not held to it; the
+  // log-probs must pass it on almost every token, and our distance from fp32 arithmetic must
+  // not exceed transformers' bf16 one (measured: 0.036 vs 0.045, 0.049 vs 0.051, 0.212 vs 0.212).
   EXPECT_GE(lp.rows_within, kRowsWithin) << "log-probs";
   // Where a routing choice flipped, at most the size of bf16 rounding itself for this model.
-  EXPECT_LE(lp_diff, std::max(1e-2, 0.5 * theirs_fp32)) << "log-probs";
-  EXPECT_LE(ours_fp32, std::max(1e-2, 2 * theirs_fp32)) << "our bf16 rounding error";
+  EXPECT_LE(lp_diff, std::max(1e-2, theirs_fp32)) << "log-probs";
+  EXPECT_LE(ours_fp32, std::max(1e-2, 1.1 * theirs_fp32)) << "our bf16 rounding error";
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, Bf16Parity, ::testing::ValuesIn(Bf16FixtureNames()),
@@ -259,11 +264,12 @@ TEST(Bf16Cpu, Fp32FastPathsAreNotTaken) {
   EXPECT_FALSE(UseCpuInferenceExperts(x, weights, w, w.transpose(1, 2).contiguous()));
   auto head = torch::randn({100, 64}).to(torch::kBFloat16);
   EXPECT_FALSE(UseCpuInferenceLogprobs(x, head));
-  // Log-probs of bf16 inputs are fp32 and equal the fp32 log-softmax of the bf16 logits.
+  // Log-probs of bf16 inputs are fp32 and equal the fp32 log-softmax of the fp32 product of the
+  // bf16 operands (fp32 logits, never rounded to bf16: lm/model/precision.h LogitsFp32).
   auto targets = torch::randint(0, 100, {8}, torch::kInt64);
   auto lp = TokenLogprobs(x, head, targets);
   EXPECT_EQ(lp.scalar_type(), torch::kFloat32);
-  auto ref = torch::log_softmax(torch::linear(x, head).to(torch::kFloat32), -1)
+  auto ref = torch::log_softmax(torch::mm(x.to(torch::kFloat32), head.to(torch::kFloat32).t()), -1)
                  .gather(1, targets.unsqueeze(1))
                  .squeeze(1);
   EXPECT_LE((lp - ref).abs().max().item<double>(), 1e-5);
@@ -489,7 +495,12 @@ void ExpectServedBf16MatchesReference(const std::string& fixture,
   const double yardstick = (f.ref["logprobs"] - f.ref["logprobs_fp32"]).abs().max().item<double>();
   std::printf("%s served in bf16: max |d logprob| %.4f vs transformers bf16 (bf16-vs-fp32 %.4f)\n",
               fixture.c_str(), diff, yardstick);
-  EXPECT_LE(diff, std::min(0.05, std::max(1e-2, 0.5 * yardstick)));
+  // As in Bf16Parity: our fp32 routers and head take near-ties the other way from transformers'
+  // bf16 ones, so the bound is the model's own bf16 rounding error, and the served log-probs
+  // must be no farther from fp32 arithmetic than transformers' bf16 run (1.1x).
+  EXPECT_LE(diff, std::max(1e-2, yardstick));
+  const double to_fp32 = (got - f.ref["logprobs_fp32"]).abs().max().item<double>();
+  EXPECT_LE(to_fp32, std::max(1e-2, 1.1 * yardstick));
 }
 
 TEST(Bf16Serving, TeacherScoresMatchTransformersBf16) {

@@ -20,11 +20,10 @@ torch::Tensor ChunkLogits(torch::Tensor& scratch, const torch::Tensor& h, const 
   auto logits = scratch.narrow(0, 0, h.size(0));
   if (h.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32) {
     MatmulWeightTOut(logits, h, w);
-  } else if (h.scalar_type() != w.scalar_type()) {
-    // bf16-mixed training: fp32 hidden states, a bf16 LM head; fp32 logits from bf16 inputs.
-    logits.copy_(MatmulFp32(h, w.t(), ComputeDtype(w)));
   } else {
-    logits.copy_(torch::linear(h, w));  // bf16 on GPU: the matmul in bf16, the softmax in fp32
+    // A bf16 head (bf16-mixed training with fp32 hidden states, or a bf16 teacher / rollout):
+    // fp32 logits from bf16 operands, the same arithmetic in every process (LogitsFp32).
+    logits.copy_(LogitsFp32(h, w));
   }
   return temperature == 1.0 ? logits : logits.div_(temperature);
 }

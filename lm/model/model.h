@@ -15,6 +15,7 @@
 #include "lm/model/config.h"
 #include "lm/model/layers.h"
 #include "lm/model/paged_kv.h"
+#include "lm/model/precision.h"
 
 namespace lm {
 
@@ -67,9 +68,9 @@ class CausalLM : public torch::nn::Module {
   // The output projection [V, H]: lm_head.weight, or the embedding matrix when tied (a model
   // that wraps another, e.g. an expert-parallel driver, forwards to the wrapped one).
   virtual torch::Tensor LmHeadWeight() { return lm_head ? lm_head->weight : embed_tokens_->weight; }
-  torch::Tensor Logits(const torch::Tensor& hidden) {
-    return MatmulWeightT(hidden, LmHeadWeight());
-  }
+  // Logits [..., V], always fp32: from a bf16 head with fp32 accumulation and no bf16 rounding
+  // (lm/model/precision.h LogitsFp32, the arithmetic of every process's LM head).
+  torch::Tensor Logits(const torch::Tensor& hidden) { return LogitsFp32(hidden, LmHeadWeight()); }
 
   // Names of parameters that are the same tensor under another name (a tied lm_head).
   virtual std::vector<std::string> TiedAliases() const;

@@ -95,13 +95,27 @@ ScopedRoutingReplay::~ScopedRoutingReplay() {
   routing_replay_next = prev_next_;
 }
 
+namespace {
+
+// Router logits [T, E] in fp32, in every process: an fp32 GEMM of x and the gate weight, each
+// taken to fp32 (exact from bf16), outside autocast. The learner keeps the gate in fp32
+// (lm/model/precision.h) and so always computed this; the rollout and teacher serve the bf16
+// rounding of the same gate and used to compute it in bf16, whose rounded logits flip near-ties
+// in the top-k. With the gate's values the same (the served bf16 gate, or a learner gate holding
+// bf16-representable values, as loaded from a bf16 checkpoint) and x the same, both sides now
+// run one fp32 GEMM on equal operands: the same logits and the same experts. An fp32 model is
+// unchanged (both casts are no-ops). The gate is E x H, so its fp32 copy is cheap.
+torch::Tensor RouterLogits(const torch::Tensor& x, const torch::Tensor& gate_weight) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  return torch::linear(x.to(torch::kFloat32), gate_weight.to(torch::kFloat32));
+}
+
+}  // namespace
+
 Routing RouteForced(const torch::Tensor& x, const torch::Tensor& gate_weight,
                     const torch::Tensor& ids, bool norm_topk_prob) {
   Routing r;
-  {
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    r.logits = torch::linear(x.to(gate_weight.scalar_type()), gate_weight);
-  }
+  r.logits = RouterLogits(x, gate_weight);
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0),
               "routing replay: forced expert ids must be [tokens=", x.size(0), ", top_k], got ",
               ids.sizes());
@@ -124,12 +138,7 @@ Routing RouteForced(const torch::Tensor& x, const torch::Tensor& gate_weight,
 Routing Route(const torch::Tensor& x, const torch::Tensor& gate_weight, int64_t top_k,
               bool norm_topk_prob) {
   Routing r;
-  {
-    // The router in the weight's dtype even under autocast: in bf16-mixed training the router
-    // stays fp32 (lm/model/precision.h), and its top-k must not see bf16-rounded logits.
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    r.logits = torch::linear(x.to(gate_weight.scalar_type()), gate_weight);
-  }
+  r.logits = RouterLogits(x, gate_weight);  // fp32: the top-k never sees bf16-rounded logits
   // Without autograd (sampling, scoring) a device's fused softmax + top-k where it has one.
   const auto route_topk = FastPathsFor(r.logits.device().type()).route_topk;
   if (route_topk && !(torch::GradMode::is_enabled() && r.logits.requires_grad()) &&

@@ -1,7 +1,10 @@
 #include "lm/model/precision.h"
 
 #include <ATen/autocast_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/torch.h>
+
+#include "lm/model/layers.h"
 
 namespace lm {
 namespace {
@@ -39,6 +42,17 @@ void AddMatmulFp32(torch::Tensor& acc, const torch::Tensor& a, const torch::Tens
     return;
   }
   acc.addmm_(RoundedFp32(a, compute), RoundedFp32(b, compute));
+}
+
+torch::Tensor LogitsFp32(const torch::Tensor& hidden, const torch::Tensor& weight) {
+  if (hidden.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32)
+    return MatmulWeightT(hidden, weight);
+  // Autocast would run CPU mm in bf16 (a bf16 output) even on fp32 operands.
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  auto rows = hidden.reshape({-1, hidden.size(-1)});  // a 1-D hidden state is one row
+  auto sizes = hidden.sizes().vec();
+  sizes.back() = weight.size(0);
+  return MatmulFp32(rows, weight.t(), ComputeDtype(weight)).view(sizes);
 }
 
 Bf16Autocast::Bf16Autocast(bool enabled, torch::Device device)

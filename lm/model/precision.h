@@ -40,6 +40,18 @@ inline torch::ScalarType ComputeDtype(const torch::Tensor& w) {
   return w.scalar_type() == torch::kBFloat16 ? torch::kBFloat16 : torch::kFloat32;
 }
 
+// The LM head of every process (sampler, engine, scorer, learner): hidden [..., H] times
+// weight [V, H]^T -> fp32 logits [..., V]. fp32 hidden and weight: MatmulWeightT, bit for bit
+// what an fp32 model always computed. Otherwise the operands are rounded to the weight's compute
+// dtype (bf16 hidden states as the rollout has them, or the learner's fp32 ones rounded to bf16)
+// and multiplied by MatmulFp32: fp32 accumulation and an fp32 output, never rounded to bf16.
+// A bf16-rounded logit is off by up to half an ulp, 2^-9 |z| (0.03-0.06 nats at |z| of 16-32),
+// all of which lands in the importance ratio and the reverse KL; the same bf16 operands with
+// fp32 accumulation in whatever order differ between processes by fp32 rounding only (about
+// H * 2^-24 * sum_h |hidden_h weight_vh|). Runs outside autocast: its output is fp32 even in
+// the learner's bf16 autocast scope.
+torch::Tensor LogitsFp32(const torch::Tensor& hidden, const torch::Tensor& weight);
+
 // While alive (and `enabled`), the ops autocast knows (linear, matmul, attention) run in bf16 on
 // `device`'s type: they then accept fp32 activations next to bf16 weights. Our own autograd
 // functions (experts, LM head) take mixed dtypes themselves. Thread-local, as autocast is.
