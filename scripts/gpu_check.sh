@@ -12,6 +12,10 @@
 #
 #   scripts/gpu_check.sh                 on the GPU machine (its python3 has torch 2.11 + CUDA)
 #   scripts/gpu_check.sh --sanitize      also runs small test cases under compute-sanitizer
+#   scripts/gpu_check.sh --payload DIR   no build: runs every GPU test and the GPU benchmarks
+#                                        from a payload that scripts/gpu_payload.sh assembled
+#                                        (DIR/payload.tar.xz; carry DIR), in OPD_GPU_BUDGET_S
+#                                        (default 360) seconds; docs/gpu.md "The first GPU run"
 #   scripts/gpu_check.sh --fetch-debs    on a machine with apt (Debian 12): downloads into
 #                                        .gpu_debs/ (git-ignored through .git/info/exclude) the
 #                                        packages lm builds against, for GPU machines that lack
@@ -49,9 +53,156 @@ if [[ "${1:-}" == "--fetch-debs" ]]; then
   exit 0
 fi
 
+# --payload DIR: the binaries of scripts/gpu_payload.sh, no cmake, no Debian packages. Only the
+# image's python3 with its torch wheel is needed: LibTorch and the CUDA libraries come from that
+# wheel through LD_LIBRARY_PATH, every other library from the payload's lib/.
+if [[ "${1:-}" == "--payload" ]]; then
+  [[ $# -le 2 ]] || die "usage: scripts/gpu_check.sh --payload [DIR]"
+  SRC=$(realpath -m "${2:-gpu_payload}")
+  RESULTS_DIR=${OUT:-$ROOT/gpu_check_out}
+  mkdir -p "$RESULTS_DIR"
+  RESULTS=$RESULTS_DIR/gpu_check.txt
+  : >"$RESULTS"
+  say() { echo "$*" | tee -a "$RESULTS"; }
+  START=$(date +%s)
+  elapsed() { echo $(($(date +%s) - START)); }
+  BUDGET=${OPD_GPU_BUDGET_S:-360}
+  # cap SECONDS [RESERVE]: SECONDS, or less so that RESERVE seconds of the budget stay for later.
+  cap() { local c=$1 l=$((BUDGET - $(elapsed) - ${2:-0})); ((l < c)) && c=$l; ((c < 5)) && c=5; echo "$c"; }
+  say "== gpu_check --payload $SRC $(date -u +%FT%TZ) on ${HOSTNAME:-?}, budget ${BUDGET}s"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 |
+      tee -a "$RESULTS" || true
+    export OPD_REQUIRE_GPU=1
+  else
+    say "nvidia-smi not found"
+  fi
+  IMAGE_LDP=${LD_LIBRARY_PATH:-}
+  PY=$(command -v "${OPD_PYTHON:-python3}") || die "no python3 (set OPD_PYTHON)"
+  "$PY" -c "import torch" >/dev/null 2>&1 || die "$PY cannot import torch"
+  say "python: $PY, $("$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())')"
+  P=$SRC
+  if [[ -f "$SRC/payload.tar.xz" ]]; then
+    P=${OPD_PAYLOAD_DIR:-/tmp/opd-gpu-payload}
+    rm -rf "$P"
+    mkdir -p "$P"
+    "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+      "$SRC/payload.tar.xz" "$P" || die "cannot unpack $SRC/payload.tar.xz"
+  fi
+  [[ -f "$P/BAKED" && -d "$P/lib" ]] || die "$SRC: no payload (scripts/gpu_payload.sh makes it)"
+  declare -A BAKED=()
+  while IFS='=' read -r k v; do BAKED[$k]=$v; done <"$P/BAKED"
+  say "payload: $(tr '\n' ' ' <"$P/BAKED"), unpacked in $(elapsed)s"
+  # glibc is the image's: it must be as new as the payload's binaries need.
+  ver_ge() { [[ "$(printf '%s\n%s\n' "${1#GLIBC*_}" "${2#GLIBC*_}" | sort -V | head -1)" == "${2#GLIBC*_}" ]]; }
+  GLIBC=$("$PY" -c 'import os; print(os.confstr("CS_GNU_LIBC_VERSION").split()[1])')
+  ver_ge "$GLIBC" "${BAKED[GLIBC_NEEDED]}" || die "image glibc $GLIBC < ${BAKED[GLIBC_NEEDED]} the payload needs"
+  # libstdc++: the image's when it has the newest GLIBCXX needed, else the carried one.
+  IMG_CXX=$( (/sbin/ldconfig -p 2>/dev/null || ldconfig -p 2>/dev/null) | awk '/libstdc\+\+\.so\.6 .*x86-64/ {print $NF; exit}' || true)
+  for c in "$IMG_CXX" /usr/lib/x86_64-linux-gnu/libstdc++.so.6 /usr/lib64/libstdc++.so.6 /lib64/libstdc++.so.6; do
+    [[ -n "$c" && -e "$c" ]] && { IMG_CXX=$c; break; }
+  done
+  LIBS=$P/lib
+  if [[ -n "$IMG_CXX" ]] && grep -qa "${BAKED[GLIBCXX_NEEDED]}" "$IMG_CXX"; then
+    say "glibc $GLIBC; libstdc++: the image's $IMG_CXX (has ${BAKED[GLIBCXX_NEEDED]})"
+  else
+    ver_ge "$GLIBC" "${BAKED[GLIBC_NEEDED_CXX]}" ||
+      die "the image's libstdc++ (${IMG_CXX:-none}) lacks ${BAKED[GLIBCXX_NEEDED]}, the carried one needs ${BAKED[GLIBC_NEEDED_CXX]} > glibc $GLIBC"
+    LIBS=$P/lib:$P/lib/cxx
+    say "glibc $GLIBC; libstdc++: the carried one (the image's ${IMG_CXX:-none} lacks ${BAKED[GLIBCXX_NEEDED]})"
+  fi
+  TORCH_LIBS=$("$PY" -c 'import torch, os, glob
+d = os.path.dirname(torch.__file__)
+print(":".join([d + "/lib"] + sorted(glob.glob(os.path.join(os.path.dirname(d), "nvidia", "*", "lib")))))')
+  export LD_LIBRARY_PATH=$LIBS:$TORCH_LIBS
+  # The tests have the build machine's absolute paths compiled in (OPD_SOURCE_DIR, OPD_BINARY_DIR
+  # with the fixtures, OPD_PYTHON) and no override: recreate them as links to this tree, the
+  # payload and a python3 wrapper that runs without the payload's libraries.
+  S=${BAKED[OPD_SOURCE_DIR]} B=${BAKED[OPD_BINARY_DIR]} BP=${BAKED[OPD_PYTHON]}
+  if [[ "$(realpath -m "$S")" != "$ROOT" ]]; then
+    [[ ! -e "$S" || -L "$S" ]] || die "$S exists and is not this tree: the tests' paths cannot be made"
+    mkdir -p "$(dirname "$S")"
+    ln -sfn "$ROOT" "$S"
+  fi
+  if [[ -L "$B" || ! -e "$B" ]]; then
+    mkdir -p "$(dirname "$B")"
+    ln -sfn "$P" "$B"
+  elif [[ "$(realpath "$B")" != "$(realpath "$P")" ]]; then
+    die "$B is a directory here: move it away (the tests read the payload through that path)"
+  fi
+  # (a python of its own there is kept; only a missing one or an earlier wrapper is (re)written)
+  if [[ ! -e "$BP" ]] || grep -qs '^# opd gpu_check wrapper' "$BP"; then
+    mkdir -p "$(dirname "$BP")"
+    rm -f "$BP"
+    if [[ -n "$IMAGE_LDP" ]]; then
+      printf '#!/bin/sh\n# opd gpu_check wrapper\nexport LD_LIBRARY_PATH=%q\nexec %q "$@"\n' "$IMAGE_LDP" "$PY" >"$BP"
+    else
+      printf '#!/bin/sh\n# opd gpu_check wrapper\nunset LD_LIBRARY_PATH\nexec %q "$@"\n' "$PY" >"$BP"
+    fi
+    chmod +x "$BP"
+  fi
+  say "paths: $S -> $(realpath "$S"), $B -> $(realpath "$B"), $BP -> $PY"
+  if [[ "${OPD_MAKE_FIXTURES:-0}" == 1 ]]; then  # remake them with the image's python (transformers)
+    for f in fixtures:make_fixtures fixtures_bf16:make_bf16_fixtures fixtures_next:make_next_fixtures \
+      fixtures_sft:make_sft_fixtures; do
+      rm -rf "$P/${f%%:*}.new"
+      if timeout "$(cap 120 150)" "$BP" "$ROOT/tests/python/${f#*:}.py" --out "$P/${f%%:*}.new" \
+        >"$RESULTS_DIR/${f#*:}.log" 2>&1; then
+        rm -rf "$P/${f%%:*}" && mv "$P/${f%%:*}.new" "$P/${f%%:*}"
+        say "${f#*:}: remade, t=$(elapsed)s"
+      else
+        say "${f#*:}: failed (log ${f#*:}.log), the carried fixtures stay, t=$(elapsed)s"
+      fi
+    done
+  fi
+  BENCH_RESERVE=75
+  # binary|gtest filter|seconds at most: every GPU case of the suites.
+  GPU_CASES=(
+    "moe_kernels_test|*|60"
+    "attention_test|VarlenAttentionGpu.*|20"
+    "paged_decode_test|PagedDecode.Cuda*|45"
+    "bf16_test|Placement.*:Bf16Gpu.*:Bf16Serving.*|45"
+    "mixed_precision_test|PrecisionGpu.*:MixedOptimizerGpu.*:LearnerDevice.*|45"
+    "engine_test|PagedKV.AttentionOnCudaInBf16:Engine.CudaBf16KvCache|25"
+    "sampler_test|Sampler.DeviceDrawOnCudaEqualsCpu|20"
+    "qwen3_next_test|NextModel.Bf16DecodeStaysCloseCuda|25"
+    "weight_sync_test|WeightSyncGpu.*|45"
+    "fp32_logits_test|Fp32Logits.*Cuda*|25"
+  )
+  status=0
+  SUMMARY=()
+  for c in "${GPU_CASES[@]}"; do
+    IFS='|' read -r bin filter secs <<<"$c"
+    [[ -x "$P/tests/$bin" ]] || { say "== $bin: not in the payload"; continue; }
+    t0=$(elapsed) lim=$(cap "$secs" "$BENCH_RESERVE") rc=0
+    say "== $bin ($filter, at most ${lim}s), t=${t0}s"
+    (cd "$P/tests" && timeout -k 5 "$lim" "$P/tests/$bin" --gtest_color=no --gtest_filter="$filter" \
+      --gtest_output="xml:$RESULTS_DIR/$bin.xml") 2>&1 | tee -a "$RESULTS" || rc=$?
+    say "$bin exit status $rc, $(($(elapsed) - t0))s"
+    SUMMARY+=("$bin rc=$rc $(($(elapsed) - t0))s")
+    [[ $status != 0 ]] || status=$rc
+  done
+  t0=$(elapsed) rc=0
+  say "== bench_moe_kernels, t=${t0}s"
+  timeout -k 5 "$(cap 40 35)" "$P/bench/bench_moe_kernels" --iters 10 \
+    --json "$RESULTS_DIR/moe_kernels_bench.jsonl" 2>&1 | tee -a "$RESULTS" || rc=$?
+  SUMMARY+=("bench_moe_kernels rc=$rc $(($(elapsed) - t0))s")
+  [[ $status != 0 ]] || status=$rc
+  t0=$(elapsed) rc=0
+  say "== bench_paged_decode (B = 1, 64, 256 x L = 512, 4k, 8k), t=${t0}s"
+  timeout -k 5 "$(cap 35)" "$P/bench/bench_paged_decode" --device cuda --iters 10 --max_gb 40 2>&1 |
+    tee -a "$RESULTS" || rc=$?
+  SUMMARY+=("bench_paged_decode rc=$rc $(($(elapsed) - t0))s")
+  [[ $status != 0 ]] || status=$rc
+  say "== summary (124: over its time)"
+  for l in "${SUMMARY[@]}"; do say "  $l"; done
+  say "== done in $(elapsed)s, status $status; results in $RESULTS"
+  exit "$status"
+fi
+
 SANITIZE=0
 [[ "${1:-}" == "--sanitize" ]] && SANITIZE=1
-[[ $# -le 1 ]] || die "usage: scripts/gpu_check.sh [--sanitize | --fetch-debs]"
+[[ $# -le 1 ]] || die "usage: scripts/gpu_check.sh [--sanitize | --fetch-debs | --payload DIR]"
 
 BUILD=${OPD_BUILD_DIR:-$ROOT/build-gpu}
 RESULTS_DIR=${OUT:-$BUILD}
