@@ -1,7 +1,7 @@
 // Packed (varlen) causal attention against the formula: softmax(q k^T * scale + causal mask
 // within each document) v, computed in fp64 with the KV heads repeated for GQA. The path under
-// test builds no mask (CPU: one flash-style SDPA per document; CUDA: one FlashAttention varlen
-// launch), so this reference is independent of it.
+// test builds no mask (CPU: causal flash-style SDPA over right-padded buckets of documents; CUDA:
+// one FlashAttention varlen launch), so this reference is independent of it.
 #include <algorithm>
 #include <cmath>
 #include <limits>

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <numeric>
 
 namespace lm {
 
@@ -135,6 +136,66 @@ torch::Tensor FlashVarlenAttention(const torch::Tensor& q, const torch::Tensor& 
   return std::get<0>(out);
 }
 
+// Documents of similar length, padded on the right into one [n, Lmax] batch: one attention call
+// instead of n (a call per document costs ~20x more than the arithmetic for short documents).
+struct Bucket {
+  std::vector<int64_t> docs;
+  int64_t max_len = 0, tokens = 0;
+};
+
+// Groups documents (sorted by length) so that padding wastes at most ~25% of a bucket's slots.
+std::vector<Bucket> MakeBuckets(const std::vector<int64_t>& cu_seqlens) {
+  std::vector<int64_t> order(cu_seqlens.size() - 1);
+  std::iota(order.begin(), order.end(), 0);
+  auto len = [&](int64_t b) { return cu_seqlens[b + 1] - cu_seqlens[b]; };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return len(a) < len(b); });
+  std::vector<Bucket> buckets;
+  for (int64_t b : order) {
+    const int64_t l = len(b);
+    if (l == 0) continue;
+    if (buckets.empty() || 4 * static_cast<int64_t>(buckets.back().docs.size() + 1) * l >
+                               5 * (buckets.back().tokens + l)) {
+      buckets.emplace_back();
+    }
+    Bucket& k = buckets.back();
+    k.docs.push_back(b);
+    k.max_len = std::max(k.max_len, l);
+    k.tokens += l;
+  }
+  return buckets;
+}
+
+// A bucket's attention with no mask: each document is padded on the right, and causality alone
+// keeps a real query (position i < its length) off the padding (positions >= its length > i).
+// The padded queries' rows are dropped; since nothing reads them, their gradient is zero.
+// Appends the packed row of each returned row to `rows`.
+torch::Tensor BucketAttention(const torch::Tensor& q, const torch::Tensor& k,
+                              const torch::Tensor& v, const std::vector<int64_t>& cu_seqlens,
+                              const Bucket& bucket, double scale, std::vector<int64_t>* rows) {
+  const int64_t n = static_cast<int64_t>(bucket.docs.size()), L = bucket.max_len, T = q.size(0);
+  std::vector<int64_t> gather(n * L, T);  // T: the zero row appended below
+  std::vector<int64_t> valid;             // positions in the [n * L] layout that are real tokens
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = cu_seqlens[bucket.docs[i]], l = cu_seqlens[bucket.docs[i] + 1] - s;
+    for (int64_t t = 0; t < l; ++t) {
+      gather[i * L + t] = s + t;
+      valid.push_back(i * L + t);
+      rows->push_back(s + t);
+    }
+  }
+  auto idx = torch::tensor(gather, torch::kInt64).to(q.device());
+  auto pad = [&](const torch::Tensor& x) {  // [T, H, D] -> [n, H, L, D]
+    auto padded = torch::cat({x, torch::zeros({1, x.size(1), x.size(2)}, x.options())}, 0);
+    return padded.index_select(0, idx).view({n, L, x.size(1), x.size(2)}).transpose(1, 2);
+  };
+  auto o = at::scaled_dot_product_attention(pad(q), pad(k), pad(v), /*attn_mask=*/{}, 0.0,
+                                            /*is_causal=*/true, scale,
+                                            /*enable_gqa=*/q.size(1) != k.size(1));
+  o = o.transpose(1, 2).reshape({n * L, q.size(1), v.size(2)});
+  return o.index_select(0, torch::tensor(valid, torch::kInt64).to(q.device()));
+}
+
 }  // namespace
 
 torch::Tensor VarlenCausalAttention(const torch::Tensor& q, const torch::Tensor& k,
@@ -146,17 +207,23 @@ torch::Tensor VarlenCausalAttention(const torch::Tensor& q, const torch::Tensor&
   const int64_t B = static_cast<int64_t>(cu_seqlens.size()) - 1;
   if (UseFlashVarlen(q)) return FlashVarlenAttention(q, k, v, cu_seqlens, scale);
   if (B == 1) return DocumentAttention(q, k, v, scale);
-  // One document at a time: its scores are the only ones alive, and documents are consecutive
-  // rows, so the outputs concatenate back in packed order.
   std::vector<torch::Tensor> outs;
-  outs.reserve(B);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t s = cu_seqlens[b], l = cu_seqlens[b + 1] - s;
-    if (l == 0) continue;
-    outs.push_back(
-        DocumentAttention(q.narrow(0, s, l), k.narrow(0, s, l), v.narrow(0, s, l), scale));
+  std::vector<int64_t> rows;  // the packed row of each output row, in output order
+  for (const Bucket& bucket : MakeBuckets(cu_seqlens)) {
+    if (bucket.docs.size() == 1) {
+      const int64_t s = cu_seqlens[bucket.docs[0]], l = bucket.max_len;
+      outs.push_back(
+          DocumentAttention(q.narrow(0, s, l), k.narrow(0, s, l), v.narrow(0, s, l), scale));
+      for (int64_t t = 0; t < l; ++t) rows.push_back(s + t);
+    } else {
+      outs.push_back(BucketAttention(q, k, v, cu_seqlens, bucket, scale, &rows));
+    }
   }
-  return outs.empty() ? torch::empty({0, q.size(1), v.size(2)}, q.options()) : torch::cat(outs, 0);
+  if (outs.empty()) return torch::empty({0, q.size(1), v.size(2)}, q.options());
+  // Back to packed order: output row i holds packed row rows[i].
+  std::vector<int64_t> inverse(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) inverse[rows[i]] = static_cast<int64_t>(i);
+  return torch::cat(outs, 0).index_select(0, torch::tensor(inverse, torch::kInt64).to(q.device()));
 }
 
 torch::Tensor CachedAttention(const torch::Tensor& q, const torch::Tensor& k_cache,

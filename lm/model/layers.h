@@ -82,8 +82,9 @@ class Rope {
 // Causal attention within each document of a packed batch; q [T, Hq, D], k/v [T, Hkv, D] with
 // Hq a multiple of Hkv (GQA), cu_seqlens [B+1] from 0 to T. Returns [T, Hq, D]. No mask is built:
 // on CUDA (bf16/fp16, head_dim % 8 == 0, <= 256) one FlashAttention varlen launch over the whole
-// batch; elsewhere one causal flash-style SDPA per document, so at most one document's scores are
-// alive at a time. Differentiable (autograd) on both paths.
+// batch; elsewhere causal flash-style SDPA over buckets of similar-length documents padded on the
+// right (causality alone keeps real queries off the padding), which tiles the scores and never
+// builds a mask. Differentiable (autograd) on both paths.
 torch::Tensor VarlenCausalAttention(const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v, const std::vector<int64_t>& cu_seqlens,
                                     double scale);
