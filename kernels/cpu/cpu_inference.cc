@@ -1,7 +1,6 @@
 #include "kernels/cpu/cpu_inference.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <initializer_list>
 #include <vector>
@@ -10,6 +9,7 @@
 #include <torch/torch.h>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/parallel_tasks.h"
 
 // The Fortran BLAS sgemm of the library LibTorch links (MKL in the x86 wheels). Weak: where a
 // build does not export it, the paths that need it are not taken (HasBlas()).
@@ -57,22 +57,6 @@ bool NeedsGrad(std::initializer_list<const torch::Tensor*> ts) {
 bool AllFp32Cpu(std::initializer_list<const torch::Tensor*> ts) {
   return std::all_of(ts.begin(), ts.end(), [](const torch::Tensor* t) {
     return t->is_cpu() && t->scalar_type() == torch::kFloat32;
-  });
-}
-
-// Runs task(i, state) for i in [0, n) on the intra-op threads, handing out indices one at a time
-// in order. Callers put the largest tasks first, so the threads finish together (a static split of
-// uneven tasks left one thread waiting at the barrier). Each thread makes its `state` (buffers)
-// once. The region always has every intra-op thread, even for a single task: inside it the library
-// GEMM runs sequentially, so a task computes the same bits however many tasks there are (outside
-// it the library would split a lone task's product across threads, rounding differently).
-template <class MakeState, class Task>
-void ParallelTasks(int64_t n, const MakeState& make_state, const Task& task) {
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    if (next >= n) return;
-    auto state = make_state();
-    for (int64_t i = next++; i < n; i = next++) task(i, state);
   });
 }
 

@@ -5,7 +5,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -14,6 +13,7 @@
 #include <torch/torch.h>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/parallel_tasks.h"
 
 namespace lm {
 namespace {
@@ -159,18 +159,6 @@ void OnlineSoftmax(float* s, int64_t ld, int64_t n, int64_t G, int64_t D, const 
     if (alpha != 1.0f)
       for (int64_t d = 0; d < D; ++d) part.acc[g * D + d] *= alpha;
   }
-}
-
-// Tasks on the intra-op threads, handed out in order (longest first), as in cpu_inference.cc;
-// each thread makes its scratch once.
-template <class MakeState, class Task>
-void ParallelTasks(int64_t n, const MakeState& make_state, const Task& task) {
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    if (next >= n) return;
-    auto state = make_state();
-    for (int64_t i = next++; i < n; i = next++) task(i, state);
-  });
 }
 
 struct Task {
