@@ -25,8 +25,8 @@ struct FastPaths {
   // The router's softmax + top-k (+ renormalisation) on fp32 logits [T, E], without autograd.
   bool (*route_topk)(const torch::Tensor& logits, int64_t top_k, bool renormalize,
                      torch::Tensor* weights, torch::Tensor* ids) = nullptr;
-  // GatedDeltaRuleChunked (lm/model/gated_deltanet.h) with grouped key heads (value head h reads key
-  // head h / (Hv / Hk)); `final_state`, when given, receives each document's final state.
+  // GatedDeltaRuleChunked (lm/model/gated_deltanet.h) with grouped key heads (value head h reads
+  // key head h / (Hv / Hk)); `final_state`, when given, receives each document's final state.
   torch::Tensor (*gated_delta_rule)(const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v, const torch::Tensor& g,
                                     const torch::Tensor& beta,
