@@ -155,7 +155,7 @@ print(":".join([d + "/lib"] + sorted(glob.glob(os.path.join(os.path.dirname(d), 
       fi
     done
   fi
-  BENCH_RESERVE=75
+  BENCH_RESERVE=95
   # binary|gtest filter|seconds at most: every GPU case of the suites.
   GPU_CASES=(
     "moe_kernels_test|*|60"
@@ -184,7 +184,7 @@ print(":".join([d + "/lib"] + sorted(glob.glob(os.path.join(os.path.dirname(d), 
   done
   t0=$(elapsed) rc=0
   say "== bench_moe_kernels, t=${t0}s"
-  timeout -k 5 "$(cap 40 35)" "$P/bench/bench_moe_kernels" --iters 10 \
+  timeout -k 5 "$(cap 60 35)" "$P/bench/bench_moe_kernels" --iters 10 \
     --json "$RESULTS_DIR/moe_kernels_bench.jsonl" 2>&1 | tee -a "$RESULTS" || rc=$?
   SUMMARY+=("bench_moe_kernels rc=$rc $(($(elapsed) - t0))s")
   [[ $status != 0 ]] || status=$rc

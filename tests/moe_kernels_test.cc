@@ -6,8 +6,9 @@
 //   grouped GEMM: DeepGEMM's 1 - 2<x,y>/(|x|^2+|y|^2) <= 1e-5, bf16 against fp32;
 //   layer:        bf16 within 2e-2 of the fp32 layer (inputs scaled by 0.1) for M = 1 .. 8192 and
 //                 E in {128, 232, 256}, idle experts, all tokens on one expert;
-//   CUDA graph capture and replay of a decode step; the backward against the CPU path; a student
-//   model forward on GPU against CPU.
+//   CUDA graph capture and replay of a decode step; the backward (lm::MoeExpertsGrouped: the
+//   kernels' forward, grouped-GEMM backward) against the CPU path, and without a host sync in bf16
+//   on Hopper; a student model forward on GPU against CPU.
 // The MoeKernelsBuild cases run everywhere; every other case skips without a CUDA device.
 #include <cstdio>
 #include <cstdlib>
@@ -17,11 +18,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "kernels/cuda/moe_cuda.h"
+#include "lm/model/expert_parallel.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
 #include "nlohmann/json.hpp"
@@ -530,6 +534,129 @@ TEST(MoeKernels, BackwardMatchesCpuPath) {
     }
     EXPECT_EQ(g[2].narrow(0, 5, 4).abs().sum().item<double>(), 0.0) << "idle experts";
   }
+}
+
+// While alive, any synchronising CUDA call that goes through c10 (.item(), .cpu(), a blocking
+// copy, a stream or device synchronise) throws.
+class ForbidHostSync {
+ public:
+  ForbidHostSync() : saved_(c10::cuda::warning_state().get_sync_debug_mode()) {
+    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_ERROR);
+  }
+  ~ForbidHostSync() { c10::cuda::warning_state().set_sync_debug_mode(saved_); }
+
+ private:
+  c10::cuda::SyncDebugMode saved_;
+};
+
+// The learner's layer in bf16 on a Hopper GPU: the forward on the kernels and the backward on
+// LibTorch's CUTLASS grouped GEMM, with every count and offset on the device, run with host syncs
+// forbidden; the gradients against the CPU fp32 reference within bf16's tolerance (as above).
+TEST(MoeKernels, TrainingLayerHasNoHostSyncOnHopper) {
+  REQUIRE_GPU();
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  if (prop->major != 9 && prop->major != 10) {
+    GTEST_SKIP() << "sm_" << prop->major << prop->minor
+                 << ": LibTorch's grouped GEMM kernel is sm90/sm100 (its fallback elsewhere reads "
+                    "the offsets on the host)";
+  }
+  torch::manual_seed(21);
+  const int64_t T = 1024, H = 256, I = 128, E = 64, k = 8;
+  auto x = torch::randn({T, H}), gu = torch::randn({E, 2 * I, H}) / 8,
+       dn = torch::randn({E, H, I}) / 8;
+  auto ids = RandomIds(T, E, k, torch::arange(E).ne(7));  // expert 7 idle
+  auto w = torch::rand({T, k});
+  auto gy = torch::randn({T, H});
+  auto leaf = [](const torch::Tensor& t, torch::Device d, torch::Dtype dt) {
+    return t.to(d, dt).detach().requires_grad_(true);
+  };
+  std::vector<torch::Tensor> cpu = {leaf(x, torch::kCPU, torch::kFloat32),
+                                    leaf(w, torch::kCPU, torch::kFloat32),
+                                    leaf(gu, torch::kCPU, torch::kFloat32),
+                                    leaf(dn, torch::kCPU, torch::kFloat32)};
+  auto y_ref = lm::MoeExpertsCpu(cpu[0], ids, cpu[1], cpu[2], cpu[3]);
+  auto g_ref = torch::autograd::grad({y_ref}, cpu, {gy});
+  std::vector<torch::Tensor> dev = {leaf(x, Gpu(), torch::kBFloat16), leaf(w, Gpu(), torch::kBFloat16),
+                                    leaf(gu, Gpu(), torch::kBFloat16),
+                                    leaf(dn, Gpu(), torch::kBFloat16)};
+  auto ids_dev = ids.to(Gpu());
+  auto gy_dev = gy.to(Gpu(), torch::kBFloat16);
+  auto step = [&] {
+    auto y = lm::MoeExperts(dev[0], ids_dev, dev[1], dev[2], dev[3]);
+    auto g = torch::autograd::grad({y}, dev, {gy_dev});
+    g.insert(g.begin(), y);
+    return g;
+  };
+  step();  // library handles and workspaces are created on first use
+  torch::cuda::synchronize();
+  std::vector<torch::Tensor> g;
+  {
+    ForbidHostSync forbid;
+    EXPECT_NO_THROW(g = step());
+  }
+  ASSERT_EQ(g.size(), 5u);
+  const char* names[] = {"y", "x", "weights", "gate_up", "down"};
+  for (int i = 0; i < 5; ++i) {
+    const auto& ref = i == 0 ? y_ref : g_ref[i - 1];
+    const double scale = ref.abs().max().item<double>(), d = MaxAbsDiff(g[i], ref);
+    std::printf("bf16 grouped %-8s max diff %.2e (max |ref| %.2e), calc_diff %.2e\n", names[i], d,
+                scale, CalcDiff(g[i].cpu(), ref));
+    EXPECT_LE(d, 3e-2 * scale) << names[i];
+  }
+  EXPECT_EQ(g[3].select(0, 7).abs().sum().item<double>(), 0.0) << "idle expert";
+  EXPECT_EQ(g[4].select(0, 7).abs().sum().item<double>(), 0.0) << "idle expert";
+}
+
+// Expert-parallel serving on a device: each rank's partial is fixed-shape (no nonzero, no host
+// sync) and in fp32. Two shards in one process, the all-reduce played by adding one partial into
+// the other, against the whole layer on the kernels (bf16: within 3e-2 of the largest output).
+TEST(MoeKernels, ExpertParallelPartialsHaveNoHostSync) {
+  REQUIRE_GPU();
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  if (prop->major != 9 && prop->major != 10) GTEST_SKIP() << "the grouped GEMM kernel is sm90/sm100";
+  torch::manual_seed(22);
+  const int64_t T = 64, H = 256, I = 128, E = 16, k = 4;
+  auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(Gpu());
+  lm::ExpertsImpl all(E, H, I);
+  all.to(Gpu(), torch::kBFloat16);
+  for (auto& p : all.parameters()) p.data().normal_(0, 0.1);
+  auto shard = [&](int64_t first) {
+    auto e = std::make_shared<lm::ExpertsImpl>(E / 2, H, I);
+    e->to(Gpu(), torch::kBFloat16);
+    e->gate_up_proj.data().copy_(all.gate_up_proj.narrow(0, first, E / 2));
+    e->down_proj.data().copy_(all.down_proj.narrow(0, first, E / 2));
+    return e;
+  };
+  auto lo = shard(0), hi = shard(E / 2);
+  auto x = torch::randn({T, H}, bf16);
+  lm::Routing r;
+  r.ids = RandomIds(T, E, k).to(Gpu());
+  r.weights = torch::softmax(torch::randn({T, k}), -1).to(bf16);
+  torch::NoGradGuard no_grad;
+  torch::Tensor hi_part, got;
+  torch::Dtype seen = torch::kFloat64;
+  lm::ExpertParallel ep_hi{{E / 2, E / 2}, [&](torch::Tensor& y) {
+                             seen = y.scalar_type();
+                             hi_part = y.clone();
+                             return absl::OkStatus();
+                           }};
+  lm::ExpertParallel ep_lo{{0, E / 2}, [&](torch::Tensor& y) {
+                             y.add_(hi_part);
+                             return absl::OkStatus();
+                           }};
+  lm::ExpertParallelExperts(ep_hi, x, r, *hi);  // first use: library handles
+  {
+    ForbidHostSync forbid;
+    EXPECT_NO_THROW({
+      lm::ExpertParallelExperts(ep_hi, x, r, *hi);
+      got = lm::ExpertParallelExperts(ep_lo, x, r, *lo);
+    });
+  }
+  EXPECT_EQ(seen, torch::kFloat32);
+  auto want = lm::MoeExperts(x, r.ids, r.weights, all.gate_up_proj, all.down_proj);
+  const double scale = want.abs().max().item<double>();
+  std::printf("EP two shards vs one layer: max diff %.2e (max %.2e)\n", MaxAbsDiff(got, want), scale);
+  EXPECT_LE(MaxAbsDiff(got, want), 3e-2 * scale);
 }
 
 // ---------------------------------------------------------------------------------------------

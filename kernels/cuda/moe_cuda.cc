@@ -1,6 +1,5 @@
 // LibTorch adapter of the CUDA MoE kernels: shape and dtype checks, device buffers from the
-// caching allocator (stream-ordered, CUDA-graph safe), launches on the current stream, and the
-// autograd function whose backward uses library ops.
+// caching allocator (stream-ordered, CUDA-graph safe), launches on the current stream.
 #include "kernels/cuda/moe_cuda.h"
 
 #include <torch/torch.h>
@@ -12,9 +11,6 @@
 
 namespace kernels {
 namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::tensor_list;
 
 void Check(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "kernels::", what, " failed: ", cudaGetErrorString(err));
@@ -153,75 +149,6 @@ torch::Tensor Forward(const torch::Tensor& x_in, const torch::Tensor& ids_in,
   return y;
 }
 
-// The backward with library ops: the math of lm/model/moe.cc's CPU path on the inputs' device,
-// the pairs stably sorted by expert, one matmul group per expert that received rows. Sums over
-// a token's slots go through index_copy + sum (no atomics: deterministic).
-tensor_list Backward(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights,
-                     const torch::Tensor& gate_up, const torch::Tensor& down,
-                     const torch::Tensor& dy_in) {
-  const int64_t T = x.size(0), H = x.size(1), k = ids.size(1), E = gate_up.size(0),
-                I = down.size(2);
-  auto dy = dy_in.to(x.scalar_type()).contiguous();
-  auto flat = ids.reshape({-1}).to(torch::kInt64);
-  TORCH_CHECK(flat.numel() == 0 || ((flat >= 0) & (flat < E)).all().item<bool>(),
-              "kernels: expert ids out of range [0, ", E, ") in the backward");
-  auto order = std::get<1>(flat.sort(/*stable=*/true, 0, /*descending=*/false));
-  auto counts = torch::bincount(flat, /*weights=*/{}, E).cpu();
-  const int64_t* c = counts.data_ptr<int64_t>();
-  auto token_of = torch::div(order, k, "floor");
-  auto xs = x.index_select(0, token_of);                                       // [R, H]
-  auto ws = weights.reshape({-1}).index_select(0, order).to(x.scalar_type());  // [R]
-  auto dys = dy.index_select(0, token_of);                                     // [R, H]
-  auto dxs = torch::empty({T * k, H}, x.options());  // rows in sorted order
-  auto dws = torch::empty({T * k}, x.options().dtype(torch::kFloat32));
-  auto dgate_up = torch::zeros_like(gate_up);
-  auto ddown = torch::zeros_like(down);
-  int64_t s = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = c[e];
-    if (n == 0) continue;
-    auto xe = xs.narrow(0, s, n), dye = dys.narrow(0, s, n);
-    auto gu = torch::mm(xe, gate_up[e].t());  // [n, 2I]
-    auto g = gu.narrow(1, 0, I), u = gu.narrow(1, I, I);
-    auto sg = torch::sigmoid(g);
-    auto act = g * sg;  // silu(g)
-    auto h = act * u;
-    auto o = torch::mm(h, down[e].t());  // [n, H]: the expert's output
-    dws.narrow(0, s, n).copy_((dye.to(torch::kFloat32) * o.to(torch::kFloat32)).sum(1));
-    auto doe = dye * ws.narrow(0, s, n).unsqueeze(1);
-    auto ddown_e = ddown[e];
-    torch::mm_out(ddown_e, doe.t(), h);
-    auto dh = torch::mm(doe, down[e]);                                         // [n, I]
-    auto dgu = torch::cat({dh * u * (sg * (1 + g * (1 - sg))), dh * act}, 1);  // [n, 2I]
-    auto dgate_up_e = dgate_up[e];
-    torch::mm_out(dgate_up_e, dgu.t(), xe);
-    auto dx_e = dxs.narrow(0, s, n);
-    torch::mm_out(dx_e, dgu, gate_up[e]);
-    s += n;
-  }
-  auto dx = torch::zeros({T * k, H}, x.options()).index_copy(0, order, dxs).view({T, k, H}).sum(1);
-  auto dweights = torch::zeros({T * k}, dws.options())
-                      .index_copy(0, order, dws)
-                      .view({T, k})
-                      .to(weights.scalar_type());
-  return {dx, torch::Tensor(), dweights, dgate_up, ddown};
-}
-
-class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> {
- public:
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
-                               const torch::Tensor& ids, const torch::Tensor& weights,
-                               const torch::Tensor& gate_up, const torch::Tensor& down) {
-    ctx->save_for_backward({x, ids, weights, gate_up, down});
-    return Forward(x, ids, weights, gate_up, down, -1);
-  }
-  static tensor_list backward(AutogradContext* ctx, tensor_list grad_outputs) {
-    auto s = ctx->get_saved_variables();
-    c10::cuda::CUDAGuard guard(s[0].device());
-    return Backward(s[0], s[1], s[2], s[3], s[4], grad_outputs[0]);
-  }
-};
-
 }  // namespace
 
 bool MoeCudaSupports(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& gate_up,
@@ -245,7 +172,14 @@ torch::Tensor MoeExpertsCuda(const torch::Tensor& x, const torch::Tensor& ids,
                              const torch::Tensor& weights, const torch::Tensor& gate_up,
                              const torch::Tensor& down) {
   if (!MoeCudaSupports(x, ids, gate_up, down) || weights.device() != x.device()) return {};
-  return MoeExpertsFunction::apply(x, ids, weights, gate_up, down);
+  // No autograd here: a call that needs gradients goes to lm::MoeExpertsGrouped, which runs this
+  // forward without autograd and its grouped-GEMM backward.
+  if (torch::GradMode::is_enabled() &&
+      (x.requires_grad() || weights.requires_grad() || gate_up.requires_grad() ||
+       down.requires_grad())) {
+    return {};
+  }
+  return Forward(x, ids, weights, gate_up, down, -1);
 }
 
 torch::Tensor MoeExpertsCudaForward(const torch::Tensor& x, const torch::Tensor& ids,

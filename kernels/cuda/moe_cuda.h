@@ -10,11 +10,11 @@
 
 namespace kernels {
 
-// lm::MoeExpertsFn: x [T, H], ids [T, k] (int64 or int32), weights [T, k], gate_up [E, 2I, H]
-// (gate rows first), down [E, H, I] -> [T, H] in x's dtype. Differentiable w.r.t. x, weights,
-// gate_up and down (the backward uses library ops). Returns an undefined tensor for inputs it
-// does not handle (not CUDA, dtype other than bf16/fp32, E > 512, k > 16, H or I not a multiple
-// of 8); the caller then runs the library path.
+// lm::FastPaths::moe_experts: x [T, H], ids [T, k] (int64 or int32), weights [T, k], gate_up
+// [E, 2I, H] (gate rows first), down [E, H, I] -> [T, H] in x's dtype, without autograd. Returns an
+// undefined tensor for inputs it does not handle (not CUDA, dtype other than bf16/fp32, E > 512,
+// k > 16, H or I not a multiple of 8, or gradients needed); the caller then runs lm's path (for
+// training, lm::MoeExpertsGrouped: this forward and a grouped-GEMM backward).
 torch::Tensor MoeExpertsCuda(const torch::Tensor& x, const torch::Tensor& ids,
                              const torch::Tensor& weights, const torch::Tensor& gate_up,
                              const torch::Tensor& down);

@@ -6,6 +6,7 @@
 #include "lm/model/config.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
+#include "lm/model/moe_grouped.h"
 
 namespace lm {
 
@@ -49,16 +50,27 @@ std::shared_ptr<const ExpertParallel> ExpertParallelOf(CausalLM& model) {
   return nullptr;
 }
 
-torch::Tensor ExpertParallelExperts(const ExpertParallel& ep, const torch::Tensor& x,
-                                    const Routing& r, const ExpertsImpl& experts) {
+namespace {
+
+// On a device: every token's slots go through the grouped experts with the other ranks' experts
+// dropped (ids shifted to the local range fall outside it), fixed shapes, no host sync; the
+// partial sum stays in fp32.
+torch::Tensor LocalPartialOnDevice(const ExpertParallel& ep, const torch::Tensor& x,
+                                   const Routing& r, const ExpertsImpl& experts) {
+  return MoeExpertsGroupedFp32(x, r.ids - ep.local.first, r.weights, experts.gate_up_proj,
+                               experts.down_proj);
+}
+
+// On the CPU (where a nonzero costs no sync): the pairs routed to a local expert are gathered
+// first, so the CPU kernels' work is proportional to them.
+torch::Tensor LocalPartialOnCpu(const ExpertParallel& ep, const torch::Tensor& x,
+                                const Routing& r, const ExpertsImpl& experts) {
   const int64_t k = r.ids.size(1);
   // The (token, slot) pairs routed to a local expert, in token order.
   auto flat_ids = r.ids.reshape({-1});
   auto pairs = ((flat_ids >= ep.local.first) & (flat_ids < ep.local.first + ep.local.count))
                    .nonzero()
                    .squeeze(1);
-  // The combine and the all-reduce in fp32, rounded to the activations' dtype once at the end: a
-  // bf16 sum over k experts and then over ranks would round at every addition.
   auto y = torch::zeros({x.size(0), x.size(1)}, x.options().dtype(torch::kFloat32));
   if (pairs.numel() > 0) {
     auto tokens = torch::div(pairs, k, "floor");
@@ -78,6 +90,18 @@ torch::Tensor ExpertParallelExperts(const ExpertParallel& ep, const torch::Tenso
       for (int64_t s = 0; s < k; ++s) y.index_add_(0, tokens, part * (slot == s));
     }
   }
+  return y;
+}
+
+}  // namespace
+
+torch::Tensor ExpertParallelExperts(const ExpertParallel& ep, const torch::Tensor& x,
+                                    const Routing& r, const ExpertsImpl& experts) {
+  // The combine and the all-reduce in fp32, rounded to the activations' dtype once at the end: a
+  // bf16 sum over k experts and then over ranks would round at every addition.
+  torch::Tensor y = !x.device().is_cpu() && GroupedGemmsFit(x, experts.down_proj)
+                        ? LocalPartialOnDevice(ep, x, r, experts)
+                        : LocalPartialOnCpu(ep, x, r, experts);
   if (absl::Status st = ep.all_reduce_sum(y); !st.ok()) throw CollectiveError(std::move(st));
   return y.to(x.scalar_type());
 }

@@ -18,7 +18,8 @@
 namespace lm {
 
 struct FastPaths {
-  // MoeExperts (lm/model/moe.h): x [T, H], ids/weights [T, k], gate_up [E, 2I, H], down [E, H, I].
+  // MoeExperts (lm/model/moe.h): x [T, H], ids/weights [T, k], gate_up [E, 2I, H], down [E, H, I],
+  // without autograd (gradients are lm's: lm::MoeExpertsGrouped calls this as its forward).
   torch::Tensor (*moe_experts)(const torch::Tensor& x, const torch::Tensor& ids,
                                const torch::Tensor& weights, const torch::Tensor& gate_up,
                                const torch::Tensor& down) = nullptr;

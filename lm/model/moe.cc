@@ -1,6 +1,8 @@
 #include "lm/model/moe.h"
 
+#include <algorithm>
 #include <array>
+#include <initializer_list>
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/torch.h>
@@ -8,6 +10,7 @@
 #include "lm/model/expert_parallel.h"
 #include "lm/model/fast_paths.h"
 #include "lm/model/layers.h"
+#include "lm/model/moe_grouped.h"
 
 namespace lm {
 namespace {
@@ -177,12 +180,29 @@ torch::Tensor MoeExpertsCpu(const torch::Tensor& x, const torch::Tensor& ids,
   return torch::zeros({T, x.size(1)}, x.options()).index_add(0, token_of, y);
 }
 
+namespace {
+
+bool NeedsGrad(std::initializer_list<const torch::Tensor*> ts) {
+  if (!torch::GradMode::is_enabled()) return false;
+  return std::any_of(ts.begin(), ts.end(), [](const torch::Tensor* t) { return t->requires_grad(); });
+}
+
+}  // namespace
+
 torch::Tensor MoeExperts(const torch::Tensor& x, const torch::Tensor& ids,
                          const torch::Tensor& weights, const torch::Tensor& gate_up,
                          const torch::Tensor& down) {
-  if (const auto fast = FastPathsFor(x.device().type()).moe_experts) {
+  const auto fast = FastPathsFor(x.device().type()).moe_experts;
+  if (fast) {
     torch::Tensor y = fast(x, ids, weights, gate_up, down);
-    if (y.defined()) return y;  // undefined: inputs it does not handle
+    if (y.defined()) return y;  // undefined: inputs it does not handle (gradients among them)
+  }
+  // Training on a device: the device's forward kernel (or grouped GEMMs) and the grouped-GEMM
+  // backward, with no host sync. The CPU keeps the per-expert path, which saves its activations
+  // instead of recomputing them.
+  if (!x.device().is_cpu() && GroupedGemmsFit(x, down) &&
+      NeedsGrad({&x, &weights, &gate_up, &down})) {
+    return MoeExpertsGrouped(x, ids, weights, gate_up, down, fast);
   }
   return MoeExpertsCpu(x, ids, weights, gate_up, down);
 }
