@@ -182,6 +182,13 @@ print(":".join([d + "/lib"] + sorted(glob.glob(os.path.join(os.path.dirname(d), 
     SUMMARY+=("$bin rc=$rc $(($(elapsed) - t0))s")
     [[ $status != 0 ]] || status=$rc
   done
+  # The job end to end on this GPU (SFT, then cascaded OPD with every process on cuda:0).
+  t0=$(elapsed) rc=0
+  say "== gpu_e2e (SFT + 2-stage OPD on cuda:0, at most $(cap 60 "$BENCH_RESERVE")s), t=${t0}s"
+  OPD_PYTHON=$BP timeout -k 5 "$(cap 60 "$BENCH_RESERVE")" bash "$ROOT/scripts/gpu_e2e.sh" "$P" \
+    /tmp/opd-gpu-e2e 2>&1 | tee -a "$RESULTS" || rc=$?
+  SUMMARY+=("gpu_e2e rc=$rc $(($(elapsed) - t0))s")
+  [[ $status != 0 ]] || status=$rc
   t0=$(elapsed) rc=0
   say "== bench_moe_kernels, t=${t0}s"
   timeout -k 5 "$(cap 60 35)" "$P/bench/bench_moe_kernels" --iters 10 \

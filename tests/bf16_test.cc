@@ -157,13 +157,6 @@ std::vector<std::string> Bf16FixtureNames() {
   return nlohmann::json::parse(in)["configs"].get<std::vector<std::string>>();
 }
 
-// max over elements of |a - b| / (atol + rtol |b|): <= 1 passes transformers' rule.
-double WorstRatio(const torch::Tensor& a, const torch::Tensor& b, double atol, double rtol) {
-  EXPECT_EQ(a.sizes(), b.sizes());
-  auto af = a.to(torch::kFloat32), bf = b.to(torch::kFloat32);
-  return ((af - bf).abs() / (atol + rtol * bf.abs())).max().item<double>();
-}
-
 // Per token (row), whether every element passes transformers' bf16 rule
 // |a - b| <= atol + rtol |b|; and the worst element's |a - b| / (atol + rtol |b|).
 struct Agreement {
@@ -403,17 +396,38 @@ TEST(Bf16Gpu, LoadsToTheDeviceInBf16AndScoresThere) {
     auto t = torch::randint(0, 8192, {n}, g, torch::kInt64).contiguous();
     seqs.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
   }
+  LoadOptions exact;  // the same (bf16-valued) weights in fp32: the reference both are held to
+  exact.dtype = torch::kFloat32;
+  auto in_fp32 = LoadModel(c.dir.string(), exact);
+  ASSERT_TRUE(in_fp32.ok()) << in_fp32.status();
   (*on_cpu)->eval();
   (*on_gpu)->eval();
-  const Outputs a = RunAlone(**on_cpu, seqs), b = RunAlone(**on_gpu, seqs);
-  // transformers' CUDA bf16 rule (atol 1e-2, rtol 3e-2).
-  EXPECT_LE(WorstRatio(b.logits, a.logits, 1e-2, 3e-2), 1.0);
-  EXPECT_LE((b.logprobs - a.logprobs).abs().max().item<double>(), 5e-2);
+  (*in_fp32)->eval();
+  const Outputs a = RunAlone(**on_cpu, seqs), b = RunAlone(**on_gpu, seqs),
+                ref = RunAlone(**in_fp32, seqs);
+  // The two bf16 bodies round at the same points with other kernels (oneDNN here, cuBLAS and
+  // FlashAttention there), so they drift apart as far as each drifts from fp32 (an H200 measured
+  // a worst element 16x over transformers' per-element bf16 rule between the two, through 3
+  // random layers): the GPU's bf16 must be as close to the fp32 result as the CPU's, within 2x.
+  auto dist = [](const torch::Tensor& x, const torch::Tensor& y) {
+    return (x - y).abs().max().item<double>();
+  };
+  const double logits_cpu = dist(a.logits, ref.logits), logits_gpu = dist(b.logits, ref.logits);
+  const double lp_cpu = dist(a.logprobs, ref.logprobs), lp_gpu = dist(b.logprobs, ref.logprobs);
+  std::printf(
+      "max distance from fp32: logits cpu bf16 %.3g, cuda bf16 %.3g; log-probs cpu bf16 "
+      "%.3g, cuda bf16 %.3g\n",
+      logits_cpu, logits_gpu, lp_cpu, lp_gpu);
+  EXPECT_LE(logits_gpu, 2 * logits_cpu);
+  EXPECT_LE(lp_gpu, 2 * lp_cpu);
 }
 
 TEST(Bf16Gpu, LoadToTheDeviceHoldsAtMostOneShardPlus20PercentOnTheHost) {
   SKIP_WITHOUT_CUDA();
   const BigCheckpoint& c = MakeBigCheckpoint();
+  // The probe runs the load's kernels once before its baseline: CUDA loads each kernel's module
+  // on first use, a cost paid once per process (with only the context warmed, an H200 measured
+  // +96 MB against the 79 MB limit).
   const ProbeResult r = Probe("--dir=" + c.dir.string() + " --mode=load --device=cuda:0");
   ASSERT_TRUE(r.ok) << r.output;
   const double limit_kb = 1.2 * c.max_shard_bytes / 1024.0;

@@ -55,9 +55,16 @@ int main(int argc, char** argv) {
     return 2;
   }
   torch::NoGradGuard no_grad;
-  {  // initialise what the load uses (allocator, device context, conversion kernels)
-    auto warm = torch::ones({1024}, torch::kFloat32).to(placement->device, placement->dtype);
-    (void)warm.sum().item<double>();
+  {  // initialise what the load uses (allocator, device context) and run, small, the kernels it
+     // runs: CUDA loads a kernel's module on its first use (host memory that a process pays once,
+     // whatever it loads), so a first use inside the load would count it as the load's.
+    const auto options = torch::TensorOptions().dtype(placement->dtype).device(placement->device);
+    auto host = torch::ones({1024}, torch::kFloat32).to(placement->dtype);  // a checkpoint tensor
+    auto dest = torch::empty({1024}, options);
+    dest.copy_(host);                            // LoadParameters
+    const auto [lo, hi] = torch::aminmax(dest);  // CheckFinite
+    (void)torch::isfinite(torch::stack({lo, hi})).all().item<bool>();
+    (void)dest.to(torch::kFloat32).sum().item<double>();  // the checksum below
   }
   const int64_t baseline = StatusKb("VmRSS:"), hwm_before = StatusKb("VmHWM:");
   double checksum = 0;

@@ -701,7 +701,11 @@ TEST(LearnerDevice, CudaIsTheLocalRanksGpuAndCudaNIsKept) {
 }
 
 // On a GPU: one bf16-mixed step on cuda:0 against the same step on the CPU (bf16 GEMMs with fp32
-// accumulation on both, other summation orders): the masters within 1e-3 of each other's update.
+// accumulation on both, other kernels and summation orders): each tensor's update within 5e-2 of
+// the CPU's (relative norm: a few bf16 roundings' drift through the layers). With eps = 1 and no
+// weight decay, as in OneStepUpdatesTheFp32MastersFromFp32AccumulatedGradients: AdamW's first step
+// at the usual eps is lr sign(g), and the signs of gradients within rounding of 0 differ between
+// any two kernels (an H200 measured 0.06-0.25 relative at eps 1e-8 for every tensor).
 TEST(MixedOptimizerGpu, OneStepOnCudaMatchesTheCpu) {
   SKIP_WITHOUT_CUDA();
   auto step = [](torch::Device device) {
@@ -710,7 +714,10 @@ TEST(MixedOptimizerGpu, OneStepOnCudaMatchesTheCpu) {
     lm::dist::ProcessGroup single;
     auto params = Named(*model);
     const auto w0 = ByName(params, false);
-    auto opt = DistributedOptimizer::Create(params, Optim(), &single, 1000, torch::kFloat32,
+    trainer::OptimConfig linear = Optim();
+    linear.eps = 1.0;
+    linear.weight_decay = 0.0;
+    auto opt = DistributedOptimizer::Create(params, linear, &single, 1000, torch::kFloat32,
                                             Precision::kBf16Mixed);
     EXPECT_TRUE(opt.ok()) << opt.status();
     (*opt)->ZeroGrad();
@@ -734,7 +741,12 @@ TEST(MixedOptimizerGpu, OneStepOnCudaMatchesTheCpu) {
     return m;
   };
   auto cpu = step(torch::kCPU), gpu = step(torch::Device(torch::kCUDA, 0));
-  for (const auto& [n, d] : cpu) EXPECT_LE(RelNormDiff(gpu.at(n), d), 5e-2) << n;
+  double worst = 0;
+  for (const auto& [n, d] : cpu) {
+    worst = std::max(worst, RelNormDiff(gpu.at(n), d));
+    EXPECT_LE(RelNormDiff(gpu.at(n), d), 5e-2) << n;
+  }
+  std::printf("bf16-mixed step, cuda:0 vs cpu: worst relative update difference %.3g\n", worst);
 }
 
 }  // namespace

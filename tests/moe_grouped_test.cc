@@ -63,8 +63,9 @@ Grads Reference(const Layer& l, torch::Dtype dt) {
 }
 
 Grads Grouped(const Layer& l, torch::Dtype dt, lm::MoeForwardKernel kernel = nullptr) {
-  return Run(l, dt, [kernel](const auto& x, const auto& ids, const auto& w, const auto& gu,
-                             const auto& dn) { return lm::MoeExpertsGrouped(x, ids, w, gu, dn, kernel); });
+  return Run(l, dt,
+             [kernel](const auto& x, const auto& ids, const auto& w, const auto& gu,
+                      const auto& dn) { return lm::MoeExpertsGrouped(x, ids, w, gu, dn, kernel); });
 }
 
 // Every result of `ours` as close to `exact` as `ref` is, within the file's tolerance.
@@ -114,8 +115,8 @@ TEST(MoeGrouped, SortPairsByExpertIsStablePaddedAndInvertible) {
 }
 
 TEST(MoeGrouped, ForwardAndBackwardMatchTheReference) {
-  for (const auto& [T, E, k] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
-           {37, 12, 3}, {1, 8, 2}, {200, 64, 8}}) {
+  for (const auto& [T, E, k] :
+       std::vector<std::tuple<int64_t, int64_t, int64_t>>{{37, 12, 3}, {1, 8, 2}, {200, 64, 8}}) {
     SCOPED_TRACE("T=" + std::to_string(T) + " E=" + std::to_string(E));
     const Layer l = MakeLayer(T, 64, 32, E, k, /*idle=*/{5, 6});
     const Grads exact = Reference(l, torch::kFloat64);
@@ -193,9 +194,9 @@ TEST(MoeGrouped, Fp32PartialsOfTwoShardsSumToAllExperts) {
   EXPECT_LE(MaxAbsDiff(lo + hi, all), 64 * kU * all.abs().max().item<double>());
   EXPECT_TRUE(torch::equal(lo, shard(0))) << "deterministic";
   // bf16 experts: the partial still comes back in fp32 (rounded once, after the all-reduce).
-  const auto bf = lm::MoeExpertsGroupedFp32(l.x.to(torch::kBFloat16), l.ids, l.weights,
-                                            l.gate_up.to(torch::kBFloat16),
-                                            l.down.to(torch::kBFloat16));
+  const auto bf =
+      lm::MoeExpertsGroupedFp32(l.x.to(torch::kBFloat16), l.ids, l.weights,
+                                l.gate_up.to(torch::kBFloat16), l.down.to(torch::kBFloat16));
   EXPECT_EQ(bf.scalar_type(), torch::kFloat32);
 }
 

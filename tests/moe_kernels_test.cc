@@ -570,15 +570,14 @@ TEST(MoeKernels, TrainingLayerHasNoHostSyncOnHopper) {
   auto leaf = [](const torch::Tensor& t, torch::Device d, torch::Dtype dt) {
     return t.to(d, dt).detach().requires_grad_(true);
   };
-  std::vector<torch::Tensor> cpu = {leaf(x, torch::kCPU, torch::kFloat32),
-                                    leaf(w, torch::kCPU, torch::kFloat32),
-                                    leaf(gu, torch::kCPU, torch::kFloat32),
-                                    leaf(dn, torch::kCPU, torch::kFloat32)};
+  std::vector<torch::Tensor> cpu = {
+      leaf(x, torch::kCPU, torch::kFloat32), leaf(w, torch::kCPU, torch::kFloat32),
+      leaf(gu, torch::kCPU, torch::kFloat32), leaf(dn, torch::kCPU, torch::kFloat32)};
   auto y_ref = lm::MoeExpertsCpu(cpu[0], ids, cpu[1], cpu[2], cpu[3]);
   auto g_ref = torch::autograd::grad({y_ref}, cpu, {gy});
-  std::vector<torch::Tensor> dev = {leaf(x, Gpu(), torch::kBFloat16), leaf(w, Gpu(), torch::kBFloat16),
-                                    leaf(gu, Gpu(), torch::kBFloat16),
-                                    leaf(dn, Gpu(), torch::kBFloat16)};
+  std::vector<torch::Tensor> dev = {
+      leaf(x, Gpu(), torch::kBFloat16), leaf(w, Gpu(), torch::kBFloat16),
+      leaf(gu, Gpu(), torch::kBFloat16), leaf(dn, Gpu(), torch::kBFloat16)};
   auto ids_dev = ids.to(Gpu());
   auto gy_dev = gy.to(Gpu(), torch::kBFloat16);
   auto step = [&] {
@@ -613,7 +612,8 @@ TEST(MoeKernels, TrainingLayerHasNoHostSyncOnHopper) {
 TEST(MoeKernels, ExpertParallelPartialsHaveNoHostSync) {
   REQUIRE_GPU();
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  if (prop->major != 9 && prop->major != 10) GTEST_SKIP() << "the grouped GEMM kernel is sm90/sm100";
+  if (prop->major != 9 && prop->major != 10)
+    GTEST_SKIP() << "the grouped GEMM kernel is sm90/sm100";
   torch::manual_seed(22);
   const int64_t T = 64, H = 256, I = 128, E = 16, k = 4;
   auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(Gpu());
@@ -655,7 +655,8 @@ TEST(MoeKernels, ExpertParallelPartialsHaveNoHostSync) {
   EXPECT_EQ(seen, torch::kFloat32);
   auto want = lm::MoeExperts(x, r.ids, r.weights, all.gate_up_proj, all.down_proj);
   const double scale = want.abs().max().item<double>();
-  std::printf("EP two shards vs one layer: max diff %.2e (max %.2e)\n", MaxAbsDiff(got, want), scale);
+  std::printf("EP two shards vs one layer: max diff %.2e (max %.2e)\n", MaxAbsDiff(got, want),
+              scale);
   EXPECT_LE(MaxAbsDiff(got, want), 3e-2 * scale);
 }
 

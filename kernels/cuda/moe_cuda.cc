@@ -174,9 +174,8 @@ torch::Tensor MoeExpertsCuda(const torch::Tensor& x, const torch::Tensor& ids,
   if (!MoeCudaSupports(x, ids, gate_up, down) || weights.device() != x.device()) return {};
   // No autograd here: a call that needs gradients goes to lm::MoeExpertsGrouped, which runs this
   // forward without autograd and its grouped-GEMM backward.
-  if (torch::GradMode::is_enabled() &&
-      (x.requires_grad() || weights.requires_grad() || gate_up.requires_grad() ||
-       down.requires_grad())) {
+  if (torch::GradMode::is_enabled() && (x.requires_grad() || weights.requires_grad() ||
+                                        gate_up.requires_grad() || down.requires_grad())) {
     return {};
   }
   return Forward(x, ids, weights, gate_up, down, -1);

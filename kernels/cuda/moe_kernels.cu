@@ -288,7 +288,8 @@ __device__ __forceinline__ void ScatterChunk(const IdT* __restrict__ ids, int64_
 
 // Called by all kMaxExperts threads of a block, thread e holding `count` = rows of expert e
 // (0 for e >= experts): exclusive scan of the counts rounded up to block_m; writes
-// expert_offsets, -1 into padding rows, tile_expert (-1 past the rows in use). Returns expert
+// expert_offsets, -1 into padding rows (and every row past the rows in use), tile_expert (-1 past
+// the rows in use). Returns expert
 // e's first row.
 __device__ __forceinline__ int32_t PadAndMapExperts(int32_t count, int experts, int block_m,
                                                     int64_t max_tiles,
@@ -329,6 +330,9 @@ __device__ __forceinline__ int32_t PadAndMapExperts(int32_t count, int experts, 
   }
   if (e == 0) expert_offsets[experts] = total;
   for (int64_t t = total / block_m + e; t < max_tiles; t += kMaxExperts) tile_expert[t] = -1;
+  // The rows past the last expert's are padding too: every row of sorted_rows is written, so the
+  // outputs are the same bytes on every call.
+  for (int64_t r = total + e; r < max_tiles * block_m; r += kMaxExperts) sorted_rows[r] = -1;
   return start;
 }
 

@@ -63,8 +63,8 @@ torch::Tensor LocalPartialOnDevice(const ExpertParallel& ep, const torch::Tensor
 
 // On the CPU (where a nonzero costs no sync): the pairs routed to a local expert are gathered
 // first, so the CPU kernels' work is proportional to them.
-torch::Tensor LocalPartialOnCpu(const ExpertParallel& ep, const torch::Tensor& x,
-                                const Routing& r, const ExpertsImpl& experts) {
+torch::Tensor LocalPartialOnCpu(const ExpertParallel& ep, const torch::Tensor& x, const Routing& r,
+                                const ExpertsImpl& experts) {
   const int64_t k = r.ids.size(1);
   // The (token, slot) pairs routed to a local expert, in token order.
   auto flat_ids = r.ids.reshape({-1});

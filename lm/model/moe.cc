@@ -184,7 +184,8 @@ namespace {
 
 bool NeedsGrad(std::initializer_list<const torch::Tensor*> ts) {
   if (!torch::GradMode::is_enabled()) return false;
-  return std::any_of(ts.begin(), ts.end(), [](const torch::Tensor* t) { return t->requires_grad(); });
+  return std::any_of(ts.begin(), ts.end(),
+                     [](const torch::Tensor* t) { return t->requires_grad(); });
 }
 
 }  // namespace

@@ -43,7 +43,8 @@ torch::Tensor ScatterToPairs(const torch::Tensor& per_row, const ExpertRows& row
 // with an empty reduction.
 void ZeroIdleExperts(torch::Tensor& grad, const ExpertRows& rows) {
   auto ends = rows.group_ends.to(torch::kInt64);
-  auto sizes = ends - torch::cat({torch::zeros({1}, ends.options()), ends.narrow(0, 0, ends.size(0) - 1)});
+  auto sizes =
+      ends - torch::cat({torch::zeros({1}, ends.options()), ends.narrow(0, 0, ends.size(0) - 1)});
   grad.masked_fill_(sizes.eq(0).view({-1, 1, 1}), 0);
 }
 
@@ -73,8 +74,9 @@ class GroupedExperts : public torch::autograd::Function<GroupedExperts> {
                                MoeForwardKernel kernel) {
     ctx->save_for_backward({x, ids, weights, gate_up, down});
     torch::Tensor y = kernel ? kernel(x, ids, weights, gate_up, down) : torch::Tensor();
-    return y.defined() ? y
-                       : GroupedForwardFp32(x, ids, weights, gate_up, down).to(gate_up.scalar_type());
+    return y.defined()
+               ? y
+               : GroupedForwardFp32(x, ids, weights, gate_up, down).to(gate_up.scalar_type());
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grad_outputs) {
@@ -109,7 +111,8 @@ ExpertRows SortPairsByExpert(const torch::Tensor& ids, int64_t experts, int64_t 
   auto key = flat.masked_fill(flat.lt(0) | flat.ge(E), E);
   auto order = std::get<1>(key.sort(/*stable=*/true, 0, /*descending=*/false));
   // Integer counts: scatter_add_ is exact in any order, so deterministic on every device.
-  auto counts = torch::zeros({E + 1}, i64).scatter_add_(0, key, torch::ones_like(key)).narrow(0, 0, E);
+  auto counts =
+      torch::zeros({E + 1}, i64).scatter_add_(0, key, torch::ones_like(key)).narrow(0, 0, E);
   auto padded = torch::div(counts + (align - 1), align, "floor") * align;
   auto group_ends = padded.cumsum(0);
   auto group_starts = group_ends - padded, count_starts = counts.cumsum(0) - counts;
@@ -117,13 +120,13 @@ ExpertRows SortPairsByExpert(const torch::Tensor& ids, int64_t experts, int64_t 
   auto sorted_key = key.index_select(0, order);
   auto dropped = sorted_key.ge(E);
   auto e = sorted_key.clamp_max(E - 1);
-  auto row = torch::arange(P, i64) - count_starts.index_select(0, e) + group_starts.index_select(0, e);
+  auto row =
+      torch::arange(P, i64) - count_starts.index_select(0, e) + group_starts.index_select(0, e);
   ExpertRows rows;
   rows.group_ends = group_ends.to(torch::kInt32);
   // Dropped pairs land in one spare slot past the end, cut off below.
-  rows.pair_of_row = torch::full({R + 1}, -1, i64)
-                         .scatter_(0, row.masked_fill(dropped, R), order)
-                         .narrow(0, 0, R);
+  rows.pair_of_row =
+      torch::full({R + 1}, -1, i64).scatter_(0, row.masked_fill(dropped, R), order).narrow(0, 0, R);
   rows.row_of_pair = torch::full({P}, -1, i64).scatter_(0, order, row.masked_fill(dropped, -1));
   return rows;
 }
@@ -143,19 +146,19 @@ MoeExpertsGrads MoeExpertsBackward(const torch::Tensor& x, const torch::Tensor& 
   auto gu = GroupedMm(xs, gate_up.transpose(1, 2), rows).to(acc);  // recomputed, [R, 2I]
   auto g = gu.narrow(1, 0, I), u = gu.narrow(1, I, I);
   auto sg = torch::sigmoid(g);
-  auto act = g * sg;               // silu(g)
-  auto h = (act * u).to(c);        // the down GEMM's input, rounded as in the forward
+  auto act = g * sg;         // silu(g)
+  auto h = (act * u).to(c);  // the down GEMM's input, rounded as in the forward
   auto dout = GroupedMm(dys, down, rows).to(acc);  // dy Wd: [R, I], unweighted
   auto dw_rows = (dout * h.to(acc)).sum(1);        // <dy, o> = <dy Wd, h>
   auto dh = dout * ws;
   auto dgu = torch::cat({dh * u * (sg * (1 + g * (1 - sg))), dh * act}, 1).to(c);  // [R, 2I]
 
   MoeExpertsGrads grads;
-  grads.gate_up = GroupedMm(dgu.t(), xs, rows);                            // [E, 2I, H]
-  grads.down = GroupedMm((dys.to(acc) * ws).to(c).t(), h, rows);           // [E, H, I]
+  grads.gate_up = GroupedMm(dgu.t(), xs, rows);                   // [E, 2I, H]
+  grads.down = GroupedMm((dys.to(acc) * ws).to(c).t(), h, rows);  // [E, H, I]
   ZeroIdleExperts(grads.gate_up, rows);
   ZeroIdleExperts(grads.down, rows);
-  auto dxs = GroupedMm(dgu, gate_up, rows);                                // [R, H]
+  auto dxs = GroupedMm(dgu, gate_up, rows);  // [R, H]
   grads.x = ScatterToPairs(dxs, rows).view({T, k, H}).sum(1, false, acc).to(x.scalar_type());
   grads.weights = ScatterToPairs(dw_rows, rows).view({T, k}).to(weights.scalar_type());
   return grads;
@@ -166,7 +169,8 @@ torch::Tensor MoeExpertsGroupedFp32(const torch::Tensor& x, const torch::Tensor&
                                     const torch::Tensor& down) {
   TORCH_CHECK(GroupedGemmsFit(x, down) && down.scalar_type() == gate_up.scalar_type(),
               "MoeExpertsGroupedFp32: the grouped GEMM takes fp32, bf16 or fp16 experts with H "
-              "and I multiples of 8, got ", gate_up.scalar_type(), " ", gate_up.sizes());
+              "and I multiples of 8, got ",
+              gate_up.scalar_type(), " ", gate_up.sizes());
   torch::NoGradGuard no_grad;
   return GroupedForwardFp32(x, ids, weights, gate_up, down);
 }
@@ -176,9 +180,10 @@ torch::Tensor MoeExpertsGrouped(const torch::Tensor& x, const torch::Tensor& ids
                                 const torch::Tensor& down, MoeForwardKernel forward_kernel) {
   TORCH_CHECK(down.scalar_type() == gate_up.scalar_type(), "MoeExpertsGrouped: gate_up is ",
               gate_up.scalar_type(), ", down ", down.scalar_type());
-  TORCH_CHECK(GroupedGemmsFit(x, down), "MoeExpertsGrouped: the grouped GEMM takes fp32, bf16 "
-              "or fp16 experts with H and I multiples of 8, got ", gate_up.scalar_type(), " ",
-              gate_up.sizes());
+  TORCH_CHECK(GroupedGemmsFit(x, down),
+              "MoeExpertsGrouped: the grouped GEMM takes fp32, bf16 "
+              "or fp16 experts with H and I multiples of 8, got ",
+              gate_up.scalar_type(), " ", gate_up.sizes());
   auto y = GroupedExperts::apply(x.to(gate_up.scalar_type()), ids, weights, gate_up, down,
                                  forward_kernel);
   return y.to(x.scalar_type());

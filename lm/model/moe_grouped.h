@@ -35,7 +35,8 @@ inline constexpr int64_t kExpertGroupAlign = 16;
 struct ExpertRows {
   torch::Tensor group_ends;   // [E] int32: one past the last row of each expert (grouped-GEMM offs)
   torch::Tensor pair_of_row;  // [R] int64: the pair of each row, -1 for padding
-  torch::Tensor row_of_pair;  // [T * k] int64: the row of each pair, -1 where its id is not in [0, E)
+  torch::Tensor
+      row_of_pair;  // [T * k] int64: the row of each pair, -1 where its id is not in [0, E)
   static int64_t Rows(int64_t pairs, int64_t experts, int64_t align);
 };
 ExpertRows SortPairsByExpert(const torch::Tensor& ids, int64_t experts,
@@ -51,7 +52,8 @@ using MoeForwardKernel = torch::Tensor (*)(const torch::Tensor& x, const torch::
                                            const torch::Tensor& gate_up, const torch::Tensor& down);
 torch::Tensor MoeExpertsGrouped(const torch::Tensor& x, const torch::Tensor& ids,
                                 const torch::Tensor& weights, const torch::Tensor& gate_up,
-                                const torch::Tensor& down, MoeForwardKernel forward_kernel = nullptr);
+                                const torch::Tensor& down,
+                                MoeForwardKernel forward_kernel = nullptr);
 
 // The grouped forward alone, without autograd, its sum over a token's slots kept in fp32 (not
 // rounded to x's dtype): an expert-parallel rank's partial output, whose ids of other ranks'
