@@ -390,7 +390,9 @@ TEST(MixedOptimizer, OneStepUpdatesTheFp32MastersFromFp32AccumulatedGradients) {
     const bool copy = lm::HoldsBf16ComputeCopy(n, w0.at(n));
     const double dg = RelNormDiff(g_mixed.at(n), g_ref.at(n));
     EXPECT_LE(dg, 3e-2) << n;
-    if (copy) EXPECT_GT(dg, 0) << n << ": bf16 did not run";
+    if (copy) {
+      EXPECT_GT(dg, 0) << n << ": bf16 did not run";
+    }
     EXPECT_TRUE(torch::equal(masters.at(n), want.at(n))) << n;
     const double du = RelNormDiff(masters.at(n) - w0.at(n), want_ref.at(n) - w0.at(n));
     EXPECT_LE(du, 5e-2) << n;

@@ -103,7 +103,9 @@ TEST(MoeGrouped, SortPairsByExpertIsStablePaddedAndInvertible) {
       const size_t i = static_cast<size_t>(r - start);
       const int64_t want = i < expected.size() ? expected[i] : -1;  // in pair order, then padding
       ASSERT_EQ(rows.pair_of_row[r].item<int64_t>(), want) << "expert " << e << " row " << r;
-      if (want >= 0) EXPECT_EQ(rows.row_of_pair[want].item<int64_t>(), r);
+      if (want >= 0) {
+        EXPECT_EQ(rows.row_of_pair[want].item<int64_t>(), r);
+      }
     }
     start = end;
   }

@@ -66,11 +66,21 @@ __device__ float WarpSum(float x) {
   return x;
 }
 
-// Row `pos` of sequence b's keys or values for KV head h: 64-bit offsets throughout.
+// The pool blocks of one split, staged in shared memory at the split's start, so that a row's
+// address needs no dependent load from the block table in the loops (a split of kSplit tokens
+// spans at most kSplit + 1 table entries, for any block size).
+struct SplitBlocks {
+  const int32_t* ids;  // shared: table entries first_entry, first_entry + 1, ...
+  int first_entry;
+};
+
+// Row `pos` (from the sequence's start) of the keys or values for KV head h: 64-bit offsets.
 template <typename T>
-__device__ const T* Row(const T* pool, const PagedDecodeArgs& a, int64_t b, int pos, int h) {
-  const int64_t block = a.block_tables[b * a.max_blocks + pos / a.block_size];
-  const int64_t row = block * a.block_size + pos % a.block_size;
+__device__ const T* Row(const T* pool, const PagedDecodeArgs& a, const SplitBlocks& blocks, int pos,
+                        int h) {
+  const int entry = pos / static_cast<int>(a.block_size);
+  const int64_t block = blocks.ids[entry - blocks.first_entry];
+  const int64_t row = block * a.block_size + (pos - entry * static_cast<int>(a.block_size));
   return pool + (row * a.kv_heads + h) * a.head_dim;
 }
 
@@ -86,40 +96,55 @@ struct SplitSmem {
 };
 
 // Scores of the split's tokens for query heads [0, gc) of the group: kLanesPerToken lanes per
-// K row, 8 rows per warp at a time, so that each row is loaded once for every query head.
+// K row, 8 rows per warp per group and kScoreUnroll groups per iteration (their loads issued
+// before any use; one group for D = 256, whose rows would not fit the registers twice), so that
+// each row is loaded once for every query head.
 template <typename T, int D>
-__device__ void Scores(const PagedDecodeArgs& a, int64_t b, int kvh, int start, int n, int gc,
-                       const float* q_s, float* s_s) {
+__device__ void Scores(const PagedDecodeArgs& a, const SplitBlocks& blocks, int kvh, int start,
+                       int n, int gc, const float* q_s, float* s_s) {
   using V = Vec<T>;
   constexpr int kVecsPerLane = D / V::kN / kLanesPerToken;
+  constexpr int kTokensPerWarp = 32 / kLanesPerToken;
+  constexpr int kStride = kWarps * kTokensPerWarp;  // tokens between a warp's groups
+  constexpr int kScoreUnroll = D / kLanesPerToken <= 32 ? 2 : 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int li = lane % kLanesPerToken, token_in_warp = lane / kLanesPerToken;
-  constexpr int kTokensPerWarp = 32 / kLanesPerToken;
-  for (int j0 = warp * kTokensPerWarp; j0 < n; j0 += kWarps * kTokensPerWarp) {
-    const int j = j0 + token_in_warp;
-    float dot[kGroup] = {};
-    if (j < n) {
-      const T* k = Row(static_cast<const T*>(a.k_pool), a, b, start + j, kvh);
+  for (int j0 = warp * kTokensPerWarp; j0 < n; j0 += kScoreUnroll * kStride) {
+    float kf[kScoreUnroll][kVecsPerLane][V::kN];
 #pragma unroll
-      for (int i = 0; i < kVecsPerLane; ++i) {
-        const int d0 = (li + kLanesPerToken * i) * V::kN;
-        float kf[V::kN];
-        V::Load(k + d0, kf);
+    for (int u = 0; u < kScoreUnroll; ++u) {
+      const int j = j0 + u * kStride + token_in_warp;
+      if (j < n) {
+        const T* k = Row(static_cast<const T*>(a.k_pool), a, blocks, start + j, kvh);
 #pragma unroll
-        for (int g = 0; g < kGroup; ++g) {
-          if (g >= gc) break;
-#pragma unroll
-          for (int e = 0; e < V::kN; ++e) dot[g] = fmaf(q_s[g * D + d0 + e], kf[e], dot[g]);
-        }
+        for (int i = 0; i < kVecsPerLane; ++i)
+          V::Load(k + (li + kLanesPerToken * i) * V::kN, kf[u][i]);
       }
     }
-    // Every lane of the warp takes part in the shuffles (j0 is uniform across the warp).
 #pragma unroll
-    for (int g = 0; g < kGroup; ++g) {
-      if (g >= gc) break;
-      dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], 1);
-      dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], 2);
-      if (j < n && li == 0) s_s[g * kSplit + j] = dot[g];
+    for (int u = 0; u < kScoreUnroll; ++u) {
+      const int j = j0 + u * kStride + token_in_warp;
+      float dot[kGroup] = {};
+      if (j < n) {
+#pragma unroll
+        for (int i = 0; i < kVecsPerLane; ++i) {
+          const int d0 = (li + kLanesPerToken * i) * V::kN;
+#pragma unroll
+          for (int g = 0; g < kGroup; ++g) {
+            if (g >= gc) break;
+#pragma unroll
+            for (int e = 0; e < V::kN; ++e) dot[g] = fmaf(q_s[g * D + d0 + e], kf[u][i][e], dot[g]);
+          }
+        }
+      }
+      // Every lane of the warp takes part in the shuffles (j0 is uniform across the warp).
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g) {
+        if (g >= gc) break;
+        dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], 1);
+        dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], 2);
+        if (j < n && li == 0) s_s[g * kSplit + j] = dot[g];
+      }
     }
   }
 }
@@ -147,22 +172,36 @@ __device__ void Softmax(float* s_s, int n, int gc, float* ml, int64_t ml_stride)
 // acc = sum_j p_j V_j for each query head of the group: thread (token lane r, slice s) sums the
 // tokens r, r + kTokenLanes, ... of slice s; the token lanes are then added in a fixed order
 // (shuffles within a warp, then shared memory), so the result is deterministic.
+constexpr int kValueUnroll = 4;
 template <typename T, int D>
-__device__ void WeightedValues(const PagedDecodeArgs& a, int64_t b, int kvh, int start, int n,
-                               int gc, const float* s_s, float* red, float* out) {
+__device__ void WeightedValues(const PagedDecodeArgs& a, const SplitBlocks& blocks, int kvh,
+                               int start, int n, int gc, const float* s_s, float* red, float* out) {
   using V = Vec<T>;
   using S = SplitSmem<T, D>;
   const int slice = threadIdx.x % S::kSlices, r = threadIdx.x / S::kSlices;
   float acc[kGroup][V::kN] = {};
-  for (int j = r; j < n; j += S::kTokenLanes) {
-    float vf[V::kN];
-    V::Load(Row(static_cast<const T*>(a.v_pool), a, b, start + j, kvh) + slice * V::kN, vf);
+  // kValueUnroll rows per iteration, loaded before any is used; tokens in increasing order per
+  // thread, as one row at a time would add them.
+  for (int j0 = r; j0 < n; j0 += kValueUnroll * S::kTokenLanes) {
+    float vf[kValueUnroll][V::kN];
 #pragma unroll
-    for (int g = 0; g < kGroup; ++g) {
-      if (g >= gc) break;
-      const float p = s_s[g * kSplit + j];
+    for (int u = 0; u < kValueUnroll; ++u) {
+      const int j = j0 + u * S::kTokenLanes;
+      if (j < n)
+        V::Load(Row(static_cast<const T*>(a.v_pool), a, blocks, start + j, kvh) + slice * V::kN,
+                vf[u]);
+    }
 #pragma unroll
-      for (int e = 0; e < V::kN; ++e) acc[g][e] = fmaf(p, vf[e], acc[g][e]);
+    for (int u = 0; u < kValueUnroll; ++u) {
+      const int j = j0 + u * S::kTokenLanes;
+      if (j >= n) break;
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g) {
+        if (g >= gc) break;
+        const float p = s_s[g * kSplit + j];
+#pragma unroll
+        for (int e = 0; e < V::kN; ++e) acc[g][e] = fmaf(p, vf[u][e], acc[g][e]);
+      }
     }
   }
   int row = r;
@@ -212,16 +251,21 @@ __global__ void __launch_bounds__(kThreads) PagedDecodeSplit(PagedDecodeArgs a) 
   float* q_s = smem;
   float* s_s = q_s + S::kQ;
   float* red = s_s + S::kScores;
+  __shared__ int32_t ids_s[kSplit + 1];
+  const int bs = static_cast<int>(a.block_size);
+  const SplitBlocks blocks{ids_s, start / bs};
+  for (int e = blocks.first_entry + threadIdx.x; e <= (start + n - 1) / bs; e += kThreads)
+    ids_s[e - blocks.first_entry] = a.block_tables[b * a.max_blocks + e];
   const float qscale = a.scale * kLog2e;  // scores in log2 units: exp2 in the softmax
   for (int i = threadIdx.x; i < gc * D; i += kThreads)
     q_s[i] = a.q[(b * a.q_heads + hq0) * D + i] * qscale;
   __syncthreads();
-  Scores<T, D>(a, b, kvh, start, n, gc, q_s, s_s);
+  Scores<T, D>(a, blocks, kvh, start, n, gc, q_s, s_s);
   __syncthreads();
   const int64_t part = (b * a.q_heads + hq0) * a.num_splits + split;  // query head g: + g * splits
   Softmax(s_s, n, gc, a.part_ml + part * 2, a.num_splits * 2);
   __syncthreads();
-  WeightedValues<T, D>(a, b, kvh, start, n, gc, s_s, red, a.part_acc + part * D);
+  WeightedValues<T, D>(a, blocks, kvh, start, n, gc, s_s, red, a.part_acc + part * D);
 }
 
 // out[b, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the sequence's splits.
@@ -251,7 +295,8 @@ template <typename T, int D>
 cudaError_t LaunchSplit(const PagedDecodeArgs& a, cudaStream_t stream) {
   constexpr size_t kBytes = SplitSmem<T, D>::kBytes;
   auto* kernel = &PagedDecodeSplit<T, D>;
-  if (kBytes > 48 * 1024) {
+  // Above 48 KiB of shared memory in all (the dynamic part and the block ids) needs the opt-in.
+  if (kBytes + sizeof(int32_t) * (kSplit + 1) > 48 * 1024) {
     const cudaError_t e =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
     if (e != cudaSuccess) return e;
