@@ -27,6 +27,7 @@
 
 #include "kernels/cuda/moe_cuda.h"
 #include "lm/model/moe.h"
+#include "lm/model/moe_grouped.h"
 
 namespace {
 
@@ -128,6 +129,43 @@ void Train(const Args& args, const torch::Device& gpu, torch::Tensor& flush, std
   }
 }
 
+// Prefill-sized layers: the kernels' forward next to the same layer on LibTorch's CUTLASS grouped
+// GEMM (lm::MoeExpertsGroupedFp32: sort on the device, two at::_grouped_mm, fp32 combine), to
+// choose between them by size.
+void Prefill(const Args& args, const torch::Device& gpu, torch::Tensor& flush,
+             std::ofstream& json) {
+  torch::NoGradGuard no_grad;
+  const std::vector<Shape> shapes = {{"marco-nano", 1024, 232, 384, 8},
+                                     {"qwen3-30b", 2048, 128, 768, 8}};
+  std::printf(
+      "\nprefill forward: kernels vs grouped GEMM (bf16)\n  %-10s %6s %10s %10s %10s %10s\n",
+      "layer", "M", "kernels_ms", "TFLOP/s", "grouped_ms", "TFLOP/s");
+  for (const Shape& s : shapes) {
+    const int64_t H = s.hidden, E = s.experts, I = s.inter, k = s.top_k;
+    auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(gpu);
+    auto gate_up = torch::randn({E, 2 * I, H}, bf16) / 10;
+    auto down = torch::randn({E, H, I}, bf16) / 10;
+    auto router = torch::randn({E, H}, bf16) / 10;
+    for (int64_t M : {512, 4096, 16384}) {
+      auto x = torch::randn({M, H}, bf16) / 10;
+      lm::Routing r = lm::Route(x, router, k, true);
+      const int iters = std::max(3, args.iters / 2);
+      const double ours = TimeUs(
+          [&] { kernels::MoeExpertsCuda(x, r.ids, r.weights, gate_up, down); }, iters, flush);
+      const double grouped = TimeUs(
+          [&] { lm::MoeExpertsGroupedFp32(x, r.ids, r.weights, gate_up, down); }, iters, flush);
+      const double flops = 6.0 * M * k * H * I;
+      std::printf("  %-10s %6ld %10.3f %10.1f %10.3f %10.1f\n", s.name, static_cast<long>(M),
+                  ours / 1e3, flops / (ours * 1e-6) / 1e12, grouped / 1e3,
+                  flops / (grouped * 1e-6) / 1e12);
+      if (json.is_open()) {
+        json << "{\"layer\":\"" << s.name << "\",\"M\":" << M << ",\"prefill_kernels_us\":" << ours
+             << ",\"prefill_grouped_us\":" << grouped << "}\n";
+      }
+    }
+  }
+}
+
 int Run(const Args& args) {
   const torch::Device gpu(torch::kCUDA, 0);
   cudaDeviceProp prop{};
@@ -217,6 +255,7 @@ int Run(const Args& args) {
     }
   }
   Train(args, gpu, flush, json);
+  Prefill(args, gpu, flush, json);
   return 0;
 }
 

@@ -19,11 +19,10 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "kernels/cpu/cpu_inference.h"
+#include "lm/generate/sampler.h"
 #include "lm/model/model.h"
 #include "nlohmann/json.hpp"
 #include "rollout/engine.h"
-#include "rollout/sampler.h"
 
 ABSL_FLAG(std::string, model, "", "model directory");
 ABSL_FLAG(std::string, requests, "", "JSON file of {prompt, max_new} requests");
@@ -46,8 +45,8 @@ double PeakRssMiB() {
   return u.ru_maxrss / 1024.0;  // KiB on Linux
 }
 
-rollout::SamplingParams Params(int64_t max_new) {
-  rollout::SamplingParams p;
+lm::SamplingParams Params(int64_t max_new) {
+  lm::SamplingParams p;
   p.samples_per_prompt = absl::GetFlag(FLAGS_samples);
   p.max_new_tokens = max_new;
   p.seed = absl::GetFlag(FLAGS_seed);
@@ -62,7 +61,7 @@ int64_t RunEngine(rollout::Engine& engine, std::shared_ptr<lm::CausalLM> model,
   engine.Pause();  // all requests arrive together
   for (const auto& r : reqs) {
     auto h = engine.Submit(rollout::Snapshot{model, 0, nullptr}, {r.prompt}, Params(r.max_new),
-                           [&](rollout::Sample s) { tokens += s.tokens.size(); });
+                           [&](lm::Sample s) { tokens += s.tokens.size(); });
     if (!h.ok()) {
       std::cerr << h.status() << "\n";
       std::exit(1);
@@ -81,7 +80,7 @@ int64_t RunEngine(rollout::Engine& engine, std::shared_ptr<lm::CausalLM> model,
 }
 
 // The LM head packed once, as the rollout worker's weight store does per version.
-int64_t RunStatic(lm::CausalLM& model, const lm::PackedLinear* head, const std::vector<Req>& reqs,
+int64_t RunStatic(lm::CausalLM& model, const lm::PackedWeight* head, const std::vector<Req>& reqs,
                   bool one, int64_t kv_token, double* kv_bytes) {
   int64_t tokens = 0;
   auto run = [&](const std::vector<std::vector<int64_t>>& prompts, int64_t max_new,
@@ -90,9 +89,9 @@ int64_t RunStatic(lm::CausalLM& model, const lm::PackedLinear* head, const std::
     for (const auto& p : prompts) longest = std::max<int64_t>(longest, p.size());
     *kv_bytes = std::max(*kv_bytes, double(prompts.size()) * absl::GetFlag(FLAGS_samples) *
                                         double(longest + max_new) * kv_token);
-    auto st = rollout::SampleResponses(
+    auto st = lm::SampleResponses(
         model, prompts, Params(max_new),
-        [&](rollout::Sample s) {
+        [&](lm::Sample s) {
           tokens += std::min<int64_t>(s.tokens.size(), own_len[s.prompt_index]);
         },
         nullptr, head);
@@ -168,8 +167,8 @@ int main(int argc, char** argv) {
              {"preemptions", st.preemptions - before.preemptions},
              {"pool_mib", st.pool_bytes / double(1 << 20)}};
   } else if (mode == "static_each" || mode == "static_one") {
-    auto head = lm::PackedLinear::Pack(model->LmHeadWeight());
-    const lm::PackedLinear* h = head ? &*head : nullptr;
+    auto head = lm::PackLmHead(*model);
+    const lm::PackedWeight* h = head.get();
     double warm_kv = 0;
     RunStatic(*model, h, warm, mode == "static_one", kv_token, &warm_kv);
     timed([&] { return RunStatic(*model, h, reqs, mode == "static_one", kv_token, &kv_bytes); });

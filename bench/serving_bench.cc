@@ -18,11 +18,11 @@
 #include <torch/torch.h>
 
 #include "absl/flags/flag.h"
+#include "lm/generate/sampler.h"
 #include "lm/model/model.h"
 #include "lm/util/memory.h"
 #include "lm/util/threads.h"
 #include "nlohmann/json.hpp"
-#include "rollout/sampler.h"
 #include "rpc/client.h"
 #include "rpc/server.h"
 #include "teacher_service/scorer.h"
@@ -172,22 +172,22 @@ int BenchGenerate(const std::vector<std::vector<int64_t>>& prompts) {
                      }});
   }
   std::shared_ptr<lm::CausalLM> model;
-  rollout::SamplingParams p;
+  lm::SamplingParams p;
   p.samples_per_prompt = g.samples_per_prompt;
   p.max_new_tokens = g.max_new_tokens;
   p.seed = g.seed;
-  rollout::SamplingParams short_p = p;
+  lm::SamplingParams short_p = p;
   short_p.max_new_tokens = short_g.max_new_tokens;
   if (!absl::GetFlag(FLAGS_model).empty()) {
     model = Model();
     sides.push_back({"inprocess", [&](bool warmup) -> absl::StatusOr<std::pair<int64_t, double>> {
                        int64_t n = 0;
                        double sum = 0;
-                       auto st = rollout::SampleResponses(
-                           *model, prompts, warmup ? short_p : p, [&](rollout::Sample s) {
-                             n += static_cast<int64_t>(s.tokens.size());
-                             sum += Sum(s.logprobs);
-                           });
+                       auto st = lm::SampleResponses(*model, prompts, warmup ? short_p : p,
+                                                     [&](lm::Sample s) {
+                                                       n += static_cast<int64_t>(s.tokens.size());
+                                                       sum += Sum(s.logprobs);
+                                                     });
                        if (!st.ok()) return st.status();
                        return std::make_pair(n, sum);
                      }});

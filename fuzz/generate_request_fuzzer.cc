@@ -17,9 +17,9 @@
 
 namespace {
 
+using lm::SamplingParams;
 using rollout::GenerateJob;
 using rollout::GenerateLimits;
-using rollout::SamplingParams;
 
 // Small limits, so that short inputs reach every bound: 16 sequences of 64 tokens at 1 KiB a
 // token already exceed the 512 KiB KV budget.

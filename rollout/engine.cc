@@ -11,13 +11,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "kernels/cpu/cpu_inference.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
 #include "lm/model/placement.h"
 #include "rollout/block_allocator.h"
 
 namespace rollout {
+
+using lm::FinishReason;
+using lm::Sample;
+using lm::SamplingParams;
 namespace {
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
@@ -29,7 +32,7 @@ int64_t BlocksFor(int64_t tokens, int64_t block_size) {
 class Engine::Request {
  public:
   Snapshot snapshot;
-  std::shared_ptr<const lm::PackedLinear> lm_head;  // the snapshot's, or packed by the engine
+  std::shared_ptr<const lm::PackedWeight> lm_head;  // the snapshot's, or packed by the engine
   std::vector<std::vector<int64_t>> prompts;
   SamplingParams params;
   std::function<void(Sample)> on_sample;
@@ -169,11 +172,12 @@ absl::Status Engine::Wait(Request& req) {
   return req.status;
 }
 
-absl::Status Engine::Generate(Snapshot snapshot, std::vector<std::vector<int64_t>> prompts,
-                              SamplingParams params, std::function<void(Sample)> on_sample,
-                              std::function<bool()> cancelled) {
-  auto req = Submit(std::move(snapshot), std::move(prompts), std::move(params),
-                    std::move(on_sample), std::move(cancelled));
+absl::Status Engine::Generate(const Snapshot& snapshot,
+                              const std::vector<std::vector<int64_t>>& prompts,
+                              const SamplingParams& params,
+                              const std::function<void(Sample)>& on_sample,
+                              const std::function<bool()>& cancelled) {
+  auto req = Submit(snapshot, prompts, params, on_sample, cancelled);
   if (!req.ok()) return req.status();
   return Wait(**req);
 }
@@ -195,7 +199,7 @@ EngineStats Engine::stats() const {
 
 void Engine::Loop() {
   torch::NoGradGuard no_grad;
-  std::shared_ptr<const lm::PackedLinear> last_head;  // packed for last_model
+  std::shared_ptr<const lm::PackedWeight> last_head;  // packed for last_model
   std::shared_ptr<lm::CausalLM> last_model;
   while (true) {
     {
@@ -206,14 +210,12 @@ void Engine::Loop() {
       mu_.Await(absl::Condition(&ready));
       if (stop_) break;
       for (auto& req : inbox_) {
-        // Decode steps compute logits on the packed LM head (kernels/cpu/cpu_inference.h) where it
+        // Decode steps compute logits on the packed LM head (lm::PackLmHead) where a kernel
         // applies, packed once per model when the snapshot brings none.
         if (!req->lm_head) {
           if (req->snapshot.model != last_model) {
             last_model = req->snapshot.model;
-            auto packed = lm::PackedLinear::Pack(last_model->LmHeadWeight());
-            last_head =
-                packed ? std::make_shared<const lm::PackedLinear>(std::move(*packed)) : nullptr;
+            last_head = lm::PackLmHead(*last_model);
           }
           req->lm_head = last_head;
         }
@@ -351,7 +353,7 @@ void Engine::Admit() {
       seq = std::make_unique<Seq>();
       seq->req = w.req;
       seq->tokens = w.req->prompts[w.prompt];
-      seq->rng.seed(SampleSeed(w.req->params.seed, w.prompt, 0));
+      seq->rng.seed(lm::SampleSeed(w.req->params.seed, w.prompt, 0));
       seq->out.prompt_index = w.prompt;
       seq->out.sample_index = 0;
     }
@@ -453,9 +455,9 @@ void Engine::RunRows(std::vector<StepRow>& rows, bool prefill) {
     }
     // The prefill's logits through the model's head, a decode step's as the static sampler's:
     // fp32 either way, from a bf16 head without bf16 rounding (lm/model/precision.h LogitsFp32).
-    const torch::Tensor lg = prefill
-                                 ? model->Logits(hidden)
-                                 : DecodeLogits(*model, rows[idx[0]].req->lm_head.get(), hidden);
+    const torch::Tensor lg =
+        prefill ? model->Logits(hidden)
+                : lm::DecodeLogits(*model, rows[idx[0]].req->lm_head.get(), hidden);
     for (size_t k = 0; k < idx.size(); ++k) logits[idx[k]] = lg[k];
   }
   // Fork each prompt into its samples: they share its blocks and copy its state slot.
@@ -474,7 +476,7 @@ void Engine::RunRows(std::vector<StepRow>& rows, bool prefill) {
       seq->slot = free_slots_.back();
       free_slots_.pop_back();
       cache_.CopyStateSlot(first.slot, seq->slot);
-      seq->rng.seed(SampleSeed(row.req->params.seed, first.out.prompt_index, s));
+      seq->rng.seed(lm::SampleSeed(row.req->params.seed, first.out.prompt_index, s));
       seq->out.prompt_index = first.out.prompt_index;
       seq->out.sample_index = s;
       seq->out.routed_experts = first.out.routed_experts;
@@ -499,12 +501,12 @@ void Engine::RunRows(std::vector<StepRow>& rows, bool prefill) {
         lg.push_back(logits[i]);
         rngs.push_back(&s->rng);
       }
-    const Draws d = DrawTokens(torch::stack(lg), rngs, rows[idx[0]].req->params);
+    const lm::Draws d = lm::DrawTokens(torch::stack(lg), rngs, rows[idx[0]].req->params);
     size_t k = 0;
     for (size_t i : idx)
       for (auto& s : rows[i].seqs) {
         // A non-finite log-prob ends its request only: others (other weight versions) go on.
-        if (absl::Status st = CheckDrawn(s->out, d.logprobs[k]); !st.ok())
+        if (absl::Status st = lm::CheckDrawn(s->out, d.logprobs[k]); !st.ok())
           Finish(*s->req, std::move(st));
         Append(s, d.tokens[k], d.logprobs[k]);
         ++k;

@@ -13,7 +13,7 @@
 //   - when a sequence needs a block and none is free, the youngest running sequence is
 //     preempted: its blocks are released and it waits at the front of the queue to be recomputed
 //     from its prompt and the tokens it has generated (its generator carries on where it was).
-// Sampling is the static sampler's (rollout/sampler.h): sample s of prompt p draws with
+// Sampling is the static sampler's (lm/generate/sampler.h): sample s of prompt p draws with
 // SampleSeed(seed, p, s), one uniform per token, so tokens do not depend on batching, admission
 // order or preemption.
 #pragma once
@@ -29,8 +29,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "lm/generate/generator.h"
+#include "lm/generate/sampler.h"
 #include "lm/model/paged_kv.h"
-#include "rollout/sampler.h"
 #include "rollout/weights.h"
 
 namespace rollout {
@@ -60,7 +61,7 @@ struct EngineStats {
   int64_t pool_bytes = 0;
 };
 
-class Engine {
+class Engine final : public lm::Generator {
  public:
   class Request;
 
@@ -68,24 +69,26 @@ class Engine {
   // architecture (later weight versions). FAILED_PRECONDITION when the model has no paged cache.
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const lm::CausalLM& model,
                                                         EngineOptions opts);
-  ~Engine();  // requests still in the engine end UNAVAILABLE
+  ~Engine() override;  // requests still in the engine end UNAVAILABLE
 
   // Queues a request (prompts and params as Validate() accepted them). `on_sample` gets each
   // sample as it finishes, on the engine thread; `cancelled` is polled every iteration (also on
   // the engine thread): when it returns true the request's sequences leave and it ends CANCELLED.
   // A request whose model produces a non-finite log-prob ends with CheckDrawn's
-  // FAILED_PRECONDITION (rollout/sampler.h), the others sharing its steps going on.
+  // FAILED_PRECONDITION (lm/generate/sampler.h), the others sharing its steps going on.
   absl::StatusOr<std::shared_ptr<Request>> Submit(Snapshot snapshot,
                                                   std::vector<std::vector<int64_t>> prompts,
-                                                  SamplingParams params,
-                                                  std::function<void(Sample)> on_sample,
+                                                  lm::SamplingParams params,
+                                                  std::function<void(lm::Sample)> on_sample,
                                                   std::function<bool()> cancelled = nullptr);
   // Blocks until the request has ended; its status.
   static absl::Status Wait(Request& request);
-  // Submit and Wait.
-  absl::Status Generate(Snapshot snapshot, std::vector<std::vector<int64_t>> prompts,
-                        SamplingParams params, std::function<void(Sample)> on_sample,
-                        std::function<bool()> cancelled = nullptr);
+  // lm::Generator: Submit and Wait.
+  absl::Status Generate(const Snapshot& snapshot, const std::vector<std::vector<int64_t>>& prompts,
+                        const lm::SamplingParams& params,
+                        const std::function<void(lm::Sample)>& on_sample,
+                        const std::function<bool()>& cancelled) override;
+  const char* name() const override { return "paged"; }
 
   // While paused the engine thread schedules nothing (tests queue several requests first).
   void Pause();

@@ -13,6 +13,10 @@
 #include "rpc/tensor_codec.h"
 
 namespace rollout {
+
+using lm::FinishReason;
+using lm::Sample;
+using lm::SamplingParams;
 namespace {
 
 // Command kinds (the first byte).
@@ -92,30 +96,33 @@ absl::Status EpRollout::SampleLocal(const std::string& command, const Snapshot* 
     return absl::AbortedError(absl::StrCat("weight version ", version,
                                            " was replaced while this request waited for the "
                                            "expert-parallel group; retry"));
-  return SampleResponses(
+  return lm::SampleResponses(
              *snapshot.model, prompts, p, on_sample,
              [&] { return group_->AnyRank(cancelled && cancelled()); }, snapshot.lm_head.get())
       .status();
 }
 
-SampleFn EpRollout::Sampler() {
-  return [this](const Snapshot& snapshot, const std::vector<std::vector<int64_t>>& prompts,
-                const SamplingParams& params, const std::function<void(Sample)>& on_sample,
-                const std::function<bool()>& cancelled) -> absl::Status {
-    // Requests are small (token ids); JSON keeps the format obvious. Doubles round-trip exactly.
-    const nlohmann::json j = {{"prompts", prompts},
-                              {"samples_per_prompt", params.samples_per_prompt},
-                              {"temperature", params.temperature},
-                              {"top_k", params.top_k},
-                              {"top_p", params.top_p},
-                              {"max_new_tokens", params.max_new_tokens},
-                              {"stop_ids", params.stop_ids},
-                              {"seed", params.seed},
-                              {"version", snapshot.version}};
-    return group_->Run(std::string(1, kGenerate) + j.dump(), [&](const std::string& command) {
-      return SampleLocal(command, &snapshot, on_sample, cancelled);
-    });
-  };
+absl::Status EpRollout::Generate(const Snapshot& snapshot,
+                                 const std::vector<std::vector<int64_t>>& prompts,
+                                 const SamplingParams& params,
+                                 const std::function<void(Sample)>& on_sample,
+                                 const std::function<bool()>& cancelled) {
+  if (params.return_routing)
+    return absl::UnimplementedError(
+        "return_routing: this worker's sampler (expert-parallel) does not record routing");
+  // Requests are small (token ids); JSON keeps the format obvious. Doubles round-trip exactly.
+  const nlohmann::json j = {{"prompts", prompts},
+                            {"samples_per_prompt", params.samples_per_prompt},
+                            {"temperature", params.temperature},
+                            {"top_k", params.top_k},
+                            {"top_p", params.top_p},
+                            {"max_new_tokens", params.max_new_tokens},
+                            {"stop_ids", params.stop_ids},
+                            {"seed", params.seed},
+                            {"version", snapshot.version}};
+  return group_->Run(std::string(1, kGenerate) + j.dump(), [&](const std::string& command) {
+    return SampleLocal(command, &snapshot, on_sample, cancelled);
+  });
 }
 
 opd::rpc::EpGroup::Work EpRollout::FollowerWork() {

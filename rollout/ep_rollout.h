@@ -26,21 +26,27 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "rollout/sampler.h"
-#include "rollout/service.h"
+#include "lm/generate/generator.h"
+#include "lm/generate/sampler.h"
 #include "rollout/weights.h"
 #include "rpc/ep_group.h"
 
 namespace rollout {
 
-class EpRollout {
+class EpRollout final : public lm::Generator {
  public:
   // Neither is owned; both outlive this.
   EpRollout(opd::rpc::EpGroup* group, WeightStore* store);
-  ~EpRollout();
+  ~EpRollout() override;
 
-  // Rank 0's static sampler: each call runs on the whole group.
-  SampleFn Sampler();
+  // lm::Generator on rank 0: each call runs the static sampler on the whole group. Routing is
+  // not recorded (UNIMPLEMENTED).
+  absl::Status Generate(const Snapshot& snapshot, const std::vector<std::vector<int64_t>>& prompts,
+                        const lm::SamplingParams& params,
+                        const std::function<void(lm::Sample)>& on_sample,
+                        const std::function<bool()>& cancelled) override;
+  bool RecordsRouting() const override { return false; }
+  const char* name() const override { return "expert-parallel"; }
   // A follower's work: every command rank 0 sends.
   opd::rpc::EpGroup::Work FollowerWork();
 
@@ -75,7 +81,7 @@ class EpRollout {
   absl::Status AddLocal(uint64_t id, const ChunkView& chunk);
   absl::Status CommitLocal(uint64_t id);
   absl::Status SampleLocal(const std::string& command, const Snapshot* leader_snapshot,
-                           const std::function<void(Sample)>& on_sample,
+                           const std::function<void(lm::Sample)>& on_sample,
                            const std::function<bool()>& cancelled);
 
   struct Staging {

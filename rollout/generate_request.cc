@@ -9,7 +9,7 @@
 
 namespace rollout {
 
-absl::Status Validate(const std::vector<std::vector<int64_t>>& prompts, const SamplingParams& p,
+absl::Status Validate(const std::vector<std::vector<int64_t>>& prompts, const lm::SamplingParams& p,
                       const GenerateLimits& limits) {
   if (prompts.empty()) return absl::InvalidArgumentError("no prompts");
   if (p.samples_per_prompt < 1 || p.samples_per_prompt > limits.max_samples_per_prompt) {
@@ -91,7 +91,7 @@ GenerateJob JobFromRequest(const opd::v1::GenerateRequest& req) {
   for (const auto& p : req.prompts())
     job.prompts.emplace_back(p.tokens().begin(), p.tokens().end());
   const auto& m = req.params();
-  SamplingParams& p = job.params;
+  lm::SamplingParams& p = job.params;
   p.samples_per_prompt = req.samples_per_prompt() == 0 ? 1 : req.samples_per_prompt();
   p.temperature = m.has_temperature() ? m.temperature() : 1.0;
   p.top_k = m.top_k();

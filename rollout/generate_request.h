@@ -3,32 +3,20 @@
 //
 // Torch-free on purpose: this is what turns untrusted bytes from the network into work for the
 // sampler, so the fuzz build (fuzz/, no LibTorch) exercises exactly the code the rollout
-// worker runs (rollout/service.cc; rollout/sampler.h and rollout/engine.h take its results).
+// worker runs (rollout/service.cc; lm/generate/generator.h's generators take its results).
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "lm/generate/sampling.h"
 
 namespace opd::v1 {
 class GenerateRequest;
 }
 
 namespace rollout {
-
-struct SamplingParams {
-  int64_t samples_per_prompt = 1;
-  double temperature = 1.0;  // 0: greedy (argmax)
-  int64_t top_k = 0;         // 0: off
-  double top_p = 1.0;        // >= 1 or <= 0: off
-  int64_t max_new_tokens = 16;
-  std::vector<int64_t> stop_ids;
-  uint64_t seed = 0;
-  // Routing replay (R3): record the top-k experts every MoE layer picked for every input
-  // position (Sample::routed_experts). Models whose MoE routing is not recordable refuse it.
-  bool return_routing = false;
-};
 
 // What a request may ask for; Validate() turns a violation into INVALID_ARGUMENT naming it.
 struct GenerateLimits {
@@ -45,12 +33,12 @@ struct GenerateLimits {
 // Checks a request against the limits: a KV cache over the budget is RESOURCE_EXHAUSTED naming
 // its size, everything else INVALID_ARGUMENT naming the field (and the prompt).
 absl::Status Validate(const std::vector<std::vector<int64_t>>& prompts,
-                      const SamplingParams& params, const GenerateLimits& limits);
+                      const lm::SamplingParams& params, const GenerateLimits& limits);
 
 // One Generate call's work, as the request asked for it (not yet validated).
 struct GenerateJob {
   std::vector<std::vector<int64_t>> prompts;
-  SamplingParams params;
+  lm::SamplingParams params;
 };
 
 // The proto's defaults become the sampler's: samples_per_prompt 0 means 1, an unset temperature

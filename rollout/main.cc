@@ -118,8 +118,7 @@ absl::Status Run() {
                                                                : config.max_position_embeddings;
   so.limits.max_samples_per_prompt = absl::GetFlag(FLAGS_max_samples_per_prompt);
   so.limits.max_slots = absl::GetFlag(FLAGS_max_slots);
-  so.limits.kv_bytes_per_token =
-      rollout::KvBytesPerToken(config, loaded.dtype == "float32" ? 4 : 2);
+  so.limits.kv_bytes_per_token = lm::KvBytesPerToken(config, loaded.dtype == "float32" ? 4 : 2);
   so.limits.max_kv_bytes = absl::GetFlag(FLAGS_kv_budget_gb) * 1024.0 * 1024.0 * 1024.0;
   so.max_concurrent = absl::GetFlag(FLAGS_max_concurrent);
 
@@ -131,7 +130,7 @@ absl::Status Run() {
     ep = std::make_unique<rollout::EpRollout>(loaded.ep.get(), &store);
     if (loaded.follower())
       return opd::rpc::FollowUntilStopped("opd-rollout", loaded, ep->FollowerWork());
-    so.sample = ep->Sampler();
+    so.generator = ep.get();
     so.expert_parallel = ep.get();
   }
   opd::rpc::Authenticator auth(loaded.secret);
@@ -150,7 +149,7 @@ absl::Status Run() {
     lm::log::Info(absl::StrCat("paged engine: ", es.usable_blocks, " KV blocks of ", eo.block_size,
                                " tokens (", es.pool_bytes >> 20, " MiB), up to ", eo.max_running,
                                " sequences at once"));
-    so.engine = engine.get();
+    so.generator = engine.get();
   }
   rollout::RolloutService service(&store, &auth, so, info);
   return opd::rpc::ServeUntilSignal("opd-rollout", kServiceName, &service, loaded);

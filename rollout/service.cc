@@ -9,13 +9,16 @@
 #include "lm/model/model.h"
 #include "lm/model/placement.h"
 #include "lm/util/threads.h"
-#include "rollout/engine.h"
 #include "rollout/ep_rollout.h"
 #include "rollout/generate_request.h"
 #include "rpc/codec.h"
 #include "rpc/status.h"
 
 namespace rollout {
+
+using lm::FinishReason;
+using lm::Sample;
+using lm::SamplingParams;
 namespace {
 
 // A chunk as the weight stores take it (views into the message, which outlives the call).
@@ -52,9 +55,9 @@ opd::v1::Sample ToProto(const Sample& s, int64_t version) {
 // deletes itself in OnDone, after joining the sampler thread.
 class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
  public:
-  GenerateReactor(grpc::CallbackServerContext* ctx, std::atomic<int>* running, Engine* engine,
-                  const SampleFn* sample = nullptr)
-      : ctx_(ctx), running_(running), engine_(engine), sample_(sample) {}
+  GenerateReactor(grpc::CallbackServerContext* ctx, std::atomic<int>* running,
+                  lm::Generator* generator)
+      : ctx_(ctx), running_(running), generator_(generator) {}
 
   // Starts sampling on a thread of its own; the caller has taken a generation slot for it.
   void Start(Snapshot snapshot, std::vector<std::vector<int64_t>> prompts, SamplingParams params) {
@@ -88,22 +91,13 @@ class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
                           const std::vector<std::vector<int64_t>>& prompts,
                           const SamplingParams& params) {
     try {
-      if (engine_)
-        return engine_->Generate(
-            snapshot, prompts, params, [&](Sample s) { Queue(ToProto(s, snapshot.version)); },
-            [this] { return broken_.load() || ctx_->IsCancelled(); });
-      if (sample_ && params.return_routing)
-        return absl::UnimplementedError(
-            "return_routing: this worker's sampler (expert-parallel) does not record routing");
-      if (sample_)
-        return (*sample_)(
-            snapshot, prompts, params, [&](Sample s) { Queue(ToProto(s, snapshot.version)); },
-            [this] { return broken_.load() || ctx_->IsCancelled(); });
-      return SampleResponses(
-                 *snapshot.model, prompts, params,
-                 [&](Sample s) { Queue(ToProto(s, snapshot.version)); },
-                 [this] { return broken_.load() || ctx_->IsCancelled(); }, snapshot.lm_head.get())
-          .status();
+      if (params.return_routing && !generator_->RecordsRouting())
+        return absl::UnimplementedError(absl::StrCat("return_routing: this worker's generator (",
+                                                     generator_->name(),
+                                                     ") does not record routing"));
+      return generator_->Generate(
+          snapshot, prompts, params, [&](Sample s) { Queue(ToProto(s, snapshot.version)); },
+          [this] { return broken_.load() || ctx_->IsCancelled(); });
     } catch (const std::exception& e) {  // LibTorch reports failures (e.g. OOM) by throwing
       return absl::InternalError(absl::StrCat("sampling failed: ", e.what()));
     }
@@ -135,8 +129,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
 
   grpc::CallbackServerContext* ctx_;
   std::atomic<int>* running_;
-  Engine* engine_;          // null: the static sampler
-  const SampleFn* sample_;  // the static sampler's replacement (expert parallelism), or null
+  lm::Generator* generator_;
   std::thread thread_;
   bool holds_slot_ = false;
   std::atomic<bool> broken_{false};  // a write failed
@@ -262,7 +255,7 @@ RolloutService::~RolloutService() = default;
 grpc::ServerWriteReactor<opd::v1::Sample>* RolloutService::Generate(
     grpc::CallbackServerContext* ctx, const opd::v1::GenerateRequest* req) {
   auto* reactor =
-      new GenerateReactor(ctx, &running_, opts_.engine, opts_.sample ? &opts_.sample : nullptr);
+      new GenerateReactor(ctx, &running_, opts_.generator ? opts_.generator : &static_sampler_);
   if (grpc::Status auth = auth_->Check(*ctx); !auth.ok()) {
     reactor->Refuse(auth);
     return reactor;

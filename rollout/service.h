@@ -1,6 +1,6 @@
-// opd.v1.Rollout over gRPC: converts messages, checks the secret, and hands work to the sampler
-// and the weight store. Generations run on their own threads (a bounded number); samples are
-// streamed back as they finish.
+// opd.v1.Rollout over gRPC: converts messages, checks the secret, and hands work to its generator
+// (lm/generate/generator.h) and the weight store. Generations run on their own threads (a bounded
+// number); samples are streamed back as they finish.
 #pragma once
 
 #include <atomic>
@@ -9,32 +9,24 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "lm/generate/generator.h"
+#include "lm/generate/sampler.h"
 #include "opd/v1/rollout.grpc.pb.h"
-#include "rollout/sampler.h"
+#include "rollout/generate_request.h"
 #include "rollout/weight_sync.h"
 #include "rollout/weights.h"
 #include "rpc/auth.h"
 
 namespace rollout {
 
-class Engine;
 class EpRollout;
-
-// A static sampler call (SampleResponses' contract) for a request on `snapshot`.
-using SampleFn = std::function<absl::Status(
-    const Snapshot& snapshot, const std::vector<std::vector<int64_t>>& prompts,
-    const SamplingParams& params, const std::function<void(Sample)>& on_sample,
-    const std::function<bool()>& cancelled)>;
 
 struct ServiceOptions {
   GenerateLimits limits;
   int max_concurrent = 4;  // generations at once; more get RESOURCE_EXHAUSTED
-  // When set (not owned), generations run on the continuous-batching engine (rollout/engine.h);
-  // else each on the static sampler (SampleResponses).
-  Engine* engine = nullptr;
-  // When set (and no engine), the static sampler's calls go through it: expert parallelism runs
-  // each request on every rank (rollout/ep_rollout.h).
-  SampleFn sample;
+  // What runs every generation (not owned): the paged engine (rollout/engine.h) or, under expert
+  // parallelism, the group (rollout/ep_rollout.h); null: the static sampler (lm::StaticSampler).
+  lm::Generator* generator = nullptr;
   // Expert parallelism (not owned): UpdateWeights streams go to every rank through it.
   EpRollout* expert_parallel = nullptr;
 };
@@ -63,6 +55,7 @@ class RolloutService final : public opd::v1::Rollout::CallbackService {
   WeightStore* store_;
   const opd::rpc::Authenticator* auth_;
   ServiceOptions opts_;
+  lm::StaticSampler static_sampler_;  // the generator when opts_ names none
   opd::v1::ServiceInfo info_;
   std::atomic<int> running_{0};               // generations in flight
   std::unique_ptr<WeightSyncReceiver> sync_;  // collective weight sync (rollout/weight_sync.h)

@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "kernels/cpu/cpu_inference.h"
+#include "lm/generate/sampler.h"
 #include "lm/model/model.h"
 #include "lm/util/status.h"
 #include "rpc/tensor_codec.h"
@@ -18,13 +18,6 @@ namespace {
 
 std::string ShapeString(c10::IntArrayRef shape) {
   return absl::StrCat("[", absl::StrJoin(shape.vec(), ", "), "]");
-}
-
-std::shared_ptr<const lm::PackedLinear> PackLmHead(lm::CausalLM& model) {
-  torch::NoGradGuard no_grad;
-  auto packed = lm::PackedLinear::Pack(model.LmHeadWeight());
-  if (!packed) return nullptr;
-  return std::make_shared<const lm::PackedLinear>(std::move(*packed));
 }
 
 }  // namespace
@@ -169,7 +162,7 @@ absl::Status StagedWeights::CheckComplete() const {
 }
 
 WeightStore::WeightStore(std::shared_ptr<lm::CausalLM> model, int64_t version)
-    : model_(std::move(model)), lm_head_(PackLmHead(*model_)), version_(version) {}
+    : model_(std::move(model)), lm_head_(lm::PackLmHead(*model_)), version_(version) {}
 
 Snapshot WeightStore::Current() const {
   absl::MutexLock lock(&mu_);
@@ -254,15 +247,15 @@ absl::StatusOr<std::unique_ptr<StagedWeights>> WeightStore::StageAnnounced(
 
 absl::Status WeightStore::Commit(std::unique_ptr<StagedWeights> staged) {
   RETURN_IF_ERROR(staged->CheckComplete());
-  std::shared_ptr<const lm::PackedLinear> lm_head;
+  std::shared_ptr<const lm::PackedWeight> lm_head;
   {
     absl::MutexLock lock(&mu_);
     if (staged->model_ == model_) lm_head = lm_head_;  // the same weights under a new version
   }
   // Packed before taking the lock: generations keep running on the old version meanwhile.
-  if (!lm_head) lm_head = PackLmHead(*staged->model_);
+  if (!lm_head) lm_head = lm::PackLmHead(*staged->model_);
   std::shared_ptr<lm::CausalLM> old;  // released outside the lock
-  std::shared_ptr<const lm::PackedLinear> old_head;
+  std::shared_ptr<const lm::PackedWeight> old_head;
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckVersion(staged->version(), version_));
   if (staged->base_version_ >= 0 && staged->base_version_ != version_) {

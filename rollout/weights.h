@@ -29,12 +29,13 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "lm/generate/generator.h"
 #include "rpc/weight_manifest.h"
 #include "rpc/weight_wire.h"
 
 namespace lm {
 class CausalLM;
-class PackedLinear;
+class PackedWeight;
 }  // namespace lm
 
 namespace rollout {
@@ -45,13 +46,8 @@ namespace rollout {
 // serving INT64_MAX could never be updated again) and overflow the learner's count.
 inline constexpr int64_t kMaxWeightVersion = int64_t{1} << 53;
 
-struct Snapshot {
-  std::shared_ptr<lm::CausalLM> model;
-  int64_t version = 0;
-  // The model's LM head packed for the CPU decode kernel (kernels/cpu/cpu_inference.h), built once
-  // per version and shared by its generations; null where that kernel does not apply.
-  std::shared_ptr<const lm::PackedLinear> lm_head;
-};
+// What the store hands to a generation: the serving model, its version and its packed LM head.
+using Snapshot = lm::ModelSnapshot;
 
 // One chunk of one tensor, as it arrives (views into the message).
 struct ChunkView {
@@ -143,7 +139,7 @@ class WeightStore {
  private:
   mutable absl::Mutex mu_;
   std::shared_ptr<lm::CausalLM> model_ ABSL_GUARDED_BY(mu_);
-  std::shared_ptr<const lm::PackedLinear> lm_head_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const lm::PackedWeight> lm_head_ ABSL_GUARDED_BY(mu_);
   int64_t version_ ABSL_GUARDED_BY(mu_);
 };
 

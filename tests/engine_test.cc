@@ -18,10 +18,10 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "lm/generate/sampler.h"
 #include "lm/model/model.h"
 #include "lm/model/paged_kv.h"
 #include "rollout/engine.h"
-#include "rollout/sampler.h"
 #include "rollout/service.h"
 #include "rollout/weights.h"
 #include "rpc/auth.h"
@@ -29,6 +29,12 @@
 #include "tests/gpu.h"
 
 namespace rollout {
+
+// The generation types and the sampler (lm/generate) the rollout code here builds on.
+using lm::FinishReason;
+using lm::Sample;
+using lm::SampleResponses;
+using lm::SamplingParams;
 namespace {
 
 constexpr const char* kModel = "moe_tied_topk8";  // vocab 96, 256 positions
@@ -63,8 +69,9 @@ std::vector<Sample> RunEngine(Engine& engine, std::shared_ptr<lm::CausalLM> mode
                               const std::vector<std::vector<int64_t>>& prompts,
                               const SamplingParams& p) {
   std::vector<Sample> out;
-  absl::Status st = engine.Generate(Snapshot{std::move(model), 0, nullptr}, prompts, p,
-                                    [&](Sample s) { out.push_back(std::move(s)); });
+  absl::Status st = engine.Generate(
+      Snapshot{std::move(model), 0, nullptr}, prompts, p,
+      [&](Sample s) { out.push_back(std::move(s)); }, nullptr);
   EXPECT_TRUE(st.ok()) << st;
   SortSamples(out);
   return out;
@@ -596,11 +603,12 @@ TEST(Engine, CudaBf16KvCache) {
 
 class Server {
  public:
-  Server(WeightStore* store, Engine* engine) : auth_("s3cret") {
+  // `generator` null: the service's own static sampler.
+  Server(WeightStore* store, lm::Generator* generator) : auth_("s3cret") {
     ServiceOptions so;
     so.limits.vocab_size = 96;
     so.limits.max_seq_len = 256;
-    so.engine = engine;
+    so.generator = generator;
     opd::v1::ServiceInfo info;
     service_ = std::make_unique<RolloutService>(store, &auth_, so, info);
     grpc::ServerBuilder b;
@@ -624,6 +632,7 @@ class Server {
     m->set_temperature(p.temperature);
     m->set_max_new_tokens(static_cast<int32_t>(p.max_new_tokens));
     m->set_seed(p.seed);
+    req.set_return_routing(p.return_routing);
     auto reader = stub->Generate(&ctx, req);
     std::vector<Sample> out;
     opd::v1::Sample msg;
@@ -649,6 +658,58 @@ class Server {
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
 };
+
+// The service hands every request to the one generator it holds (lm/generate/generator.h), and
+// refuses routing for a generator that cannot record it, naming the generator.
+class FakeGenerator final : public lm::Generator {
+ public:
+  absl::Status Generate(const Snapshot& snapshot, const std::vector<std::vector<int64_t>>& prompts,
+                        const SamplingParams& params, const std::function<void(Sample)>& on_sample,
+                        const std::function<bool()>& cancelled) override {
+    ++calls;
+    version_seen = snapshot.version;
+    for (size_t p = 0; p < prompts.size(); ++p) {
+      for (int64_t s = 0; s < params.samples_per_prompt; ++s) {
+        Sample out;
+        out.prompt_index = static_cast<int64_t>(p);
+        out.sample_index = s;
+        out.tokens = {7, static_cast<int64_t>(p), s};
+        out.logprobs = {-0.5f, -0.25f, -0.125f};
+        out.finish = FinishReason::kStop;
+        on_sample(std::move(out));
+      }
+    }
+    return cancelled && cancelled() ? absl::CancelledError("cancelled") : absl::OkStatus();
+  }
+  bool RecordsRouting() const override { return false; }
+  const char* name() const override { return "fake"; }
+  int calls = 0;
+  int64_t version_seen = -1;
+};
+
+TEST(Service, HandsEveryRequestToItsGenerator) {
+  WeightStore store(Load(), 5);
+  FakeGenerator fake;
+  Server server(&store, &fake);
+  SamplingParams p;
+  p.samples_per_prompt = 2;
+  grpc::Status st;
+  auto got = server.Generate(kPrompts, p, &st);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(fake.calls, 1);
+  EXPECT_EQ(fake.version_seen, 5);
+  ASSERT_EQ(got.size(), kPrompts.size() * 2);
+  for (const Sample& s : got) {
+    EXPECT_EQ(s.tokens, (std::vector<int64_t>{7, s.prompt_index, s.sample_index}));
+    EXPECT_EQ(s.logprobs, (std::vector<float>{-0.5f, -0.25f, -0.125f}));
+    EXPECT_EQ(s.finish, FinishReason::kStop);
+  }
+  p.return_routing = true;
+  server.Generate(kPrompts, p, &st);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_NE(st.error_message().find("(fake)"), std::string::npos) << st.error_message();
+  EXPECT_EQ(fake.calls, 1) << "a refused request reached the generator";
+}
 
 TEST(Engine, ThroughTheGrpcServiceSameAsTheStaticService) {
   auto model = Load();

@@ -28,17 +28,24 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "lm/generate/sampler.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
 #include "lm/model/precision.h"
 #include "nlohmann/json.hpp"
 #include "rollout/engine.h"
-#include "rollout/sampler.h"
 #include "rollout/weights.h"
 #include "tests/gpu.h"
 
 namespace rollout {
+
+// The generation types and the sampler (lm/generate) the rollout code here builds on.
+using lm::DecodeLogits;
+using lm::DrawTokens;
+using lm::Sample;
+using lm::SampleResponses;
+using lm::SamplingParams;
 namespace {
 
 const std::string kFixtures = OPD_BF16_FIXTURES_DIR;
@@ -209,8 +216,8 @@ std::vector<Sample> Paged(std::shared_ptr<lm::CausalLM> model,
   auto e = Engine::Create(*model, o);
   EXPECT_TRUE(e.ok()) << e.status();
   if (!e.ok()) return out;
-  auto st = (*e)->Generate(Snapshot{model, 0, nullptr}, prompts, Params(),
-                           [&](Sample s) { out.push_back(s); });
+  auto st = (*e)->Generate(
+      Snapshot{model, 0, nullptr}, prompts, Params(), [&](Sample s) { out.push_back(s); }, nullptr);
   EXPECT_TRUE(st.ok()) << st;
   return out;
 }

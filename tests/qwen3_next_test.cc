@@ -21,13 +21,13 @@
 
 #include "child_process.h"
 #include "kernels/cpu/cpu_inference.h"
+#include "lm/generate/sampler.h"
 #include "lm/io/checkpoint.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "lm/model/qwen3_next.h"
 #include "nlohmann/json.hpp"
 #include "rollout/engine.h"
-#include "rollout/sampler.h"
 #include "rpc/client.h"
 #include "tests/gpu.h"
 
@@ -675,7 +675,7 @@ TEST_P(NextDecode, DecodeEqualsForwardAtEveryPosition) {
               GetParam().c_str(), worst_ref, worst_own);
 }
 
-// rollout::SampleResponses (prefill, repeated cache, decode, finished samples leaving) greedy
+// lm::SampleResponses (prefill, repeated cache, decode, finished samples leaving) greedy
 // equals transformers' generate, tokens and logits, every prompt in one batch.
 TEST_P(NextDecode, GreedyEqualsTransformersGenerate) {
   Fixture f = LoadFixture(GetParam());
@@ -690,13 +690,13 @@ TEST_P(NextDecode, GreedyEqualsTransformersGenerate) {
     full.back().insert(full.back().end(), c.tokens.begin(), c.tokens.end());
     prefix.push_back(static_cast<int64_t>(c.prompt.size()));
   }
-  rollout::SamplingParams p;
+  lm::SamplingParams p;
   p.temperature = 0;
   p.samples_per_prompt = 2;
   p.max_new_tokens = static_cast<int64_t>(f.generate[0].tokens.size());
-  std::vector<rollout::Sample> out;
-  auto st = rollout::SampleResponses(*model, prompts, p,
-                                     [&](rollout::Sample s) { out.push_back(std::move(s)); });
+  std::vector<lm::Sample> out;
+  auto st =
+      lm::SampleResponses(*model, prompts, p, [&](lm::Sample s) { out.push_back(std::move(s)); });
   ASSERT_TRUE(st.ok()) << st.status();
   ASSERT_EQ(out.size(), 6u);
   for (const auto& s : out) {
@@ -742,19 +742,19 @@ TEST(NextSampler, SamplesEqualStepByStepForward) {
     const std::vector<std::vector<int64_t>> prompts = {
         {f.seqs[1][0], f.seqs[1][1]}, f.seqs[1], {f.seqs[3].begin(), f.seqs[3].begin() + 70}};
     for (double temperature : {0.0, 1.0, 0.7}) {
-      rollout::SamplingParams p;
+      lm::SamplingParams p;
       p.samples_per_prompt = 2;
       p.max_new_tokens = 12;
       p.temperature = temperature;
       p.seed = 1234;
-      std::vector<rollout::Sample> out;
-      auto st = rollout::SampleResponses(*model, prompts, p,
-                                         [&](rollout::Sample s) { out.push_back(std::move(s)); });
+      std::vector<lm::Sample> out;
+      auto st = lm::SampleResponses(*model, prompts, p,
+                                    [&](lm::Sample s) { out.push_back(std::move(s)); });
       ASSERT_TRUE(st.ok()) << st.status();
       ASSERT_EQ(out.size(), 6u);
       int64_t differ = 0;
       for (const auto& s : out) {
-        std::mt19937_64 rng(rollout::SampleSeed(p.seed, s.prompt_index, s.sample_index));
+        std::mt19937_64 rng(lm::SampleSeed(p.seed, s.prompt_index, s.sample_index));
         std::vector<int64_t> seq = prompts[s.prompt_index], tokens;
         std::vector<float> logprobs;
         for (int64_t t = 0; t < p.max_new_tokens; ++t) {
@@ -879,8 +879,8 @@ TEST_P(NextPaged, PagedStepsEqualForward) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, NextPaged, ::testing::ValuesIn(FixtureNames()));
 
-std::vector<rollout::Sample> Sorted(std::vector<rollout::Sample> out) {
-  std::sort(out.begin(), out.end(), [](const rollout::Sample& a, const rollout::Sample& b) {
+std::vector<lm::Sample> Sorted(std::vector<lm::Sample> out) {
+  std::sort(out.begin(), out.end(), [](const lm::Sample& a, const lm::Sample& b) {
     return std::tie(a.prompt_index, a.sample_index) < std::tie(b.prompt_index, b.sample_index);
   });
   return out;
@@ -904,18 +904,18 @@ TEST(NextPaged, EngineEqualsStaticSampler) {
     auto engine = rollout::Engine::Create(*model, eo);
     ASSERT_TRUE(engine.ok()) << engine.status();
     for (double temperature : {0.0, 1.0}) {
-      rollout::SamplingParams p;
+      lm::SamplingParams p;
       p.samples_per_prompt = 2;
       p.max_new_tokens = 16;
       p.temperature = temperature;
       p.seed = 99;
-      std::vector<rollout::Sample> want, got;
-      ASSERT_TRUE(rollout::SampleResponses(*model, prompts, p, [&](rollout::Sample s) {
+      std::vector<lm::Sample> want, got;
+      ASSERT_TRUE(lm::SampleResponses(*model, prompts, p, [&](lm::Sample s) {
                     want.push_back(std::move(s));
                   }).ok());
-      absl::Status st =
-          (*engine)->Generate(rollout::Snapshot{model, 0, nullptr}, prompts, p,
-                              [&](rollout::Sample s) { got.push_back(std::move(s)); });
+      absl::Status st = (*engine)->Generate(
+          rollout::Snapshot{model, 0, nullptr}, prompts, p,
+          [&](lm::Sample s) { got.push_back(std::move(s)); }, nullptr);
       ASSERT_TRUE(st.ok()) << st;
       want = Sorted(want);
       got = Sorted(got);
@@ -1009,12 +1009,12 @@ void RolloutOverGrpc(const std::string& engine) {
   ASSERT_TRUE(out.ok()) << out.status();
   auto model = MustLoad(f.dir + "/model");
   ASSERT_TRUE(model);
-  rollout::SamplingParams p;
+  lm::SamplingParams p;
   p.samples_per_prompt = 2;
   p.max_new_tokens = 10;
   p.seed = 77;
-  std::map<std::pair<int64_t, int64_t>, rollout::Sample> local;
-  ASSERT_TRUE(rollout::SampleResponses(*model, prompts64, p, [&](rollout::Sample s) {
+  std::map<std::pair<int64_t, int64_t>, lm::Sample> local;
+  ASSERT_TRUE(lm::SampleResponses(*model, prompts64, p, [&](lm::Sample s) {
                 local[{s.prompt_index, s.sample_index}] = s;
               }).ok());
   ASSERT_EQ(out->size(), 6u);

@@ -27,6 +27,7 @@
 #include <torch/torch.h>
 
 #include "child_process.h"
+#include "lm/generate/sampler.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
@@ -35,13 +36,17 @@
 #include "nlohmann/json.hpp"
 #include "opd_task.h"
 #include "rollout/engine.h"
-#include "rollout/sampler.h"
 #include "rollout/service.h"
 #include "rpc/client.h"
 #include "rpc/codec.h"
 #include "rpc/server.h"
 
 namespace rollout {
+
+// The generation types and the sampler (lm/generate) the rollout code here builds on.
+using lm::Sample;
+using lm::SampleResponses;
+using lm::SamplingParams;
 namespace {
 
 constexpr double kReplayTol = 2e-5;
@@ -178,8 +183,9 @@ std::vector<Sample> SampleEngine(const std::shared_ptr<lm::CausalLM>& model,
   auto engine = Engine::Create(*model, o);
   EXPECT_TRUE(engine.ok()) << engine.status();
   std::vector<Sample> out;
-  absl::Status st = (*engine)->Generate(Snapshot{model, 0, nullptr}, kPrompts, p,
-                                        [&](Sample s) { out.push_back(std::move(s)); });
+  absl::Status st = (*engine)->Generate(
+      Snapshot{model, 0, nullptr}, kPrompts, p, [&](Sample s) { out.push_back(std::move(s)); },
+      nullptr);
   EXPECT_TRUE(st.ok()) << st;
   Sort(out);
   return out;
@@ -302,8 +308,9 @@ TEST(RoutingReplay, EngineRoutingSurvivesPreemption) {
   auto engine = Engine::Create(*model, o);
   ASSERT_TRUE(engine.ok()) << engine.status();
   std::vector<Sample> samples;
-  absl::Status st = (*engine)->Generate(Snapshot{model, 0, nullptr}, kPrompts, Params(),
-                                        [&](Sample s) { samples.push_back(std::move(s)); });
+  absl::Status st = (*engine)->Generate(
+      Snapshot{model, 0, nullptr}, kPrompts, Params(),
+      [&](Sample s) { samples.push_back(std::move(s)); }, nullptr);
   ASSERT_TRUE(st.ok()) << st;
   Sort(samples);
   EXPECT_GT((*engine)->stats().preemptions, 0);

@@ -12,15 +12,29 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "lm/generate/sampler.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "lm/model/sampling_limits.h"
-#include "rollout/sampler.h"
+#include "rollout/generate_request.h"
 #include "rollout/weights.h"
 #include "rpc/tensor_codec.h"
 #include "tests/gpu.h"
 
 namespace rollout {
+
+// The generation types and the sampler (lm/generate) the rollout code here builds on.
+using lm::Draws;
+using lm::DrawTokens;
+using lm::FilteredLogits;
+using lm::FilteredLogprobs;
+using lm::FinishReason;
+using lm::KvBytesPerToken;
+using lm::Sample;
+using lm::SampleResponses;
+using lm::SamplerStats;
+using lm::SampleSeed;
+using lm::SamplingParams;
 namespace {
 
 constexpr const char* kModel = "moe_tied_topk8";  // vocab 96, 256 positions

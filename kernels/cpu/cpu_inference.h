@@ -21,6 +21,8 @@
 
 #include <torch/types.h>
 
+#include "lm/model/fast_paths.h"
+
 namespace lm {
 
 // Whether MoeExperts may take MoeExpertsInferenceCpu: no gradient needed, fp32 on CPU, dimensions
@@ -39,8 +41,8 @@ bool UseCpuInferenceDeltaRule(const torch::Tensor& q, const torch::Tensor& k,
                               const torch::Tensor& v, const torch::Tensor& g,
                               const torch::Tensor& beta);
 
-// GatedDeltaRuleChunked (lm/model/gated_deltanet.h), a short last chunk computed at its length. q, k
-// [T, Hk, dk] may have fewer heads than v [T, Hv, dv]: value head h reads key head h / (Hv / Hk),
+// GatedDeltaRuleChunked (lm/model/gated_deltanet.h), a short last chunk computed at its length. q,
+// k [T, Hk, dk] may have fewer heads than v [T, Hv, dv]: value head h reads key head h / (Hv / Hk),
 // so grouped heads need not be repeated. g, beta [T, Hv]; returns o [T, Hv, dv]. The result does
 // not depend on the thread count. `final_state`, when given, receives each document's state after
 // its last token, [B, Hv, dk, dv] fp32 (a decode cache's prefill).
@@ -73,12 +75,13 @@ torch::Tensor LogSumExpRowsCpu(const torch::Tensor& logits);
 // through the library; the packed kernel is then ~2x the library at 32 rows (36 vs 73 ms for
 // 151,936 x 512). Meant for decode-sized row counts (the sampler uses it up to 64 rows). The copy
 // does not follow later changes to the weight: pack again after an update.
-class PackedLinear {
+// lm reaches it through FastPaths::pack_lm_head (lm/model/fast_paths.h).
+class PackedLinear final : public PackedWeight {
  public:
   // nullopt where the kernel does not apply (not fp32 on CPU, no AVX2): use the library there.
   static std::optional<PackedLinear> Pack(const torch::Tensor& weight);
   // x [m, K] -> [m, N] in fp32.
-  torch::Tensor operator()(const torch::Tensor& x) const;
+  torch::Tensor operator()(const torch::Tensor& x) const override;
 
  private:
   PackedLinear(torch::Tensor packed, int64_t n, int64_t k)

@@ -40,7 +40,14 @@ torch::Tensor PagedDecode(const torch::Tensor& q, const torch::Tensor& k_pool,
   return PagedDecodeCpu(q, k_pool, v_pool, block_tables, seq_lens, scale);
 }
 
+std::shared_ptr<const PackedWeight> PackLmHead(const torch::Tensor& weight) {
+  std::optional<PackedLinear> packed = PackedLinear::Pack(weight);
+  if (!packed) return nullptr;
+  return std::make_shared<const PackedLinear>(std::move(*packed));
+}
+
 const RegisterFastPaths kCpu(torch::kCPU, [](FastPaths& p) {
+  p.pack_lm_head = &PackLmHead;
   p.moe_experts = &Experts;
   p.gated_delta_rule = &DeltaRule;
   p.token_logprobs = &Logprobs;

@@ -11,11 +11,20 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include <torch/types.h>
 
 namespace lm {
+
+// A weight [N, K] packed once for a device's few-row GEMM (the decode steps' LM head), opaque to
+// lm: x [m, K] -> [m, N] in fp32.
+class PackedWeight {
+ public:
+  virtual ~PackedWeight() = default;
+  virtual torch::Tensor operator()(const torch::Tensor& x) const = 0;
+};
 
 struct FastPaths {
   // MoeExperts (lm/model/moe.h): x [T, H], ids/weights [T, k], gate_up [E, 2I, H], down [E, H, I],
@@ -38,6 +47,8 @@ struct FastPaths {
                                   const torch::Tensor& targets, double temperature) = nullptr;
   // logsumexp of each row of logits [rows, V].
   torch::Tensor (*logsumexp_rows)(const torch::Tensor& logits) = nullptr;
+  // The LM head [V, H] packed for the decode steps' logits; null where no kernel applies.
+  std::shared_ptr<const PackedWeight> (*pack_lm_head)(const torch::Tensor& weight) = nullptr;
   // PagedDecodeAttention (lm/model/paged_kv.h): q [B, Hq, D], pools [blocks, block_size, Hkv, D],
   // block_tables [B, max_blocks] and seq_lens [B] int32 on q's device -> [B, Hq, D] in q's dtype.
   torch::Tensor (*paged_decode)(const torch::Tensor& q, const torch::Tensor& k_pool,

@@ -26,7 +26,7 @@ bool Matches(const std::string& text, const std::string& answer) {
 absl::StatusOr<EvalResult> SampleAndScore(lm::CausalLM& model, const lm::Tokenizer& tokenizer,
                                           const std::vector<lm::PromptExample>& prompts,
                                           const EvalSampling& sampling) {
-  rollout::SamplingParams sp;
+  lm::SamplingParams sp;
   sp.samples_per_prompt = sampling.samples_per_prompt;
   sp.temperature = sampling.temperature;
   sp.max_new_tokens = sampling.max_new_tokens;
@@ -41,7 +41,7 @@ absl::StatusOr<EvalResult> SampleAndScore(lm::CausalLM& model, const lm::Tokeniz
   EvalResult result;
   result.prompts = prompts.size();
   torch::NoGradGuard no_grad;
-  auto stats = rollout::SampleResponses(model, ids, sp, [&](rollout::Sample s) {
+  auto stats = lm::SampleResponses(model, ids, sp, [&](lm::Sample s) {
     result.responses.push_back({std::move(s), "", false});
   });
   if (!stats.ok()) return InStage("sampling", stats.status());
@@ -73,7 +73,7 @@ double ReverseKl(lm::CausalLM& teacher, const std::vector<lm::PromptExample>& pr
     const size_t end = std::min(responses.size(), begin + kBatch);
     std::vector<std::vector<int64_t>> seqs;
     for (size_t i = begin; i < end; ++i) {
-      const rollout::Sample& s = responses[i].sample;
+      const lm::Sample& s = responses[i].sample;
       const auto& p = prompts[s.prompt_index].prompt_ids;
       seqs.emplace_back(p.begin(), p.end());
       seqs.back().insert(seqs.back().end(), s.tokens.begin(), s.tokens.end());
@@ -82,7 +82,7 @@ double ReverseKl(lm::CausalLM& teacher, const std::vector<lm::PromptExample>& pr
     const float* t = lp.data_ptr<float>();
     for (size_t i = begin; i < end; ++i) {
       // Entries of sequence i: L - 1 of them; its response tokens are the last |response|.
-      const rollout::Sample& s = responses[i].sample;
+      const lm::Sample& s = responses[i].sample;
       const size_t len = seqs[i - begin].size(), r = s.tokens.size();
       for (size_t j = 0; j < r; ++j) sum += s.logprobs[j] - t[len - 1 - r + j];
       t += len - 1;

@@ -4,7 +4,7 @@
 //   - with teachers, the mean per-token reverse KL of the model to each teacher on those samples:
 //     mean over sampled tokens of log p_model(y_t) - log p_teacher(y_t).
 // Two layers: Evaluate on loaded models (for a job that holds them), RunEvaluation from files.
-// Sampling is deterministic given the seed (see rollout/sampler.h).
+// Sampling is deterministic given the seed (see lm/generate/sampler.h).
 #pragma once
 
 #include <cstdint>
@@ -14,9 +14,9 @@
 
 #include "absl/status/statusor.h"
 #include "lm/data/prompt_dataset.h"
+#include "lm/generate/sampler.h"
 #include "lm/text/tokenizer.h"
 #include "nlohmann/json.hpp"
-#include "rollout/sampler.h"
 
 namespace lm {
 class CausalLM;
@@ -33,9 +33,9 @@ struct EvalSampling {
 
 // One sampled response, decoded.
 struct EvalResponse {
-  rollout::Sample sample;  // prompt and sample index, tokens, the model's log-probs
-  std::string text;        // special tokens skipped
-  bool correct = false;    // false too when the prompt has no answer
+  lm::Sample sample;     // prompt and sample index, tokens, the model's log-probs
+  std::string text;      // special tokens skipped
+  bool correct = false;  // false too when the prompt has no answer
 };
 
 struct EvalResult {

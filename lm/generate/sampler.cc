@@ -1,4 +1,4 @@
-#include "rollout/sampler.h"
+#include "lm/generate/sampler.h"
 
 #include <algorithm>
 #include <cmath>
@@ -9,11 +9,11 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/cpu_inference.h"
+#include "lm/model/fast_paths.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
 
-namespace rollout {
+namespace lm {
 namespace {
 
 uint64_t SplitMix64(uint64_t x) {
@@ -88,16 +88,16 @@ torch::Tensor InverseCdf(const torch::Tensor& probs, const torch::Tensor& u) {
 
 // Logits [P, V] (fp32) at the last position of every prompt, filling `cache`.
 // `routing`, when given, receives what a ScopedRoutingRecorder saw over the prefill.
-torch::Tensor Prefill(lm::CausalLM& model, const std::vector<std::vector<int64_t>>& prompts,
-                      lm::KVCache& cache, SamplerStats& stats,
+torch::Tensor Prefill(CausalLM& model, const std::vector<std::vector<int64_t>>& prompts,
+                      KVCache& cache, SamplerStats& stats,
                       std::vector<torch::Tensor>* routing = nullptr) {
-  auto batch = lm::PackedBatch::FromSequences(prompts);
+  auto batch = PackedBatch::FromSequences(prompts);
   const auto device = model.LmHeadWeight().device();
   batch.input_ids = batch.input_ids.to(device);
   batch.position_ids = batch.position_ids.to(device);
-  lm::ForwardOptions fo;
+  ForwardOptions fo;
   fo.cache = &cache;
-  std::optional<lm::ScopedRoutingRecorder> record;
+  std::optional<ScopedRoutingRecorder> record;
   if (routing) record.emplace(routing);
   const auto hidden = model.Forward(batch, fo);
   record.reset();
@@ -159,13 +159,20 @@ absl::Status CheckDrawn(const Sample& s, float logprob) {
                    ": the model produced non-finite values (are its weights broken?)"));
 }
 
-torch::Tensor DecodeLogits(lm::CausalLM& model, const lm::PackedLinear* lm_head,
+std::shared_ptr<const PackedWeight> PackLmHead(CausalLM& model) {
+  torch::NoGradGuard no_grad;
+  const torch::Tensor& w = model.LmHeadWeight();
+  const auto pack = FastPathsFor(w.device().type()).pack_lm_head;
+  return pack ? pack(w) : nullptr;
+}
+
+torch::Tensor DecodeLogits(CausalLM& model, const PackedWeight* lm_head,
                            const torch::Tensor& hidden) {
   if (lm_head && hidden.size(0) <= kPackedHeadMaxRows) return (*lm_head)(hidden);
   return model.Logits(hidden);  // fp32, never rounded to bf16 (lm/model/precision.h LogitsFp32)
 }
 
-int64_t KvBytesPerToken(const lm::ModelConfig& config, int64_t element_size) {
+int64_t KvBytesPerToken(const ModelConfig& config, int64_t element_size) {
   return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element_size;
 }
 
@@ -194,12 +201,12 @@ torch::Tensor FilteredLogprobs(const torch::Tensor& logits, double temperature, 
   return torch::log_softmax(FilteredLogits(logits, temperature, top_k, top_p), -1);
 }
 
-absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
+absl::StatusOr<SamplerStats> SampleResponses(CausalLM& model,
                                              const std::vector<std::vector<int64_t>>& prompts,
                                              const SamplingParams& params,
                                              const std::function<void(Sample)>& on_sample,
                                              const std::function<bool()>& cancelled,
-                                             const lm::PackedLinear* lm_head) {
+                                             const PackedWeight* lm_head) {
   torch::NoGradGuard no_grad;
   const int64_t P = static_cast<int64_t>(prompts.size()), n = params.samples_per_prompt;
   int64_t longest = 0;
@@ -210,10 +217,10 @@ absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
 
   // Decode steps (few rows) compute logits on the packed LM head where it applies; many rows (a
   // large batch, the prefill) are a real GEMM, where the library is faster.
-  std::optional<lm::PackedLinear> own_head;
+  std::shared_ptr<const PackedWeight> own_head;
   if (!lm_head && P * n <= kPackedHeadMaxRows) {
-    own_head = lm::PackedLinear::Pack(model.LmHeadWeight());
-    if (own_head) lm_head = &*own_head;
+    own_head = PackLmHead(model);
+    lm_head = own_head.get();
   }
   auto decode_logits = [&](const torch::Tensor& hidden) {
     return DecodeLogits(model, lm_head, hidden);
@@ -234,7 +241,7 @@ absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
   }
   std::vector<torch::Tensor> seen;
 
-  lm::KVCache cache = model.NewKVCache(P, longest + params.max_new_tokens);
+  KVCache cache = model.NewKVCache(P, longest + params.max_new_tokens);
   auto logits =
       Prefill(model, prompts, cache, stats, routing ? &seen : nullptr).repeat_interleave(n, 0);
   cache = cache.RepeatInterleave(n);
@@ -304,7 +311,7 @@ absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
       slots = std::move(live);
     }
     seen.clear();
-    std::optional<lm::ScopedRoutingRecorder> record;
+    std::optional<ScopedRoutingRecorder> record;
     if (routing) record.emplace(&seen);
     const auto hidden = model.Decode(torch::tensor(next, torch::kInt64).to(device), cache);
     record.reset();
@@ -325,4 +332,14 @@ absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
   return stats;
 }
 
-}  // namespace rollout
+absl::Status StaticSampler::Generate(const ModelSnapshot& snapshot,
+                                     const std::vector<std::vector<int64_t>>& prompts,
+                                     const SamplingParams& params,
+                                     const std::function<void(Sample)>& on_sample,
+                                     const std::function<bool()>& cancelled) {
+  return SampleResponses(*snapshot.model, prompts, params, on_sample, cancelled,
+                         snapshot.lm_head.get())
+      .status();
+}
+
+}  // namespace lm

@@ -17,36 +17,21 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <random>
 #include <vector>
 
 #include <torch/types.h>
 
 #include "absl/status/statusor.h"
+#include "lm/generate/generator.h"
+#include "lm/generate/sampling.h"
 #include "lm/model/config.h"
-#include "rollout/generate_request.h"
 
 namespace lm {
+
 class CausalLM;
-class PackedLinear;
-}  // namespace lm
-
-namespace rollout {
-
-enum class FinishReason { kStop, kLength };
-
-struct Sample {
-  int64_t prompt_index = 0;
-  int64_t sample_index = 0;
-  std::vector<int64_t> tokens;  // the response
-  std::vector<float> logprobs;  // one per response token
-  FinishReason finish = FinishReason::kLength;
-  // With return_routing: [positions, routing_layers, routing_top_k] expert ids, positions =
-  // prompt length + tokens.size() - 1: every token that was fed to the model (the prompt in the
-  // prefill, then each response token but the last, which is drawn and never fed).
-  std::vector<int32_t> routed_experts;
-  int64_t routing_layers = 0, routing_top_k = 0;
-};
+class PackedWeight;
 
 struct SamplerStats {
   int64_t prefill_tokens = 0;  // tokens run through the prefill forward
@@ -56,20 +41,20 @@ struct SamplerStats {
 
 // Bytes of KV cache per token of a sequence: keys and values of every layer's KV heads, in the
 // model's dtype (element_size bytes).
-int64_t KvBytesPerToken(const lm::ModelConfig& config, int64_t element_size);
+int64_t KvBytesPerToken(const ModelConfig& config, int64_t element_size);
 
 // Samples every prompt; `on_sample` receives each sample as it finishes (on the calling thread).
 // `cancelled` is polled between decode steps; when it returns true, sampling stops with
 // CANCELLED; when the model produces non-finite log-probs, with CheckDrawn's
-// FAILED_PRECONDITION. Prompts and params must have passed Validate(). `lm_head`: the model's LM
-// head already packed for the CPU decode kernel (a WeightStore snapshot's); without one it is
-// packed here when that kernel applies.
-absl::StatusOr<SamplerStats> SampleResponses(lm::CausalLM& model,
+// FAILED_PRECONDITION. Prompts and params must have passed rollout's Validate(). `lm_head`: the
+// model's LM head already packed (PackLmHead; a snapshot's); without one it is packed here when a
+// kernel applies.
+absl::StatusOr<SamplerStats> SampleResponses(CausalLM& model,
                                              const std::vector<std::vector<int64_t>>& prompts,
                                              const SamplingParams& params,
                                              const std::function<void(Sample)>& on_sample,
                                              const std::function<bool()>& cancelled = nullptr,
-                                             const lm::PackedLinear* lm_head = nullptr);
+                                             const PackedWeight* lm_head = nullptr);
 
 // The logits [B, V] (fp32) of the distribution sampled from: logits / temperature, keep the
 // top_k largest (exactly k; 0 = all), then the smallest most-likely set whose probability
@@ -103,7 +88,21 @@ absl::Status CheckDrawn(const Sample& s, float logprob);
 // Logits [B, V] fp32 of a decode step's hidden states [B, H]: the packed LM head (when given and
 // B is at most kPackedHeadMaxRows), else the model's.
 constexpr int64_t kPackedHeadMaxRows = 64;
-torch::Tensor DecodeLogits(lm::CausalLM& model, const lm::PackedLinear* lm_head,
+torch::Tensor DecodeLogits(CausalLM& model, const PackedWeight* lm_head,
                            const torch::Tensor& hidden);
 
-}  // namespace rollout
+// The model's LM head packed for the decode steps where the device has a kernel for it
+// (FastPaths::pack_lm_head: the CPU's AVX2 one for fp32), else null.
+std::shared_ptr<const PackedWeight> PackLmHead(CausalLM& model);
+
+// SampleResponses behind the interface.
+class StaticSampler final : public Generator {
+ public:
+  absl::Status Generate(const ModelSnapshot& snapshot,
+                        const std::vector<std::vector<int64_t>>& prompts,
+                        const SamplingParams& params, const std::function<void(Sample)>& on_sample,
+                        const std::function<bool()>& cancelled) override;
+  const char* name() const override { return "static"; }
+};
+
+}  // namespace lm
