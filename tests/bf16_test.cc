@@ -46,7 +46,11 @@
 #include "child_process.h"
 #include "rpc/client.h"
 #include "tests/gpu.h"
+#include "tests/testing.h"
+#include "tests/tensor_testing.h"
 #endif
+
+using testing_util::TempDir;
 
 namespace lm {
 namespace {
@@ -54,11 +58,6 @@ namespace {
 namespace fs = std::filesystem;
 
 const std::string kFixtures = OPD_BF16_FIXTURES_DIR;
-
-fs::path TempDir(const std::string& tag) {
-  std::string tmpl = (fs::temp_directory_path() / ("bf16_test_" + tag + "_XXXXXX")).string();
-  return fs::path(mkdtemp(tmpl.data()));
-}
 
 // ---------------------------------------------------------------------------------------------
 // --device / --dtype

@@ -14,10 +14,13 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 extern char** environ;
 
@@ -140,6 +143,31 @@ inline int WaitForPort(ChildProcess& p, const std::string& port_file,
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   return 0;
+}
+
+// A server (opd-teacher, opd-rollout, a learner's admin service) on an ephemeral loopback port.
+struct Served {
+  std::unique_ptr<ChildProcess> process;  // stopped when it goes away
+  std::string address;                    // "127.0.0.1:PORT"; empty when it did not start
+};
+
+// The one way tests start a server: argv (the binary and its flags) plus --listen=127.0.0.1:0
+// and --port-file=DIR/TAG.port, its output in DIR/TAG.log, this environment plus `env`; waits up
+// to `timeout` for the port (the test fails naming the log when it does not come).
+inline Served StartServed(const std::filesystem::path& dir, const std::string& tag,
+                          std::vector<std::string> argv,
+                          std::chrono::seconds timeout = std::chrono::seconds(60),
+                          const std::vector<std::string>& env = {}) {
+  const std::string port_file = (dir / (tag + ".port")).string();
+  std::filesystem::remove(port_file);  // an earlier server of this name wrote one
+  argv.push_back("--listen=127.0.0.1:0");
+  argv.push_back("--port-file=" + port_file);
+  Served s;
+  s.process = std::make_unique<ChildProcess>(std::move(argv), (dir / (tag + ".log")).string(), env);
+  const int port = WaitForPort(*s.process, port_file, timeout);
+  EXPECT_GT(port, 0) << tag << " did not start: " << s.process->Log();
+  if (port > 0) s.address = "127.0.0.1:" + std::to_string(port);
+  return s;
 }
 
 }  // namespace testing_util

@@ -17,6 +17,9 @@
 #include "lm/data/prompt_dataset.h"
 #include "lm/data/sft_dataset.h"
 #include "nlohmann/json.hpp"
+#include "tests/testing.h"
+
+using testing_util::TestDir;
 
 namespace lm {
 namespace {
@@ -33,14 +36,6 @@ const Tokenizer& Tok() {
 }
 
 // A fresh directory per test.
-fs::path TestDir() {
-  const auto* info = testing::UnitTest::GetInstance()->current_test_info();
-  const fs::path dir = fs::path(OPD_BINARY_DIR) / "data_test" / info->name();
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
 std::string WriteLines(const fs::path& path, const std::vector<std::string>& lines) {
   std::ofstream out(path, std::ios::binary);
   for (const auto& l : lines) out << l << "\n";

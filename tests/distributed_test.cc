@@ -27,6 +27,10 @@
 #include "tests/child_process.h"
 #include "trainer/common/optim.h"
 #include "trainer/common/zero1.h"
+#include "tests/testing.h"
+#include "tests/tensor_testing.h"
+
+using testing_util::TestDir;
 
 namespace {
 
@@ -569,14 +573,6 @@ TEST(NcclGroup, CollectivesAndZeroOneOnTwoGpus) {
 
 // ---------------------------------------------------------------------------------------------
 // `opd-trainer sft` as several processes.
-
-std::string TestDir() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const std::string dir = kBin + "/distributed_test_runs/" + info->name();
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
 
 std::string MakeStudent(const std::string& dir) {
   const std::string out = dir + "/student";

@@ -27,6 +27,10 @@
 #include "rpc/auth.h"
 #include "rpc/codec.h"
 #include "tests/gpu.h"
+#include "tests/testing.h"
+#include "tests/tensor_testing.h"
+
+using testing_util::MaxAbsDiff;
 
 namespace rollout {
 
@@ -86,14 +90,6 @@ std::unique_ptr<Engine> MakeEngine(const lm::CausalLM& model, int64_t num_blocks
   auto e = Engine::Create(model, o);
   EXPECT_TRUE(e.ok()) << e.status();
   return std::move(*e);
-}
-
-double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double m = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-    m = std::max(m, std::abs(double(a[i]) - b[i]));
-  return m;
 }
 
 void ExpectSameSamples(const std::vector<Sample>& a, const std::vector<Sample>& b,

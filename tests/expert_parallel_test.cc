@@ -33,6 +33,11 @@
 #include "rpc/client.h"
 #include "rpc/ep_group.h"
 #include "rpc/tensor_codec.h"
+#include "tests/testing.h"
+#include "tests/tensor_testing.h"
+
+using testing_util::TempDir;
+using testing_util::MaxAbsDiff;
 
 namespace {
 
@@ -44,11 +49,6 @@ const std::string kBin = OPD_BINARY_DIR;
 const std::string kMoe = std::string(OPD_FIXTURES_DIR) + "/moe_many_experts";
 // Qwen3-Next: 16 experts, a shared expert, linear attention.
 const std::string kNext = std::string(OPD_NEXT_FIXTURES_DIR) + "/next_interval2_tied";
-
-fs::path TempDir(const std::string& tag) {
-  std::string tmpl = (fs::temp_directory_path() / ("opd_ep_" + tag + "_XXXXXX")).string();
-  return fs::path(mkdtemp(tmpl.data()));
-}
 
 std::vector<std::vector<int32_t>> Sequences(const std::string& fixture) {
   std::ifstream in(fixture + "/inputs.json");
@@ -127,14 +127,6 @@ std::vector<opd::rpc::ScoreOutput> Score(const Group& g, const std::string& fixt
   auto out = (*client)->Score(in, so);
   EXPECT_TRUE(out.ok()) << out.status() << "\n" << g.Logs();
   return out.ok() ? *out : std::vector<opd::rpc::ScoreOutput>{};
-}
-
-double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double m = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-    m = std::max(m, std::abs(double(a[i]) - b[i]));
-  return m;
 }
 
 // The parameter bytes a rank logged: {total, experts}.

@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include "child_process.h"
+#include "tests/testing.h"
 #include "rpc/client.h"
 
 namespace testing_util {
@@ -102,14 +103,5 @@ class OpdTeacherProcess {
   std::unique_ptr<ChildProcess> proc_;
   std::string address_;
 };
-
-// The largest |a[i] - b[i]| (sizes must agree).
-inline double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double m = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-    m = std::max(m, std::abs(static_cast<double>(a[i]) - b[i]));
-  return m;
-}
 
 }  // namespace testing_util

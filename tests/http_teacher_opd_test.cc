@@ -16,6 +16,9 @@
 #include "nlohmann/json.hpp"
 #include "opd_task.h"
 #include "trainer/opd/teacher_pool.h"
+#include "tests/testing.h"
+
+using testing_util::ReadJsonl;
 
 namespace {
 
@@ -116,14 +119,6 @@ TEST_F(HttpTeacherOpd, ConnectChecksTheServersTokenizerOnAProbe) {
   ASSERT_TRUE(own.ok());
   po.client.secret = testing_util::OpdTeacherProcess::kSecret;
   EXPECT_TRUE(trainer::TeacherPool::Connect("s", {own.address()}, req, po).ok());
-}
-
-std::vector<nlohmann::json> ReadJsonl(const fs::path& p) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(p);
-  for (std::string line; std::getline(in, line);)
-    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
-  return out;
 }
 
 // Step -> opd/teacher_logprob (the mean teacher log-prob of the step's tokens).

@@ -100,17 +100,9 @@ class LearnerRuns : public ::testing::Test {
 
   std::string StartService(const std::string& tag, const std::string& binary,
                            const std::string& model) {
-    const std::string port_file = (dir_ / (tag + ".port")).string();
-    fs::remove(port_file);  // an earlier test's service of this name wrote one
-    services_.push_back(std::make_unique<ChildProcess>(
-        std::vector<std::string>{binary, "--model=" + model,
-                                 "--tokenizer=" + (dir_ / "task/tokenizer").string(),
-                                 "--listen=127.0.0.1:0", "--port-file=" + port_file,
-                                 "--secret-file=" + (dir_ / "secret").string(), "--threads=1"},
-        (dir_ / (tag + ".log")).string()));
-    const int port = WaitForPort(*services_.back(), port_file, std::chrono::seconds(60));
-    EXPECT_GT(port, 0) << services_.back()->Log();
-    return port > 0 ? "127.0.0.1:" + std::to_string(port) : "";
+    testing_util::Served s = testing_util::StartTaskService(dir_, tag, binary, model);
+    services_.push_back(std::move(s.process));
+    return s.address;
   }
 
   // Four SFT steps of the student on the task's chat data, step 2 poisoned with NaN.

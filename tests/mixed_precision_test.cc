@@ -33,6 +33,10 @@
 #include "trainer/common/mixed_precision.h"
 #include "trainer/common/optim.h"
 #include "trainer/common/zero1.h"
+#include "tests/testing.h"
+#include "tests/tensor_testing.h"
+
+using testing_util::TestDir;
 
 namespace {
 
@@ -503,14 +507,6 @@ TEST(MixedOptimizer, MemoryPerRankIsBf16WeightsPlusAnNthOfMastersAndState) {
 namespace fs = std::filesystem;
 const std::string kBin = OPD_BINARY_DIR;
 const std::string kFixtures = kBin + "/fixtures_sft";
-
-std::string TestDir() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const std::string dir = kBin + "/mixed_precision_test_runs/" + info->name();
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
 
 int Run(const std::vector<std::string>& argv, const std::string& log) {
   testing_util::ChildProcess p(argv, log);

@@ -27,6 +27,11 @@
 #include "lm/util/memory.h"
 #include "lm/util/threads.h"
 #include "nlohmann/json.hpp"
+#include "tests/testing.h"
+#include "tests/tensor_testing.h"
+
+using testing_util::TempDir;
+using testing_util::MaxAbsDiff;
 
 namespace lm {
 namespace {
@@ -68,11 +73,6 @@ std::shared_ptr<CausalLM> MustLoad(const std::string& dir) {
   auto m = LoadModel(dir);
   EXPECT_TRUE(m.ok()) << m.status();
   return m.ok() ? *m : nullptr;
-}
-
-double MaxAbsDiff(const torch::Tensor& a, const torch::Tensor& b) {
-  EXPECT_EQ(a.sizes(), b.sizes());
-  return (a - b).abs().max().item<double>();
 }
 
 class Parity : public ::testing::TestWithParam<std::string> {};
@@ -213,13 +213,6 @@ TEST(SharedPrefill, RepeatedCacheSlotsDecodeIdentically) {
   EXPECT_TRUE(torch::equal(h[0], h[1]));
   auto ref = model->Logits(model->Forward(PackedBatch::FromSequences({{1, 2, 3, 4, 5}})));
   EXPECT_LE(MaxAbsDiff(model->Logits(h[0].unsqueeze(0)), ref.narrow(0, 4, 1)), 1e-4);
-}
-
-fs::path TempDir(const std::string& tag) {
-  auto d = fs::temp_directory_path() / ("lm_model_test_" + tag + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
 }
 
 // C++ saves (sharded, to exercise the index), transformers loads and reproduces the logits.

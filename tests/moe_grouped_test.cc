@@ -15,16 +15,14 @@
 
 #include "lm/model/moe.h"
 #include "lm/model/moe_grouped.h"
+#include "tests/testing.h"
+#include "tests/tensor_testing.h"
+
+using testing_util::MaxAbsDiff;
 
 namespace {
 
 constexpr double kU = 1.0 / (1 << 24);  // fp32 unit roundoff
-
-double MaxAbsDiff(const torch::Tensor& a, const torch::Tensor& b) {
-  EXPECT_EQ(a.sizes(), b.sizes());
-  if (a.numel() == 0) return 0.0;
-  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
-}
 
 struct Layer {
   torch::Tensor x, ids, weights, gate_up, down, dy;

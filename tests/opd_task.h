@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "nlohmann/json.hpp"
+#include "tests/child_process.h"
 
 namespace testing_util {
 
@@ -37,6 +38,19 @@ inline ::testing::AssertionResult MakeOpdTask(const std::filesystem::path& dir,
   std::ofstream(dir / "secret") << secret << "\n";
   chmod((dir / "secret").c_str(), 0600);
   return ::testing::AssertionSuccess();
+}
+
+// An opd-teacher or opd-rollout (the `binary`'s path) serving `model` for the task MakeOpdTask
+// wrote in `dir`: its tokenizer (or `tokenizer`), its secret, one thread; StartServed's port and
+// log as DIR/TAG.*.
+inline Served StartTaskService(const std::filesystem::path& dir, const std::string& tag,
+                               const std::string& binary, const std::string& model,
+                               const std::string& tokenizer = "") {
+  return StartServed(
+      dir, tag,
+      {binary, "--model=" + model,
+       "--tokenizer=" + (tokenizer.empty() ? (dir / "task/tokenizer").string() : tokenizer),
+       "--secret-file=" + (dir / "secret").string(), "--threads=1"});
 }
 
 // `opd-trainer opd` on configs/demo/opd.yaml over the task MakeOpdTask wrote in `dir`: the run

@@ -36,6 +36,11 @@
 #include "trainer/opd/learner_service.h"
 #include "trainer/opd/rollout_pool.h"
 #include "trainer/opd/teacher_pool.h"
+#include "tests/testing.h"
+#include "tests/tensor_testing.h"
+
+using testing_util::Shell;
+using testing_util::ReadJsonl;
 
 namespace {
 
@@ -45,10 +50,6 @@ using testing_util::WaitForPort;
 
 const std::string kBin = OPD_BINARY_DIR;
 const std::string kSecret = "opd-test-secret-4f1c";
-
-int Shell(const std::string& cmd) {
-  return std::system(cmd.c_str());
-}
 
 // Waits (a failure bound, not a synchronisation) for `done()`, checking every 20 ms.
 bool WaitFor(const std::function<bool()>& done, std::chrono::seconds limit) {
@@ -323,19 +324,13 @@ class Opd : public ::testing::Test {
   }
   static void TearDownTestSuite() { fs::remove_all(dir_); }
 
-  // An opd-teacher or opd-rollout on an ephemeral port; returns "127.0.0.1:PORT" or "".
+  // An opd-teacher or opd-rollout on an ephemeral port (testing_util::StartTaskService); returns
+  // "127.0.0.1:PORT" or "".
   std::string StartService(const std::string& tag, const std::string& binary,
                            const std::string& model, const std::string& tokenizer) {
-    const std::string port_file = (dir_ / (tag + ".port")).string();
-    fs::remove(port_file);
-    services_.push_back(std::make_unique<ChildProcess>(
-        std::vector<std::string>{binary, "--model=" + model, "--tokenizer=" + tokenizer,
-                                 "--listen=127.0.0.1:0", "--port-file=" + port_file,
-                                 "--secret-file=" + (dir_ / "secret").string(), "--threads=1"},
-        (dir_ / (tag + ".log")).string()));
-    const int port = WaitForPort(*services_.back(), port_file, std::chrono::seconds(60));
-    EXPECT_GT(port, 0) << services_.back()->Log();
-    return port > 0 ? "127.0.0.1:" + std::to_string(port) : "";
+    testing_util::Served s = testing_util::StartTaskService(dir_, tag, binary, model, tokenizer);
+    services_.push_back(std::move(s.process));
+    return s.address;
   }
   std::string StartTeacher(const std::string& tag, const std::string& tokenizer = "") {
     return StartService(tag, kBin + "/teacher_service/opd-teacher",
@@ -386,15 +381,6 @@ class Opd : public ::testing::Test {
     return TrainerArgs(run, rollout, t1, t2, steps_per_stage, extra_sets);
   }
 };
-
-std::vector<nlohmann::json> ReadJsonl(const fs::path& p) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(p);
-  for (std::string line; std::getline(in, line);) {
-    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
-  }
-  return out;
-}
 
 // Kill one of two replicas while a step's scoring is in flight: the call still returns every
 // sequence's scores, each equal to the in-process teacher's (so none was lost or mixed up).

@@ -17,6 +17,9 @@
 #include "tests/child_process.h"
 #include "trainer/common/config.h"
 #include "trainer/common/learner_plan.h"
+#include "tests/testing.h"
+
+using testing_util::TestDir;
 
 namespace {
 
@@ -250,14 +253,6 @@ TEST(PlanCheck, Qwen3NextNeedsTwoDevices) {
 
 // ---------------------------------------------------------------------------------------------
 // (c) opd-ctl plan.
-
-std::string TestDir() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const std::string dir = kBin + "/plan_test_runs/" + info->name();
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);

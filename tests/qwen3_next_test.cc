@@ -30,6 +30,11 @@
 #include "rollout/engine.h"
 #include "rpc/client.h"
 #include "tests/gpu.h"
+#include "tests/testing.h"
+#include "tests/tensor_testing.h"
+
+using testing_util::TempDir;
+using testing_util::MaxAbsDiff;
 
 namespace lm {
 namespace {
@@ -85,19 +90,6 @@ std::shared_ptr<CausalLM> MustLoad(const std::string& dir) {
   auto m = LoadModel(dir);
   EXPECT_TRUE(m.ok()) << m.status();
   return m.ok() ? *m : nullptr;
-}
-
-double MaxAbsDiff(const torch::Tensor& a, const torch::Tensor& b) {
-  EXPECT_EQ(a.sizes(), b.sizes());
-  if (a.numel() == 0) return 0;
-  return (a - b).abs().max().item<double>();
-}
-
-fs::path TempDir(const std::string& tag) {
-  auto d = fs::temp_directory_path() / ("lm_next_test_" + tag + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
 }
 
 // ---- parity with transformers ----

@@ -431,17 +431,9 @@ TEST(RoutingReplay, OpdRunLogsTheReplayMetrics) {
       dir, "--teacher-examples 50 --student-examples 10 --prompts 16 --eval 4", secret));
   std::vector<std::unique_ptr<testing_util::ChildProcess>> services;
   auto start = [&](const std::string& tag, const std::string& binary, const std::string& model) {
-    const std::string port_file = (dir / (tag + ".port")).string();
-    services.push_back(std::make_unique<testing_util::ChildProcess>(
-        std::vector<std::string>{binary, "--model=" + model,
-                                 "--tokenizer=" + (dir / "task/tokenizer").string(),
-                                 "--listen=127.0.0.1:0", "--port-file=" + port_file,
-                                 "--secret-file=" + (dir / "secret").string(), "--threads=1"},
-        (dir / (tag + ".log")).string()));
-    const int port =
-        testing_util::WaitForPort(*services.back(), port_file, std::chrono::seconds(60));
-    EXPECT_GT(port, 0) << services.back()->Log();
-    return port > 0 ? "127.0.0.1:" + std::to_string(port) : std::string();
+    testing_util::Served s = testing_util::StartTaskService(dir, tag, binary, model);
+    services.push_back(std::move(s.process));
+    return s.address;
   };
   const std::string bin = OPD_BINARY_DIR;
   const std::string teacher =

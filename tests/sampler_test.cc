@@ -20,6 +20,10 @@
 #include "rollout/weights.h"
 #include "rpc/tensor_codec.h"
 #include "tests/gpu.h"
+#include "tests/testing.h"
+#include "tests/tensor_testing.h"
+
+using testing_util::MaxAbsDiff;
 
 namespace rollout {
 
@@ -88,14 +92,6 @@ std::vector<float> TeacherPath(lm::CausalLM& model, const std::vector<int64_t>& 
       lp.narrow(0, static_cast<int64_t>(prompt.size()) - 1, static_cast<int64_t>(response.size()))
           .contiguous();
   return std::vector<float>(tail.data_ptr<float>(), tail.data_ptr<float>() + tail.numel());
-}
-
-double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double m = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-    m = std::max(m, std::abs(double(a[i]) - b[i]));
-  return m;
 }
 
 TEST(Sampler, SameSeedSameSamplesOtherSeedOthers) {

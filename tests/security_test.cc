@@ -25,6 +25,9 @@
 #include "trainer/common/config.h"
 #include "trainer/opd/learner_service.h"
 #include "trainer/opd/opd_config.h"
+#include "tests/testing.h"
+
+using testing_util::Shell;
 
 namespace {
 
@@ -34,10 +37,6 @@ using testing_util::WaitForPort;
 
 const std::string kBin = OPD_BINARY_DIR;
 const std::string kSecret = "security-test-secret-91d2";
-
-int Shell(const std::string& cmd) {
-  return std::system(cmd.c_str());
-}
 
 std::string ReadAll(const fs::path& p) {
   std::ifstream in(p);

@@ -37,6 +37,12 @@
 #include "rpc/client.h"
 #include "rpc/tensor_codec.h"
 #include "teacher_service/scorer.h"
+#include "tests/testing.h"
+#include "tests/tensor_testing.h"
+
+using testing_util::TempDir;
+using testing_util::MaxAbsDiff;
+using testing_util::Shell;
 
 namespace {
 
@@ -48,11 +54,6 @@ constexpr const char* kSecret = "s3cret-for-tests";
 
 std::string FixtureModel(const std::string& name = kModel) {
   return std::string(OPD_FIXTURES_DIR) + "/" + name + "/model";
-}
-
-fs::path TempDir(const std::string& tag) {
-  std::string tmpl = (fs::temp_directory_path() / ("opd_" + tag + "_XXXXXX")).string();
-  return fs::path(mkdtemp(tmpl.data()));
 }
 
 std::string ReadAll(const fs::path& p) {
@@ -144,19 +145,6 @@ ClientOptions Options(const ServerProcess& s, const std::string& secret = kSecre
 }
 
 // Runs a shell command; returns its exit code, with stdout/stderr in the given files.
-int Shell(const std::string& cmd) {
-  const int rc = std::system(cmd.c_str());
-  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-}
-
-double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double m = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-    m = std::max(m, std::abs(double(a[i]) - b[i]));
-  return m;
-}
-
 std::vector<std::vector<int64_t>> FixtureSequences(const std::string& name = kModel) {
   std::ifstream in(std::string(OPD_FIXTURES_DIR) + "/" + name + "/inputs.json");
   return nlohmann::json::parse(in)["sequences"].get<std::vector<std::vector<int64_t>>>();

@@ -37,6 +37,11 @@
 #include "trainer/common/progress.h"
 #include "trainer/sft/fused_nll.h"
 #include "trainer/sft/sft_config.h"
+#include "tests/testing.h"
+#include "tests/tensor_testing.h"
+
+using testing_util::TestDir;
+using testing_util::ReadJsonl;
 
 namespace trainer {
 namespace {
@@ -109,17 +114,6 @@ std::string Capture(const std::string& cmd) {
 }
 
 // The complete JSON lines of a file (a line being written by a live process is skipped).
-std::vector<json> ReadJsonl(const std::string& path) {
-  std::vector<json> out;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    auto j = json::parse(line, nullptr, false);
-    if (!j.is_discarded()) out.push_back(j);
-  }
-  return out;
-}
-
 // The metrics lines of training steps (evaluations have lines of their own).
 std::vector<json> TrainLines(const std::string& run_dir) {
   std::vector<json> out;
@@ -135,14 +129,6 @@ int64_t LastTrainStep(const std::string& run_dir) {
 }
 
 // A fresh directory for one test.
-std::string TestDir() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const std::string dir = std::string(OPD_BINARY_DIR) + "/sft_test_runs/" + info->name();
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
 // A random tiny student with the fixture tokenizer (opd-ctl init-model).
 std::string MakeStudent(const std::string& dir, double std = 0.05, int seed = 1) {
   const std::string out = dir + "/student";

@@ -37,6 +37,10 @@
 #include "rpc/weight_wire.h"
 #include "tests/gpu.h"
 #include "trainer/opd/weight_push.h"
+#include "tests/testing.h"
+#include "tests/tensor_testing.h"
+
+using testing_util::TempDir;
 
 namespace {
 
@@ -50,11 +54,6 @@ const std::string kBin = OPD_BINARY_DIR;
 
 std::string FixtureModel() {
   return std::string(OPD_FIXTURES_DIR) + "/" + kModel + "/model";
-}
-
-fs::path TempDir(const std::string& tag) {
-  std::string tmpl = (fs::temp_directory_path() / ("opd_" + tag + "_XXXXXX")).string();
-  return fs::path(mkdtemp(tmpl.data()));
 }
 
 fs::path WriteSecret(const fs::path& dir) {
@@ -668,17 +667,9 @@ TEST(WeightSyncOpd, CollectiveRunEndsWithTheWeightsOfTheGrpcRun) {
       dir, "--teacher-examples 100 --student-examples 20 --prompts 40 --eval 4", kSecret));
   std::vector<std::unique_ptr<ChildProcess>> services;
   auto start = [&](const std::string& tag, const std::string& binary, const std::string& model) {
-    const std::string port_file = (dir / (tag + ".port")).string();
-    services.push_back(std::make_unique<ChildProcess>(
-        std::vector<std::string>{binary, "--model=" + model,
-                                 "--tokenizer=" + (dir / "task/tokenizer").string(),
-                                 "--listen=127.0.0.1:0", "--port-file=" + port_file,
-                                 "--secret-file=" + (dir / "secret").string(), "--threads=1"},
-        (dir / (tag + ".log")).string()));
-    const int port =
-        testing_util::WaitForPort(*services.back(), port_file, std::chrono::seconds(60));
-    EXPECT_GT(port, 0) << services.back()->Log();
-    return "127.0.0.1:" + std::to_string(port);
+    testing_util::Served s = testing_util::StartTaskService(dir, tag, binary, model);
+    services.push_back(std::move(s.process));
+    return s.address;
   };
   const std::string teacher =
       start("teacher", kBin + "/teacher_service/opd-teacher", (dir / "teacher_small").string());
