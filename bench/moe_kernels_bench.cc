@@ -86,6 +86,17 @@ std::string ConfigName(int c) {
   return c >= 0 && c < 4 ? names[c] : "?";
 }
 
+// A layer's random bf16 weights on `gpu` (scaled by 0.1, as the inputs).
+struct LayerWeights {
+  torch::Tensor gate_up, down, router;
+};
+LayerWeights RandomLayer(const Shape& s, const torch::Device& gpu) {
+  auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(gpu);
+  return {torch::randn({s.experts, 2 * s.inter, s.hidden}, bf16) / 10,
+          torch::randn({s.experts, s.hidden, s.inter}, bf16) / 10,
+          torch::randn({s.experts, s.hidden}, bf16) / 10};
+}
+
 // The learner's step on the experts: forward and backward in bf16 through lm::MoeExperts (the
 // kernels' forward, grouped-GEMM backward) next to the per-expert loop with autograd
 // (lm::MoeExpertsCpu on CUDA tensors). Model FLOPs: 3x the forward's 6 M k H I (the grouped
@@ -97,11 +108,12 @@ void Train(const Args& args, const torch::Device& gpu, torch::Tensor& flush, std
   std::printf("\ntraining step (forward + backward, bf16)\n  %-10s %6s %10s %10s %10s %10s\n",
               "layer", "M", "ours_ms", "TFLOP/s", "loop_ms", "loop/ours");
   for (const Shape& s : shapes) {
-    const int64_t H = s.hidden, E = s.experts, I = s.inter, k = s.top_k;
+    const int64_t H = s.hidden, I = s.inter, k = s.top_k;
     auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(gpu);
-    auto gate_up = (torch::randn({E, 2 * I, H}, bf16) / 10).requires_grad_(true);
-    auto down = (torch::randn({E, H, I}, bf16) / 10).requires_grad_(true);
-    auto router = torch::randn({E, H}, bf16) / 10;
+    // Named copies: lambdas below capture them (C++17 cannot capture structured bindings).
+    const LayerWeights weights = RandomLayer(s, gpu);
+    auto gate_up = weights.gate_up.requires_grad_(true), down = weights.down.requires_grad_(true);
+    const auto& router = weights.router;
     for (int64_t M : {4096, 16384}) {
       auto x = (torch::randn({M, H}, bf16) / 10).requires_grad_(true);
       lm::Routing r;
@@ -141,11 +153,10 @@ void Prefill(const Args& args, const torch::Device& gpu, torch::Tensor& flush,
       "\nprefill forward: kernels vs grouped GEMM (bf16)\n  %-10s %6s %10s %10s %10s %10s\n",
       "layer", "M", "kernels_ms", "TFLOP/s", "grouped_ms", "TFLOP/s");
   for (const Shape& s : shapes) {
-    const int64_t H = s.hidden, E = s.experts, I = s.inter, k = s.top_k;
+    const int64_t H = s.hidden, I = s.inter, k = s.top_k;
     auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(gpu);
-    auto gate_up = torch::randn({E, 2 * I, H}, bf16) / 10;
-    auto down = torch::randn({E, H, I}, bf16) / 10;
-    auto router = torch::randn({E, H}, bf16) / 10;
+    const LayerWeights weights = RandomLayer(s, gpu);
+    const auto &gate_up = weights.gate_up, &down = weights.down, &router = weights.router;
     for (int64_t M : {512, 4096, 16384}) {
       auto x = torch::randn({M, H}, bf16) / 10;
       lm::Routing r = lm::Route(x, router, k, true);
@@ -186,9 +197,8 @@ int Run(const Args& args) {
   for (const Shape& s : shapes) {
     const int64_t H = s.hidden, E = s.experts, I = s.inter, k = s.top_k;
     auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(gpu);
-    auto gate_up = torch::randn({E, 2 * I, H}, bf16) / 10;
-    auto down = torch::randn({E, H, I}, bf16) / 10;
-    auto router = torch::randn({E, H}, bf16) / 10;
+    const LayerWeights weights = RandomLayer(s, gpu);
+    const auto &gate_up = weights.gate_up, &down = weights.down, &router = weights.router;
     const double expert_bytes = static_cast<double>(3 * I * H) * 2.0;
 
     std::printf("\n%s: hidden %ld, %ld experts of %ld, top-%ld\n", s.name, static_cast<long>(H),

@@ -30,6 +30,10 @@
 #include "lm/model/moe.h"
 #include "nlohmann/json.hpp"
 #include "tests/gpu.h"
+#include "tests/tensor_testing.h"
+#include "tests/testing.h"
+
+using testing_util::MaxAbsDiff;
 
 namespace {
 
@@ -45,12 +49,6 @@ const std::vector<int> kBf16Configs = {kSmall, kMedium, kLarge};
 
 torch::Device Gpu() {
   return torch::Device(torch::kCUDA, 0);
-}
-
-double MaxAbsDiff(const torch::Tensor& a, const torch::Tensor& b) {
-  EXPECT_EQ(a.sizes(), b.sizes());
-  if (a.numel() == 0) return 0.0;
-  return (a.to(torch::kFloat64).cpu() - b.to(torch::kFloat64).cpu()).abs().max().item<double>();
 }
 
 // DeepGEMM's similarity metric: 0 for identical tensors.
@@ -499,27 +497,47 @@ TEST(MoeKernels, DecodeStepCapturesIntoACudaGraph) {
 // Autograd: gradients of the CUDA path against the CPU path.
 // ---------------------------------------------------------------------------------------------
 
+// `t` as a leaf that needs gradients, on `d` in `dt`.
+torch::Tensor Leaf(const torch::Tensor& t, torch::Device d, torch::Dtype dt) {
+  return t.to(d, dt).detach().requires_grad_(true);
+}
+
+// A layer's random inputs (fp32, CPU) and the CPU reference: y = lm::MoeExpertsCpu and the
+// gradients of <gy, y> with respect to x, weights, gate_up and down (in that order).
+struct GradCase {
+  torch::Tensor x, ids, w, gu, dn, gy, y_ref;
+  std::vector<torch::Tensor> g_ref;
+  // The inputs as leaves on `d` in `dt`, in the gradients' order.
+  std::vector<torch::Tensor> Leaves(torch::Device d, torch::Dtype dt) const {
+    return {Leaf(x, d, dt), Leaf(w, d, dt), Leaf(gu, d, dt), Leaf(dn, d, dt)};
+  }
+};
+GradCase MakeGradCase(uint64_t seed, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k,
+                      const torch::Tensor& allowed) {
+  torch::manual_seed(seed);
+  GradCase c;
+  c.x = torch::randn({T, H});
+  c.gu = torch::randn({E, 2 * I, H}) / 8;
+  c.dn = torch::randn({E, H, I}) / 8;
+  c.ids = RandomIds(T, E, k, allowed);
+  c.w = torch::rand({T, k});
+  c.gy = torch::randn({T, H});
+  auto cpu = c.Leaves(torch::kCPU, torch::kFloat32);
+  c.y_ref = lm::MoeExpertsCpu(cpu[0], c.ids, cpu[1], cpu[2], cpu[3]);
+  c.g_ref = torch::autograd::grad({c.y_ref}, cpu, {c.gy});
+  return c;
+}
+
 TEST(MoeKernels, BackwardMatchesCpuPath) {
   REQUIRE_GPU();
-  torch::manual_seed(8);
-  const int64_t T = 37, H = 64, I = 32, E = 12, k = 3;
-  auto x = torch::randn({T, H}), gu = torch::randn({E, 2 * I, H}) / 8,
-       dn = torch::randn({E, H, I}) / 8;
-  auto ids = RandomIds(T, E, k, torch::arange(E).lt(5) | torch::arange(E).ge(9));  // 5..8 idle
-  auto w = torch::rand({T, k});
-  auto gy = torch::randn({T, H});
-  auto leaf = [](const torch::Tensor& t, torch::Device d, torch::Dtype dt) {
-    return t.to(d, dt).detach().requires_grad_(true);
-  };
-  std::vector<torch::Tensor> cpu = {
-      leaf(x, torch::kCPU, torch::kFloat32), leaf(w, torch::kCPU, torch::kFloat32),
-      leaf(gu, torch::kCPU, torch::kFloat32), leaf(dn, torch::kCPU, torch::kFloat32)};
-  auto y_ref = lm::MoeExpertsCpu(cpu[0], ids, cpu[1], cpu[2], cpu[3]);
-  auto g_ref = torch::autograd::grad({y_ref}, cpu, {gy});
+  const int64_t E = 12;
+  const GradCase c = MakeGradCase(8, 37, 64, 32, E, 3,
+                                  torch::arange(E).lt(5) | torch::arange(E).ge(9));  // 5..8 idle
+  const auto &ids = c.ids, &gy = c.gy, &y_ref = c.y_ref;
+  const auto& g_ref = c.g_ref;
   const char* names[] = {"x", "weights", "gate_up", "down"};
   for (auto dt : {torch::kFloat32, torch::kBFloat16}) {
-    std::vector<torch::Tensor> dev = {leaf(x, Gpu(), dt), leaf(w, Gpu(), dt), leaf(gu, Gpu(), dt),
-                                      leaf(dn, Gpu(), dt)};
+    std::vector<torch::Tensor> dev = c.Leaves(Gpu(), dt);
     auto y = lm::MoeExperts(dev[0], ids.to(Gpu()), dev[1], dev[2], dev[3]);
     ASSERT_TRUE(y.requires_grad());
     auto g = torch::autograd::grad({y}, dev, {gy.to(Gpu(), dt)});
@@ -560,24 +578,11 @@ TEST(MoeKernels, TrainingLayerHasNoHostSyncOnHopper) {
                  << ": LibTorch's grouped GEMM kernel is sm90/sm100 (its fallback elsewhere reads "
                     "the offsets on the host)";
   }
-  torch::manual_seed(21);
-  const int64_t T = 1024, H = 256, I = 128, E = 64, k = 8;
-  auto x = torch::randn({T, H}), gu = torch::randn({E, 2 * I, H}) / 8,
-       dn = torch::randn({E, H, I}) / 8;
-  auto ids = RandomIds(T, E, k, torch::arange(E).ne(7));  // expert 7 idle
-  auto w = torch::rand({T, k});
-  auto gy = torch::randn({T, H});
-  auto leaf = [](const torch::Tensor& t, torch::Device d, torch::Dtype dt) {
-    return t.to(d, dt).detach().requires_grad_(true);
-  };
-  std::vector<torch::Tensor> cpu = {
-      leaf(x, torch::kCPU, torch::kFloat32), leaf(w, torch::kCPU, torch::kFloat32),
-      leaf(gu, torch::kCPU, torch::kFloat32), leaf(dn, torch::kCPU, torch::kFloat32)};
-  auto y_ref = lm::MoeExpertsCpu(cpu[0], ids, cpu[1], cpu[2], cpu[3]);
-  auto g_ref = torch::autograd::grad({y_ref}, cpu, {gy});
-  std::vector<torch::Tensor> dev = {
-      leaf(x, Gpu(), torch::kBFloat16), leaf(w, Gpu(), torch::kBFloat16),
-      leaf(gu, Gpu(), torch::kBFloat16), leaf(dn, Gpu(), torch::kBFloat16)};
+  const int64_t E = 64;
+  const GradCase c = MakeGradCase(21, 1024, 256, 128, E, 8, torch::arange(E).ne(7));  // 7 idle
+  const auto &ids = c.ids, &gy = c.gy, &y_ref = c.y_ref;
+  const auto& g_ref = c.g_ref;
+  std::vector<torch::Tensor> dev = c.Leaves(Gpu(), torch::kBFloat16);
   auto ids_dev = ids.to(Gpu());
   auto gy_dev = gy.to(Gpu(), torch::kBFloat16);
   auto step = [&] {

@@ -6,18 +6,15 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "lm/util/splitmix.h"
 #include "nlohmann/json.hpp"
 
 namespace lm {
 namespace {
 
-// SplitMix64: a strong 64-bit mixer; the streams below are pure functions of their inputs, so
-// they are identical on every platform and compiler (unlike std::uniform_*_distribution).
+// The streams below are pure functions of their inputs (lm/util/splitmix.h).
 uint64_t Mix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ULL;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
+  return SplitMix64(x);
 }
 
 uint64_t Mix(uint64_t a, uint64_t b) {

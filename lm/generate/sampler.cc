@@ -12,16 +12,10 @@
 #include "lm/model/fast_paths.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
+#include "lm/util/splitmix.h"
 
 namespace lm {
 namespace {
-
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 // A uniform double in [0, 1) from the top 53 bits: defined by the bits alone, unlike
 // std::uniform_real_distribution, whose algorithm the standard leaves open.
