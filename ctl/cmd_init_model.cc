@@ -12,7 +12,7 @@
 #include "ctl/args.h"
 #include "ctl/command.h"
 #include "ctl/model_config_file.h"
-#include "lm/io/checkpoint.h"
+#include "lm/io/hf_model_dir.h"
 #include "lm/model/model.h"
 #include "lm/text/tokenizer.h"
 #include "lm/util/memory.h"

@@ -36,7 +36,7 @@
 #include <torch/torch.h>
 
 #include "kernels/cpu/cpu_inference.h"
-#include "lm/io/checkpoint.h"
+#include "lm/io/hf_model_dir.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "lm/model/placement.h"
@@ -46,8 +46,8 @@
 #include "child_process.h"
 #include "rpc/client.h"
 #include "tests/gpu.h"
-#include "tests/testing.h"
 #include "tests/tensor_testing.h"
+#include "tests/testing.h"
 #endif
 
 using testing_util::TempDir;

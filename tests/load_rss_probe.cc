@@ -13,7 +13,7 @@
 
 #include <torch/torch.h>
 
-#include "lm/io/checkpoint.h"
+#include "lm/io/hf_model_dir.h"
 #include "lm/model/model.h"
 #include "lm/model/placement.h"
 #include "lm/util/memory.h"

@@ -17,7 +17,7 @@
 
 #include "kernels/cpu/cpu_inference.h"
 #include "kernels/cpu/cpu_kernels.h"
-#include "lm/io/checkpoint.h"
+#include "lm/io/hf_model_dir.h"
 #include "lm/io/sharded_load.h"
 #include "lm/model/expert_parallel.h"
 #include "lm/model/fast_paths.h"
@@ -27,11 +27,11 @@
 #include "lm/util/memory.h"
 #include "lm/util/threads.h"
 #include "nlohmann/json.hpp"
-#include "tests/testing.h"
 #include "tests/tensor_testing.h"
+#include "tests/testing.h"
 
-using testing_util::TempDir;
 using testing_util::MaxAbsDiff;
+using testing_util::TempDir;
 
 namespace lm {
 namespace {

@@ -22,7 +22,7 @@
 #include "child_process.h"
 #include "kernels/cpu/cpu_inference.h"
 #include "lm/generate/sampler.h"
-#include "lm/io/checkpoint.h"
+#include "lm/io/hf_model_dir.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "lm/model/qwen3_next.h"
@@ -30,11 +30,11 @@
 #include "rollout/engine.h"
 #include "rpc/client.h"
 #include "tests/gpu.h"
-#include "tests/testing.h"
 #include "tests/tensor_testing.h"
+#include "tests/testing.h"
 
-using testing_util::TempDir;
 using testing_util::MaxAbsDiff;
+using testing_util::TempDir;
 
 namespace lm {
 namespace {

@@ -3,7 +3,7 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
-#include "lm/io/checkpoint.h"
+#include "lm/io/hf_model_dir.h"
 #include "lm/model/expert_parallel.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"

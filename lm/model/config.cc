@@ -51,7 +51,7 @@ absl::Status Positive(const char* key, int64_t v) {
 // largest one in the comment), so no real checkpoint is refused; and each is low enough that the
 // products sizing the tensors cannot overflow (the largest, an expert stack E x 2I x H, stays
 // below 2^50 elements) and that loops over layers and experts end, before the checkpoint and the
-// memory budget are checked (lm/io/checkpoint.h). A larger size is a mistyped or hostile file.
+// memory budget are checked (lm/io/hf_model_dir.h). A larger size is a mistyped or hostile file.
 constexpr int64_t kMaxVocab = int64_t{1} << 24;   // 262,144 (Gemma 3); the tokenizer's id limit
 constexpr int64_t kMaxHidden = int64_t{1} << 16;  // 16,384 (Llama 3.1 405B)
 constexpr int64_t kMaxWidth = int64_t{1} << 20;   // MLP widths: 53,248 (Llama 3.1 405B)

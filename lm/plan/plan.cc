@@ -33,7 +33,7 @@ int64_t FullLayers(const ModelConfig& c) {
   return n;
 }
 
-// Parameters of one layer's parts, as lm/io/checkpoint.cc registers them.
+// Parameters of one layer's parts, as lm/io/hf_model_dir.cc registers them.
 struct LayerCounts {
   int64_t matmul = 0;  // bf16 under bf16-mixed
   int64_t fp32 = 0;    // norms, routers, the conv, A_log, dt_bias

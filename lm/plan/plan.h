@@ -91,7 +91,7 @@ struct ProcessPlan {
 };
 
 // Parameter counts from a config.json, as the architecture registers its parameters
-// (lm/io/checkpoint.cc ExpectedParameterShapes; fused experts, no lm_head when tied).
+// (lm/io/hf_model_dir.cc ExpectedParameterShapes; fused experts, no lm_head when tied).
 struct ParameterCounts {
   int64_t total = 0;
   int64_t fp32 = 0;        // kept in fp32 under bf16-mixed: 1-D tensors, routers, convolutions

@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "lm/dist/process_group.h"
-#include "lm/io/checkpoint.h"
+#include "lm/io/hf_model_dir.h"
 #include "lm/io/safetensors.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"

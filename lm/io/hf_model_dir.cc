@@ -1,4 +1,4 @@
-#include "lm/io/checkpoint.h"
+#include "lm/io/hf_model_dir.h"
 
 #include <algorithm>
 #include <filesystem>

@@ -1,5 +1,6 @@
-// Hugging Face checkpoint directories: safetensors tensors (single file or sharded with
-// model.safetensors.index.json) mapped onto a model's parameters by name.
+// Hugging Face model directories: safetensors tensors (single file or sharded with
+// model.safetensors.index.json) mapped onto a model's parameters by name. (A run's training
+// state, which holds one of these, is trainer/common/checkpoint.h.)
 #pragma once
 
 #include <functional>
