@@ -25,10 +25,10 @@
 #include "lm/model/model.h"
 #include "nlohmann/json.hpp"
 #include "tests/child_process.h"
+#include "tests/tensor_testing.h"
+#include "tests/testing.h"
 #include "trainer/common/optim.h"
 #include "trainer/common/zero1.h"
-#include "tests/testing.h"
-#include "tests/tensor_testing.h"
 
 using testing_util::TestDir;
 

@@ -27,8 +27,8 @@
 #include "rpc/auth.h"
 #include "rpc/codec.h"
 #include "tests/gpu.h"
-#include "tests/testing.h"
 #include "tests/tensor_testing.h"
+#include "tests/testing.h"
 
 using testing_util::MaxAbsDiff;
 

@@ -33,11 +33,11 @@
 #include "rpc/client.h"
 #include "rpc/ep_group.h"
 #include "rpc/tensor_codec.h"
-#include "tests/testing.h"
 #include "tests/tensor_testing.h"
+#include "tests/testing.h"
 
-using testing_util::TempDir;
 using testing_util::MaxAbsDiff;
+using testing_util::TempDir;
 
 namespace {
 

@@ -19,8 +19,8 @@
 #include <gtest/gtest.h>
 
 #include "child_process.h"
-#include "tests/testing.h"
 #include "rpc/client.h"
+#include "tests/testing.h"
 
 namespace testing_util {
 

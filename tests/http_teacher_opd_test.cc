@@ -15,8 +15,8 @@
 #include "lm/text/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "opd_task.h"
-#include "trainer/opd/teacher_pool.h"
 #include "tests/testing.h"
+#include "trainer/opd/teacher_pool.h"
 
 using testing_util::ReadJsonl;
 

@@ -29,12 +29,12 @@
 #include "nlohmann/json.hpp"
 #include "tests/child_process.h"
 #include "tests/gpu.h"
+#include "tests/tensor_testing.h"
+#include "tests/testing.h"
 #include "trainer/common/learner_group.h"
 #include "trainer/common/mixed_precision.h"
 #include "trainer/common/optim.h"
 #include "trainer/common/zero1.h"
-#include "tests/testing.h"
-#include "tests/tensor_testing.h"
 
 using testing_util::TestDir;
 

@@ -15,8 +15,8 @@
 
 #include "lm/model/moe.h"
 #include "lm/model/moe_grouped.h"
-#include "tests/testing.h"
 #include "tests/tensor_testing.h"
+#include "tests/testing.h"
 
 using testing_util::MaxAbsDiff;
 

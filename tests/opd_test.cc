@@ -32,15 +32,15 @@
 #include "rpc/codec.h"
 #include "rpc/server.h"
 #include "rpc/tensor_codec.h"
+#include "tests/tensor_testing.h"
+#include "tests/testing.h"
 #include "trainer/common/signals.h"
 #include "trainer/opd/learner_service.h"
 #include "trainer/opd/rollout_pool.h"
 #include "trainer/opd/teacher_pool.h"
-#include "tests/testing.h"
-#include "tests/tensor_testing.h"
 
-using testing_util::Shell;
 using testing_util::ReadJsonl;
+using testing_util::Shell;
 
 namespace {
 

@@ -15,9 +15,9 @@
 #include "lm/plan/plan.h"
 #include "nlohmann/json.hpp"
 #include "tests/child_process.h"
+#include "tests/testing.h"
 #include "trainer/common/config.h"
 #include "trainer/common/learner_plan.h"
-#include "tests/testing.h"
 
 using testing_util::TestDir;
 

@@ -20,8 +20,8 @@
 #include "rollout/weights.h"
 #include "rpc/tensor_codec.h"
 #include "tests/gpu.h"
-#include "tests/testing.h"
 #include "tests/tensor_testing.h"
+#include "tests/testing.h"
 
 using testing_util::MaxAbsDiff;
 

@@ -22,10 +22,10 @@
 #include "rpc/client.h"
 #include "rpc/server.h"
 #include "rpc/status.h"
+#include "tests/testing.h"
 #include "trainer/common/config.h"
 #include "trainer/opd/learner_service.h"
 #include "trainer/opd/opd_config.h"
-#include "tests/testing.h"
 
 using testing_util::Shell;
 

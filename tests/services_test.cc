@@ -37,12 +37,12 @@
 #include "rpc/client.h"
 #include "rpc/tensor_codec.h"
 #include "teacher_service/scorer.h"
-#include "tests/testing.h"
 #include "tests/tensor_testing.h"
+#include "tests/testing.h"
 
-using testing_util::TempDir;
 using testing_util::MaxAbsDiff;
 using testing_util::Shell;
+using testing_util::TempDir;
 
 namespace {
 

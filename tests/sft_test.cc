@@ -31,17 +31,17 @@
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "nlohmann/json.hpp"
+#include "tests/tensor_testing.h"
+#include "tests/testing.h"
 #include "trainer/common/config.h"
 #include "trainer/common/metrics.h"
 #include "trainer/common/optim.h"
 #include "trainer/common/progress.h"
 #include "trainer/sft/fused_nll.h"
 #include "trainer/sft/sft_config.h"
-#include "tests/testing.h"
-#include "tests/tensor_testing.h"
 
-using testing_util::TestDir;
 using testing_util::ReadJsonl;
+using testing_util::TestDir;
 
 namespace trainer {
 namespace {

@@ -36,9 +36,9 @@
 #include "rpc/tensor_codec.h"
 #include "rpc/weight_wire.h"
 #include "tests/gpu.h"
-#include "trainer/opd/weight_push.h"
-#include "tests/testing.h"
 #include "tests/tensor_testing.h"
+#include "tests/testing.h"
+#include "trainer/opd/weight_push.h"
 
 using testing_util::TempDir;
 
