@@ -19,37 +19,28 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "rpc/tls.h"
+#include "trainer/common/config.h"
 
 namespace trainer {
 
 struct OpdTlsConfig {
-  std::string ca;
-  std::string cert;
-  std::string key;
-  std::string server_name;
+  OPD_CONFIG_FIELDS_BEGIN;
+  OPD_FIELD(std::string, ca);
+  OPD_FIELD(std::string, cert);
+  OPD_FIELD(std::string, key);
+  OPD_FIELD(std::string, server_name);
   bool enabled() const { return !ca.empty() || !cert.empty() || !key.empty(); }
+  OPD_CONFIG_FIELDS_END;
 };
-
-template <class V>
-void VisitFields(V& v, OpdTlsConfig& c) {
-  v("ca", c.ca);
-  v("cert", c.cert);
-  v("key", c.key);
-  v("server_name", c.server_name);
-}
 
 struct OpdAuthConfig {
+  OPD_CONFIG_FIELDS_BEGIN;
   // The services' shared secret: this file (mode 0600), else $OPD_SECRET; never a command-line
   // flag.
-  std::string secret_file;
-  OpdTlsConfig tls;
+  OPD_FIELD(std::string, secret_file);
+  OPD_FIELD(OpdTlsConfig, tls);
+  OPD_CONFIG_FIELDS_END;
 };
-
-template <class V>
-void VisitFields(V& v, OpdAuthConfig& c) {
-  v("secret_file", c.secret_file);
-  v("tls", c.tls);
-}
 
 // How the learner reaches teachers and rollout workers.
 inline opd::rpc::TlsClientOptions ClientTls(const OpdAuthConfig& a) {

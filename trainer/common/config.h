@@ -1,12 +1,19 @@
 // Job configs: YAML files decoded into typed structs, with command-line overrides.
 //
-// A config struct lists its fields once, in a visitor function found by argument-dependent lookup:
+// A config struct declares each field once: its type, its name (the YAML key) and its default, on
+// one line between two markers:
 //
-//   struct OptimConfig { double lr = 1e-5; int64_t warmup_steps = 0; };
-//   template <class V> void VisitFields(V& v, OptimConfig& c) {
-//     v("lr", c.lr);
-//     v("warmup_steps", c.warmup_steps);
-//   }
+//   struct OptimConfig {
+//     OPD_CONFIG_FIELDS_BEGIN;
+//     OPD_FIELD(double, lr) = 1e-5;  // peak learning rate
+//     OPD_FIELD(int64_t, warmup_steps) = 0;
+//     OPD_CONFIG_FIELDS_END;
+//   };
+//
+// OPD_FIELD declares the member `lr` as written and, beside it, a visitor keyed by its line, so the
+// struct is its own field list, in declaration order (config_internal::VisitFields walks the lines
+// between the markers). A struct deriving from another config adds OPD_CONFIG_BASE(Base): its own
+// fields come first, then the base's. The struct stays a plain aggregate of its members.
 //
 // That one list drives decoding (strict: a key the struct does not list is an error naming its
 // full path, so a typo never falls back to a default silently), encoding (the resolved config,
@@ -16,7 +23,7 @@
 //
 // A field with a fixed set of words is an enum, decoded once here so that the jobs compare enum
 // values, never strings. The enum lists its YAML spellings once, in a Choices overload in its own
-// namespace (found by argument-dependent lookup, as VisitFields is):
+// namespace (found by argument-dependent lookup):
 //
 //   enum class LossForm { kSampled, kTopK };
 //   inline const ConfigChoices<LossForm>& Choices(LossForm) {
@@ -45,6 +52,18 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+
+// Field declarations (see the top of this file). Each field's line keys its visitor, so a struct
+// declares at most one field per line.
+#define OPD_CONFIG_FIELDS_BEGIN static constexpr int opd_fields_begin_ = __LINE__
+#define OPD_CONFIG_FIELDS_END static constexpr int opd_fields_end_ = __LINE__
+#define OPD_CONFIG_BASE(Base) using opd_config_base_ = Base
+#define OPD_FIELD(Type, name)                                           \
+  template <class V_>                                                   \
+  void opd_field_(V_& v_, ::trainer::config_internal::Line<__LINE__>) { \
+    v_(#name, name);                                                    \
+  }                                                                     \
+  Type name
 
 namespace trainer {
 
@@ -100,12 +119,50 @@ absl::StatusOr<E> ParseChoice(std::string_view word) {
 
 namespace config_internal {
 
-// True when `T` has a VisitFields(V&, T&) overload: it is decoded as a nested mapping.
-template <class T, class V, class = void>
+// The type of the key OPD_FIELD gives a field's visitor: its line in the source.
+template <int kLine>
+struct Line {};
+
+// True when `T` declares its fields (OPD_CONFIG_FIELDS_BEGIN): it is decoded as a nested mapping.
+template <class T, class = void>
 struct IsStruct : std::false_type {};
-template <class T, class V>
-struct IsStruct<T, V, std::void_t<decltype(VisitFields(std::declval<V&>(), std::declval<T&>()))>>
-    : std::true_type {};
+template <class T>
+struct IsStruct<T, std::void_t<decltype(T::opd_fields_end_)>> : std::true_type {};
+
+// The struct `T` names with OPD_CONFIG_BASE, or void.
+template <class T, class = void>
+struct ConfigBase {
+  using type = void;
+};
+template <class T>
+struct ConfigBase<T, std::void_t<typename T::opd_config_base_>> {
+  using type = typename T::opd_config_base_;
+};
+
+// Visits the field declared on line kLine of `T`, if one is.
+template <class V, class T, int kLine, class = void>
+struct FieldOnLine {
+  static void Visit(V&, T&) {}
+};
+template <class V, class T, int kLine>
+struct FieldOnLine<
+    V, T, kLine,
+    std::void_t<decltype(std::declval<T&>().opd_field_(std::declval<V&>(), Line<kLine>{}))>> {
+  static void Visit(V& v, T& c) { c.opd_field_(v, Line<kLine>{}); }
+};
+
+template <class V, class T, size_t... kOffset>
+void VisitLines(V& v, T& c, std::index_sequence<kOffset...>) {
+  (FieldOnLine<V, T, T::opd_fields_begin_ + 1 + static_cast<int>(kOffset)>::Visit(v, c), ...);
+}
+
+// Calls v(key, field) for every field of `c`, in declaration order, then its base's.
+template <class V, class T>
+void VisitFields(V& v, T& c) {
+  VisitLines(v, c, std::make_index_sequence<T::opd_fields_end_ - T::opd_fields_begin_ - 1>{});
+  using Base = typename ConfigBase<T>::type;
+  if constexpr (!std::is_void_v<Base>) VisitFields(v, static_cast<Base&>(c));
+}
 
 template <class T>
 struct IsVector : std::false_type {};
@@ -182,7 +239,7 @@ class Writer {
 
 template <class T>
 absl::Status Decode(const YAML::Node& node, const std::string& path, T* out) {
-  if constexpr (IsStruct<T, Reader>::value) {
+  if constexpr (IsStruct<T>::value) {
     if (absl::Status s = ExpectMap(node, path); !s.ok()) return s;
     Reader reader(node, path);
     VisitFields(reader, *out);
@@ -209,14 +266,14 @@ absl::Status Decode(const YAML::Node& node, const std::string& path, T* out) {
 
 template <class T>
 void Encode(YAML::Emitter& out, T& value) {
-  if constexpr (IsStruct<T, Writer>::value) {
+  if constexpr (IsStruct<T>::value) {
     out << YAML::BeginMap;
     Writer writer(out);
     VisitFields(writer, value);
     out << YAML::EndMap;
   } else if constexpr (IsVector<T>::value) {
     // Scalars on one line ([a, b]); mappings one per line.
-    const bool flow = !IsStruct<typename T::value_type, Writer>::value;
+    const bool flow = !IsStruct<typename T::value_type>::value;
     out << (flow ? YAML::Flow : YAML::Block) << YAML::BeginSeq;
     for (auto& item : value) Encode(out, item);
     out << YAML::EndSeq;

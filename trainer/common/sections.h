@@ -53,17 +53,12 @@ lm::ChatFormat ChatFormatOf(ChatFormatName name);
 
 // The student: an HF model directory (usually an SFT checkpoint's model/ for OPD).
 struct StudentModelConfig {
-  std::string path;       // HF model directory of the student (required)
-  std::string tokenizer;  // tokenizer.json or a directory; default: `path`
-  ChatFormatName chat_format = ChatFormatName::kQwen3;
+  OPD_CONFIG_FIELDS_BEGIN;
+  OPD_FIELD(std::string, path);       // HF model directory of the student (required)
+  OPD_FIELD(std::string, tokenizer);  // tokenizer.json or a directory; default: `path`
+  OPD_FIELD(ChatFormatName, chat_format) = ChatFormatName::kQwen3;
+  OPD_CONFIG_FIELDS_END;
 };
-
-template <class V>
-void VisitFields(V& v, StudentModelConfig& c) {
-  v("path", c.path);
-  v("tokenizer", c.tokenizer);
-  v("chat_format", c.chat_format);
-}
 
 // train.precision: auto (bf16-mixed on CUDA, fp32 on the CPU) | fp32 | bf16-mixed: bf16 compute
 // copies of the matrices, fp32 masters and AdamW state (trainer/common/mixed_precision.h resolves
@@ -77,50 +72,34 @@ inline const ConfigChoices<PrecisionSetting>& Choices(PrecisionSetting) {
 }
 
 // The `train:` fields every learner job has; each job's train section derives from this and adds
-// its batching (VisitLearnerFields lists these inside the job's VisitFields).
+// (OPD_CONFIG_BASE) and adds its batching.
 struct LearnerTrainConfig {
-  std::string device = "auto";  // auto (cuda when available) | cpu | cuda | cuda:N;
-                                // cuda is cuda:LOCAL_RANK under a launcher
-  PrecisionSetting precision = PrecisionSetting::kAuto;
-  int64_t threads = 0;                     // intra-op CPU threads; 0: LibTorch's default
-  int64_t max_consecutive_nonfinite = 10;  // skipped NaN/Inf steps in a row before giving up
-  int64_t seed = 0;                        // torch's RNG (saved and restored with checkpoints)
-  bool activation_checkpointing = false;   // recompute each decoder layer in the backward
+  OPD_CONFIG_FIELDS_BEGIN;
+  // auto (cuda when available) | cpu | cuda | cuda:N; cuda is cuda:LOCAL_RANK under a launcher
+  OPD_FIELD(std::string, device) = "auto";
+  OPD_FIELD(PrecisionSetting, precision) = PrecisionSetting::kAuto;
+  OPD_FIELD(int64_t, threads) = 0;  // intra-op CPU threads; 0: LibTorch's default
+  // skipped NaN/Inf steps in a row before giving up
+  OPD_FIELD(int64_t, max_consecutive_nonfinite) = 10;
+  OPD_FIELD(int64_t, seed) = 0;  // torch's RNG (saved and restored with checkpoints)
+  // recompute each decoder layer in the backward
+  OPD_FIELD(bool, activation_checkpointing) = false;
+  OPD_CONFIG_FIELDS_END;
 };
-
-template <class V>
-void VisitLearnerFields(V& v, LearnerTrainConfig& c) {
-  v("device", c.device);
-  v("precision", c.precision);
-  v("threads", c.threads);
-  v("max_consecutive_nonfinite", c.max_consecutive_nonfinite);
-  v("seed", c.seed);
-  v("activation_checkpointing", c.activation_checkpointing);
-}
 
 // AdamW + cosine schedule + clipping (trainer/common/optim.h). Defaults: the paper's SFT recipe.
 struct OptimConfig {
-  double lr = 1e-5;           // peak learning rate
-  double min_lr = 1e-6;       // the cosine ends here
-  int64_t warmup_steps = 0;   // linear warm-up to `lr` over this many steps
-  double weight_decay = 0.1;  // not applied to 1-D parameters (norms) and biases
-  double beta1 = 0.9;
-  double beta2 = 0.95;
-  double eps = 1e-8;
-  double max_grad_norm = 1.0;  // global L2 norm clipping; <= 0 disables it
+  OPD_CONFIG_FIELDS_BEGIN;
+  OPD_FIELD(double, lr) = 1e-5;           // peak learning rate
+  OPD_FIELD(double, min_lr) = 1e-6;       // the cosine ends here
+  OPD_FIELD(int64_t, warmup_steps) = 0;   // linear warm-up to `lr` over this many steps
+  OPD_FIELD(double, weight_decay) = 0.1;  // not applied to 1-D parameters (norms) and biases
+  OPD_FIELD(double, beta1) = 0.9;
+  OPD_FIELD(double, beta2) = 0.95;
+  OPD_FIELD(double, eps) = 1e-8;
+  OPD_FIELD(double, max_grad_norm) = 1.0;  // global L2 norm clipping; <= 0 disables it
+  OPD_CONFIG_FIELDS_END;
 };
-
-template <class V>
-void VisitFields(V& v, OptimConfig& c) {
-  v("lr", c.lr);
-  v("min_lr", c.min_lr);
-  v("warmup_steps", c.warmup_steps);
-  v("weight_decay", c.weight_decay);
-  v("beta1", c.beta1);
-  v("beta2", c.beta2);
-  v("eps", c.eps);
-  v("max_grad_norm", c.max_grad_norm);
-}
 
 // run.resume: auto continues from the latest checkpoint if there is one; never refuses to start
 // in a run directory with checkpoints.
@@ -133,39 +112,27 @@ inline const ConfigChoices<ResumeMode>& Choices(ResumeMode) {
 
 // Where the run lives and whether it continues an earlier one.
 struct RunConfig {
-  std::string dir;  // run directory (created); required
-  ResumeMode resume = ResumeMode::kAuto;
+  OPD_CONFIG_FIELDS_BEGIN;
+  OPD_FIELD(std::string, dir);  // run directory (created); required
+  OPD_FIELD(ResumeMode, resume) = ResumeMode::kAuto;
+  OPD_CONFIG_FIELDS_END;
 };
-
-template <class V>
-void VisitFields(V& v, RunConfig& c) {
-  v("dir", c.dir);
-  v("resume", c.resume);
-}
 
 struct CheckpointConfig {
-  int64_t every = 500;    // steps between checkpoints (0: only at the end and on a stop)
-  int64_t keep_last = 3;  // complete checkpoints kept; older ones are deleted (0: keep all)
-  bool at_end = true;     // also after the last step (off for throwaway runs: benchmarks)
+  OPD_CONFIG_FIELDS_BEGIN;
+  OPD_FIELD(int64_t, every) = 500;  // steps between checkpoints (0: only at the end and on a stop)
+  // complete checkpoints kept; older ones are deleted (0: keep all)
+  OPD_FIELD(int64_t, keep_last) = 3;
+  OPD_FIELD(bool, at_end) = true;  // also after the last step (off for throwaway runs: benchmarks)
+  OPD_CONFIG_FIELDS_END;
 };
-
-template <class V>
-void VisitFields(V& v, CheckpointConfig& c) {
-  v("every", c.every);
-  v("keep_last", c.keep_last);
-  v("at_end", c.at_end);
-}
 
 struct LoggingConfig {
-  int64_t log_every = 1;    // steps between plain log lines when stderr is not a terminal
-  bool tensorboard = true;  // event files under <run>/tensorboard
+  OPD_CONFIG_FIELDS_BEGIN;
+  OPD_FIELD(int64_t, log_every) = 1;  // steps between plain log lines when stderr is not a terminal
+  OPD_FIELD(bool, tensorboard) = true;  // event files under <run>/tensorboard
+  OPD_CONFIG_FIELDS_END;
 };
-
-template <class V>
-void VisitFields(V& v, LoggingConfig& c) {
-  v("log_every", c.log_every);
-  v("tensorboard", c.tensorboard);
-}
 
 // dist.backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl.
 enum class DistBackend { kAuto, kGloo, kNccl };
@@ -190,19 +157,13 @@ inline const ConfigChoices<AllGatherDtype>& Choices(AllGatherDtype) {
 // environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) says how many; these say
 // how.
 struct DistConfig {
-  DistBackend backend = DistBackend::kAuto;
-  double timeout_s = 600;  // a collective (or the rendezvous) fails after this long
-  double bucket_mb = 32;   // gradient all-reduce bucket size
-  AllGatherDtype allgather_dtype = AllGatherDtype::kAuto;
+  OPD_CONFIG_FIELDS_BEGIN;
+  OPD_FIELD(DistBackend, backend) = DistBackend::kAuto;
+  OPD_FIELD(double, timeout_s) = 600;  // a collective (or the rendezvous) fails after this long
+  OPD_FIELD(double, bucket_mb) = 32;   // gradient all-reduce bucket size
+  OPD_FIELD(AllGatherDtype, allgather_dtype) = AllGatherDtype::kAuto;
+  OPD_CONFIG_FIELDS_END;
 };
-
-template <class V>
-void VisitFields(V& v, DistConfig& c) {
-  v("backend", c.backend);
-  v("timeout_s", c.timeout_s);
-  v("bucket_mb", c.bucket_mb);
-  v("allgather_dtype", c.allgather_dtype);
-}
 
 // The sections both jobs share, checked the same way for both (each error names its key).
 absl::Status ValidateSharedSections(const StudentModelConfig& model,
