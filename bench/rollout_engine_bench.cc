@@ -61,7 +61,7 @@ int64_t RunEngine(rollout::Engine& engine, std::shared_ptr<lm::CausalLM> model,
   engine.Pause();  // all requests arrive together
   for (const auto& r : reqs) {
     auto h = engine.Submit(rollout::Snapshot{model, 0, nullptr}, {r.prompt}, Params(r.max_new),
-                           [&](lm::Sample s) { tokens += s.tokens.size(); });
+                           [&](lm::Sample s) { tokens += s.response_length(); });
     if (!h.ok()) {
       std::cerr << h.status() << "\n";
       std::exit(1);
@@ -92,7 +92,7 @@ int64_t RunStatic(lm::CausalLM& model, const lm::PackedWeight* head, const std::
     auto st = lm::SampleResponses(
         model, prompts, Params(max_new),
         [&](lm::Sample s) {
-          tokens += std::min<int64_t>(s.tokens.size(), own_len[s.prompt_index]);
+          tokens += std::min<int64_t>(s.response_length(), own_len[s.prompt_index]);
         },
         nullptr, head);
     if (!st.ok()) {

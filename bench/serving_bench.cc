@@ -110,12 +110,12 @@ int BenchScore(const std::vector<std::vector<int64_t>>& seqs) {
   for (const auto& s : seqs) scored += static_cast<int64_t>(s.size()) - 1;
   std::vector<Side> sides;
   std::unique_ptr<opd::rpc::TeacherClient> client;
-  std::vector<opd::rpc::ScoreInput> in;
+  std::vector<lm::Sample> in;
   if (!absl::GetFlag(FLAGS_addr).empty()) {
     auto c = opd::rpc::TeacherClient::Create(Client());
     if (!c.ok()) return std::cerr << c.status() << "\n", 1;
     client = std::move(*c);
-    for (const auto& s : seqs) in.push_back({std::vector<int32_t>(s.begin(), s.end()), 1});
+    for (const auto& s : seqs) in.push_back(lm::Sample::ToScore(std::vector<int32_t>(s.begin(), s.end()), 1));
     sides.push_back({"grpc", [&](bool warmup) -> absl::StatusOr<std::pair<int64_t, double>> {
                        auto r = client->Score(in);
                        if (!r.ok()) return r.status();
@@ -165,7 +165,7 @@ int BenchGenerate(const std::vector<std::vector<int64_t>>& prompts) {
                        int64_t n = 0;
                        double sum = 0;
                        for (const auto& s : *r) {
-                         n += static_cast<int64_t>(s.tokens.size());
+                         n += s.response_length();
                          sum += Sum(s.logprobs);
                        }
                        return std::make_pair(n, sum);
@@ -185,7 +185,7 @@ int BenchGenerate(const std::vector<std::vector<int64_t>>& prompts) {
                        double sum = 0;
                        auto st = lm::SampleResponses(*model, prompts, warmup ? short_p : p,
                                                      [&](lm::Sample s) {
-                                                       n += static_cast<int64_t>(s.tokens.size());
+                                                       n += s.response_length();
                                                        sum += Sum(s.logprobs);
                                                      });
                        if (!st.ok()) return st.status();

@@ -98,9 +98,10 @@ int RunGenerate(const std::vector<std::string>& words) {
   for (const auto& s : *samples) {
     std::cout << nlohmann::json{{"prompt_index", s.prompt_index},
                                 {"sample_index", s.sample_index},
-                                {"tokens", s.tokens},
+                                {"tokens", std::vector<int32_t>(s.response().begin(),
+                                                                s.response().end())},
                                 {"logprobs", s.logprobs},
-                                {"finish_reason", s.finish_reason == opd::v1::FINISH_REASON_STOP
+                                {"finish_reason", s.finish == lm::FinishReason::kStop
                                                       ? "stop"
                                                       : "length"},
                                 {"weight_version", s.weight_version}}

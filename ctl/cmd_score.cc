@@ -68,7 +68,7 @@ int RunScore(const std::vector<std::string>& words) {
   so.temperature = static_cast<float>(args.Number("temperature", 1.0));
   const size_t batch = args.Int("batch", 64);
 
-  std::vector<opd::rpc::ScoreInput> pending;
+  std::vector<lm::Sample> pending;
   auto flush = [&]() -> absl::Status {
     if (pending.empty()) return absl::OkStatus();
     auto scores = (*client)->Score(pending, so);
@@ -83,7 +83,7 @@ int RunScore(const std::vector<std::string>& words) {
         if (!tokens.ok()) return tokens.status();
         if (j.contains("response_start") && !j["response_start"].is_number_integer())
           return absl::InvalidArgumentError("\"response_start\" must be an integer");
-        pending.push_back({std::move(*tokens), j.value("response_start", 1)});
+        pending.push_back(lm::Sample::ToScore(std::move(*tokens), j.value("response_start", 1)));
         return pending.size() >= batch ? flush() : absl::OkStatus();
       });
   if (st.ok()) st = flush();

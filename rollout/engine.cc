@@ -45,11 +45,11 @@ class Engine::Request {
   absl::Status status ABSL_GUARDED_BY(mu);
 };
 
-// One sample: its prompt followed by what it generated. `cached` tokens have their keys/values in
-// `blocks`; the rest (the last drawn token, or everything after a preemption) go in the next step.
+// One sample: out.tokens is its prompt followed by what it generated. `cached` tokens have their
+// keys/values in `blocks`; the rest (the last drawn token, or everything after a preemption) go in
+// the next step.
 struct Engine::Seq {
   std::shared_ptr<Request> req;
-  std::vector<int64_t> tokens;
   int64_t cached = 0;
   std::vector<int32_t> blocks;
   int64_t slot = -1;  // recurrent-state slot
@@ -336,7 +336,7 @@ void Engine::Admit() {
   while (!waiting_.empty()) {
     Waiting& w = waiting_.front();
     const int64_t n = w.seq ? 1 : w.req->params.samples_per_prompt;
-    const int64_t len = w.seq ? static_cast<int64_t>(w.seq->tokens.size())
+    const int64_t len = w.seq ? static_cast<int64_t>(w.seq->out.tokens.size())
                               : static_cast<int64_t>(w.req->prompts[w.prompt].size());
     const int64_t need = BlocksFor(len, opts_.block_size);
     if (n > seats) break;
@@ -352,7 +352,7 @@ void Engine::Admit() {
     if (!seq) {
       seq = std::make_unique<Seq>();
       seq->req = w.req;
-      seq->tokens = w.req->prompts[w.prompt];
+      seq->out.SetPrompt(w.req->prompts[w.prompt]);
       seq->rng.seed(lm::SampleSeed(w.req->params.seed, w.prompt, 0));
       seq->out.prompt_index = w.prompt;
       seq->out.sample_index = 0;
@@ -385,7 +385,7 @@ void Engine::RunRows(std::vector<StepRow>& rows, bool prefill) {
     step.cu_seqlens.push_back(0);
     for (size_t i : idx) {
       const Seq& s = *rows[i].seqs[0];
-      ids.insert(ids.end(), s.tokens.begin() + s.cached, s.tokens.end());
+      ids.insert(ids.end(), s.out.tokens.begin() + s.cached, s.out.tokens.end());
       step.cu_seqlens.push_back(static_cast<int64_t>(ids.size()));
       step.context_lens.push_back(s.cached);
       step.block_tables.push_back(s.blocks);
@@ -446,7 +446,7 @@ void Engine::RunRows(std::vector<StepRow>& rows, bool prefill) {
         // Positions s.cached.. were fed in this step; after a preemption the recompute refeeds
         // positions already recorded (routed as recorded, above): only new ones are appended.
         const int64_t have = static_cast<int64_t>(r.size()) / row;
-        const int64_t end = static_cast<int64_t>(s.tokens.size());
+        const int64_t end = static_cast<int64_t>(s.out.tokens.size());
         for (int64_t pos = std::max(have, s.cached); pos < end; ++pos) {
           const int64_t at = step.cu_seqlens[k] + (pos - s.cached);
           r.insert(r.end(), d + at * row, d + (at + 1) * row);
@@ -463,13 +463,13 @@ void Engine::RunRows(std::vector<StepRow>& rows, bool prefill) {
   // Fork each prompt into its samples: they share its blocks and copy its state slot.
   for (auto& row : rows) {
     Seq& first = *row.seqs[0];
-    first.cached = static_cast<int64_t>(first.tokens.size());
-    if (!prefill || first.out.tokens.size() > 0 || row.req->params.samples_per_prompt == 1)
+    first.cached = static_cast<int64_t>(first.out.tokens.size());
+    if (!prefill || first.out.response_length() > 0 || row.req->params.samples_per_prompt == 1)
       continue;
     for (int64_t s = 1; s < row.req->params.samples_per_prompt; ++s) {
       auto seq = std::make_unique<Seq>();
       seq->req = row.req;
-      seq->tokens = first.tokens;
+      seq->out.SetPrompt(first.out.tokens);
       seq->cached = first.cached;
       seq->blocks = first.blocks;
       for (int32_t b : seq->blocks) blocks_->Share(b);
@@ -518,11 +518,10 @@ void Engine::RunRows(std::vector<StepRow>& rows, bool prefill) {
 void Engine::Append(std::unique_ptr<Seq>& seq, int64_t token, float logprob) {
   if (seq->req->ended) return ReleaseSeq(*seq);  // failed or cancelled: the sequence leaves
   const SamplingParams& p = seq->req->params;
-  seq->tokens.push_back(token);
-  seq->out.tokens.push_back(token);
+  seq->out.tokens.push_back(static_cast<int32_t>(token));
   seq->out.logprobs.push_back(logprob);
   const bool stop = std::find(p.stop_ids.begin(), p.stop_ids.end(), token) != p.stop_ids.end();
-  if (stop || static_cast<int64_t>(seq->out.tokens.size()) >= p.max_new_tokens) {
+  if (stop || seq->out.response_length() >= p.max_new_tokens) {
     seq->out.finish = stop ? FinishReason::kStop : FinishReason::kLength;
     Retire(std::move(seq));
   } else {

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "lm/model/expert_parallel.h"
 #include "lm/model/model.h"
+#include "lm/util/bytes.h"
 #include "lm/util/status.h"
 #include "nlohmann/json.hpp"
 #include "rpc/tensor_codec.h"
@@ -22,43 +23,11 @@ namespace {
 // Command kinds (the first byte).
 constexpr char kGenerate = 'G', kBegin = 'B', kChunk = 'A', kCommit = 'C', kAbort = 'X';
 
-// A little binary writer/reader for the weight commands (chunks carry megabytes of raw bytes).
-void PutU64(std::string& out, uint64_t v) {
-  out.append(reinterpret_cast<const char*>(&v), 8);
-}
-void PutStr(std::string& out, std::string_view s) {
-  PutU64(out, s.size());
-  out.append(s.data(), s.size());
-}
-class Reader {
- public:
-  explicit Reader(std::string_view s) : s_(s) {}
-  uint64_t U64() {
-    Need(8);
-    uint64_t v;
-    std::memcpy(&v, s_.data() + pos_, 8);
-    pos_ += 8;
-    return v;
-  }
-  std::string_view Str() {
-    const uint64_t n = U64();
-    Need(n);
-    std::string_view v = s_.substr(pos_, n);
-    pos_ += n;
-    return v;
-  }
-
- private:
-  void Need(uint64_t n) const {
-    if (pos_ + n > s_.size()) throw std::runtime_error("truncated expert-parallel command");
-  }
-  std::string_view s_;
-  size_t pos_ = 0;
-};
-
-std::string Header(char kind, uint64_t id) {
-  std::string out(1, kind);
-  PutU64(out, id);
+// A command: its kind, then the update's id, then its fields (lm/util/bytes.h).
+lm::ByteWriter Header(char kind, uint64_t id) {
+  lm::ByteWriter out;
+  out.Put(kind);
+  out.Put(id);
   return out;
 }
 
@@ -138,11 +107,18 @@ opd::rpc::EpGroup::Work EpRollout::FollowerWork() {
 // ---- weight pushes ----
 
 absl::Status EpRollout::Apply(const std::string& command) {
-  Reader r(std::string_view(command).substr(1));
-  const uint64_t id = r.U64();
-  switch (command[0]) {
+  lm::ByteReader r(command);
+  const auto truncated = [&] {
+    return absl::DataLossError(
+        absl::StrCat("truncated expert-parallel command (", command.size(), " bytes)"));
+  };
+  char kind = 0;
+  uint64_t id = 0;
+  if (!r.Get(&kind) || !r.Get(&id)) return truncated();
+  switch (kind) {
     case kBegin: {
-      const int64_t version = static_cast<int64_t>(r.U64());
+      int64_t version = 0;
+      if (!r.Get(&version)) return truncated();
       auto staged = store_->Stage(version);  // this rank's shapes: its experts only
       if (!staged.ok()) return staged.status();
       staging_[id].staged = std::move(*staged);
@@ -150,12 +126,9 @@ absl::Status EpRollout::Apply(const std::string& command) {
     }
     case kChunk: {
       ChunkView v;
-      v.name = r.Str();
-      const uint64_t dims = r.U64();
-      for (uint64_t i = 0; i < dims; ++i) v.shape.push_back(static_cast<int64_t>(r.U64()));
-      v.dtype = r.Str();
-      v.offset = static_cast<int64_t>(r.U64());
-      v.data = r.Str();
+      if (!r.GetString(&v.name) || !r.GetVector(&v.shape) || !r.GetString(&v.dtype) ||
+          !r.Get(&v.offset) || !r.GetString(&v.data) || !r.done())
+        return truncated();
       return AddLocal(id, v);
     }
     case kCommit:
@@ -164,7 +137,7 @@ absl::Status EpRollout::Apply(const std::string& command) {
       staging_.erase(id);
       return absl::OkStatus();
   }
-  throw std::runtime_error(absl::StrCat("unknown expert-parallel command ", int{command[0]}));
+  throw std::runtime_error(absl::StrCat("unknown expert-parallel command ", int{kind}));
 }
 
 absl::Status EpRollout::AddLocal(uint64_t id, const ChunkView& chunk) {
@@ -236,10 +209,11 @@ absl::Status EpRollout::CommitLocal(uint64_t id) {
 
 absl::StatusOr<std::unique_ptr<EpRollout::Update>> EpRollout::BeginUpdate(int64_t version) {
   const uint64_t id = next_id_++;
-  std::string command = Header(kBegin, id);
-  PutU64(command, static_cast<uint64_t>(version));
+  lm::ByteWriter command = Header(kBegin, id);
+  command.Put(version);
   std::unique_ptr<Update> update(new Update(this, id, version));
-  absl::Status st = group_->Run(command, [this](const std::string& cmd) { return Apply(cmd); });
+  absl::Status st =
+      group_->Run(command.Take(), [this](const std::string& cmd) { return Apply(cmd); });
   if (!st.ok()) {
     update->open_ = false;  // staging failed the same way on every rank: nothing to drop
     return st;
@@ -248,31 +222,32 @@ absl::StatusOr<std::unique_ptr<EpRollout::Update>> EpRollout::BeginUpdate(int64_
 }
 
 absl::Status EpRollout::Update::Add(const ChunkView& chunk) {
-  std::string command = Header(kChunk, id_);
-  PutStr(command, chunk.name);
-  PutU64(command, chunk.shape.size());
-  for (int64_t d : chunk.shape) PutU64(command, static_cast<uint64_t>(d));
-  PutStr(command, chunk.dtype);
-  PutU64(command, static_cast<uint64_t>(chunk.offset));
-  PutStr(command, chunk.data);
+  lm::ByteWriter command = Header(kChunk, id_);
+  command.PutString(chunk.name);
+  command.PutVector(chunk.shape);
+  command.PutString(chunk.dtype);
+  command.Put(chunk.offset);
+  command.PutString(chunk.data);
   if (chunk.name != last_name_) {
     last_name_ = std::string(chunk.name);
     ++tensors_;
   }
   bytes_ += static_cast<int64_t>(chunk.data.size());
-  return ep_->group_->Run(command, [this](const std::string& cmd) { return ep_->Apply(cmd); });
+  return ep_->group_->Run(command.Take(),
+                          [this](const std::string& cmd) { return ep_->Apply(cmd); });
 }
 
 absl::Status EpRollout::Update::Commit() {
   open_ = false;
-  return ep_->group_->Run(Header(kCommit, id_),
+  return ep_->group_->Run(Header(kCommit, id_).Take(),
                           [this](const std::string& cmd) { return ep_->Apply(cmd); });
 }
 
 EpRollout::Update::~Update() {
   if (!open_) return;
   // An update that failed or was interrupted: every rank drops its staged copy.
-  ep_->group_->Run(Header(kAbort, id_), [this](const std::string& cmd) { return ep_->Apply(cmd); })
+  ep_->group_
+      ->Run(Header(kAbort, id_).Take(), [this](const std::string& cmd) { return ep_->Apply(cmd); })
       .IgnoreError();
 }
 

@@ -36,7 +36,8 @@ opd::v1::Sample ToProto(const Sample& s, int64_t version) {
   opd::v1::Sample m;
   m.set_prompt_index(static_cast<int32_t>(s.prompt_index));
   m.set_sample_index(static_cast<int32_t>(s.sample_index));
-  m.mutable_tokens()->Add(s.tokens.begin(), s.tokens.end());
+  const auto response = s.response();  // the client holds the prompt
+  m.mutable_tokens()->Add(response.begin(), response.end());
   opd::rpc::PackArray(s.logprobs.data(), s.logprobs.size(), m.mutable_logprobs());
   m.set_finish_reason(s.finish == FinishReason::kStop ? opd::v1::FINISH_REASON_STOP
                                                       : opd::v1::FINISH_REASON_LENGTH);

@@ -79,7 +79,7 @@ absl::StatusOr<opd::v1::ServiceInfo> TeacherClient::Info() {
 
 namespace {
 
-opd::v1::ScoreRequest MakeScoreRequest(const std::vector<ScoreInput>& seqs,
+opd::v1::ScoreRequest MakeScoreRequest(const std::vector<lm::Sample>& seqs,
                                        const ScoreOptions& opts) {
   opd::v1::ScoreRequest req;
   req.set_temperature(opts.temperature);
@@ -87,7 +87,7 @@ opd::v1::ScoreRequest MakeScoreRequest(const std::vector<ScoreInput>& seqs,
   for (const auto& s : seqs) {
     auto* m = req.add_sequences();
     m->mutable_tokens()->Add(s.tokens.begin(), s.tokens.end());
-    m->set_response_start(s.response_start);
+    m->set_response_start(static_cast<int32_t>(s.response_start));
   }
   return req;
 }
@@ -104,7 +104,7 @@ absl::Status Prefixed(const absl::Status& s, absl::string_view what) {
 }
 
 // One sequence's scores; `in` says how many positions it has.
-absl::StatusOr<ScoreOutput> UnpackScores(const opd::v1::SequenceScores& r, const ScoreInput& in,
+absl::StatusOr<ScoreOutput> UnpackScores(const opd::v1::SequenceScores& r, const lm::Sample& in,
                                          int32_t top_k) {
   const int64_t n = static_cast<int64_t>(in.tokens.size()) - in.response_start;
   ScoreOutput out;
@@ -119,7 +119,7 @@ absl::StatusOr<ScoreOutput> UnpackScores(const opd::v1::SequenceScores& r, const
 
 // Appends `chunk`'s sequences to `out`: they must be the next ones of `seqs`, with the top_k of
 // the first chunk (`*top_k`, -1 before it).
-absl::Status AppendChunk(const opd::v1::ScoreChunk& chunk, const std::vector<ScoreInput>& seqs,
+absl::Status AppendChunk(const opd::v1::ScoreChunk& chunk, const std::vector<lm::Sample>& seqs,
                          int32_t* top_k, std::vector<ScoreOutput>* out) {
   if (chunk.first_sequence() != static_cast<int64_t>(out->size())) {
     return absl::InternalError(absl::StrCat("a chunk starts at sequence ", chunk.first_sequence(),
@@ -146,7 +146,7 @@ absl::Status AppendChunk(const opd::v1::ScoreChunk& chunk, const std::vector<Sco
 
 }  // namespace
 
-absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::Score(const std::vector<ScoreInput>& seqs,
+absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::Score(const std::vector<lm::Sample>& seqs,
                                                               const ScoreOptions& opts) {
   const opd::v1::ScoreRequest req = MakeScoreRequest(seqs, opts);
   const absl::Time deadline = absl::Now() + opts_.timeout;
@@ -165,7 +165,7 @@ absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::Score(const std::vector<
 }
 
 absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::ScoreStreamed(
-    const opd::v1::ScoreRequest& req, const std::vector<ScoreInput>& seqs, absl::Time deadline,
+    const opd::v1::ScoreRequest& req, const std::vector<lm::Sample>& seqs, absl::Time deadline,
     bool* unimplemented) {
   grpc::ClientContext ctx;
   PrepareContextUntil(opts_, deadline, &ctx);
@@ -194,7 +194,7 @@ absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::ScoreStreamed(
 }
 
 absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::ScoreUnary(
-    const opd::v1::ScoreRequest& req, const std::vector<ScoreInput>& seqs, absl::Time deadline) {
+    const opd::v1::ScoreRequest& req, const std::vector<lm::Sample>& seqs, absl::Time deadline) {
   grpc::ClientContext ctx;
   PrepareContextUntil(opts_, deadline, &ctx);
   CallCanceller::Scope cancel_scope(opts_.canceller.get(), &ctx);
@@ -253,21 +253,40 @@ opd::v1::GenerateRequest MakeGenerateRequest(const std::vector<std::vector<int32
   return req;
 }
 
-// `prompt_len`: the sample's prompt's length (routed_experts covers prompt + response - 1).
-absl::StatusOr<GeneratedSample> FromProto(const opd::v1::Sample& m, int64_t prompt_len) {
-  GeneratedSample s;
+// The sample `m` answers, with its prompt (which the wire does not repeat) in front.
+absl::StatusOr<lm::Sample> FromProto(const opd::v1::Sample& m,
+                                     const std::vector<std::vector<int32_t>>& prompts,
+                                     const std::string& address) {
+  if (m.prompt_index() < 0 || m.prompt_index() >= static_cast<int64_t>(prompts.size()))
+    return absl::DataLossError(absl::StrCat(
+        "rollout worker ", address, " sent an invalid sample: prompt_index ", m.prompt_index(),
+        " is outside [0, ", prompts.size(), ") (the prompts sent to it)"));
+  lm::Sample s;
   s.prompt_index = m.prompt_index();
   s.sample_index = m.sample_index();
-  s.tokens.assign(m.tokens().begin(), m.tokens().end());
+  s.SetPrompt(prompts[m.prompt_index()]);
+  s.tokens.insert(s.tokens.end(), m.tokens().begin(), m.tokens().end());
   ASSIGN_OR_RETURN(s.logprobs, UnpackArray<float>(m.logprobs(), m.tokens_size(), "logprobs"));
-  s.finish_reason = m.finish_reason();
+  switch (m.finish_reason()) {
+    case opd::v1::FINISH_REASON_STOP:
+      s.finish = lm::FinishReason::kStop;
+      break;
+    case opd::v1::FINISH_REASON_LENGTH:
+      s.finish = lm::FinishReason::kLength;
+      break;
+    default:
+      return absl::DataLossError(
+          absl::StrCat("rollout worker ", address, " sent an invalid sample: sample ",
+                       m.sample_index(), " of prompt ", m.prompt_index(), " has finish reason ",
+                       static_cast<int>(m.finish_reason())));
+  }
   s.weight_version = m.weight_version();
   if (!m.routed_experts().empty()) {
     if (m.routing_layers() <= 0 || m.routing_top_k() <= 0)
       return absl::InvalidArgumentError(absl::StrCat("routed_experts without routing_layers (",
                                                      m.routing_layers(), ") and routing_top_k (",
                                                      m.routing_top_k(), ")"));
-    const int64_t positions = prompt_len + m.tokens_size() - 1;
+    const int64_t positions = static_cast<int64_t>(s.tokens.size()) - 1;
     ASSIGN_OR_RETURN(
         s.routed_experts,
         UnpackArray<int32_t>(m.routed_experts(), positions * m.routing_layers() * m.routing_top_k(),
@@ -280,22 +299,18 @@ absl::StatusOr<GeneratedSample> FromProto(const opd::v1::Sample& m, int64_t prom
 
 }  // namespace
 
-absl::StatusOr<std::vector<GeneratedSample>> RolloutClient::Generate(
+absl::StatusOr<std::vector<lm::Sample>> RolloutClient::Generate(
     const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& opts,
-    const std::function<void(const GeneratedSample&)>& on_sample) {
+    const std::function<void(const lm::Sample&)>& on_sample) {
   grpc::ClientContext ctx;
   PrepareContext(opts_, &ctx);
   CallCanceller::Scope cancel_scope(opts_.canceller.get(), &ctx);
   auto reader = stub_->Generate(&ctx, MakeGenerateRequest(prompts, opts));
-  std::vector<GeneratedSample> samples;
+  std::vector<lm::Sample> samples;
   opd::v1::Sample msg;
   absl::Status decode_error;
   while (reader->Read(&msg)) {
-    const int64_t prompt_len =
-        msg.prompt_index() >= 0 && msg.prompt_index() < static_cast<int32_t>(prompts.size())
-            ? static_cast<int64_t>(prompts[msg.prompt_index()].size())
-            : 0;
-    auto s = FromProto(msg, prompt_len);
+    auto s = FromProto(msg, prompts, opts_.address);
     if (!s.ok()) {
       decode_error = s.status();
       ctx.TryCancel();

@@ -65,11 +65,6 @@ struct ClientOptions {
 
 // --- teacher ---
 
-struct ScoreInput {
-  std::vector<int32_t> tokens;  // prompt + response
-  int32_t response_start = 1;   // first scored position, in [1, tokens.size()]
-};
-
 struct ScoreOptions {
   float temperature = 1.0f;
   int32_t top_k = 0;  // > 0: also the top-k ids and log-probs per position
@@ -90,7 +85,7 @@ class TeacherClient : public TeacherEndpoint {
   // sequences, so that no reply message has to hold the whole batch), and falls back to the unary
   // Score when the server has no ScoreStream (UNIMPLEMENTED: an older opd-teacher), remembering
   // that for this client's later calls. One deadline (ClientOptions::timeout) covers both tries.
-  absl::StatusOr<std::vector<ScoreOutput>> Score(const std::vector<ScoreInput>& seqs,
+  absl::StatusOr<std::vector<ScoreOutput>> Score(const std::vector<lm::Sample>& seqs,
                                                  const ScoreOptions& opts = {}) override;
   // The standard gRPC health check (2 s deadline) answers SERVING.
   bool Healthy() override;
@@ -100,10 +95,10 @@ class TeacherClient : public TeacherEndpoint {
   TeacherClient(ClientOptions opts, std::shared_ptr<grpc::Channel> channel);
   // The two ways of asking; `unimplemented` is set when the server has no ScoreStream.
   absl::StatusOr<std::vector<ScoreOutput>> ScoreStreamed(const opd::v1::ScoreRequest& req,
-                                                         const std::vector<ScoreInput>& seqs,
+                                                         const std::vector<lm::Sample>& seqs,
                                                          absl::Time deadline, bool* unimplemented);
   absl::StatusOr<std::vector<ScoreOutput>> ScoreUnary(const opd::v1::ScoreRequest& req,
-                                                      const std::vector<ScoreInput>& seqs,
+                                                      const std::vector<lm::Sample>& seqs,
                                                       absl::Time deadline);
   ClientOptions opts_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -124,19 +119,6 @@ struct GenerateOptions {
   bool return_routing = false;  // routing replay: each sample carries routed_experts
 };
 
-struct GeneratedSample {
-  int32_t prompt_index = 0;
-  int32_t sample_index = 0;
-  std::vector<int32_t> tokens;  // the response
-  std::vector<float> logprobs;  // per response token, under the distribution sampled from
-  opd::v1::FinishReason finish_reason = opd::v1::FINISH_REASON_UNSPECIFIED;
-  int64_t weight_version = 0;
-  // With return_routing: [positions, routing_layers, routing_top_k] expert ids, positions =
-  // prompt length + tokens.size() - 1 (checked on arrival); empty otherwise.
-  std::vector<int32_t> routed_experts;
-  int32_t routing_layers = 0, routing_top_k = 0;
-};
-
 // A tensor to send: raw bytes in row-major order (see tensor_codec.h for model parameters).
 struct WeightTensor {
   std::string name;
@@ -151,11 +133,13 @@ class RolloutClient {
   static absl::StatusOr<std::unique_ptr<RolloutClient>> Create(const ClientOptions& opts);
 
   absl::StatusOr<opd::v1::ServiceInfo> Info();
-  // All samples, in (prompt, sample) order. `on_sample`, when set, also sees each sample as it
-  // arrives (the server streams them as they finish).
-  absl::StatusOr<std::vector<GeneratedSample>> Generate(
+  // All samples, in (prompt, sample) order, each with its prompt (the wire carries only the
+  // response) and the server's log-probs, finish reason and weight version; the routing, when
+  // asked for, is checked to cover every fed position. `on_sample`, when set, also sees each
+  // sample as it arrives (the server streams them as they finish).
+  absl::StatusOr<std::vector<lm::Sample>> Generate(
       const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& opts,
-      const std::function<void(const GeneratedSample&)>& on_sample = nullptr);
+      const std::function<void(const lm::Sample&)>& on_sample = nullptr);
   // Streams every tensor as chunks of at most `chunk_bytes` and returns what the server applied.
   absl::StatusOr<opd::v1::UpdateWeightsResponse> UpdateWeights(
       int64_t version, const std::vector<WeightTensor>& tensors, size_t chunk_bytes = 4 << 20);

@@ -259,7 +259,7 @@ absl::StatusOr<std::vector<int32_t>> HttpTeacher::Tokenize(const std::string& te
   return ids;
 }
 
-absl::StatusOr<std::vector<ScoreOutput>> HttpTeacher::Score(const std::vector<ScoreInput>& seqs,
+absl::StatusOr<std::vector<ScoreOutput>> HttpTeacher::Score(const std::vector<lm::Sample>& seqs,
                                                             const ScoreOptions& opts) {
   if (kind_ == HttpTeacherKind::kVllm && opts.temperature != 1.0f) {
     return absl::InvalidArgumentError(
@@ -292,7 +292,7 @@ absl::StatusOr<std::vector<ScoreOutput>> HttpTeacher::Score(const std::vector<Sc
 }
 
 absl::StatusOr<std::vector<ScoreOutput>> HttpTeacher::ScoreBatch(
-    const std::vector<ScoreInput>& seqs, size_t begin, size_t end, const ScoreOptions& opts) {
+    const std::vector<lm::Sample>& seqs, size_t begin, size_t end, const ScoreOptions& opts) {
   const bool sglang = kind_ == HttpTeacherKind::kSglang;
   const int32_t k = std::max(opts.top_k, 0);
   json ids = json::array();
@@ -364,7 +364,7 @@ absl::StatusOr<std::vector<ScoreOutput>> HttpTeacher::ScoreBatch(
   std::vector<ScoreOutput> out(n_seq);
   for (size_t i = 0; i < n_seq; ++i) {
     const size_t seq = begin + i;
-    const ScoreInput& in = seqs[seq];
+    const lm::Sample& in = seqs[seq];
     const size_t r = static_cast<size_t>(in.response_start), L = in.tokens.size();
     const json& it = *items[i];
     ScoreOutput& o = out[i];

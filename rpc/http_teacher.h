@@ -47,7 +47,7 @@ class HttpTeacher : public TeacherEndpoint {
   // SGLang: GET /get_model_info; vLLM: GET /v1/models (the served model name is kept for
   // requests). vocab_size and tokenizer_fingerprint are left unset (not known).
   absl::StatusOr<opd::v1::ServiceInfo> Info() override;
-  absl::StatusOr<std::vector<ScoreOutput>> Score(const std::vector<ScoreInput>& seqs,
+  absl::StatusOr<std::vector<ScoreOutput>> Score(const std::vector<lm::Sample>& seqs,
                                                  const ScoreOptions& opts) override;
   bool Healthy() override;  // SGLang GET /health, vLLM GET /health: HTTP 200
   const std::string& address() const override { return opts_.address; }
@@ -68,7 +68,7 @@ class HttpTeacher : public TeacherEndpoint {
   // One request; `body` empty = GET. Maps transport and HTTP errors to a status.
   absl::StatusOr<std::string> Request(const std::string& path, const std::string& body,
                                       long* http_code = nullptr);
-  absl::StatusOr<std::vector<ScoreOutput>> ScoreBatch(const std::vector<ScoreInput>& seqs,
+  absl::StatusOr<std::vector<ScoreOutput>> ScoreBatch(const std::vector<lm::Sample>& seqs,
                                                       size_t begin, size_t end,
                                                       const ScoreOptions& opts);
   absl::StatusOr<std::string> ModelName();

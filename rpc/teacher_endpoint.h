@@ -9,12 +9,12 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "lm/generate/sampling.h"
 #include "opd/v1/teacher.pb.h"
 
 namespace opd::rpc {
 
 struct ClientOptions;
-struct ScoreInput;
 struct ScoreOptions;
 struct ScoreOutput;
 
@@ -24,8 +24,9 @@ class TeacherEndpoint {
   // What the endpoint serves (model name, vocabulary size, tokenizer fingerprint when known).
   // An external server fills what it can; an empty tokenizer_fingerprint means "not known".
   virtual absl::StatusOr<opd::v1::ServiceInfo> Info() = 0;
-  // One output per input, in order.
-  virtual absl::StatusOr<std::vector<ScoreOutput>> Score(const std::vector<ScoreInput>& seqs,
+  // One output per input, in order: the log-probs of each sequence's response tokens (from its
+  // response_start, in [1, tokens.size()]); the samples' own log-probs are not read.
+  virtual absl::StatusOr<std::vector<ScoreOutput>> Score(const std::vector<lm::Sample>& seqs,
                                                          const ScoreOptions& opts) = 0;
   // True when the endpoint answers its health check (used to re-admit a replica).
   virtual bool Healthy() = 0;

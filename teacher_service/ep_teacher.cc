@@ -1,51 +1,39 @@
 #include "teacher_service/ep_teacher.h"
 
-#include <cstring>
 #include <stdexcept>
 
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
 #include "lm/model/expert_parallel.h"
+#include "lm/util/bytes.h"
 
 namespace teacher {
-namespace {
-
-void Append(std::string& out, const int64_t* data, size_t n) {
-  out.append(reinterpret_cast<const char*>(data), n * sizeof(int64_t));
-}
-
-}  // namespace
-
+// The batch as the byte codec's three arrays (lm/util/bytes.h): ids, positions, bounds.
 std::string EncodeBatch(const lm::PackedBatch& batch) {
   const auto ids = batch.input_ids.to(torch::kCPU).contiguous();
   const auto pos = batch.position_ids.to(torch::kCPU).contiguous();
-  const int64_t header[2] = {ids.numel(), static_cast<int64_t>(batch.cu_seqlens.size())};
-  std::string out;
-  out.reserve(sizeof(header) + (2 * header[0] + header[1]) * sizeof(int64_t));
-  Append(out, header, 2);
-  Append(out, ids.data_ptr<int64_t>(), ids.numel());
-  Append(out, pos.data_ptr<int64_t>(), pos.numel());
-  Append(out, batch.cu_seqlens.data(), batch.cu_seqlens.size());
-  return out;
+  lm::ByteWriter out;
+  out.PutArray(ids.data_ptr<int64_t>(), static_cast<size_t>(ids.numel()));
+  out.PutArray(pos.data_ptr<int64_t>(), static_cast<size_t>(pos.numel()));
+  out.PutVector(batch.cu_seqlens);
+  return out.Take();
 }
 
 absl::StatusOr<lm::PackedBatch> DecodeBatch(const std::string& bytes) {
-  int64_t header[2];
-  if (bytes.size() < sizeof(header)) return absl::InvalidArgumentError("truncated batch");
-  std::memcpy(header, bytes.data(), sizeof(header));
-  const int64_t tokens = header[0], bounds = header[1];
-  if (tokens < 0 || bounds < 1 ||
-      bytes.size() != sizeof(header) + (2 * tokens + bounds) * sizeof(int64_t))
-    return absl::InvalidArgumentError("malformed batch");
-  const char* p = bytes.data() + sizeof(header);
+  lm::ByteReader in(bytes);
+  std::vector<int64_t> ids, pos;
   lm::PackedBatch b;
-  b.input_ids = torch::empty({tokens}, torch::kInt64);
-  b.position_ids = torch::empty({tokens}, torch::kInt64);
-  std::memcpy(b.input_ids.data_ptr(), p, tokens * sizeof(int64_t));
-  std::memcpy(b.position_ids.data_ptr(), p + tokens * sizeof(int64_t), tokens * sizeof(int64_t));
-  b.cu_seqlens.resize(bounds);
-  std::memcpy(b.cu_seqlens.data(), p + 2 * tokens * sizeof(int64_t), bounds * sizeof(int64_t));
+  if (!in.GetVector(&ids) || !in.GetVector(&pos) || !in.GetVector(&b.cu_seqlens) || !in.done())
+    return absl::InvalidArgumentError(absl::StrCat("truncated batch (", bytes.size(), " bytes)"));
+  if (ids.size() != pos.size() || b.cu_seqlens.empty() ||
+      b.cu_seqlens.back() != static_cast<int64_t>(ids.size()))
+    return absl::InvalidArgumentError(absl::StrCat("malformed batch: ", ids.size(), " ids, ",
+                                                   pos.size(), " positions, ", b.cu_seqlens.size(),
+                                                   " bounds"));
+  const auto n = static_cast<int64_t>(ids.size());
+  b.input_ids = torch::from_blob(ids.data(), {n}, torch::kInt64).clone();
+  b.position_ids = torch::from_blob(pos.data(), {n}, torch::kInt64).clone();
   return b;
 }
 

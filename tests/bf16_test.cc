@@ -441,55 +441,28 @@ TEST(Bf16Gpu, LoadToTheDeviceHoldsAtMostOneShardPlus20PercentOnTheHost) {
 
 #ifdef OPD_BF16_SERVING
 
-// Starts opd-teacher on loopback with `args`; empty address when it did not come up.
-struct Teacher {
-  std::unique_ptr<testing_util::ChildProcess> child;
-  std::string address;
-  fs::path dir;
-  Teacher() = default;
-  Teacher(Teacher&&) = default;
-  ~Teacher() {
-    if (child) child->Stop();
-    std::error_code ec;
-    fs::remove_all(dir, ec);
-  }
-};
-
-Teacher StartTeacher(const std::vector<std::string>& args) {
-  Teacher t;
-  t.dir = TempDir("teacher");
-  const fs::path port_file = t.dir / "port";
-  std::vector<std::string> argv = {std::string(OPD_BINARY_DIR) + "/teacher_service/opd-teacher",
-                                   "--listen=127.0.0.1:0", "--port-file=" + port_file.string(),
-                                   "--threads=1"};
-  argv.insert(argv.end(), args.begin(), args.end());
-  t.child = std::make_unique<testing_util::ChildProcess>(argv, (t.dir / "log").string());
-  const int port =
-      testing_util::WaitForPort(*t.child, port_file.string(), std::chrono::seconds(60));
-  if (port <= 0) return t;
-  opd::rpc::ClientOptions o;
-  o.address = "127.0.0.1:" + std::to_string(port);
-  if (opd::rpc::WaitUntilServing(o, absl::Seconds(30)).ok()) t.address = o.address;
-  return t;
-}
-
 void ExpectServedBf16MatchesReference(const std::string& fixture,
                                       const std::vector<std::string>& extra) {
   Bf16Fixture f = LoadBf16Fixture(fixture);
   ASSERT_FALSE(f.ref.empty());
   std::vector<std::string> args = {"--model=" + f.dir + "/model"};
   args.insert(args.end(), extra.begin(), extra.end());
-  Teacher t = StartTeacher(args);
-  ASSERT_FALSE(t.address.empty()) << t.child->Log();
+  args.insert(args.begin(), std::string(OPD_BINARY_DIR) + "/teacher_service/opd-teacher");
+  args.push_back("--threads=1");
+  const testing_util::Served t =
+      testing_util::StartServed(testing_util::TestDir(), "teacher", args);
+  ASSERT_FALSE(t.address.empty());
   opd::rpc::ClientOptions o;
   o.address = t.address;
+  ASSERT_TRUE(opd::rpc::WaitUntilServing(o, absl::Seconds(30)).ok()) << t.process->Log();
   auto client = opd::rpc::TeacherClient::Create(o);
   ASSERT_TRUE(client.ok()) << client.status();
   auto info = (*client)->Info();
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->dtype(), "bfloat16");
-  std::vector<opd::rpc::ScoreInput> in;
-  for (const auto& s : f.seqs) in.push_back({std::vector<int32_t>(s.begin(), s.end()), 1});
+  std::vector<lm::Sample> in;
+  for (const auto& s : f.seqs)
+    in.push_back(lm::Sample::ToScore(std::vector<int32_t>(s.begin(), s.end()), 1));
   opd::rpc::ScoreOptions so;
   so.top_k = 3;
   auto scores = (*client)->Score(in, so);

@@ -10,10 +10,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -152,21 +154,65 @@ struct Served {
 };
 
 // The one way tests start a server: argv (the binary and its flags) plus --listen=127.0.0.1:0
-// and --port-file=DIR/TAG.port, its output in DIR/TAG.log, this environment plus `env`; waits up
-// to `timeout` for the port (the test fails naming the log when it does not come).
+// (unless argv has a --listen of its own: a test of that flag) and --port-file=DIR/TAG.port, its
+// output in DIR/TAG.log, this environment plus `env`; waits up to `timeout` for the port (a bound
+// on failure, not a synchronisation: the port file appears once the server serves). The address
+// is empty when the port did not come (the server exited, or hangs): LaunchServed leaves that to
+// the caller (a test that expects the server to refuse its flags), StartServed fails the test
+// naming the log. StartLearnerAdmin starts an opd-trainer job (argv) with its admin service on
+// the same terms, given as config overrides.
+namespace served_internal {
+inline Served Launch(const std::filesystem::path& dir, const std::string& tag,
+                     std::vector<std::string> argv,
+                     const std::function<std::vector<std::string>(const std::string&)>& listen,
+                     std::chrono::seconds timeout, const std::vector<std::string>& env) {
+  const std::string port_file = (dir / (tag + ".port")).string();
+  std::filesystem::remove(port_file);  // an earlier server of this name wrote one
+  for (std::string& a : listen(port_file)) argv.push_back(std::move(a));
+  Served s;
+  s.process = std::make_unique<ChildProcess>(std::move(argv), (dir / (tag + ".log")).string(), env);
+  const int port = WaitForPort(*s.process, port_file, timeout);
+  if (port > 0) s.address = "127.0.0.1:" + std::to_string(port);
+  return s;
+}
+}  // namespace served_internal
+
+inline Served LaunchServed(const std::filesystem::path& dir, const std::string& tag,
+                           std::vector<std::string> argv,
+                           std::chrono::seconds timeout = std::chrono::seconds(60),
+                           const std::vector<std::string>& env = {}) {
+  const bool own_listen = std::any_of(
+      argv.begin(), argv.end(), [](const std::string& a) { return a.rfind("--listen", 0) == 0; });
+  return served_internal::Launch(
+      dir, tag, std::move(argv),
+      [own_listen](const std::string& port_file) {
+        std::vector<std::string> flags = {"--port-file=" + port_file};
+        if (!own_listen) flags.push_back("--listen=127.0.0.1:0");
+        return flags;
+      },
+      timeout, env);
+}
+
 inline Served StartServed(const std::filesystem::path& dir, const std::string& tag,
                           std::vector<std::string> argv,
                           std::chrono::seconds timeout = std::chrono::seconds(60),
                           const std::vector<std::string>& env = {}) {
-  const std::string port_file = (dir / (tag + ".port")).string();
-  std::filesystem::remove(port_file);  // an earlier server of this name wrote one
-  argv.push_back("--listen=127.0.0.1:0");
-  argv.push_back("--port-file=" + port_file);
-  Served s;
-  s.process = std::make_unique<ChildProcess>(std::move(argv), (dir / (tag + ".log")).string(), env);
-  const int port = WaitForPort(*s.process, port_file, timeout);
-  EXPECT_GT(port, 0) << tag << " did not start: " << s.process->Log();
-  if (port > 0) s.address = "127.0.0.1:" + std::to_string(port);
+  Served s = LaunchServed(dir, tag, std::move(argv), timeout, env);
+  EXPECT_FALSE(s.address.empty()) << tag << " did not start: " << s.process->Log();
+  return s;
+}
+
+inline Served StartLearnerAdmin(const std::filesystem::path& dir, const std::string& tag,
+                                std::vector<std::string> argv,
+                                std::chrono::seconds timeout = std::chrono::seconds(300)) {
+  Served s = served_internal::Launch(dir, tag, std::move(argv),
+                                     [](const std::string& port_file) {
+                                       return std::vector<std::string>{
+                                           "--set", "admin.listen=127.0.0.1:0", "--set",
+                                           "admin.port_file=" + port_file};
+                                     },
+                                     timeout, {});
+  EXPECT_FALSE(s.address.empty()) << tag << " did not start: " << s.process->Log();
   return s;
 }
 

@@ -65,16 +65,13 @@ class Cli : public ::testing::Test {
   // too late or not at all). The event, not a timing, tells the two apart.
   static Result RunServer(const std::string& binary, const std::vector<std::string>& flags,
                           const std::vector<std::string>& env = {}) {
-    const std::string n = std::to_string(runs_++);
-    const std::string log = (dir_ / ("server" + n + ".log")).string();
-    const std::string port_file = (dir_ / ("server" + n + ".port")).string();
-    std::vector<std::string> argv = {binary, "--model=" + model_, "--port-file=" + port_file};
+    std::vector<std::string> argv = {binary, "--model=" + model_};
     argv.insert(argv.end(), flags.begin(), flags.end());
-    testing_util::ChildProcess p(std::move(argv), log, env);
-    const int port = testing_util::WaitForPort(p, port_file, std::chrono::seconds(120));
+    testing_util::Served s = testing_util::LaunchServed(
+        dir_, "server" + std::to_string(runs_++), std::move(argv), std::chrono::seconds(120), env);
     Result r;
-    r.code = port > 0 ? -1 : p.Wait(std::chrono::seconds(10));
-    r.output = p.Log();
+    r.code = s.address.empty() ? s.process->Wait(std::chrono::seconds(10)) : -1;
+    r.output = s.process->Log();
     return r;
   }
 

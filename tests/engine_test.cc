@@ -31,6 +31,7 @@
 #include "tests/testing.h"
 
 using testing_util::MaxAbsDiff;
+using testing_util::ResponseIds;
 
 namespace rollout {
 
@@ -394,7 +395,7 @@ TEST(Engine, MemoryStaysWithinTheBudget) {
     p.seed = r;
     auto req = engine.Submit(Snapshot{model, 0, nullptr}, prompts, p, [&samples, r](Sample s) {
       ++samples;
-      EXPECT_EQ(static_cast<int64_t>(s.tokens.size()), 4 + 9 * r);
+      EXPECT_EQ(s.response_length(), 4 + 9 * r);
     });
     ASSERT_TRUE(req.ok()) << req.status();
     reqs.push_back(*req);
@@ -636,9 +637,10 @@ class Server {
       Sample s;
       s.prompt_index = msg.prompt_index();
       s.sample_index = msg.sample_index();
-      s.tokens.assign(msg.tokens().begin(), msg.tokens().end());
-      s.logprobs.resize(s.tokens.size());
-      std::memcpy(s.logprobs.data(), msg.logprobs().data(), 4 * s.tokens.size());
+      s.SetPrompt(prompts.at(msg.prompt_index()));  // the wire carries the response alone
+      s.tokens.insert(s.tokens.end(), msg.tokens().begin(), msg.tokens().end());
+      s.logprobs.resize(msg.tokens_size());
+      std::memcpy(s.logprobs.data(), msg.logprobs().data(), 4 * s.logprobs.size());
       s.finish = msg.finish_reason() == opd::v1::FINISH_REASON_STOP ? FinishReason::kStop
                                                                     : FinishReason::kLength;
       out.push_back(std::move(s));
@@ -669,7 +671,8 @@ class FakeGenerator final : public lm::Generator {
         Sample out;
         out.prompt_index = static_cast<int64_t>(p);
         out.sample_index = s;
-        out.tokens = {7, static_cast<int64_t>(p), s};
+        out.SetPrompt(prompts[p]);
+        out.tokens.insert(out.tokens.end(), {7, static_cast<int32_t>(p), static_cast<int32_t>(s)});
         out.logprobs = {-0.5f, -0.25f, -0.125f};
         out.finish = FinishReason::kStop;
         on_sample(std::move(out));
@@ -696,7 +699,8 @@ TEST(Service, HandsEveryRequestToItsGenerator) {
   EXPECT_EQ(fake.version_seen, 5);
   ASSERT_EQ(got.size(), kPrompts.size() * 2);
   for (const Sample& s : got) {
-    EXPECT_EQ(s.tokens, (std::vector<int64_t>{7, s.prompt_index, s.sample_index}));
+    EXPECT_EQ(ResponseIds(s), (std::vector<int64_t>{7, s.prompt_index, s.sample_index}));
+    EXPECT_EQ(std::vector<int64_t>(s.prompt().begin(), s.prompt().end()), kPrompts[s.prompt_index]);
     EXPECT_EQ(s.logprobs, (std::vector<float>{-0.5f, -0.25f, -0.125f}));
     EXPECT_EQ(s.finish, FinishReason::kStop);
   }

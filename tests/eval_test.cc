@@ -108,12 +108,13 @@ TEST_F(EvalTest, ReverseKlMatchesRescoringEachSequence) {
   for (const EvalResponse& r : result->responses) {
     std::vector<int64_t> seq(prompts[r.sample.prompt_index].prompt_ids.begin(),
                              prompts[r.sample.prompt_index].prompt_ids.end());
-    seq.insert(seq.end(), r.sample.tokens.begin(), r.sample.tokens.end());
+    const auto response = r.sample.response();
+    seq.insert(seq.end(), response.begin(), response.end());
     const torch::Tensor lp = lm::SequenceLogprobs(**teacher, lm::PackedBatch::FromSequences({seq}));
-    const int64_t first = static_cast<int64_t>(seq.size() - 1 - r.sample.tokens.size());
-    for (size_t j = 0; j < r.sample.tokens.size(); ++j)
+    const int64_t first = static_cast<int64_t>(seq.size() - 1 - response.size());
+    for (size_t j = 0; j < response.size(); ++j)
       sum += r.sample.logprobs[j] - lp[first + static_cast<int64_t>(j)].item<float>();
-    n += static_cast<int64_t>(r.sample.tokens.size());
+    n += static_cast<int64_t>(response.size());
   }
   ASSERT_GT(n, 0);
   EXPECT_EQ(result->reverse_kl[0].first, "teacher");

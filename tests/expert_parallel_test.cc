@@ -63,65 +63,68 @@ class Group {
         const std::vector<std::string>& extra = {}, const std::vector<std::string>& extra_env = {})
       : dir_(TempDir("group")) {
     const std::string master = std::to_string(testing_util::FreeLoopbackPort());
-    for (int r = 0; r < world; ++r) {
-      std::vector<std::string> argv = {binary,
-                                       "--model=" + model,
-                                       "--threads=1",
-                                       "--listen=127.0.0.1:0",
+    auto rank_argv = [&](int r) {
+      std::vector<std::string> argv = {binary, "--model=" + model, "--threads=1",
                                        "--world-size=" + std::to_string(world),
                                        "--ep-timeout-seconds=120"};
-      if (r == 0) argv.push_back("--port-file=" + (dir_ / "port").string());
+      if (r > 0) argv.push_back("--listen=127.0.0.1:0");  // rank 0's port is the group's
       argv.insert(argv.end(), extra.begin(), extra.end());
+      return argv;
+    };
+    auto rank_env = [&](int r) {
       std::vector<std::string> env;
       if (world > 1)
         env = {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world),
                "LOCAL_RANK=" + std::to_string(r), "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + master};
       env.insert(env.end(), extra_env.begin(), extra_env.end());
-      ranks_.push_back(std::make_unique<ChildProcess>(
-          argv, (dir_ / ("rank" + std::to_string(r) + ".log")).string(), env));
-    }
-    port_ =
-        testing_util::WaitForPort(*ranks_[0], (dir_ / "port").string(), std::chrono::seconds(120));
-    if (port_ > 0) {
+      return env;
+    };
+    // The followers first: rank 0 serves (writes its port) once the group has formed.
+    for (int r = 1; r < world; ++r)
+      followers_.push_back(std::make_unique<ChildProcess>(
+          rank_argv(r), (dir_ / ("rank" + std::to_string(r) + ".log")).string(), rank_env(r)));
+    leader_ = testing_util::StartServed(dir_, "rank0", rank_argv(0), std::chrono::seconds(120),
+                                        rank_env(0));
+    if (!leader_.address.empty()) {
       opd::rpc::ClientOptions o = Options();
       const absl::Status st = opd::rpc::WaitUntilServing(o, absl::Seconds(60));
-      if (!st.ok()) port_ = 0;
+      if (!st.ok()) leader_.address.clear();
     }
   }
   ~Group() {
-    ranks_[0]->Stop();  // rank 0 first: it stops the followers
-    for (auto& r : ranks_) r->Stop();
+    leader_.process->Stop();  // rank 0 first: it stops the followers
+    for (auto& r : followers_) r->Stop();
     fs::remove_all(dir_);
   }
 
-  bool ok() const { return port_ > 0; }
+  bool ok() const { return !leader_.address.empty(); }
   opd::rpc::ClientOptions Options(const std::string& secret = "") const {
     opd::rpc::ClientOptions o;
-    o.address = "127.0.0.1:" + std::to_string(port_);
+    o.address = leader_.address;
     o.secret = secret;
     o.timeout = absl::Seconds(120);
     return o;
   }
-  ChildProcess& rank(int r) { return *ranks_[r]; }
-  int size() const { return static_cast<int>(ranks_.size()); }
+  ChildProcess& rank(int r) { return r == 0 ? *leader_.process : *followers_[r - 1]; }
+  int size() const { return static_cast<int>(followers_.size()) + 1; }
   std::string Logs() const {
-    std::string all;
-    for (size_t r = 0; r < ranks_.size(); ++r)
-      all += "--- rank " + std::to_string(r) + "\n" + ranks_[r]->Log();
+    std::string all = "--- rank 0\n" + leader_.process->Log();
+    for (size_t r = 0; r < followers_.size(); ++r)
+      all += "--- rank " + std::to_string(r + 1) + "\n" + followers_[r]->Log();
     return all;
   }
 
  private:
   fs::path dir_;
-  std::vector<std::unique_ptr<ChildProcess>> ranks_;
-  int port_ = 0;
+  std::vector<std::unique_ptr<ChildProcess>> followers_;  // ranks 1..world-1
+  testing_util::Served leader_;                           // rank 0
 };
 
 std::vector<opd::rpc::ScoreOutput> Score(const Group& g, const std::string& fixture) {
   auto client = opd::rpc::TeacherClient::Create(g.Options());
   EXPECT_TRUE(client.ok()) << client.status();
-  std::vector<opd::rpc::ScoreInput> in;
-  for (const auto& s : Sequences(fixture)) in.push_back({s, 1});
+  std::vector<lm::Sample> in;
+  for (const auto& s : Sequences(fixture)) in.push_back(lm::Sample::ToScore(s, 1));
   opd::rpc::ScoreOptions so;
   so.top_k = 4;
   auto out = (*client)->Score(in, so);
@@ -283,10 +286,10 @@ TEST(TeacherFailure, FollowerKilledMidRequestGivesUnavailable) {
   ASSERT_TRUE(g.ok()) << g.Logs();
   auto client = opd::rpc::TeacherClient::Create(g.Options());
   ASSERT_TRUE(client.ok());
-  auto first = (*client)->Score({{Sequences(kMoe)[0], 1}});
+  auto first = (*client)->Score({lm::Sample::ToScore(Sequences(kMoe)[0], 1)});
   EXPECT_EQ(first.status().code(), absl::StatusCode::kUnavailable) << first.status();
   EXPECT_EQ(g.rank(1).Wait(std::chrono::seconds(60)), 128 + SIGKILL);
-  auto later = (*client)->Score({{Sequences(kMoe)[0], 1}});
+  auto later = (*client)->Score({lm::Sample::ToScore(Sequences(kMoe)[0], 1)});
   EXPECT_EQ(later.status().code(), absl::StatusCode::kUnavailable) << later.status();
   EXPECT_NE(std::string(later.status().message()).find("expert-parallel group failed"),
             std::string::npos)
@@ -294,8 +297,7 @@ TEST(TeacherFailure, FollowerKilledMidRequestGivesUnavailable) {
   EXPECT_EQ(g.rank(0).Stop(), 1) << g.Logs();
 }
 
-std::vector<opd::rpc::GeneratedSample> Generate(const Group& g, uint64_t seed,
-                                                const std::string& secret = "") {
+std::vector<lm::Sample> Generate(const Group& g, uint64_t seed, const std::string& secret = "") {
   auto client = opd::rpc::RolloutClient::Create(g.Options(secret));
   EXPECT_TRUE(client.ok()) << client.status();
   std::vector<std::vector<int32_t>> prompts;
@@ -307,7 +309,7 @@ std::vector<opd::rpc::GeneratedSample> Generate(const Group& g, uint64_t seed,
   go.seed = seed;
   auto out = (*client)->Generate(prompts, go);
   EXPECT_TRUE(out.ok()) << out.status() << "\n" << g.Logs();
-  return out.ok() ? *out : std::vector<opd::rpc::GeneratedSample>{};
+  return out.ok() ? *out : std::vector<lm::Sample>{};
 }
 
 // A 2-rank rollout (static sampler on both ranks) samples the tokens one rank samples, with the
@@ -318,7 +320,7 @@ class RolloutParity : public ::testing::TestWithParam<std::string> {};
 TEST_P(RolloutParity, TwoRanksSampleTheSameTokensAsOne) {
   const std::string bin = kBin + "/rollout/opd-rollout";
   const std::string model = GetParam() + "/model";
-  std::vector<std::vector<opd::rpc::GeneratedSample>> want;
+  std::vector<std::vector<lm::Sample>> want;
   {
     Group one(bin, model, 1, {"--engine=static"});
     ASSERT_TRUE(one.ok()) << one.Logs();
@@ -348,8 +350,8 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, RolloutParity, ::testing::Values(kMoe, kNext)
 
 constexpr const char* kSecret = "ep-test-secret";
 
-void ExpectSameSamples(const std::vector<opd::rpc::GeneratedSample>& got,
-                       const std::vector<opd::rpc::GeneratedSample>& want, int64_t version) {
+void ExpectSameSamples(const std::vector<lm::Sample>& got, const std::vector<lm::Sample>& want,
+                       int64_t version) {
   ASSERT_EQ(got.size(), want.size());
   ASSERT_FALSE(got.empty());
   for (size_t s = 0; s < got.size(); ++s) {
@@ -376,7 +378,7 @@ TEST(RolloutWeights, PushToTwoRanksSwapsEveryRanksShard) {
   }
   const std::string bin = kBin + "/rollout/opd-rollout";
   const std::vector<std::string> env = {std::string("OPD_SECRET=") + kSecret};
-  std::vector<opd::rpc::GeneratedSample> want;
+  std::vector<lm::Sample> want;
   {
     Group one(bin, (dir / "new").string(), 1, {"--engine=static"}, env);
     ASSERT_TRUE(one.ok()) << one.Logs();

@@ -40,25 +40,18 @@ class FakeInferenceServer {
   explicit FakeInferenceServer(const std::string& mode, const std::vector<std::string>& flags = {})
       : dir_(FreshDir("fake_server")) {
     std::vector<std::string> argv = {OPD_PYTHON,
-                                     OPD_SOURCE_DIR "/tests/python/fake_inference_server.py",
-                                     (dir_ / "port").string(), mode};
+                                     OPD_SOURCE_DIR "/tests/python/fake_inference_server.py", mode};
     argv.insert(argv.end(), flags.begin(), flags.end());
-    proc_ = std::make_unique<ChildProcess>(argv, (dir_ / "log").string());
-    // A failure bound, not a synchronisation: the port file appears once the model is loaded.
-    port_ = WaitForPort(*proc_, (dir_ / "port").string(), std::chrono::seconds(120));
-    EXPECT_GT(port_, 0) << "the fake server did not start:\n" << proc_->Log();
+    served_ = StartServed(dir_, "fake", std::move(argv), std::chrono::seconds(120));
   }
-  std::string Endpoint(const std::string& scheme) const {
-    return scheme + "://127.0.0.1:" + std::to_string(port_);
-  }
-  bool ok() const { return port_ > 0; }
+  std::string Endpoint(const std::string& scheme) const { return scheme + "://" + served_.address; }
+  bool ok() const { return !served_.address.empty(); }
   const std::filesystem::path& dir() const { return dir_; }
-  std::string Log() const { return proc_->Log(); }
+  std::string Log() const { return served_.process->Log(); }
 
  private:
   std::filesystem::path dir_;
-  std::unique_ptr<ChildProcess> proc_;
-  int port_ = 0;
+  Served served_;
 };
 
 // An opd-teacher serving `model` (and `tokenizer` when given), with a 0600 secret file.
@@ -73,35 +66,28 @@ class OpdTeacherProcess {
     std::filesystem::permissions(
         secret, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
     std::vector<std::string> argv = {std::string(OPD_BINARY_DIR) + "/teacher_service/opd-teacher",
-                                     "--model=" + model,
-                                     "--secret-file=" + secret.string(),
-                                     "--threads=1",
-                                     "--listen=127.0.0.1:0",
-                                     "--port-file=" + (dir_ / "port").string()};
+                                     "--model=" + model, "--secret-file=" + secret.string(),
+                                     "--threads=1"};
     if (!tokenizer.empty()) argv.push_back("--tokenizer=" + tokenizer);
-    proc_ = std::make_unique<ChildProcess>(argv, (dir_ / "log").string());
-    const int port = WaitForPort(*proc_, (dir_ / "port").string(), std::chrono::seconds(120));
-    EXPECT_GT(port, 0) << "opd-teacher did not start:\n" << proc_->Log();
-    if (port > 0) address_ = "127.0.0.1:" + std::to_string(port);
+    served_ = StartServed(dir_, "opd_teacher", std::move(argv), std::chrono::seconds(120));
     opd::rpc::ClientOptions o = Options();
     const absl::Status serving = opd::rpc::WaitUntilServing(o, absl::Seconds(60));
-    EXPECT_TRUE(serving.ok()) << serving << "\n" << proc_->Log();
+    EXPECT_TRUE(serving.ok()) << serving << "\n" << served_.process->Log();
   }
   opd::rpc::ClientOptions Options() const {
     opd::rpc::ClientOptions o;
-    o.address = address_;
+    o.address = served_.address;
     o.secret = secret_;
     o.timeout = absl::Seconds(60);
     return o;
   }
-  const std::string& address() const { return address_; }
-  bool ok() const { return !address_.empty(); }
+  const std::string& address() const { return served_.address; }
+  bool ok() const { return !served_.address.empty(); }
 
  private:
   std::filesystem::path dir_;
   std::string secret_;
-  std::unique_ptr<ChildProcess> proc_;
-  std::string address_;
+  Served served_;
 };
 
 }  // namespace testing_util

@@ -37,6 +37,7 @@
 #include "rollout/engine.h"
 #include "rollout/weights.h"
 #include "tests/gpu.h"
+#include "tests/testing.h"
 
 namespace rollout {
 
@@ -104,8 +105,9 @@ torch::Tensor SampledLogprob(const torch::Tensor& logits, const torch::Tensor& t
 
 Recompute Learner(lm::CausalLM& model, const std::vector<int64_t>& prompt, const Sample& s) {
   torch::NoGradGuard no_grad;
+  const std::vector<int64_t> response = testing_util::ResponseIds(s);
   std::vector<int64_t> seq = prompt;
-  seq.insert(seq.end(), s.tokens.begin(), s.tokens.end());
+  seq.insert(seq.end(), response.begin(), response.end());
   auto batch = lm::PackedBatch::FromSequences({seq});
   const auto device = model.LmHeadWeight().device();
   batch.input_ids = batch.input_ids.to(device);
@@ -116,9 +118,9 @@ Recompute Learner(lm::CausalLM& model, const std::vector<int64_t>& prompt, const
     lm::ScopedRoutingRecorder record(&routing);
     hidden = model.Forward(batch);
   }
-  const int64_t P = prompt.size(), R = s.tokens.size();
+  const int64_t P = prompt.size(), R = response.size();
   auto rows = torch::arange(P - 1, P + R - 1, torch::kInt64).to(device);
-  auto targets = torch::tensor(s.tokens, torch::kInt64).to(device);
+  auto targets = torch::tensor(response, torch::kInt64).to(device);
   auto h = hidden.index_select(0, rows);
   const auto& w = model.LmHeadWeight();
   Recompute r;

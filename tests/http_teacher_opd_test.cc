@@ -48,26 +48,19 @@ class HttpTeacherOpd : public ::testing::Test {
 
   // An opd-rollout serving the student (one per run: a rollout that has taken a run's weight
   // pushes would refuse the next run's first, older version).
-  std::unique_ptr<ChildProcess> StartRollout(const std::string& tag, std::string* address) {
-    const fs::path port_file = dir_ / (tag + ".rollout_port");
-    fs::remove(port_file);
-    auto p = std::make_unique<ChildProcess>(
-        std::vector<std::string>{std::string(OPD_BINARY_DIR) + "/rollout/opd-rollout",
-                                 "--model=" + (dir_ / "student").string(),
-                                 "--tokenizer=" + Tokenizer(), "--listen=127.0.0.1:0",
-                                 "--port-file=" + port_file.string(),
-                                 "--secret-file=" + (dir_ / "secret").string(), "--threads=1"},
-        (dir_ / (tag + ".rollout.log")).string());
-    const int port = testing_util::WaitForPort(*p, port_file.string(), std::chrono::seconds(120));
-    EXPECT_GT(port, 0) << p->Log();
-    *address = "127.0.0.1:" + std::to_string(port);
-    return p;
+  testing_util::Served StartRollout(const std::string& tag) {
+    return testing_util::StartServed(
+        dir_, tag + ".rollout",
+        {std::string(OPD_BINARY_DIR) + "/rollout/opd-rollout",
+         "--model=" + (dir_ / "student").string(), "--tokenizer=" + Tokenizer(),
+         "--secret-file=" + (dir_ / "secret").string(), "--threads=1"},
+        std::chrono::seconds(120));
   }
 
   // Two steps of OPD (one per stage, both stages on `teacher`); returns the run directory.
   fs::path RunOpd(const std::string& tag, const std::string& teacher) {
-    std::string rollout;
-    auto ro = StartRollout(tag, &rollout);
+    const testing_util::Served ro = StartRollout(tag);
+    const std::string& rollout = ro.address;
     const fs::path run = dir_ / ("run_" + tag);
     // Adam's eps = 1 makes the update lr * m / (sqrt(v) + 1), Lipschitz in the gradient (with the
     // default 1e-8 the first update is lr * sign(g), which a 1e-7 change of a tiny gradient flips).
@@ -176,12 +169,12 @@ TEST_F(HttpTeacherOpd, RunsOnSglangAndVllmEqualTheRunOnOpdTeacher) {
   // Every sequence the fake scored, rescored by opd-teacher.
   const auto records = ReadJsonl(record);
   ASSERT_FALSE(records.empty());
-  std::vector<opd::rpc::ScoreInput> inputs;
+  std::vector<lm::Sample> inputs;
   std::map<std::string, std::vector<std::vector<int32_t>>> seen;  // api -> sequences, in order
   for (const auto& r : records) {
     const auto tokens = r["tokens"].get<std::vector<int32_t>>();
     const auto n = static_cast<int32_t>(r["logprobs"].size());
-    inputs.push_back({tokens, static_cast<int32_t>(tokens.size()) - n});
+    inputs.push_back(lm::Sample::ToScore(tokens, static_cast<int64_t>(tokens.size()) - n));
     seen[r["api"]].push_back(tokens);
   }
   // The two fake runs drew the same samples (so the comparisons below compare like with like).

@@ -19,6 +19,7 @@
 #include "fake_inference_server.h"
 #include "lm/io/safetensors.h"
 #include "nlohmann/json.hpp"
+#include "tests/testing.h"
 #include "trainer/opd/teacher_pool.h"
 
 namespace {
@@ -31,8 +32,9 @@ float Lp(int t) {
   return -((t % 7) + 1) / 10.0f;
 }
 
-std::vector<opd::rpc::ScoreInput> Inputs() {
-  return {{{1, 2, 3, 4, 5}, 2}, {{9, 8, 7, 6}, 3}, {{11, 12}, 1}};
+std::vector<lm::Sample> Inputs() {
+  using testing_util::ToScore;
+  return {ToScore({1, 2, 3, 4, 5}, 2), ToScore({9, 8, 7, 6}, 3), ToScore({11, 12}, 1)};
 }
 
 opd::rpc::ClientOptions Options(const std::string& ep, absl::Duration timeout = absl::Seconds(10),
@@ -44,9 +46,9 @@ opd::rpc::ClientOptions Options(const std::string& ep, absl::Duration timeout = 
   return o;
 }
 
-absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> ScoreWith(
-    const opd::rpc::ClientOptions& o, const std::vector<opd::rpc::ScoreInput>& inputs, int k = 0,
-    float temp = 1.0f) {
+absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> ScoreWith(const opd::rpc::ClientOptions& o,
+                                                             const std::vector<lm::Sample>& inputs,
+                                                             int k = 0, float temp = 1.0f) {
   auto c = opd::rpc::CreateTeacherEndpoint(o);
   if (!c.ok()) return c.status();
   if (auto info = (*c)->Info(); !info.ok()) return info.status();
@@ -249,13 +251,13 @@ std::string FixtureDir() {
 
 // The fixture's sequences (lengths 7, 13, 20; the 1-token one has nothing to score), each scored
 // from a third of its length on, so that SGLang's logprob_start_len is not always 0.
-std::vector<opd::rpc::ScoreInput> FixtureInputs() {
+std::vector<lm::Sample> FixtureInputs() {
   std::ifstream in(FixtureDir() + "/inputs.json");
   const auto seqs = nlohmann::json::parse(in)["sequences"].get<std::vector<std::vector<int32_t>>>();
-  std::vector<opd::rpc::ScoreInput> out;
+  std::vector<lm::Sample> out;
   for (const auto& s : seqs) {
     if (s.size() < 2) continue;
-    out.push_back({s, std::max<int32_t>(1, static_cast<int32_t>(s.size()) / 3)});
+    out.push_back(lm::Sample::ToScore(s, std::max<int64_t>(1, static_cast<int64_t>(s.size()) / 3)));
   }
   return out;
 }

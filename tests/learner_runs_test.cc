@@ -20,21 +20,15 @@
 #include "child_process.h"
 #include "nlohmann/json.hpp"
 #include "opd_task.h"
+#include "tests/testing.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 using testing_util::ChildProcess;
-using testing_util::WaitForPort;
+using testing_util::ReadFile;
 
 const std::string kBin = OPD_BINARY_DIR;
-
-std::string ReadFile(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // Both files of a checkpoint that an exact resume must reproduce: the fp32 master weights and the
 // AdamW moments (equal bytes, equal state).
@@ -417,14 +411,13 @@ TEST_F(LearnerRuns, TeacherSwapRestartsThePlateauWindow) {
       StartService("rollout", kBin + "/rollout/opd-rollout", (dir_ / "student").string());
   ASSERT_FALSE(t1.empty() || t2.empty() || rollout.empty());
   const fs::path run = dir_ / "run_swap";
-  const std::string port_file = (dir_ / "admin.port").string();
-  ChildProcess learner(
+  const testing_util::Served admin = testing_util::StartLearnerAdmin(
+      dir_, "run_swap",
       OpdArgs(run, 1000, rollout, t1,
-              {"--set", "stages.0.plateau={enabled: true, window: 50, min_rel_improvement: 0.5}",
-               "--set", "admin.listen=127.0.0.1:0", "--set", "admin.port_file=" + port_file}),
-      run.string() + ".log");
-  const int port = WaitForPort(learner, port_file, std::chrono::seconds(120));
-  ASSERT_GT(port, 0) << learner.Log();
+              {"--set", "stages.0.plateau={enabled: true, window: 50, min_rel_improvement: 0.5}"}),
+      std::chrono::seconds(120));
+  ASSERT_FALSE(admin.address.empty());
+  ChildProcess& learner = *admin.process;
   auto wait_for = [&](const fs::path& p) {
     for (int i = 0; i < 6000 && !fs::exists(p) && learner.Running(); ++i)
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -437,10 +430,9 @@ TEST_F(LearnerRuns, TeacherSwapRestartsThePlateauWindow) {
   };
   ASSERT_TRUE(wait_for(checkpoint(2))) << learner.Log();
   // Answered once the learner has applied the swap at a step boundary.
-  ChildProcess ctl(
-      {kBin + "/ctl/opd-ctl", "swap-teacher", "--learner", "127.0.0.1:" + std::to_string(port),
-       "--stage", "only", "--endpoints", t2, "--secret-file", (dir_ / "secret").string()},
-      (dir_ / "ctl_swap.log").string());
+  ChildProcess ctl({kBin + "/ctl/opd-ctl", "swap-teacher", "--learner", admin.address, "--stage",
+                    "only", "--endpoints", t2, "--secret-file", (dir_ / "secret").string()},
+                   (dir_ / "ctl_swap.log").string());
   ASSERT_EQ(ctl.Wait(std::chrono::seconds(300)), 0) << ctl.Log() << learner.Log();
   const std::string marker = "teacher swap applied at step ";
   int swap_step = -1;

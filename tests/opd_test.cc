@@ -46,7 +46,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using testing_util::ChildProcess;
-using testing_util::WaitForPort;
 
 const std::string kBin = OPD_BINARY_DIR;
 const std::string kSecret = "opd-test-secret-4f1c";
@@ -276,9 +275,9 @@ struct FakeClock {
   }
 };
 
-std::vector<opd::rpc::ScoreInput> SomeInputs(int n) {
-  std::vector<opd::rpc::ScoreInput> out;
-  for (int i = 0; i < n; ++i) out.push_back({{1, 2, 3, 4 + i % 5}, 2});
+std::vector<lm::Sample> SomeInputs(int n) {
+  std::vector<lm::Sample> out;
+  for (int i = 0; i < n; ++i) out.push_back(lm::Sample::ToScore({1, 2, 3, 4 + i % 5}, 2));
   return out;
 }
 
@@ -396,12 +395,12 @@ TEST_F(Opd, TeacherReplicaKilledMidStepEverySequenceScoredOnce) {
   opts.readmit_after = absl::Hours(1);  // the killed replica does not come back
   auto pool = trainer::TeacherPool::Connect("s", {a, b}, Requirements(), opts);
   ASSERT_TRUE(pool.ok()) << pool.status();
-  std::vector<opd::rpc::ScoreInput> inputs;
+  std::vector<lm::Sample> inputs;
   std::mt19937 rng(3);
   for (int i = 0; i < 600; ++i) {
     std::vector<int32_t> t(20 + i % 17);
     for (auto& x : t) x = static_cast<int32_t>(rng() % 280);
-    inputs.push_back({t, 5 + i % 7});
+    inputs.push_back(lm::Sample::ToScore(t, 5 + i % 7));
   }
   ChildProcess& replica_b = *services_[1];
   replica_b.Kill(SIGSTOP);
@@ -448,7 +447,7 @@ TEST_F(Opd, NoHealthyReplicaWaitsUntilOneReturns) {
   services_[0]->Wait(std::chrono::seconds(5));
   // Stop asking after a while: the call must end Cancelled, not with partial scores.
   const auto start = std::chrono::steady_clock::now();
-  auto r = (*pool)->Score({{{1, 2, 3, 4}, 2}}, {}, [&] {
+  auto r = (*pool)->Score(testing_util::ToScore({{{1, 2, 3, 4}, 2}}), {}, [&] {
     return std::chrono::steady_clock::now() - start > std::chrono::seconds(2);
   });
   EXPECT_TRUE(absl::IsCancelled(r.status())) << r.status();
@@ -474,7 +473,7 @@ TEST_F(Opd, ScoringEndsAtItsDeadlineWhenNoReplicaReturns) {
   ASSERT_TRUE(pool.ok()) << pool.status();
   services_[0]->Kill(SIGKILL);
   services_[0]->Wait(std::chrono::seconds(5));
-  auto r = (*pool)->Score({{{1, 2, 3, 4}, 2}}, {}, nullptr);
+  auto r = (*pool)->Score(testing_util::ToScore({{{1, 2, 3, 4}, 2}}), {}, nullptr);
   ASSERT_TRUE(absl::IsDeadlineExceeded(r.status())) << r.status();
   const std::string m(r.status().message());
   EXPECT_NE(m.find("stage 'stage_one'"), std::string::npos) << m;
@@ -483,6 +482,18 @@ TEST_F(Opd, ScoringEndsAtItsDeadlineWhenNoReplicaReturns) {
   // The waits end at the deadline, not a backoff past it.
   EXPECT_GE(waited, absl::Seconds(90));
   EXPECT_LE(waited, absl::Seconds(90) + absl::Milliseconds(10));
+}
+
+// The learner's admin service for `stages`, on a loopback port with the test's secret (the tests
+// below play its training loop).
+std::unique_ptr<trainer::LearnerServer> StartAdmin(const std::vector<std::string>& stages) {
+  trainer::LearnerServerOptions lo;
+  lo.listen = "127.0.0.1:0";
+  lo.secret = kSecret;
+  lo.stages = stages;
+  auto learner = trainer::LearnerServer::Start(lo);
+  EXPECT_TRUE(learner.ok()) << learner.status();
+  return learner.ok() ? std::move(*learner) : nullptr;
 }
 
 TEST_F(Opd, TeacherWithAnotherTokenizerIsRefusedAtConnectAndAtSwap) {
@@ -499,13 +510,9 @@ TEST_F(Opd, TeacherWithAnotherTokenizerIsRefusedAtConnectAndAtSwap) {
   EXPECT_NE(pool.status().message().find("fingerprint"), std::string::npos) << pool.status();
   EXPECT_NE(pool.status().message().find(bad), std::string::npos) << pool.status();
 
-  trainer::LearnerServerOptions lo;
-  lo.listen = "127.0.0.1:0";
-  lo.secret = kSecret;
-  lo.stages = {"stage1", "stage2"};
-  auto learner = trainer::LearnerServer::Start(lo);
-  ASSERT_TRUE(learner.ok()) << learner.status();
-  const std::string addr = "127.0.0.1:" + std::to_string((*learner)->port());
+  const std::unique_ptr<trainer::LearnerServer> learner = StartAdmin({"stage1", "stage2"});
+  ASSERT_NE(learner, nullptr);
+  const std::string addr = "127.0.0.1:" + std::to_string(learner->port());
   const std::string ctl = kBin + "/ctl/opd-ctl swap-teacher --learner " + addr + " --stage stage2 ";
   const std::string secret = " --secret-file " + (dir_ / "secret").string();
   const std::string out = (dir_ / "swap.txt").string();
@@ -524,7 +531,7 @@ TEST_F(Opd, TeacherWithAnotherTokenizerIsRefusedAtConnectAndAtSwap) {
   };
   std::vector<std::string> applied;
   auto step_boundary = [&] {
-    return (*learner)->ServePendingSwap([&](const trainer::SwapRequest& r) -> absl::Status {
+    return learner->ServePendingSwap([&](const trainer::SwapRequest& r) -> absl::Status {
       auto p = trainer::TeacherPool::Connect(r.stage, r.endpoints, Requirements(), PoolOptions());
       if (!p.ok()) return p.status();
       applied = r.endpoints;
@@ -532,7 +539,7 @@ TEST_F(Opd, TeacherWithAnotherTokenizerIsRefusedAtConnectAndAtSwap) {
     });
   };
   auto queued = [&] {
-    return WaitFor([&] { return (*learner)->swap_pending(); }, std::chrono::seconds(60));
+    return WaitFor([&] { return learner->swap_pending(); }, std::chrono::seconds(60));
   };
   // Wrong tokenizer: refused at the boundary, the caller is told why, nothing applied.
   {
@@ -546,12 +553,12 @@ TEST_F(Opd, TeacherWithAnotherTokenizerIsRefusedAtConnectAndAtSwap) {
   // No secret: UNAUTHENTICATED at once, nothing queued.
   EXPECT_NE(Shell("env -u OPD_SECRET " + ctl + "--endpoints " + good + " > " + out + " 2>&1"), 0);
   EXPECT_NE(read_out().find("16"), std::string::npos) << read_out();  // grpc::UNAUTHENTICATED
-  EXPECT_FALSE((*learner)->swap_pending());
+  EXPECT_FALSE(learner->swap_pending());
   // Unknown stage.
   EXPECT_NE(Shell(kBin + "/ctl/opd-ctl swap-teacher --learner " + addr +
                   " --stage nope --endpoints " + good + secret + " > " + out + " 2>&1"),
             0);
-  EXPECT_FALSE((*learner)->swap_pending());
+  EXPECT_FALSE(learner->swap_pending());
   // A compatible teacher: applied at the boundary, the caller gets OK.
   {
     auto call = swap_call(good, "swap_good");
@@ -569,13 +576,9 @@ TEST_F(Opd, TeacherWithAnotherTokenizerIsRefusedAtConnectAndAtSwap) {
 TEST_F(Opd, SecondSwapBeforeTheStepBoundaryIsRefused) {
   FakeTeacherServer t1("opd.v1.Teacher", Fingerprint(), [](int) { return FakeTeacher::Action(); });
   FakeTeacherServer t2("opd.v1.Teacher", Fingerprint(), [](int) { return FakeTeacher::Action(); });
-  trainer::LearnerServerOptions lo;
-  lo.listen = "127.0.0.1:0";
-  lo.secret = kSecret;
-  lo.stages = {"stage1"};
-  auto learner = trainer::LearnerServer::Start(lo);
-  ASSERT_TRUE(learner.ok()) << learner.status();
-  const std::string addr = "127.0.0.1:" + std::to_string((*learner)->port());
+  const std::unique_ptr<trainer::LearnerServer> learner = StartAdmin({"stage1"});
+  ASSERT_NE(learner, nullptr);
+  const std::string addr = "127.0.0.1:" + std::to_string(learner->port());
   auto swap_args = [&](const std::string& endpoints) {
     return std::vector<std::string>{kBin + "/ctl/opd-ctl",
                                     "swap-teacher",
@@ -589,7 +592,7 @@ TEST_F(Opd, SecondSwapBeforeTheStepBoundaryIsRefused) {
                                     (dir_ / "secret").string()};
   };
   ChildProcess first(swap_args(t1.address), (dir_ / "swap_first.log").string());
-  ASSERT_TRUE(WaitFor([&] { return (*learner)->swap_pending(); }, std::chrono::seconds(60)))
+  ASSERT_TRUE(WaitFor([&] { return learner->swap_pending(); }, std::chrono::seconds(60)))
       << first.Log();
   ChildProcess second(swap_args(t2.address), (dir_ / "swap_second.log").string());
   EXPECT_EQ(second.Wait(std::chrono::seconds(60)), 1) << second.Log();
@@ -598,7 +601,7 @@ TEST_F(Opd, SecondSwapBeforeTheStepBoundaryIsRefused) {
 
   std::vector<std::string> applied;
   std::thread::id applied_on;
-  EXPECT_TRUE((*learner)->ServePendingSwap([&](const trainer::SwapRequest& r) {
+  EXPECT_TRUE(learner->ServePendingSwap([&](const trainer::SwapRequest& r) {
     applied = r.endpoints;
     applied_on = std::this_thread::get_id();
     return absl::OkStatus();
@@ -609,13 +612,54 @@ TEST_F(Opd, SecondSwapBeforeTheStepBoundaryIsRefused) {
 
   // A caller that goes away before the boundary withdraws its swap.
   ChildProcess gone(swap_args(t2.address), (dir_ / "swap_gone.log").string());
-  ASSERT_TRUE(WaitFor([&] { return (*learner)->swap_pending(); }, std::chrono::seconds(60)));
+  ASSERT_TRUE(WaitFor([&] { return learner->swap_pending(); }, std::chrono::seconds(60)));
   gone.Kill(SIGKILL);
-  EXPECT_TRUE(WaitFor([&] { return !(*learner)->swap_pending(); }, std::chrono::seconds(60)));
-  EXPECT_FALSE((*learner)->ServePendingSwap([](const trainer::SwapRequest&) {
+  EXPECT_TRUE(WaitFor([&] { return !learner->swap_pending(); }, std::chrono::seconds(60)));
+  EXPECT_FALSE(learner->ServePendingSwap([](const trainer::SwapRequest&) {
     ADD_FAILURE() << "a withdrawn swap was applied";
     return absl::OkStatus();
   }));
+}
+
+// The swap's moves at a step boundary: take (the call leaves the queue), then answer. A taken swap
+// dropped unanswered (the job ends between the moves) answers its caller ABORTED, once.
+TEST_F(Opd, TakenSwapIsAnsweredOnceAndAbortedWhenDropped) {
+  FakeTeacherServer t1("opd.v1.Teacher", Fingerprint(), [](int) { return FakeTeacher::Action(); });
+  const std::unique_ptr<trainer::LearnerServer> learner = StartAdmin({"stage1"});
+  ASSERT_NE(learner, nullptr);
+  auto call = [&](const std::string& tag) {
+    return std::make_unique<ChildProcess>(
+        std::vector<std::string>{kBin + "/ctl/opd-ctl", "swap-teacher", "--learner",
+                                 "127.0.0.1:" + std::to_string(learner->port()), "--stage",
+                                 "stage1", "--endpoints", t1.address, "--secret-file",
+                                 (dir_ / "secret").string()},
+        (dir_ / (tag + ".log")).string());
+  };
+  EXPECT_EQ(learner->TakeSwap(), nullptr) << "nothing is queued";
+  {
+    auto answered = call("swap_answered");
+    ASSERT_TRUE(WaitFor([&] { return learner->swap_pending(); }, std::chrono::seconds(60)))
+        << answered->Log();
+    auto taken = learner->TakeSwap();
+    ASSERT_NE(taken, nullptr);
+    EXPECT_FALSE(learner->swap_pending()) << "taken off the queue";
+    EXPECT_EQ(taken->request().endpoints, std::vector<std::string>{t1.address});
+    taken->Answer(absl::UnavailableError("rank 1 cannot connect"));
+    taken.reset();  // answered already: the destructor adds nothing
+    EXPECT_EQ(answered->Wait(std::chrono::seconds(60)), 1) << answered->Log();
+    EXPECT_NE(answered->Log().find("rank 1 cannot connect"), std::string::npos)
+        << answered->Log();
+    EXPECT_NE(answered->Log().find(": 14 "), std::string::npos) << answered->Log();  // UNAVAILABLE
+  }
+  {
+    auto dropped = call("swap_dropped");
+    ASSERT_TRUE(WaitFor([&] { return learner->swap_pending(); }, std::chrono::seconds(60)))
+        << dropped->Log();
+    learner->TakeSwap().reset();
+    EXPECT_EQ(dropped->Wait(std::chrono::seconds(60)), 1) << dropped->Log();
+    EXPECT_NE(dropped->Log().find(": 10 "), std::string::npos) << dropped->Log();  // ABORTED
+    EXPECT_NE(dropped->Log().find("nothing changed"), std::string::npos) << dropped->Log();
+  }
 }
 
 // A two-stage run: the stage switch happens by the rule, metrics are complete, and a SIGKILLed
@@ -922,11 +966,11 @@ TEST_F(Opd, RolloutRepliesThatFailValidationAreRefusedNamingTheField) {
 }
 
 TEST(SampleStats, StalenessAndTruncation) {
-  std::vector<opd::rpc::GeneratedSample> samples(4);
+  std::vector<lm::Sample> samples(4);
   const int64_t versions[] = {3, 2, 2, 3};
   for (size_t i = 0; i < samples.size(); ++i) {
     samples[i].weight_version = versions[i];
-    samples[i].finish_reason = i == 0 ? opd::v1::FINISH_REASON_LENGTH : opd::v1::FINISH_REASON_STOP;
+    samples[i].finish = i == 0 ? lm::FinishReason::kLength : lm::FinishReason::kStop;
   }
   const trainer::SampleStats st = trainer::SummarizeSamples(samples, 3);
   EXPECT_DOUBLE_EQ(st.staleness_mean, 0.5);
@@ -1003,18 +1047,16 @@ TEST_F(Opd, SwappedTeachersKeepTheStageTimeout) {
   FakeTeacherServer fake("opd.v1.Teacher", Fingerprint(),
                          [](int) { return FakeTeacher::Action(); });
   const fs::path run = dir_ / "run_swap";
-  const std::string port_file = (dir_ / "admin.port").string();
-  ChildProcess p(TrainerArgs(run.string(), ro, t1, t1, 1000,
-                             {"admin.listen=127.0.0.1:0", "admin.port_file=" + port_file,
-                              "train.teacher_timeout_s=900", "checkpoint.every=0"}),
-                 (dir_ / "opd_swap.log").string());
-  const int port = WaitForPort(p, port_file, std::chrono::seconds(300));
-  ASSERT_GT(port, 0) << p.Log();
-  ChildProcess ctl(
-      {kBin + "/ctl/opd-ctl", "swap-teacher", "--learner", "127.0.0.1:" + std::to_string(port),
-       "--stage", "stage1_small_teacher", "--endpoints", fake.address, "--secret-file",
-       (dir_ / "secret").string(), "--timeout", "600"},
-      (dir_ / "ctl_swap.log").string());
+  const testing_util::Served admin = testing_util::StartLearnerAdmin(
+      dir_, "opd_swap",
+      TrainerArgs(run.string(), ro, t1, t1, 1000,
+                  {"train.teacher_timeout_s=900", "checkpoint.every=0"}));
+  ASSERT_FALSE(admin.address.empty());
+  ChildProcess& p = *admin.process;
+  ChildProcess ctl({kBin + "/ctl/opd-ctl", "swap-teacher", "--learner", admin.address, "--stage",
+                    "stage1_small_teacher", "--endpoints", fake.address, "--secret-file",
+                    (dir_ / "secret").string(), "--timeout", "600"},
+                   (dir_ / "ctl_swap.log").string());
   EXPECT_EQ(ctl.Wait(std::chrono::seconds(600)), 0) << ctl.Log() << p.Log();
   ASSERT_TRUE(WaitFor([&] { return fake.service.calls() > 0; }, std::chrono::seconds(300)))
       << p.Log();
@@ -1041,8 +1083,6 @@ TEST_F(Opd, TeachersByDomainScoreOnlyTheirDomainAcrossASwapAndAResume) {
       fallback("opd.v1.Teacher", Fingerprint(), ok);
   const fs::path add_file = dir_ / "prompts_add.jsonl", mul_file = dir_ / "prompts_mul.jsonl";
   testing_util::SplitPromptsByDomain(dir_, add_file, "", mul_file, "mul");
-  const std::string port_file = (dir_ / "domains_admin.port").string();
-  fs::remove(port_file);
   auto args = [&](const fs::path& run, int max_steps, const std::vector<std::string>& extra) {
     std::vector<std::string> sets = {
         "prompts.sources=[{name: add, files: [" + add_file.string() + "]}, {name: m, files: [" +
@@ -1061,17 +1101,17 @@ TEST_F(Opd, TeachersByDomainScoreOnlyTheirDomainAcrossASwapAndAResume) {
   int swap_step = -1;
   {
     // Steps take milliseconds here: run 1 is stopped by the test, long before its budget.
-    ChildProcess p(args(run1, 100000, {"admin.listen=127.0.0.1:0", "admin.port_file=" + port_file}),
-                   run1.string() + ".log");
-    const int port = WaitForPort(p, port_file, std::chrono::seconds(300));
-    ASSERT_GT(port, 0) << p.Log();
+    const testing_util::Served admin =
+        testing_util::StartLearnerAdmin(dir_, "run_domains", args(run1, 100000, {}));
+    ASSERT_FALSE(admin.address.empty());
+    ChildProcess& p = *admin.process;
     ASSERT_TRUE(WaitFor([&] { return LastLoggedStep(run1 / "metrics.jsonl") >= 2; },
                         std::chrono::seconds(300)))
         << p.Log();
     auto swap = [&](const std::string& domain) {
-      ChildProcess ctl({kBin + "/ctl/opd-ctl", "swap-teacher", "--learner",
-                        "127.0.0.1:" + std::to_string(port), "--stage", "only", "--domain", domain,
-                        "--endpoints", mul2.address, "--secret-file", (dir_ / "secret").string()},
+      ChildProcess ctl({kBin + "/ctl/opd-ctl", "swap-teacher", "--learner", admin.address,
+                        "--stage", "only", "--domain", domain, "--endpoints", mul2.address,
+                        "--secret-file", (dir_ / "secret").string()},
                        (dir_ / ("ctl_domain_" + domain + ".log")).string());
       const int rc = ctl.Wait(std::chrono::seconds(300));
       return std::make_pair(rc, ctl.Log());

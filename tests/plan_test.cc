@@ -19,6 +19,7 @@
 #include "trainer/common/config.h"
 #include "trainer/common/learner_plan.h"
 
+using testing_util::ReadFile;
 using testing_util::TestDir;
 
 namespace {
@@ -253,13 +254,6 @@ TEST(PlanCheck, Qwen3NextNeedsTwoDevices) {
 
 // ---------------------------------------------------------------------------------------------
 // (c) opd-ctl plan.
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // Runs opd-ctl plan with `flags`; the exit code, and stdout + stderr in `*out`.
 int Plan(const std::vector<std::string>& flags, const std::string& log, std::string* out) {

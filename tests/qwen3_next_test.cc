@@ -1,9 +1,6 @@
-// Qwen3-Next (the stage-2 teacher) against Hugging Face transformers' PyTorch implementation, on
+// Qwen3-Next (the stage-2 teacher) beyond its parity with transformers (tests/parity_test.cc), on
 // the tiny random models that tests/python/make_next_fixtures.py builds. Tolerances (fp32, CPU):
-//   logits and log-probs vs transformers: max abs diff <= 1e-4;
 //   chunked delta rule vs the per-token recurrence: max abs diff <= 1e-5;
-//   a packed batch vs each sequence alone: max abs diff <= 1e-5;
-//   gradients: max abs diff <= 1e-4 x max(the tensor's largest reference entry, 1e-4);
 //   decode (prefill + one token at a time through the cache) vs the full forward and vs
 //   transformers: max abs diff <= 1e-4 x the reference's largest |logit|.
 #include <sys/wait.h>
@@ -29,11 +26,13 @@
 #include "nlohmann/json.hpp"
 #include "rollout/engine.h"
 #include "rpc/client.h"
+#include "tests/fixture_names.h"
 #include "tests/gpu.h"
 #include "tests/tensor_testing.h"
 #include "tests/testing.h"
 
 using testing_util::MaxAbsDiff;
+using testing_util::ResponseIds;
 using testing_util::TempDir;
 
 namespace lm {
@@ -43,17 +42,10 @@ namespace fs = std::filesystem;
 
 const std::string kFixtures = OPD_NEXT_FIXTURES_DIR;
 
-// The fixtures tests/python/make_next_fixtures.py writes, named here so that the binary lists its
-// tests before they exist (ctest's entries come from that listing at build time);
-// NextFixtures.IndexListsThem keeps the two equal.
+// The fixtures tests/python/make_next_fixtures.py writes (parity with transformers over them:
+// tests/parity_test.cc).
 std::vector<std::string> FixtureNames() {
-  return {"next_interval4", "next_interval2_tied", "next_full_first_ratio4", "next_sparse2_ratio3"};
-}
-
-TEST(NextFixtures, IndexListsThem) {
-  std::ifstream in(kFixtures + "/index.json");
-  ASSERT_TRUE(in) << "no fixtures index";
-  EXPECT_EQ(nlohmann::json::parse(in)["configs"].get<std::vector<std::string>>(), FixtureNames());
+  return testing_util::NextFixtureNames();
 }
 
 // A greedy continuation by transformers' generate (its own cache).
@@ -91,82 +83,6 @@ std::shared_ptr<CausalLM> MustLoad(const std::string& dir) {
   EXPECT_TRUE(m.ok()) << m.status();
   return m.ok() ? *m : nullptr;
 }
-
-// ---- parity with transformers ----
-
-class NextParity : public ::testing::TestWithParam<std::string> {};
-
-// Each sequence alone (lengths 1, 5, 64, 100, 130) against transformers' logits.
-TEST_P(NextParity, LogitsOfEachSequenceAlone) {
-  torch::NoGradGuard no_grad;
-  Fixture f = LoadFixture(GetParam());
-  auto model = MustLoad(f.dir + "/model");
-  ASSERT_TRUE(model);
-  int64_t row = 0;
-  double worst = 0;
-  for (const auto& s : f.seqs) {
-    auto logits = model->Logits(model->Forward(PackedBatch::FromSequences({s})));
-    const int64_t n = static_cast<int64_t>(s.size());
-    const double d = MaxAbsDiff(logits, f.ref["logits"].narrow(0, row, n));
-    EXPECT_LE(d, 1e-4) << "sequence of length " << n;
-    worst = std::max(worst, d);
-    row += n;
-  }
-  std::printf("[%s] max |logits diff| over lengths 1..130 = %.3g\n", GetParam().c_str(), worst);
-}
-
-// All sequences packed into one batch: no state crosses a document boundary, so every row equals
-// both transformers' logits and our own forward of that sequence alone.
-TEST_P(NextParity, PackedBatchEqualsSeparateForwards) {
-  torch::NoGradGuard no_grad;
-  Fixture f = LoadFixture(GetParam());
-  auto model = MustLoad(f.dir + "/model");
-  ASSERT_TRUE(model);
-  // Lengths 1, 5, 64, 100, 130: documents of one, two and three chunks side by side.
-  auto packed = model->Logits(model->Forward(PackedBatch::FromSequences(f.seqs)));
-  EXPECT_LE(MaxAbsDiff(packed, f.ref["logits"]), 1e-4);
-  std::vector<torch::Tensor> alone;
-  for (const auto& s : f.seqs)
-    alone.push_back(model->Logits(model->Forward(PackedBatch::FromSequences({s}))));
-  const double packing_diff = MaxAbsDiff(packed, torch::cat(alone));
-  EXPECT_LE(packing_diff, 1e-5);
-  std::printf("[%s] max |packed - alone| = %.3g\n", GetParam().c_str(), packing_diff);
-  // Reversed order: a different chunk layout, the same rows.
-  std::vector<std::vector<int64_t>> reversed(f.seqs.rbegin(), f.seqs.rend());
-  auto rev = model->Logits(model->Forward(PackedBatch::FromSequences(reversed)));
-  std::vector<torch::Tensor> rev_ref(alone.rbegin(), alone.rend());
-  EXPECT_LE(MaxAbsDiff(rev, torch::cat(rev_ref)), 1e-5);
-}
-
-// Log-probs through the chunked LM head, and gradients of the mean next-token loss (the teacher
-// does not need them, but nothing in the forward should block autograd).
-TEST_P(NextParity, LogprobsAndGradients) {
-  Fixture f = LoadFixture(GetParam());
-  auto model = MustLoad(f.dir + "/model");
-  ASSERT_TRUE(model);
-  auto batch = PackedBatch::FromSequences(f.seqs);
-  auto hidden = model->Forward(batch);
-  auto [rows, targets] = NextTokenRows(batch);
-  auto lp = TokenLogprobs(hidden.index_select(0, rows), model->LmHeadWeight(), targets);
-  EXPECT_LE(MaxAbsDiff(lp, f.ref["logprobs"]), 1e-4);
-  auto loss = -lp.mean();
-  EXPECT_NEAR(loss.item<double>(), f.ref["loss"].item<double>(), 1e-5);
-  loss.backward();
-  int64_t checked = 0;
-  for (const auto& p : model->named_parameters()) {
-    auto it = f.ref.find("grad." + p.key());
-    ASSERT_NE(it, f.ref.end()) << "no reference gradient for " << p.key();
-    ASSERT_TRUE(p.value().grad().defined()) << "no gradient reached " << p.key();
-    // The floor covers gradients that are zero but for rounding (top-1 routing renormalised to 1
-    // gives the router none), where a relative comparison would compare noise.
-    const double scale = std::max(it->second.abs().max().item<double>(), 1e-4);
-    EXPECT_LE(MaxAbsDiff(p.value().grad(), it->second) / scale, 1e-4) << "gradient of " << p.key();
-    ++checked;
-  }
-  EXPECT_GT(checked, 20);
-}
-
-INSTANTIATE_TEST_SUITE_P(Fixtures, NextParity, ::testing::ValuesIn(FixtureNames()));
 
 // ---- the delta rule ----
 
@@ -692,7 +608,7 @@ TEST_P(NextDecode, GreedyEqualsTransformersGenerate) {
   ASSERT_TRUE(st.ok()) << st.status();
   ASSERT_EQ(out.size(), 6u);
   for (const auto& s : out) {
-    EXPECT_EQ(s.tokens, f.generate[s.prompt_index].tokens) << "prompt " << s.prompt_index;
+    EXPECT_EQ(ResponseIds(s), f.generate[s.prompt_index].tokens) << "prompt " << s.prompt_index;
   }
   // The logits each token was chosen from, through prefill + decode.
   auto got = DecodeAll(*model, full, prefix);
@@ -764,8 +680,8 @@ TEST(NextSampler, SamplesEqualStepByStepForward) {
           tokens.push_back(next);
           seq.push_back(next);
         }
-        EXPECT_EQ(s.tokens, tokens) << name << " T " << temperature << " prompt " << s.prompt_index
-                                    << " sample " << s.sample_index;
+        EXPECT_EQ(ResponseIds(s), tokens) << name << " T " << temperature << " prompt "
+                                          << s.prompt_index << " sample " << s.sample_index;
         ASSERT_EQ(s.logprobs.size(), logprobs.size());
         for (size_t i = 0; i < logprobs.size(); ++i)
           EXPECT_NEAR(s.logprobs[i], logprobs[i], 1e-4) << name << " token " << i;
@@ -961,16 +877,14 @@ TEST(NextModel, Bf16DecodeStaysCloseCuda) {
 void RolloutOverGrpc(const std::string& engine) {
   Fixture f = LoadFixture(kMtpFixture);
   auto dir = TempDir("rollout_" + engine);
-  const std::string port_file = (dir / "port").string();
-  testing_util::ChildProcess child(
+  const testing_util::Served rollout = testing_util::StartServed(
+      dir, "rollout",
       {std::string(OPD_BINARY_DIR) + "/rollout/opd-rollout", "--model=" + f.dir + "/model",
-       "--listen=127.0.0.1:0", "--port-file=" + port_file, "--threads=1", "--engine=" + engine},
-      (dir / "log").string());
-  ASSERT_TRUE(child.started());
-  const int port = testing_util::WaitForPort(child, port_file, std::chrono::seconds(60));
-  ASSERT_GT(port, 0) << child.Log();
+       "--threads=1", "--engine=" + engine});
+  ASSERT_FALSE(rollout.address.empty());
+  testing_util::ChildProcess& child = *rollout.process;
   opd::rpc::ClientOptions o;
-  o.address = "127.0.0.1:" + std::to_string(port);
+  o.address = rollout.address;
   o.timeout = absl::Seconds(60);
   ASSERT_TRUE(opd::rpc::WaitUntilServing(o, absl::Seconds(30)).ok()) << child.Log();
   auto client = opd::rpc::RolloutClient::Create(o);
@@ -990,7 +904,7 @@ void RolloutOverGrpc(const std::string& engine) {
   ASSERT_EQ(out->size(), f.generate.size());
   for (const auto& s : *out) {
     const auto& want = f.generate[s.prompt_index].tokens;
-    EXPECT_EQ(std::vector<int64_t>(s.tokens.begin(), s.tokens.end()), want);
+    EXPECT_EQ(ResponseIds(s), want);
   }
 
   opd::rpc::GenerateOptions sampled;
@@ -1012,7 +926,7 @@ void RolloutOverGrpc(const std::string& engine) {
   ASSERT_EQ(out->size(), 6u);
   for (const auto& s : *out) {
     const auto& want = local[{s.prompt_index, s.sample_index}];
-    EXPECT_EQ(std::vector<int64_t>(s.tokens.begin(), s.tokens.end()), want.tokens);
+    EXPECT_EQ(s.tokens, want.tokens);
     ASSERT_EQ(s.logprobs.size(), want.logprobs.size());
     for (size_t i = 0; i < want.logprobs.size(); ++i)
       EXPECT_NEAR(s.logprobs[i], want.logprobs[i], 1e-5);

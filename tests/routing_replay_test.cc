@@ -40,6 +40,7 @@
 #include "rpc/client.h"
 #include "rpc/codec.h"
 #include "rpc/server.h"
+#include "tests/testing.h"
 
 namespace rollout {
 
@@ -98,11 +99,12 @@ Learner Score(lm::CausalLM& model, const std::vector<std::vector<int64_t>>& prom
   int64_t at = 0;
   for (const auto& s : samples) {
     const auto& p = prompts[s.prompt_index];
+    const std::vector<int64_t> response = testing_util::ResponseIds(s);
     std::vector<int64_t> doc(p);
-    doc.insert(doc.end(), s.tokens.begin(), s.tokens.end());
-    for (size_t t = 0; t < s.tokens.size(); ++t) {
+    doc.insert(doc.end(), response.begin(), response.end());
+    for (size_t t = 0; t < response.size(); ++t) {
       rows.push_back(at + static_cast<int64_t>(p.size() + t) - 1);
-      targets.push_back(s.tokens[t]);
+      targets.push_back(response[t]);
     }
     EXPECT_EQ(static_cast<int64_t>(s.routed_experts.size()),
               (static_cast<int64_t>(doc.size()) - 1) * L * k);
@@ -249,7 +251,7 @@ TEST(RoutingReplay, RecordsEveryFedPosition) {
     ASSERT_EQ(samples.size(), kPrompts.size() * 2);
     for (const auto& s : samples) {
       const int64_t positions =
-          static_cast<int64_t>(kPrompts[s.prompt_index].size() + s.tokens.size()) - 1;
+          static_cast<int64_t>(kPrompts[s.prompt_index].size()) + s.response_length() - 1;
       EXPECT_EQ(s.routing_layers, L);
       EXPECT_EQ(s.routing_top_k, k);
       ASSERT_EQ(static_cast<int64_t>(s.routed_experts.size()), positions * L * k) << engine;

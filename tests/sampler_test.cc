@@ -24,6 +24,7 @@
 #include "tests/testing.h"
 
 using testing_util::MaxAbsDiff;
+using testing_util::ResponseIds;
 
 namespace rollout {
 
@@ -138,20 +139,20 @@ TEST(Sampler, GreedyEqualsArgmaxDecoding) {
   p.samples_per_prompt = 2;
   auto out = SampleAll(*model, kPrompts, p);
   for (const auto& s : out) {
-    EXPECT_EQ(s.tokens, GreedyByForward(*model, kPrompts[s.prompt_index], 16))
+    EXPECT_EQ(ResponseIds(s), GreedyByForward(*model, kPrompts[s.prompt_index], 16))
         << "prompt " << s.prompt_index;
     for (float lp : s.logprobs) EXPECT_EQ(lp, 0.0f);  // a point mass
   }
   // The limit temperature -> 0 of sampling is greedy too.
   p.temperature = 1e-4;
   for (const auto& s : SampleAll(*model, kPrompts, p)) {
-    EXPECT_EQ(s.tokens, GreedyByForward(*model, kPrompts[s.prompt_index], 16));
+    EXPECT_EQ(ResponseIds(s), GreedyByForward(*model, kPrompts[s.prompt_index], 16));
   }
   // And so is top-k = 1 at any temperature.
   p.temperature = 1.5;
   p.top_k = 1;
   for (const auto& s : SampleAll(*model, kPrompts, p)) {
-    EXPECT_EQ(s.tokens, GreedyByForward(*model, kPrompts[s.prompt_index], 16));
+    EXPECT_EQ(ResponseIds(s), GreedyByForward(*model, kPrompts[s.prompt_index], 16));
   }
 }
 
@@ -166,7 +167,7 @@ TEST(Sampler, LogprobsEqualTeacherPath) {
     double worst = 0;
     for (const auto& s : SampleAll(*model, kPrompts, p)) {
       worst = std::max(worst, MaxAbsDiff(s.logprobs, TeacherPath(*model, kPrompts[s.prompt_index],
-                                                                 s.tokens, temperature)));
+                                                                 ResponseIds(s), temperature)));
     }
     EXPECT_LE(worst, 1e-4) << "temperature " << temperature;
   }
@@ -223,8 +224,8 @@ TEST(Sampler, SamplesFollowTheFilteredDistribution) {
   auto lp = FilteredLogprobs(model->Logits(h[h.size(0) - 1]).unsqueeze(0), 1.3, 8, 1.0)[0];
   std::map<int64_t, int> counts;
   for (const auto& s : out) {
-    ++counts[s.tokens[0]];
-    EXPECT_NEAR(s.logprobs[0], lp[s.tokens[0]].item<float>(), 1e-5);
+    ++counts[s.response()[0]];
+    EXPECT_NEAR(s.logprobs[0], lp[s.response()[0]].item<float>(), 1e-5);
     EXPECT_TRUE(std::isfinite(s.logprobs[0])) << "token outside the top-k";
   }
   double tv = 0;
@@ -315,7 +316,7 @@ TEST(Sampler, StopIdsAndMaxNewTokens) {
   SamplingParams p;
   p.temperature = 0;
   p.max_new_tokens = 16;
-  auto free_run = SampleAll(*model, {kPrompts[0]}, p)[0].tokens;
+  auto free_run = ResponseIds(SampleAll(*model, {kPrompts[0]}, p)[0]);
   // Stop at the first token that did not occur before it in the greedy continuation.
   size_t at = 3;
   while (at < free_run.size() && std::find(free_run.begin(), free_run.begin() + at, free_run[at]) !=
@@ -326,12 +327,15 @@ TEST(Sampler, StopIdsAndMaxNewTokens) {
   p.stop_ids = {free_run[at]};
   auto stopped = SampleAll(*model, {kPrompts[0]}, p)[0];
   EXPECT_EQ(stopped.finish, FinishReason::kStop);
-  EXPECT_EQ(stopped.tokens, std::vector<int64_t>(free_run.begin(), free_run.begin() + at + 1));
+  EXPECT_EQ(ResponseIds(stopped),
+            std::vector<int64_t>(free_run.begin(), free_run.begin() + at + 1));
   p.stop_ids = {};
   p.max_new_tokens = 5;
   auto cut = SampleAll(*model, {kPrompts[0]}, p)[0];
   EXPECT_EQ(cut.finish, FinishReason::kLength);
-  EXPECT_EQ(cut.tokens.size(), 5u);
+  EXPECT_EQ(cut.response_length(), 5);
+  EXPECT_EQ(cut.prompt(),
+            absl::MakeConstSpan(std::vector<int32_t>(kPrompts[0].begin(), kPrompts[0].end())));
 }
 
 TEST(Sampler, SamplesShareThePromptPrefill) {

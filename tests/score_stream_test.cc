@@ -107,9 +107,9 @@ struct Teacher {
 
 // `n` sequences of 12..39 random tokens, scored from position 3 (a fixed seed: the same inputs in
 // every run).
-std::vector<opd::rpc::ScoreInput> Inputs(int n, uint32_t seed = 7) {
+std::vector<lm::Sample> Inputs(int n, uint32_t seed = 7) {
   std::mt19937 rng(seed);
-  std::vector<opd::rpc::ScoreInput> out(n);
+  std::vector<lm::Sample> out(n);
   for (auto& s : out) {
     const int len = 12 + static_cast<int>(rng() % 28);
     for (int i = 0; i < len; ++i) s.tokens.push_back(static_cast<int32_t>(rng() % kVocab));
@@ -118,7 +118,7 @@ std::vector<opd::rpc::ScoreInput> Inputs(int n, uint32_t seed = 7) {
   return out;
 }
 
-opd::v1::ScoreRequest Request(const std::vector<opd::rpc::ScoreInput>& seqs, int32_t top_k) {
+opd::v1::ScoreRequest Request(const std::vector<lm::Sample>& seqs, int32_t top_k) {
   opd::v1::ScoreRequest req;
   req.set_temperature(1.0f);
   req.set_top_k(top_k);
@@ -131,7 +131,7 @@ opd::v1::ScoreRequest Request(const std::vector<opd::rpc::ScoreInput>& seqs, int
 }
 
 // The job the server builds from `seqs`, restricted to [begin, end).
-teacher::ScoreJob Job(const std::vector<opd::rpc::ScoreInput>& seqs, int32_t top_k, size_t begin,
+teacher::ScoreJob Job(const std::vector<lm::Sample>& seqs, int32_t top_k, size_t begin,
                       size_t end) {
   teacher::ScoreJob j;
   for (size_t i = begin; i < end; ++i) {
@@ -144,8 +144,7 @@ teacher::ScoreJob Job(const std::vector<opd::rpc::ScoreInput>& seqs, int32_t top
 
 // The chunks a stream must send, from ReplyBytes alone: the longest runs of consecutive sequences
 // whose reply fits `budget`, at least one each.
-int64_t ExpectedChunks(const std::vector<opd::rpc::ScoreInput>& seqs, int32_t top_k,
-                       int64_t budget) {
+int64_t ExpectedChunks(const std::vector<lm::Sample>& seqs, int32_t top_k, int64_t budget) {
   int64_t chunks = 0;
   for (size_t begin = 0; begin < seqs.size(); ++chunks) {
     size_t end = begin + 1;

@@ -33,15 +33,10 @@ namespace {
 
 namespace fs = std::filesystem;
 using testing_util::ChildProcess;
-using testing_util::WaitForPort;
+using testing_util::ReadFile;
 
 const std::string kBin = OPD_BINARY_DIR;
 const std::string kSecret = "security-test-secret-91d2";
-
-std::string ReadAll(const fs::path& p) {
-  std::ifstream in(p);
-  return std::string((std::istreambuf_iterator<char>(in)), {});
-}
 
 class Security : public ::testing::Test {
  protected:
@@ -62,7 +57,7 @@ class Security : public ::testing::Test {
         " && openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=other-ca"
         " -keyout other_ca.key -out other_ca.pem";
     ASSERT_EQ(Shell("(" + gen + ") > " + d + "/openssl.log 2>&1"), 0)
-        << ReadAll(dir_ / "openssl.log");
+        << ReadFile(dir_ / "openssl.log");
     ASSERT_TRUE(testing_util::MakeOpdTask(
         dir_, "--teacher-examples 100 --student-examples 10 --prompts 64 --eval 4", kSecret));
   }
@@ -85,22 +80,16 @@ class Security : public ::testing::Test {
   // An opd-teacher / opd-rollout over TLS on an ephemeral loopback port; "127.0.0.1:PORT" or "".
   std::string StartService(const std::string& tag, const std::string& binary,
                            const std::string& model, std::vector<std::string> extra = {}) {
-    const std::string port_file = Path(tag + ".port");
-    fs::remove(port_file);
     std::vector<std::string> argv = {binary,
                                      "--model=" + model,
                                      "--tokenizer=" + Path("task/tokenizer"),
-                                     "--listen=127.0.0.1:0",
-                                     "--port-file=" + port_file,
                                      "--secret-file=" + Path("secret"),
                                      "--tls-cert=" + Path("node.pem"),
                                      "--tls-key=" + Path("node.key"),
                                      "--threads=1"};
     argv.insert(argv.end(), extra.begin(), extra.end());
-    services_.push_back(std::make_unique<ChildProcess>(argv, Path(tag + ".log")));
-    const int port = WaitForPort(*services_.back(), port_file, std::chrono::seconds(60));
-    EXPECT_GT(port, 0) << services_.back()->Log();
-    return port > 0 ? "127.0.0.1:" + std::to_string(port) : "";
+    services_.push_back(testing_util::StartServed(dir_, tag, std::move(argv)));
+    return services_.back().address;
   }
   // The teacher requires client certificates signed by the CA (mutual TLS).
   std::string StartTeacher() {
@@ -133,7 +122,7 @@ class Security : public ::testing::Test {
   }
 
   static inline fs::path dir_;
-  std::vector<std::unique_ptr<ChildProcess>> services_;
+  std::vector<testing_util::Served> services_;
 };
 
 // The learner's admin GetStatus with `opts`.
@@ -152,7 +141,7 @@ absl::StatusOr<opd::v1::LearnerStatus> AdminStatus(const opd::rpc::ClientOptions
 
 // Whether metrics.jsonl of `run` has a completed OPD step.
 bool HasStep(const fs::path& run) {
-  return ReadAll(run / "metrics.jsonl").find("opd/reverse_kl") != std::string::npos;
+  return ReadFile(run / "metrics.jsonl").find("opd/reverse_kl") != std::string::npos;
 }
 
 TEST_F(Security, TlsLearnerTalksToTlsServicesAndPlaintextClientsAreRefused) {
@@ -177,11 +166,11 @@ TEST_F(Security, TlsLearnerTalksToTlsServicesAndPlaintextClientsAreRefused) {
 
   const fs::path run = dir_ / "run_tls";
   std::vector<std::string> sets = TlsSets();
-  sets.push_back("admin.listen=127.0.0.1:0");
-  sets.push_back("admin.port_file=" + Path("admin.port"));
-  ChildProcess learner(TrainerArgs(run.string(), rollout, teacher, sets), Path("learner.log"));
-  const int admin_port = WaitForPort(learner, Path("admin.port"), std::chrono::seconds(120));
-  ASSERT_GT(admin_port, 0) << learner.Log();
+  const testing_util::Served served = testing_util::StartLearnerAdmin(
+      dir_, "learner", TrainerArgs(run.string(), rollout, teacher, sets),
+      std::chrono::seconds(120));
+  ASSERT_FALSE(served.address.empty());
+  ChildProcess& learner = *served.process;
   // A step done means the learner sampled from the rollout worker, was scored by the teacher
   // and pushed weights, all over TLS.
   for (int i = 0; i < 2400 && !HasStep(run); ++i) {
@@ -192,7 +181,7 @@ TEST_F(Security, TlsLearnerTalksToTlsServicesAndPlaintextClientsAreRefused) {
   EXPECT_NE(learner.Log().find("(TLS)"), std::string::npos) << learner.Log();
 
   opd::rpc::ClientOptions admin;
-  admin.address = "127.0.0.1:" + std::to_string(admin_port);
+  admin.address = served.address;
   admin.secret = kSecret;
   admin.timeout = absl::Seconds(10);
   EXPECT_EQ(AdminStatus(admin).status().code(), absl::StatusCode::kUnavailable)
@@ -214,15 +203,15 @@ TEST_F(Security, TlsLearnerTalksToTlsServicesAndPlaintextClientsAreRefused) {
                            " --stage nope --endpoints " + teacher + " --secret-file " +
                            Path("secret");
   EXPECT_NE(Shell(swap + " --tls-ca " + Path("ca.pem") + " > " + out + " 2>&1"), 0);
-  EXPECT_NE(ReadAll(out).find("no stage named 'nope'"), std::string::npos) << ReadAll(out);
+  EXPECT_NE(ReadFile(out).find("no stage named 'nope'"), std::string::npos) << ReadFile(out);
   EXPECT_NE(Shell(swap + " > " + out + " 2>&1"), 0);
-  EXPECT_EQ(ReadAll(out).find("no stage named"), std::string::npos) << ReadAll(out);
+  EXPECT_EQ(ReadFile(out).find("no stage named"), std::string::npos) << ReadFile(out);
   // A real swap: the admin service connects to the (mutual-TLS) teacher with the learner's
   // certificate and checks it before accepting.
   const std::string good = kBin + "/ctl/opd-ctl swap-teacher --learner " + admin.address +
                            " --stage stage1_small_teacher --endpoints " + teacher +
                            " --secret-file " + Path("secret") + " --tls-ca " + Path("ca.pem");
-  EXPECT_EQ(Shell(good + " > " + out + " 2>&1"), 0) << ReadAll(out) << learner.Log();
+  EXPECT_EQ(Shell(good + " > " + out + " 2>&1"), 0) << ReadFile(out) << learner.Log();
 
   learner.Kill(SIGTERM);
   EXPECT_EQ(learner.Wait(std::chrono::seconds(120)), 128 + SIGTERM) << learner.Log();

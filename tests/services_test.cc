@@ -41,8 +41,10 @@
 #include "tests/testing.h"
 
 using testing_util::MaxAbsDiff;
+using testing_util::ReadFile;
 using testing_util::Shell;
 using testing_util::TempDir;
+using testing_util::ToScore;
 
 namespace {
 
@@ -54,11 +56,6 @@ constexpr const char* kSecret = "s3cret-for-tests";
 
 std::string FixtureModel(const std::string& name = kModel) {
   return std::string(OPD_FIXTURES_DIR) + "/" + name + "/model";
-}
-
-std::string ReadAll(const fs::path& p) {
-  std::ifstream in(p);
-  return std::string((std::istreambuf_iterator<char>(in)), {});
 }
 
 // A secret file as an operator would write it: mode 0600.
@@ -80,33 +77,22 @@ class ServerProcess {
                                               const opd::rpc::TlsClientOptions& probe_tls = {}) {
     auto p = std::unique_ptr<ServerProcess>(new ServerProcess());
     p->dir_ = TempDir("server");
-    const fs::path port_file = p->dir_ / "port", log = p->dir_ / "log";
     args.insert(args.begin(), binary);
     // One compute thread unless asked otherwise (see LoadLocal).
     if (std::none_of(args.begin(), args.end(),
                      [](const std::string& a) { return a.rfind("--threads", 0) == 0; })) {
       args.push_back("--threads=1");
     }
-    args.push_back("--listen=127.0.0.1:0");
-    args.push_back("--port-file=" + port_file.string());
-    p->child_ = std::make_unique<testing_util::ChildProcess>(args, log.string(), extra_env);
-    if (!p->child_->started()) {
-      ADD_FAILURE() << "cannot spawn " << binary;
-      return nullptr;
-    }
     // Up to 60 s for the port file (model load), failing early if the process died.
-    p->port_ = testing_util::WaitForPort(*p->child_, port_file.string(), std::chrono::seconds(60));
-    if (p->port_ <= 0) {
-      ADD_FAILURE() << binary << (p->Running() ? " wrote no port:\n" : " exited at start:\n")
-                    << ReadAll(log);
-      return nullptr;
-    }
+    p->served_ =
+        testing_util::StartServed(p->dir_, "server", args, std::chrono::seconds(60), extra_env);
+    if (p->served_.address.empty()) return nullptr;
     ClientOptions o;
     o.address = p->address();
     o.tls = probe_tls;
     absl::Status st = opd::rpc::WaitUntilServing(o, absl::Seconds(30));
     if (!st.ok()) {
-      ADD_FAILURE() << st << "\n" << ReadAll(log);
+      ADD_FAILURE() << st << "\n" << p->log();
       return nullptr;
     }
     return p;
@@ -118,17 +104,16 @@ class ServerProcess {
   }
 
   // SIGTERM (graceful), then SIGKILL after 10 s; returns the exit code (128 + signal).
-  int Stop() { return child_ ? child_->Stop() : -1; }
-  bool Running() { return child_ && child_->Running(); }
-  int64_t RssKb() const { return child_->RssKb(); }
+  int Stop() { return served_.process ? served_.process->Stop() : -1; }
+  bool Running() { return served_.process && served_.process->Running(); }
+  int64_t RssKb() const { return served_.process->RssKb(); }
 
-  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
-  std::string log() const { return ReadAll(dir_ / "log"); }
+  const std::string& address() const { return served_.address; }
+  std::string log() const { return served_.process->Log(); }
 
  private:
   ServerProcess() = default;
-  std::unique_ptr<testing_util::ChildProcess> child_;
-  int port_ = 0;
+  testing_util::Served served_;
   fs::path dir_;
 };
 
@@ -148,6 +133,11 @@ ClientOptions Options(const ServerProcess& s, const std::string& secret = kSecre
 std::vector<std::vector<int64_t>> FixtureSequences(const std::string& name = kModel) {
   std::ifstream in(std::string(OPD_FIXTURES_DIR) + "/" + name + "/inputs.json");
   return nlohmann::json::parse(in)["sequences"].get<std::vector<std::vector<int64_t>>>();
+}
+
+// A sample's response tokens.
+std::vector<int32_t> Response(const lm::Sample& s) {
+  return std::vector<int32_t>(s.response().begin(), s.response().end());
 }
 
 std::vector<int32_t> To32(const std::vector<int64_t>& v) {
@@ -258,8 +248,8 @@ TEST_F(TeacherService, ScoresEqualInProcessLogprobs) {
   }
   ASSERT_EQ(ref.size(), seqs.size());
 
-  std::vector<opd::rpc::ScoreInput> inputs;
-  for (const auto& s : seqs) inputs.push_back({To32(s), 1});
+  std::vector<lm::Sample> inputs;
+  for (const auto& s : seqs) inputs.push_back(ToScore(To32(s), 1));
   auto scores = Client()->Score(inputs);
   ASSERT_TRUE(scores.ok()) << scores.status();
   for (size_t i = 0; i < seqs.size(); ++i) {
@@ -288,7 +278,8 @@ TEST_F(TeacherService, ResponseStartTemperatureAndTopK) {
   opd::rpc::ScoreOptions so;
   so.temperature = 0.6f;
   so.top_k = 5;
-  auto scores = Client()->Score({{To32(s), 12}, {To32(s), static_cast<int32_t>(s.size())}}, so);
+  auto scores =
+      Client()->Score(ToScore({{To32(s), 12}, {To32(s), static_cast<int64_t>(s.size())}}), so);
   ASSERT_TRUE(scores.ok()) << scores.status();
   const auto& r = (*scores)[0];
   ASSERT_EQ(r.logprobs.size(), s.size() - 12);
@@ -315,7 +306,7 @@ TEST_F(TeacherService, ResponseStartTemperatureAndTopK) {
 }
 
 TEST_F(TeacherService, UnauthenticatedCallsAreRejected) {
-  const std::vector<opd::rpc::ScoreInput> in = {{{1, 2, 3}, 1}};
+  const std::vector<lm::Sample> in = ToScore({{{1, 2, 3}, 1}});
   for (const std::string& secret :
        {std::string(), std::string("wrong"), std::string(kSecret) + "x"}) {
     auto c = Client(secret);
@@ -332,9 +323,9 @@ TEST_F(TeacherService, UnauthenticatedCallsAreRejected) {
 
 TEST_F(TeacherService, BadInputGetsInvalidArgumentAndServerKeepsServing) {
   auto c = Client();
-  auto expect = [&](const std::vector<opd::rpc::ScoreInput>& in, opd::rpc::ScoreOptions so,
-                    const std::string& needle) {
-    auto r = c->Score(in, so);
+  auto expect = [&](std::initializer_list<std::pair<std::vector<int32_t>, int64_t>> in,
+                    opd::rpc::ScoreOptions so, const std::string& needle) {
+    auto r = c->Score(ToScore(in), so);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument)
         << needle << ": " << r.status();
     EXPECT_NE(std::string(r.status().message()).find(needle), std::string::npos) << r.status();
@@ -359,23 +350,24 @@ TEST_F(TeacherService, BadInputGetsInvalidArgumentAndServerKeepsServing) {
     expect({{{1, 2}, 1}}, so, "temperature must be finite and at least 0.0001");
   }
   so.temperature = 1e-4f;
-  auto coldest = c->Score({{{1, 2, 3}, 1}}, so);
+  auto coldest = c->Score(ToScore({{{1, 2, 3}, 1}}), so);
   ASSERT_TRUE(coldest.ok()) << coldest.status();
   for (float lp : (*coldest)[0].logprobs) EXPECT_TRUE(std::isfinite(lp)) << lp;
   so = {};
   so.top_k = 1000000;
   expect({{{1, 2}, 1}}, so, "top_k");
   // A request above the server's message limit (1 MiB here) is RESOURCE_EXHAUSTED.
-  auto huge = c->Score({{std::vector<int32_t>(1500000, 1), 1}});
+  auto huge = c->Score(ToScore({{std::vector<int32_t>(1500000, 1), 1}}));
   EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
   // An expired deadline is the client's DEADLINE_EXCEEDED. The deadline is already past when the
   // call starts (not merely short, which a fast enough machine could meet).
   auto opts = Options(*teacher_);
   opts.timeout = -absl::Seconds(1);
   auto hurried = *opd::rpc::TeacherClient::Create(opts);
-  EXPECT_EQ(hurried->Score({{{1, 2, 3}, 1}}).status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(hurried->Score(ToScore({{{1, 2, 3}, 1}})).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
   // Still serving.
-  auto ok = c->Score({{{1, 2, 3}, 1}});
+  auto ok = c->Score(ToScore({{{1, 2, 3}, 1}}));
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_EQ((*ok)[0].logprobs.size(), 2u);
 }
@@ -399,7 +391,7 @@ TEST_F(TeacherService, HealthAndReflectionForGrpcurl) {
   const std::string cmd = std::string(OPD_PYTHON) + " " + (dir / "refl.py").string() + " " +
                           teacher_->address() + " > " + (dir / "out.txt").string();
   ASSERT_EQ(Shell(cmd), 0) << cmd;
-  const std::string out = ReadAll(dir / "out.txt");
+  const std::string out = ReadFile(dir / "out.txt");
   EXPECT_NE(out.find("opd.v1.Teacher"), std::string::npos);
   EXPECT_NE(out.find("grpc.health.v1.Health"), std::string::npos);
   EXPECT_NE(out.find("opd/v1/teacher.proto"), std::string::npos);  // the file descriptor
@@ -407,7 +399,7 @@ TEST_F(TeacherService, HealthAndReflectionForGrpcurl) {
   EXPECT_EQ(Shell(Binary("ctl/opd-ctl") + " health --addr " + teacher_->address() + " > " +
                   (dir / "h.txt").string()),
             0);
-  EXPECT_NE(ReadAll(dir / "h.txt").find("SERVING"), std::string::npos);
+  EXPECT_NE(ReadFile(dir / "h.txt").find("SERVING"), std::string::npos);
   fs::remove_all(dir);
 }
 
@@ -425,13 +417,13 @@ TEST(TeacherLoad, ConcurrentClientsMatchSerialScoring) {
   ASSERT_NE(teacher, nullptr);
   // A pool of requests of varied shapes, scored one at a time first.
   std::mt19937 rng(11);
-  std::vector<std::vector<opd::rpc::ScoreInput>> pool(24);
+  std::vector<std::vector<lm::Sample>> pool(24);
   for (auto& req : pool) {
     const int n = 1 + rng() % 4;
     for (int i = 0; i < n; ++i) {
       std::vector<int32_t> t(2 + rng() % 60);
       for (auto& x : t) x = rng() % 96;
-      req.push_back({t, 1 + static_cast<int32_t>(rng() % (t.size() - 1))});
+      req.push_back(ToScore(t, 1 + static_cast<int64_t>(rng() % (t.size() - 1))));
     }
   }
   auto serial_client = *opd::rpc::TeacherClient::Create(Options(*teacher));
@@ -517,7 +509,7 @@ TEST(TeacherStartup, SecretFromEnvironmentAndFilePermissions) {
                           FixtureModel() + " --listen 127.0.0.1:0 --secret-file " + loose.string() +
                           " 2> " + (dir / "err").string();
   EXPECT_EQ(Shell(cmd), 2);
-  EXPECT_NE(ReadAll(dir / "err").find("chmod 600"), std::string::npos) << ReadAll(dir / "err");
+  EXPECT_NE(ReadFile(dir / "err").find("chmod 600"), std::string::npos) << ReadFile(dir / "err");
   fs::remove_all(dir);
 }
 
@@ -551,7 +543,7 @@ TEST(TeacherStartup, TlsWithServerCertificate) {
   opts.tls = tls;
   auto info = (*opd::rpc::TeacherClient::Create(opts))->Info();
   EXPECT_TRUE(info.ok()) << info.status();
-  auto scores = (*opd::rpc::TeacherClient::Create(opts))->Score({{{1, 2, 3}, 1}});
+  auto scores = (*opd::rpc::TeacherClient::Create(opts))->Score(ToScore({{{1, 2, 3}, 1}}));
   EXPECT_TRUE(scores.ok()) << scores.status();
   // Plaintext to a TLS port fails; so does TLS with a CA that did not sign the server's
   // certificate.
@@ -650,8 +642,8 @@ TEST_F(RolloutService, SeededSamplesAreReproducible) {
     EXPECT_EQ((*a)[i].sample_index, static_cast<int>(i % 2));
     EXPECT_EQ((*a)[i].tokens, (*b)[i].tokens);
     EXPECT_EQ((*a)[i].logprobs, (*b)[i].logprobs);
-    EXPECT_EQ((*a)[i].tokens.size(), 12u);
-    EXPECT_EQ((*a)[i].finish_reason, opd::v1::FINISH_REASON_LENGTH);
+    EXPECT_EQ((*a)[i].response_length(), 12);
+    EXPECT_EQ((*a)[i].finish, lm::FinishReason::kLength);
     differ += (*a)[i].tokens != (*other)[i].tokens;
   }
   EXPECT_GE(differ, 4);
@@ -663,7 +655,7 @@ TEST_F(RolloutService, TemperatureToZeroIsGreedy) {
     auto out = Client()->Generate(kPrompts, Sampling(1, t, 2, 10));
     ASSERT_TRUE(out.ok()) << out.status();
     for (const auto& s : *out) {
-      EXPECT_EQ(s.tokens, GreedyByForward(*model, To64(kPrompts[s.prompt_index]), 10))
+      EXPECT_EQ(Response(s), GreedyByForward(*model, To64(kPrompts[s.prompt_index]), 10))
           << "temperature " << t;
     }
   }
@@ -674,13 +666,11 @@ TEST_F(RolloutService, GenerateLogprobsEqualTeacherScores) {
   for (float t : {1.0f, 0.8f}) {
     auto out = Client()->Generate(kPrompts, Sampling(3, t, 2, 24));
     ASSERT_TRUE(out.ok()) << out.status();
-    std::vector<opd::rpc::ScoreInput> in;
-    for (const auto& s : *out) {
-      auto seq = kPrompts[s.prompt_index];
-      seq.insert(seq.end(), s.tokens.begin(), s.tokens.end());
-      in.push_back({seq, static_cast<int32_t>(kPrompts[s.prompt_index].size())});
+    for (const auto& s : *out) {  // the samples carry their prompts: they are what is scored
+      EXPECT_EQ(s.prompt(), absl::MakeConstSpan(kPrompts[s.prompt_index]));
+      EXPECT_EQ(s.response_start, static_cast<int64_t>(kPrompts[s.prompt_index].size()));
     }
-    auto scores = teacher->Score(in, {t, 0});
+    auto scores = teacher->Score(*out, {t, 0});
     ASSERT_TRUE(scores.ok()) << scores.status();
     double worst = 0;
     for (size_t i = 0; i < out->size(); ++i)
@@ -692,7 +682,7 @@ TEST_F(RolloutService, GenerateLogprobsEqualTeacherScores) {
 TEST_F(RolloutService, StopIdsEndSamples) {
   auto greedy = Client()->Generate({kPrompts[0]}, Sampling(0, 0.0f, 1, 16));
   ASSERT_TRUE(greedy.ok());
-  const auto& free_run = (*greedy)[0].tokens;
+  const std::vector<int32_t> free_run = Response((*greedy)[0]);
   size_t at = 2;
   while (at < free_run.size() && std::find(free_run.begin(), free_run.begin() + at, free_run[at]) !=
                                      free_run.begin() + at) {
@@ -703,8 +693,8 @@ TEST_F(RolloutService, StopIdsEndSamples) {
   g.stop_token_ids = {free_run[at]};
   auto stopped = Client()->Generate({kPrompts[0]}, g);
   ASSERT_TRUE(stopped.ok());
-  EXPECT_EQ((*stopped)[0].finish_reason, opd::v1::FINISH_REASON_STOP);
-  EXPECT_EQ((*stopped)[0].tokens,
+  EXPECT_EQ((*stopped)[0].finish, lm::FinishReason::kStop);
+  EXPECT_EQ(Response((*stopped)[0]),
             std::vector<int32_t>(free_run.begin(), free_run.begin() + at + 1));
 }
 
@@ -763,14 +753,14 @@ TEST_F(RolloutService, UpdateWeightsSwitchesModelsAndCheckers) {
   ASSERT_TRUE(after.ok());
   for (const auto& s : *after) {
     EXPECT_EQ(s.weight_version, v0 + 1);
-    EXPECT_EQ(s.tokens, GreedyByForward(*b, To64(kPrompts[s.prompt_index]), 10));
+    EXPECT_EQ(Response(s), GreedyByForward(*b, To64(kPrompts[s.prompt_index]), 10));
   }
   auto sampled = Client()->Generate(kPrompts, Sampling(9, 1.0f, 2, 16));
   ASSERT_TRUE(sampled.ok());
   double worst = 0;
   for (const auto& s : *sampled) {
-    worst = std::max(worst,
-                     MaxAbsDiff(s.logprobs, TeacherPath(*b, kPrompts[s.prompt_index], s.tokens)));
+    worst = std::max(
+        worst, MaxAbsDiff(s.logprobs, TeacherPath(*b, kPrompts[s.prompt_index], Response(s))));
   }
   EXPECT_LE(worst, 1e-4);
 
@@ -917,7 +907,7 @@ TEST(OpdCtlClient, InfoGenerateAndConnectionFailure) {
   const std::string ctl = Binary("ctl/opd-ctl");
   const std::string auth = " --addr " + rollout->address() + " --secret-file " + secret.string();
   ASSERT_EQ(Shell(ctl + " info" + auth + " > " + (dir / "info.json").string()), 0);
-  auto info = nlohmann::json::parse(ReadAll(dir / "info.json"));
+  auto info = nlohmann::json::parse(ReadFile(dir / "info.json"));
   EXPECT_EQ(info["service"], "opd.v1.Rollout");
   EXPECT_EQ(info["architecture"], "qwen3_moe");
   {
@@ -941,7 +931,7 @@ TEST(OpdCtlClient, InfoGenerateAndConnectionFailure) {
   // No server at the address: exit 1, and the message names the address and the gRPC status.
   EXPECT_EQ(Shell(ctl + " info --addr 127.0.0.1:1 --timeout 5 2> " + (dir / "err.txt").string()),
             1);
-  const std::string err = ReadAll(dir / "err.txt");
+  const std::string err = ReadFile(dir / "err.txt");
   EXPECT_NE(err.find("127.0.0.1:1"), std::string::npos) << err;
   EXPECT_NE(err.find("UNAVAILABLE"), std::string::npos) << err;
   fs::remove_all(dir);

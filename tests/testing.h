@@ -1,7 +1,8 @@
 // Helpers every test binary shares (no LibTorch here; tensors are in tests/tensor_testing.h):
-// fresh directories, files, JSON lines, shell commands, and the largest difference of two float
-// vectors. Multi-process helpers live beside it: tests/child_process.h (a child process and its
-// port file), tests/opd_task.h (the OPD task the learner tests share).
+// fresh directories, files, JSON lines, shell commands, the largest difference of two float
+// vectors, and a sample's response as token ids. Multi-process helpers live beside it:
+// tests/child_process.h (a child process and its port file), tests/opd_task.h (the OPD task the
+// learner tests share).
 #pragma once
 
 #include <stdlib.h>
@@ -12,12 +13,15 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <iterator>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "lm/generate/sampling.h"
 #include "nlohmann/json.hpp"
 
 namespace testing_util {
@@ -72,6 +76,26 @@ inline std::vector<nlohmann::json> ReadJsonl(const std::filesystem::path& path) 
 inline int Shell(const std::string& cmd) {
   const int rc = std::system(cmd.c_str());
   return rc != -1 && WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+// A sample's response tokens, widened to the ids the references (greedy loops, HF fixtures)
+// produce.
+inline std::vector<int64_t> ResponseIds(const lm::Sample& s) {
+  const auto r = s.response();
+  return std::vector<int64_t>(r.begin(), r.end());
+}
+
+// A sequence to score (lm::Sample::ToScore) from a literal list of ids.
+inline lm::Sample ToScore(std::vector<int32_t> tokens, int64_t response_start) {
+  return lm::Sample::ToScore(std::move(tokens), response_start);
+}
+
+// Sequences to score from literal {tokens, response_start} pairs.
+inline std::vector<lm::Sample> ToScore(
+    std::initializer_list<std::pair<std::vector<int32_t>, int64_t>> seqs) {
+  std::vector<lm::Sample> out;
+  for (const auto& [tokens, start] : seqs) out.push_back(lm::Sample::ToScore(tokens, start));
+  return out;
 }
 
 inline double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {

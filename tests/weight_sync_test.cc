@@ -489,25 +489,17 @@ TEST(WeightSync, LearnerKilledMidBroadcastLeavesTheOldVersionServing) {
 class RolloutProcess {
  public:
   RolloutProcess(const fs::path& dir, const std::string& dtype) {
-    const fs::path port_file = dir / "port";
-    child_ = std::make_unique<ChildProcess>(
-        std::vector<std::string>{kBin + "/rollout/opd-rollout", "--model=" + FixtureModel(),
-                                 "--secret-file=" + WriteSecret(dir).string(), "--threads=1",
-                                 "--dtype=" + dtype, "--listen=127.0.0.1:0",
-                                 "--port-file=" + port_file.string()},
-        (dir / "rollout.log").string());
-    const int port =
-        testing_util::WaitForPort(*child_, port_file.string(), std::chrono::seconds(60));
-    EXPECT_GT(port, 0) << child_->Log();
-    address_ = "127.0.0.1:" + std::to_string(port);
-    EXPECT_TRUE(opd::rpc::WaitUntilServing(Client(address_), absl::Seconds(60)).ok());
+    served_ = testing_util::StartServed(
+        dir, "rollout",
+        {kBin + "/rollout/opd-rollout", "--model=" + FixtureModel(),
+         "--secret-file=" + WriteSecret(dir).string(), "--threads=1", "--dtype=" + dtype});
+    EXPECT_TRUE(opd::rpc::WaitUntilServing(Client(served_.address), absl::Seconds(60)).ok());
   }
-  const std::string& address() const { return address_; }
-  ChildProcess& child() { return *child_; }
+  const std::string& address() const { return served_.address; }
+  ChildProcess& child() { return *served_.process; }
 
  private:
-  std::unique_ptr<ChildProcess> child_;
-  std::string address_;
+  testing_util::Served served_;
 };
 
 TEST(WeightSync, WorkerKilledMidBroadcastIsUnavailableNotAHang) {
@@ -578,8 +570,9 @@ TEST(WeightSync, Bf16RolloutAcceptsAnFp32PushAndSamplesWithIt) {
     double to_pushed = 0, to_old = 0;
     for (const auto& s : *out) {
       EXPECT_EQ(s.weight_version, version);
-      auto want = Logprobs(*rounded, prompts[s.prompt_index], s.tokens);
-      auto old = Logprobs(*a, prompts[s.prompt_index], s.tokens);
+      const std::vector<int32_t> response(s.response().begin(), s.response().end());
+      auto want = Logprobs(*rounded, prompts[s.prompt_index], response);
+      auto old = Logprobs(*a, prompts[s.prompt_index], response);
       for (size_t i = 0; i < s.logprobs.size(); ++i) {
         to_pushed = std::max(to_pushed, std::abs(double(s.logprobs[i]) - want[i]));
         to_old = std::max(to_old, std::abs(double(s.logprobs[i]) - old[i]));

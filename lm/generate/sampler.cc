@@ -149,7 +149,7 @@ absl::Status CheckDrawn(const Sample& s, float logprob) {
   if (std::isfinite(logprob)) return absl::OkStatus();
   return absl::FailedPreconditionError(
       absl::StrCat("prompt ", s.prompt_index, ", sample ", s.sample_index,
-                   ": the log-prob of response token ", s.tokens.size(), " is ", logprob,
+                   ": the log-prob of response token ", s.response_length(), " is ", logprob,
                    ": the model produced non-finite values (are its weights broken?)"));
 }
 
@@ -261,6 +261,7 @@ absl::StatusOr<SamplerStats> SampleResponses(CausalLM& model,
       Slot slot{std::mt19937_64(SampleSeed(params.seed, p, s)), Sample{}};
       slot.out.prompt_index = p;
       slot.out.sample_index = s;
+      slot.out.SetPrompt(prompts[p]);
       if (routing) {
         slot.out.routed_experts = prompt_routing[p];
         slot.out.routing_layers = moe_layers;
@@ -284,10 +285,10 @@ absl::StatusOr<SamplerStats> SampleResponses(CausalLM& model,
     std::vector<int64_t> keep, next;
     for (size_t i = 0; i < slots.size(); ++i) {
       Sample& out = slots[i].out;
-      out.tokens.push_back(d.tokens[i]);
+      out.tokens.push_back(static_cast<int32_t>(d.tokens[i]));
       out.logprobs.push_back(d.logprobs[i]);
       const bool stop = is_stop(d.tokens[i]);
-      if (stop || static_cast<int64_t>(out.tokens.size()) >= params.max_new_tokens) {
+      if (stop || out.response_length() >= params.max_new_tokens) {
         out.finish = stop ? FinishReason::kStop : FinishReason::kLength;
         on_sample(std::move(out));
       } else {

@@ -1,10 +1,16 @@
 // What generation takes and gives, without tensors: the sampling parameters of a request and
-// the samples it produces. Shared by the sampler and the engines (lm/generate/generator.h), the
-// rollout's request validation (rollout/generate_request.h) and its wire conversion.
+// the samples it produces (the one sample type of the project). Shared by the sampler and the
+// engines (lm/generate/generator.h), the rollout's request validation (rollout/generate_request.h)
+// and its wire conversion.
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <string_view>
 #include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
 
 namespace lm {
 
@@ -23,17 +29,51 @@ struct SamplingParams {
 
 enum class FinishReason { kStop, kLength };
 
+// One sampled response with its prompt: the one shape a sample keeps from the generator that
+// draws it, through the rollout's reply, the rank broadcast and a checkpoint's prefetched samples,
+// to the learner's micro-batches, the teachers' scoring and evaluation. A sequence to score alone
+// (no sampler) is a Sample without log-probs (ToScore).
 struct Sample {
   int64_t prompt_index = 0;
   int64_t sample_index = 0;
-  std::vector<int64_t> tokens;  // the response
-  std::vector<float> logprobs;  // one per response token
+  std::vector<int32_t> tokens;  // the prompt, then the response
+  int64_t response_start = 0;   // the prompt's length: where the response begins in `tokens`
+  std::vector<float> logprobs;  // the sampler's, one per response token
+  int64_t weight_version = 0;   // the weights that drew it
   FinishReason finish = FinishReason::kLength;
+  std::string domain;  // the prompt's data domain ("" where none applies)
   // With return_routing: [positions, routing_layers, routing_top_k] expert ids, positions =
-  // prompt length + tokens.size() - 1: every token that was fed to the model (the prompt in the
-  // prefill, then each response token but the last, which is drawn and never fed).
+  // tokens.size() - 1: every token that was fed to the model (the prompt in the prefill, then
+  // each response token but the last, which is drawn and never fed).
   std::vector<int32_t> routed_experts;
   int64_t routing_layers = 0, routing_top_k = 0;
+
+  static Sample ToScore(std::vector<int32_t> tokens, int64_t response_start) {
+    Sample s;
+    s.tokens = std::move(tokens);
+    s.response_start = response_start;
+    return s;
+  }
+  int64_t response_length() const { return static_cast<int64_t>(tokens.size()) - response_start; }
+  absl::Span<const int32_t> prompt() const {
+    return absl::MakeConstSpan(tokens).subspan(0, static_cast<size_t>(response_start));
+  }
+  absl::Span<const int32_t> response() const {
+    return absl::MakeConstSpan(tokens).subspan(static_cast<size_t>(response_start));
+  }
+  // Starts the sample of `prompt` (tokens = the prompt; the generator appends the response).
+  template <class Id>
+  void SetPrompt(const std::vector<Id>& prompt) {
+    tokens.assign(prompt.begin(), prompt.end());
+    response_start = static_cast<int64_t>(prompt.size());
+  }
 };
+
+// The samples as bytes (lm/util/bytes.h), for the learner's rank broadcast and the samples a
+// one-step-off checkpoint keeps. Decode checks every count against the bytes and every sample's
+// shape (log-probs per response token, response_start in range, the routing's size), and fails
+// DATA_LOSS naming the first that is wrong.
+std::string EncodeSamples(const std::vector<Sample>& samples);
+absl::StatusOr<std::vector<Sample>> DecodeSamples(std::string_view bytes);
 
 }  // namespace lm

@@ -1,9 +1,10 @@
 """A fake SGLang / vLLM server for tests/http_teacher_test.cc.
 
-Usage: fake_inference_server.py PORT_FILE [MODE] [--model DIR] [--tokenizer DIR]
-                                [--tls-cert PEM --tls-key PEM] [--marker FILE] [--record FILE]
+Usage: fake_inference_server.py [MODE] --port-file FILE [--listen HOST:PORT] [--model DIR]
+                                [--tokenizer DIR] [--tls-cert PEM --tls-key PEM] [--marker FILE]
+                                [--record FILE]
 
-Binds 127.0.0.1:0 and writes its port to PORT_FILE (atomically). It answers SGLang's
+Binds --listen (default 127.0.0.1:0) and writes its port to FILE (atomically), as our servers do. It answers SGLang's
 `POST /generate` and vLLM's `POST /v1/completions` in their wire shapes (null first entries, ids
 keyed as strings, k or k + 1 entries per position), both at once, plus `/get_model_info`,
 `/v1/models`, `/health` and `/tokenize` (the vLLM / SGLang shape
@@ -40,8 +41,9 @@ MODES = ["ok", "nan", "minus9999", "short", "reorder", "error500", "slow", "hang
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("port_file")
     ap.add_argument("mode", nargs="?", default="ok", choices=MODES)
+    ap.add_argument("--port-file", required=True, help="the bound port is written here")
+    ap.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to bind (port 0: any)")
     ap.add_argument("--model", help="a Hugging Face model directory: real log-probs")
     ap.add_argument("--tokenizer", help="tokenizer directory for /tokenize (default: the model's)")
     ap.add_argument("--tls-cert", help="serve HTTPS with this certificate chain (PEM)")
@@ -248,7 +250,8 @@ class H(BaseHTTPRequestHandler):
 
 
 def main():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    host, _, port = ARGS.listen.rpartition(":")
+    srv = ThreadingHTTPServer((host, int(port)), H)
     if ARGS.tls_cert:
         import ssl
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

@@ -42,15 +42,17 @@ absl::StatusOr<EvalResult> SampleAndScore(lm::CausalLM& model, const lm::Tokeniz
   result.prompts = prompts.size();
   torch::NoGradGuard no_grad;
   auto stats = lm::SampleResponses(model, ids, sp, [&](lm::Sample s) {
+    s.domain = prompts[s.prompt_index].domain;
     result.responses.push_back({std::move(s), "", false});
   });
   if (!stats.ok()) return InStage("sampling", stats.status());
 
   int64_t correct = 0, with_answer = 0, tokens = 0;
   for (EvalResponse& r : result.responses) {
-    tokens += static_cast<int64_t>(r.sample.tokens.size());
-    const std::vector<int32_t> response(r.sample.tokens.begin(), r.sample.tokens.end());
-    r.text = tokenizer.Decode(response, /*skip_special=*/true);
+    tokens += r.sample.response_length();
+    const auto response = r.sample.response();
+    r.text = tokenizer.Decode(std::vector<int32_t>(response.begin(), response.end()),
+                              /*skip_special=*/true);
     const auto& answer = prompts[r.sample.prompt_index].answer;
     if (!answer) continue;
     ++with_answer;
@@ -63,8 +65,7 @@ absl::StatusOr<EvalResult> SampleAndScore(lm::CausalLM& model, const lm::Tokeniz
   return result;
 }
 
-double ReverseKl(lm::CausalLM& teacher, const std::vector<lm::PromptExample>& prompts,
-                 const std::vector<EvalResponse>& responses) {
+double ReverseKl(lm::CausalLM& teacher, const std::vector<EvalResponse>& responses) {
   constexpr size_t kBatch = 256;
   torch::NoGradGuard no_grad;
   double sum = 0;
@@ -74,16 +75,14 @@ double ReverseKl(lm::CausalLM& teacher, const std::vector<lm::PromptExample>& pr
     std::vector<std::vector<int64_t>> seqs;
     for (size_t i = begin; i < end; ++i) {
       const lm::Sample& s = responses[i].sample;
-      const auto& p = prompts[s.prompt_index].prompt_ids;
-      seqs.emplace_back(p.begin(), p.end());
-      seqs.back().insert(seqs.back().end(), s.tokens.begin(), s.tokens.end());
+      seqs.emplace_back(s.tokens.begin(), s.tokens.end());
     }
     auto lp = lm::SequenceLogprobs(teacher, lm::PackedBatch::FromSequences(seqs));
     const float* t = lp.data_ptr<float>();
     for (size_t i = begin; i < end; ++i) {
       // Entries of sequence i: L - 1 of them; its response tokens are the last |response|.
       const lm::Sample& s = responses[i].sample;
-      const size_t len = seqs[i - begin].size(), r = s.tokens.size();
+      const size_t len = s.tokens.size(), r = static_cast<size_t>(s.response_length());
       for (size_t j = 0; j < r; ++j) sum += s.logprobs[j] - t[len - 1 - r + j];
       t += len - 1;
       n += static_cast<int64_t>(r);
@@ -99,7 +98,7 @@ absl::StatusOr<EvalResult> Evaluate(
   auto result = SampleAndScore(model, tokenizer, prompts, sampling);
   if (!result.ok()) return result.status();
   for (const auto& [name, teacher] : teachers)
-    result->reverse_kl.emplace_back(name, ReverseKl(*teacher, prompts, result->responses));
+    result->reverse_kl.emplace_back(name, ReverseKl(*teacher, result->responses));
   return result;
 }
 
@@ -124,7 +123,7 @@ absl::StatusOr<EvalResult> RunEvaluation(const EvalOptions& options) {
     auto teacher = lm::LoadModel(dir);
     if (!teacher.ok()) return InStage("teacher", teacher.status());
     (*teacher)->eval();
-    result->reverse_kl.emplace_back(dir, ReverseKl(**teacher, prompts, result->responses));
+    result->reverse_kl.emplace_back(dir, ReverseKl(**teacher, result->responses));
   }
   return result;
 }

@@ -33,7 +33,7 @@ struct EvalSampling {
 
 // One sampled response, decoded.
 struct EvalResponse {
-  lm::Sample sample;     // prompt and sample index, tokens, the model's log-probs
+  lm::Sample sample;     // the prompt and response, the model's log-probs, the prompt's domain
   std::string text;      // special tokens skipped
   bool correct = false;  // false too when the prompt has no answer
 };
@@ -55,8 +55,7 @@ absl::StatusOr<EvalResult> SampleAndScore(lm::CausalLM& model, const lm::Tokeniz
 
 // Mean per-token reverse KL of the responses to `teacher` (0 when there are no tokens). The
 // teacher scores them in packed batches of up to 256 sequences.
-double ReverseKl(lm::CausalLM& teacher, const std::vector<lm::PromptExample>& prompts,
-                 const std::vector<EvalResponse>& responses);
+double ReverseKl(lm::CausalLM& teacher, const std::vector<EvalResponse>& responses);
 
 // SampleAndScore, then the reverse KL to each (name, model) of `teachers`.
 absl::StatusOr<EvalResult> Evaluate(

@@ -1,6 +1,7 @@
 #include "trainer/opd/learner_service.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -57,31 +58,42 @@ LearnerServer::~LearnerServer() {
   if (server_.server) server_.server->Shutdown();
 }
 
-bool LearnerServer::ServePendingSwap(const std::function<absl::Status(const SwapRequest&)>& apply) {
-  std::optional<Pending> p;
-  int64_t step;
-  {
-    absl::MutexLock lock(&mu_);
-    p = std::move(pending_);
-    pending_.reset();
-    step = status_.step;
-  }
-  if (!p) return false;
-  const absl::Status s = apply(p->request);
-  const std::string endpoints = absl::StrJoin(p->request.endpoints, ", ");
-  if (s.ok()) {
-    auto* resp = p->call->resp();
-    resp->set_stage(p->request.stage);
-    resp->set_domain(p->request.domain);
-    for (const auto& e : p->request.endpoints) resp->add_endpoints(e);
-    resp->set_message(absl::StrCat("applied at the step boundary after step ", step));
+std::unique_ptr<LearnerServer::TakenSwap> LearnerServer::TakeSwap() {
+  absl::MutexLock lock(&mu_);
+  if (!pending_) return nullptr;
+  std::unique_ptr<TakenSwap> taken(
+      new TakenSwap(std::move(pending_->request), pending_->call, status_.step));
+  pending_.reset();
+  return taken;
+}
+
+void LearnerServer::TakenSwap::Answer(const absl::Status& outcome) {
+  if (!call_) return;
+  const std::string endpoints = absl::StrJoin(request_.endpoints, ", ");
+  if (outcome.ok()) {
+    auto* resp = call_->resp();
+    resp->set_stage(request_.stage);
+    resp->set_domain(request_.domain);
+    for (const auto& e : request_.endpoints) resp->add_endpoints(e);
+    resp->set_message(absl::StrCat("applied at the step boundary after step ", step_));
     lm::log::Info(
-        absl::StrCat("swap-teacher applied for stage '", p->request.stage, "': ", endpoints));
+        absl::StrCat("swap-teacher applied for stage '", request_.stage, "': ", endpoints));
   } else {
-    lm::log::Warn(absl::StrCat("swap-teacher refused (stage '", p->request.stage, "': ", endpoints,
-                               "): ", s.message()));
+    lm::log::Warn(absl::StrCat("swap-teacher refused (stage '", request_.stage, "': ", endpoints,
+                               "): ", outcome.message()));
   }
-  p->call->Finish(opd::rpc::ToGrpc(s));
+  std::exchange(call_, nullptr)->Finish(opd::rpc::ToGrpc(outcome));
+}
+
+LearnerServer::TakenSwap::~TakenSwap() {
+  Answer(
+      absl::AbortedError("the job ended at the step boundary before applying it; nothing changed"));
+}
+
+bool LearnerServer::ServePendingSwap(const std::function<absl::Status(const SwapRequest&)>& apply) {
+  std::unique_ptr<TakenSwap> taken = TakeSwap();
+  if (!taken) return false;
+  taken->Answer(apply(taken->request()));
   return true;
 }
 

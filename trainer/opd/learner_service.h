@@ -2,11 +2,11 @@
 //
 // A SwapTeacher call is authenticated (always) and checked for what needs no network (a known
 // stage, at least one endpoint, none empty or given twice: INVALID_ARGUMENT), then queued; the call
-// stays open. The training loop serves it at the next step boundary (ServePendingSwap), on its own
-// thread: it connects to the new endpoints with the stage's own pool options (deadline, TLS,
-// secret), checks them against the student (tokenizer fingerprint, vocabulary) and installs them,
-// and the caller gets that outcome (OK, or the error naming the endpoint). So a step never mixes
-// two teacher sets, and no gRPC thread blocks on a connection.
+// stays open. The training loop serves it at the next step boundary, on its own thread: it takes
+// the call (TakeSwap), connects to the new endpoints with the stage's own pool options (deadline,
+// TLS, secret), checks them against the student (tokenizer fingerprint, vocabulary) and installs
+// them, and answers the caller with that outcome (OK, or the error naming the endpoint). So a step
+// never mixes two teacher sets, and no gRPC thread blocks on a connection.
 //
 // One swap at a time: a second SwapTeacher while one is queued is refused with
 // FAILED_PRECONDITION (it would otherwise silently replace the first); send it again once the
@@ -54,13 +54,37 @@ struct LearnerStatusSnapshot {
 };
 
 class LearnerServer final : public opd::v1::Learner::CallbackService {
+ private:
+  class SwapCall;
+
  public:
+  // A queued swap taken off the queue: its request, and its caller, answered exactly once (by
+  // Answer, or with ABORTED by the destructor of one dropped unanswered).
+  class TakenSwap {
+   public:
+    ~TakenSwap();
+    TakenSwap(const TakenSwap&) = delete;
+    TakenSwap& operator=(const TakenSwap&) = delete;
+    const SwapRequest& request() const { return request_; }
+    void Answer(const absl::Status& outcome);
+
+   private:
+    friend class LearnerServer;
+    TakenSwap(SwapRequest request, SwapCall* call, int64_t step)
+        : request_(std::move(request)), call_(call), step_(step) {}
+    SwapRequest request_;
+    SwapCall* call_;  // null once answered
+    int64_t step_;    // the step boundary it is answered at
+  };
+
   explicit LearnerServer(LearnerServerOptions opts) : opts_(std::move(opts)), auth_(opts_.secret) {}
   ~LearnerServer() override;
   static absl::StatusOr<std::unique_ptr<LearnerServer>> Start(LearnerServerOptions opts);
 
-  // At a step boundary, on the training thread: when a swap is queued, runs `apply` on it (here)
-  // and answers its caller with apply's status. Returns whether there was one.
+  // At a step boundary, on the training thread: the queued swap, or null when there is none.
+  std::unique_ptr<TakenSwap> TakeSwap();
+  // TakeSwap, then runs `apply` on it (here) and answers its caller with apply's status. Returns
+  // whether there was one.
   bool ServePendingSwap(const std::function<absl::Status(const SwapRequest&)>& apply);
   bool swap_pending() const;
   void SetStatus(LearnerStatusSnapshot s);
@@ -74,7 +98,6 @@ class LearnerServer final : public opd::v1::Learner::CallbackService {
                                       opd::v1::LearnerStatus* resp) override;
 
  private:
-  class SwapCall;
   struct Pending {
     SwapRequest request;
     SwapCall* call;  // owned by gRPC; finished exactly once, by whoever takes it from pending_

@@ -120,6 +120,7 @@ std::vector<MicroBatch> OpdJob::MakeMicroBatches(const Rollouts& r) {
     moe_layers += model_->config().IsMoeLayer(l);
   const int64_t per_token = moe_layers * model_->config().num_experts_per_tok;
   int64_t tokens = 0;
+  std::vector<size_t> current;  // the samples of the micro-batch being packed
   auto flush = [&] {
     if (docs.empty()) return;
     MicroBatch mb;
@@ -139,40 +140,32 @@ std::vector<MicroBatch> OpdJob::MakeMicroBatches(const Rollouts& r) {
       }
     }
     mb.response_tokens = static_cast<int64_t>(rows.size());
-    mb.samples = std::move(out.empty() ? mb.samples : mb.samples);
+    mb.samples = std::move(current);
     out.push_back(std::move(mb));
+    current.clear();
     docs.clear();
     rows.clear();
     targets.clear();
     routing.clear();
     tokens = 0;
   };
-  std::vector<size_t> current;
   for (size_t i = 0; i < r.samples.size(); ++i) {
-    const auto& s = r.samples[i];
-    const auto& prompt = r.prompts[s.prompt_index].prompt_ids;
-    const int64_t len = static_cast<int64_t>(prompt.size() + s.tokens.size());
-    if (tokens > 0 && tokens + len > c_.train.micro_batch_tokens) {
-      flush();
-      out.back().samples = std::move(current);
-      current.clear();
-    }
-    std::vector<int64_t> doc(prompt.begin(), prompt.end());
-    doc.insert(doc.end(), s.tokens.begin(), s.tokens.end());
-    for (size_t t = 0; t < s.tokens.size(); ++t) {
-      rows.push_back(tokens + static_cast<int64_t>(prompt.size() + t) - 1);
+    const lm::Sample& s = r.samples[i];
+    const int64_t len = static_cast<int64_t>(s.tokens.size());
+    if (tokens > 0 && tokens + len > c_.train.micro_batch_tokens) flush();
+    for (int64_t t = s.response_start; t < len; ++t) {
+      rows.push_back(tokens + t - 1);  // the row of the token before predicts it
       targets.push_back(s.tokens[t]);
     }
     if (replay) {  // fed positions as the rollout routed them (CheckRouting), the last own
       routing.insert(routing.end(), s.routed_experts.begin(), s.routed_experts.end());
       routing.insert(routing.end(), per_token, -1);
     }
-    docs.push_back(std::move(doc));
+    docs.emplace_back(s.tokens.begin(), s.tokens.end());
     current.push_back(i);
     tokens += len;
   }
   flush();
-  if (!out.empty()) out.back().samples = std::move(current);
   return out;
 }
 
@@ -180,13 +173,12 @@ absl::Status OpdJob::Learn(const Rollouts& r, const std::vector<MicroBatch>& min
                            const std::vector<opd::rpc::ScoreOutput>& scores, StepStats* st) {
   const auto t0 = Clock::now();
   for (const auto& s : r.samples) {
-    st->response_tokens += static_cast<int64_t>(s.tokens.size());
-    st->total_tokens +=
-        static_cast<int64_t>(r.prompts[s.prompt_index].prompt_ids.size() + s.tokens.size());
-    st->max_response = std::max<int64_t>(st->max_response, static_cast<int64_t>(s.tokens.size()));
+    st->response_tokens += s.response_length();
+    st->total_tokens += static_cast<int64_t>(s.tokens.size());
+    st->max_response = std::max(st->max_response, s.response_length());
   }
   int64_t sequences = 0;  // responses with a token: the "sequence" normalisation's count
-  for (const auto& s : r.samples) sequences += s.tokens.empty() ? 0 : 1;
+  for (const auto& s : r.samples) sequences += s.response_length() > 0 ? 1 : 0;
   st->domain_sums.assign(metric_domains_.size() * kDomainSums, 0.0);
   const bool poison = Contains(c_.debug.nan_steps, step_ + 1);
   lm::LogprobOptions lo;

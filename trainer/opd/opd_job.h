@@ -81,7 +81,7 @@ enum DomainSum {
 // these prompts were drawn (what a checkpoint of this step records).
 struct Rollouts {
   std::vector<lm::PromptExample> prompts;
-  std::vector<opd::rpc::GeneratedSample> samples;
+  std::vector<lm::Sample> samples;  // each with its prompt and its domain
   lm::DataCursor cursor_after;
   double seconds = 0;
 };
@@ -117,12 +117,6 @@ struct MicroBatch {
   torch::Tensor replay_experts;
 };
 
-inline std::vector<int32_t> Concat(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
-  std::vector<int32_t> out(a);
-  out.insert(out.end(), b.begin(), b.end());
-  return out;
-}
-
 class OpdJob : public TrainingJob {
  public:
   OpdJob(OpdConfig config, RunDir run, std::string yaml)
@@ -151,6 +145,7 @@ class OpdJob : public TrainingJob {
   absl::Status StartStage(size_t index, bool resumed);
   absl::Status Resume(const std::string& checkpoint);
   absl::Status ApplyPendingSwap();
+  absl::StatusOr<std::optional<SwapRequest>> AnnounceSwap(const SwapRequest* mine);
   absl::StatusOr<std::unique_ptr<TeacherPool>> ConnectSwap(const SwapRequest& swap,
                                                            absl::Status* collective);
   void InstallSwap(const SwapRequest& swap, std::unique_ptr<TeacherPool> pool);
@@ -170,7 +165,7 @@ class OpdJob : public TrainingJob {
   absl::Status LoadPrefetched(const std::string& checkpoint, const nlohmann::json& state);
   absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> Score(const Rollouts& r,
                                                            const std::vector<MicroBatch>& mine);
-  const std::string& DomainOf(const Rollouts& r, size_t sample) const;
+  const std::string& DomainOf(const lm::PromptExample& prompt) const;
   TeacherPool& PoolFor(const std::string& domain);
   size_t MetricRow(const std::string& domain) const;
   void AddDomainSums(const Rollouts& r, const MicroBatch& mb, const torch::Tensor& lp,
@@ -210,7 +205,7 @@ class OpdJob : public TrainingJob {
   // resumed_samples_). A checkpoint holds them so that its resume samples nothing anew.
   std::optional<std::future<absl::StatusOr<Rollouts>>> prefetch_;
   std::optional<absl::StatusOr<Rollouts>> settled_;
-  std::optional<std::vector<opd::rpc::GeneratedSample>> resumed_samples_;
+  std::optional<std::vector<lm::Sample>> resumed_samples_;
   uint64_t resumed_prompts_hash_ = 0;
   // Ends every Generate/Score/UpdateWeights in flight when the job stops (a signal or a failure).
   std::shared_ptr<opd::rpc::CallCanceller> canceller_ = std::make_shared<opd::rpc::CallCanceller>();

@@ -29,11 +29,13 @@ absl::StatusOr<Rollouts> OpdJob::Sample(std::vector<lm::PromptExample> prompts,
   g.seed = static_cast<uint64_t>(c_.rollout.seed) * 1000003ULL + r.cursor_after.step;
   g.return_routing = c_.rollout.routing_replay;
   ASSIGN_OR_RETURN(r.samples, rollout_->Generate(ids, g));
-  for (const auto& s : r.samples) {
-    if (s.tokens.empty() || s.tokens.size() != s.logprobs.size()) {
+  for (auto& s : r.samples) {
+    if (s.response_length() == 0 ||
+        s.response_length() != static_cast<int64_t>(s.logprobs.size())) {
       return absl::InternalError(
           absl::StrCat("rollout returned a malformed sample for prompt ", s.prompt_index));
     }
+    s.domain = DomainOf(r.prompts[s.prompt_index]);
   }
   RETURN_IF_ERROR(CheckRouting(r));
   r.seconds = Seconds(t0);
@@ -49,8 +51,7 @@ absl::Status OpdJob::CheckRouting(const Rollouts& r) const {
   for (int64_t l = 0; l < mc.num_hidden_layers; ++l) layers += mc.IsMoeLayer(l);
   const int64_t k = mc.num_experts_per_tok;
   for (const auto& s : r.samples) {
-    const int64_t positions =
-        static_cast<int64_t>(r.prompts[s.prompt_index].prompt_ids.size() + s.tokens.size()) - 1;
+    const int64_t positions = static_cast<int64_t>(s.tokens.size()) - 1;
     if (s.routing_layers != layers || s.routing_top_k != k ||
         static_cast<int64_t>(s.routed_experts.size()) != positions * layers * k)
       return absl::InvalidArgumentError(absl::StrCat(
@@ -67,95 +68,6 @@ absl::Status OpdJob::CheckRouting(const Rollouts& r) const {
   return absl::OkStatus();
 }
 
-namespace {
-
-// Rollouts cross from rank 0 to the others as flat little-endian records.
-template <class T>
-void Put(std::string* out, const T& v) {
-  out->append(reinterpret_cast<const char*>(&v), sizeof(T));
-}
-template <class T>
-void PutVector(std::string* out, const std::vector<T>& v) {
-  Put<uint64_t>(out, v.size());
-  out->append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
-}
-
-std::string EncodeSamples(const std::vector<opd::rpc::GeneratedSample>& samples) {
-  std::string out;
-  Put<uint64_t>(&out, samples.size());
-  for (const auto& s : samples) {
-    Put(&out, s.prompt_index);
-    Put(&out, s.sample_index);
-    Put<int32_t>(&out, static_cast<int32_t>(s.finish_reason));
-    Put(&out, s.weight_version);
-    PutVector(&out, s.tokens);
-    PutVector(&out, s.logprobs);
-  }
-  // Routing replay's routing after every sample (a trailing section, so that files written
-  // without it still read).
-  bool routing = false;
-  for (const auto& s : samples) routing |= !s.routed_experts.empty();
-  if (routing) {
-    for (const auto& s : samples) {
-      Put(&out, s.routing_layers);
-      Put(&out, s.routing_top_k);
-      PutVector(&out, s.routed_experts);
-    }
-  }
-  return out;
-}
-
-class Reader {
- public:
-  explicit Reader(const std::string& bytes) : p_(bytes.data()), end_(bytes.data() + bytes.size()) {}
-  template <class T>
-  bool Get(T* v) {
-    if (static_cast<size_t>(end_ - p_) < sizeof(T)) return false;
-    std::memcpy(v, p_, sizeof(T));
-    p_ += sizeof(T);
-    return true;
-  }
-  template <class T>
-  bool GetVector(std::vector<T>* v) {
-    uint64_t n = 0;
-    if (!Get(&n) || n > static_cast<uint64_t>(end_ - p_) / sizeof(T)) return false;
-    v->resize(n);
-    std::memcpy(v->data(), p_, n * sizeof(T));
-    p_ += n * sizeof(T);
-    return true;
-  }
-  bool done() const { return p_ == end_; }
-
- private:
-  const char* p_;
-  const char* end_;
-};
-
-absl::StatusOr<std::vector<opd::rpc::GeneratedSample>> DecodeSamples(const std::string& bytes) {
-  Reader in(bytes);
-  uint64_t n = 0;
-  std::vector<opd::rpc::GeneratedSample> out;
-  bool ok = in.Get(&n);
-  for (uint64_t i = 0; ok && i < n; ++i) {
-    opd::rpc::GeneratedSample s;
-    int32_t reason = 0;
-    ok = in.Get(&s.prompt_index) && in.Get(&s.sample_index) && in.Get(&reason) &&
-         in.Get(&s.weight_version) && in.GetVector(&s.tokens) && in.GetVector(&s.logprobs);
-    s.finish_reason = static_cast<opd::v1::FinishReason>(reason);
-    out.push_back(std::move(s));
-  }
-  if (ok && !in.done()) {
-    for (auto& s : out)
-      ok = ok && in.Get(&s.routing_layers) && in.Get(&s.routing_top_k) &&
-           in.GetVector(&s.routed_experts);
-  }
-  if (!ok || !in.done())
-    return absl::DataLossError("the step's samples from rank 0 are truncated or malformed");
-  return out;
-}
-
-}  // namespace
-
 // Rank 0's samples (or its failure) on every rank; the others pass their drawn prompts.
 absl::StatusOr<Rollouts> OpdJob::ShareRollouts(absl::StatusOr<Rollouts> mine) {
   if (group_->size() == 1) return mine;
@@ -164,10 +76,14 @@ absl::StatusOr<Rollouts> OpdJob::ShareRollouts(absl::StatusOr<Rollouts> mine) {
   if (!group_->is_root() && !verdict.empty())
     return absl::UnavailableError(absl::StrCat("rank 0: ", verdict));
   if (!mine.ok()) return mine;
-  std::string bytes = group_->is_root() ? EncodeSamples(mine->samples) : "";
+  std::string bytes = group_->is_root() ? lm::EncodeSamples(mine->samples) : "";
   RETURN_IF_ERROR(group_->BroadcastBytes(&bytes));
   if (!group_->is_root()) {
-    ASSIGN_OR_RETURN(mine->samples, DecodeSamples(bytes));
+    absl::StatusOr<std::vector<lm::Sample>> shared = lm::DecodeSamples(bytes);
+    if (!shared.ok())
+      return absl::DataLossError(
+          absl::StrCat("the step's samples from rank 0: ", shared.status().message()));
+    mine->samples = std::move(*shared);
     for (const auto& s : mine->samples) {
       if (s.prompt_index < 0 || static_cast<size_t>(s.prompt_index) >= mine->prompts.size())
         return absl::DataLossError(absl::StrCat("rank 0's samples name prompt ", s.prompt_index,
@@ -252,7 +168,7 @@ void OpdJob::SettlePrefetch() {
 
 absl::Status OpdJob::WriteJobFiles(const std::string& dir) const {
   if (!settled_ || !settled_->ok()) return absl::OkStatus();
-  return WriteFileAtomic(dir + "/" + kPrefetchedFile, EncodeSamples((*settled_)->samples));
+  return WriteFileAtomic(dir + "/" + kPrefetchedFile, lm::EncodeSamples((*settled_)->samples));
 }
 
 // Rank 0 takes the samples a one-step-off checkpoint saved for the next step.
@@ -268,7 +184,7 @@ absl::Status OpdJob::LoadPrefetched(const std::string& checkpoint, const nlohman
   if (!group_->is_root()) return absl::OkStatus();
   const std::string path = checkpoint + "/" + kPrefetchedFile;
   ASSIGN_OR_RETURN(const std::string bytes, opd::rpc::ReadFile(path));
-  absl::StatusOr<std::vector<opd::rpc::GeneratedSample>> samples = DecodeSamples(bytes);
+  absl::StatusOr<std::vector<lm::Sample>> samples = lm::DecodeSamples(bytes);
   if (!samples.ok())
     return absl::DataLossError(absl::StrCat(path, ": ", samples.status().message()));
   resumed_samples_ = std::move(*samples);

@@ -36,14 +36,10 @@ absl::StatusOr<std::vector<double>> OpdJob::HeldoutReverseKl() {
   ASSIGN_OR_RETURN(g.stop_token_ids, lm::ChatFormat::StopIds(*tokenizer_));
   g.seed = static_cast<uint64_t>(c_.heldout.seed);
   ASSIGN_OR_RETURN(const auto samples, rollout_->Generate(ids, g));
-  std::vector<opd::rpc::ScoreInput> inputs;
-  for (const auto& s : samples) {
-    const auto& prompt = heldout_prompts_.at(static_cast<size_t>(s.prompt_index)).prompt_ids;
-    inputs.push_back({Concat(prompt, s.tokens), static_cast<int32_t>(prompt.size())});
-  }
   opd::rpc::ScoreOptions so;
   so.temperature = static_cast<float>(c_.loss.teacher_temperature);
-  ASSIGN_OR_RETURN(const auto scores, teachers_->Score(inputs, so, [] { return StopRequested(); }));
+  ASSIGN_OR_RETURN(const auto scores,
+                   teachers_->Score(samples, so, [] { return StopRequested(); }));
   std::vector<double> kl;
   for (size_t i = 0; i < samples.size(); ++i) {
     const auto& student = samples[i].logprobs;
@@ -106,40 +102,37 @@ absl::Status OpdJob::StartStage(size_t index, bool resumed) {
 
 // Applies a teacher swap requested through rank 0's admin RPC (already checked by the handler),
 // at a step boundary on the training thread, in four moves: rank 0 takes the queued request,
-// announces it (stage, domain and endpoints; empty when there is none), every rank
-// connects its own pool with the running stage's options (teacher_timeout_s, TLS, secret, the
-// stop canceller) and checks it against the student, and the swap takes effect only if it worked
-// on every rank. The caller of swap-teacher gets that outcome; a refused swap changes nothing.
+// announces it to every rank, every rank connects its own pool (and all agree), and rank 0 answers
+// the caller with the outcome. The swap takes effect only if it worked on every rank; a refused
+// swap changes nothing. The returned status is the collectives': a failed one ends the job.
 absl::Status OpdJob::ApplyPendingSwap() {
   if (group_->size() == 1 && !admin_) return absl::OkStatus();
-  absl::Status collective = absl::OkStatus();  // a failed collective ends the job
-  // Announce (rank 0's request, or "" for none), connect on every rank and agree, then install.
-  auto apply = [this, &collective](std::string announced) -> absl::Status {
-    collective = group_->BroadcastBytes(&announced);
-    if (!collective.ok() || announced.empty()) return collective;
-    const nlohmann::json j = nlohmann::json::parse(announced);
-    const SwapRequest swap{j.at("stage").get<std::string>(),
-                           j.at("endpoints").get<std::vector<std::string>>(),
-                           j.at("domain").get<std::string>()};
-    ASSIGN_OR_RETURN(std::unique_ptr<TeacherPool> pool, ConnectSwap(swap, &collective));
-    InstallSwap(swap, std::move(pool));
-    return absl::OkStatus();
-  };
-  if (!group_->is_root()) {
-    (void)apply("");  // receives rank 0's announcement; its outcome is rank 0's to report
-    return collective;
-  }
-  bool served = false;
-  if (admin_) {  // take the queued request; the admin service answers its caller with apply's
-    admin_->ServePendingSwap([&](const SwapRequest& swap) -> absl::Status {
-      served = true;
-      return apply(nlohmann::json{
-          {"stage", swap.stage}, {"endpoints", swap.endpoints}, {"domain", swap.domain}}
-                       .dump());
-    });
-  }
-  if (!served) (void)apply("");
+  std::unique_ptr<LearnerServer::TakenSwap> taken =
+      admin_ && group_->is_root() ? admin_->TakeSwap() : nullptr;
+  ASSIGN_OR_RETURN(const std::optional<SwapRequest> swap,
+                   AnnounceSwap(taken ? &taken->request() : nullptr));
+  if (!swap) return absl::OkStatus();
+  absl::Status collective = absl::OkStatus();
+  absl::StatusOr<std::unique_ptr<TeacherPool>> pool = ConnectSwap(*swap, &collective);
+  if (pool.ok()) InstallSwap(*swap, std::move(*pool));
+  if (taken) taken->Answer(pool.status());
   return collective;
+}
+
+// Rank 0's request (null: none) on every rank: the stage, domain and endpoints as JSON, or ""
+// for none.
+absl::StatusOr<std::optional<SwapRequest>> OpdJob::AnnounceSwap(const SwapRequest* mine) {
+  std::string announced = mine ? nlohmann::json{{"stage", mine->stage},
+                                                {"endpoints", mine->endpoints},
+                                                {"domain", mine->domain}}
+                                     .dump()
+                               : "";
+  RETURN_IF_ERROR(group_->BroadcastBytes(&announced));
+  if (announced.empty()) return std::nullopt;
+  const nlohmann::json j = nlohmann::json::parse(announced);
+  return SwapRequest{j.at("stage").get<std::string>(),
+                     j.at("endpoints").get<std::vector<std::string>>(),
+                     j.at("domain").get<std::string>()};
 }
 
 // Every rank connects to the swap's endpoints (checked against the student as at a stage's
@@ -201,27 +194,24 @@ absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> OpdJob::Score(
   // This rank's samples, grouped by the pool that scores them (their domain's or the default).
   std::map<TeacherPool*, std::vector<size_t>> by_pool;
   for (const MicroBatch& mb : mine) {
-    for (size_t i : mb.samples) by_pool[&PoolFor(DomainOf(r, i))].push_back(i);
+    for (size_t i : mb.samples) by_pool[&PoolFor(r.samples[i].domain)].push_back(i);
   }
   std::vector<opd::rpc::ScoreOutput> out(r.samples.size());
   opd::rpc::ScoreOptions so;
   so.temperature = static_cast<float>(c_.loss.teacher_temperature);
   so.top_k = c_.loss.form == LossForm::kTopK ? static_cast<int32_t>(c_.loss.top_k) : 0;
   auto score = [&](TeacherPool* pool, const std::vector<size_t>& which) -> absl::Status {
-    std::vector<opd::rpc::ScoreInput> inputs;
+    std::vector<lm::Sample> inputs;  // the sequences alone (not the routing or log-probs)
     inputs.reserve(which.size());
-    for (size_t i : which) {
-      const auto& s = r.samples[i];
-      const auto& prompt = r.prompts[s.prompt_index].prompt_ids;
-      inputs.push_back({Concat(prompt, s.tokens), static_cast<int32_t>(prompt.size())});
-    }
+    for (size_t i : which)
+      inputs.push_back(lm::Sample::ToScore(r.samples[i].tokens, r.samples[i].response_start));
     ASSIGN_OR_RETURN(auto scores, pool->Score(inputs, so, [] { return StopRequested(); }));
     for (size_t j = 0; j < scores.size(); ++j) {
       const size_t i = which[j];
-      if (scores[j].logprobs.size() != r.samples[i].tokens.size()) {
+      if (static_cast<int64_t>(scores[j].logprobs.size()) != r.samples[i].response_length()) {
         return absl::InternalError(
             absl::StrCat("teacher pool '", pool->stage(), "' returned ", scores[j].logprobs.size(),
-                         " scores for a response of ", r.samples[i].tokens.size(), " tokens"));
+                         " scores for a response of ", r.samples[i].response_length(), " tokens"));
       }
       out[i] = std::move(scores[j]);  // each sample has one pool: no two writers share a slot
     }
@@ -245,8 +235,8 @@ void OpdJob::AddDomainSums(const Rollouts& r, const MicroBatch& mb, const torch:
   const double* s = student.data_ptr<double>();
   size_t at = 0;
   for (size_t i : mb.samples) {
-    double* row = &st->domain_sums[MetricRow(DomainOf(r, i)) * kDomainSums];
-    const size_t n = r.samples[i].tokens.size();
+    double* row = &st->domain_sums[MetricRow(r.samples[i].domain) * kDomainSums];
+    const size_t n = static_cast<size_t>(r.samples[i].response_length());
     row[kDomainSequences] += 1;
     row[kDomainTokens] += static_cast<double>(n);
     for (size_t t = at; t < at + n; ++t) {
@@ -258,9 +248,8 @@ void OpdJob::AddDomainSums(const Rollouts& r, const MicroBatch& mb, const torch:
   }
 }
 
-// A sample's data domain: its prompt line's "domain", or else its source's name.
-const std::string& OpdJob::DomainOf(const Rollouts& r, size_t sample) const {
-  const lm::PromptExample& p = r.prompts[r.samples[sample].prompt_index];
+// A prompt's data domain (its samples'): its line's "domain", or else its source's name.
+const std::string& OpdJob::DomainOf(const lm::PromptExample& p) const {
   if (!p.domain.empty()) return p.domain;
   return c_.prompts.sources[static_cast<size_t>(p.source)].name;
 }

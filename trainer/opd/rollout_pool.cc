@@ -28,7 +28,7 @@ WeightPushOptions PushOptionsOf(const OpdRolloutConfig& r) {
   return o;
 }
 
-SampleStats SummarizeSamples(const std::vector<opd::rpc::GeneratedSample>& samples,
+SampleStats SummarizeSamples(const std::vector<lm::Sample>& samples,
                              int64_t learner_version) {
   SampleStats st;
   if (samples.empty()) return st;
@@ -37,7 +37,7 @@ SampleStats SummarizeSamples(const std::vector<opd::rpc::GeneratedSample>& sampl
     const double lag = static_cast<double>(learner_version - s.weight_version);
     lag_sum += lag;
     st.staleness_max = std::max(st.staleness_max, lag);
-    truncated += s.finish_reason == opd::v1::FINISH_REASON_LENGTH;
+    truncated += s.finish == lm::FinishReason::kLength;
   }
   const double n = static_cast<double>(samples.size());
   st.staleness_mean = lag_sum / n;
@@ -77,7 +77,7 @@ absl::StatusOr<std::unique_ptr<RolloutPool>> RolloutPool::Connect(
   return pool;
 }
 
-absl::Status RolloutPool::CheckShare(const std::vector<opd::rpc::GeneratedSample>& samples,
+absl::Status RolloutPool::CheckShare(const std::vector<lm::Sample>& samples,
                                      size_t prompts, int32_t samples_per_prompt,
                                      int64_t min_version, int64_t max_version,
                                      const std::string& address) const {
@@ -86,7 +86,7 @@ absl::Status RolloutPool::CheckShare(const std::vector<opd::rpc::GeneratedSample
                                             " sent an invalid sample (#", i, " of its ",
                                             samples.size(), "): ", what));
   };
-  std::set<std::pair<int32_t, int32_t>> seen;
+  std::set<std::pair<int64_t, int64_t>> seen;
   for (size_t i = 0; i < samples.size(); ++i) {
     const auto& s = samples[i];
     if (s.prompt_index < 0 || static_cast<size_t>(s.prompt_index) >= prompts)
@@ -98,15 +98,16 @@ absl::Status RolloutPool::CheckShare(const std::vector<opd::rpc::GeneratedSample
     if (!seen.emplace(s.prompt_index, s.sample_index).second)
       return bad(i, absl::StrCat("(prompt_index ", s.prompt_index, ", sample_index ",
                                  s.sample_index, ") is duplicated"));
-    if (s.tokens.empty()) return bad(i, "tokens is empty");
-    for (size_t t = 0; t < s.tokens.size(); ++t) {
-      if (s.tokens[t] < 0 || s.tokens[t] >= vocab_size_)
-        return bad(i, absl::StrCat("tokens[", t, "] = ", s.tokens[t],
+    const absl::Span<const int32_t> response = s.response();  // the prompt is ours
+    if (response.empty()) return bad(i, "tokens is empty");
+    for (size_t t = 0; t < response.size(); ++t) {
+      if (response[t] < 0 || response[t] >= vocab_size_)
+        return bad(i, absl::StrCat("tokens[", t, "] = ", response[t],
                                    " is outside the vocabulary [0, ", vocab_size_, ")"));
     }
-    if (s.logprobs.size() != s.tokens.size())
+    if (s.logprobs.size() != response.size())
       return bad(i, absl::StrCat("logprobs has ", s.logprobs.size(), " entries for ",
-                                 s.tokens.size(), " tokens"));
+                                 response.size(), " tokens"));
     for (size_t t = 0; t < s.logprobs.size(); ++t) {
       if (!std::isfinite(s.logprobs[t]) || s.logprobs[t] > kLogprobSlack)
         return bad(
@@ -125,12 +126,12 @@ absl::Status RolloutPool::CheckShare(const std::vector<opd::rpc::GeneratedSample
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<opd::rpc::GeneratedSample>> RolloutPool::Generate(
+absl::StatusOr<std::vector<lm::Sample>> RolloutPool::Generate(
     const std::vector<std::vector<int32_t>>& prompts, const opd::rpc::GenerateOptions& opts) {
   const size_t n = prompts.size(), w = clients_.size();
   const int32_t spp = std::max(opts.samples_per_prompt, 1);
   const int64_t min_version = acked_version_.load();
-  std::vector<std::future<absl::StatusOr<std::vector<opd::rpc::GeneratedSample>>>> calls;
+  std::vector<std::future<absl::StatusOr<std::vector<lm::Sample>>>> calls;
   std::vector<std::pair<size_t, size_t>> ranges;
   std::vector<size_t> worker;
   for (size_t i = 0; i < w; ++i) {
@@ -146,17 +147,17 @@ absl::StatusOr<std::vector<opd::rpc::GeneratedSample>> RolloutPool::Generate(
     }));
   }
   // Every call is collected before returning, so none outlives this function.
-  std::vector<absl::StatusOr<std::vector<opd::rpc::GeneratedSample>>> results;
+  std::vector<absl::StatusOr<std::vector<lm::Sample>>> results;
   for (auto& c : calls) results.push_back(c.get());
   const int64_t max_version = sent_version_.load();
-  std::vector<opd::rpc::GeneratedSample> out;
+  std::vector<lm::Sample> out;
   for (size_t c = 0; c < results.size(); ++c) {
     if (!results[c].ok()) return results[c].status();
     const auto [b, e] = ranges[c];
     RETURN_IF_ERROR(CheckShare(*results[c], e - b, spp, min_version, max_version,
                                clients_[worker[c]]->address()));
     for (auto& s : *results[c]) {
-      s.prompt_index += static_cast<int32_t>(b);
+      s.prompt_index += static_cast<int64_t>(b);
       out.push_back(std::move(s));
     }
   }

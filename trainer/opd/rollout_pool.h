@@ -28,7 +28,7 @@ struct SampleStats {
   double staleness_mean = 0, staleness_max = 0;
   double truncated_frac = 0;
 };
-SampleStats SummarizeSamples(const std::vector<opd::rpc::GeneratedSample>& samples,
+SampleStats SummarizeSamples(const std::vector<lm::Sample>& samples,
                              int64_t learner_version);
 
 // The weight push settings of the rollout section (validated by ValidateOpdConfig).
@@ -47,7 +47,7 @@ class RolloutPool {
   // shares, one per worker, sent in parallel; each share's seed is derived from (seed, first
   // prompt index) so a run is reproducible for a fixed number of workers. Returns samples in
   // (prompt, sample) order with global prompt indices, checked as the top of the file says.
-  absl::StatusOr<std::vector<opd::rpc::GeneratedSample>> Generate(
+  absl::StatusOr<std::vector<lm::Sample>> Generate(
       const std::vector<std::vector<int32_t>>& prompts, const opd::rpc::GenerateOptions& opts);
 
   // Sends `model`'s parameters to every worker as weight version `version` (in parallel), each in
@@ -63,7 +63,7 @@ class RolloutPool {
   size_t size() const { return clients_.size(); }
 
  private:
-  absl::Status CheckShare(const std::vector<opd::rpc::GeneratedSample>& samples, size_t prompts,
+  absl::Status CheckShare(const std::vector<lm::Sample>& samples, size_t prompts,
                           int32_t samples_per_prompt, int64_t min_version, int64_t max_version,
                           const std::string& address) const;
 

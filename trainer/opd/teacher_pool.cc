@@ -241,7 +241,7 @@ bool TeacherPool::Wait(absl::Duration d, const std::function<bool()>& stopped) c
 
 absl::Status TeacherPool::Validate(const std::vector<opd::rpc::ScoreOutput>& out,
                                    const Share& share,
-                                   const std::vector<opd::rpc::ScoreInput>& inputs, int32_t top_k,
+                                   const std::vector<lm::Sample>& inputs, int32_t top_k,
                                    const std::string& address) const {
   auto bad = [&](size_t seq, const absl::Status& s) {
     return absl::DataLossError(absl::StrCat("stage '", stage_, "': teacher ", address,
@@ -284,7 +284,7 @@ absl::Status TeacherPool::Validate(const std::vector<opd::rpc::ScoreOutput>& out
 }
 
 absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> TeacherPool::Score(
-    const std::vector<opd::rpc::ScoreInput>& inputs, const opd::rpc::ScoreOptions& score_opts,
+    const std::vector<lm::Sample>& inputs, const opd::rpc::ScoreOptions& score_opts,
     const std::function<bool()>& stop) {
   const auto stopped = [&] {
     return (stop && stop()) ||
@@ -353,7 +353,7 @@ absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> TeacherPool::Score(
       const Share range = pending[ready[c]];
       calls.push_back({ready[c], rep, client->address(),
                        std::async(std::launch::async, [client, range, &inputs, &score_opts] {
-                         std::vector<opd::rpc::ScoreInput> share(inputs.begin() + range.begin,
+                         std::vector<lm::Sample> share(inputs.begin() + range.begin,
                                                                  inputs.begin() + range.end);
                          return client->Score(share, score_opts);
                        })});

@@ -99,7 +99,7 @@ class TeacherPool {
 
   // Scores every input (one output per input, in order); see the top of the file for failures.
   absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> Score(
-      const std::vector<opd::rpc::ScoreInput>& inputs, const opd::rpc::ScoreOptions& score_opts,
+      const std::vector<lm::Sample>& inputs, const opd::rpc::ScoreOptions& score_opts,
       const std::function<bool()>& stop = nullptr);
 
   const std::string& stage() const { return stage_; }
@@ -125,7 +125,7 @@ class TeacherPool {
   bool Wait(absl::Duration d, const std::function<bool()>& stopped) const;
   absl::Time Now() const { return opts_.clock ? opts_.clock() : absl::Now(); }
   absl::Status Validate(const std::vector<opd::rpc::ScoreOutput>& out, const Share& share,
-                        const std::vector<opd::rpc::ScoreInput>& inputs, int32_t top_k,
+                        const std::vector<lm::Sample>& inputs, int32_t top_k,
                         const std::string& address) const;
 
   std::string stage_;
