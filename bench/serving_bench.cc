@@ -115,7 +115,8 @@ int BenchScore(const std::vector<std::vector<int64_t>>& seqs) {
     auto c = opd::rpc::TeacherClient::Create(Client());
     if (!c.ok()) return std::cerr << c.status() << "\n", 1;
     client = std::move(*c);
-    for (const auto& s : seqs) in.push_back(lm::Sample::ToScore(std::vector<int32_t>(s.begin(), s.end()), 1));
+    for (const auto& s : seqs)
+      in.push_back(lm::Sample::ToScore(std::vector<int32_t>(s.begin(), s.end()), 1));
     sides.push_back({"grpc", [&](bool warmup) -> absl::StatusOr<std::pair<int64_t, double>> {
                        auto r = client->Score(in);
                        if (!r.ok()) return r.status();
@@ -131,8 +132,8 @@ int BenchScore(const std::vector<std::vector<int64_t>>& seqs) {
     scorer = std::make_unique<teacher::Scorer>(Model(), so);
     sides.push_back({"inprocess", [&](bool warmup) -> absl::StatusOr<std::pair<int64_t, double>> {
                        teacher::ScoreJob job;
-                       job.sequences = seqs;
-                       job.response_starts.assign(seqs.size(), 1);
+                       for (const auto& s : seqs)
+                         job.sequences.push_back(lm::Sample::ToScore({s.begin(), s.end()}, 1));
                        auto r = scorer->Score(std::move(job));
                        if (!r.ok()) return r.status();
                        double sum = 0;

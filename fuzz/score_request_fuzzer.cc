@@ -37,12 +37,12 @@ ScoreLimits Limits() {
 
 void CheckCarriedOver(const opd::v1::ScoreRequest& req, const ScoreJob& job) {
   FUZZ_CHECK(job.sequences.size() == static_cast<size_t>(req.sequences_size()), "sequences");
-  FUZZ_CHECK(job.response_starts.size() == job.sequences.size(), "response_starts");
   for (int i = 0; i < req.sequences_size(); ++i) {
     const auto& s = req.sequences(i);
-    FUZZ_CHECK(job.sequences[i] == std::vector<int64_t>(s.tokens().begin(), s.tokens().end()),
-               absl::StrCat("tokens of sequence ", i));
-    FUZZ_CHECK(job.response_starts[i] == s.response_start(), absl::StrCat("sequence ", i));
+    FUZZ_CHECK(
+        job.sequences[i].tokens == std::vector<int32_t>(s.tokens().begin(), s.tokens().end()),
+        absl::StrCat("tokens of sequence ", i));
+    FUZZ_CHECK(job.sequences[i].response_start == s.response_start(), absl::StrCat("sequence ", i));
   }
   const double temperature = req.has_temperature() ? req.temperature() : 1.0;
   FUZZ_CHECK(
@@ -56,7 +56,6 @@ void CheckRunnable(const ScoreJob& job, const ScoreLimits& l) {
   FUZZ_CHECK(
       !job.sequences.empty() && static_cast<int64_t>(job.sequences.size()) <= l.max_sequences,
       "sequence count");
-  FUZZ_CHECK(job.response_starts.size() == job.sequences.size(), "response_starts");
   FUZZ_CHECK(std::isfinite(job.temperature) &&
                  static_cast<float>(job.temperature) >= static_cast<float>(lm::kMinTemperature),
              absl::StrCat("temperature ", job.temperature));
@@ -64,12 +63,12 @@ void CheckRunnable(const ScoreJob& job, const ScoreLimits& l) {
              absl::StrCat("top_k ", job.top_k));
   for (size_t i = 0; i < job.sequences.size(); ++i) {
     const auto& s = job.sequences[i];
-    const int64_t len = static_cast<int64_t>(s.size());
+    const int64_t len = static_cast<int64_t>(s.tokens.size());
     FUZZ_CHECK(len >= 1 && len <= l.max_seq_len, absl::StrCat("sequence ", i, " length ", len));
-    for (int64_t id : s)
+    for (int32_t id : s.tokens)
       FUZZ_CHECK(id >= 0 && id < l.vocab_size, absl::StrCat("sequence ", i, " id ", id));
-    FUZZ_CHECK(job.response_starts[i] >= 1 && job.response_starts[i] <= len,
-               absl::StrCat("sequence ", i, " response_start ", job.response_starts[i]));
+    FUZZ_CHECK(s.response_start >= 1 && s.response_start <= len,
+               absl::StrCat("sequence ", i, " response_start ", s.response_start));
   }
 }
 
@@ -77,7 +76,6 @@ void CheckRunnable(const ScoreJob& job, const ScoreLimits& l) {
 ScoreJob Slice(const ScoreJob& job, int64_t begin, int64_t end) {
   ScoreJob s;
   s.sequences.assign(job.sequences.begin() + begin, job.sequences.begin() + end);
-  s.response_starts.assign(job.response_starts.begin() + begin, job.response_starts.begin() + end);
   s.temperature = job.temperature;
   s.top_k = job.top_k;
   return s;
@@ -90,7 +88,7 @@ Reply FullReply(const ScoreJob& job, int64_t begin, int64_t end) {
   Reply r;
   r.set_top_k(static_cast<int32_t>(job.top_k));
   for (int64_t i = begin; i < end; ++i) {
-    const size_t n = job.sequences[i].size() - static_cast<size_t>(job.response_starts[i]);
+    const size_t n = static_cast<size_t>(job.sequences[i].response_length());
     auto* s = r.add_sequences();
     s->set_logprobs(std::string(4 * n, '\xff'));
     s->set_topk_ids(std::string(4 * n * static_cast<size_t>(job.top_k), '\xff'));

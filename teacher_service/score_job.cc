@@ -19,14 +19,13 @@ constexpr int64_t kPerSequence = 32;
 
 // The reply bytes of sequence `i` of `job` on its own, framing included.
 int64_t SequenceReplyBytes(const ScoreJob& job, size_t i) {
-  const int64_t n =
-      std::max<int64_t>(0, static_cast<int64_t>(job.sequences[i].size()) - job.response_starts[i]);
+  const int64_t n = std::max<int64_t>(0, job.sequences[i].response_length());
   return kPerSequence + n * (4 + 8 * std::max<int64_t>(job.top_k, 0));
 }
 
 // The checks of one sequence, INVALID_ARGUMENT naming it.
 absl::Status ValidateSequence(const ScoreJob& job, const ScoreLimits& limits, size_t i) {
-  const auto& s = job.sequences[i];
+  const auto& s = job.sequences[i].tokens;
   const int64_t len = static_cast<int64_t>(s.size());
   if (len == 0) return absl::InvalidArgumentError(absl::StrCat("sequence ", i, ": empty"));
   if (len > limits.max_seq_len) {
@@ -40,7 +39,7 @@ absl::Status ValidateSequence(const ScoreJob& job, const ScoreLimits& limits, si
                        " is outside the vocabulary [0, ", limits.vocab_size, ")"));
     }
   }
-  const int64_t start = job.response_starts[i];
+  const int64_t start = job.sequences[i].response_start;
   if (start < 1 || start > len) {
     return absl::InvalidArgumentError(
         absl::StrCat("sequence ", i, ": response_start ", start, " is outside [1, ", len, "]"));
@@ -66,7 +65,7 @@ absl::Status ValidateReplyBytes(const ScoreJob& job, const ScoreLimits& limits, 
         bytes > limits.max_reply_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "sequence ", i, ": its reply alone would take ", bytes, " bytes (",
-          job.sequences[i].size() - job.response_starts[i], " scored positions, top_k ", job.top_k,
+          job.sequences[i].response_length(), " scored positions, top_k ", job.top_k,
           "), over the server's limit of ", limits.max_reply_bytes,
           " bytes (--max-reply-mb), which every sequence of a streamed reply must fit: send a "
           "shorter sequence or a smaller top_k"));
@@ -79,8 +78,7 @@ absl::Status ValidateReplyBytes(const ScoreJob& job, const ScoreLimits& limits, 
 
 int64_t ReplyBytes(const ScoreJob& job) {
   int64_t bytes = kPerMessage;
-  for (size_t i = 0; i < job.sequences.size() && i < job.response_starts.size(); ++i)
-    bytes += SequenceReplyBytes(job, i);
+  for (size_t i = 0; i < job.sequences.size(); ++i) bytes += SequenceReplyBytes(job, i);
   return bytes;
 }
 
@@ -90,9 +88,6 @@ absl::Status Validate(const ScoreJob& job, const ScoreLimits& limits, ReplyMode 
   if (static_cast<int64_t>(job.sequences.size()) > limits.max_sequences) {
     return absl::InvalidArgumentError(absl::StrCat(
         job.sequences.size(), " sequences in one request; at most ", limits.max_sequences));
-  }
-  if (job.response_starts.size() != job.sequences.size()) {
-    return absl::InvalidArgumentError("one response_start per sequence");
   }
   // Compared as the float it travels as, so that a client's float(1e-4) passes.
   if (!(static_cast<float>(job.temperature) >= static_cast<float>(lm::kMinTemperature)) ||
@@ -115,8 +110,7 @@ absl::Status Validate(const ScoreJob& job, const ScoreLimits& limits, ReplyMode 
 
 std::vector<std::pair<int64_t, int64_t>> ChunkRanges(const ScoreJob& job, int64_t max_chunk_bytes) {
   std::vector<std::pair<int64_t, int64_t>> ranges;
-  const int64_t n =
-      static_cast<int64_t>(std::min(job.sequences.size(), job.response_starts.size()));
+  const int64_t n = static_cast<int64_t>(job.sequences.size());
   int64_t begin = 0, bytes = kPerMessage;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t add = SequenceReplyBytes(job, static_cast<size_t>(i));
@@ -135,11 +129,9 @@ std::vector<std::pair<int64_t, int64_t>> ChunkRanges(const ScoreJob& job, int64_
 ScoreJob JobFromRequest(const opd::v1::ScoreRequest& req) {
   ScoreJob job;
   job.sequences.reserve(req.sequences_size());
-  job.response_starts.reserve(req.sequences_size());
-  for (const auto& s : req.sequences()) {
-    job.sequences.emplace_back(s.tokens().begin(), s.tokens().end());
-    job.response_starts.push_back(s.response_start());
-  }
+  for (const auto& s : req.sequences())
+    job.sequences.push_back(
+        lm::Sample::ToScore({s.tokens().begin(), s.tokens().end()}, s.response_start()));
   job.temperature = req.has_temperature() ? req.temperature() : 1.0;
   job.top_k = req.top_k();
   return job;

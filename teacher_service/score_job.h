@@ -1,6 +1,7 @@
 // What the teacher is asked to score, and the checks a request passes before any work: the
 // torch-free half of the scorer (teacher_service/scorer.h), so that it can be fuzzed and tested
-// without LibTorch. Depends on absl, the generated protos and lm/model/sampling_limits.h only.
+// without LibTorch. Depends on absl, the generated protos, lm/generate/sampling.h and
+// lm/model/sampling_limits.h only.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "lm/generate/sampling.h"
 
 namespace opd::v1 {
 class ScoreRequest;
@@ -18,8 +20,8 @@ class ScoreRequest;
 namespace teacher {
 
 struct ScoreJob {
-  std::vector<std::vector<int64_t>> sequences;  // prompt + response each
-  std::vector<int64_t> response_starts;         // first scored position of each, in [1, len]
+  // Prompt + response each, scored from its response_start (in [1, len]); lm/generate/sampling.h.
+  std::vector<lm::Sample> sequences;
   double temperature = 1.0;
   int64_t top_k = 0;  // > 0: also the top-k ids and log-probs per scored position
   absl::Time deadline = absl::InfiniteFuture();

@@ -151,7 +151,7 @@ std::vector<Scorer::Item> Scorer::TakeBatch() {
           it = queue_.erase(it);
           continue;
         }
-        const int64_t len = static_cast<int64_t>(p->job.sequences[p->next].size());
+        const int64_t len = static_cast<int64_t>(p->job.sequences[p->next].tokens.size());
         if (!items.empty() && tokens + len > opts_.max_batch_tokens) {
           full = true;
           break;
@@ -203,7 +203,10 @@ void Scorer::RunBatch(const std::vector<Item>& items) {
   try {
     std::vector<std::vector<int64_t>> seqs;
     seqs.reserve(items.size());
-    for (const auto& it : items) seqs.push_back(it.job->job.sequences[it.index]);
+    for (const auto& it : items) {
+      const auto& tokens = it.job->job.sequences[it.index].tokens;
+      seqs.emplace_back(tokens.begin(), tokens.end());
+    }
     const auto weight = model_->LmHeadWeight();
     const torch::Device device = weight.device();
     // Indexing, gathers and log-probs run where the model is; only the results come back.
@@ -230,11 +233,10 @@ void Scorer::RunBatch(const std::vector<Item>& items) {
       std::vector<int64_t> rows, targets;
       for (size_t i : members) {
         const auto& job = items[i].job->job;
-        const auto& s = job.sequences[items[i].index];
-        for (int64_t p = job.response_starts[items[i].index]; p < static_cast<int64_t>(s.size());
-             ++p) {
+        const lm::Sample& s = job.sequences[items[i].index];
+        for (int64_t p = s.response_start; p < static_cast<int64_t>(s.tokens.size()); ++p) {
           rows.push_back(batch.cu_seqlens[i] + p - 1);
-          targets.push_back(s[p]);
+          targets.push_back(s.tokens[p]);
         }
       }
       if (rows.empty()) continue;
@@ -262,15 +264,15 @@ void Scorer::RunBatch(const std::vector<Item>& items) {
         const int32_t* ids = reinterpret_cast<const int32_t*>(tlp + g.rows * g.k);
         for (size_t i : *g.members) {
           const auto& job = items[i].job->job;
-          const int64_t n = static_cast<int64_t>(job.sequences[items[i].index].size()) -
-                            job.response_starts[items[i].index];
+          const lm::Sample& s = job.sequences[items[i].index];
+          const int64_t n = s.response_length();
           SequenceScore& out = items[i].job->results[items[i].index];
           out.logprobs.assign(lpp, lpp + n);
           if (g.k > 0) {
             out.topk_ids.assign(ids, ids + n * g.k);
             out.topk_logprobs.assign(tlp, tlp + n * g.k);
           }
-          verdicts[i] = CheckFinite(out, items[i].index, job.response_starts[items[i].index], g.k);
+          verdicts[i] = CheckFinite(out, items[i].index, s.response_start, g.k);
           lpp += n;
           tlp += n * g.k;
           ids += n * g.k;

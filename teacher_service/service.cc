@@ -104,7 +104,6 @@ class ScoreStreamReactor final : public grpc::ServerWriteReactor<opd::v1::ScoreC
     ScoreJob slice;
     for (int64_t i = begin; i < end; ++i) {
       slice.sequences.push_back(std::move(job_.sequences[i]));  // scored once: moved, not copied
-      slice.response_starts.push_back(job_.response_starts[i]);
     }
     slice.temperature = job_.temperature;
     slice.top_k = job_.top_k;

@@ -134,10 +134,7 @@ opd::v1::ScoreRequest Request(const std::vector<lm::Sample>& seqs, int32_t top_k
 teacher::ScoreJob Job(const std::vector<lm::Sample>& seqs, int32_t top_k, size_t begin,
                       size_t end) {
   teacher::ScoreJob j;
-  for (size_t i = begin; i < end; ++i) {
-    j.sequences.emplace_back(seqs[i].tokens.begin(), seqs[i].tokens.end());
-    j.response_starts.push_back(seqs[i].response_start);
-  }
+  j.sequences.assign(seqs.begin() + begin, seqs.begin() + end);
   j.top_k = top_k;
   return j;
 }

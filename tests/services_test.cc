@@ -946,8 +946,7 @@ std::shared_ptr<lm::CausalLM> TeacherModel() {
 
 teacher::ScoreJob Job(const std::vector<std::vector<int64_t>>& seqs, int64_t top_k = 0) {
   teacher::ScoreJob j;
-  j.sequences = seqs;
-  j.response_starts.assign(seqs.size(), 1);
+  for (const auto& s : seqs) j.sequences.push_back(ToScore(To32(s), 1));
   j.top_k = top_k;
   return j;
 }
@@ -1052,7 +1051,8 @@ TEST(Scorer, NonFiniteScoresAreFailedPreconditionNamingThePosition) {
     for (int64_t k : {0, 4}) {
       SCOPED_TRACE(testing::Message() << "weight " << bad << " top_k " << k);
       auto job = Job({{1, 2, 3}, {4, 5, 6, 7}}, k);
-      job.response_starts = {2, 3};
+      job.sequences[0].response_start = 2;
+      job.sequences[1].response_start = 3;
       auto r = scorer.Score(job);
       EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
       EXPECT_NE(std::string(r.status().message()).find("sequence 0: "), std::string::npos)
