@@ -51,13 +51,20 @@ constexpr double kMaxGiB = 65536;
 // of its own (opd::rpc::kMaxThreads bounds thread counts everywhere).
 constexpr int kMaxConcurrent = opd::rpc::kMaxThreads;
 
+// --engine, decoded once.
+enum class EngineKind { kPaged, kStatic };
+absl::StatusOr<EngineKind> EngineFlag() {
+  const std::string engine = absl::GetFlag(FLAGS_engine);
+  if (engine == "paged") return EngineKind::kPaged;
+  if (engine == "static") return EngineKind::kStatic;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--engine=", engine, " is neither paged nor static"));
+}
+
 // The ranges of opd-rollout's own flags and --engine, checked before the model is loaded.
 absl::Status CheckFlags() {
   using opd::rpc::CheckFlagRange;
-  const std::string engine = absl::GetFlag(FLAGS_engine);
-  if (engine != "paged" && engine != "static")
-    return absl::InvalidArgumentError(
-        absl::StrCat("--engine=", engine, " is neither paged nor static"));
+  RETURN_IF_ERROR(EngineFlag().status());
   return opd::rpc::FirstError({
       CheckFlagRange("--max-concurrent", absl::GetFlag(FLAGS_max_concurrent), 1, kMaxConcurrent),
       CheckFlagRange("--max-seq-len", absl::GetFlag(FLAGS_max_seq_len), 0, kMaxTokens),
@@ -75,19 +82,19 @@ absl::Status CheckFlags() {
 
 absl::Status Run() {
   ASSIGN_OR_RETURN(opd::rpc::LoadedModel loaded, opd::rpc::LoadServedModel());
-  std::string engine_kind = absl::GetFlag(FLAGS_engine);
+  ASSIGN_OR_RETURN(EngineKind engine_kind, EngineFlag());
   // Expert parallelism runs the static sampler on every rank (rollout/ep_rollout.h).
-  if (loaded.ep && engine_kind == "paged") {
+  if (loaded.ep && engine_kind == EngineKind::kPaged) {
     lm::log::Info("expert parallelism: the static sampler (the paged engine is single-process)");
-    engine_kind = "static";
+    engine_kind = EngineKind::kStatic;
   }
   // Refused at start-up rather than on every Generate.
-  if (engine_kind == "paged" && !loaded.model->SupportsPagedKV())
+  if (engine_kind == EngineKind::kPaged && !loaded.model->SupportsPagedKV())
     return absl::FailedPreconditionError(absl::StrCat(
         loaded.model_dir, " is a ", loaded.config.model_type,
         " model, which the paged rollout engine cannot sample: it has no paged KV cache "
         "(lm/model/paged_kv.h); serve a qwen3_moe or qwen3_next student"));
-  if (engine_kind == "static" && !loaded.model->SupportsKVCache())
+  if (engine_kind == EngineKind::kStatic && !loaded.model->SupportsKVCache())
     return absl::FailedPreconditionError(absl::StrCat(
         loaded.model_dir, " is a ", loaded.config.model_type,
         " model, which this rollout worker cannot sample: it has no incremental decode (KV "
@@ -100,9 +107,10 @@ absl::Status Run() {
   const lm::ModelConfig& config = loaded.config;
   // Refused here, naming the term, rather than by an allocation failure in the KV pool (the
   // largest term, allocated below); the arithmetic is opd-ctl plan's (lm/plan/plan.h).
-  if (engine_kind == "paged" && loaded.placement.device.is_cuda()) {
+  const int64_t dtype_bytes = static_cast<int64_t>(c10::elementSize(loaded.placement.dtype));
+  if (engine_kind == EngineKind::kPaged && loaded.placement.device.is_cuda()) {
     lm::plan::RolloutSettings plan;
-    plan.weight_bytes = loaded.dtype == "float32" ? 4 : 2;
+    plan.weight_bytes = dtype_bytes;
     plan.kv_cache_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_kv_cache_gb) * lm::plan::kGiB);
     plan.block_size = absl::GetFlag(FLAGS_kv_block_size);
     plan.max_running = absl::GetFlag(FLAGS_max_running_seqs);
@@ -118,7 +126,7 @@ absl::Status Run() {
                                                                : config.max_position_embeddings;
   so.limits.max_samples_per_prompt = absl::GetFlag(FLAGS_max_samples_per_prompt);
   so.limits.max_slots = absl::GetFlag(FLAGS_max_slots);
-  so.limits.kv_bytes_per_token = lm::KvBytesPerToken(config, loaded.dtype == "float32" ? 4 : 2);
+  so.limits.kv_bytes_per_token = lm::KvBytesPerToken(config, dtype_bytes);
   so.limits.max_kv_bytes = absl::GetFlag(FLAGS_kv_budget_gb) * 1024.0 * 1024.0 * 1024.0;
   so.max_concurrent = absl::GetFlag(FLAGS_max_concurrent);
 
@@ -138,7 +146,7 @@ absl::Status Run() {
   // (a request with a sequence that cannot fit it is refused). --kv-budget-gb still caps what one
   // request may ask for in all (Validate: sequences x (prompt + max_new_tokens)).
   std::unique_ptr<rollout::Engine> engine;
-  if (engine_kind == "paged") {
+  if (engine_kind == EngineKind::kPaged) {
     rollout::EngineOptions eo;
     eo.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_gb) * 1024.0 * 1024.0 * 1024.0;
     eo.block_size = absl::GetFlag(FLAGS_kv_block_size);

@@ -104,7 +104,7 @@ absl::Status Run() {
   // --world-size the loaded config's local_experts is already this rank's share.
   if (loaded.placement.device.is_cuda()) {
     lm::plan::TeacherSettings plan;
-    plan.weight_bytes = loaded.dtype == "float32" ? 4 : 2;
+    plan.weight_bytes = static_cast<int64_t>(c10::elementSize(loaded.placement.dtype));
     plan.workers = so.workers;
     plan.max_batch_tokens = so.max_batch_tokens;
     plan.logprob_chunk_rows = so.logprob_chunk_rows;
