@@ -206,7 +206,8 @@ TEST_F(LearnerRuns, OpdResumeAfterASkippedStepIsExact) {
 // step 2 with step 1's weights, so the checkpoint of step 2 holds them and run B, resumed from it,
 // learns from the same samples and ends with run A's weights and moments at step 4. Run C resumes
 // from a copy without them (what a checkpoint held before): it samples step 3 anew on step 2's
-// weights, and must differ, or the comparison could not see the bug.
+// weights, and must differ, or the comparison could not see the bug. Run D resumes from samples
+// of another format: C's path, with a warning.
 TEST_F(LearnerRuns, OpdOneStepOffResumeIsExact) {
   const std::string teacher = StartService("teacher_async", kBin + "/teacher_service/opd-teacher",
                                            (dir_ / "teacher_small").string());
@@ -237,6 +238,16 @@ TEST_F(LearnerRuns, OpdOneStepOffResumeIsExact) {
   EXPECT_FALSE(ReadFile(a4 / "model/model.safetensors") ==
                ReadFile(c / "checkpoints/step_000004/model/model.safetensors"))
       << "re-sampling step 3 does not reach the weights: this test cannot see the bug";
+
+  // Run D resumes from a copy whose samples another build wrote (no format tag): it says so and
+  // samples step 3 anew, as C did, ending where C ended.
+  const fs::path foreign = dir_ / "async_a2_foreign_samples", d = dir_ / "async_d";
+  fs::copy(a2, foreign, fs::copy_options::recursive);
+  std::ofstream(foreign / "prefetched_samples.bin", std::ios::binary | std::ios::trunc)
+      << std::string(64, '\0');
+  ASSERT_EQ(run(d, {"--resume=" + foreign.string()}), 0);
+  EXPECT_NE(ReadFile(d.string() + ".log").find("the next step samples anew"), std::string::npos);
+  ExpectSameWeightsAndMoments(c / "checkpoints/step_000004", d / "checkpoints/step_000004");
 }
 
 // The held-out convergence set end to end: 4 fixed prompts of task/eval_prompts.jsonl, sampled

@@ -573,7 +573,9 @@ TEST_P(NextDecode, DecodeEqualsForwardAtEveryPosition) {
         EXPECT_LE(dr, 1e-4) << "sequence " << b << " prefilled " << prefix[b];
         EXPECT_LE(d_own, 1e-4) << "sequence " << b << " prefilled " << prefix[b];
         // Copies sit in other rows of the batch, which may round differently in the GEMMs.
-        if (c > 0) EXPECT_LE(RelDiff(g, got[b * copies]), 1e-5) << "copies differ";
+        if (c > 0) {
+          EXPECT_LE(RelDiff(g, got[b * copies]), 1e-5) << "copies differ";
+        }
         worst_ref = std::max(worst_ref, dr);
         worst_own = std::max(worst_own, d_own);
       }
@@ -687,7 +689,9 @@ TEST(NextSampler, SamplesEqualStepByStepForward) {
           EXPECT_NEAR(s.logprobs[i], logprobs[i], 1e-4) << name << " token " << i;
         differ += s.sample_index == 1 && s.tokens != out[0].tokens;
       }
-      if (temperature > 0) EXPECT_GT(differ, 0) << "every sample the same: not sampling";
+      if (temperature > 0) {
+        EXPECT_GT(differ, 0) << "every sample the same: not sampling";
+      }
     }
   }
 }
@@ -836,7 +840,9 @@ TEST(NextPaged, EngineEqualsStaticSampler) {
           EXPECT_NEAR(got[i].logprobs[t], want[i].logprobs[t], 1e-4);
       }
     }
-    if (num_blocks > 0) EXPECT_GT((*engine)->stats().preemptions, 0) << "no preemption";
+    if (num_blocks > 0) {
+      EXPECT_GT((*engine)->stats().preemptions, 0) << "no preemption";
+    }
   }
 }
 

@@ -70,7 +70,8 @@ TEST(SampleCodec, RoundTripsEveryField) {
 }
 
 // Every proper prefix of the bytes (and the bytes with one more) is refused: the counts are
-// checked against what is left before anything is allocated.
+// checked against what is left before anything is allocated. Bytes without the format tag are
+// another build's (or not samples): FAILED_PRECONDITION, which a resume treats as "sample anew".
 TEST(SampleCodec, EveryTruncationIsDataLoss) {
   const std::string bytes = EncodeSamples(SomeSamples());
   for (size_t n = 0; n < bytes.size(); ++n) {
@@ -78,7 +79,10 @@ TEST(SampleCodec, EveryTruncationIsDataLoss) {
     EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss) << n << " bytes";
   }
   EXPECT_EQ(DecodeSamples(bytes + "x").status().code(), absl::StatusCode::kDataLoss);
-  EXPECT_EQ(DecodeSamples("not samples at all").status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(DecodeSamples("not samples at all").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  const std::string untagged(16, '\0');  // the untagged format: a u64 count of 0, and more
+  EXPECT_EQ(DecodeSamples(untagged).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
 // Well-formed bytes of a sample whose shape is wrong: named, not trusted.

@@ -57,10 +57,13 @@ absl::StatusOr<std::vector<Sample>> DecodeSamples(std::string_view bytes) {
   ByteReader in(bytes);
   uint32_t magic = 0, format = 0;
   uint64_t n = 0;
-  if (!in.Get(&magic) || !in.Get(&format) || magic != kMagic || format != kFormat)
-    return absl::DataLossError(absl::StrCat("not encoded samples of format ", kFormat, " (",
-                                            bytes.size(), " bytes; samples written before format ",
-                                            kFormat, " cannot be read)"));
+  if (!in.Get(&magic) || !in.Get(&format))
+    return absl::DataLossError(
+        absl::StrCat("encoded samples are truncated (", bytes.size(), " bytes, no header)"));
+  if (magic != kMagic || format != kFormat)
+    return absl::FailedPreconditionError(
+        absl::StrCat("not samples of format ", kFormat, " (", bytes.size(),
+                     " bytes): written by another build, or not samples at all"));
   in.Get(&n);
   std::vector<Sample> out;
   for (uint64_t i = 0; in.ok() && i < n; ++i) {

@@ -70,9 +70,10 @@ struct Sample {
 };
 
 // The samples as bytes (lm/util/bytes.h), for the learner's rank broadcast and the samples a
-// one-step-off checkpoint keeps. Decode checks every count against the bytes and every sample's
-// shape (log-probs per response token, response_start in range, the routing's size), and fails
-// DATA_LOSS naming the first that is wrong.
+// one-step-off checkpoint keeps, behind a format tag. Decode checks every count against the bytes
+// and every sample's shape (log-probs per response token, response_start in range, the routing's
+// size), and fails DATA_LOSS naming the first that is wrong; bytes without this build's tag
+// (another format, or not samples) fail FAILED_PRECONDITION.
 std::string EncodeSamples(const std::vector<Sample>& samples);
 absl::StatusOr<std::vector<Sample>> DecodeSamples(std::string_view bytes);
 

@@ -105,7 +105,7 @@ absl::StatusOr<std::shared_ptr<CausalLM>> CreateModel(const ModelConfig& config,
                                                       const LoadOptions& placement);
 
 // Loads config.json and the safetensors weights of an HF model directory straight into tensors of
-// `opts.dtype` on `opts.device`: shard by shard, tensor by tensor (lm/io/checkpoint.h), so peak
+// `opts.dtype` on `opts.device`: shard by shard, tensor by tensor (lm/io/hf_model_dir.h), so peak
 // host memory is the host-resident model (CPU) plus about one tensor, never an fp32 copy.
 absl::StatusOr<std::shared_ptr<CausalLM>> LoadModel(const std::string& dir,
                                                     const LoadOptions& opts = {});

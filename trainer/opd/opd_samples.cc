@@ -185,6 +185,13 @@ absl::Status OpdJob::LoadPrefetched(const std::string& checkpoint, const nlohman
   const std::string path = checkpoint + "/" + kPrefetchedFile;
   ASSIGN_OR_RETURN(const std::string bytes, opd::rpc::ReadFile(path));
   absl::StatusOr<std::vector<lm::Sample>> samples = lm::DecodeSamples(bytes);
+  if (absl::IsFailedPrecondition(samples.status())) {
+    // Another build's samples: what a checkpoint without them does (the prompts are drawn again
+    // from the saved cursor and sampled on the resumed weights), said once.
+    lm::log::Warn(
+        absl::StrCat(path, ": ", samples.status().message(), "; the next step samples anew"));
+    return absl::OkStatus();
+  }
   if (!samples.ok())
     return absl::DataLossError(absl::StrCat(path, ": ", samples.status().message()));
   resumed_samples_ = std::move(*samples);
