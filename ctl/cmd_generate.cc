@@ -98,12 +98,11 @@ int RunGenerate(const std::vector<std::string>& words) {
   for (const auto& s : *samples) {
     std::cout << nlohmann::json{{"prompt_index", s.prompt_index},
                                 {"sample_index", s.sample_index},
-                                {"tokens", std::vector<int32_t>(s.response().begin(),
-                                                                s.response().end())},
+                                {"tokens",
+                                 std::vector<int32_t>(s.response().begin(), s.response().end())},
                                 {"logprobs", s.logprobs},
-                                {"finish_reason", s.finish == lm::FinishReason::kStop
-                                                      ? "stop"
-                                                      : "length"},
+                                {"finish_reason",
+                                 s.finish == lm::FinishReason::kStop ? "stop" : "length"},
                                 {"weight_version", s.weight_version}}
                      .dump()
               << "\n";

@@ -647,8 +647,7 @@ TEST_F(Opd, TakenSwapIsAnsweredOnceAndAbortedWhenDropped) {
     taken->Answer(absl::UnavailableError("rank 1 cannot connect"));
     taken.reset();  // answered already: the destructor adds nothing
     EXPECT_EQ(answered->Wait(std::chrono::seconds(60)), 1) << answered->Log();
-    EXPECT_NE(answered->Log().find("rank 1 cannot connect"), std::string::npos)
-        << answered->Log();
+    EXPECT_NE(answered->Log().find("rank 1 cannot connect"), std::string::npos) << answered->Log();
     EXPECT_NE(answered->Log().find(": 14 "), std::string::npos) << answered->Log();  // UNAVAILABLE
   }
   {

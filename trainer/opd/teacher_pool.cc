@@ -240,9 +240,8 @@ bool TeacherPool::Wait(absl::Duration d, const std::function<bool()>& stopped) c
 }
 
 absl::Status TeacherPool::Validate(const std::vector<opd::rpc::ScoreOutput>& out,
-                                   const Share& share,
-                                   const std::vector<lm::Sample>& inputs, int32_t top_k,
-                                   const std::string& address) const {
+                                   const Share& share, const std::vector<lm::Sample>& inputs,
+                                   int32_t top_k, const std::string& address) const {
   auto bad = [&](size_t seq, const absl::Status& s) {
     return absl::DataLossError(absl::StrCat("stage '", stage_, "': teacher ", address,
                                             " sent an invalid reply for sequence ", seq, ": ",
@@ -354,7 +353,7 @@ absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> TeacherPool::Score(
       calls.push_back({ready[c], rep, client->address(),
                        std::async(std::launch::async, [client, range, &inputs, &score_opts] {
                          std::vector<lm::Sample> share(inputs.begin() + range.begin,
-                                                                 inputs.begin() + range.end);
+                                                       inputs.begin() + range.end);
                          return client->Score(share, score_opts);
                        })});
     }
