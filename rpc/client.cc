@@ -240,7 +240,11 @@ namespace {
 opd::v1::GenerateRequest MakeGenerateRequest(const std::vector<std::vector<int32_t>>& prompts,
                                              const GenerateOptions& o) {
   opd::v1::GenerateRequest req;
-  for (const auto& p : prompts) req.add_prompts()->mutable_tokens()->Add(p.begin(), p.end());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    opd::v1::Prompt* p = req.add_prompts();
+    p->mutable_tokens()->Add(prompts[i].begin(), prompts[i].end());
+    if (i < o.seed_indices.size()) p->set_seed_index(o.seed_indices[i]);
+  }
   req.set_samples_per_prompt(o.samples_per_prompt);
   auto* params = req.mutable_params();
   params->set_temperature(o.temperature);
@@ -299,29 +303,35 @@ absl::StatusOr<lm::Sample> FromProto(const opd::v1::Sample& m,
 
 }  // namespace
 
-absl::StatusOr<std::vector<lm::Sample>> RolloutClient::Generate(
+absl::Status RolloutClient::StreamGenerate(
     const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& opts,
-    const std::function<void(const lm::Sample&)>& on_sample) {
+    const std::function<absl::Status(lm::Sample)>& on_sample) {
   grpc::ClientContext ctx;
   PrepareContext(opts_, &ctx);
   CallCanceller::Scope cancel_scope(opts_.canceller.get(), &ctx);
   auto reader = stub_->Generate(&ctx, MakeGenerateRequest(prompts, opts));
-  std::vector<lm::Sample> samples;
   opd::v1::Sample msg;
-  absl::Status decode_error;
+  absl::Status refused;  // the first sample refused, by decoding or by on_sample
   while (reader->Read(&msg)) {
-    auto s = FromProto(msg, prompts, opts_.address);
-    if (!s.ok()) {
-      decode_error = s.status();
-      ctx.TryCancel();
-      continue;  // drain until Read fails
-    }
-    if (on_sample) on_sample(*s);
-    samples.push_back(std::move(*s));
+    if (!refused.ok()) continue;  // drain until Read fails
+    absl::StatusOr<lm::Sample> s = FromProto(msg, prompts, opts_.address);
+    refused = s.ok() ? on_sample(std::move(*s)) : s.status();
+    if (!refused.ok()) ctx.TryCancel();
   }
   const grpc::Status st = reader->Finish();
-  RETURN_IF_ERROR(decode_error);
-  RETURN_IF_ERROR(FromGrpc(st, opts_.address));
+  RETURN_IF_ERROR(refused);
+  return FromGrpc(st, opts_.address);
+}
+
+absl::StatusOr<std::vector<lm::Sample>> RolloutClient::Generate(
+    const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& opts,
+    const std::function<void(const lm::Sample&)>& on_sample) {
+  std::vector<lm::Sample> samples;
+  RETURN_IF_ERROR(StreamGenerate(prompts, opts, [&](lm::Sample s) {
+    if (on_sample) on_sample(s);
+    samples.push_back(std::move(s));
+    return absl::OkStatus();
+  }));
   std::sort(samples.begin(), samples.end(), [](const auto& a, const auto& b) {
     return std::tie(a.prompt_index, a.sample_index) < std::tie(b.prompt_index, b.sample_index);
   });
