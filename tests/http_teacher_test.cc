@@ -82,6 +82,24 @@ void ExpectSynthetic(const std::vector<opd::rpc::ScoreOutput>& out, int k) {
   }
 }
 
+// opd-ctl run with `args`: its exit code and its output (stdout and stderr).
+struct CtlRun {
+  int code = -1;
+  std::string output;
+};
+
+CtlRun RunCtl(const std::vector<std::string>& args) {
+  static int n = 0;
+  const auto log = testing_util::FreshDir("ctl") / ("ctl" + std::to_string(n++) + ".log");
+  std::vector<std::string> argv = {std::string(OPD_BINARY_DIR) + "/ctl/opd-ctl"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  testing_util::ChildProcess p(argv, log.string());
+  CtlRun r;
+  r.code = p.Wait(std::chrono::seconds(120));
+  r.output = p.Log();
+  return r;
+}
+
 TEST(HttpTeacher, ParsesSchemes) {
   auto a = opd::rpc::ParseHttpTeacherAddress("sglang+https://h:1/");
   ASSERT_TRUE(a.ok()) << a.status();
@@ -223,6 +241,10 @@ TEST(HttpTeacher, HttpsWithTheServersCaScoresAndAnotherCaIsRefused) {
     auto pool = trainer::TeacherPool::Connect("s", {ep}, {}, po);
     EXPECT_EQ(pool.status().code(), absl::StatusCode::kFailedPrecondition) << pool.status();
     EXPECT_NE(pool.status().message().find(ep), std::string::npos) << pool.status();
+    // opd-ctl takes the TLS variants with --tls-ca.
+    const CtlRun info = RunCtl({"info", "--addr", ep, "--tls-ca", certs->ca.string()});
+    EXPECT_EQ(info.code, 0) << info.output;
+    EXPECT_NE(info.output.find("\"architecture\":"), std::string::npos) << info.output;
   }
   // Plain HTTP to a TLS port is not a reply.
   EXPECT_FALSE(ScoreWith(tls.Endpoint("sglang")).ok());
@@ -561,23 +583,6 @@ TEST(HttpTeacherPool, RanksSpreadAStepOverTheReplicasByTokens) {
 }
 
 // --- opd-ctl speaks to external teachers ---------------------------------------------------------
-
-struct CtlRun {
-  int code = -1;
-  std::string output;
-};
-
-CtlRun RunCtl(const std::vector<std::string>& args) {
-  static int n = 0;
-  const auto log = testing_util::FreshDir("ctl") / ("ctl" + std::to_string(n++) + ".log");
-  std::vector<std::string> argv = {std::string(OPD_BINARY_DIR) + "/ctl/opd-ctl"};
-  argv.insert(argv.end(), args.begin(), args.end());
-  testing_util::ChildProcess p(argv, log.string());
-  CtlRun r;
-  r.code = p.Wait(std::chrono::seconds(120));
-  r.output = p.Log();
-  return r;
-}
 
 // `opd-ctl score` and `opd-ctl info` take sglang:// and vllm:// endpoints (they spoke gRPC only:
 // "DNS resolution failed").

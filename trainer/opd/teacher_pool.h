@@ -132,8 +132,10 @@ class TeacherPool {
  public:
   TeacherPool(std::string stage, TeacherPoolOptions opts, int64_t vocab_size = 0)
       : stage_(std::move(stage)), opts_(std::move(opts)), vocab_size_(vocab_size) {}
-  // Connects to every endpoint and checks its Info() against `req`: a mismatch (or an endpoint
-  // that cannot be reached) is an error naming the endpoint, before any step is spent on it.
+  // Connects to every endpoint and checks it against `req` (its Info(), then the tokenizer and
+  // scoring probes; see TeacherRequirements): a mismatch, a limit below what the stage asks, or an
+  // endpoint that cannot be reached is an error naming the stage and the endpoint, before any
+  // step is spent on it.
   static absl::StatusOr<std::unique_ptr<TeacherPool>> Connect(
       const std::string& stage, const std::vector<std::string>& endpoints,
       const TeacherRequirements& req, const TeacherPoolOptions& opts);
