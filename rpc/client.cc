@@ -257,6 +257,33 @@ opd::v1::GenerateRequest MakeGenerateRequest(const std::vector<std::vector<int32
   return req;
 }
 
+// A sample's routing: [positions, routing_layers, routing_top_k] ids for positions =
+// tokens.size() - 1. The sizes come from the wire, so the expected count is never formed by
+// multiplying them (2^31 x 2^31 x positions overflows int64, and a wrapped product could pass):
+// the count received is divided instead.
+absl::StatusOr<std::vector<int32_t>> UnpackRouting(const opd::v1::Sample& m, const lm::Sample& s,
+                                                   const std::string& address) {
+  const auto bad = [&](const std::string& what) {
+    return absl::DataLossError(absl::StrCat("rollout worker ", address,
+                                            " sent an invalid sample: sample ", m.sample_index(),
+                                            " of prompt ", m.prompt_index(), ": ", what));
+  };
+  if (m.routing_layers() <= 0 || m.routing_top_k() <= 0)
+    return bad(absl::StrCat("routed_experts with routing_layers ", m.routing_layers(),
+                            " and routing_top_k ", m.routing_top_k(), " (both must be > 0)"));
+  const int64_t positions = static_cast<int64_t>(s.tokens.size()) - 1;
+  // Both factors are positive int32: their product fits int64.
+  const int64_t per_position = int64_t{m.routing_layers()} * m.routing_top_k();
+  const size_t bytes = m.routed_experts().size();
+  const int64_t values = static_cast<int64_t>(bytes / sizeof(int32_t));
+  if (positions < 1 || bytes % sizeof(int32_t) != 0 || values % per_position != 0 ||
+      values / per_position != positions)
+    return bad(absl::StrCat("routed_experts has ", bytes, " bytes, expected ", positions,
+                            " positions x ", m.routing_layers(), " layers x ", m.routing_top_k(),
+                            " experts x 4"));
+  return UnpackArray<int32_t>(m.routed_experts(), values, "routed_experts");
+}
+
 // The sample `m` answers, with its prompt (which the wire does not repeat) in front.
 absl::StatusOr<lm::Sample> FromProto(const opd::v1::Sample& m,
                                      const std::vector<std::vector<int32_t>>& prompts,
@@ -286,15 +313,7 @@ absl::StatusOr<lm::Sample> FromProto(const opd::v1::Sample& m,
   }
   s.weight_version = m.weight_version();
   if (!m.routed_experts().empty()) {
-    if (m.routing_layers() <= 0 || m.routing_top_k() <= 0)
-      return absl::InvalidArgumentError(absl::StrCat("routed_experts without routing_layers (",
-                                                     m.routing_layers(), ") and routing_top_k (",
-                                                     m.routing_top_k(), ")"));
-    const int64_t positions = static_cast<int64_t>(s.tokens.size()) - 1;
-    ASSIGN_OR_RETURN(
-        s.routed_experts,
-        UnpackArray<int32_t>(m.routed_experts(), positions * m.routing_layers() * m.routing_top_k(),
-                             "routed_experts"));
+    ASSIGN_OR_RETURN(s.routed_experts, UnpackRouting(m, s, address));
     s.routing_layers = m.routing_layers();
     s.routing_top_k = m.routing_top_k();
   }
