@@ -94,6 +94,8 @@ ScoreStreamOptions OpdJob::ScoringOptions() const {
   o.max_calls_per_pool = static_cast<int>(c_.train.score_calls_per_pool);
   o.max_call_tokens = c_.train.score_call_tokens;
   o.stop = [] { return StopRequested(); };
+  o.rank = group_->rank();
+  o.step = step_ + 1;
   return o;
 }
 
@@ -182,7 +184,7 @@ absl::Status OpdJob::Connect(bool resumed) {
   tp.client.canceller = canceller_;
   tp.score_deadline = absl::Seconds(c_.train.score_deadline_s);
   teachers_ = std::make_unique<StageTeachers>(
-      c_.stages, StudentRequirements(*tokenizer_, model_->config().vocab_size), tp);
+      c_.stages, StageRequirements(c_, *tokenizer_, model_->config().vocab_size), tp);
   convergence_ =
       std::make_unique<StageConvergence>([this](const std::string& line) { progress_->Log(line); });
   return absl::OkStatus();

@@ -12,7 +12,8 @@ namespace trainer {
 struct ScoreStream::PoolQueue {
   std::shared_ptr<TeacherPool> pool;
   std::deque<Item> queued;
-  int calls = 0;  // in flight
+  int calls = 0;        // in flight
+  int64_t started = 0;  // calls made so far (the replica rotation)
 };
 
 TeacherPool& TeacherPools::For(const std::string& domain) const {
@@ -123,6 +124,7 @@ void ScoreStream::Work() {
   for (;;) {
     std::vector<Item> group;
     PoolQueue* q = nullptr;
+    int64_t hint = 0;
     {
       absl::MutexLock lock(&mu_);
       const auto wake = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
@@ -142,9 +144,10 @@ void ScoreStream::Work() {
         q->queued.pop_front();
       }
       ++q->calls;
+      hint = opts_.rank + opts_.step + q->started++;
       if (in_flight_++ == 0) busy_since_ns_ = absl::GetCurrentTimeNanos();
     }
-    const absl::Status st = ScoreGroup(*q->pool, group);
+    const absl::Status st = ScoreGroup(*q->pool, group, hint);
     bool failed = false;
     {
       absl::MutexLock lock(&mu_);
@@ -162,13 +165,14 @@ void ScoreStream::Work() {
   }
 }
 
-absl::Status ScoreStream::ScoreGroup(TeacherPool& pool, const std::vector<Item>& group) {
+absl::Status ScoreStream::ScoreGroup(TeacherPool& pool, const std::vector<Item>& group,
+                                     int64_t replica_hint) {
   std::vector<lm::Sample> inputs;  // the sequences alone (not the routing or log-probs)
   inputs.reserve(group.size());
   for (const Item& it : group)
     inputs.push_back(lm::Sample::ToScore(it.sample->tokens, it.sample->response_start));
-  absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> scores =
-      pool.Score(inputs, opts_.score, [this] { return Stopped(); });
+  absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> scores = pool.Score(
+      inputs, opts_.score, [this] { return Stopped(); }, ScoreSpread{0, 0, replica_hint});
   if (!scores.ok()) return scores.status();
   for (size_t j = 0; j < group.size(); ++j) {
     const lm::Sample& s = *group[j].sample;

@@ -45,6 +45,10 @@ struct ScoreStreamOptions {
   int64_t max_call_tokens = 65536;
   // Polled by the pools between retries; a true ends the stream CANCELLED.
   std::function<bool()> stop;
+  // The calls of each pool go to its replicas in turn, starting at rank + step (ScoreSpread's
+  // replica_hint), so that every rank's calls spread over every replica.
+  int rank = 0;
+  int64_t step = 0;
 };
 
 class ScoreStream {
@@ -84,7 +88,7 @@ class ScoreStream {
   void Work();
   // The pool with queued work and a free call, or -1.
   int ReadyPool() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ScoreGroup(TeacherPool& pool, const std::vector<Item>& group);
+  absl::Status ScoreGroup(TeacherPool& pool, const std::vector<Item>& group, int64_t replica_hint);
   bool Stopped() const;
 
   const TeacherPools pools_;

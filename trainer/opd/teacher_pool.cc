@@ -464,8 +464,11 @@ std::vector<TeacherPool::Share> TeacherPool::MakeShares(const std::vector<lm::Sa
   for (size_t i = 0; i < inputs.size(); ++i) {
     const int64_t len = static_cast<int64_t>(inputs[i].tokens.size());
     // The slice holding the sequence's middle, (at + len / 2) * replicas / total, in integers.
-    const int replica = static_cast<int>(
-        std::min(replicas - 1, total > 0 ? (2 * at + len) * replicas / (2 * total) : 0));
+    const int replica =
+        spread.replica_hint >= 0
+            ? static_cast<int>(spread.replica_hint % static_cast<int64_t>(replicas))
+            : static_cast<int>(
+                  std::min(replicas - 1, total > 0 ? (2 * at + len) * replicas / (2 * total) : 0));
     at += len;
     if (shares.empty() || shares.back().replica != replica ||
         shares.back().end - shares.back().begin >= per_call) {

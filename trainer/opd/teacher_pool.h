@@ -102,6 +102,10 @@ TeacherRequirements StageRequirements(const OpdConfig& c, const lm::Tokenizer& t
 struct ScoreSpread {
   int64_t tokens_before = 0;  // the step's tokens for this pool held by the callers before it
   int64_t total_tokens = 0;   // the step's tokens for this pool over every caller (0: its own)
+  // >= 0: the whole call goes to replica replica_hint % replicas (while it is healthy). Callers
+  // that score a step in many small calls as samples arrive (trainer/opd/score_stream.h) rotate
+  // it from their rank and step, so the calls of every rank spread evenly over the replicas.
+  int64_t replica_hint = -1;
 };
 
 // Caller `caller`'s spread when the callers hold tokens[0], tokens[1], ... for a pool (a token
