@@ -31,6 +31,10 @@ ABSL_FLAG(int64_t, max_reply_mb, 1024,
           "largest reply a request may cost, in MiB (1..2047: protobuf cannot send 2 GiB); "
           "larger requests get RESOURCE_EXHAUSTED; with ScoreStream, the largest reply one "
           "sequence may cost");
+ABSL_FLAG(bool, batch_invariant, true,
+          "score every sequence with arithmetic independent of what shares its batch (CPU): "
+          "the same bits whatever concurrent requests are packed with it, so that OPD runs "
+          "reproduce and resume exactly; costs some speed (docs/performance.md)");
 ABSL_FLAG(int64_t, max_chunk_mb, 32,
           "ScoreStream: reply bytes per chunk, in MiB (1..2047; above --max-reply-mb it is "
           "--max-reply-mb); the server scores and holds one chunk per stream at a time");
@@ -99,6 +103,13 @@ absl::Status Run() {
   so.max_queue = absl::GetFlag(FLAGS_max_queue);
   so.workers = absl::GetFlag(FLAGS_workers);
   so.logprob_chunk_rows = absl::GetFlag(FLAGS_logprob_chunk);
+  so.batch_invariant = absl::GetFlag(FLAGS_batch_invariant);
+  if (so.batch_invariant && !loaded.placement.device.is_cpu()) {
+    lm::log::Warn(
+        "--batch-invariant covers CPU scoring only: on CUDA, cuBLAS chooses GEMM kernels and "
+        "torch's reductions split rows by batch shape, so a sequence's log-probs may change in "
+        "the last bits with what it is batched with (docs/gpu.md)");
+  }
   // The scoring buckets and LM-head chunks on top of the loaded weights, as opd-ctl plan counts
   // them (lm/plan/plan.h): refused naming the term rather than failing mid-request. Under
   // --world-size the loaded config's local_experts is already this rank's share.

@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "lm/model/batch_invariant.h"
 #include "lm/model/expert_parallel.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
@@ -114,8 +115,9 @@ void Scorer::Stop() {
 }
 
 void Scorer::WorkerLoop() {
-  // Scoring never needs gradients; the guard is per thread.
+  // Scoring never needs gradients; the guard is per thread, as is the batch-invariant mode.
   torch::NoGradGuard no_grad;
+  lm::ScopedBatchInvariant invariant(opts_.batch_invariant);
   while (true) {
     std::vector<Item> items = TakeBatch();
     if (items.empty()) {

@@ -38,6 +38,10 @@ struct ScorerOptions {
   int64_t max_queue = 64;            // jobs waiting; more are refused with RESOURCE_EXHAUSTED
   int workers = 1;                   // threads running forwards
   int64_t logprob_chunk_rows = 512;  // rows of [rows, vocab] logits alive at once
+  // Batch-invariant scoring (lm/model/batch_invariant.h): a sequence's scores are the same bits
+  // whatever else its batch holds, so that runs whose steps need several teacher calls (packed as
+  // they happen to arrive) are reproducible and resume exactly. CPU only; costs some speed.
+  bool batch_invariant = true;
 };
 
 class Scorer {
