@@ -25,7 +25,11 @@ struct Scorer::Pending {
   std::vector<SequenceScore> results;  // each entry written by the one worker that scored it
   std::vector<int64_t> left;           // sequences not packed yet, in order (guarded by mu_)
   int64_t outstanding = 0;             // sequences not finished or dropped (guarded by mu_)
-  absl::Status error;                  // first failure (guarded by mu_)
+  // The failure reported (guarded by mu_): of the batches' failures, the one of the lowest
+  // sequence index (`error_sequence`), so that the report does not depend on how the job's
+  // sequences were packed; a job given up as a whole (cancelled, shut down) reports that.
+  absl::Status error;
+  int64_t error_sequence = -1;
 };
 
 namespace {
@@ -381,7 +385,12 @@ void Scorer::Complete(const std::vector<Item>& items, const std::vector<absl::St
     absl::MutexLock lock(&mu_);
     for (size_t i = 0; i < items.size(); ++i) {
       const Item& it = items[i];
-      if (!errors[i].ok() && it.job->error.ok()) it.job->error = errors[i];
+      Pending& job = *it.job;
+      if (!errors[i].ok() && (job.error.ok() || (job.error_sequence >= 0 &&
+                                                 it.index < job.error_sequence))) {
+        job.error = errors[i];
+        job.error_sequence = it.index;
+      }
       if (--it.job->outstanding == 0) finished.push_back(it.job);
     }
   }

@@ -11,8 +11,6 @@
 namespace lm {
 namespace {
 
-thread_local bool batch_invariant = false;
-
 bool NeedsGrad(const torch::Tensor& t) {
   return torch::GradMode::is_enabled() && t.requires_grad();
 }
@@ -64,16 +62,13 @@ torch::Tensor BlockedMatmulWeightT(const torch::Tensor& x, const torch::Tensor& 
 
 }  // namespace
 
-bool BatchInvariant() {
-  return batch_invariant;
-}
-
-ScopedBatchInvariant::ScopedBatchInvariant(bool enabled) : previous_(batch_invariant) {
-  batch_invariant = enabled;
+ScopedBatchInvariant::ScopedBatchInvariant(bool enabled)
+    : previous_(batch_invariant_internal::enabled) {
+  batch_invariant_internal::enabled = enabled;
 }
 
 ScopedBatchInvariant::~ScopedBatchInvariant() {
-  batch_invariant = previous_;
+  batch_invariant_internal::enabled = previous_;
 }
 
 torch::Tensor InvariantMatmulWeightT(const torch::Tensor& x, const torch::Tensor& w) {

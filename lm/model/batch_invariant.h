@@ -44,8 +44,15 @@ inline constexpr int64_t kInvariantCols = 512;
 // threads, and a multiple of every vector width, so its vector loop leaves no scalar tail.
 inline constexpr int64_t kPointwiseBlock = 16384;
 
+namespace batch_invariant_internal {
+// In the header, so that the kernels of kernels/ (linked after lm) read it without a symbol of lm.
+inline thread_local bool enabled = false;
+}  // namespace batch_invariant_internal
+
 // Whether the calling thread is in batch-invariant mode.
-bool BatchInvariant();
+inline bool BatchInvariant() {
+  return batch_invariant_internal::enabled;
+}
 
 // Puts the calling thread in batch-invariant mode while alive (`enabled`), restoring the previous
 // mode after. Nestable.

@@ -1,0 +1,138 @@
+// What batch-invariant scoring (lm/model/batch_invariant.h, opd-teacher --batch-invariant) costs
+// on the CPU, next to the default path in one process: the teacher's whole scoring of a packed
+// batch (forward and LM-head log-probs through teacher::Scorer), then x W^T alone at the model's
+// projection shapes for a few row counts.
+//   bench_batch_invariant --config configs/models/marco_nano.json --layers 2 --batch 4 --len 512
+//       --response 256 --threads 2 --repeats 2
+// A random model of the config's shapes with --layers layers (fp32). Prints one line per
+// measurement: the default's time, the invariant mode's, and their ratio.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <random>
+
+#include <torch/torch.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "lm/model/batch_invariant.h"
+#include "lm/model/config.h"
+#include "lm/model/layers.h"
+#include "lm/model/model.h"
+#include "lm/util/memory.h"
+#include "nlohmann/json.hpp"
+#include "teacher_service/scorer.h"
+
+ABSL_FLAG(std::string, config, "configs/models/marco_nano.json", "a model's config.json");
+ABSL_FLAG(int, layers, 2, "decoder layers of the random model (the config's shapes otherwise)");
+ABSL_FLAG(int, batch, 4, "sequences in the scored batch");
+ABSL_FLAG(int, len, 512, "tokens per sequence");
+ABSL_FLAG(int, response, 256, "scored tokens per sequence (the last ones)");
+ABSL_FLAG(int, top_k, 0, "top-k log-probs per scored token");
+ABSL_FLAG(int, threads, 2, "intra-op threads");
+ABSL_FLAG(int, repeats, 2, "timed repeats of each measurement (after one warm-up); the best counts");
+
+namespace {
+
+// The best of `repeats` timed runs of `f`, after one untimed.
+double BestSeconds(int repeats, const std::function<void()>& f) {
+  f();
+  double best = 1e30;
+  for (int r = 0; r < repeats; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+                              .count());
+  }
+  return best;
+}
+
+void Row(const std::string& what, double usual, double invariant, const std::string& unit,
+         double work) {
+  std::printf("%-44s  default %9.1f %s  invariant %9.1f %s  invariant/default %.2f\n",
+              what.c_str(), work / usual, unit.c_str(), work / invariant, unit.c_str(),
+              usual / invariant);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  lm::RetainFreedMemory();
+  absl::ParseCommandLine(argc, argv);
+  torch::set_num_threads(absl::GetFlag(FLAGS_threads));
+  std::ifstream in(absl::GetFlag(FLAGS_config));
+  if (!in) {
+    std::cerr << "bench_batch_invariant: cannot read " << absl::GetFlag(FLAGS_config) << "\n";
+    return 1;
+  }
+  auto json = nlohmann::json::parse(in);
+  json["num_hidden_layers"] = absl::GetFlag(FLAGS_layers);
+  auto config = lm::ParseModelConfig(json);
+  if (!config.ok()) {
+    std::cerr << config.status() << "\n";
+    return 1;
+  }
+  auto created = lm::CreateModel(*config);
+  if (!created.ok()) {
+    std::cerr << created.status() << "\n";
+    return 1;
+  }
+  std::shared_ptr<lm::CausalLM> model = *created;
+  model->InitWeights(0.02, 1);
+  model->eval();
+  const int len = absl::GetFlag(FLAGS_len), response = std::min(absl::GetFlag(FLAGS_response), len);
+  std::printf("%s, %d layers, %d x %d tokens (%d scored each), top-k %d, %d threads\n",
+              absl::GetFlag(FLAGS_config).c_str(), absl::GetFlag(FLAGS_layers),
+              absl::GetFlag(FLAGS_batch), len, response, absl::GetFlag(FLAGS_top_k),
+              absl::GetFlag(FLAGS_threads));
+
+  // Scoring through the teacher's Scorer, one batch.
+  std::mt19937 rng(0);
+  teacher::ScoreJob job;
+  for (int b = 0; b < absl::GetFlag(FLAGS_batch); ++b) {
+    std::vector<int32_t> t(len);
+    for (auto& x : t) x = static_cast<int32_t>(rng() % config->vocab_size);
+    job.sequences.push_back(lm::Sample::ToScore(std::move(t), std::max(1, len - response)));
+  }
+  job.top_k = absl::GetFlag(FLAGS_top_k);
+  auto score = [&](bool invariant) {
+    teacher::ScorerOptions so;
+    so.workers = 1;
+    so.max_batch_tokens = int64_t{1} << 30;
+    so.batch_invariant = invariant;
+    teacher::Scorer scorer(model, so);
+    return BestSeconds(absl::GetFlag(FLAGS_repeats), [&] {
+      auto r = scorer.Score(job);
+      if (!r.ok()) {
+        std::cerr << r.status() << "\n";
+        std::exit(1);
+      }
+    });
+  };
+  const double tokens = static_cast<double>(absl::GetFlag(FLAGS_batch)) * len;
+  const double usual = score(false), invariant = score(true);
+  Row("scoring (forward + log-probs)", usual, invariant, "tok/s", tokens);
+
+  // x W^T alone: the attention's q projection and the output projection.
+  torch::NoGradGuard no_grad;
+  const int64_t H = config->hidden_size, Q = config->num_attention_heads * config->head_dim;
+  for (auto [name, k, n] : {std::tuple<const char*, int64_t, int64_t>{"q_proj", H, Q},
+                            {"o_proj", Q, H}}) {
+    const auto w = torch::randn({n, k});
+    for (int64_t m : {int64_t{7}, int64_t{200}, int64_t{2048}}) {
+      const auto x = torch::randn({m, k});
+      auto gemm = [&](bool invariant) {
+        lm::ScopedBatchInvariant mode(invariant);
+        return BestSeconds(absl::GetFlag(FLAGS_repeats) * 5, [&] { lm::MatmulWeightT(x, w); });
+      };
+      const double a = gemm(false), b = gemm(true);
+      Row(std::string(name) + " x W^T, " + std::to_string(m) + " x " + std::to_string(k) +
+              " x " + std::to_string(n),
+          a, b, "GFLOP/s", 2e-9 * m * k * n);
+    }
+  }
+  return 0;
+}
