@@ -2,8 +2,8 @@
 // on the CPU, next to the default path in one process: the teacher's whole scoring of a packed
 // batch (forward and LM-head log-probs through teacher::Scorer), then x W^T alone at the model's
 // projection shapes for a few row counts.
-//   bench_batch_invariant --config configs/models/marco_nano.json --layers 2 --batch 4 --len 512
-//       --response 256 --threads 2 --repeats 2
+//   bench_batch_invariant --config configs/models/marco_nano.json --layers 2 --batch 4 --len 256
+//       --response 128 --threads 2 --repeats 3
 // A random model of the config's shapes with --layers layers (fp32). Prints one line per
 // measurement: the default's time, the invariant mode's, and their ratio.
 #include <algorithm>
@@ -29,25 +29,33 @@
 ABSL_FLAG(std::string, config, "configs/models/marco_nano.json", "a model's config.json");
 ABSL_FLAG(int, layers, 2, "decoder layers of the random model (the config's shapes otherwise)");
 ABSL_FLAG(int, batch, 4, "sequences in the scored batch");
-ABSL_FLAG(int, len, 512, "tokens per sequence");
-ABSL_FLAG(int, response, 256, "scored tokens per sequence (the last ones)");
+ABSL_FLAG(int, len, 256, "tokens per sequence");
+ABSL_FLAG(int, response, 128, "scored tokens per sequence (the last ones)");
 ABSL_FLAG(int, top_k, 0, "top-k log-probs per scored token");
 ABSL_FLAG(int, threads, 2, "intra-op threads");
-ABSL_FLAG(int, repeats, 2, "timed repeats of each measurement (after one warm-up); the best counts");
+ABSL_FLAG(int, repeats, 3,
+          "timed repeats of each measurement (after one warm-up), the two paths taking turns; "
+          "the best counts");
 
 namespace {
 
-// The best of `repeats` timed runs of `f`, after one untimed.
-double BestSeconds(int repeats, const std::function<void()>& f) {
-  f();
-  double best = 1e30;
-  for (int r = 0; r < repeats; ++r) {
+// The best of `repeats` timed runs of each of `a` and `b`, after one untimed run of each, the two
+// taking turns so that both see the same load on a shared machine.
+std::pair<double, double> BestSeconds(int repeats, const std::function<void()>& a,
+                                      const std::function<void()>& b) {
+  auto time = [](const std::function<void()>& f) {
     const auto t0 = std::chrono::steady_clock::now();
     f();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-                              .count());
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  a();
+  b();
+  double best_a = 1e30, best_b = 1e30;
+  for (int r = 0; r < repeats; ++r) {
+    best_a = std::min(best_a, time(a));
+    best_b = std::min(best_b, time(b));
   }
-  return best;
+  return {best_a, best_b};
 }
 
 void Row(const std::string& what, double usual, double invariant, const std::string& unit,
@@ -98,22 +106,26 @@ int main(int argc, char** argv) {
     job.sequences.push_back(lm::Sample::ToScore(std::move(t), std::max(1, len - response)));
   }
   job.top_k = absl::GetFlag(FLAGS_top_k);
-  auto score = [&](bool invariant) {
+  auto options = [](bool invariant) {
     teacher::ScorerOptions so;
     so.workers = 1;
     so.max_batch_tokens = int64_t{1} << 30;
     so.batch_invariant = invariant;
-    teacher::Scorer scorer(model, so);
-    return BestSeconds(absl::GetFlag(FLAGS_repeats), [&] {
+    return so;
+  };
+  teacher::Scorer usual_scorer(model, options(false)), invariant_scorer(model, options(true));
+  auto score = [&](teacher::Scorer& scorer) {
+    return [&] {
       auto r = scorer.Score(job);
       if (!r.ok()) {
         std::cerr << r.status() << "\n";
         std::exit(1);
       }
-    });
+    };
   };
   const double tokens = static_cast<double>(absl::GetFlag(FLAGS_batch)) * len;
-  const double usual = score(false), invariant = score(true);
+  const auto [usual, invariant] = BestSeconds(absl::GetFlag(FLAGS_repeats), score(usual_scorer),
+                                              score(invariant_scorer));
   Row("scoring (forward + log-probs)", usual, invariant, "tok/s", tokens);
 
   // x W^T alone: the attention's q projection and the output projection.
@@ -125,10 +137,12 @@ int main(int argc, char** argv) {
     for (int64_t m : {int64_t{7}, int64_t{200}, int64_t{2048}}) {
       const auto x = torch::randn({m, k});
       auto gemm = [&](bool invariant) {
-        lm::ScopedBatchInvariant mode(invariant);
-        return BestSeconds(absl::GetFlag(FLAGS_repeats) * 5, [&] { lm::MatmulWeightT(x, w); });
+        return [&x, &w, invariant] {
+          lm::ScopedBatchInvariant mode(invariant);
+          lm::MatmulWeightT(x, w);
+        };
       };
-      const double a = gemm(false), b = gemm(true);
+      const auto [a, b] = BestSeconds(absl::GetFlag(FLAGS_repeats) * 5, gemm(false), gemm(true));
       Row(std::string(name) + " x W^T, " + std::to_string(m) + " x " + std::to_string(k) +
               " x " + std::to_string(n),
           a, b, "GFLOP/s", 2e-9 * m * k * n);
