@@ -42,17 +42,18 @@ absl::StatusOr<std::shared_ptr<CallRegistry::Call>> CallRegistry::AddStream(
   std::string peer = ctx->peer();
   absl::MutexLock lock(&mu_);
   if (streams_ >= limits_.max_streams) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("the teacher has ", streams_, " ScoreStream calls in progress, its limit "
-                     "(--max-streams=", limits_.max_streams, "); retry later"));
+    return absl::ResourceExhaustedError(absl::StrCat("the teacher has ", streams_,
+                                                     " ScoreStream calls in progress, its limit "
+                                                     "(--max-streams=",
+                                                     limits_.max_streams, "); retry later"));
   }
   int64_t& mine = streams_per_peer_[peer];
   if (mine >= limits_.max_streams_per_connection) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "this connection (", peer, ") has ", mine,
-        " ScoreStream calls in progress, the teacher's limit per connection "
-        "(--max-streams-per-connection=",
-        limits_.max_streams_per_connection, "); finish or cancel one first"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("this connection (", peer, ") has ", mine,
+                     " ScoreStream calls in progress, the teacher's limit per connection "
+                     "(--max-streams-per-connection=",
+                     limits_.max_streams_per_connection, "); finish or cancel one first"));
   }
   ++mine;
   ++streams_;

@@ -50,10 +50,11 @@ EpLeaderModel::EpLeaderModel(std::shared_ptr<lm::CausalLM> model, opd::rpc::EpGr
 
 torch::Tensor EpLeaderModel::Forward(const lm::PackedBatch& batch, const lm::ForwardOptions& opts) {
   torch::Tensor hidden;
-  absl::Status st = group_->Run(EncodeBatch({batch, lm::BatchInvariant()}), [&](const std::string&) {
-    hidden = model_->Forward(batch, opts);
-    return absl::OkStatus();
-  });
+  absl::Status st =
+      group_->Run(EncodeBatch({batch, lm::BatchInvariant()}), [&](const std::string&) {
+        hidden = model_->Forward(batch, opts);
+        return absl::OkStatus();
+      });
   if (!st.ok()) throw lm::CollectiveError(st);
   return hidden;
 }

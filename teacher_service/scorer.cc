@@ -215,7 +215,9 @@ int64_t Scorer::PackBucket(std::vector<Item>* items) {
       if (!open[j]) continue;
       Pending& p = *queue_[j];
       const int64_t room = opts_.max_batch_tokens - tokens;
-      auto length = [&](int64_t i) { return static_cast<int64_t>(p.job.sequences[i].tokens.size()); };
+      auto length = [&](int64_t i) {
+        return static_cast<int64_t>(p.job.sequences[i].tokens.size());
+      };
       auto best = p.left.end();
       for (auto it = p.left.begin(); it != p.left.end(); ++it) {
         if ((items->empty() || length(*it) <= room) &&
@@ -386,8 +388,8 @@ void Scorer::Complete(const std::vector<Item>& items, const std::vector<absl::St
     for (size_t i = 0; i < items.size(); ++i) {
       const Item& it = items[i];
       Pending& job = *it.job;
-      if (!errors[i].ok() && (job.error.ok() || (job.error_sequence >= 0 &&
-                                                 it.index < job.error_sequence))) {
+      if (!errors[i].ok() &&
+          (job.error.ok() || (job.error_sequence >= 0 && it.index < job.error_sequence))) {
         job.error = errors[i];
         job.error_sequence = it.index;
       }

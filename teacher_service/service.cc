@@ -179,10 +179,10 @@ class ScoreStreamReactor final : public grpc::ServerWriteReactor<opd::v1::ScoreC
   std::shared_ptr<CallRegistry::Call> call_;  // null when refused by a cap
   ScoreJob job_;  // the whole request; each chunk's job moves its sequences out
   std::vector<std::pair<int64_t, int64_t>> chunks_;
-  size_t next_ = 0;            // the chunk to submit next
-  opd::v1::ScoreChunk chunk_;  // the chunk being written
-  int64_t chunk_bytes_ = 0;    // its serialised size
-  Scorer::Slot slot_;          // held while the chunk waits to be written
+  size_t next_ = 0;                         // the chunk to submit next
+  opd::v1::ScoreChunk chunk_;               // the chunk being written
+  int64_t chunk_bytes_ = 0;                 // its serialised size
+  Scorer::Slot slot_;                       // held while the chunk waits to be written
   int64_t job_bytes_ = 0, chunk_held_ = 0;  // this call's share of held_bytes_
 };
 
@@ -239,8 +239,8 @@ class ScoreReactor final : public grpc::ServerUnaryReactor {
 };
 
 TeacherService::TeacherService(Scorer* scorer, const opd::rpc::Authenticator* auth,
-                               ScoreLimits limits, opd::v1::ServiceInfo info,
-                               StreamLimits streams, std::function<absl::Time()> clock)
+                               ScoreLimits limits, opd::v1::ServiceInfo info, StreamLimits streams,
+                               std::function<absl::Time()> clock)
     : scorer_(scorer),
       auth_(auth),
       limits_(limits),

@@ -251,9 +251,9 @@ TEST(BatchInvariantScoring, TheDefaultPathDependsOnTheBatch) {
   auto model = FixtureModel("moe_tied_topk8", torch::kFloat32);
   ASSERT_NE(model, nullptr);
   teacher::Scorer usual(model, OneBatchPerJob(false));
-  std::printf("the default path gave the target other bits in %d of 129 batches\n",
-              CountDiffering(usual, RandomSequences(1, 9, 96)[0], RandomSequences(64, 5, 96),
-                             {0.7, 5}));
+  std::printf(
+      "the default path gave the target other bits in %d of 129 batches\n",
+      CountDiffering(usual, RandomSequences(1, 9, 96)[0], RandomSequences(64, 5, 96), {0.7, 5}));
 }
 
 // A bf16 teacher on the CPU takes the same invariant paths (the GEMM fallback, fp32 logits from

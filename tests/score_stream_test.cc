@@ -506,7 +506,8 @@ TEST(ScoreStream, AnUnreadStreamIsCancelledAfterTheWriteTimeoutAndItsMemoryFreed
   ASSERT_TRUE(WaitFor([&] {
     return t.service.streams_in_progress() == 0 && t.service.held_bytes() == 0 &&
            t.scorer.held_slots() == 0 && t.service.replies_waiting() == 0;
-  })) << t.service.streams_in_progress() << " streams, " << t.service.held_bytes() << " bytes";
+  })) << t.service.streams_in_progress()
+      << " streams, " << t.service.held_bytes() << " bytes";
   EXPECT_EQ(reader.Finish(0).error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_EQ(t.service.streams_finished(), 0);
   EXPECT_TRUE(UnaryScore(t, Request(Inputs(1), 0), &resp).ok());

@@ -508,7 +508,8 @@ torch::Tensor RowInvariantMatmulCpu(const torch::Tensor& x, const torch::Tensor&
   ParallelTasks(
       row_blocks * col_blocks, [] { return torch::empty({kInvariantRows * kInvariantCols}); },
       [&](int64_t t, torch::Tensor& tile) {
-        const int64_t r0 = (t / col_blocks) * kInvariantRows, n0 = (t % col_blocks) * kInvariantCols;
+        const int64_t r0 = (t / col_blocks) * kInvariantRows,
+                      n0 = (t % col_blocks) * kInvariantCols;
         const int64_t nc = std::min(kInvariantCols, N - n0);
         if (nc <= 0) return;
         float* c = tile.data_ptr<float>();

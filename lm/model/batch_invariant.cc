@@ -22,8 +22,8 @@ int64_t RoundUp(int64_t n, int64_t m) {
 // `op` on every kPointwiseBlock-element block of x, zero-padded to whole blocks, one call per
 // block: each call stays below LibTorch's grain (so it runs on this thread, in one range) and
 // covers whole vectors, so every element goes through the vector code whatever its position.
-torch::Tensor BlockedPointwise(const torch::Tensor& x,
-                               const std::function<void(torch::Tensor&, const torch::Tensor&)>& op) {
+torch::Tensor BlockedPointwise(
+    const torch::Tensor& x, const std::function<void(torch::Tensor&, const torch::Tensor&)>& op) {
   const int64_t n = x.numel();
   auto in = torch::zeros({RoundUp(std::max<int64_t>(n, 1), kPointwiseBlock)}, x.options());
   in.narrow(0, 0, n).copy_(x.reshape({-1}));
