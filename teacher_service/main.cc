@@ -122,10 +122,12 @@ absl::Status Run() {
   so.logprob_chunk_rows = absl::GetFlag(FLAGS_logprob_chunk);
   so.batch_invariant = absl::GetFlag(FLAGS_batch_invariant);
   if (so.batch_invariant && !loaded.placement.device.is_cpu()) {
+    // What is invariant on CUDA is so without the mode; the rest would only cost time.
     lm::log::Warn(
-        "--batch-invariant covers CPU scoring only: on CUDA, cuBLAS chooses GEMM kernels and "
-        "torch's reductions split rows by batch shape, so a sequence's log-probs may change in "
-        "the last bits with what it is batched with (docs/gpu.md)");
+        "--batch-invariant covers CPU scoring only and is off on this device: on CUDA, cuBLAS "
+        "chooses GEMM kernels and torch's reductions split rows by batch shape, so a sequence's "
+        "log-probs may change in the last bits with what it is batched with (docs/gpu.md)");
+    so.batch_invariant = false;
   }
   // The scoring buckets and LM-head chunks on top of the loaded weights, as opd-ctl plan counts
   // them (lm/plan/plan.h): refused naming the term rather than failing mid-request. Under
