@@ -257,15 +257,19 @@ TEST(BatchInvariantScoring, TheDefaultPathDependsOnTheBatch) {
 }
 
 // A bf16 teacher on the CPU takes the same invariant paths (the GEMM fallback, fp32 logits from
-// the rounded operands).
+// the rounded operands; Qwen3-Next's delta rule runs in fp32 anyway).
 TEST(BatchInvariantScoring, Bf16OnTheCpuToo) {
   torch::set_num_threads(1);
-  auto model = FixtureModel("moe_tied_topk8", torch::kBFloat16);
-  ASSERT_NE(model, nullptr);
-  teacher::Scorer scorer(model, OneBatchPerJob(true));
-  EXPECT_EQ(CountDiffering(scorer, RandomSequences(1, 9, 96)[0], RandomSequences(64, 5, 96),
-                           {1.0, 4}, /*all=*/false),
-            0);
+  auto next = RandomNext();
+  next->to(torch::kBFloat16);
+  for (const auto& model : {FixtureModel("moe_tied_topk8", torch::kBFloat16), next}) {
+    ASSERT_NE(model, nullptr);
+    teacher::Scorer scorer(model, OneBatchPerJob(true));
+    EXPECT_EQ(CountDiffering(scorer, RandomSequences(1, 9, 96)[0], RandomSequences(64, 5, 96),
+                             {1.0, 4}, /*all=*/false),
+              0)
+        << model->config().model_type;
+  }
 }
 
 }  // namespace
