@@ -12,10 +12,12 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <random>
 #include <regex>
 #include <string>
 #include <thread>
@@ -295,6 +297,46 @@ TEST(TeacherFailure, FollowerKilledMidRequestGivesUnavailable) {
             std::string::npos)
       << later.status();
   EXPECT_EQ(g.rank(0).Stop(), 1) << g.Logs();
+}
+
+// Batch-invariant scoring (the default) across an expert-parallel group: with three ranks the
+// MoE layers' partial sums are gathered and added in rank order (rpc/ep_group.cc) where the
+// backend's all-reduce adds an element's three terms in an order set by its place in the buffer,
+// i.e. by the batch's size; the followers run the leader's mode. A sequence scored alone, and in
+// one request (one batch) with 1, 8 and 40 others before or around it, gives the same bits.
+TEST(TeacherBatchInvariance, ThreeRanksScoreASequenceTheSameAloneAndBatched) {
+  Group g(kBin + "/teacher_service/opd-teacher", kMoe + "/model", 3,
+          {"--max-batch-tokens=1000000"});
+  ASSERT_TRUE(g.ok()) << g.Logs();
+  auto client = opd::rpc::TeacherClient::Create(g.Options());
+  ASSERT_TRUE(client.ok()) << client.status();
+  std::mt19937 rng(3);
+  auto random = [&rng](int len) {
+    std::vector<int32_t> t(len);
+    for (auto& x : t) x = static_cast<int32_t>(rng() % 96);
+    return lm::Sample::ToScore(std::move(t), 1);
+  };
+  const lm::Sample target = random(37);
+  std::vector<lm::Sample> others;
+  for (int i = 0; i < 40; ++i) others.push_back(random(5 + static_cast<int>(rng() % 60)));
+  opd::rpc::ScoreOptions so;
+  so.top_k = 4;
+  auto alone = (*client)->Score({target}, so);
+  ASSERT_TRUE(alone.ok()) << alone.status() << "\n" << g.Logs();
+  for (auto [n, at] : {std::pair{1, 1}, {8, 0}, {8, 5}, {40, 20}, {40, 40}}) {
+    std::vector<lm::Sample> batch(others.begin(), others.begin() + n);
+    batch.insert(batch.begin() + at, target);
+    auto got = (*client)->Score(batch, so);
+    ASSERT_TRUE(got.ok()) << got.status();
+    const auto& a = (*alone)[0];
+    const auto& b = (*got)[at];
+    EXPECT_TRUE(a.logprobs.size() == b.logprobs.size() &&
+                std::memcmp(a.logprobs.data(), b.logprobs.data(), 4 * a.logprobs.size()) == 0 &&
+                std::memcmp(a.topk_logprobs.data(), b.topk_logprobs.data(),
+                            4 * a.topk_logprobs.size()) == 0 &&
+                a.topk_ids == b.topk_ids)
+        << n << " others, at " << at;
+  }
 }
 
 std::vector<lm::Sample> Generate(const Group& g, uint64_t seed, const std::string& secret = "") {

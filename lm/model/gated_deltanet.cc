@@ -7,6 +7,7 @@
 
 #include <torch/torch.h>
 
+#include "lm/model/batch_invariant.h"
 #include "lm/model/fast_paths.h"
 
 namespace lm {
@@ -259,10 +260,16 @@ torch::Tensor CausalConv1dImpl::forward(const torch::Tensor& x, const torch::Ten
     return forward(x.to(torch::kFloat32), doc_pos).to(x.scalar_type());
   const int64_t T = x.size(0), K = weight.size(2);
   auto w = weight.squeeze(1).to(torch::kFloat32);  // [C, K]; tap K-1 sees x_t, K-1-j x_{t-j}
+  // Batch-invariant: a product and a sum per tap (each rounded once on every path); addcmul's
+  // scalar tail may fuse them into one FMA where its vector loop does not.
+  const bool invariant = BatchInvariant();
+  auto tap = [invariant](torch::Tensor acc, const torch::Tensor& in, const torch::Tensor& w) {
+    if (invariant) return acc.add_(in * w);
+    return acc.addcmul_(in, w);
+  };
   auto y = x * w.select(1, K - 1);
-  for (int64_t j = 1; j < std::min(K, T); ++j) {
-    y.narrow(0, j, T - j).addcmul_(x.narrow(0, 0, T - j), w.select(1, K - 1 - j));
-  }
+  for (int64_t j = 1; j < std::min(K, T); ++j)
+    tap(y.narrow(0, j, T - j), x.narrow(0, 0, T - j), w.select(1, K - 1 - j));
   // Rows less than K-1 tokens into a document other than the first took taps from the previous
   // document: recompute them the same way with those taps' inputs zeroed (exactly as if alone).
   auto t = torch::arange(T, doc_pos.options());
@@ -272,7 +279,7 @@ torch::Tensor CausalConv1dImpl::forward(const torch::Tensor& x, const torch::Ten
   auto fixed = x.index_select(0, rows) * w.select(1, K - 1);
   for (int64_t j = 1; j < K; ++j) {
     auto earlier = x.index_select(0, (rows - j).clamp_min(0)) * (pos >= j).to(x.scalar_type());
-    fixed.addcmul_(earlier, w.select(1, K - 1 - j));
+    tap(fixed, earlier, w.select(1, K - 1 - j));
   }
   return y.index_copy(0, rows, fixed);
 }
@@ -308,7 +315,7 @@ torch::Tensor RMSNormGatedImpl::forward(const torch::Tensor& x, const torch::Ten
   const auto in_dtype = x.scalar_type();
   auto h = x.to(torch::kFloat32);
   h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return (weight * h.to(in_dtype) * torch::silu(gate.to(torch::kFloat32))).to(in_dtype);
+  return (weight * h.to(in_dtype) * pointwise::Silu(gate.to(torch::kFloat32))).to(in_dtype);
 }
 
 Qwen3NextGatedDeltaNetImpl::Qwen3NextGatedDeltaNetImpl(const ModelConfig& c)
@@ -357,9 +364,8 @@ Qwen3NextGatedDeltaNetImpl::RuleInputs Qwen3NextGatedDeltaNetImpl::Prepare(const
   in.q = L2Normalize(q.to(torch::kFloat32)) * (1.0 / std::sqrt(static_cast<double>(dk)));
   in.k = L2Normalize(k.to(torch::kFloat32));
   in.v = v.to(torch::kFloat32);
-  in.beta = torch::sigmoid(m.b).to(torch::kFloat32);
-  in.g = -A_log.to(torch::kFloat32).exp() *
-         torch::nn::functional::softplus(m.a.to(torch::kFloat32) + dt_bias);
+  in.beta = pointwise::Sigmoid(m.b).to(torch::kFloat32);
+  in.g = -A_log.to(torch::kFloat32).exp() * pointwise::Softplus(m.a.to(torch::kFloat32) + dt_bias);
   return in;
 }
 
@@ -375,7 +381,7 @@ torch::Tensor Qwen3NextGatedDeltaNetImpl::forward(const torch::Tensor& x,
   const int64_t r = num_v_heads_ / num_k_heads_;
   Mixed m = Project(x);
   if (conv_state) *conv_state = conv1d->LastInputs(m.qkv, layout.cu_seqlens);
-  RuleInputs in = Prepare(torch::silu(conv1d(m.qkv, layout.doc_pos)), m);
+  RuleInputs in = Prepare(pointwise::Silu(conv1d(m.qkv, layout.doc_pos)), m);
   torch::Tensor o;
   if (const auto fast = FastPathsFor(in.q.device().type()).gated_delta_rule)  // groups heads itself
     o = fast(in.q, in.k, in.v, in.g, in.beta, layout.cu_seqlens, layout.chunk, recurrent_state);

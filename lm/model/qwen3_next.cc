@@ -4,6 +4,8 @@
 
 #include <torch/torch.h>
 
+#include "lm/model/batch_invariant.h"
+
 namespace lm {
 
 Qwen3NextAttentionImpl::Qwen3NextAttentionImpl(const ModelConfig& c)
@@ -33,7 +35,7 @@ Qwen3NextAttentionImpl::Projected Qwen3NextAttentionImpl::Project(const torch::T
 }
 
 torch::Tensor Qwen3NextAttentionImpl::Output(const torch::Tensor& o, const torch::Tensor& gate) {
-  return o_proj((o * torch::sigmoid(gate)).reshape({o.size(0), heads_ * head_dim_}));
+  return o_proj((o * pointwise::Sigmoid(gate)).reshape({o.size(0), heads_ * head_dim_}));
 }
 
 torch::Tensor Qwen3NextAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
@@ -87,7 +89,7 @@ torch::Tensor Qwen3NextSparseMoeBlockImpl::forward(const torch::Tensor& x,
   // Under expert parallelism only the routed part is summed over the group; the replicated shared
   // expert is added once, on every rank.
   auto routed = RunExperts(x, r, *experts);
-  return routed + torch::sigmoid(shared_expert_gate(x)) * shared_expert(x);
+  return routed + pointwise::Sigmoid(shared_expert_gate(x)) * shared_expert(x);
 }
 
 Qwen3NextDecoderLayerImpl::Qwen3NextDecoderLayerImpl(const ModelConfig& c, int64_t layer) {
