@@ -240,7 +240,11 @@ namespace {
 opd::v1::GenerateRequest MakeGenerateRequest(const std::vector<std::vector<int32_t>>& prompts,
                                              const GenerateOptions& o) {
   opd::v1::GenerateRequest req;
-  for (const auto& p : prompts) req.add_prompts()->mutable_tokens()->Add(p.begin(), p.end());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    auto* p = req.add_prompts();
+    p->mutable_tokens()->Add(prompts[i].begin(), prompts[i].end());
+    if (i < o.seed_indices.size()) p->set_seed_index(o.seed_indices[i]);
+  }
   req.set_samples_per_prompt(o.samples_per_prompt);
   auto* params = req.mutable_params();
   params->set_temperature(o.temperature);
@@ -302,6 +306,9 @@ absl::StatusOr<lm::Sample> FromProto(const opd::v1::Sample& m,
 absl::StatusOr<std::vector<lm::Sample>> RolloutClient::Generate(
     const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& opts,
     const std::function<void(const lm::Sample&)>& on_sample) {
+  if (!opts.seed_indices.empty() && opts.seed_indices.size() != prompts.size())
+    return absl::InvalidArgumentError(
+        absl::StrCat(opts.seed_indices.size(), " seed indices for ", prompts.size(), " prompts"));
   grpc::ClientContext ctx;
   PrepareContext(opts_, &ctx);
   CallCanceller::Scope cancel_scope(opts_.canceller.get(), &ctx);
