@@ -88,8 +88,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const lm::CausalLM& model
   if (!model.SupportsPagedKV())
     return absl::FailedPreconditionError(
         absl::StrCat("a ", model.config().model_type, " model has no paged KV cache"));
-  if (opts.block_size < 1 || opts.max_running < 1 || opts.max_requests < 1)
-    return absl::InvalidArgumentError("block size, max running and max requests must be >= 1");
+  if (opts.block_size < 1 || opts.max_running < 1 || opts.max_requests < 1 ||
+      opts.max_prefill_tokens < 1)
+    return absl::InvalidArgumentError(
+        "block size, max running, max requests and max prefill tokens must be >= 1");
   const lm::PagedCacheSpec spec = model.PagedSpec();
   if (opts.num_blocks == 0) {
     const double state = static_cast<double>(spec.state_bytes_per_slot) * opts.max_running;

@@ -240,6 +240,10 @@ TEST(ChunkedPrefill, LongPromptIsPrefilledBetweenDecodeSteps) {
   EXPECT_EQ(st.largest_prefill_step, 64);
   EXPECT_EQ(st.prefill_steps, (3 + 600 + 63) / 64);
   EXPECT_EQ(st.partial_prefills, st.prefill_steps - 1);
+  // A step that could feed nothing would never finish a prefill: refused.
+  EngineOptions o;
+  o.max_prefill_tokens = 0;
+  EXPECT_EQ(Engine::Create(*model, o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // The live total and its peak of the CPU tensor memory LibTorch allocates on the threads that

@@ -241,8 +241,8 @@ TEST(PagedDecode, DecodeStepMetaBuildsNoGatherOrMask) {
   EXPECT_EQ(meta.block_tables.scalar_type(), torch::kInt32);
   EXPECT_TRUE(torch::equal(meta.seq_lens, c.lens));
   // The new tokens' keys and values are read from the pools on this path: none are passed.
-  auto got = lm::PagedAttention(c.q, torch::Tensor(), torch::Tensor(), c.k_pool, c.v_pool, meta,
-                                0.25);
+  auto got =
+      lm::PagedAttention(c.q, torch::Tensor(), torch::Tensor(), c.k_pool, c.v_pool, meta, 0.25);
   const Error e = Compare(got, Reference(c, 0.25), c);
   EXPECT_TRUE(e.within) << e.max_abs;
 }
