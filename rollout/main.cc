@@ -23,15 +23,13 @@ ABSL_FLAG(int, max_concurrent, 4, "generations at once; more get RESOURCE_EXHAUS
 ABSL_FLAG(int64_t, max_seq_len, 0, "longest prompt + response (0: the model's max positions)");
 ABSL_FLAG(int64_t, max_samples_per_prompt, 64, "largest samples_per_prompt accepted");
 ABSL_FLAG(int64_t, max_slots, 1024, "prompts x samples one request may decode");
-ABSL_FLAG(double, kv_budget_gb, 32,
-          "KV cache one request may need, GiB (sequences x (prompt + max_new_tokens)); more gets "
-          "RESOURCE_EXHAUSTED; 0: no budget");
 ABSL_FLAG(std::string, engine, "paged",
           "paged: continuous batching over a paged KV cache (rollout/engine.h); static: one "
           "batch per request with a contiguous cache (the reference sampler)");
 ABSL_FLAG(double, kv_cache_gb, 4,
           "paged engine: the KV cache pool, GiB, preallocated in the model's dtype and shared by "
-          "all requests; a request with a sequence that cannot fit it gets RESOURCE_EXHAUSTED");
+          "all requests; a request with a sequence that cannot fit it gets RESOURCE_EXHAUSTED. "
+          "Static sampler (and expert parallelism): the largest cache of one batch of a request");
 ABSL_FLAG(int64_t, kv_block_size, 16, "paged engine: tokens per KV cache block");
 ABSL_FLAG(int64_t, max_running_seqs, 256, "paged engine: sequences decoding at once");
 ABSL_FLAG(int64_t, max_queued_requests, 64,
@@ -71,7 +69,6 @@ absl::Status CheckFlags() {
       CheckFlagRange("--max-samples-per-prompt", absl::GetFlag(FLAGS_max_samples_per_prompt), 1,
                      kMillion),
       CheckFlagRange("--max-slots", absl::GetFlag(FLAGS_max_slots), 1, kMillion),
-      CheckFlagRange("--kv-budget-gb", absl::GetFlag(FLAGS_kv_budget_gb), 0.0, kMaxGiB),
       opd::rpc::CheckFlagPositive("--kv-cache-gb", absl::GetFlag(FLAGS_kv_cache_gb), kMaxGiB),
       CheckFlagRange("--kv-block-size", absl::GetFlag(FLAGS_kv_block_size), 1, 1024),
       CheckFlagRange("--max-running-seqs", absl::GetFlag(FLAGS_max_running_seqs), 1, kMillion),
@@ -126,25 +123,26 @@ absl::Status Run() {
                                                                : config.max_position_embeddings;
   so.limits.max_samples_per_prompt = absl::GetFlag(FLAGS_max_samples_per_prompt);
   so.limits.max_slots = absl::GetFlag(FLAGS_max_slots);
-  so.limits.kv_bytes_per_token = lm::KvBytesPerToken(config, dtype_bytes);
-  so.limits.max_kv_bytes = absl::GetFlag(FLAGS_kv_budget_gb) * 1024.0 * 1024.0 * 1024.0;
   so.max_concurrent = absl::GetFlag(FLAGS_max_concurrent);
+  const int64_t static_batch_kv_bytes =
+      static_cast<int64_t>(absl::GetFlag(FLAGS_kv_cache_gb) * lm::plan::kGiB);
+  so.static_batch_kv_bytes = static_batch_kv_bytes;
 
   const opd::v1::ServiceInfo info = loaded.Info(kServiceName, so.limits.max_seq_len);
   // The store owns the model from here on: an update replaces it and frees the old weights.
   rollout::WeightStore store(std::move(loaded.model));
   std::unique_ptr<rollout::EpRollout> ep;
   if (loaded.ep) {
-    ep = std::make_unique<rollout::EpRollout>(loaded.ep.get(), &store);
+    ep = std::make_unique<rollout::EpRollout>(loaded.ep.get(), &store, static_batch_kv_bytes);
     if (loaded.follower())
       return opd::rpc::FollowUntilStopped("opd-rollout", loaded, ep->FollowerWork());
     so.generator = ep.get();
     so.expert_parallel = ep.get();
   }
   opd::rpc::Authenticator auth(loaded.secret);
-  // The paged engine: its pool is --kv-cache-gb, allocated once here and shared by all requests
-  // (a request with a sequence that cannot fit it is refused). --kv-budget-gb still caps what one
-  // request may ask for in all (Validate: sequences x (prompt + max_new_tokens)).
+  // The paged engine: its pool is --kv-cache-gb, allocated once here and shared by all requests,
+  // which it queues through the pool however many sequences they hold (only a sequence that could
+  // never fit the pool is refused).
   std::unique_ptr<rollout::Engine> engine;
   if (engine_kind == EngineKind::kPaged) {
     rollout::EngineOptions eo;

@@ -325,6 +325,9 @@ absl::StatusOr<lm::Sample> FromProto(const opd::v1::Sample& m,
 absl::Status RolloutClient::StreamGenerate(
     const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& opts,
     const std::function<absl::Status(lm::Sample)>& on_sample) {
+  if (!opts.seed_indices.empty() && opts.seed_indices.size() != prompts.size())
+    return absl::InvalidArgumentError(
+        absl::StrCat(opts.seed_indices.size(), " seed indices for ", prompts.size(), " prompts"));
   grpc::ClientContext ctx;
   PrepareContext(opts_, &ctx);
   CallCanceller::Scope cancel_scope(opts_.canceller.get(), &ctx);

@@ -116,10 +116,10 @@ struct GenerateOptions {
   int32_t max_new_tokens = 256;
   std::vector<int32_t> stop_token_ids;
   uint64_t seed = 0;
-  bool return_routing = false;  // routing replay: each sample carries routed_experts
-  // One per prompt: the index its samples are seeded by (proto Prompt.seed_index). Empty: each
-  // prompt's position in the call.
+  // Per prompt, its seed index (Prompt.seed_index: sample s draws with SampleSeed(seed,
+  // seed_indices[p], s), the same bits in any request or worker); empty: positions.
   std::vector<int64_t> seed_indices;
+  bool return_routing = false;  // routing replay: each sample carries routed_experts
 };
 
 // A tensor to send: raw bytes in row-major order (see tensor_codec.h for model parameters).

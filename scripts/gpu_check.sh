@@ -163,7 +163,7 @@ print(":".join([d + "/lib"] + sorted(glob.glob(os.path.join(os.path.dirname(d), 
     "paged_decode_test|PagedDecode.Cuda*|45"
     "bf16_test|Placement.*:Bf16Gpu.*:Bf16Serving.*|45"
     "mixed_precision_test|PrecisionGpu.*:MixedOptimizerGpu.*:LearnerDevice.*|45"
-    "engine_test|PagedKV.AttentionOnCudaInBf16:Engine.CudaBf16KvCache|25"
+    "engine_test|PagedKV.AttentionOnCuda*:Engine.CudaBf16KvCache|25"
     "sampler_test|Sampler.DeviceDrawOnCudaEqualsCpu|20"
     "qwen3_next_test|NextModel.Bf16DecodeStaysCloseCuda|25"
     "weight_sync_test|WeightSyncGpu.*|45"
@@ -293,7 +293,7 @@ if [[ "${OPD_GPU_FULL_BUILD:-0}" == 1 ]]; then
   # The other GPU cases of the full build: test binary and its GPU filter.
   FULL_GPU_TESTS=(
     "mixed_precision_test:PrecisionGpu.*:MixedOptimizerGpu.*:LearnerDevice.*"
-    "engine_test:PagedKV.AttentionOnCudaInBf16:Engine.CudaBf16KvCache"
+    "engine_test:PagedKV.AttentionOnCuda*:Engine.CudaBf16KvCache"
     "sampler_test:Sampler.DeviceDrawOnCudaEqualsCpu"
     "qwen3_next_test:NextModel.Bf16DecodeStaysCloseCuda"
     "weight_sync_test:WeightSyncGpu.*"

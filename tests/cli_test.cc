@@ -235,7 +235,6 @@ TEST_F(Cli, ModelServerFlagsOutOfRangeExit2BeforeTheModelLoads) {
         {{"--max-seq-len=-1"}, "--max-seq-len=-1", "[0, 16777216]"},
         {{"--max-samples-per-prompt=0"}, "--max-samples-per-prompt=0", "[1, 1048576]"},
         {{"--max-slots=0"}, "--max-slots=0", "[1, 1048576]"},
-        {{"--kv-budget-gb=-1"}, "--kv-budget-gb=-1", "[0, 65536]"},
         {{"--kv-cache-gb=0"}, "--kv-cache-gb=0", "(0, 65536]"},
         {{"--kv-cache-gb=nan"}, "--kv-cache-gb=nan", "(0, 65536]"},
         {{"--kv-block-size=0"}, "--kv-block-size=0", "[1, 1024]"},

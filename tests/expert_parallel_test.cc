@@ -390,6 +390,50 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, RolloutParity, ::testing::Values(kMoe, kNext)
                            return info.index == 0 ? "Qwen3Moe" : "Qwen3Next";
                          });
 
+// A request larger than one batch's cache (--kv-cache-gb=0.00003, 32 KiB: two of these prompts
+// with their samples) runs as consecutive batches on both ranks alike, with the samples one rank
+// draws running it whole; the seed indices travel to the follower. One prompt whose samples alone
+// exceed the batch is RESOURCE_EXHAUSTED naming it.
+TEST(RolloutBatches, TwoRanksRunALargeRequestInBatches) {
+  const std::string bin = kBin + "/rollout/opd-rollout";
+  const std::string model = kMoe + "/model";
+  std::vector<std::vector<int32_t>> prompts;
+  for (int32_t i = 0; i < 12; ++i) prompts.push_back({i + 1, (5 * i) % 96, (7 * i + 3) % 96});
+  opd::rpc::GenerateOptions go;
+  go.samples_per_prompt = 2;
+  go.max_new_tokens = 12;
+  go.seed = 4;
+  for (int64_t i = 0; i < 12; ++i) go.seed_indices.push_back(10 + i);
+  auto run = [&](const Group& g, const std::vector<std::vector<int32_t>>& ps) {
+    auto client = opd::rpc::RolloutClient::Create(g.Options());
+    EXPECT_TRUE(client.ok()) << client.status();
+    return (*client)->Generate(ps, go);
+  };
+  absl::StatusOr<std::vector<lm::Sample>> want;
+  {
+    Group one(bin, model, 1, {"--engine=static"});
+    ASSERT_TRUE(one.ok()) << one.Logs();
+    want = run(one, prompts);
+    ASSERT_TRUE(want.ok()) << want.status();
+  }
+  Group two(bin, model, 2, {"--kv-cache-gb=0.00003"});
+  ASSERT_TRUE(two.ok()) << two.Logs();
+  const auto got = run(two, prompts);
+  ASSERT_TRUE(got.ok()) << got.status() << "\n" << two.Logs();
+  ASSERT_EQ(got->size(), want->size());
+  for (size_t s = 0; s < got->size(); ++s) {
+    EXPECT_EQ((*got)[s].tokens, (*want)[s].tokens) << "sample " << s;
+    EXPECT_LE(MaxAbsDiff((*got)[s].logprobs, (*want)[s].logprobs), 1e-5);
+  }
+  go.seed_indices = {0};
+  const auto big = run(two, {std::vector<int32_t>(40, 5)});
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted) << big.status();
+  EXPECT_NE(std::string(big.status().message()).find("prompt 0: 40 tokens"), std::string::npos)
+      << big.status();
+  EXPECT_EQ(two.rank(0).Stop(), 0) << two.Logs();
+  EXPECT_EQ(two.rank(1).Wait(std::chrono::seconds(60)), 0) << two.Logs();
+}
+
 constexpr const char* kSecret = "ep-test-secret";
 
 void ExpectSameSamples(const std::vector<lm::Sample>& got, const std::vector<lm::Sample>& want,

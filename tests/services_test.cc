@@ -649,6 +649,34 @@ TEST_F(RolloutService, SeededSamplesAreReproducible) {
   EXPECT_GE(differ, 4);
 }
 
+// Prompt.seed_index over the wire (RolloutClient's seed_indices): the last prompt sent alone
+// with seed index 2 gets the samples it gets at position 2 of the whole request, still named
+// prompt 0 of its own; a seed index count that does not match the prompts' is refused before
+// anything is sent, a negative one by the worker, naming the prompt.
+TEST_F(RolloutService, SeedIndexKeysAPromptOverTheWire) {
+  auto c = Client();
+  auto all = c->Generate(kPrompts, Sampling(23));
+  auto g = Sampling(23);
+  g.seed_indices = {2};
+  auto alone = c->Generate({kPrompts[2]}, g);
+  ASSERT_TRUE(all.ok() && alone.ok()) << all.status() << alone.status();
+  ASSERT_EQ(alone->size(), 2u);
+  for (size_t s = 0; s < 2; ++s) {
+    EXPECT_EQ((*alone)[s].prompt_index, 0);
+    EXPECT_EQ((*alone)[s].tokens, (*all)[4 + s].tokens) << "sample " << s;
+    // Batched with the other prompts or alone: the same draws, logits rounded alike to ~1e-7.
+    EXPECT_LE(MaxAbsDiff((*alone)[s].logprobs, (*all)[4 + s].logprobs), 1e-5) << "sample " << s;
+  }
+  g.seed_indices = {2, 3};
+  EXPECT_EQ(c->Generate({kPrompts[2]}, g).status().code(), absl::StatusCode::kInvalidArgument);
+  g.seed_indices = {-1};
+  auto negative = c->Generate({kPrompts[2]}, g);
+  EXPECT_EQ(negative.status().code(), absl::StatusCode::kInvalidArgument) << negative.status();
+  EXPECT_NE(std::string(negative.status().message()).find("prompt 0: seed_index -1"),
+            std::string::npos)
+      << negative.status();
+}
+
 TEST_F(RolloutService, TemperatureToZeroIsGreedy) {
   auto model = LoadLocal(FixtureModel());
   for (float t : {0.0f, 1e-4f}) {

@@ -67,8 +67,8 @@ torch::Tensor Qwen3NextAttentionImpl::paged(const torch::Tensor& x, const torch:
                                             torch::Tensor& v_pool, const PagedAttentionMeta& meta) {
   Projected p = Project(x, cos, sin);
   WritePagedKV(k_pool, v_pool, p.k, p.v, meta);
-  auto o =
-      PagedAttention(p.q, k_pool, v_pool, meta, 1.0 / std::sqrt(static_cast<double>(head_dim_)));
+  auto o = PagedAttention(p.q, p.k, p.v, k_pool, v_pool, meta,
+                          1.0 / std::sqrt(static_cast<double>(head_dim_)));
   return Output(o, p.gate);
 }
 
@@ -295,7 +295,8 @@ torch::Tensor Qwen3NextForCausalLM::PagedForward(const PagedStep& step, PagedKVC
   TORCH_CHECK(cache.k.size() + cache.state.size() / 2 == model->layers->size(),
               "Qwen3-Next paged step: the cache was not made by this model's NewPagedKVCache");
   const PagedAttentionMeta meta = BuildPagedAttentionMeta(step, cache.block_size, device);
-  const Qwen3NextPagedPlan plan = Qwen3NextPagedPlan::Make(step, device);
+  const Qwen3NextPagedPlan plan =
+      Qwen3NextPagedPlan::Make(step, config_.linear_conv_kernel_dim, device);
   auto [cos, sin] = rope_.Tables(meta.positions);
   auto h = model->embed_tokens(step.input_ids);
   for (size_t i = 0; i < model->layers->size(); ++i) {
