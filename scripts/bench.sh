@@ -64,9 +64,10 @@ echo "== SFT training step (forward + backward + optimizer) =="
 cmake --build build -j"$(nproc)" --target opd-trainer >/dev/null
 $PY scripts/bench/sft.py --build build --workdir build/bench
 
-echo "== OPD step: sampling / scoring / learning / push, synchronous vs one-step-off =="
+echo "== OPD step: sampling / scoring / learning / push, phase by phase vs pipelined, and one-step-off =="
 cmake --build build -j"$(nproc)" --target opd-ctl >/dev/null
-$PY scripts/bench/opd.py --build build --workdir build/bench
+$PY scripts/bench/opd_pipeline.py --build build --workdir build/bench --compare pipeline
+$PY scripts/bench/opd_pipeline.py --build build --workdir build/bench --compare async
 
 echo "== learner collectives: Gloo all-reduce and one ZeRO-1 step, ours vs torch.distributed =="
 cmake --build build -j"$(nproc)" --target bench_dist >/dev/null

@@ -165,6 +165,26 @@ TEST(RankSync, RanksAtDifferentPointsAreAnError) {
   });
 }
 
+TEST(RankSync, ExchangeGivesEveryRanksPayloadAndKeepsMessagesWhole) {
+  RunRanks(3, [](int r, ProcessGroup& g) {
+    auto sync = RankSync::Create(g, Fast());
+    ASSERT_TRUE(sync.ok());
+    const std::string mine = r == 1 ? std::string() : std::string("line\nbreak\0end", 14) + char('0' + r);
+    auto all = (*sync)->Exchange("announce", absl::OkStatus(), mine);
+    ASSERT_TRUE(all.ok()) << all.status();
+    ASSERT_EQ(all->size(), 3u);
+    EXPECT_EQ((*all)[0], std::string("line\nbreak\0end", 14) + "0");
+    EXPECT_EQ((*all)[1], "");
+    EXPECT_EQ((*all)[2], std::string("line\nbreak\0end", 14) + "2");
+    // A failure's message with line breaks arrives whole, and the payloads do not.
+    auto failed = (*sync)->Exchange(
+        "second", r == 2 ? absl::DataLossError("two\nlines") : absl::OkStatus(), "x");
+    ASSERT_FALSE(failed.ok());
+    EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_EQ(failed.status().message(), r == 2 ? "two\nlines" : "learner rank 2: two\nlines");
+  });
+}
+
 TEST(RankSync, OneProcessReturnsItsOwnStatus) {
   ProcessGroup trivial;
   auto sync = RankSync::Create(trivial);

@@ -22,24 +22,32 @@ std::string BeatKey(int rank) {
 }
 
 // An outcome as a rank publishes it: the point's name (so that ranks calling Agree out of order
-// are caught), an explicit ok flag, the code and the message.
-std::string EncodeOutcome(const std::string& point, const absl::Status& s) {
+// are caught), an explicit ok flag, the code, the message's length and the message, then the
+// rank's payload.
+std::string EncodeOutcome(const std::string& point, const absl::Status& s,
+                          const std::string& payload) {
   return absl::StrCat(point, "\n", s.ok() ? "ok" : "failed", "\n", static_cast<int>(s.code()), "\n",
-                      s.message());
+                      s.message().size(), "\n", s.message(), payload);
 }
 
 struct Outcome {
   std::string point;
   absl::Status status;
+  std::string payload;
 };
 
 std::optional<Outcome> DecodeOutcome(const std::string& bytes) {
-  std::vector<std::string> parts = absl::StrSplit(bytes, absl::MaxSplits('\n', 3));
+  std::vector<std::string> parts = absl::StrSplit(bytes, absl::MaxSplits('\n', 4));
   int code = 0;
-  if (parts.size() != 4 || !absl::SimpleAtoi(parts[2], &code)) return std::nullopt;
-  if (parts[1] == "ok") return Outcome{parts[0], absl::OkStatus()};
+  size_t length = 0;
+  if (parts.size() != 5 || !absl::SimpleAtoi(parts[2], &code) ||
+      !absl::SimpleAtoi(parts[3], &length) || length > parts[4].size())
+    return std::nullopt;
+  Outcome o{parts[0], absl::OkStatus(), parts[4].substr(length)};
+  if (parts[1] == "ok") return o;
   if (parts[1] != "failed" || code <= 0 || code > 16) return std::nullopt;
-  return Outcome{parts[0], absl::Status(static_cast<absl::StatusCode>(code), parts[3])};
+  o.status = absl::Status(static_cast<absl::StatusCode>(code), parts[4].substr(0, length));
+  return o;
 }
 
 struct BeatSeen {
@@ -124,15 +132,26 @@ absl::Status RankSync::GiveUp(absl::Status why) {
 }
 
 absl::Status RankSync::Agree(const std::string& point, const absl::Status& mine) {
-  if (!store_) return mine;
+  absl::StatusOr<std::vector<std::string>> all = Exchange(point, mine, "");
+  return all.status();
+}
+
+absl::StatusOr<std::vector<std::string>> RankSync::Exchange(const std::string& point,
+                                                           const absl::Status& mine,
+                                                           const std::string& payload) {
+  if (!store_) {
+    if (!mine.ok()) return mine;
+    return std::vector<std::string>{payload};
+  }
   if (broken_.load())
     return absl::FailedPreconditionError(absl::StrCat("learner rank ", rank_,
                                                       " cannot meet the others at '", point,
                                                       "': an earlier wait gave up"));
   const int64_t k = ++points_;
-  const std::string own = EncodeOutcome(point, mine);
+  const std::string own = EncodeOutcome(point, mine, payload);
   bool published = false;
   std::vector<std::optional<absl::Status>> seen(static_cast<size_t>(size_));
+  std::vector<std::string> payloads(static_cast<size_t>(size_));
   std::vector<BeatSeen> beats(static_cast<size_t>(size_));
   std::vector<absl::Time> advanced(static_cast<size_t>(size_), absl::Now());
   std::string store_error;
@@ -163,6 +182,7 @@ absl::Status RankSync::Agree(const std::string& point, const absl::Status& mine)
             "' where rank ", rank_, " reached '", point, "' (the ranks ran different steps)")));
       }
       seen[r] = o->status;
+      payloads[r] = std::move(o->payload);
     }
     // A rank that gave up has left the group: nobody passes this point, even with every outcome.
     if (absl::StatusOr<std::optional<std::string>> a = store_->TryGet(kAbandon);
@@ -205,7 +225,7 @@ absl::Status RankSync::Agree(const std::string& point, const absl::Status& mine)
     if (r == rank_) return s;
     return absl::Status(s.code(), absl::StrCat("learner rank ", r, ": ", s.message()));
   }
-  return absl::OkStatus();
+  return payloads;
 }
 
 }  // namespace lm::dist

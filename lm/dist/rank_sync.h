@@ -21,6 +21,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -60,6 +61,10 @@ class RankSync {
   // the file), ABORTED when another rank gave up waiting; after either, broken() is true and no
   // collective can be trusted: the job ends without one.
   absl::Status Agree(const std::string& point, const absl::Status& mine);
+  // Agree, and every rank's `payload` (small: it travels through the store), in rank order.
+  absl::StatusOr<std::vector<std::string>> Exchange(const std::string& point,
+                                                    const absl::Status& mine,
+                                                    const std::string& payload);
   bool broken() const { return broken_.load(); }
 
  private:

@@ -83,7 +83,7 @@ absl::Status ValidateDomains(const std::string& key, const OpdStageConfig& s,
   }
   if (s.plateau.per_domain) {
     if (s.domains.empty()) return Bad(key + ".plateau.per_domain", "needs the stage's domains");
-    if (s.plateau.metric != PlateauMetric::kTrain)
+    if (s.plateau.metric == PlateauMetric::kHeldout)
       return Bad(key + ".plateau.per_domain", "watches the training KL: use metric train");
     if (!s.plateau.enabled) return Bad(key + ".plateau.per_domain", "needs plateau.enabled");
   }
@@ -176,6 +176,21 @@ absl::Status ValidateLoss(const OpdLossConfig& l) {
   RETURN_IF_ERROR(validate::AtLeast("loss.clip_high", l.clip_high, 0));
   RETURN_IF_ERROR(validate::InRange("loss.alpha", l.alpha, 0, 1));
   RETURN_IF_ERROR(validate::InRange("loss.kl_discount", l.kl_discount, 0, 1));
+  if (l.form == LossForm::kTopK) {
+    // The top-k form is an exact divergence over the teacher's top-k buckets at every position:
+    // nothing is sampled in it, so a sampling correction or a discount over the rest of a
+    // response has no meaning there. Refused rather than ignored (the defaults pass: they are
+    // what the sampled form does when nothing is set).
+    const OpdLossConfig defaults;
+    if (l.correction == Correction::kPpoClip)
+      return Bad("loss.correction", "ppo applies to the sampled form only (loss.form: topk)");
+    if (l.kl_discount != 0)
+      return Bad("loss.kl_discount", "applies to the sampled form only (loss.form: topk)");
+    if (l.tis_cap != defaults.tis_cap)
+      return Bad("loss.tis_cap", "applies to the sampled form only (loss.form: topk)");
+    if (l.clip_low != defaults.clip_low || l.clip_high != defaults.clip_high)
+      return Bad("loss.clip_low/clip_high", "apply to the sampled form only (loss.form: topk)");
+  }
   return Temperature("loss.teacher_temperature", l.teacher_temperature);
 }
 
@@ -189,6 +204,9 @@ absl::Status ValidateSteps(const std::string& key, const std::vector<int64_t>& s
 absl::Status ValidateDebug(const OpdDebugConfig& d) {
   RETURN_IF_ERROR(ValidateSteps("debug.nan_steps", d.nan_steps));
   RETURN_IF_ERROR(ValidateSteps("debug.fail_push_steps", d.fail_push_steps));
+  RETURN_IF_ERROR(ValidateSteps("debug.throw_while_learning_steps", d.throw_while_learning_steps));
+  RETURN_IF_ERROR(ValidateSteps("debug.fail_stage_starts", d.fail_stage_starts));
+  RETURN_IF_ERROR(validate::IntInRange("debug.fail_rank", d.fail_rank, -1, 1 << 20));
   return ValidateSteps("debug.throw_after_update_steps", d.throw_after_update_steps);
 }
 

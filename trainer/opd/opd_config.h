@@ -26,12 +26,22 @@ inline const ConfigChoices<WeightSyncMode>& Choices(WeightSyncMode) {
   return c;
 }
 
-// stages[].plateau.metric: what the convergence rule watches.
-enum class PlateauMetric { kTrain, kHeldout };
+// stages[].plateau.metric: what the convergence rule watches. auto: the held-out evaluations when
+// a held-out set is given (the training KL is another batch's every step, too noisy to judge a
+// plateau at a small lr), else the training KL.
+enum class PlateauMetric { kAuto, kTrain, kHeldout };
 inline const ConfigChoices<PlateauMetric>& Choices(PlateauMetric) {
-  static const ConfigChoices<PlateauMetric> c{{"train", PlateauMetric::kTrain},
+  static const ConfigChoices<PlateauMetric> c{{"auto", PlateauMetric::kAuto},
+                                              {"train", PlateauMetric::kTrain},
                                               {"heldout", PlateauMetric::kHeldout}};
   return c;
+}
+
+// A stage's plateau metric once `auto` is resolved against the config's held-out set (per-domain
+// rules watch each domain's training KL).
+inline PlateauMetric ResolvedPlateauMetric(PlateauMetric m, bool heldout_set, bool per_domain) {
+  if (m != PlateauMetric::kAuto) return m;
+  return heldout_set && !per_domain ? PlateauMetric::kHeldout : PlateauMetric::kTrain;
 }
 
 // loss.form, loss.correction, loss.divergence, loss.normalization (trainer/opd/opd_loss.h).
@@ -62,6 +72,14 @@ enum class Normalization { kToken, kSequence };
 inline const ConfigChoices<Normalization>& Choices(Normalization) {
   static const ConfigChoices<Normalization> c{{"token", Normalization::kToken},
                                               {"sequence", Normalization::kSequence}};
+  return c;
+}
+
+// stages[].on_domain_down: what a step does when every replica of a domain's pool is down.
+enum class DomainDownPolicy { kFail, kDefaultPool };
+inline const ConfigChoices<DomainDownPolicy>& Choices(DomainDownPolicy) {
+  static const ConfigChoices<DomainDownPolicy> c{{"fail", DomainDownPolicy::kFail},
+                                                 {"default_pool", DomainDownPolicy::kDefaultPool}};
   return c;
 }
 
@@ -110,9 +128,10 @@ struct PlateauConfig {
   OPD_FIELD(double, min_rel_improvement) = 0.02;
   OPD_FIELD(double, ema_beta) = 0.9;
   OPD_FIELD(int64_t, min_steps) = 0;
-  // What the rule watches: train (each step's batch KL, smoothed) or heldout (the `heldout`
-  // section's evaluations; window counts evaluations; noise-aware, trainer/opd/convergence.h).
-  OPD_FIELD(PlateauMetric, metric) = PlateauMetric::kTrain;
+  // What the rule watches: train (each step's batch KL, smoothed), heldout (the `heldout`
+  // section's evaluations; window counts evaluations; noise-aware, trainer/opd/convergence.h), or
+  // auto (heldout when the config has a held-out set, else train).
+  OPD_FIELD(PlateauMetric, metric) = PlateauMetric::kAuto;
   // heldout: the improvement must be below the threshold by z standard errors
   OPD_FIELD(double, z) = 2.0;
   // With the stage's `domains`: each domain's training KL has its own rule (these settings), and
@@ -148,6 +167,10 @@ struct OpdStageConfig {
   // the default pool's replicas (host:port); required
   OPD_FIELD(std::vector<std::string>, teachers);
   OPD_FIELD(std::vector<OpdDomainTeachersConfig>, domains);  // pools by data domain (optional)
+  // When every replica of a domain's pool is down: fail (wait for one to come back until
+  // train.score_deadline_s, then end the step) or default_pool (score that domain's samples on
+  // the stage's default pool meanwhile, logged and counted as opd/domain_fallbacks).
+  OPD_FIELD(DomainDownPolicy, on_domain_down) = DomainDownPolicy::kFail;
   OPD_FIELD(int64_t, max_steps) = 0;  // step budget (0: none; then the plateau rule must be on)
   OPD_FIELD(PlateauConfig, plateau);
   OPD_CONFIG_FIELDS_END;

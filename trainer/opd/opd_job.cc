@@ -248,7 +248,7 @@ absl::Status OpdJob::Init(const JobArgs& args) {
                        " student does not support routing replay (qwen3_moe students do)"));
     RETURN_IF_ERROR(Connect(false));
     RETURN_IF_ERROR(StartStage(0));
-    convergence_->Start(c_.stages[0]);
+    convergence_->Start(c_.stages[0], !c_.heldout.sources.empty());
   }
   // Versions only grow, across restarts: above what any worker serves (rank 0 asks them).
   const int64_t served = is_root() ? source_->rollout().MaxWeightVersion().value_or(0) : 0;
@@ -271,8 +271,37 @@ absl::Status OpdJob::Init(const JobArgs& args) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// OPD's own fields of a trainer state, each present and of its type and range, before any is used.
+absl::Status CheckOpdState(const nlohmann::json& s, const std::string& checkpoint,
+                           size_t stages) {
+  const std::string file = checkpoint + "/trainer_state.json";
+  auto bad = [&](const std::string& what) {
+    return absl::DataLossError(absl::StrCat(file, ": ", what));
+  };
+  for (const char* key : {"weight_version", "stage"}) {
+    if (!s.contains(key) || !s[key].is_number_integer() || s[key].get<int64_t>() < 0)
+      return bad(absl::StrCat(key, " is missing or not a non-negative integer"));
+  }
+  if (s["stage"].get<int64_t>() >= static_cast<int64_t>(stages))
+    return bad(absl::StrCat("stage ", s["stage"].get<int64_t>(), " is not one of the config's ",
+                            stages, " stage(s)"));
+  if (!s.contains("stage_name") || !s["stage_name"].is_string()) return bad("stage_name");
+  if (!s.contains("stage_done") || !s["stage_done"].is_boolean()) return bad("stage_done");
+  if (!s.contains("stage_summaries") || !s["stage_summaries"].is_array())
+    return bad("stage_summaries");
+  if (!s.contains("convergence") || !s["convergence"].is_object() ||
+      !s["convergence"].contains("reason") || !s["convergence"]["reason"].is_string())
+    return bad("convergence.reason");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status OpdJob::Resume(const std::string& checkpoint) {
   ASSIGN_OR_RETURN(nlohmann::json state, ResumeCommon(checkpoint));
+  RETURN_IF_ERROR(CheckOpdState(state, checkpoint, c_.stages.size()));
   if (c_.rollout.routing_replay && !model_->SupportsRoutingReplay())
     return absl::InvalidArgumentError(
         absl::StrCat("rollout.routing_replay: a ", model_->config().model_type,
@@ -297,10 +326,10 @@ absl::Status OpdJob::Resume(const std::string& checkpoint) {
   const bool stage_finished = !state.at("convergence").at("reason").get<std::string>().empty();
   if (stage_finished && !done_) {
     RETURN_IF_ERROR(StartStage(stage_ + 1));
-    convergence_->Start(c_.stages[stage_]);
+    convergence_->Start(c_.stages[stage_], !c_.heldout.sources.empty());
   } else {
     RETURN_IF_ERROR(StartStage(stage_));
-    convergence_->Start(c_.stages[stage_]);
+    convergence_->Start(c_.stages[stage_], !c_.heldout.sources.empty());
     convergence_->Restore(state);
   }
   lm::log::Info(absl::StrFormat("resumed from %s at step %d (stage '%s')", checkpoint, step_,
@@ -381,8 +410,14 @@ absl::Status OpdJob::Run() {
   // The signal handler only sets a flag; this ends the calls in flight (deadlines up to an hour).
   StopCallback cancel_calls([c = canceller_] { c->Cancel(); });
   while (!done_) {
-    ASSIGN_OR_RETURN(const bool stop, StopAgreed());
-    if (stop) return StopForSignal();
+    // A stop signal on any rank, agreed at the step boundary (the ranks meet outside the
+    // collectives: one may arrive late from a long push or evaluation).
+    sync_->SetPhase(absl::StrCat("step ", step_ + 1, ": starting"));
+    const absl::Status begin =
+        sync_->Agree(absl::StrCat("step ", step_ + 1, ": begin"),
+                     StopRequested() ? absl::CancelledError("stop requested") : absl::OkStatus());
+    if (absl::IsCancelled(begin)) return StopForSignal();
+    RETURN_IF_ERROR(begin);
     RETURN_IF_ERROR(Step());
   }
   progress_->Finish();

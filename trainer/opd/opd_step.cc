@@ -80,13 +80,14 @@ absl::Status OpdJob::LearnLocally(int64_t step, StepLearner& learner,
   learner.AddSamples(*pipe, weight_version_, st);
   st->sample_s = pipe->sample_seconds();
   st->score_s = pipe->score_busy_seconds();
+  st->domain_fallbacks = static_cast<double>(pipe->score_fallbacks());
   st->learn_s = learn_s;
   return absl::OkStatus();
 }
 
 absl::Status OpdJob::Step() {
   ASSIGN_OR_RETURN(const std::optional<StageTeachers::Applied> swap,
-                   teachers_->ApplyPendingSwap(admin_.get(), *group_));
+                   teachers_->ApplyPendingSwap(admin_.get(), is_root(), *sync_));
   if (swap && swap->running) {
     convergence_->OnSwap(swap->domain, teachers_->stage().teachers);
     progress_->Log(absl::StrFormat(
@@ -179,7 +180,7 @@ absl::Status OpdJob::Step() {
     RETURN_IF_ERROR(SaveCheckpoint());
     if (!done_) {
       RETURN_IF_ERROR(StartStage(stage_ + 1));
-      convergence_->Start(c_.stages[stage_]);
+      convergence_->Start(c_.stages[stage_], !c_.heldout.sources.empty());
     }
   } else if (c_.checkpoint.every > 0 && step_ % c_.checkpoint.every == 0) {
     RETURN_IF_ERROR(SaveCheckpoint());
@@ -255,6 +256,7 @@ void OpdJob::LogStep(const StepStats& st) {
                  {"opd/smoothed_reverse_kl", convergence_->smoothed()},
                  {"opd/weight_version", static_cast<double>(weight_version_)},
                  {"opd/teacher_failovers", static_cast<double>(teachers_->failovers())},
+                 {"opd/domain_fallbacks", st.domain_fallbacks},
                  {"rollout/failovers", static_cast<double>(source_->rollout().failovers())},
                  {"optim/lr", st.lr},
                  {"optim/grad_norm", st.grad_norm},

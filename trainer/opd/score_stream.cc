@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "lm/util/log.h"
 #include "trainer/opd/teacher_pool.h"
 
 namespace trainer {
@@ -105,6 +106,11 @@ absl::Status ScoreStream::Wait() {
   return error_;
 }
 
+int64_t ScoreStream::fallbacks() const {
+  absl::MutexLock lock(&mu_);
+  return fallbacks_;
+}
+
 double ScoreStream::busy_seconds() const {
   absl::MutexLock lock(&mu_);
   double s = busy_s_;
@@ -154,6 +160,17 @@ void ScoreStream::Work() {
       --q->calls;
       if (--in_flight_ == 0)
         busy_s_ += static_cast<double>(absl::GetCurrentTimeNanos() - busy_since_ns_) * 1e-9;
+      const bool to_fallback = !st.ok() && absl::IsUnavailable(st) &&
+                               pools_.domain_down_to_fallback && q->pool != pools_.fallback &&
+                               !cancelled_;
+      if (to_fallback) {
+        if (fallbacks_ == 0)
+          lm::log::Warn(absl::StrCat(st.message(), "; its samples go to the stage's default pool "
+                                                   "(on_domain_down: default_pool)"));
+        fallbacks_ += static_cast<int64_t>(group.size());
+        for (const Item& it : group) queues_.front()->queued.push_back(it);  // the fallback's
+        continue;
+      }
       if (st.ok()) {
         outstanding_ -= static_cast<int64_t>(group.size());
       } else if (error_.ok() && !cancelled_) {

@@ -34,6 +34,9 @@ class TeacherPool;
 struct TeacherPools {
   std::shared_ptr<TeacherPool> fallback;
   std::map<std::string, std::shared_ptr<TeacherPool>> by_domain;
+  // A domain pool whose every replica is down sends its samples to `fallback` (on_domain_down:
+  // default_pool; its pools give up instead of waiting: give_up_when_all_down).
+  bool domain_down_to_fallback = false;
 
   TeacherPool& For(const std::string& domain) const;
   std::vector<std::shared_ptr<TeacherPool>> all() const;  // fallback first
@@ -77,6 +80,8 @@ class ScoreStream {
   absl::Status Wait();
   // Seconds during which at least one call was in flight.
   double busy_seconds() const;
+  // Samples a down domain pool handed to the fallback pool.
+  int64_t fallbacks() const;
 
  private:
   struct Item {
@@ -101,6 +106,7 @@ class ScoreStream {
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;  // added, not yet scored
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t fallbacks_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
   double busy_s_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t busy_since_ns_ ABSL_GUARDED_BY(mu_) = 0;

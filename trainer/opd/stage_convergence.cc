@@ -7,7 +7,7 @@
 
 namespace trainer {
 
-void StageConvergence::Start(const OpdStageConfig& stage) {
+void StageConvergence::Start(const OpdStageConfig& stage, bool heldout_set) {
   stage_ = stage;
   ConvergenceRule rule;
   rule.max_steps = stage.max_steps;
@@ -16,7 +16,8 @@ void StageConvergence::Start(const OpdStageConfig& stage) {
   rule.min_rel_improvement = stage.plateau.min_rel_improvement;
   rule.ema_beta = stage.plateau.ema_beta;
   rule.min_steps = stage.plateau.min_steps;
-  rule.heldout = stage.plateau.metric == PlateauMetric::kHeldout;
+  rule.heldout = ResolvedPlateauMetric(stage.plateau.metric, heldout_set,
+                                       stage.plateau.per_domain) == PlateauMetric::kHeldout;
   rule.z = stage.plateau.z;
   domains_.clear();
   if (stage.plateau.per_domain) {

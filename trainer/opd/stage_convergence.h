@@ -21,8 +21,9 @@ class StageConvergence {
   // `log` receives the lines a person reads (a domain converged, a stage finished).
   explicit StageConvergence(std::function<void(const std::string&)> log) : log_(std::move(log)) {}
 
-  // A fresh rule for `stage` (its step budget and plateau settings).
-  void Start(const OpdStageConfig& stage);
+  // A fresh rule for `stage` (its step budget and plateau settings); `heldout_set`: the config
+  // has held-out prompts (plateau.metric auto then watches them).
+  void Start(const OpdStageConfig& stage, bool heldout_set);
   // The running stage's rules as a checkpoint saved them.
   void Restore(const nlohmann::json& state);
   nlohmann::json ToJson() const;  // the fields Restore reads

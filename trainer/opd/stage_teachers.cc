@@ -57,6 +57,12 @@ absl::Status StageTeachers::Connect(size_t index) {
   return absl::OkStatus();
 }
 
+TeacherPoolOptions StageTeachers::DomainOptions(const OpdStageConfig& stage) const {
+  TeacherPoolOptions o = opts_;
+  o.give_up_when_all_down = stage.on_domain_down == DomainDownPolicy::kDefaultPool;
+  return o;
+}
+
 int64_t StageTeachers::failovers() const {
   int64_t n = 0;
   if (pools_.fallback)
@@ -65,60 +71,51 @@ int64_t StageTeachers::failovers() const {
 }
 
 absl::StatusOr<std::optional<StageTeachers::Applied>> StageTeachers::ApplyPendingSwap(
-    LearnerServer* admin, lm::dist::ProcessGroup& group) {
-  if (group.size() == 1 && !admin) return std::nullopt;
-  std::unique_ptr<LearnerServer::TakenSwap> taken =
-      admin && group.is_root() ? admin->TakeSwap() : nullptr;
+    LearnerServer* admin, bool root, lm::dist::RankSync& sync) {
+  std::unique_ptr<LearnerServer::TakenSwap> taken = admin && root ? admin->TakeSwap() : nullptr;
   ASSIGN_OR_RETURN(const std::optional<SwapRequest> swap,
-                   Announce(taken ? &taken->request() : nullptr, group));
+                   Announce(taken ? &taken->request() : nullptr, root, sync));
   if (!swap) return std::nullopt;
-  absl::Status collective = absl::OkStatus();
-  absl::StatusOr<std::unique_ptr<TeacherPool>> pool = ConnectSwap(*swap, group, &collective);
+  // Every rank connects to the swap's endpoints (checked against the student as at a stage's
+  // start) and all agree: one rank that cannot connect refuses the swap for all.
+  const std::string name =
+      swap->domain.empty() ? swap->stage : DomainPoolName(swap->stage, swap->domain);
+  const OpdStageConfig* stage = nullptr;
+  for (const auto& s : stages_)
+    if (s.name == swap->stage) stage = &s;
+  absl::StatusOr<std::unique_ptr<TeacherPool>> pool =
+      stage == nullptr
+          ? absl::InvalidArgumentError(absl::StrCat("no stage '", swap->stage, "'"))
+          : TeacherPool::Connect(name, swap->endpoints, req_,
+                                 swap->domain.empty() ? opts_ : DomainOptions(*stage));
+  const absl::Status agreed = sync.Agree("teacher swap connected", pool.status());
   std::optional<Applied> applied;
-  if (pool.ok()) applied = Install(*swap, std::move(*pool));
-  if (taken) taken->Answer(pool.status());
-  RETURN_IF_ERROR(collective);
+  if (agreed.ok()) applied = Install(*swap, std::move(*pool));
+  if (taken) taken->Answer(agreed);
+  if (sync.broken()) return agreed;
   return applied;
 }
 
 // Rank 0's request (null: none) on every rank, as JSON with an explicit flag.
 absl::StatusOr<std::optional<SwapRequest>> StageTeachers::Announce(const SwapRequest* mine,
-                                                                   lm::dist::ProcessGroup& group) {
-  std::string announced = nlohmann::json{
-      {"swap", mine != nullptr},
-      {"stage", mine ? mine->stage : ""},
-      {"endpoints", mine ? mine->endpoints : std::vector<std::string>{}},
-      {"domain", mine ? mine->domain
-                      : ""}}.dump();
-  RETURN_IF_ERROR(group.BroadcastBytes(&announced));
-  const nlohmann::json j = nlohmann::json::parse(announced, nullptr, /*allow_exceptions=*/false);
+                                                                  bool root,
+                                                                  lm::dist::RankSync& sync) {
+  const std::string announced =
+      root ? nlohmann::json{{"swap", mine != nullptr},
+                            {"stage", mine ? mine->stage : ""},
+                            {"endpoints", mine ? mine->endpoints : std::vector<std::string>{}},
+                            {"domain", mine ? mine->domain : ""}}
+                 .dump()
+           : "";
+  ASSIGN_OR_RETURN(std::vector<std::string> all,
+                   sync.Exchange("teacher swap announced", absl::OkStatus(), announced));
+  const nlohmann::json j = nlohmann::json::parse(all[0], nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.contains("swap"))
     return absl::DataLossError("rank 0's swap announcement is unreadable");
   if (!j.at("swap").get<bool>()) return std::nullopt;
   return SwapRequest{j.at("stage").get<std::string>(),
                      j.at("endpoints").get<std::vector<std::string>>(),
                      j.at("domain").get<std::string>()};
-}
-
-// Every rank connects to the swap's endpoints (checked against the student as at a stage's
-// start) and all agree: one rank that cannot connect refuses the swap for all.
-absl::StatusOr<std::unique_ptr<TeacherPool>> StageTeachers::ConnectSwap(
-    const SwapRequest& swap, lm::dist::ProcessGroup& group, absl::Status* collective) {
-  const std::string name =
-      swap.domain.empty() ? swap.stage : DomainPoolName(swap.stage, swap.domain);
-  absl::StatusOr<std::unique_ptr<TeacherPool>> pool =
-      TeacherPool::Connect(name, swap.endpoints, req_, opts_);
-  std::vector<double> failed(static_cast<size_t>(group.size()), 0.0);
-  failed[static_cast<size_t>(group.rank())] = pool.ok() ? 0.0 : 1.0;
-  absl::StatusOr<std::vector<double>> agreed = group.AllReduceDoubles(failed);
-  if (!agreed.ok()) return *collective = agreed.status();
-  if (!pool.ok()) return pool.status();
-  for (size_t r = 0; r < agreed->size(); ++r) {
-    if ((*agreed)[r] > 0)
-      return absl::UnavailableError(
-          absl::StrCat("learner rank ", r, " cannot connect to the new teachers (see its log)"));
-  }
-  return pool;
 }
 
 // The swap takes effect: the stages (and the record that outlives a restart) name the new

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "lm/dist/process_group.h"
+#include "lm/dist/rank_sync.h"
 #include "lm/generate/sampling.h"
 #include "nlohmann/json.hpp"
 #include "trainer/opd/learner_service.h"
@@ -59,18 +59,18 @@ class StageTeachers {
     std::string stage, domain;
     bool running;  // it changed the running stage's pools
   };
-  // The four moves (above). `admin` is rank 0's admin server (null elsewhere or without one).
-  // The status is the collectives': an error ends the job; a refused swap is OK and nullopt.
-  absl::StatusOr<std::optional<Applied>> ApplyPendingSwap(LearnerServer* admin,
-                                                          lm::dist::ProcessGroup& group);
+  // The four moves (above), the ranks meeting through `sync`. `admin` is rank 0's admin server
+  // (null elsewhere or without one). An error is the meeting's (a stall): it ends the job; a
+  // refused swap is OK and nullopt.
+  absl::StatusOr<std::optional<Applied>> ApplyPendingSwap(LearnerServer* admin, bool root,
+                                                          lm::dist::RankSync& sync);
 
  private:
-  absl::StatusOr<std::optional<SwapRequest>> Announce(const SwapRequest* mine,
-                                                      lm::dist::ProcessGroup& group);
-  absl::StatusOr<std::unique_ptr<TeacherPool>> ConnectSwap(const SwapRequest& swap,
-                                                           lm::dist::ProcessGroup& group,
-                                                           absl::Status* collective);
+  absl::StatusOr<std::optional<SwapRequest>> Announce(const SwapRequest* mine, bool root,
+                                                      lm::dist::RankSync& sync);
   Applied Install(const SwapRequest& swap, std::unique_ptr<TeacherPool> pool);
+  // A domain pool's options: the stage's on_domain_down decides whether it waits for a replica.
+  TeacherPoolOptions DomainOptions(const OpdStageConfig& stage) const;
 
   std::vector<OpdStageConfig> stages_;  // endpoints as swapped
   const TeacherRequirements req_;

@@ -187,7 +187,7 @@ absl::Status StepLearner::ReduceStats(StepStats* st) {
              l.reverse_kl_sum, l.ratio_sum, l.clipped, l.mismatch_abs_sum, l.tokens,
              st->routing_pairs, st->routing_mismatches, static_cast<double>(st->response_tokens),
              static_cast<double>(st->total_tokens), static_cast<double>(st->sequences),
-             st->staleness_sum, st->truncated}));
+             st->staleness_sum, st->truncated, st->domain_fallbacks}));
     st->loss_value = sums[0];
     st->teacher_lp_sum = sums[1];
     st->student_lp_sum = sums[2];
@@ -204,6 +204,7 @@ absl::Status StepLearner::ReduceStats(StepStats* st) {
     st->sequences = static_cast<int64_t>(sums[13]);
     st->staleness_sum = sums[14];
     st->truncated = sums[15];
+    st->domain_fallbacks = sums[16];
     ASSIGN_OR_RETURN(std::vector<double> lo,
                      group_.AllReduceDoubles(
                          {l.tokens > 0 ? l.ratio_min : inf, -static_cast<double>(st->max_response),

@@ -52,6 +52,7 @@ struct StepStats {
   double routing_pairs = 0, routing_mismatches = 0;
   // The samples' weight-version lag and truncation: sums until Finish, then means.
   double staleness_sum = 0, staleness_max = 0, truncated = 0;
+  double domain_fallbacks = 0;  // samples scored by the default pool for a down domain pool
   SampleStats samples;
   // Busy seconds of each phase (the slowest rank's), the step's wall time, and their ratio:
   // time/overlap = (sample + score + learn + push) / step, above 1 when phases overlapped.

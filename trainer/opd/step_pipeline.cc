@@ -236,6 +236,11 @@ double StepPipeline::sample_seconds() const {
   return static_cast<double>(last_sample_ns_ - start_ns_) * 1e-9;
 }
 
+int64_t StepPipeline::score_fallbacks() const {
+  absl::MutexLock lock(&mu_);
+  return scoring_ ? scoring_->fallbacks() : 0;
+}
+
 double StepPipeline::score_busy_seconds() const {
   absl::MutexLock lock(&mu_);
   return score_busy_before_ + (scoring_ ? scoring_->busy_seconds() : 0.0);

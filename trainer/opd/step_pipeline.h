@@ -100,6 +100,8 @@ class StepPipeline {
   // Seconds from the pipeline's start to its last sample, and teacher-busy seconds.
   double sample_seconds() const;
   double score_busy_seconds() const;
+  // Samples a down domain pool handed to the default pool (on_domain_down: default_pool).
+  int64_t score_fallbacks() const;
 
  private:
   StepPipeline(StepPrompts prompts, StepPipelineOptions options);

@@ -507,6 +507,11 @@ absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> TeacherPool::Score(
           absl::StrJoin(endpoints(), ", "), ". Last error: ", last_error));
     }
     const auto healthy = HealthyReplicas();
+    if (healthy.empty() && opts_.give_up_when_all_down)
+      return absl::UnavailableError(absl::StrCat("stage '", stage_,
+                                                 "': every teacher replica is down (",
+                                                 absl::StrJoin(endpoints(), ", "),
+                                                 "). Last error: ", last_error));
     if (healthy.empty()) {
       const absl::Duration wait =
           std::max(absl::Milliseconds(10),

@@ -124,6 +124,10 @@ struct TeacherPoolOptions {
   // fails DEADLINE_EXCEEDED naming the stage, its replicas and the last error (the job then ends
   // the step and checkpoints), instead of waiting for a replica that may never come back.
   absl::Duration score_deadline = absl::InfiniteDuration();
+  // With every replica out of rotation, end Score() at once with UNAVAILABLE instead of waiting
+  // for one to come back (a domain's pool whose stage sends its work to the default pool then:
+  // stages[].on_domain_down).
+  bool give_up_when_all_down = false;
   // How the pool waits `d`; returns false when `stopped()` ended the wait early. Unset: sleeps in
   // slices of at most 50 ms, checking `stopped()`. Tests set it to record the delays.
   std::function<bool(absl::Duration d, const std::function<bool()>& stopped)> wait;
