@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "lm/model/config.h"
+#include "lm/model/fp8.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
 #include "lm/model/moe_grouped.h"
@@ -99,7 +100,10 @@ torch::Tensor ExpertParallelExperts(const ExpertParallel& ep, const torch::Tenso
                                     const Routing& r, const ExpertsImpl& experts) {
   // The combine and the all-reduce in fp32, rounded to the activations' dtype once at the end: a
   // bf16 sum over k experts and then over ranks would round at every addition.
-  torch::Tensor y = !x.device().is_cpu() && GroupedGemmsFit(x, experts.down_proj)
+  // FP8 experts drop the other ranks' ids themselves, on any device.
+  torch::Tensor y = HoldsFp8(experts) ? Fp8MoeExperts(x, r.ids - ep.local.first, r.weights, experts,
+                                                      /*fp32_sum=*/true)
+                    : !x.device().is_cpu() && GroupedGemmsFit(x, experts.down_proj)
                         ? LocalPartialOnDevice(ep, x, r, experts)
                         : LocalPartialOnCpu(ep, x, r, experts);
   if (absl::Status st = ep.all_reduce_sum(y); !st.ok()) throw CollectiveError(std::move(st));

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <numeric>
 
+#include "lm/model/fp8.h"
+
 namespace lm {
 
 namespace F = torch::nn::functional;
@@ -34,6 +36,7 @@ LinearImpl::LinearImpl(int64_t in_features, int64_t out_features) {
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
+  if (weight_scale_inv.defined()) return Fp8Linear(x, weight, weight_scale_inv);
   return MatmulWeightT(x, weight);
 }
 
