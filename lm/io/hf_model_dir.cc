@@ -465,7 +465,8 @@ LoadFilter ModelLoadFilter(const ModelConfig& config) {
 
 absl::StatusOr<LoadReport> CheckCheckpoint(
     const std::vector<std::shared_ptr<const SafetensorsFile>>& files, const ParameterShapes& shapes,
-    const LoadFilter& filter, const Fp8Checkpoint* fp8) {
+    const LoadFilter& filter) {
+  const Fp8Checkpoint* fp8 = filter.fp8.checkpoint.get();
   LoadReport report;
   std::map<std::string, Coverage> filled;
   for (const auto& file : files) {
@@ -519,13 +520,14 @@ absl::StatusOr<LoadReport> LoadParameters(
 
 absl::StatusOr<LoadReport> LoadParameters(
     const std::vector<std::shared_ptr<const SafetensorsFile>>& files,
-    std::map<std::string, torch::Tensor>& params, const LoadFilter& filter, const Fp8Targets& fp8) {
+    std::map<std::string, torch::Tensor>& params, const LoadFilter& filter) {
   torch::NoGradGuard no_grad;
+  const Fp8Targets& fp8 = filter.fp8;
   ParameterShapes shapes;
   for (const auto& [name, p] : params) shapes[name] = p.sizes().vec();
   // Names, shapes and completeness come from the headers: a checkpoint that does not fit is
   // refused before a byte of it is read, and the walk below only copies.
-  ASSIGN_OR_RETURN(LoadReport report, CheckCheckpoint(files, shapes, filter, fp8.checkpoint.get()));
+  ASSIGN_OR_RETURN(LoadReport report, CheckCheckpoint(files, shapes, filter));
   RETURN_IF_ERROR(ForEachCheckpointTensor(
       files,
       [&](const SafetensorsFile& file, const std::string& name,
@@ -734,16 +736,17 @@ absl::StatusOr<std::shared_ptr<CausalLM>> CreateModelWithFp8(
 absl::StatusOr<std::shared_ptr<CausalLM>> LoadCheckpoint(const std::string& dir,
                                                          const ModelConfig& config,
                                                          const LoadOptions& opts,
-                                                         const LoadFilter& filter,
+                                                         const LoadFilter& given,
                                                          LoadReport* report) {
   // Everything that can refuse the load does so from the headers and the config, before the
   // model is allocated: a config that disagrees with its checkpoint (hidden_size 1e6 over a small
   // model) would otherwise ask for its absurd size first.
   const ParameterShapes shapes = ExpectedParameterShapes(config);
   ASSIGN_OR_RETURN(auto files, OpenCheckpointFiles(dir));
-  Fp8Targets fp8;
+  LoadFilter filter = given;
+  Fp8Targets& fp8 = filter.fp8;
   ASSIGN_OR_RETURN(fp8.checkpoint, Fp8Checkpoint::Scan(files, config.fp8));
-  RETURN_IF_ERROR(CheckCheckpoint(files, shapes, filter, fp8.checkpoint.get()).status());
+  RETURN_IF_ERROR(CheckCheckpoint(files, shapes, filter).status());
   RETURN_IF_ERROR(CheckLoadMemory(dir, config, shapes, opts));
   ASSIGN_OR_RETURN(const bool keep_fp8, KeepFp8(dir, *fp8.checkpoint, opts));
   // The parameters exist only in the target dtype (or FP8) on the target device; each checkpoint
@@ -758,7 +761,7 @@ absl::StatusOr<std::shared_ptr<CausalLM>> LoadCheckpoint(const std::string& dir,
   for (auto& p : (*model)->named_parameters()) params[p.key()] = p.value();
   absl::StatusOr<LoadReport> loaded;
   try {
-    loaded = LoadParameters(files, params, filter, fp8);
+    loaded = LoadParameters(files, params, filter);
   } catch (const std::exception&) {
     return ExceptionStatus(absl::StrCat(dir, ": loading the checkpoint"));
   }

@@ -46,7 +46,16 @@ struct LoadReport {
   int64_t fp8_dequantized = 0;
 };
 
-// Which checkpoint tensors LoadParameters skips, and where experts go.
+// Where a checkpoint's FP8 tensors go: the checkpoint's scales, and the scale buffer of each
+// parameter kept in FP8 (lm/model/fp8.h MakeFp8Holder). An FP8 tensor whose parameter is kept
+// in FP8 is copied as it is and its scales into the buffer (the slice of a fused expert
+// parameter's); any other FP8 tensor is dequantized into its parameter's dtype.
+struct Fp8Targets {
+  std::shared_ptr<const Fp8Checkpoint> checkpoint;  // null: no FP8 tensor is accepted
+  std::map<std::string, torch::Tensor> scales;      // parameter name -> its scale buffer
+};
+
+// Which checkpoint tensors LoadParameters skips, where experts go, and what FP8 tensors become.
 struct LoadFilter {
   std::vector<std::string> ignore_names;     // skipped and counted (a tied lm_head copy)
   std::vector<std::string> ignore_prefixes;  // skipped and counted (Qwen3-Next mtp.*)
@@ -54,6 +63,7 @@ struct LoadFilter {
   // in this process, or -1 when another process holds that expert (its tensors are skipped and
   // counted as ignored). Unset: row = expert. Completeness is checked over the parameter's rows.
   std::function<int64_t(const std::string& param, int64_t expert)> expert_row;
+  Fp8Targets fp8;  // set by LoadCheckpoint for an FP8 checkpoint
 };
 
 // Parameter name -> shape.
@@ -75,21 +85,11 @@ LoadFilter ModelLoadFilter(const ModelConfig& config);
 // Checks the checkpoint's headers against `shapes`, reading no tensor's bytes: every tensor that
 // `filter` keeps must fill a parameter (or an expert's slice of a fused one) of its exact shape,
 // once, and every parameter must be filled. Errors name the tensor and its file (missing
-// parameters: the directory). `fp8`: the checkpoint's FP8 tensors and scales (Fp8Checkpoint::Scan
-// checked them); without it an FP8 tensor is an error naming it. Returns the counts a load
-// reports.
+// parameters: the directory). An FP8 tensor needs filter.fp8.checkpoint (Fp8Checkpoint::Scan
+// checked it and its scales), else it is an error naming it. Returns the counts a load reports.
 absl::StatusOr<LoadReport> CheckCheckpoint(
     const std::vector<std::shared_ptr<const SafetensorsFile>>& files, const ParameterShapes& shapes,
-    const LoadFilter& filter, const Fp8Checkpoint* fp8 = nullptr);
-
-// Where a checkpoint's FP8 tensors go: the checkpoint's scales, and the scale buffer of each
-// parameter kept in FP8 (lm/model/fp8.h MakeFp8Holder). An FP8 tensor whose parameter is kept
-// in FP8 is copied as it is and its scales into the buffer (the slice of a fused expert
-// parameter's); any other FP8 tensor is dequantized into its parameter's dtype.
-struct Fp8Targets {
-  std::shared_ptr<const Fp8Checkpoint> checkpoint;  // null: no FP8 tensor is accepted
-  std::map<std::string, torch::Tensor> scales;      // parameter name -> its scale buffer
-};
+    const LoadFilter& filter);
 
 // Copies checkpoint tensors into `params` (name -> parameter), through ForEachCheckpointTensor:
 // each tensor is converted to its parameter's dtype and copied to its parameter's device as it is
@@ -101,8 +101,7 @@ struct Fp8Targets {
 // NaN or an infinity once loaded (as read, or after conversion to the parameter's dtype).
 absl::StatusOr<LoadReport> LoadParameters(
     const std::vector<std::shared_ptr<const SafetensorsFile>>& files,
-    std::map<std::string, torch::Tensor>& params, const LoadFilter& filter,
-    const Fp8Targets& fp8 = {});
+    std::map<std::string, torch::Tensor>& params, const LoadFilter& filter);
 absl::StatusOr<LoadReport> LoadParameters(
     const std::vector<std::shared_ptr<const SafetensorsFile>>& files,
     std::map<std::string, torch::Tensor>& params, const std::vector<std::string>& ignore_names,

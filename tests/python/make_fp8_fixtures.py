@@ -7,8 +7,8 @@ For each configuration it writes, under --out/<name>/:
   model/            config.json with "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
                     "activation_scheme": "dynamic", "weight_block_size": [128, 128],
                     "modules_to_not_convert": [...]}, and two safetensors shards with their
-                    model.safetensors.index.json: every 2-D linear weight whose module the config
-                    converts (transformers' should_convert_module) as F8_E4M3 with
+                    model.safetensors.index.json: every linear layer's weight (experts included)
+                    that the config converts (transformers' should_convert_module) as F8_E4M3 with
                     `<name>_scale_inv` F32 [ceil(N / 128), ceil(K / 128)] = amax / 448 of each
                     128 x 128 block (ragged edge blocks included; the scales all in the second
                     shard, apart from most of their weights); every other tensor BF16, per-expert
@@ -26,6 +26,7 @@ Deterministic (fixed seeds).
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 
@@ -99,12 +100,20 @@ def dequantize(q, scale_inv):
     return q.float() * s
 
 
-def converts(name, not_convert):
-    """Whether the published converter quantizes tensor `name`: 2-D linear weights only."""
-    return name.endswith("_proj.weight") and should_convert_module(name[: -len(".weight")], not_convert)
+EXPERT = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj$")
 
 
-def write_fp8_checkpoint(src_dir, model_dir, not_convert):
+def converts(name, linear, not_convert):
+    """Whether the published converter quantizes tensor `name`: the weights of linear layers
+    (transformers' model holds experts fused; the checkpoint has them per expert, as linears)
+    that modules_to_not_convert does not exclude."""
+    if not name.endswith(".weight"):
+        return False
+    module = name[: -len(".weight")]
+    return (module in linear or EXPERT.match(module)) and should_convert_module(module, not_convert)
+
+
+def write_fp8_checkpoint(src_dir, model_dir, linear, not_convert):
     """The saved fp32 model of `src_dir` as an FP8 checkpoint in `model_dir`; returns the
     dequantized fp32 state (what transformers runs)."""
     state = {}
@@ -113,7 +122,7 @@ def write_fp8_checkpoint(src_dir, model_dir, not_convert):
             state.update(load_file(os.path.join(src_dir, f)))
     weights, scales, dequantized = {}, {}, {}
     for name, t in state.items():
-        if converts(name, not_convert):
+        if converts(name, linear, not_convert):
             q, s = quantize(t.float())
             weights[name], scales[name + "_scale_inv"] = q, s
             dequantized[name] = dequantize(q, s)
@@ -157,7 +166,8 @@ def make(out, name, cfg, index):
     with tempfile.TemporaryDirectory() as tmp:
         src, deq = os.path.join(tmp, "src"), os.path.join(tmp, "deq")
         model.save_pretrained(src)
-        dequantized, n_fp8 = write_fp8_checkpoint(src, model_dir, cfg["not_convert"])
+        linear = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        dequantized, n_fp8 = write_fp8_checkpoint(src, model_dir, linear, cfg["not_convert"])
         with open(os.path.join(src, "config.json")) as f:
             config = json.load(f)
         # What transformers runs: the same config and the dequantized weights, in fp32.
