@@ -384,36 +384,73 @@ TEST(Fp8Gemm, DenseTwinAgainstDequantizedMath) {
   }
 }
 
-// Rows gathered from the tokens (a -1 row is padding), three experts of which one gets no rows,
-// rows past the last group, and a fused gate/up weight of width I = 136 (ragged halves).
-TEST(Fp8Gemm, GroupedTwinAgainstDequantizedMath) {
-  const Fp8Kernels& k = CpuKernels();
-  torch::manual_seed(3);
-  const int64_t T = 5, H = 160, I = 136, E = 3, R = 10;
-  auto x = torch::randn({T, H}) * 2.0;
+// A grouped GEMM's inputs: rows gathered from T tokens (some -1: padding), three experts of
+// which the middle one gets no rows, groups starting at multiples of kFp8GroupRows, rows past the
+// last group, and fused gate/up weights of width I = 136 (ragged halves, split at I).
+struct GroupedCase {
+  int64_t T = 40, H = 160, I = 136, E = 3, R = 140;
+  std::vector<int64_t> expert_of_row;  // -1: past the last group
+  torch::Tensor x, row_index, group_ends, w, ws;
   std::vector<QuantWeight> experts;
-  for (int64_t e = 0; e < E; ++e)
-    experts.push_back(QuantizeFused(torch::randn({I, H}) * 0.05, torch::randn({I, H}) * 0.05));
+};
+
+GroupedCase MakeGroupedCase(uint64_t seed) {
+  GroupedCase c;
+  torch::manual_seed(seed);
+  c.x = torch::randn({c.T, c.H}) * 2.0;
   std::vector<torch::Tensor> qs, ss;
-  for (const auto& e : experts) qs.push_back(e.q), ss.push_back(e.scale);
-  auto w = torch::stack(qs), ws = torch::stack(ss);
-  ASSERT_EQ(ws.size(1), 4);  // 2 ceil(136 / 128)
-  auto row_index = torch::tensor({0, 2, -1, 1, 4, 4, 3, -1, 0, 2}, torch::kInt64);
-  auto group_ends = torch::tensor({3, 3, 8}, torch::kInt32);
-  const std::vector<int64_t> expert_of_row = {0, 0, 0, 2, 2, 2, 2, 2, -1, -1};
-  Quantized a = QuantizeActivations(k, x);
-  auto got = k.block_gemm(a.q, a.s, row_index, R, w, ws, group_ends, I, torch::kFloat32);
-  ASSERT_EQ(got.sizes(), (std::vector<int64_t>{R, 2 * I}));
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t src = row_index[r].item<int64_t>(), e = expert_of_row[r];
+  for (int64_t e = 0; e < c.E; ++e) {
+    c.experts.push_back(
+        QuantizeFused(torch::randn({c.I, c.H}) * 0.05, torch::randn({c.I, c.H}) * 0.05));
+    qs.push_back(c.experts.back().q);
+    ss.push_back(c.experts.back().scale);
+  }
+  c.w = torch::stack(qs);
+  c.ws = torch::stack(ss);
+  c.row_index = torch::randint(-1, c.T, {c.R}, torch::kInt64);  // -1: padding rows
+  c.group_ends = torch::tensor({64, 64, 128}, torch::kInt32);
+  for (int64_t r = 0; r < c.R; ++r) c.expert_of_row.push_back(r < 64 ? 0 : r < 128 ? 2 : -1);
+  return c;
+}
+
+// Every row of `got` against the dequantized math of its expert and token, within
+// bound_factor x S (S = sum_k |q_k s| |W_k|); padding rows and rows past the groups exactly 0.
+void ExpectGrouped(const GroupedCase& c, const Quantized& a, const torch::Tensor& got,
+                   double bound_factor, const std::string& what) {
+  ASSERT_EQ(got.sizes(), (std::vector<int64_t>{c.R, 2 * c.I}));
+  int64_t computed = 0, padding = 0;
+  for (int64_t r = 0; r < c.R; ++r) {
+    const int64_t src = c.row_index[r].item<int64_t>(), e = c.expert_of_row[r];
     if (src < 0 || e < 0) {
-      EXPECT_TRUE(torch::equal(got[r], torch::zeros({2 * I}))) << "row " << r << " is padding";
+      EXPECT_TRUE(torch::equal(got[r].cpu().to(torch::kFloat32), torch::zeros({2 * c.I})))
+          << what << ": row " << r << " is padding";
+      ++padding;
       continue;
     }
     auto qs_row = a.deq[src].unsqueeze(0);
-    ExpectWithin(got[r].unsqueeze(0), torch::mm(qs_row, experts[e].deq.t()),
-                 TwinBound(qs_row, experts[e].deq), "row " + std::to_string(r));
+    auto S =
+        torch::mm(qs_row.abs().to(torch::kFloat64), c.experts[e].deq.abs().to(torch::kFloat64).t());
+    ExpectWithin(got[r].unsqueeze(0).cpu(), torch::mm(qs_row, c.experts[e].deq.t()),
+                 S * bound_factor + 1e-30, what + " row " + std::to_string(r));
+    ++computed;
   }
+  EXPECT_GT(computed, 80);
+  EXPECT_GT(padding, 12);
+}
+
+TEST(Fp8Gemm, GroupedTwinAgainstDequantizedMath) {
+  const Fp8Kernels& k = CpuKernels();
+  const GroupedCase c = MakeGroupedCase(3);
+  ASSERT_EQ(c.ws.size(1), 4);  // 2 ceil(136 / 128)
+  Quantized a = QuantizeActivations(k, c.x);
+  auto got =
+      k.block_gemm(a.q, a.s, c.row_index, c.R, c.w, c.ws, c.group_ends, c.I, torch::kFloat32);
+  const int64_t K = c.H, KB = (K + 127) / 128;
+  ExpectGrouped(c, a, got, static_cast<double>(K + KB + 132) * kU * 1.01, "twin");
+  // The contract the CUDA kernel's 64-row tiles need.
+  EXPECT_THROW(k.block_gemm(a.q, a.s, c.row_index, c.R, c.w, c.ws,
+                            torch::tensor({60, 64, 128}, torch::kInt32), c.I, torch::kFloat32),
+               c10::Error);
 }
 
 // SwiGLU then the 1 x 128 rule: q s within the rounding bound of silu(gate) * up.
@@ -863,6 +900,188 @@ TEST(Fp8Save, RefusesFp8WeightsAndDropsTheQuantizationConfig) {
   const Reference ref = LoadReference(kFixtures + "/fp8_moe");
   EXPECT_TRUE(torch::equal(RunModel(**again, ref).second, RunModel(**plain, ref).second));
   fs::remove_all(out);
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA (compute capability 8.9+): the kernels against the twin, the model against its dequantized
+// self. The GEMM bound: on top of the twin's fp32 rounding (twice, one per side), the tensor
+// cores' accumulation of a block's 128 products in 4 MMAs of 32 keeps at least 13 bits per MMA
+// (Hopper's FP8 path keeps about 14, DeepSeek-V3 measured; fp16 HMMA, which sm_90 runs
+// mma.sync e4m3 on, keeps fp32): |gpu - twin| <= (2^-11 + 2 (K + KB + 132) u) S.
+
+torch::Device Gpu() {
+  return torch::Device(torch::kCUDA, 0);
+}
+
+// In a TEST body: `k` = the GPU's FP8 kernels, or skip (no device, or one below 8.9); under
+// OPD_REQUIRE_GPU=1 a build without them (no nvcc) fails.
+#define GPU_FP8_KERNELS_OR_SKIP(k)                                                       \
+  SKIP_WITHOUT_CUDA();                                                                   \
+  const Fp8Kernels* k##_ptr = Fp8KernelsFor(Gpu());                                      \
+  if (k##_ptr == nullptr) {                                                              \
+    if (opd_test::RequireGpu() && MutableFp8Kernels(torch::kCUDA).block_gemm == nullptr) \
+      FAIL() << "OPD_REQUIRE_GPU=1: this build has no CUDA FP8 GEMMs";                   \
+    GTEST_SKIP() << "no FP8 GEMMs on this device (they need compute capability 8.9)";    \
+  }                                                                                      \
+  const Fp8Kernels& k = *k##_ptr
+
+double GpuGemmFactor(int64_t K) {
+  const int64_t KB = (K + 127) / 128;
+  return std::ldexp(1.0, -11) + 2.0 * static_cast<double>(K + KB + 132) * kU * 1.01;
+}
+
+TEST(Fp8Cuda, QuantizeRowsBitwiseAsTheTwin) {
+  GPU_FP8_KERNELS_OR_SKIP(gpu);
+  const Fp8Kernels& cpu = CpuKernels();
+  torch::manual_seed(11);
+  for (const int64_t K : {8, 130, 300, 2048}) {
+    for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+      auto x = (torch::randn({37, K}) *
+                torch::pow(10.0, torch::randint(-3, 3, {37, K}).to(torch::kFloat)))
+                   .to(dtype);
+      torch::Tensor qc, sc, qg, sg;
+      cpu.quantize_rows(x, &qc, &sc);
+      gpu.quantize_rows(x.to(Gpu()), &qg, &sg);
+      EXPECT_TRUE(torch::equal(qg.cpu().view(torch::kUInt8), qc.view(torch::kUInt8)))
+          << "K " << K << " " << dtype;
+      EXPECT_TRUE(torch::equal(sg.cpu(), sc)) << "K " << K << " " << dtype;
+    }
+  }
+}
+
+// The SwiGLU's exp is the device's (a few ulps from the CPU's): q s within the rounding bound of
+// the twin's h, and the same bytes almost everywhere.
+TEST(Fp8Cuda, SwiGluQuantizationAsTheTwin) {
+  GPU_FP8_KERNELS_OR_SKIP(gpu);
+  const Fp8Kernels& cpu = CpuKernels();
+  torch::manual_seed(12);
+  const int64_t M = 50, I = 200;
+  auto gu = (torch::randn({M, 2 * I}) * 4.0).to(torch::kBFloat16);
+  torch::Tensor qc, sc, qg, sg;
+  cpu.quantize_swiglu(gu, &qc, &sc);
+  gpu.quantize_swiglu(gu.to(Gpu()), &qg, &sg);
+  auto h = (torch::silu(gu.narrow(1, 0, I).to(torch::kFloat32)) *
+            gu.narrow(1, I, I).to(torch::kFloat32));
+  auto back = qg.cpu().to(torch::kFloat32) * sg.cpu().repeat_interleave(128, 1).narrow(1, 0, I);
+  auto bound = (std::ldexp(1.0, -4) + std::ldexp(1.0, -20)) * h.abs() +
+               std::ldexp(1.0, -10) * sg.cpu().repeat_interleave(128, 1).narrow(1, 0, I);
+  ExpectWithin(back, h, bound, "GPU silu(gate) * up");
+  const double same = qg.cpu()
+                          .view(torch::kUInt8)
+                          .eq(qc.view(torch::kUInt8))
+                          .to(torch::kFloat64)
+                          .mean()
+                          .item<double>();
+  EXPECT_GE(same, 0.99);
+}
+
+TEST(Fp8Cuda, DenseGemmAgainstTheTwin) {
+  GPU_FP8_KERNELS_OR_SKIP(gpu);
+  const Fp8Kernels& cpu = CpuKernels();
+  torch::manual_seed(13);
+  // Ragged tiles in every direction, K not a multiple of 16 (the byte-load path), and a layer of
+  // Qwen3-30B-A3B's width.
+  for (const auto& [M, N, K] :
+       std::vector<std::tuple<int64_t, int64_t, int64_t>>{{1, 1, 8},
+                                                          {5, 200, 160},
+                                                          {130, 256, 136},
+                                                          {3, 129, 300},
+                                                          {70, 72, 2056},
+                                                          {257, 768, 2048}}) {
+    const std::string shape =
+        "M " + std::to_string(M) + " N " + std::to_string(N) + " K " + std::to_string(K);
+    auto x = torch::randn({M, K}) * 3.0;
+    QuantWeight w = QuantizeWeight(torch::randn({N, K}) * 0.05);
+    Quantized a = QuantizeActivations(cpu, x);
+    auto want = cpu.block_gemm(a.q, a.s, {}, M, w.q.unsqueeze(0), w.scale.unsqueeze(0), {}, N,
+                               torch::kFloat32);
+    auto S = torch::mm(a.deq.abs().to(torch::kFloat64), w.deq.abs().to(torch::kFloat64).t());
+    for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+      auto got = gpu.block_gemm(a.q.to(Gpu()), a.s.to(Gpu()), {}, M, w.q.unsqueeze(0).to(Gpu()),
+                                w.scale.unsqueeze(0).to(Gpu()), {}, N, dtype);
+      ASSERT_EQ(got.scalar_type(), dtype);
+      // bf16 output: one more rounding, half a unit of 2^-8 of the result.
+      auto bound = S * GpuGemmFactor(K) +
+                   (dtype == torch::kBFloat16 ? want.abs().to(torch::kFloat64) * std::ldexp(1.0, -8)
+                                              : torch::zeros_like(S));
+      ExpectWithin(got.cpu().to(torch::kFloat32), want, bound + 1e-30,
+                   shape + " " + c10::toString(dtype));
+    }
+  }
+}
+
+TEST(Fp8Cuda, GroupedGemmAgainstDequantizedMath) {
+  GPU_FP8_KERNELS_OR_SKIP(gpu);
+  const GroupedCase c = MakeGroupedCase(14);
+  Quantized a = QuantizeActivations(CpuKernels(), c.x);
+  auto got = gpu.block_gemm(a.q.to(Gpu()), a.s.to(Gpu()), c.row_index.to(Gpu()), c.R, c.w.to(Gpu()),
+                            c.ws.to(Gpu()), c.group_ends.to(Gpu()), c.I, torch::kFloat32);
+  ExpectGrouped(c, a, got.cpu(), GpuGemmFactor(c.H), "GPU");
+}
+
+// A linear layer and a MoE layer of the FP8 fixture on the GPU against the twin, fp32 activations
+// (so that only the kernels differ): the linear within the GEMM bound's order (relative 2^-10 of
+// the layer), the experts within one e4m3 rounding (2^-4 relative) where the SwiGLU's device exp
+// moved a quantization step.
+TEST(Fp8Cuda, LayersAgainstTheTwin) {
+  GPU_FP8_KERNELS_OR_SKIP(gpu);
+  (void)gpu;
+  auto cpu_model = LoadModel(kFixtures + "/fp8_moe/model", Options(Fp8Weights::kKeep));
+  ASSERT_TRUE(cpu_model.ok()) << cpu_model.status();
+  LoadOptions on_gpu = Options(Fp8Weights::kKeep);
+  on_gpu.device = Gpu();
+  auto gpu_model = LoadModel(kFixtures + "/fp8_moe/model", on_gpu);
+  ASSERT_TRUE(gpu_model.ok()) << gpu_model.status();
+  torch::NoGradGuard no_grad;
+  auto cm = (*cpu_model)->named_modules(), gm = (*gpu_model)->named_modules();
+  auto* cl = cm["model.layers.0.self_attn.q_proj"]->as<LinearImpl>();
+  auto* gl = gm["model.layers.0.self_attn.q_proj"]->as<LinearImpl>();
+  ASSERT_TRUE(cl->weight_scale_inv.defined() && gl->weight_scale_inv.defined());
+  torch::manual_seed(15);
+  auto x = torch::randn({33, cl->weight.size(1)});
+  auto yc = cl->forward(x), yg = gl->forward(x.to(Gpu())).cpu();
+  const auto rel = [](const torch::Tensor& a, const torch::Tensor& b) {
+    return ((a - b).norm() / b.norm()).item<double>();
+  };
+  EXPECT_LE(rel(yg, yc), std::ldexp(1.0, -10)) << "q_proj";
+  auto* cb = cm["model.layers.0.mlp"]->as<SparseMoeBlockImpl>();
+  auto* gb = gm["model.layers.0.mlp"]->as<SparseMoeBlockImpl>();
+  auto xe = torch::randn({45, cl->weight.size(1)});
+  Routing r = Route(xe, cb->gate->weight, cb->top_k, cb->norm_topk_prob);
+  auto ec = Fp8MoeExperts(xe, r.ids, r.weights, *cb->experts);
+  auto eg = Fp8MoeExperts(xe.to(Gpu()), r.ids.to(Gpu()), r.weights.to(Gpu()), *gb->experts).cpu();
+  EXPECT_LE(rel(eg, ec), std::ldexp(1.0, -4)) << "experts";
+}
+
+// The whole model in FP8 on the GPU (bf16 activations) against the same checkpoint dequantized
+// to bf16 on the GPU: within the FP8 rule against transformers' fp32 reference, and no further
+// from the bf16 path than twice the CPU twin's distance from fp32 (the FP8 error this model has)
+// plus the bf16 path's own distance from fp32 (tests/bf16_test.cc's yardstick, at least 1e-2).
+TEST_P(Fp8Fixture, GpuFp8AgainstDequantizedBf16) {
+  GPU_FP8_KERNELS_OR_SKIP(gpu);
+  (void)gpu;
+  const Reference ref = LoadReference(Dir());
+  LoadOptions fp8 = Options(Fp8Weights::kAuto, torch::kBFloat16), bf16 = fp8;
+  fp8.device = bf16.device = Gpu();
+  bf16.fp8 = Fp8Weights::kDequantize;
+  auto m8 = LoadModel(ModelDir(), fp8);
+  ASSERT_TRUE(m8.ok()) << m8.status();
+  EXPECT_GT(Fp8Parameters(**m8), 5) << "kAuto keeps FP8 on an FP8-capable device";
+  auto m16 = LoadModel(ModelDir(), bf16);
+  ASSERT_TRUE(m16.ok()) << m16.status();
+  EXPECT_EQ(Fp8Parameters(**m16), 0);
+  auto twin = LoadModel(ModelDir(), Options(Fp8Weights::kKeep));
+  ASSERT_TRUE(twin.ok()) << twin.status();
+  const auto lp8 = RunModel(**m8, ref).second.cpu(), lp16 = RunModel(**m16, ref).second.cpu();
+  const double cpu_fp8 = MaxAbsDiff(RunModel(**twin, ref).second, ref.logprobs);
+  const double bf16_own = MaxAbsDiff(lp16, ref.logprobs);
+  const double gpu_fp8 = MaxAbsDiff(lp8, lp16);
+  std::printf(
+      "%s on the GPU: FP8 vs dequantized bf16 max |d log-prob| %.4f (CPU twin vs fp32 "
+      "%.4f, bf16 vs fp32 %.4f)\n",
+      GetParam().c_str(), gpu_fp8, cpu_fp8, bf16_own);
+  EXPECT_LE(WorstRuleRatio(lp8, ref.logprobs), 1.0);
+  EXPECT_LE(gpu_fp8, 2 * cpu_fp8 + std::max(1e-2, bf16_own));
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, Fp8Fixture, ::testing::ValuesIn(kFixtureNames),

@@ -80,6 +80,10 @@ torch::Tensor BlockGemm(const torch::Tensor& q, const torch::Tensor& s,
   if (group_ends.defined()) {
     ends = group_ends.to(torch::kInt32).contiguous();
     TORCH_CHECK(ends.numel() == E, "FP8 GEMM: group_ends must have ", E, " entries");
+    // The contract the CUDA kernel needs (its 64-row tiles hold one expert each).
+    TORCH_CHECK(
+        E == 1 || ends.narrow(0, 0, E - 1).remainder(kFp8GroupRows).eq(0).all().item<bool>(),
+        "FP8 GEMM: expert groups must start at multiples of ", kFp8GroupRows, " rows");
     a.group_ends = ends.data_ptr<int32_t>();
   } else {
     TORCH_CHECK(E == 1, "FP8 GEMM: ", E, " experts need group_ends");

@@ -9,10 +9,6 @@
 namespace lm {
 namespace {
 
-// Rows of one expert group in the grouped GEMM are padded to this (the CUDA kernel's tile
-// height), so that no tile of rows straddles two experts.
-constexpr int64_t kFp8RowAlign = 64;
-
 const Fp8Kernels& KernelsOrThrow(const torch::Tensor& x) {
   const Fp8Kernels* k = Fp8KernelsFor(x.device());
   TORCH_CHECK(k != nullptr, "FP8 weights on ", x.device(),
@@ -126,7 +122,7 @@ torch::Tensor Fp8MoeExperts(const torch::Tensor& x, const torch::Tensor& ids,
   const int64_t T = x.size(0), H = x.size(1), top_k = ids.size(1);
   const int64_t E = gate_up.size(0), I = down.size(2);
   // Rows sorted by expert (on the device, no host sync), each expert's group padded to a tile.
-  const ExpertRows rows = SortPairsByExpert(ids, E, kFp8RowAlign);
+  const ExpertRows rows = SortPairsByExpert(ids, E, kFp8GroupRows);
   const int64_t R = rows.pair_of_row.size(0);
   // Every row reads its token's quantized activations: a token is quantized once, whatever the
   // number of experts it goes to (the rule is per token, so the rows' values are the same).

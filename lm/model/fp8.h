@@ -31,6 +31,9 @@ class ExpertsImpl;
 // The edge of the weight blocks and activation groups the FP8 GEMMs take (the published format's
 // weight_block_size [128, 128]); a checkpoint with other blocks is dequantized on load.
 inline constexpr int64_t kFp8Block = 128;
+// Expert groups of the grouped GEMM start at multiples of this many rows (the CUDA kernel's tile
+// height: no tile holds two experts).
+inline constexpr int64_t kFp8GroupRows = 64;
 
 // The FP8 GEMM operations of one device type (the contract of kernels/cpu/fp8_gemm.h), registered
 // by a backend as lm/model/fast_paths.h's entries are.
@@ -43,7 +46,8 @@ struct Fp8Kernels {
   void (*quantize_swiglu)(const torch::Tensor& gu, torch::Tensor* q, torch::Tensor* s) = nullptr;
   // The block-scaled GEMM: q [*, K] e4m3 with s, rows gathered by row_index (int64 [rows], -1
   // padding; undefined: row r is q's row r), weights w [E, N, K] e4m3 with ws [E, NB, KB],
-  // grouped by group_ends (int32 [E]; undefined when E == 1), split as in fp8_gemm.h ->
+  // grouped by group_ends (int32 [E], each group starting at a multiple of kFp8GroupRows;
+  // undefined when E == 1), split as in fp8_gemm.h ->
   // [rows, N] in out_dtype (fp32 or bf16).
   torch::Tensor (*block_gemm)(const torch::Tensor& q, const torch::Tensor& s,
                               const torch::Tensor& row_index, int64_t rows, const torch::Tensor& w,
