@@ -36,6 +36,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "ctl/model_config_file.h"
 #include "kernels/cpu/fp8_gemm.h"
 #include "lm/io/fp8_checkpoint.h"
 #include "lm/io/hf_model_dir.h"
@@ -901,6 +902,98 @@ TEST(Fp8Save, RefusesFp8WeightsAndDropsTheQuantizationConfig) {
   EXPECT_TRUE(torch::equal(RunModel(**again, ref).second, RunModel(**plain, ref).second));
   fs::remove_all(out);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The memory plan's FP8 weight term
+
+// By hand, for TinyFp8Checkpoint's model (hidden 40, heads 2 x 16, 4 experts of width 24, a
+// dense layer of width 48, vocabulary 64, untied), every linear layer converted:
+//   FP8 parameters: attention 2 x (32x40 + 16x40 + 16x40 + 40x32) = 7680, experts
+//     4 x 3 x 24x40 = 11520, the dense MLP 3 x 48x40 = 5760: 24960 bytes;
+//   scales: one 128 x 128 block per weight: 8 + 12 + 3 = 23 fp32, 92 bytes;
+//   the rest: bf16 embedding and LM head 2 x 2 x 64x40 = 10240, fp32 norms and routers
+//     4 x (40 + 2 x (32 + 80) + 4x40) = 1696: 11936 bytes.
+TEST(Fp8Plan, WeightBytesByHand) {
+  CheckpointDir d = TinyFp8Checkpoint(128, 128);
+  auto c = ParseModelConfig(d.config);
+  ASSERT_TRUE(c.ok()) << c.status();
+  plan::Fp8WeightBytes b = plan::CountFp8WeightBytes(*c, 2, 1);
+  EXPECT_EQ(b.fp8, 24960);
+  EXPECT_EQ(b.scales, 92);
+  EXPECT_EQ(b.rest, 11936);
+  // Two expert-parallel devices: half the experts each (5760 FP8 bytes and 6 scales less).
+  b = plan::CountFp8WeightBytes(*c, 2, 2);
+  EXPECT_EQ(b.fp8, 24960 - 5760);
+  EXPECT_EQ(b.scales, 92 - 24);
+  EXPECT_EQ(b.rest, 11936);
+  // v_proj left in bf16 by the list: its 2 x 640 parameters move to the rest at 2 bytes each.
+  d.config["quantization_config"]["modules_to_not_convert"] = {"model.layers.*.self_attn.v_proj"};
+  c = ParseModelConfig(d.config);
+  ASSERT_TRUE(c.ok()) << c.status();
+  b = plan::CountFp8WeightBytes(*c, 2, 1);
+  EXPECT_EQ(b.fp8, 24960 - 1280);
+  EXPECT_EQ(b.scales, 92 - 8);
+  EXPECT_EQ(b.rest, 11936 + 2 * 1280);
+  // The loader agrees: the FP8 parameters and scale buffers of the model kept in FP8.
+  d.config["quantization_config"]["modules_to_not_convert"] = json::array();
+  const fs::path dir = Write(d, "fp8_plan");
+  auto model = LoadModel(dir.string(), Options(Fp8Weights::kKeep, torch::kBFloat16));
+  ASSERT_TRUE(model.ok()) << model.status();
+  int64_t fp8 = 0, scales = 0;
+  for (const auto& p : (*model)->named_parameters())
+    if (p.value().scalar_type() == torch::kFloat8_e4m3fn) fp8 += p.value().nbytes();
+  for (const auto& bf : (*model)->named_buffers())
+    if (bf.key().find("_scale_inv") != std::string::npos) scales += bf.value().nbytes();
+  EXPECT_EQ(fp8, 24960);
+  EXPECT_EQ(scales, 92);
+  fs::remove_all(dir);
+}
+
+lm::ModelConfig ShippedConfig(const std::string& file) {
+  auto c = ctl::ReadModelConfigFile(std::string(OPD_SOURCE_DIR) + "/configs/models/" + file);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? *c : lm::ModelConfig{};
+}
+
+// Qwen3-Next-80B-A3B in FP8 on one H200: 148 GiB of bf16 weights need two devices; in FP8 the
+// converted linear layers (all but the LM head, the embedding, the routers and the shared
+// experts' gates) take one byte per parameter and the model fits one with room for a bucket.
+TEST(Fp8Plan, Qwen3Next80bFp8FitsOneH200) {
+  const lm::ModelConfig next = ShippedConfig("fp8/qwen3_next_80b_a3b_instruct_fp8.json");
+  ASSERT_TRUE(next.fp8.has_value());
+  plan::TeacherSettings t;
+  EXPECT_TRUE(plan::CheckTeacherFits(next, t, 139 * plan::kGiB).ok());
+  const plan::Fp8WeightBytes b = plan::CountFp8WeightBytes(next, 2, 1);
+  std::printf("Qwen3-Next-80B-A3B FP8: %s FP8 + %s scales + %s rest = %s\n",
+              plan::FormatGiB(b.fp8).c_str(), plan::FormatGiB(b.scales).c_str(),
+              plan::FormatGiB(b.rest).c_str(), plan::FormatGiB(b.total()).c_str());
+  EXPECT_LT(b.total(), 80 * plan::kGiB);
+  EXPECT_GT(b.fp8, 70 * plan::kGiB);
+  // scales: 4 bytes per 16384 weights
+  EXPECT_NEAR(static_cast<double>(b.scales), 4.0 * b.fp8 / 16384, 0.02 * b.scales);
+  t.fp8_weights = false;  // the same config with its FP8 weights dequantized: two devices
+  ExpectError(plan::CheckTeacherFits(next, t, 139 * plan::kGiB),
+              absl::StatusCode::kResourceExhausted, {"'weights (bf16)'"});
+}
+
+#ifdef OPD_FP8_PLAN_CLI
+// opd-ctl plan reads the stage's FP8 teacher config and plans the 80B teacher on one device.
+TEST(Fp8Plan, OpdCtlPlanTakesAnFp8TeacherConfig) {
+  const std::string src = OPD_SOURCE_DIR, log = testing_util::TestDir().string() + "/plan.log";
+  const std::string cmd = std::string(OPD_BINARY_DIR) + "/ctl/opd-ctl plan --config " + src +
+                          "/configs/opd/marco_nano.yaml --model-config " + src +
+                          "/configs/models/marco_nano.json --teacher-config " + src +
+                          "/configs/models/qwen3_30b_a3b_instruct_2507.json," + src +
+                          "/configs/models/fp8/qwen3_next_80b_a3b_instruct_fp8.json > " + log +
+                          " 2>&1";
+  EXPECT_EQ(testing_util::Shell(cmd), 0);
+  const std::string out = testing_util::ReadFile(log);
+  for (const char* want : {"teacher qwen3_next_80b_a3b", "FP8 linear layers + block scales",
+                           "FP8 checkpoint:", "of block scales"})
+    EXPECT_TRUE(Contains(out, want)) << want << "\n" << out;
+  EXPECT_FALSE(Contains(out, "1/2 of the experts")) << out;  // one device per replica
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // CUDA (compute capability 8.9+): the kernels against the twin, the model against its dequantized
