@@ -749,6 +749,11 @@ absl::StatusOr<std::shared_ptr<CausalLM>> LoadCheckpoint(const std::string& dir,
   RETURN_IF_ERROR(CheckCheckpoint(files, shapes, filter).status());
   RETURN_IF_ERROR(CheckLoadMemory(dir, config, shapes, opts));
   ASSIGN_OR_RETURN(const bool keep_fp8, KeepFp8(dir, *fp8.checkpoint, opts));
+  if (!keep_fp8 && !fp8.checkpoint->empty() && opts.device.is_cuda() &&
+      opts.fp8 == Fp8Weights::kAuto)
+    log::Warn(absl::StrCat(dir, ": FP8 weights dequantized to ", c10::toString(opts.dtype), " on ",
+                           opts.device.str(),
+                           ": its FP8 GEMMs need compute capability 8.9 and 128 x 128 blocks"));
   // The parameters exist only in the target dtype (or FP8) on the target device; each checkpoint
   // tensor is converted and placed as it is read.
   absl::StatusOr<std::shared_ptr<CausalLM>> model = CreateModelWithFp8(
