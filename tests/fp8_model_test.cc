@@ -25,6 +25,7 @@
 #include "lm/io/fp8_checkpoint.h"
 #include "lm/io/hf_model_dir.h"
 #include "lm/io/safetensors.h"
+#include "lm/io/sharded_load.h"
 #include "lm/model/expert_parallel.h"
 #include "lm/model/fp8.h"
 #include "lm/model/fp8_format.h"
@@ -420,36 +421,44 @@ TEST_P(Fp8Fixture, KeptInFp8WithinTheFp8Rule) {
   EXPECT_GT(diff, 1e-4);  // the activations were quantized: not the dequantized path
 }
 
-// Expert parallelism over FP8 experts: two ranks holding two experts each, their partial sums
-// (the other rank's ids dropped) add up to the whole layer. With top-2 routing the sums agree
-// bit for bit: each rank's partial is one product or an exact zero per slot, and every expert
-// row is computed alone, whichever rank computes it.
+// Expert parallelism over FP8 experts: the two ranks' shares of the checkpoint (LoadExpertShard:
+// two experts each, their FP8 weights and the scales' slices), whose partial sums (the other
+// rank's ids dropped) add up to the whole layer. With top-2 routing the sums agree bit for bit:
+// each rank's partial is one product or an exact zero per slot, and every expert row is computed
+// alone, whichever rank computes it.
 TEST(Fp8ExpertParallel, RanksSumToTheWholeLayer) {
-  auto model = LoadModel(kFixtures + "/fp8_moe/model", Options(Fp8Weights::kKeep));
+  const std::string dir = kFixtures + "/fp8_moe/model";
+  auto model = LoadModel(dir, Options(Fp8Weights::kKeep));
   ASSERT_TRUE(model.ok()) << model.status();
-  auto modules = (*model)->named_modules();
-  auto* block = modules["model.layers.0.mlp"]->as<SparseMoeBlockImpl>();
+  auto* block = (*model)->named_modules()["model.layers.0.mlp"]->as<SparseMoeBlockImpl>();
   ASSERT_NE(block, nullptr);
   const ExpertsImpl& all = *block->experts;
   ASSERT_TRUE(HoldsFp8(all));
-  const int64_t E = all.gate_up_proj.size(0), H = all.down_proj.size(1);
-  ASSERT_EQ(E, 4);
+  ASSERT_EQ(all.gate_up_proj.size(0), 4);
   torch::NoGradGuard no_grad;
   torch::manual_seed(5);
-  auto x = torch::randn({9, H});
+  auto x = torch::randn({9, all.down_proj.size(1)});
   Routing r = Route(x, block->gate->weight, block->top_k, block->norm_topk_prob);
   auto whole = Fp8MoeExperts(x, r.ids, r.weights, all, /*fp32_sum=*/true);
   auto sum = torch::zeros_like(whole);
-  for (int64_t first : {0, 2}) {
-    ExpertsImpl local(2, H, all.down_proj.size(2));
-    for (const char* name : {"gate_up_proj", "down_proj"}) {
-      ASSERT_TRUE(MakeFp8Holder(local, name, torch::kCPU));
-      local.named_parameters()[name].copy_(all.named_parameters()[name].narrow(0, first, 2));
-      const std::string scale = std::string(name) + "_scale_inv";
-      local.named_buffers()[scale].copy_(all.named_buffers()[scale].narrow(0, first, 2));
-    }
+  for (int rank : {0, 1}) {
+    auto shard = LoadExpertShard(dir, Options(Fp8Weights::kKeep), rank, 2);
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    auto* local_block = (*shard)->named_modules()["model.layers.0.mlp"]->as<SparseMoeBlockImpl>();
+    const ExpertsImpl& local = *local_block->experts;
+    ASSERT_TRUE(HoldsFp8(local));
     ExpertParallel ep;
-    ep.local = {first, 2};
+    ep.local = {2 * rank, 2};
+    for (const char* name : {"gate_up_proj", "down_proj"}) {
+      const std::string scale = std::string(name) + "_scale_inv";
+      EXPECT_TRUE(torch::equal(
+          local.named_parameters()[name].view(torch::kUInt8),
+          all.named_parameters()[name].narrow(0, ep.local.first, 2).view(torch::kUInt8)))
+          << name;
+      EXPECT_TRUE(torch::equal(local.named_buffers()[scale],
+                               all.named_buffers()[scale].narrow(0, ep.local.first, 2)))
+          << scale;
+    }
     ep.all_reduce_sum = [](torch::Tensor&) { return absl::OkStatus(); };  // one rank's share
     sum += ExpertParallelExperts(ep, x, r, local);
   }
