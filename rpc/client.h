@@ -117,6 +117,9 @@ struct GenerateOptions {
   std::vector<int32_t> stop_token_ids;
   uint64_t seed = 0;
   bool return_routing = false;  // routing replay: each sample carries routed_experts
+  // One per prompt: the index its samples are seeded by (proto Prompt.seed_index). Empty: each
+  // prompt's position in the call.
+  std::vector<int64_t> seed_indices;
 };
 
 // A tensor to send: raw bytes in row-major order (see tensor_codec.h for model parameters).
@@ -140,6 +143,11 @@ class RolloutClient {
   absl::StatusOr<std::vector<lm::Sample>> Generate(
       const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& opts,
       const std::function<void(const lm::Sample&)>& on_sample = nullptr);
+  // The samples one at a time as they arrive, each with its prompt (prompt_index: its position in
+  // `prompts`), nothing kept here. An error from `on_sample` cancels the call and is returned.
+  absl::Status StreamGenerate(const std::vector<std::vector<int32_t>>& prompts,
+                              const GenerateOptions& opts,
+                              const std::function<absl::Status(lm::Sample)>& on_sample);
   // Streams every tensor as chunks of at most `chunk_bytes` and returns what the server applied.
   absl::StatusOr<opd::v1::UpdateWeightsResponse> UpdateWeights(
       int64_t version, const std::vector<WeightTensor>& tensors, size_t chunk_bytes = 4 << 20);

@@ -934,12 +934,12 @@ TEST_F(Opd, RolloutRepliesThatFailValidationAreRefusedNamingTheField) {
   const std::vector<Case> cases = {
       {nullptr, ""},
       {[](auto* v) { (*v)[0].set_prompt_index(9); }, "prompt_index 9 is outside [0, 2)"},
-      {[](auto* v) { (*v)[1] = (*v)[0]; }, "(prompt_index 0, sample_index 0) is duplicated"},
+      {[](auto* v) { (*v)[1] = (*v)[0]; }, "sent (prompt_index 0, sample_index 0) twice"},
       {[](auto* v) { (*v)[2].set_sample_index(5); }, "sample_index 5 is outside [0, 2)"},
       {[](auto* v) { (*v)[0].set_tokens(1, 320); },
        "tokens[1] = 320 is outside the vocabulary [0, 320)"},
       {[](auto* v) { (*v)[3].set_weight_version(1); }, "weight_version 1 is not in [3, 3]"},
-      {[](auto* v) { v->pop_back(); }, "sent 3 samples for 2 prompts x 2 samples"},
+      {[](auto* v) { v->pop_back(); }, "ended without 1 of prompt 1's samples"},
   };
   torch::nn::Linear weights(2, 2);
   for (const auto& c : cases) {
@@ -947,12 +947,14 @@ TEST_F(Opd, RolloutRepliesThatFailValidationAreRefusedNamingTheField) {
     worker.service.corrupt = c.corrupt;
     opd::rpc::ClientOptions base;
     base.secret = kSecret;
-    auto pool = trainer::RolloutPool::Connect({worker.address}, base, Fingerprint(), 320);
+    const trainer::WeightPushOptions push;
+    auto pool = trainer::RolloutPool::Connect({worker.address}, base, Fingerprint(), 320, &push);
     ASSERT_TRUE(pool.ok()) << pool.status();
     ASSERT_TRUE((*pool)->PushWeights(*weights, 3).ok());
     opd::rpc::GenerateOptions g;
     g.samples_per_prompt = 2;
-    auto r = (*pool)->Generate({{1, 2}, {3, 4}}, g);
+    const std::vector<int32_t> a = {1, 2}, b = {3, 4};
+    auto r = (*pool)->Generate({{0, &a}, {1, &b}}, g);
     if (c.expected.empty()) {
       ASSERT_TRUE(r.ok()) << r.status();
       EXPECT_EQ(r->size(), 4u);

@@ -181,6 +181,14 @@ struct OpdTrainConfig : LearnerTrainConfig {
   // learner forward/backward chunk (prompt + response tokens)
   OPD_FIELD(int64_t, micro_batch_tokens) = 16384;
   OPD_FIELD(bool, async) = false;  // one-step-off: sample step k+1 while learning step k
+  // The step as a pipeline: each sample is scored as soon as it is sampled, and each micro-batch
+  // learned as soon as its samples are scored (off: sample all, then score all, then learn all;
+  // the same weights either way, trainer/opd/step_pipeline.h).
+  OPD_FIELD(bool, pipeline) = true;
+  // Scoring while sampling: Score calls in flight per teacher pool and rank, and the tokens one
+  // call takes at most (whatever has arrived since the last call went out).
+  OPD_FIELD(int64_t, score_calls_per_pool) = 4;
+  OPD_FIELD(int64_t, score_call_tokens) = 65536;
   OPD_FIELD(double, teacher_timeout_s) = 600;  // deadline of one Score call
   // deadline of a step's scoring, replica waits included
   OPD_FIELD(double, score_deadline_s) = 3600;
@@ -206,6 +214,12 @@ struct OpdDebugConfig {
   OPD_FIELD(std::vector<int64_t>, fail_push_steps);
   // 1-based steps that throw after their update, as a torch error in the push or the logging would
   OPD_FIELD(std::vector<int64_t>, throw_after_update_steps);
+  // 1-based steps that throw while learning, as a CUDA out-of-memory error on one rank would
+  OPD_FIELD(std::vector<int64_t>, throw_while_learning_steps);
+  // 1-based stages whose start fails (their teachers cannot be reached)
+  OPD_FIELD(std::vector<int64_t>, fail_stage_starts);
+  // The learner rank the two hooks above hit (-1: every rank)
+  OPD_FIELD(int64_t, fail_rank) = -1;
   OPD_CONFIG_FIELDS_END;
 };
 
