@@ -44,8 +44,8 @@ struct Fp8Format {
   // rule transformers applies to modules_to_not_convert: a pattern excludes a module when it
   // matches the name from its start up to a module boundary (as a regular expression, so
   // "model.layers.1" excludes "model.layers.1.mlp" but not "model.layers.11.mlp", and
-  // "layers.*.mlp.gate" every layer's router but not "mlp.gate_proj"), or when the name ends with
-  // it ("lm_head" excludes "lm_head").
+  // "model.layers.*.mlp.gate" every layer's router but not its "mlp.gate_proj"), or when the name
+  // ends with it ("mlp.gate" excludes "model.layers.3.mlp.gate", "lm_head" the LM head).
   bool Converts(const std::string& module) const;
 
   // The compiled patterns (shared by copies; set by ParseFp8QuantizationConfig).
