@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "lm/model/batch_invariant.h"
+#include "lm/model/fp8.h"
 
 namespace lm {
 
@@ -44,6 +45,7 @@ LinearImpl::LinearImpl(int64_t in_features, int64_t out_features) {
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
+  if (weight_scale_inv.defined()) return Fp8Linear(x, weight, weight_scale_inv);
   return MatmulWeightT(x, weight);
 }
 

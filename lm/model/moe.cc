@@ -10,6 +10,7 @@
 #include "lm/model/batch_invariant.h"
 #include "lm/model/expert_parallel.h"
 #include "lm/model/fast_paths.h"
+#include "lm/model/fp8.h"
 #include "lm/model/layers.h"
 #include "lm/model/moe_grouped.h"
 
@@ -224,6 +225,7 @@ ExpertsImpl::ExpertsImpl(int64_t num_experts, int64_t hidden, int64_t intermedia
 
 torch::Tensor RunExperts(const torch::Tensor& x, const Routing& r, const ExpertsImpl& experts) {
   if (experts.ep) return ExpertParallelExperts(*experts.ep, x, r, experts);
+  if (HoldsFp8(experts)) return Fp8MoeExperts(x, r.ids, r.weights, experts);
   return MoeExperts(x, r.ids, r.weights, experts.gate_up_proj, experts.down_proj);
 }
 
