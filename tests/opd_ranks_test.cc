@@ -20,6 +20,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "nlohmann/json.hpp"
+#include "lm/text/tokenizer.h"
 #include "tests/child_process.h"
 #include "tests/opd_fakes.h"
 #include "tests/opd_task.h"
