@@ -172,10 +172,10 @@ Snapshot WeightStore::Current() const {
 namespace {
 
 absl::Status CheckVersion(int64_t version, int64_t serving) {
-  if (version > kMaxWeightVersion)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "weight version ", version, " is above the largest allowed, 2^53 = ", kMaxWeightVersion,
-        " (rollout/weights.h)"));
+  if (version >= kMaxWeightVersion)
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight version ", version, " is not below 2^53 = ", kMaxWeightVersion,
+                     ", the first version refused (rollout/weights.h)"));
   if (version > serving) return absl::OkStatus();
   return absl::FailedPreconditionError(
       absl::StrCat("weight version ", version, " is not above the serving version ", serving));

@@ -40,10 +40,12 @@ class PackedWeight;
 
 namespace rollout {
 
-// The largest weight version a worker takes (INVALID_ARGUMENT above it). Versions only grow and
-// count the learner's updates, which records them as doubles (exact to 2^53) and resumes from the
-// served version + 1: a version near INT64_MAX would make every later push stale (a worker
-// serving INT64_MAX could never be updated again) and overflow the learner's count.
+// The first weight version a worker refuses (INVALID_ARGUMENT at and above it): versions are in
+// [0, 2^53). Versions only grow and count the learner's updates, which records them as doubles
+// (exact up to 2^53) and resumes from the served version + 1, so the successor of every accepted
+// version is still exact. A version near INT64_MAX would make every later push stale (a worker
+// serving INT64_MAX could never be updated again) and overflow the learner's count; 2^53 itself
+// was once accepted and then nothing after it could be.
 inline constexpr int64_t kMaxWeightVersion = int64_t{1} << 53;
 
 // What the store hands to a generation: the serving model, its version and its packed LM head.
@@ -120,8 +122,8 @@ class WeightStore {
   Snapshot Current() const;
 
   // A fresh copy of the serving architecture to fill with version `version` (every parameter);
-  // FAILED_PRECONDITION unless `version` is above the serving version; INVALID_ARGUMENT above
-  // kMaxWeightVersion.
+  // FAILED_PRECONDITION unless `version` is above the serving version; INVALID_ARGUMENT from
+  // kMaxWeightVersion on.
   absl::StatusOr<std::unique_ptr<StagedWeights>> Stage(int64_t version) const;
   // An update of only the `announced` tensors onto a copy of the serving weights (no copy at all
   // when nothing is announced). FAILED_PRECONDITION for a stale version or when `base_version`

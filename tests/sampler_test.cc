@@ -628,12 +628,15 @@ TEST(WeightStore, NonFiniteTensorsAreRefusedNamingThem) {
   EXPECT_EQ(store.Current().model, a);
 }
 
-// A version above kMaxWeightVersion (2^53) is INVALID_ARGUMENT naming it; INT64_MAX would
-// otherwise be accepted and make every later push stale. The maximum itself is taken.
-TEST(WeightStore, VersionsAboveTheMaximumAreRefused) {
+// A version from kMaxWeightVersion (2^53) on is INVALID_ARGUMENT naming it; INT64_MAX would
+// otherwise be accepted and make every later push stale, and so did 2^53 itself (issue 41 #22:
+// accepted, then every later push refused until a restart). The largest version taken is
+// 2^53 - 1, and the one after it is exact as a double (what the learner records).
+TEST(WeightStore, VersionsFromTheMaximumOnAreRefused) {
   auto a = Load();
   WeightStore store(a);
-  for (int64_t v : {std::numeric_limits<int64_t>::max(), kMaxWeightVersion + 1}) {
+  for (int64_t v :
+       {std::numeric_limits<int64_t>::max(), kMaxWeightVersion + 1, kMaxWeightVersion}) {
     auto full = store.Stage(v);
     EXPECT_EQ(full.status().code(), absl::StatusCode::kInvalidArgument) << full.status();
     EXPECT_NE(std::string(full.status().message()).find(absl::StrCat("weight version ", v)),
@@ -644,10 +647,12 @@ TEST(WeightStore, VersionsAboveTheMaximumAreRefused) {
     EXPECT_EQ(store.StageAnnounced(v, {}).status().code(), absl::StatusCode::kInvalidArgument);
   }
   EXPECT_EQ(kMaxWeightVersion, int64_t{1} << 53);
-  auto staged = store.StageAnnounced(kMaxWeightVersion, {});
+  const int64_t last = kMaxWeightVersion - 1;
+  EXPECT_EQ(static_cast<int64_t>(static_cast<double>(last + 1)), last + 1);
+  auto staged = store.StageAnnounced(last, {});
   ASSERT_TRUE(staged.ok()) << staged.status();
   ASSERT_TRUE(store.Commit(std::move(*staged)).ok());
-  EXPECT_EQ(store.Current().version, kMaxWeightVersion);
+  EXPECT_EQ(store.Current().version, last);
 }
 
 }  // namespace
