@@ -214,6 +214,44 @@ TEST(PlanByHand, DecodeRoofline) {
   std::printf("decode step of 58 sequences at context 6144: %.2f ms\n", step * 1e3);
 }
 
+// A weight update (rollout/weights.h) never stages a second model on the device: the device holds
+// one 64 MiB receive bucket of a collective push; under one-step-off the update waits in
+// page-locked host memory, the whole model in the serving dtype, 2 (P - F) + 4 F bytes:
+//   Marco-Nano  2 x (8,001,454,080 - 6,717,440) + 4 x 6,717,440   = 16,016,343,040 (14.92 GiB)
+//   Marco-Mini  2 x (17,250,582,528 - 7,405,568) + 4 x 7,405,568 = 34,515,976,192 (32.15 GiB)
+// (Mini's fp32: 28 x (router 256 x 1024 + norms 2,304) + 1,024 = 7,405,568). The old design's
+// second model on the device is printed as the alternative, of the same size; --kv-cache-gb auto
+// gives the pool 139 GiB less the weights, the bucket, the prefill workspace and the 2 GiB
+// reserve.
+TEST(PlanByHand, RolloutWeightUpdateStaging) {
+  const std::vector<std::pair<std::string, int64_t>> models = {{"marco_nano", 16'016'343'040},
+                                                               {"marco_mini", 34'515'976'192}};
+  for (const auto& [name, weights] : models) {
+    SCOPED_TRACE(name);
+    const lm::ModelConfig c = Model(name);
+    lm::plan::RolloutSettings r = OpdRollout();
+    const auto p = lm::plan::PlanRollout(c, r, {});
+    EXPECT_EQ(TermBytes(p.memory, "weights (bf16)"), weights);
+    EXPECT_EQ(TermBytes(p.memory, "weight update: one receive bucket (64 MiB)"), int64_t{64} << 20);
+    ASSERT_EQ(p.memory.host.size(), 1u);
+    EXPECT_EQ(p.memory.host[0].name,
+              "weight update staged in page-locked host memory (one-step-off)");
+    EXPECT_EQ(p.memory.host[0].bytes, weights);
+    ASSERT_EQ(p.memory.alternatives.size(), 1u);
+    EXPECT_EQ(p.memory.alternatives[0].name,
+              "weight update staged as a second model on the device");
+    EXPECT_EQ(p.memory.alternatives[0].bytes, weights);
+    const int64_t pool = 139 * kGiB - weights - (int64_t{64} << 20) -
+                         TermBytes(p.memory, "prefill workspace") - 2 * kGiB;
+    EXPECT_EQ(lm::plan::RolloutKvPoolBytes(c, r, 139 * kGiB), pool);
+    EXPECT_EQ(TermBytes(p.memory, "KV pool"), pool);
+    EXPECT_EQ(p.memory.peak(), 139 * kGiB);
+    // gRPC pushes only: no bucket, the pool gets it.
+    r.update_bucket_bytes = 0;
+    EXPECT_EQ(lm::plan::RolloutKvPoolBytes(c, r, 139 * kGiB), pool + (int64_t{64} << 20));
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // (b) Refusals name the term that does not fit.
 

@@ -14,9 +14,13 @@
 //     TrainActivationBytesPerToken), or with activation checkpointing (lm/model/recompute.h) each
 //     layer's input only plus one layer's full set while it is recomputed; plus one chunk of
 //     [rows, vocab] fp32 logits and their gradient;
-//   rollout: bf16 weights, the paged KV pool (lm/model/paged_kv.h: full-attention layers x 2 x
-//     kv_heads x head_dim x 2 B per token, plus Qwen3-Next's recurrent state per running sequence)
-//     and the prefill workspace;
+//   rollout: bf16 weights, one receive bucket of a collective weight push (an update is written
+//     into place or staged in host memory, never as a second model on the device:
+//     rollout/weights.h), the prefill workspace, and the paged KV pool (lm/model/paged_kv.h:
+//     full-attention layers x 2 x kv_heads x head_dim x 2 B per token, plus Qwen3-Next's
+//     recurrent state per running sequence), by default all the device has left after the other
+//     terms (--kv-cache-gb auto); in host memory, beside the device, a weight update staged while
+//     requests sample (one-step-off), every tensor in the serving dtype;
 //   teacher: bf16 weights, one scoring bucket's activations (max_batch_tokens) and one chunk of
 //     logits (logprob_chunk_rows x vocab, fp32, with its log-softmax);
 //   every CUDA process: a fixed reserve for the CUDA context, cuBLAS/NCCL workspaces and allocator
@@ -67,6 +71,7 @@ struct Term {
 struct MemoryPlan {
   std::vector<Term> terms;         // resident together at the peak, in allocation order
   std::vector<Term> alternatives;  // printed for comparison, not part of the peak
+  std::vector<Term> host;          // the process's host memory beside the device's (not the peak)
   int64_t peak() const;
 };
 
@@ -138,7 +143,10 @@ absl::Status CheckLearnerFits(const ModelConfig& c, const LearnerSettings& s, in
 struct RolloutSettings {
   int64_t workers = 1;
   int64_t weight_bytes = 2;    // bf16 serving
-  int64_t kv_cache_bytes = 0;  // the pool (--kv-cache-gb); 0: all the device has left
+  int64_t kv_cache_bytes = 0;  // the pool (--kv-cache-gb); 0: all the device has left (auto)
+  // A collective weight push lands in one bucket of this size on the device
+  // (rollout.weight_sync_bucket_mb); 0: pushes over gRPC only, staged in host memory.
+  int64_t update_bucket_bytes = int64_t{64} << 20;
   int64_t block_size = 16;
   int64_t max_running = 256;
   int64_t max_prefill_tokens = 8192;
@@ -148,6 +156,10 @@ struct RolloutSettings {
 };
 ProcessPlan PlanRollout(const ModelConfig& c, const RolloutSettings& s, const DeviceSpec& d);
 absl::Status CheckRolloutFits(const ModelConfig& c, const RolloutSettings& s, int64_t device_bytes);
+// The KV pool opd-rollout allocates (its recurrent-state slots included): s.kv_cache_bytes when
+// set, else what a device of `device_bytes` has left after the plan's other terms (0 when
+// nothing is left).
+int64_t RolloutKvPoolBytes(const ModelConfig& c, const RolloutSettings& s, int64_t device_bytes);
 
 struct TeacherSettings {
   std::string stage;

@@ -112,8 +112,18 @@ MemoryPlan RolloutMemory(const ModelConfig& c, const RolloutSettings& s, int64_t
                          KvShape* kv) {
   const ParameterCounts n = CountParameters(c);
   MemoryPlan m;
-  m.terms.push_back({s.weight_bytes == 4 ? "weights (fp32)" : "weights (bf16)",
-                     WeightBytes(n, s.weight_bytes == 4), "a smaller student"});
+  const int64_t weights = WeightBytes(n, s.weight_bytes == 4);
+  m.terms.push_back(
+      {s.weight_bytes == 4 ? "weights (fp32)" : "weights (bf16)", weights, "a smaller student"});
+  // rollout/weights.h: an update goes into place, or waits in host memory while requests sample
+  // with the serving version; on the device only a collective push's receive bucket.
+  if (s.update_bucket_bytes > 0)
+    m.terms.push_back({absl::StrFormat("weight update: one receive bucket (%.0f MiB)",
+                                       static_cast<double>(s.update_bucket_bytes) / (1 << 20)),
+                       s.update_bucket_bytes, "rollout.weight_sync_bucket_mb"});
+  m.alternatives.push_back({"weight update staged as a second model on the device", weights, ""});
+  m.host.push_back({"weight update staged in page-locked host memory (one-step-off)", weights,
+                    "train.async: false (an update then goes into place)"});
   const int64_t workspace =
       s.max_prefill_tokens * InferenceActivationBytesPerToken(c, s.weight_bytes) +
       s.max_running * c.vocab_size * 4 * 2;  // the last rows' fp32 logits and log-softmax
@@ -236,6 +246,12 @@ absl::Status CheckRolloutFits(const ModelConfig& c, const RolloutSettings& s,
                               int64_t device_bytes) {
   KvShape kv;
   return CheckFits(RolloutMemory(c, s, device_bytes, &kv), device_bytes, "opd-rollout");
+}
+
+int64_t RolloutKvPoolBytes(const ModelConfig& c, const RolloutSettings& s, int64_t device_bytes) {
+  KvShape kv;
+  RolloutMemory(c, s, device_bytes, &kv);
+  return kv.pool;
 }
 
 absl::Status CheckTeacherFits(const ModelConfig& c, const TeacherSettings& s,
