@@ -441,6 +441,8 @@ absl::StatusOr<std::unique_ptr<StagedWeights>> WeightStore::StageUpdate(
   int64_t serving = 0;
   {
     absl::MutexLock lock(&s.mu);
+    auto not_writing = [&s]() ABSL_SHARED_LOCKS_REQUIRED(s.mu) { return !s.writing || s.stop; };
+    s.mu.AwaitWithTimeout(absl::Condition(&not_writing), s.options.writer_wait);
     serving = s.version;
     RETURN_IF_ERROR(CheckVersion(version, s.pending ? s.pending->version() : s.version));
     if (s.pending) return PendingError(s);

@@ -174,6 +174,10 @@ struct WeightStoreOptions {
   //   ABORTED, rollout/ep_rollout.h); there is never a pending update.
   enum class Commit { kAfterReaders, kAtOnce };
   Commit commit = Commit::kAfterReaders;
+  // How long a new update waits for an in-place one being written before it is UNAVAILABLE (an
+  // in-place receive whose group broke ends within the group's timeout; the learner's gRPC
+  // fallback may arrive before it has).
+  absl::Duration writer_wait = absl::Minutes(2);
 };
 
 // What an update that was accepted is doing.

@@ -30,6 +30,7 @@
 #include "rollout/kv_pool.h"
 #include "rollout/weights.h"
 #include "rpc/tensor_codec.h"
+#include "tests/gpu.h"
 #include "tests/testing.h"
 
 namespace rollout {
@@ -360,6 +361,55 @@ TEST(WeightUpdate, InPlaceWhenIdleAndDamageUntilAFullUpdate) {
   ASSERT_TRUE(repaired.ok()) << repaired.status();
   EXPECT_EQ(repaired->version, 2);
   ExpectHolds(store, *c);
+}
+
+// On a CUDA model: an in-place update from device bytes (copies on the current stream, one
+// finiteness read for the whole update) and a host-staged one (page-locked, copied into place on
+// a side stream when the last snapshot ends) both leave the weights bit for bit. Skips without
+// CUDA; fails under OPD_REQUIRE_GPU=1.
+TEST(WeightUpdateGpu, InPlaceAndHostStagedOnCuda) {
+  SKIP_WITHOUT_CUDA();
+  const torch::Device cuda(torch::kCUDA, 0);
+  auto a = Load();
+  a->to(cuda, torch::kBFloat16);
+  auto b = LoadB();
+  std::vector<opd::rpc::AnnouncedTensor> all;
+  for (const auto& p : b->named_parameters())
+    all.push_back({p.key(), p.value().sizes().vec(), "bfloat16", std::nullopt});
+  WeightStore store(a);
+  auto in_place = store.StageInPlace(1, all);
+  ASSERT_TRUE(in_place.ok()) << in_place.status();
+  for (const auto& p : b->named_parameters()) {
+    torch::Tensor bytes =
+        p.value().to(torch::kBFloat16).contiguous().reshape({-1}).view(torch::kUInt8).to(cuda);
+    const int64_t half = bytes.numel() / 2;  // two pieces, as across buckets
+    ASSERT_TRUE((*in_place)->AddDeviceBytes(p.key(), 0, bytes.narrow(0, 0, half)).ok());
+    ASSERT_TRUE((*in_place)
+                    ->AddDeviceBytes(p.key(), half, bytes.narrow(0, half, bytes.numel() - half))
+                    .ok());
+  }
+  ASSERT_TRUE(store.Commit(std::move(*in_place)).ok());
+  auto served = store.Current().model->named_parameters();
+  for (const auto& p : b->named_parameters())
+    EXPECT_TRUE(torch::equal(served[p.key()].cpu(), p.value().to(torch::kBFloat16))) << p.key();
+
+  auto c = Load();
+  c->InitWeights(0.1, 9);
+  std::optional<Snapshot> held = store.Current();
+  auto staged = store.Stage(2);
+  ASSERT_TRUE(staged.ok()) << staged.status();
+  const auto source = opd::rpc::WeightsOf(*c);  // fp32 on the wire, cast on the host
+  ASSERT_TRUE(StageAll(**staged, source).ok());
+  CommitState state = CommitState::kServing;
+  ASSERT_TRUE(store.Commit(std::move(*staged), &state).ok());
+  EXPECT_EQ(state, CommitState::kPending);
+  held.reset();
+  auto now = store.Acquire(absl::InfiniteFuture());
+  ASSERT_TRUE(now.ok()) << now.status();
+  EXPECT_EQ(now->version, 2);
+  served = now->model->named_parameters();
+  for (const auto& p : c->named_parameters())
+    EXPECT_TRUE(torch::equal(served[p.key()].cpu(), p.value().to(torch::kBFloat16))) << p.key();
 }
 
 }  // namespace

@@ -170,6 +170,11 @@ absl::StatusOr<int64_t> RolloutPool::MaxWeightVersion() {
   return v;
 }
 
+void RolloutPool::RecordPush(int64_t version, bool acknowledged) {
+  sent_version_.store(std::max(sent_version_.load(), version));
+  if (acknowledged) acked_version_.store(version);
+}
+
 absl::Status RolloutPool::PushWeights(torch::nn::Module& model, int64_t version) {
   std::vector<std::pair<std::string, torch::Tensor>> params;
   for (const auto& p : model.named_parameters()) params.emplace_back(p.key(), p.value());
