@@ -1,26 +1,32 @@
-// opd-ctl info --addr HOST:PORT [--service auto|teacher|rollout]
+// opd-ctl info --addr ENDPOINT [--service auto|teacher|rollout]
 // Prints the service's Info as one JSON line (model, architecture, vocabulary, tokenizer
-// fingerprint, limits, build, and for a rollout worker the weight version).
+// fingerprint, limits, build, and for a rollout worker the weight version). ENDPOINT may also be
+// an external teacher (sglang://, vllm:// and their +https variants): then what the server
+// reports (model name, architecture "sglang" or "vllm", max_seq_len from its context length).
 #include <iostream>
 
 #include <google/protobuf/util/json_util.h>
 
 #include "ctl/client_args.h"
 #include "ctl/command.h"
+#include "rpc/http_teacher.h"
 
 namespace ctl {
 namespace {
 
 const std::string kUsage =
     std::string(
-        "usage: opd-ctl info --addr HOST:PORT [--service auto|teacher|rollout]\n"
+        "usage: opd-ctl info --addr ENDPOINT [--service auto|teacher|rollout]\n"
+        "  ENDPOINT                HOST:PORT, or a teacher at sglang://HOST:PORT or "
+        "vllm://HOST:PORT\n"
+        "                          (sglang+https://, vllm+https:// with --tls-ca)\n"
         "  --service S             which service to ask (auto: teacher, then rollout)\n") +
     kClientUsage;
 
 absl::StatusOr<opd::v1::ServiceInfo> FetchInfo(const opd::rpc::ClientOptions& opts,
                                                const std::string& service) {
   if (service != "rollout") {
-    auto client = opd::rpc::TeacherClient::Create(opts);
+    auto client = opd::rpc::CreateTeacherEndpoint(opts);
     if (!client.ok()) return client.status();
     auto info = (*client)->Info();
     // "auto": a rollout worker answers the teacher's method with UNIMPLEMENTED.
@@ -50,6 +56,11 @@ int RunInfo(const std::vector<std::string>& words) {
   }
   opd::rpc::ClientOptions opts;
   if (int rc = ClientOptionsFrom("info", args, &opts); rc >= 0) return rc;
+  if (service == "rollout" && opd::rpc::IsHttpTeacherEndpoint(opts.address)) {
+    std::cerr << "opd-ctl info: " << opts.address
+              << " is a teacher endpoint, not a rollout worker\n";
+    return 2;
+  }
   auto info = FetchInfo(opts, service);
   if (!info.ok()) return Fail("info", info.status());
   google::protobuf::util::JsonPrintOptions jo;

@@ -9,7 +9,9 @@
 #include "absl/strings/str_cat.h"
 #include "ctl/args.h"
 #include "ctl/command.h"
+#include "ctl/flag_ranges.h"
 #include "lm/model/model.h"
+#include "lm/model/sampling_limits.h"
 #include "nlohmann/json.hpp"
 
 namespace ctl {
@@ -21,6 +23,16 @@ constexpr const char* kUsage =
     "  --input FILE|-          JSON lines {\"tokens\": [...]}\n"
     "  --threads N             compute threads (LibTorch's default)\n"
     "  --temperature T         (1.0)\n";
+
+// The same ranges the services take (a temperature of 1e-45 printed NaN log-probs with exit 0;
+// --threads 100000 hung creating the threads).
+absl::Status CheckFlags(const Args& args) {
+  return FirstError({
+      CheckFlagRange("--temperature", args.Number("temperature", 1.0), lm::kMinTemperature,
+                     lm::kMaxTemperature),
+      CheckFlagRange("--threads", args.Int("threads", 0), 0, opd::rpc::kMaxThreads),
+  });
+}
 
 // Parses one input line into token ids, checked against the vocabulary.
 absl::StatusOr<std::vector<int64_t>> ParseTokens(const std::string& line, int64_t vocab) {
@@ -53,6 +65,7 @@ int RunLogprobs(const std::vector<std::string>& words) {
   if (int rc = ParseCommandArgs("logprobs", words, spec, {"model", "input"}, kUsage, &args);
       rc >= 0)
     return rc;
+  if (int rc = RangeExitCode("logprobs", CheckFlags(args), kUsage); rc >= 0) return rc;
   if (args.Int("threads", 0) > 0) torch::set_num_threads(args.Int("threads", 0));
   auto model = lm::LoadModel(args.Get("model"));
   if (!model.ok()) {

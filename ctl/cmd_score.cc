@@ -1,8 +1,10 @@
-// opd-ctl score --addr HOST:PORT --input FILE|- [--top-k K] [--temperature T] [--batch N]
-// Input: JSON lines {"tokens": [...], "response_start": S} (S defaults to 1: score every token
-// after the first). Output, one line per input: {"logprobs": [...]} with log p(token_i |
-// tokens_<i) for i >= S (the same numbers `opd-ctl logprobs` prints for S = 1), plus
-// "topk_ids" / "topk_logprobs" ([positions][k]) with --top-k.
+// opd-ctl score --addr ENDPOINT --input FILE|- [--top-k K] [--temperature T] [--batch N]
+// ENDPOINT is any teacher a pool takes: an opd-teacher (HOST:PORT) or an external server
+// (sglang://HOST:PORT, vllm://HOST:PORT, their +https variants with --tls-ca), so that a user can
+// check a teacher before a job. Input: JSON lines {"tokens": [...], "response_start": S} (S
+// defaults to 1: score every token after the first). Output, one line per input: {"logprobs":
+// [...]} with log p(token_i | tokens_<i) for i >= S (the same numbers `opd-ctl logprobs` prints for
+// S = 1), plus "topk_ids" / "topk_logprobs" ([positions][k]) with --top-k.
 #include <iostream>
 
 #include "ctl/client_args.h"
@@ -14,8 +16,12 @@ namespace ctl {
 namespace {
 
 const std::string kUsage = std::string(
-                               "usage: opd-ctl score --addr HOST:PORT --input FILE|- [--top-k K] "
+                               "usage: opd-ctl score --addr ENDPOINT --input FILE|- [--top-k K] "
                                "[--temperature T] [--batch N]\n"
+                               "  ENDPOINT                HOST:PORT (opd-teacher), "
+                               "sglang://HOST:PORT or vllm://HOST:PORT\n"
+                               "                          (sglang+https://, vllm+https:// with "
+                               "--tls-ca)\n"
                                "  --input FILE|-          JSON lines {\"tokens\": [...], "
                                "\"response_start\": S}\n"
                                "  --top-k K               also the top-k ids and log-probs (0)\n"
@@ -61,7 +67,7 @@ int RunScore(const std::vector<std::string>& words) {
   if (int rc = RangeExitCode("score", CheckFlags(args), kUsage); rc >= 0) return rc;
   opd::rpc::ClientOptions opts;
   if (int rc = ClientOptionsFrom("score", args, &opts); rc >= 0) return rc;
-  auto client = opd::rpc::TeacherClient::Create(opts);
+  auto client = opd::rpc::CreateTeacherEndpoint(opts);
   if (!client.ok()) return Fail("score", client.status());
   opd::rpc::ScoreOptions so;
   so.top_k = args.Int("top-k", 0);

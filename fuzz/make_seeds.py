@@ -119,7 +119,7 @@ def score_request(seqs, temperature=None, top_k=None):
 
 
 def generate_request(prompts, samples=None, temperature=None, top_p=None, top_k=None,
-                     max_new=None, stop=None, seed=None, routing=False):
+                     max_new=None, stop=None, seed=None, routing=False, seed_indices=None):
     params = b""
     if temperature is not None:
         params += pb_float(1, temperature)
@@ -133,7 +133,9 @@ def generate_request(prompts, samples=None, temperature=None, top_p=None, top_k=
         params += pb_packed(5, stop)
     if seed is not None:
         params += pb_int(6, seed)
-    out = b"".join(pb_bytes(1, pb_packed(1, p)) for p in prompts)
+    seed_indices = seed_indices or [None] * len(prompts)
+    out = b"".join(pb_bytes(1, pb_packed(1, p) + (b"" if i is None else pb_int(2, i)))
+                   for p, i in zip(prompts, seed_indices))
     if samples is not None:
         out += pb_int(2, samples)
     out += pb_bytes(3, params)
@@ -233,7 +235,9 @@ def main():
     write(t, "greedy_stop", generate_request([[9] * 10], temperature=0, max_new=16, stop=[2, 999]))
     write(t, "filters", generate_request([[1]], temperature=0.8, top_p=0.9, top_k=50, max_new=4,
                                          routing=True))
-    write(t, "kv_budget", generate_request([[1] * 40] * 4, samples=8, max_new=20))
+    write(t, "many_sequences", generate_request([[1] * 40] * 4, samples=8, max_new=20))
+    write(t, "seed_index", generate_request([[1, 2], [3]], max_new=4, seed_indices=[7, None]))
+    write(t, "negative_seed_index", generate_request([[1, 2]], max_new=4, seed_indices=[-1]))
     write(t, "too_many_slots", generate_request([[1]] * 5, samples=8, max_new=1))
     write(t, "too_long", generate_request([[1] * 60], max_new=8))
     write(t, "no_max_new", generate_request([[1, 2]]))

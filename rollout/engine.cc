@@ -7,6 +7,7 @@
 #include <random>
 #include <tuple>
 
+#include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
@@ -58,17 +59,27 @@ struct Engine::Seq {
   uint64_t admitted = 0;  // admission order: the largest is the youngest
 };
 
-// Waiting work: a prompt to prefill for all its samples, or a preempted sequence to recompute.
+// Waiting work: a prompt to prefill for all its samples, or a preempted sequence to recompute
+// (a prompt preempted before its prefill ended still forks into all its samples).
 struct Engine::Waiting {
   std::shared_ptr<Request> req;
   int64_t prompt = 0;
   std::unique_ptr<Seq> seq;  // set for a recompute
 };
 
-// One row of a step: a sequence's new tokens (a prompt's row also forks into its samples).
+namespace {
+// The sequences a prefilled sequence becomes: a prompt forks into its samples, a recompute
+// stays one.
+int64_t SamplesAfterPrefill(const Sample& out, const SamplingParams& p) {
+  return out.response_length() == 0 ? p.samples_per_prompt : 1;
+}
+}  // namespace
+
+// One row of a step: new_tokens of a sequence's tokens from seqs[0]->cached; once the sequence is
+// fed whole, the samples its logits are drawn for (a prompt's row forks into them).
 struct Engine::StepRow {
   std::shared_ptr<Request> req;
-  std::vector<std::unique_ptr<Seq>> seqs;  // the samples this row's logits are drawn for
+  std::vector<std::unique_ptr<Seq>> seqs;
   int64_t new_tokens = 0;
 };
 
@@ -77,8 +88,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const lm::CausalLM& model
   if (!model.SupportsPagedKV())
     return absl::FailedPreconditionError(
         absl::StrCat("a ", model.config().model_type, " model has no paged KV cache"));
-  if (opts.block_size < 1 || opts.max_running < 1 || opts.max_requests < 1)
-    return absl::InvalidArgumentError("block size, max running and max requests must be >= 1");
+  if (opts.block_size < 1 || opts.max_running < 1 || opts.max_requests < 1 ||
+      opts.max_prefill_tokens < 1)
+    return absl::InvalidArgumentError(
+        "block size, max running, max requests and max prefill tokens must be >= 1");
   const lm::PagedCacheSpec spec = model.PagedSpec();
   if (opts.num_blocks == 0) {
     const double state = static_cast<double>(spec.state_bytes_per_slot) * opts.max_running;
@@ -106,7 +119,10 @@ Engine::Engine(EngineOptions opts, lm::PagedKVCache cache) : opts_(opts), cache_
   const torch::Device device = !cache_.k.empty()       ? cache_.k.front().device()
                                : !cache_.state.empty() ? cache_.state.front().device()
                                                        : torch::Device(torch::kCPU);
-  thread_ = std::thread([this, device] {
+  // The engine thread inherits its creator's debug info (a profiler's or memory reporter's
+  // state, which LibTorch keeps per thread), so that what watches the creator sees the steps.
+  thread_ = std::thread([this, device, info = c10::ThreadLocalDebugInfo::current()] {
+    c10::DebugInfoGuard debug_info(info);
     lm::BindThreadToDevice(device);  // CUDA's current device is per thread: the pool's
     Loop();
   });
@@ -226,7 +242,7 @@ void Engine::Loop() {
     }
     try {
       DropCancelled();
-      Admit();
+      PrefillStep();
       DecodeStep();
     } catch (const std::exception& e) {  // LibTorch reports failures (e.g. OOM) by throwing
       FailAll(absl::InternalError(absl::StrCat("sampling failed: ", e.what())));
@@ -280,19 +296,23 @@ void Engine::DropCancelled() {
     if (!req->ended && req->cancelled && req->cancelled())
       Finish(*req, absl::CancelledError("cancelled while sampling"));
   }
-  for (auto& s : running_)
-    if (s->req->ended) ReleaseSeq(*s);
-  running_.erase(
-      std::remove_if(running_.begin(), running_.end(), [](const auto& s) { return s->req->ended; }),
-      running_.end());
+  for (auto* seqs : {&running_, &prefilling_}) {
+    for (auto& s : *seqs)
+      if (s->req->ended) ReleaseSeq(*s);
+    seqs->erase(
+        std::remove_if(seqs->begin(), seqs->end(), [](const auto& s) { return s->req->ended; }),
+        seqs->end());
+  }
   waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(),
                                 [](const Waiting& w) { return w.req->ended; }),
                  waiting_.end());
 }
 
 void Engine::FailAll(const absl::Status& st) {
-  for (auto& s : running_) ReleaseSeq(*s);
-  running_.clear();
+  for (auto* seqs : {&running_, &prefilling_}) {
+    for (auto& s : *seqs) ReleaseSeq(*s);
+    seqs->clear();
+  }
   waiting_.clear();
   for (auto& req : active_) Finish(*req, st);
   absl::MutexLock lock(&mu_);
@@ -327,33 +347,60 @@ void Engine::EnqueuePrompts(const std::shared_ptr<Request>& req) {
   waiting_ = std::move(merged);
 }
 
-// Admits waiting work in order while seats and blocks allow, and runs the admitted prompts and
-// recomputes as one prefill step. A prompt's samples are forked after its prefill: they share
-// its blocks and (models with state) copy its state slot.
-void Engine::Admit() {
+int64_t Engine::SeatsTaken() const {
+  int64_t seats = static_cast<int64_t>(running_.size());
+  for (const auto& s : prefilling_) seats += SamplesAfterPrefill(s->out, s->req->params);
+  return seats;
+}
+
+// One prefill step of at most max_prefill_tokens new tokens: the next chunk of every sequence
+// already prefilling (oldest first), then newly admitted work with what is left.
+void Engine::PrefillStep() {
   std::vector<StepRow> rows;
-  int64_t seats = opts_.max_running - static_cast<int64_t>(running_.size()), tokens = 0;
-  while (!waiting_.empty()) {
+  int64_t budget = opts_.max_prefill_tokens;
+  size_t taken = 0;
+  for (; taken < prefilling_.size() && budget > 0; ++taken) {
+    Seq& seq = *prefilling_[taken];
+    StepRow row;
+    row.req = seq.req;
+    row.new_tokens = std::min(static_cast<int64_t>(seq.out.tokens.size()) - seq.cached, budget);
+    budget -= row.new_tokens;
+    row.seqs.push_back(std::move(prefilling_[taken]));
+    rows.push_back(std::move(row));
+  }
+  prefilling_.erase(prefilling_.begin(), prefilling_.begin() + static_cast<int64_t>(taken));
+  Admit(budget, rows);
+  if (rows.empty()) return;
+  const int64_t tokens = opts_.max_prefill_tokens - budget;
+  ++local_.prefill_steps;
+  local_.prefill_tokens += tokens;
+  local_.largest_prefill_step = std::max(local_.largest_prefill_step, tokens);
+  RunRows(rows, /*prefill=*/true);
+}
+
+// Admits waiting work in order while seats and blocks allow: a sequence gets blocks for all its
+// tokens at once (so its later chunks never wait for blocks) and a state slot; its first chunk is
+// what the budget has left. A prompt's samples take their seats now and fork after its prefill.
+void Engine::Admit(int64_t& budget, std::vector<StepRow>& rows) {
+  int64_t seats = opts_.max_running - SeatsTaken();
+  while (!waiting_.empty() && budget > 0) {
     Waiting& w = waiting_.front();
-    const int64_t n = w.seq ? 1 : w.req->params.samples_per_prompt;
+    const int64_t n =
+        w.seq ? SamplesAfterPrefill(w.seq->out, w.req->params) : w.req->params.samples_per_prompt;
     const int64_t len = w.seq ? static_cast<int64_t>(w.seq->out.tokens.size())
                               : static_cast<int64_t>(w.req->prompts[w.prompt].size());
     const int64_t need = BlocksFor(len, opts_.block_size);
     if (n > seats) break;
-    if (!rows.empty() && tokens + len > opts_.max_prefill_tokens) break;
-    // Room for the prompt and one block of growth per sample; into an idle engine the prompt
-    // alone (its samples may then preempt each other, but the oldest always progresses).
-    const bool idle = running_.empty() && rows.empty();
+    // Room for the sequence and one block of growth per sample; into an idle engine the
+    // sequence alone (its samples may then preempt each other, but the oldest always progresses).
+    const bool idle = running_.empty() && prefilling_.empty() && rows.empty();
     if (need + n > blocks_->free() && !(idle && need <= blocks_->free())) break;
-    StepRow row;
-    row.req = w.req;
-    row.new_tokens = len;
     std::unique_ptr<Seq> seq = std::move(w.seq);
     if (!seq) {
       seq = std::make_unique<Seq>();
       seq->req = w.req;
       seq->out.SetPrompt(w.req->prompts[w.prompt]);
-      seq->rng.seed(lm::SampleSeed(w.req->params.seed, w.prompt, 0));
+      seq->rng.seed(lm::SampleSeed(w.req->params.seed, w.req->params.SeedIndex(w.prompt), 0));
       seq->out.prompt_index = w.prompt;
       seq->out.sample_index = 0;
     }
@@ -361,16 +408,95 @@ void Engine::Admit() {
     seq->slot = free_slots_.back();
     free_slots_.pop_back();
     seq->admitted = ++admissions_;
+    StepRow row;
+    row.req = w.req;
+    row.new_tokens = std::min(len, budget);
     row.seqs.push_back(std::move(seq));
     waiting_.pop_front();
     seats -= n;
-    tokens += len;
+    budget -= row.new_tokens;
     rows.push_back(std::move(row));
   }
-  if (rows.empty()) return;
-  ++local_.prefill_steps;
-  local_.prefill_tokens += tokens;
-  RunRows(rows, /*prefill=*/true);
+}
+
+torch::Tensor Engine::Forward(lm::CausalLM& model, std::vector<StepRow>& rows,
+                              const std::vector<size_t>& idx) {
+  const auto device = model.LmHeadWeight().device();
+  lm::PagedStep step;
+  std::vector<int64_t> ids;
+  step.cu_seqlens.push_back(0);
+  for (size_t i : idx) {
+    const Seq& s = *rows[i].seqs[0];
+    const auto from = s.out.tokens.begin() + s.cached;
+    ids.insert(ids.end(), from, from + rows[i].new_tokens);
+    step.cu_seqlens.push_back(static_cast<int64_t>(ids.size()));
+    step.context_lens.push_back(s.cached);
+    step.block_tables.push_back(s.blocks);
+    step.state_slots.push_back(s.slot);
+  }
+  step.input_ids = torch::tensor(ids, torch::kInt64).to(device);
+  // Routing replay: the experts each fed token was routed to, recorded for the requests that
+  // asked (over the whole step: they share the forward).
+  bool routing = false;
+  for (size_t i : idx) routing |= rows[i].req->params.return_routing;
+  std::vector<torch::Tensor> seen, replay;
+  const lm::ModelConfig& c = model.config();
+  int64_t layers = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) layers += c.IsMoeLayer(l);
+  const int64_t top_k = c.num_experts_per_tok, row = layers * top_k;
+  if (routing) {
+    // A recompute after a preemption refeeds positions whose routing is recorded: it routes
+    // them as recorded, so that the recomputed keys/values are the ones the later tokens would
+    // have seen, and the learner's replay of one routing per position stays exact.
+    std::vector<int32_t> forced;
+    for (size_t k = 0; k < idx.size(); ++k) {
+      const Seq& s = *rows[idx[k]].seqs[0];
+      if (!s.req->params.return_routing) continue;
+      const int64_t have = static_cast<int64_t>(s.out.routed_experts.size()) / row;
+      const int64_t end = std::min(have, s.cached + rows[idx[k]].new_tokens);
+      for (int64_t pos = s.cached; pos < end; ++pos) {
+        if (forced.empty()) forced.assign(ids.size() * row, -1);
+        const int64_t at = step.cu_seqlens[k] + (pos - s.cached);
+        std::copy(s.out.routed_experts.begin() + pos * row,
+                  s.out.routed_experts.begin() + (pos + 1) * row, forced.begin() + at * row);
+      }
+    }
+    if (!forced.empty()) {
+      const auto t = torch::tensor(forced, torch::kInt32)
+                         .view({static_cast<int64_t>(ids.size()), layers, top_k});
+      for (int64_t l = 0; l < layers; ++l) replay.push_back(t.select(1, l));
+    }
+  }
+  std::optional<lm::ScopedRoutingRecorder> record;
+  std::optional<lm::ScopedRoutingReplay> replaying;
+  if (routing) record.emplace(&seen);
+  if (!replay.empty()) replaying.emplace(&replay);
+  torch::Tensor hidden = model.PagedForward(step, cache_);
+  replaying.reset();
+  record.reset();
+  if (!routing) return hidden;
+  TORCH_CHECK(static_cast<int64_t>(seen.size()) == layers, "return_routing: recorded ", seen.size(),
+              " MoE layers, expected ", layers);
+  const auto t = torch::stack(seen, 1).to(torch::kCPU, torch::kInt32).contiguous();
+  TORCH_CHECK(t.size(0) == static_cast<int64_t>(ids.size()) && t.size(2) == top_k,
+              "return_routing: recorded routing of shape ", t.sizes());
+  const int32_t* d = t.data_ptr<int32_t>();
+  for (size_t k = 0; k < idx.size(); ++k) {
+    Seq& s = *rows[idx[k]].seqs[0];
+    if (!s.req->params.return_routing) continue;
+    auto& r = s.out.routed_experts;
+    s.out.routing_layers = layers;
+    s.out.routing_top_k = top_k;
+    // Positions s.cached.. were fed in this step; after a preemption the recompute refeeds
+    // positions already recorded (routed as recorded, above): only new ones are appended.
+    const int64_t have = static_cast<int64_t>(r.size()) / row;
+    const int64_t end = s.cached + rows[idx[k]].new_tokens;
+    for (int64_t pos = std::max(have, s.cached); pos < end; ++pos) {
+      const int64_t at = step.cu_seqlens[k] + (pos - s.cached);
+      r.insert(r.end(), d + at * row, d + (at + 1) * row);
+    }
+  }
+  return hidden;
 }
 
 void Engine::RunRows(std::vector<StepRow>& rows, bool prefill) {
@@ -378,118 +504,46 @@ void Engine::RunRows(std::vector<StepRow>& rows, bool prefill) {
   std::map<lm::CausalLM*, std::vector<size_t>> by_model;
   for (size_t i = 0; i < rows.size(); ++i) by_model[rows[i].req->snapshot.model.get()].push_back(i);
   std::vector<torch::Tensor> logits(rows.size());
+  std::vector<bool> fed(rows.size());  // the row's sequence is fed whole: it draws
   for (auto& [model, idx] : by_model) {
-    const auto device = model->LmHeadWeight().device();
-    lm::PagedStep step;
-    std::vector<int64_t> ids;
-    step.cu_seqlens.push_back(0);
-    for (size_t i : idx) {
-      const Seq& s = *rows[i].seqs[0];
-      ids.insert(ids.end(), s.out.tokens.begin() + s.cached, s.out.tokens.end());
-      step.cu_seqlens.push_back(static_cast<int64_t>(ids.size()));
-      step.context_lens.push_back(s.cached);
-      step.block_tables.push_back(s.blocks);
-      step.state_slots.push_back(s.slot);
+    const torch::Tensor hidden = Forward(*model, rows, idx);
+    std::vector<int64_t> drawing;
+    for (size_t k = 0; k < idx.size(); ++k) {
+      const Seq& s = *rows[idx[k]].seqs[0];
+      fed[idx[k]] = s.cached + rows[idx[k]].new_tokens == static_cast<int64_t>(s.out.tokens.size());
+      if (fed[idx[k]]) drawing.push_back(static_cast<int64_t>(k));
     }
-    step.input_ids = torch::tensor(ids, torch::kInt64).to(device);
-    // Routing replay: the experts each fed token was routed to, recorded for the requests that
-    // asked (over the whole step: they share the forward).
-    bool routing = false;
-    for (size_t i : idx) routing |= rows[i].req->params.return_routing;
-    std::vector<torch::Tensor> seen, replay;
-    const lm::ModelConfig& c = model->config();
-    int64_t layers = 0;
-    for (int64_t l = 0; l < c.num_hidden_layers; ++l) layers += c.IsMoeLayer(l);
-    const int64_t top_k = c.num_experts_per_tok, row = layers * top_k;
-    if (routing) {
-      // A recompute after a preemption refeeds positions whose routing is recorded: it routes
-      // them as recorded, so that the recomputed keys/values are the ones the later tokens would
-      // have seen, and the learner's replay of one routing per position stays exact.
-      std::vector<int32_t> forced;
-      for (size_t k = 0; k < idx.size(); ++k) {
-        const Seq& s = *rows[idx[k]].seqs[0];
-        if (!s.req->params.return_routing) continue;
-        const int64_t have = static_cast<int64_t>(s.out.routed_experts.size()) / row;
-        for (int64_t pos = s.cached; pos < have; ++pos) {
-          if (forced.empty()) forced.assign(ids.size() * row, -1);
-          const int64_t at = step.cu_seqlens[k] + (pos - s.cached);
-          std::copy(s.out.routed_experts.begin() + pos * row,
-                    s.out.routed_experts.begin() + (pos + 1) * row, forced.begin() + at * row);
-        }
-      }
-      if (!forced.empty()) {
-        const auto t = torch::tensor(forced, torch::kInt32)
-                           .view({static_cast<int64_t>(ids.size()), layers, top_k});
-        for (int64_t l = 0; l < layers; ++l) replay.push_back(t.select(1, l));
-      }
-    }
-    std::optional<lm::ScopedRoutingRecorder> record;
-    std::optional<lm::ScopedRoutingReplay> replaying;
-    if (routing) record.emplace(&seen);
-    if (!replay.empty()) replaying.emplace(&replay);
-    const torch::Tensor hidden = model->PagedForward(step, cache_);
-    replaying.reset();
-    record.reset();
-    if (routing) {
-      TORCH_CHECK(static_cast<int64_t>(seen.size()) == layers, "return_routing: recorded ",
-                  seen.size(), " MoE layers, expected ", layers);
-      const auto t = torch::stack(seen, 1).to(torch::kCPU, torch::kInt32).contiguous();
-      TORCH_CHECK(t.size(0) == static_cast<int64_t>(ids.size()) && t.size(2) == top_k,
-                  "return_routing: recorded routing of shape ", t.sizes());
-      const int32_t* d = t.data_ptr<int32_t>();
-      for (size_t k = 0; k < idx.size(); ++k) {
-        Seq& s = *rows[idx[k]].seqs[0];
-        if (!s.req->params.return_routing) continue;
-        auto& r = s.out.routed_experts;
-        s.out.routing_layers = layers;
-        s.out.routing_top_k = top_k;
-        // Positions s.cached.. were fed in this step; after a preemption the recompute refeeds
-        // positions already recorded (routed as recorded, above): only new ones are appended.
-        const int64_t have = static_cast<int64_t>(r.size()) / row;
-        const int64_t end = static_cast<int64_t>(s.out.tokens.size());
-        for (int64_t pos = std::max(have, s.cached); pos < end; ++pos) {
-          const int64_t at = step.cu_seqlens[k] + (pos - s.cached);
-          r.insert(r.end(), d + at * row, d + (at + 1) * row);
-        }
-      }
-    }
+    if (drawing.empty()) continue;
+    const torch::Tensor h =
+        static_cast<int64_t>(drawing.size()) == hidden.size(0)
+            ? hidden
+            : hidden.index_select(0, torch::tensor(drawing, torch::kInt64).to(hidden.device()));
     // The prefill's logits through the model's head, a decode step's as the static sampler's:
     // fp32 either way, from a bf16 head without bf16 rounding (lm/model/precision.h LogitsFp32).
     const torch::Tensor lg =
-        prefill ? model->Logits(hidden)
-                : lm::DecodeLogits(*model, rows[idx[0]].req->lm_head.get(), hidden);
-    for (size_t k = 0; k < idx.size(); ++k) logits[idx[k]] = lg[k];
+        prefill ? model->Logits(h) : lm::DecodeLogits(*model, rows[idx[0]].req->lm_head.get(), h);
+    for (size_t j = 0; j < drawing.size(); ++j) logits[idx[drawing[j]]] = lg[j];
   }
-  // Fork each prompt into its samples: they share its blocks and copy its state slot.
-  for (auto& row : rows) {
-    Seq& first = *row.seqs[0];
-    first.cached = static_cast<int64_t>(first.out.tokens.size());
-    if (!prefill || first.out.response_length() > 0 || row.req->params.samples_per_prompt == 1)
+  // Sequences not fed whole go on prefilling next step, ahead of the younger ones waiting there.
+  std::vector<std::unique_ptr<Seq>> unfinished;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    Seq& first = *rows[i].seqs[0];
+    first.cached += rows[i].new_tokens;
+    if (fed[i]) {
+      if (prefill) Fork(rows[i]);
       continue;
-    for (int64_t s = 1; s < row.req->params.samples_per_prompt; ++s) {
-      auto seq = std::make_unique<Seq>();
-      seq->req = row.req;
-      seq->out.SetPrompt(first.out.tokens);
-      seq->cached = first.cached;
-      seq->blocks = first.blocks;
-      for (int32_t b : seq->blocks) blocks_->Share(b);
-      seq->slot = free_slots_.back();
-      free_slots_.pop_back();
-      cache_.CopyStateSlot(first.slot, seq->slot);
-      seq->rng.seed(lm::SampleSeed(row.req->params.seed, first.out.prompt_index, s));
-      seq->out.prompt_index = first.out.prompt_index;
-      seq->out.sample_index = s;
-      seq->out.routed_experts = first.out.routed_experts;
-      seq->out.routing_layers = first.out.routing_layers;
-      seq->out.routing_top_k = first.out.routing_top_k;
-      seq->admitted = first.admitted;
-      row.seqs.push_back(std::move(seq));
     }
+    ++local_.partial_prefills;
+    unfinished.push_back(std::move(rows[i].seqs[0]));
+    rows[i].seqs.clear();
   }
+  prefilling_.insert(prefilling_.begin(), std::make_move_iterator(unfinished.begin()),
+                     std::make_move_iterator(unfinished.end()));
   // One draw per distinct filter (temperature, top-k, top-p) in the step, usually one for the
   // whole batch: each sample still draws from its own generator.
   std::map<std::tuple<double, int64_t, double>, std::vector<size_t>> by_filter;
   for (size_t i = 0; i < rows.size(); ++i) {
+    if (!fed[i]) continue;
     const SamplingParams& p = rows[i].req->params;
     by_filter[{p.temperature, p.top_k, p.top_p}].push_back(i);
   }
@@ -514,6 +568,32 @@ void Engine::RunRows(std::vector<StepRow>& rows, bool prefill) {
   }
 }
 
+// A prompt fed whole forks into its samples: they share its blocks and copy its state slot.
+void Engine::Fork(StepRow& row) {
+  Seq& first = *row.seqs[0];
+  if (first.out.response_length() > 0 || row.req->params.samples_per_prompt == 1) return;
+  for (int64_t s = 1; s < row.req->params.samples_per_prompt; ++s) {
+    auto seq = std::make_unique<Seq>();
+    seq->req = row.req;
+    seq->out.SetPrompt(first.out.tokens);
+    seq->cached = first.cached;
+    seq->blocks = first.blocks;
+    for (int32_t b : seq->blocks) blocks_->Share(b);
+    seq->slot = free_slots_.back();
+    free_slots_.pop_back();
+    cache_.CopyStateSlot(first.slot, seq->slot);
+    seq->rng.seed(
+        lm::SampleSeed(row.req->params.seed, row.req->params.SeedIndex(first.out.prompt_index), s));
+    seq->out.prompt_index = first.out.prompt_index;
+    seq->out.sample_index = s;
+    seq->out.routed_experts = first.out.routed_experts;
+    seq->out.routing_layers = first.out.routing_layers;
+    seq->out.routing_top_k = first.out.routing_top_k;
+    seq->admitted = first.admitted;
+    row.seqs.push_back(std::move(seq));
+  }
+}
+
 // Records a drawn token; the sequence goes on running, or retires when it is done.
 void Engine::Append(std::unique_ptr<Seq>& seq, int64_t token, float logprob) {
   if (seq->req->ended) return ReleaseSeq(*seq);  // failed or cancelled: the sequence leaves
@@ -535,6 +615,17 @@ void Engine::Retire(std::unique_ptr<Seq> seq) {
   if (req.ended) return;
   req.on_sample(std::move(seq->out));
   if (--req.remaining == 0) Finish(req, absl::OkStatus());
+}
+
+bool Engine::PreemptYoungest() {
+  const Seq* running = running_.empty() ? nullptr : running_.back().get();
+  const Seq* prefilling = prefilling_.empty() ? nullptr : prefilling_.back().get();
+  if (!running && !prefilling) return false;
+  auto& from =
+      prefilling && (!running || prefilling->admitted > running->admitted) ? prefilling_ : running_;
+  Preempt(std::move(from.back()));
+  from.pop_back();
+  return true;
 }
 
 void Engine::Preempt(std::unique_ptr<Seq> seq) {
@@ -570,11 +661,7 @@ void Engine::DecodeStep() {
     std::unique_ptr<Seq> seq = std::move(running_.front());
     running_.erase(running_.begin());
     bool ok = MakeWritable(*seq);
-    while (!ok && !running_.empty()) {
-      Preempt(std::move(running_.back()));
-      running_.pop_back();
-      ok = MakeWritable(*seq);
-    }
+    while (!ok && PreemptYoungest()) ok = MakeWritable(*seq);
     if (!ok) {
       Preempt(std::move(seq));  // the youngest itself
       continue;

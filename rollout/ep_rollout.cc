@@ -40,7 +40,8 @@ bool IsFusedExperts(std::string_view name) {
 
 }  // namespace
 
-EpRollout::EpRollout(opd::rpc::EpGroup* group, WeightStore* store) : group_(group), store_(store) {}
+EpRollout::EpRollout(opd::rpc::EpGroup* group, WeightStore* store, int64_t max_batch_kv_bytes)
+    : group_(group), store_(store), max_batch_kv_bytes_(max_batch_kv_bytes) {}
 EpRollout::~EpRollout() = default;
 
 // ---- Generate ----
@@ -58,7 +59,9 @@ absl::Status EpRollout::SampleLocal(const std::string& command, const Snapshot* 
   p.max_new_tokens = j.at("max_new_tokens").get<int64_t>();
   p.stop_ids = j.at("stop_ids").get<std::vector<int64_t>>();
   p.seed = j.at("seed").get<uint64_t>();
+  p.seed_indices = j.at("seed_indices").get<std::vector<int64_t>>();
   const int64_t version = j.at("version").get<int64_t>();
+  const int64_t batch_kv_bytes = j.at("batch_kv_bytes").get<int64_t>();
   const Snapshot snapshot = leader_snapshot ? *leader_snapshot : store_->Current();
   // Every rank must sample with the same weights: the followers have only the serving ones.
   if (group_->AnyRank(store_->Current().version != version))
@@ -67,7 +70,8 @@ absl::Status EpRollout::SampleLocal(const std::string& command, const Snapshot* 
                                            "expert-parallel group; retry"));
   return lm::SampleResponses(
              *snapshot.model, prompts, p, on_sample,
-             [&] { return group_->AnyRank(cancelled && cancelled()); }, snapshot.lm_head.get())
+             [&] { return group_->AnyRank(cancelled && cancelled()); }, snapshot.lm_head.get(),
+             batch_kv_bytes)
       .status();
 }
 
@@ -88,7 +92,9 @@ absl::Status EpRollout::Generate(const Snapshot& snapshot,
                             {"max_new_tokens", params.max_new_tokens},
                             {"stop_ids", params.stop_ids},
                             {"seed", params.seed},
-                            {"version", snapshot.version}};
+                            {"seed_indices", params.seed_indices},
+                            {"version", snapshot.version},
+                            {"batch_kv_bytes", max_batch_kv_bytes_}};
   return group_->Run(std::string(1, kGenerate) + j.dump(), [&](const std::string& command) {
     return SampleLocal(command, &snapshot, on_sample, cancelled);
   });

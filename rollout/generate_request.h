@@ -23,15 +23,15 @@ struct GenerateLimits {
   int64_t vocab_size = 0;
   int64_t max_seq_len = 0;  // prompt + new tokens
   int64_t max_samples_per_prompt = 64;
-  int64_t max_slots = 1024;  // prompts x samples per request
-  // The KV cache one request may need: every sequence (prompt x sample) holds prompt +
-  // max_new_tokens tokens of kv_bytes_per_token each. 0: no budget.
-  int64_t kv_bytes_per_token = 0;
-  double max_kv_bytes = 0;
+  // Prompts x samples per request: a bound on what one request holds in host memory (its
+  // prompts, and each finished sample until it is sent), not on the KV cache. The generators
+  // queue a request's sequences through their KV cache however many there are.
+  int64_t max_slots = 1024;
 };
 
-// Checks a request against the limits: a KV cache over the budget is RESOURCE_EXHAUSTED naming
-// its size, everything else INVALID_ARGUMENT naming the field (and the prompt).
+// Checks a request against the limits: INVALID_ARGUMENT naming the field (and the prompt). There
+// is no summed KV budget: the generator schedules the sequences through its cache and refuses
+// only a sequence that could never fit it (RESOURCE_EXHAUSTED, lm/generate/generator.h).
 absl::Status Validate(const std::vector<std::vector<int64_t>>& prompts,
                       const lm::SamplingParams& params, const GenerateLimits& limits);
 
@@ -42,7 +42,8 @@ struct GenerateJob {
 };
 
 // The proto's defaults become the sampler's: samples_per_prompt 0 means 1, an unset temperature
-// 1.0, top_p 0 off (1.0).
+// 1.0, top_p 0 off (1.0). Prompts' seed_index go to params.seed_indices when any prompt sets one
+// (the others keep their position); when none does, seed_indices stays empty (positions).
 GenerateJob JobFromRequest(const opd::v1::GenerateRequest& req);
 
 }  // namespace rollout

@@ -24,9 +24,6 @@ ABSL_FLAG(int, max_concurrent, 4, "generations at once; more get RESOURCE_EXHAUS
 ABSL_FLAG(int64_t, max_seq_len, 0, "longest prompt + response (0: the model's max positions)");
 ABSL_FLAG(int64_t, max_samples_per_prompt, 64, "largest samples_per_prompt accepted");
 ABSL_FLAG(int64_t, max_slots, 1024, "prompts x samples one request may decode");
-ABSL_FLAG(double, kv_budget_gb, 32,
-          "KV cache one request may need, GiB (sequences x (prompt + max_new_tokens)); more gets "
-          "RESOURCE_EXHAUSTED; 0: no budget");
 ABSL_FLAG(std::string, engine, "paged",
           "paged: continuous batching over a paged KV cache (rollout/engine.h); static: one "
           "batch per request with a contiguous cache (the reference sampler)");
@@ -35,7 +32,8 @@ ABSL_FLAG(std::string, kv_cache_gb, "auto",
           "all requests; a request with a sequence that cannot fit it gets RESOURCE_EXHAUSTED. "
           "auto: what the device has left after the weights, a weight update's receive bucket, "
           "the prefill workspace and a 2 GiB reserve (opd-ctl plan's terms; rollout/kv_pool.h); "
-          "a CPU worker without --device-memory-gb takes 4 GiB");
+          "a CPU worker without --device-memory-gb takes 4 GiB. Static sampler (and expert "
+          "parallelism): the largest cache of one batch of a request, sized the same way");
 ABSL_FLAG(double, device_memory_gb, 0,
           "the device's memory, GiB, that --kv-cache-gb auto sizes the pool from (0: the CUDA "
           "driver's figure; on the CPU, none)");
@@ -78,7 +76,6 @@ absl::Status CheckFlags() {
       CheckFlagRange("--max-samples-per-prompt", absl::GetFlag(FLAGS_max_samples_per_prompt), 1,
                      kMillion),
       CheckFlagRange("--max-slots", absl::GetFlag(FLAGS_max_slots), 1, kMillion),
-      CheckFlagRange("--kv-budget-gb", absl::GetFlag(FLAGS_kv_budget_gb), 0.0, kMaxGiB),
       rollout::ParseKvCacheGb(absl::GetFlag(FLAGS_kv_cache_gb), kMaxGiB).status(),
       CheckFlagRange("--device-memory-gb", absl::GetFlag(FLAGS_device_memory_gb), 0.0, kMaxGiB),
       CheckFlagRange("--kv-block-size", absl::GetFlag(FLAGS_kv_block_size), 1, 1024),
@@ -114,13 +111,14 @@ absl::Status Run() {
   }
   const lm::ModelConfig& config = loaded.config;
   const int64_t dtype_bytes = static_cast<int64_t>(c10::elementSize(loaded.placement.dtype));
-  // The paged engine's pool, from the plan's terms (rollout/kv_pool.h); refused here, naming the
-  // term, rather than by an allocation failure in the KV pool (the largest term).
+  // The paged engine's pool (or the static sampler's largest batch cache), from the plan's terms
+  // (rollout/kv_pool.h); refused here, naming the term, rather than by an allocation failure in
+  // the KV pool (the largest term).
   rollout::EngineOptions eo;
   eo.block_size = absl::GetFlag(FLAGS_kv_block_size);
   eo.max_running = absl::GetFlag(FLAGS_max_running_seqs);
   eo.max_requests = absl::GetFlag(FLAGS_max_queued_requests);
-  if (engine_kind == EngineKind::kPaged) {
+  {
     lm::plan::RolloutSettings plan;
     plan.weight_bytes = dtype_bytes;
     plan.block_size = eo.block_size;
@@ -148,9 +146,9 @@ absl::Status Run() {
                                                                : config.max_position_embeddings;
   so.limits.max_samples_per_prompt = absl::GetFlag(FLAGS_max_samples_per_prompt);
   so.limits.max_slots = absl::GetFlag(FLAGS_max_slots);
-  so.limits.kv_bytes_per_token = lm::KvBytesPerToken(config, dtype_bytes);
-  so.limits.max_kv_bytes = absl::GetFlag(FLAGS_kv_budget_gb) * 1024.0 * 1024.0 * 1024.0;
   so.max_concurrent = absl::GetFlag(FLAGS_max_concurrent);
+  const int64_t static_batch_kv_bytes = static_cast<int64_t>(eo.kv_cache_bytes);
+  so.static_batch_kv_bytes = static_batch_kv_bytes;
 
   const opd::v1::ServiceInfo info = loaded.Info(kServiceName, so.limits.max_seq_len);
   // The store owns the model from here on: updates are written into it (rollout/weights.h).
@@ -160,16 +158,16 @@ absl::Status Run() {
   rollout::WeightStore store(std::move(loaded.model), 0, wo);
   std::unique_ptr<rollout::EpRollout> ep;
   if (loaded.ep) {
-    ep = std::make_unique<rollout::EpRollout>(loaded.ep.get(), &store);
+    ep = std::make_unique<rollout::EpRollout>(loaded.ep.get(), &store, static_batch_kv_bytes);
     if (loaded.follower())
       return opd::rpc::FollowUntilStopped("opd-rollout", loaded, ep->FollowerWork());
     so.generator = ep.get();
     so.expert_parallel = ep.get();
   }
   opd::rpc::Authenticator auth(loaded.secret);
-  // The paged engine: its pool (sized above) is allocated once here and shared by all requests
-  // (a request with a sequence that cannot fit it is refused). --kv-budget-gb still caps what one
-  // request may ask for in all (Validate: sequences x (prompt + max_new_tokens)).
+  // The paged engine: its pool (sized above) is allocated once here and shared by all
+  // requests, which it queues through the pool however many sequences they hold (only a sequence
+  // that could never fit the pool is refused).
   std::unique_ptr<rollout::Engine> engine;
   if (engine_kind == EngineKind::kPaged) {
     ASSIGN_OR_RETURN(engine, rollout::Engine::Create(*store.Current().model, eo));

@@ -255,6 +255,7 @@ RolloutService::RolloutService(WeightStore* store, const opd::rpc::Authenticator
     : store_(store),
       auth_(auth),
       opts_(opts),
+      static_sampler_(opts.static_batch_kv_bytes),
       info_(std::move(info)),
       sync_(std::make_unique<WeightSyncReceiver>(
           store, store->Current().model->LmHeadWeight().device())) {}

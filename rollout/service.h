@@ -27,6 +27,8 @@ struct ServiceOptions {
   // What runs every generation (not owned): the paged engine (rollout/engine.h) or, under expert
   // parallelism, the group (rollout/ep_rollout.h); null: the static sampler (lm::StaticSampler).
   lm::Generator* generator = nullptr;
+  // The static sampler's largest batch cache, bytes (lm::StaticSampler; 0: one batch a request).
+  int64_t static_batch_kv_bytes = 0;
   // Expert parallelism (not owned): UpdateWeights streams go to every rank through it.
   EpRollout* expert_parallel = nullptr;
 };

@@ -240,7 +240,11 @@ namespace {
 opd::v1::GenerateRequest MakeGenerateRequest(const std::vector<std::vector<int32_t>>& prompts,
                                              const GenerateOptions& o) {
   opd::v1::GenerateRequest req;
-  for (const auto& p : prompts) req.add_prompts()->mutable_tokens()->Add(p.begin(), p.end());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    opd::v1::Prompt* p = req.add_prompts();
+    p->mutable_tokens()->Add(prompts[i].begin(), prompts[i].end());
+    if (i < o.seed_indices.size()) p->set_seed_index(o.seed_indices[i]);
+  }
   req.set_samples_per_prompt(o.samples_per_prompt);
   auto* params = req.mutable_params();
   params->set_temperature(o.temperature);
@@ -251,6 +255,33 @@ opd::v1::GenerateRequest MakeGenerateRequest(const std::vector<std::vector<int32
   params->set_seed(o.seed);
   req.set_return_routing(o.return_routing);
   return req;
+}
+
+// A sample's routing: [positions, routing_layers, routing_top_k] ids for positions =
+// tokens.size() - 1. The sizes come from the wire, so the expected count is never formed by
+// multiplying them (2^31 x 2^31 x positions overflows int64, and a wrapped product could pass):
+// the count received is divided instead.
+absl::StatusOr<std::vector<int32_t>> UnpackRouting(const opd::v1::Sample& m, const lm::Sample& s,
+                                                   const std::string& address) {
+  const auto bad = [&](const std::string& what) {
+    return absl::DataLossError(absl::StrCat("rollout worker ", address,
+                                            " sent an invalid sample: sample ", m.sample_index(),
+                                            " of prompt ", m.prompt_index(), ": ", what));
+  };
+  if (m.routing_layers() <= 0 || m.routing_top_k() <= 0)
+    return bad(absl::StrCat("routed_experts with routing_layers ", m.routing_layers(),
+                            " and routing_top_k ", m.routing_top_k(), " (both must be > 0)"));
+  const int64_t positions = static_cast<int64_t>(s.tokens.size()) - 1;
+  // Both factors are positive int32: their product fits int64.
+  const int64_t per_position = int64_t{m.routing_layers()} * m.routing_top_k();
+  const size_t bytes = m.routed_experts().size();
+  const int64_t values = static_cast<int64_t>(bytes / sizeof(int32_t));
+  if (positions < 1 || bytes % sizeof(int32_t) != 0 || values % per_position != 0 ||
+      values / per_position != positions)
+    return bad(absl::StrCat("routed_experts has ", bytes, " bytes, expected ", positions,
+                            " positions x ", m.routing_layers(), " layers x ", m.routing_top_k(),
+                            " experts x 4"));
+  return UnpackArray<int32_t>(m.routed_experts(), values, "routed_experts");
 }
 
 // The sample `m` answers, with its prompt (which the wire does not repeat) in front.
@@ -282,15 +313,7 @@ absl::StatusOr<lm::Sample> FromProto(const opd::v1::Sample& m,
   }
   s.weight_version = m.weight_version();
   if (!m.routed_experts().empty()) {
-    if (m.routing_layers() <= 0 || m.routing_top_k() <= 0)
-      return absl::InvalidArgumentError(absl::StrCat("routed_experts without routing_layers (",
-                                                     m.routing_layers(), ") and routing_top_k (",
-                                                     m.routing_top_k(), ")"));
-    const int64_t positions = static_cast<int64_t>(s.tokens.size()) - 1;
-    ASSIGN_OR_RETURN(
-        s.routed_experts,
-        UnpackArray<int32_t>(m.routed_experts(), positions * m.routing_layers() * m.routing_top_k(),
-                             "routed_experts"));
+    ASSIGN_OR_RETURN(s.routed_experts, UnpackRouting(m, s, address));
     s.routing_layers = m.routing_layers();
     s.routing_top_k = m.routing_top_k();
   }
@@ -299,29 +322,38 @@ absl::StatusOr<lm::Sample> FromProto(const opd::v1::Sample& m,
 
 }  // namespace
 
-absl::StatusOr<std::vector<lm::Sample>> RolloutClient::Generate(
+absl::Status RolloutClient::StreamGenerate(
     const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& opts,
-    const std::function<void(const lm::Sample&)>& on_sample) {
+    const std::function<absl::Status(lm::Sample)>& on_sample) {
+  if (!opts.seed_indices.empty() && opts.seed_indices.size() != prompts.size())
+    return absl::InvalidArgumentError(
+        absl::StrCat(opts.seed_indices.size(), " seed indices for ", prompts.size(), " prompts"));
   grpc::ClientContext ctx;
   PrepareContext(opts_, &ctx);
   CallCanceller::Scope cancel_scope(opts_.canceller.get(), &ctx);
   auto reader = stub_->Generate(&ctx, MakeGenerateRequest(prompts, opts));
-  std::vector<lm::Sample> samples;
   opd::v1::Sample msg;
-  absl::Status decode_error;
+  absl::Status refused;  // the first sample refused, by decoding or by on_sample
   while (reader->Read(&msg)) {
-    auto s = FromProto(msg, prompts, opts_.address);
-    if (!s.ok()) {
-      decode_error = s.status();
-      ctx.TryCancel();
-      continue;  // drain until Read fails
-    }
-    if (on_sample) on_sample(*s);
-    samples.push_back(std::move(*s));
+    if (!refused.ok()) continue;  // drain until Read fails
+    absl::StatusOr<lm::Sample> s = FromProto(msg, prompts, opts_.address);
+    refused = s.ok() ? on_sample(std::move(*s)) : s.status();
+    if (!refused.ok()) ctx.TryCancel();
   }
   const grpc::Status st = reader->Finish();
-  RETURN_IF_ERROR(decode_error);
-  RETURN_IF_ERROR(FromGrpc(st, opts_.address));
+  RETURN_IF_ERROR(refused);
+  return FromGrpc(st, opts_.address);
+}
+
+absl::StatusOr<std::vector<lm::Sample>> RolloutClient::Generate(
+    const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& opts,
+    const std::function<void(const lm::Sample&)>& on_sample) {
+  std::vector<lm::Sample> samples;
+  RETURN_IF_ERROR(StreamGenerate(prompts, opts, [&](lm::Sample s) {
+    if (on_sample) on_sample(s);
+    samples.push_back(std::move(s));
+    return absl::OkStatus();
+  }));
   std::sort(samples.begin(), samples.end(), [](const auto& a, const auto& b) {
     return std::tie(a.prompt_index, a.sample_index) < std::tie(b.prompt_index, b.sample_index);
   });

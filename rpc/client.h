@@ -116,6 +116,9 @@ struct GenerateOptions {
   int32_t max_new_tokens = 256;
   std::vector<int32_t> stop_token_ids;
   uint64_t seed = 0;
+  // Per prompt, its seed index (Prompt.seed_index: sample s draws with SampleSeed(seed,
+  // seed_indices[p], s), the same bits in any request or worker); empty: positions.
+  std::vector<int64_t> seed_indices;
   bool return_routing = false;  // routing replay: each sample carries routed_experts
 };
 
@@ -140,6 +143,11 @@ class RolloutClient {
   absl::StatusOr<std::vector<lm::Sample>> Generate(
       const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& opts,
       const std::function<void(const lm::Sample&)>& on_sample = nullptr);
+  // The samples one at a time as they arrive, each with its prompt (prompt_index: its position in
+  // `prompts`), nothing kept here. An error from `on_sample` cancels the call and is returned.
+  absl::Status StreamGenerate(const std::vector<std::vector<int32_t>>& prompts,
+                              const GenerateOptions& opts,
+                              const std::function<absl::Status(lm::Sample)>& on_sample);
   // Streams every tensor as chunks of at most `chunk_bytes` and returns what the server applied.
   absl::StatusOr<opd::v1::UpdateWeightsResponse> UpdateWeights(
       int64_t version, const std::vector<WeightTensor>& tensors, size_t chunk_bytes = 4 << 20);

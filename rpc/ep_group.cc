@@ -8,6 +8,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "lm/model/batch_invariant.h"
 #include "lm/model/expert_parallel.h"
 #include "lm/model/model.h"
 #include "lm/util/log.h"
@@ -23,6 +24,18 @@ absl::Status Broken(const absl::Status& why) {
   return absl::UnavailableError(
       absl::StrCat("the expert-parallel group failed (", why.message(),
                    "); this server no longer serves: restart every rank"));
+}
+
+// t summed over the group as ((rank 0's + rank 1's) + rank 2's) + ..., on every rank the same.
+absl::Status RankOrderSum(lm::dist::ProcessGroup& group, torch::Tensor& t) {
+  const auto flat = t.contiguous().view({-1});
+  auto parts = torch::empty({group.size(), flat.numel()}, flat.options());
+  auto gathered = parts.view({-1});
+  if (absl::Status st = group.AllGather(gathered, flat); !st.ok()) return st;
+  auto sum = parts[0].clone();
+  for (int r = 1; r < group.size(); ++r) sum.add_(parts[r]);
+  t.copy_(sum.view(t.sizes()));
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -78,6 +91,11 @@ absl::StatusOr<std::unique_ptr<EpGroup>> EpGroup::Join(const lm::dist::LaunchEnv
   ep->local = {c.expert_first, c.LocalExperts()};
   lm::dist::ProcessGroup* raw = pg.get();
   ep->all_reduce_sum = [raw](torch::Tensor& t) {
+    // Batch-invariant (lm/model/batch_invariant.h), more than two ranks: the backend's all-reduce
+    // adds an element's partial sums in an order set by where the element falls in the buffer,
+    // i.e. by the batch's size. Gathered and added in rank order instead, every element is
+    // ((p0 + p1) + p2) + ... wherever it sits. (Two partial sums add the same either way.)
+    if (lm::BatchInvariant() && raw->size() > 2) return RankOrderSum(*raw, t);
     std::vector<torch::Tensor> v{t};
     return raw->AllReduce(v);
   };

@@ -10,15 +10,32 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "lm/util/status.h"
 
 namespace opd::rpc {
 namespace {
 
 using nlohmann::json;
 
-size_t WriteBody(char* p, size_t size, size_t n, void* out) {
-  static_cast<std::string*>(out)->append(p, size * n);
-  return size * n;
+constexpr int64_t kMaxTokenId = std::numeric_limits<int32_t>::max();
+
+// Where a reply body goes: appended until it would pass `max` bytes, then refused (libcurl ends
+// the transfer when the callback takes fewer bytes than it was given).
+struct BodySink {
+  std::string* out;
+  int64_t max;
+  bool over = false;
+};
+
+size_t WriteBody(char* p, size_t size, size_t n, void* sink_ptr) {
+  auto* sink = static_cast<BodySink*>(sink_ptr);
+  const size_t bytes = size * n;
+  if (static_cast<int64_t>(sink->out->size() + bytes) > sink->max) {
+    sink->over = true;
+    return 0;
+  }
+  sink->out->append(p, bytes);
+  return bytes;
 }
 
 int Progress(void* c, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
@@ -26,12 +43,48 @@ int Progress(void* c, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
   return canceller != nullptr && canceller->cancelled() ? 1 : 0;
 }
 
-// vLLM writes -inf as -9999.0.
-float Logprob(const json& v) {
-  if (!v.is_number()) return std::numeric_limits<float>::quiet_NaN();
+// A log-prob field: a number (vLLM writes -inf as -9999.0), or null (a bare NaN / Infinity that
+// ParseLenient turned into null: read as NaN and refused by the pool's validation). Anything else
+// is not a log-prob.
+bool ReadLogprob(const json& v, float* out) {
+  if (v.is_null()) {
+    *out = std::numeric_limits<float>::quiet_NaN();
+    return true;
+  }
+  if (!v.is_number()) return false;
   const double d = v.get<double>();
-  if (d <= -9999.0) return -std::numeric_limits<float>::infinity();
-  return static_cast<float>(d);
+  *out = d <= -9999.0 ? -std::numeric_limits<float>::infinity() : static_cast<float>(d);
+  return true;
+}
+
+// A token id field: a JSON integer in [0, 2^31) (the pool then checks it against the vocabulary).
+// A larger one is refused here rather than narrowed (2^32 + 5 would become 5).
+bool ReadTokenId(const json& v, int32_t* out) {
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(kMaxTokenId)) return false;
+    *out = static_cast<int32_t>(u);
+    return true;
+  }
+  if (!v.is_number_integer()) return false;
+  const int64_t i = v.get<int64_t>();
+  if (i < 0 || i > kMaxTokenId) return false;
+  *out = static_cast<int32_t>(i);
+  return true;
+}
+
+// vLLM keys a position's entries by the token id in decimal: digits only, in [0, 2^31) ("5abc",
+// "+5", " 5" and "4294967301" are not ids).
+bool ParseTokenIdKey(const std::string& s, int32_t* out) {
+  if (s.empty() || s.size() > 10) return false;
+  int64_t v = 0;
+  for (const char c : s) {
+    if (c < '0' || c > '9') return false;
+    v = v * 10 + (c - '0');
+  }
+  if (v > kMaxTokenId) return false;
+  *out = static_cast<int32_t>(v);
+  return true;
 }
 
 // Python servers write NaN / Infinity / -Infinity as bare words, which JSON does not allow:
@@ -64,10 +117,221 @@ json ParseLenient(const std::string& body) {
   return json::parse(t, nullptr, false);
 }
 
+// The field-by-field reading of one score reply: every field is checked before it is used, and a
+// wrong one is DATA_LOSS naming the endpoint, the request, the sequence and the field.
+class ReplyReader {
+ public:
+  ReplyReader(std::string where, const std::vector<lm::Sample>& seqs, size_t begin, size_t end,
+              int32_t k)
+      : where_(std::move(where)), seqs_(seqs), begin_(begin), end_(end), k_(k) {}
+
+  absl::StatusOr<std::vector<ScoreOutput>> Sglang(const json& j) const;
+  absl::StatusOr<std::vector<ScoreOutput>> Vllm(const json& j) const;
+
+ private:
+  absl::Status Bad(size_t seq, const std::string& field, const std::string& what) const {
+    return absl::DataLossError(absl::StrCat(where_, ": sequence ", seq, ": ", field, " ", what));
+  }
+  absl::Status BadReply(const std::string& what) const {
+    return absl::DataLossError(absl::StrCat(where_, ": ", what));
+  }
+  absl::StatusOr<ScoreOutput> SglangItem(size_t seq, const json& it) const;
+  absl::Status SglangTopK(size_t seq, const json& meta, ScoreOutput* o) const;
+  absl::StatusOr<ScoreOutput> VllmItem(size_t seq, const json& it) const;
+  absl::Status VllmPosition(size_t seq, size_t p, const json& d, ScoreOutput* o) const;
+
+  std::string where_;
+  const std::vector<lm::Sample>& seqs_;
+  size_t begin_, end_;
+  int32_t k_;
+};
+
+absl::StatusOr<std::vector<ScoreOutput>> ReplyReader::Sglang(const json& j) const {
+  const size_t n_seq = end_ - begin_;
+  json single;
+  const json* list = &j;
+  if (j.is_object()) {  // a batch of one may come back unwrapped
+    single = json::array({j});
+    list = &single;
+  }
+  if (!list->is_array() || list->size() != n_seq)
+    return BadReply(absl::StrCat("reply has ", list->is_array() ? list->size() : 0, " items for ",
+                                 n_seq, " sequences"));
+  std::vector<ScoreOutput> out;
+  out.reserve(n_seq);
+  for (size_t i = 0; i < n_seq; ++i) {
+    ASSIGN_OR_RETURN(ScoreOutput o, SglangItem(begin_ + i, (*list)[i]));
+    out.push_back(std::move(o));
+  }
+  return out;
+}
+
+// Entries for tokens [r - 1, L): the first (null: the token before the response has no score
+// here) is dropped; each is [logprob, id, text-or-null] and must carry the id sent.
+absl::StatusOr<ScoreOutput> ReplyReader::SglangItem(size_t seq, const json& it) const {
+  const lm::Sample& in = seqs_[seq];
+  const size_t r = static_cast<size_t>(in.response_start), L = in.tokens.size();
+  if (!it.is_object() || !it.contains("meta_info") || !it["meta_info"].is_object())
+    return Bad(seq, "meta_info", "is missing or not an object");
+  const json& meta = it["meta_info"];
+  if (!meta.contains("input_token_logprobs"))
+    return Bad(seq, "meta_info.input_token_logprobs", "is missing");
+  const json& lp = meta["input_token_logprobs"];
+  if (!lp.is_array() || lp.size() != L - r + 1)
+    return Bad(
+        seq, "meta_info.input_token_logprobs",
+        absl::StrCat("has ", lp.is_array() ? lp.size() : 0, " entries, expected ", L - r + 1));
+  ScoreOutput o;
+  o.logprobs.reserve(L - r);
+  for (size_t p = 1; p < lp.size(); ++p) {
+    const json& e = lp[p];
+    const std::string field = absl::StrCat("meta_info.input_token_logprobs[", p, "]");
+    int32_t id = 0;
+    float v = 0;
+    if (!e.is_array() || e.size() < 2 || !ReadTokenId(e[1], &id) || !ReadLogprob(e[0], &v))
+      return Bad(seq, field, "is not [logprob, token id in [0, 2^31), ...]");
+    if (id != in.tokens[r - 1 + p])
+      return Bad(seq, field, absl::StrCat("has token ", id, ", sent ", in.tokens[r - 1 + p]));
+    o.logprobs.push_back(v);
+  }
+  if (k_ > 0) RETURN_IF_ERROR(SglangTopK(seq, meta, &o));
+  return o;
+}
+
+// input_top_logprobs: per position at least k [logprob, id, ...] entries, the k most likely
+// kept (most likely first).
+absl::Status ReplyReader::SglangTopK(size_t seq, const json& meta, ScoreOutput* o) const {
+  const lm::Sample& in = seqs_[seq];
+  const size_t n = in.tokens.size() - static_cast<size_t>(in.response_start);
+  if (!meta.contains("input_top_logprobs"))
+    return Bad(seq, "meta_info.input_top_logprobs", "is missing");
+  const json& tl = meta["input_top_logprobs"];
+  if (!tl.is_array() || tl.size() != n + 1)
+    return Bad(seq, "meta_info.input_top_logprobs",
+               absl::StrCat("has ", tl.is_array() ? tl.size() : 0, " entries, expected ", n + 1));
+  const size_t k = static_cast<size_t>(k_);
+  o->topk_ids.reserve(n * k);
+  o->topk_logprobs.reserve(n * k);
+  std::vector<std::pair<float, int32_t>> v;
+  for (size_t p = 1; p < tl.size(); ++p) {
+    const json& row = tl[p];
+    const std::string field = absl::StrCat("meta_info.input_top_logprobs[", p, "]");
+    if (!row.is_array() || row.size() < k)
+      return Bad(seq, field, absl::StrCat("has fewer than ", k, " entries"));
+    v.clear();
+    for (size_t e = 0; e < row.size(); ++e) {
+      const json& x = row[e];
+      float lp = 0;
+      int32_t id = 0;
+      if (!x.is_array() || x.size() < 2 || !ReadLogprob(x[0], &lp) || !ReadTokenId(x[1], &id))
+        return Bad(seq, absl::StrCat(field, "[", e, "]"),
+                   "is not [logprob, token id in [0, 2^31), ...]");
+      v.emplace_back(lp, id);
+    }
+    std::stable_sort(v.begin(), v.end(),
+                     [](const auto& a, const auto& b) { return a.first > b.first; });
+    for (size_t t = 0; t < k; ++t) {
+      o->topk_ids.push_back(v[t].second);
+      o->topk_logprobs.push_back(v[t].first);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<ScoreOutput>> ReplyReader::Vllm(const json& j) const {
+  const size_t n_seq = end_ - begin_;
+  if (!j.is_object() || !j.contains("choices") || !j["choices"].is_array())
+    return BadReply("reply has no choices");
+  const json& choices = j["choices"];
+  std::vector<const json*> items(n_seq, nullptr);
+  for (size_t c = 0; c < choices.size(); ++c) {
+    const json& ch = choices[c];
+    if (!ch.is_object() || !ch.contains("index") || !ch["index"].is_number_integer())
+      return BadReply(absl::StrCat("choices[", c, "].index is missing or not an integer"));
+    const int64_t idx = ch["index"].get<int64_t>();
+    if (idx < 0 || static_cast<uint64_t>(idx) >= n_seq || items[idx] != nullptr)
+      return BadReply(absl::StrCat("choices[", c, "].index ", idx, " is out of range or repeated"));
+    items[idx] = &ch;
+  }
+  std::vector<ScoreOutput> out;
+  out.reserve(n_seq);
+  for (size_t i = 0; i < n_seq; ++i) {
+    if (items[i] == nullptr)
+      return BadReply(absl::StrCat("choices has ", choices.size(), " entries for ", n_seq,
+                                   " sequences (index ", i, " missing)"));
+    ASSIGN_OR_RETURN(ScoreOutput o, VllmItem(begin_ + i, *items[i]));
+    out.push_back(std::move(o));
+  }
+  return out;
+}
+
+// prompt_logprobs: one entry per prompt token (the first null), each an object keyed by token id.
+absl::StatusOr<ScoreOutput> ReplyReader::VllmItem(size_t seq, const json& it) const {
+  const lm::Sample& in = seqs_[seq];
+  const size_t r = static_cast<size_t>(in.response_start), L = in.tokens.size();
+  if (!it.contains("prompt_logprobs") || !it["prompt_logprobs"].is_array())
+    return Bad(seq, "prompt_logprobs", "is missing");
+  const json& pl = it["prompt_logprobs"];
+  if (pl.size() != L)
+    return Bad(seq, "prompt_logprobs",
+               absl::StrCat("has ", pl.size(), " entries for ", L, " prompt tokens"));
+  ScoreOutput o;
+  o.logprobs.reserve(L - r);
+  for (size_t p = r; p < L; ++p) RETURN_IF_ERROR(VllmPosition(seq, p, pl[p], &o));
+  return o;
+}
+
+// One position: {"<id>": {"logprob": x, "rank": n, ...}, ...} with the sent token's entry and
+// (k > 0) the entries of rank 1..k, each checked whether it is used or not.
+absl::Status ReplyReader::VllmPosition(size_t seq, size_t p, const json& d, ScoreOutput* o) const {
+  const std::string field = absl::StrCat("prompt_logprobs[", p, "]");
+  if (!d.is_object()) return Bad(seq, field, "is not an object");
+  const std::string sent = std::to_string(seqs_[seq].tokens[p]);
+  bool have_sent = false;
+  std::vector<std::pair<int64_t, std::pair<float, int32_t>>> top;
+  for (auto e = d.begin(); e != d.end(); ++e) {
+    const std::string entry = absl::StrCat(field, "[\"", e.key(), "\"]");
+    int32_t id = 0;
+    if (!ParseTokenIdKey(e.key(), &id))
+      return Bad(seq, entry, "is keyed by something that is not a token id in [0, 2^31)");
+    const json& v = e.value();
+    float lp = 0;
+    if (!v.is_object() || !v.contains("logprob") || !ReadLogprob(v["logprob"], &lp))
+      return Bad(seq, entry + ".logprob", "is missing or not a number");
+    if (!v.contains("rank") || !v["rank"].is_number_integer())
+      return Bad(seq, entry + ".rank", "is missing or not an integer");
+    const int64_t rank = v["rank"].get<int64_t>();
+    if (e.key() == sent) {
+      o->logprobs.push_back(lp);
+      have_sent = true;
+    }
+    if (k_ > 0 && rank >= 1 && rank <= k_) top.push_back({rank, {lp, id}});
+  }
+  if (!have_sent) return Bad(seq, field, absl::StrCat("has no entry for the sent token ", sent));
+  if (k_ == 0) return absl::OkStatus();
+  if (top.size() != static_cast<size_t>(k_))
+    return Bad(seq, field, absl::StrCat("has ", top.size(), " entries of rank <= ", k_));
+  std::sort(top.begin(), top.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (size_t t = 0; t < top.size(); ++t) {
+    if (top[t].first != static_cast<int64_t>(t) + 1)
+      return Bad(seq, field, absl::StrCat("has no entry of rank ", t + 1, " (ranks repeat)"));
+  }
+  for (const auto& e : top) {
+    o->topk_ids.push_back(e.second.second);
+    o->topk_logprobs.push_back(e.second.first);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
-bool ParseHttpTeacherEndpoint(const std::string& endpoint, HttpTeacherKind* kind,
-                              std::string* base_url) {
+bool IsHttpTeacherEndpoint(const std::string& endpoint) {
+  for (const char* s : {"sglang://", "sglang+https://", "vllm://", "vllm+https://"})
+    if (absl::StartsWith(endpoint, s)) return true;
+  return false;
+}
+
+absl::StatusOr<HttpTeacherAddress> ParseHttpTeacherAddress(const std::string& endpoint) {
   struct Scheme {
     const char* prefix;
     HttpTeacherKind kind;
@@ -78,27 +342,45 @@ bool ParseHttpTeacherEndpoint(const std::string& endpoint, HttpTeacherKind* kind
                                     {"vllm://", HttpTeacherKind::kVllm, "http://"},
                                     {"vllm+https://", HttpTeacherKind::kVllm, "https://"}};
   for (const auto& s : kSchemes) {
-    if (absl::StartsWith(endpoint, s.prefix)) {
-      *kind = s.kind;
-      std::string rest = endpoint.substr(std::string(s.prefix).size());
-      while (!rest.empty() && rest.back() == '/') rest.pop_back();
-      *base_url = absl::StrCat(s.http, rest);
-      return true;
+    if (!absl::StartsWith(endpoint, s.prefix)) continue;
+    HttpTeacherAddress a;
+    a.kind = s.kind;
+    std::string rest = endpoint.substr(std::string(s.prefix).size());
+    if (const size_t q = rest.find('?'); q != std::string::npos) {
+      const std::string option = rest.substr(q + 1);
+      if (option != "tokenizer=none")
+        return absl::InvalidArgumentError(
+            absl::StrCat(endpoint, ": unknown option '", option,
+                         "' (the one option is '?tokenizer=none': a server without a tokenizer)"));
+      a.has_tokenizer = false;
+      rest.resize(q);
     }
+    while (!rest.empty() && rest.back() == '/') rest.pop_back();
+    if (rest.empty())
+      return absl::InvalidArgumentError(absl::StrCat(endpoint, ": no host:port after the scheme"));
+    a.base_url = absl::StrCat(s.http, rest);
+    return a;
   }
-  return false;
+  return absl::InvalidArgumentError(
+      absl::StrCat(endpoint, ": not an sglang:// or vllm:// endpoint"));
+}
+
+int64_t ReplyBytesBound(const std::vector<lm::Sample>& seqs, size_t begin, size_t end,
+                        int32_t top_k) {
+  const int64_t entries = 1 + std::max<int64_t>(top_k, 0);
+  int64_t bound = kReplyFixedBytes;
+  for (size_t i = begin; i < end; ++i)
+    bound += kReplySequenceBytes +
+             static_cast<int64_t>(seqs[i].tokens.size()) * entries * kMaxReplyEntryBytes;
+  return bound;
 }
 
 absl::StatusOr<std::unique_ptr<HttpTeacher>> HttpTeacher::Create(const ClientOptions& opts,
                                                                  HttpTeacherOptions http) {
   static const CURLcode init = curl_global_init(CURL_GLOBAL_DEFAULT);
   if (init != CURLE_OK) return absl::InternalError("curl_global_init failed");
-  HttpTeacherKind kind;
-  std::string base;
-  if (!ParseHttpTeacherEndpoint(opts.address, &kind, &base))
-    return absl::InvalidArgumentError(
-        absl::StrCat(opts.address, ": not an sglang:// or vllm:// endpoint"));
-  return std::unique_ptr<HttpTeacher>(new HttpTeacher(opts, http, kind, std::move(base)));
+  ASSIGN_OR_RETURN(HttpTeacherAddress where, ParseHttpTeacherAddress(opts.address));
+  return std::unique_ptr<HttpTeacher>(new HttpTeacher(opts, http, std::move(where)));
 }
 
 HttpTeacher::~HttpTeacher() {
@@ -124,6 +406,7 @@ void HttpTeacher::ReturnHandle(void* h) {
 }
 
 absl::StatusOr<std::string> HttpTeacher::Request(const std::string& path, const std::string& body,
+                                                 int64_t max_body, const std::string& why_max,
                                                  long* http_code) {
   const std::string where = absl::StrCat(opts_.address, " ", body.empty() ? "GET " : "POST ", path);
   if (opts_.canceller != nullptr && opts_.canceller->cancelled())
@@ -131,8 +414,9 @@ absl::StatusOr<std::string> HttpTeacher::Request(const std::string& path, const 
   CURL* h = static_cast<CURL*>(TakeHandle());
   if (h == nullptr) return absl::InternalError(absl::StrCat(where, ": curl_easy_init failed"));
   curl_easy_reset(h);
-  const std::string url = base_ + path;
+  const std::string url = where_.base_url + path;
   std::string out;
+  BodySink sink{&out, max_body};
   curl_slist* headers = curl_slist_append(nullptr, "Content-Type: application/json");
   std::string auth;
   if (!opts_.secret.empty()) {
@@ -142,7 +426,9 @@ absl::StatusOr<std::string> HttpTeacher::Request(const std::string& path, const 
   curl_easy_setopt(h, CURLOPT_URL, url.c_str());
   curl_easy_setopt(h, CURLOPT_HTTPHEADER, headers);
   curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, WriteBody);
-  curl_easy_setopt(h, CURLOPT_WRITEDATA, &out);
+  curl_easy_setopt(h, CURLOPT_WRITEDATA, &sink);
+  // A Content-Length past the bound is refused before any of the body is read.
+  curl_easy_setopt(h, CURLOPT_MAXFILESIZE_LARGE, static_cast<curl_off_t>(max_body));
   curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
   curl_easy_setopt(h, CURLOPT_TCP_KEEPALIVE, 1L);
   const int64_t ms = absl::ToInt64Milliseconds(opts_.timeout);
@@ -165,6 +451,10 @@ absl::StatusOr<std::string> HttpTeacher::Request(const std::string& path, const 
   curl_slist_free_all(headers);
   ReturnHandle(h);
   if (http_code != nullptr) *http_code = code;
+  if (rc == CURLE_FILESIZE_EXCEEDED || (rc == CURLE_WRITE_ERROR && sink.over))
+    return absl::DataLossError(absl::StrCat(where, ": the reply body is larger than ", max_body,
+                                            " bytes, the most this request can return (", why_max,
+                                            ")"));
   if (rc == CURLE_OPERATION_TIMEDOUT)
     return absl::DeadlineExceededError(
         absl::StrCat(where, ": no reply within ", absl::FormatDuration(opts_.timeout)));
@@ -189,9 +479,10 @@ absl::StatusOr<std::string> HttpTeacher::Request(const std::string& path, const 
 bool HttpTeacher::Healthy() {
   long code = 0;
   // A short deadline, as the gRPC health check's.
-  HttpTeacher probe(opts_, http_, kind_, base_);
+  HttpTeacher probe(opts_, http_, where_);
   probe.opts_.timeout = absl::Seconds(2);
-  return probe.Request("/health", "", &code).ok() && code == 200;
+  return probe.Request("/health", "", kMaxSmallReplyBytes, "a health check", &code).ok() &&
+         code == 200;
 }
 
 absl::StatusOr<std::string> HttpTeacher::ModelName() {
@@ -204,64 +495,101 @@ absl::StatusOr<std::string> HttpTeacher::ModelName() {
   return info->model_name();
 }
 
+namespace {
+
+// data[0].max_model_len of a /v1/models reply: 0 when absent, DATA_LOSS when not a positive
+// integer.
+absl::StatusOr<int64_t> MaxModelLen(const json& j, const std::string& where) {
+  if (!j.is_object() || !j.contains("data") || !j["data"].is_array() || j["data"].empty() ||
+      !j["data"][0].is_object() || !j["data"][0].contains("max_model_len"))
+    return 0;
+  const json& m = j["data"][0]["max_model_len"];
+  if (m.is_null()) return 0;
+  if (!m.is_number_integer() || m.get<int64_t>() < 2)
+    return absl::DataLossError(
+        absl::StrCat(where, ": data[0].max_model_len is not an integer of at least 2"));
+  return m.get<int64_t>();
+}
+
+}  // namespace
+
 absl::StatusOr<opd::v1::ServiceInfo> HttpTeacher::Info() {
-  const bool sglang = kind_ == HttpTeacherKind::kSglang;
-  auto body = Request(sglang ? "/get_model_info" : "/v1/models", "");
-  if (!body.ok()) return body.status();
-  const json j = json::parse(*body, nullptr, false);
-  if (j.is_discarded())
-    return absl::InternalError(absl::StrCat(opts_.address, ": the model info is not JSON"));
+  const bool sglang = where_.kind == HttpTeacherKind::kSglang;
+  const std::string path = sglang ? "/get_model_info" : "/v1/models";
+  const std::string where = absl::StrCat(opts_.address, " GET ", path);
+  ASSIGN_OR_RETURN(const std::string body, Request(path, "", kMaxSmallReplyBytes, "model info"));
+  const json j = json::parse(body, nullptr, false);
+  if (j.is_discarded()) return absl::DataLossError(absl::StrCat(where, ": reply is not JSON"));
   opd::v1::ServiceInfo info;
   std::string name;
+  int64_t max_model_len = 0;
   if (sglang) {
-    if (!j.contains("model_path") || !j["model_path"].is_string())
-      return absl::DataLossError(
-          absl::StrCat(opts_.address, ": /get_model_info has no model_path"));
+    if (!j.is_object() || !j.contains("model_path") || !j["model_path"].is_string())
+      return absl::DataLossError(absl::StrCat(where, ": reply has no model_path"));
     name = j["model_path"].get<std::string>();
     info.set_architecture("sglang");
+    // SGLang also serves the OpenAI /v1/models, with the context length; a server without it
+    // leaves the length unknown.
+    auto models = Request("/v1/models", "", kMaxSmallReplyBytes, "model list");
+    if (models.ok()) {
+      const json m = json::parse(*models, nullptr, false);
+      if (!m.is_discarded()) {
+        ASSIGN_OR_RETURN(max_model_len,
+                         MaxModelLen(m, absl::StrCat(opts_.address, " GET /v1/models")));
+      }
+    }
   } else {
-    if (!j.contains("data") || !j["data"].is_array() || j["data"].empty() ||
-        !j["data"][0].contains("id") || !j["data"][0]["id"].is_string())
-      return absl::DataLossError(absl::StrCat(opts_.address, ": /v1/models has no data[0].id"));
+    if (!j.is_object() || !j.contains("data") || !j["data"].is_array() || j["data"].empty() ||
+        !j["data"][0].is_object() || !j["data"][0].contains("id") ||
+        !j["data"][0]["id"].is_string())
+      return absl::DataLossError(absl::StrCat(where, ": reply has no data[0].id"));
     name = j["data"][0]["id"].get<std::string>();
     info.set_architecture("vllm");
+    ASSIGN_OR_RETURN(max_model_len, MaxModelLen(j, where));
   }
   info.set_model_name(name);
+  // A request must leave room for the one token it allows (vLLM's max_tokens 1; SGLang counts
+  // the same way), so the longest sequence it scores is one shorter than the context.
+  if (max_model_len > 0) info.set_max_seq_len(max_model_len - 1);
   absl::MutexLock lock(&mu_);
   model_ = name;
   return info;
 }
 
 absl::StatusOr<std::vector<int32_t>> HttpTeacher::Tokenize(const std::string& text) {
+  if (!where_.has_tokenizer)
+    return absl::UnimplementedError(
+        absl::StrCat(opts_.address, ": declared without a tokenizer (?tokenizer=none)"));
   json req = {{"prompt", text}, {"add_special_tokens", false}};
-  if (kind_ == HttpTeacherKind::kVllm) {  // SGLang serves one model and needs no name
-    auto model = ModelName();
-    if (!model.ok()) return model.status();
-    req["model"] = *model;
+  if (where_.kind == HttpTeacherKind::kVllm) {  // SGLang serves one model and needs no name
+    ASSIGN_OR_RETURN(req["model"], ModelName());
   }
-  long code = 0;
-  auto body = Request("/tokenize", req.dump(), &code);
-  // A server that answers, but not with ids, cannot tell (no endpoint, or no tokenizer loaded);
-  // refused credentials and unreachable servers stay errors.
-  if (!body.ok() && code >= 400 && code != 401 && code != 403 && code != 429)
-    return absl::UnimplementedError(body.status().message());
+  // At most one id of <= 11 bytes per byte of text, plus the reply's other fields.
+  const int64_t max_body = kMaxSmallReplyBytes + 16 * static_cast<int64_t>(text.size());
+  auto body = Request("/tokenize", req.dump(), max_body, "the ids of the text");
+  // No /tokenize at all: the server cannot tell. Every other refusal keeps its code: the pool
+  // retries the transient ones and refuses the rest.
+  if (absl::IsNotFound(body.status())) return absl::UnimplementedError(body.status().message());
   if (!body.ok()) return body.status();
+  const std::string where = absl::StrCat(opts_.address, " POST /tokenize");
   const json j = json::parse(*body, nullptr, false);
-  if (j.is_discarded() || !j.contains("tokens") || !j["tokens"].is_array())
-    return absl::DataLossError(absl::StrCat(opts_.address, ": /tokenize reply has no tokens"));
+  if (j.is_discarded() || !j.is_object() || !j.contains("tokens") || !j["tokens"].is_array())
+    return absl::DataLossError(absl::StrCat(where, ": reply has no tokens"));
   std::vector<int32_t> ids;
-  for (const auto& t : j["tokens"]) {
-    if (!t.is_number_integer())
+  ids.reserve(j["tokens"].size());
+  for (size_t i = 0; i < j["tokens"].size(); ++i) {
+    int32_t id = 0;
+    if (!ReadTokenId(j["tokens"][i], &id))
       return absl::DataLossError(
-          absl::StrCat(opts_.address, ": /tokenize reply holds a token that is not an id"));
-    ids.push_back(t.get<int32_t>());
+          absl::StrCat(where, ": tokens[", i, "] is not a token id in [0, 2^31)"));
+    ids.push_back(id);
   }
   return ids;
 }
 
 absl::StatusOr<std::vector<ScoreOutput>> HttpTeacher::Score(const std::vector<lm::Sample>& seqs,
                                                             const ScoreOptions& opts) {
-  if (kind_ == HttpTeacherKind::kVllm && opts.temperature != 1.0f) {
+  if (where_.kind == HttpTeacherKind::kVllm && opts.temperature != 1.0f) {
     return absl::InvalidArgumentError(
         absl::StrCat(opts_.address,
                      ": vLLM cannot apply a temperature to prompt log-probs (teacher temperature ",
@@ -283,9 +611,8 @@ absl::StatusOr<std::vector<ScoreOutput>> HttpTeacher::Score(const std::vector<lm
     while (end < seqs.size() &&
            tokens + static_cast<int64_t>(seqs[end].tokens.size()) <= http_.max_tokens_per_request)
       tokens += static_cast<int64_t>(seqs[end++].tokens.size());
-    auto part = ScoreBatch(seqs, begin, end, opts);
-    if (!part.ok()) return part.status();
-    for (auto& o : *part) out.push_back(std::move(o));
+    ASSIGN_OR_RETURN(auto part, ScoreBatch(seqs, begin, end, opts));
+    for (auto& o : part) out.push_back(std::move(o));
     begin = end;
   }
   return out;
@@ -293,13 +620,15 @@ absl::StatusOr<std::vector<ScoreOutput>> HttpTeacher::Score(const std::vector<lm
 
 absl::StatusOr<std::vector<ScoreOutput>> HttpTeacher::ScoreBatch(
     const std::vector<lm::Sample>& seqs, size_t begin, size_t end, const ScoreOptions& opts) {
-  const bool sglang = kind_ == HttpTeacherKind::kSglang;
+  const bool sglang = where_.kind == HttpTeacherKind::kSglang;
   const int32_t k = std::max(opts.top_k, 0);
   json ids = json::array();
   json starts = json::array();
+  int64_t tokens = 0;
   for (size_t i = begin; i < end; ++i) {
     ids.push_back(seqs[i].tokens);
     starts.push_back(seqs[i].response_start - 1);
+    tokens += static_cast<int64_t>(seqs[i].tokens.size());
   }
   json req;
   std::string path;
@@ -311,153 +640,21 @@ absl::StatusOr<std::vector<ScoreOutput>> HttpTeacher::ScoreBatch(
            {"logprob_start_len", starts}};
     if (k > 0) req["top_logprobs_num"] = k;
   } else {
-    auto model = ModelName();
-    if (!model.ok()) return model.status();
+    ASSIGN_OR_RETURN(const std::string model, ModelName());
     path = "/v1/completions";
-    req = {{"model", *model}, {"prompt", ids}, {"max_tokens", 1}, {"prompt_logprobs", k}};
+    req = {{"model", model}, {"prompt", ids}, {"max_tokens", 1}, {"prompt_logprobs", k}};
   }
-  auto body = Request(path, req.dump());
-  if (!body.ok()) return body.status();
-  const json j = ParseLenient(*body);
-  if (j.is_discarded())
-    return absl::InternalError(absl::StrCat(opts_.address, " POST ", path, ": reply is not JSON"));
-  auto bad = [&](size_t seq, const std::string& field, const std::string& what) {
-    return absl::DataLossError(
-        absl::StrCat(opts_.address, " POST ", path, ": sequence ", seq, ": ", field, " ", what));
-  };
-  const size_t n_seq = end - begin;
-  std::vector<const json*> items(n_seq, nullptr);
-  std::vector<json> keep;  // SGLang's items, when the reply had to be re-wrapped
-  if (sglang) {
-    const json* list = &j;
-    json single;
-    if (j.is_object()) {  // a batch of one may come back unwrapped
-      single = json::array({j});
-      list = &single;
-    }
-    if (!list->is_array() || list->size() != n_seq)
-      return absl::DataLossError(absl::StrCat(opts_.address, " POST ", path, ": reply has ",
-                                              list->is_array() ? list->size() : 0, " items for ",
-                                              n_seq, " sequences"));
-    keep.assign(list->begin(), list->end());
-    for (size_t i = 0; i < n_seq; ++i) items[i] = &keep[i];
-  } else {
-    if (!j.contains("choices") || !j["choices"].is_array())
-      return absl::DataLossError(
-          absl::StrCat(opts_.address, " POST ", path, ": reply has no choices"));
-    for (const auto& c : j["choices"]) {
-      if (!c.contains("index") || !c["index"].is_number_integer())
-        return absl::DataLossError(
-            absl::StrCat(opts_.address, " POST ", path, ": choices[].index missing"));
-      const int64_t idx = c["index"].get<int64_t>();
-      if (idx < 0 || static_cast<size_t>(idx) >= n_seq || items[idx] != nullptr)
-        return absl::DataLossError(absl::StrCat(opts_.address, " POST ", path, ": choices[].index ",
-                                                idx, " is out of range or repeated"));
-      items[idx] = &c;
-    }
-    for (size_t i = 0; i < n_seq; ++i)
-      if (items[i] == nullptr)
-        return absl::DataLossError(absl::StrCat(opts_.address, " POST ", path, ": choices has ",
-                                                j["choices"].size(), " entries for ", n_seq,
-                                                " sequences (index ", i, " missing)"));
-  }
-  std::vector<ScoreOutput> out(n_seq);
-  for (size_t i = 0; i < n_seq; ++i) {
-    const size_t seq = begin + i;
-    const lm::Sample& in = seqs[seq];
-    const size_t r = static_cast<size_t>(in.response_start), L = in.tokens.size();
-    const json& it = *items[i];
-    ScoreOutput& o = out[i];
-    if (sglang) {
-      if (!it.contains("meta_info") || !it["meta_info"].contains("input_token_logprobs"))
-        return bad(seq, "meta_info.input_token_logprobs", "is missing");
-      const json& lp = it["meta_info"]["input_token_logprobs"];
-      // Entries for tokens [r - 1, L): the first (null) is dropped.
-      if (!lp.is_array() || lp.size() != L - r + 1)
-        return bad(
-            seq, "meta_info.input_token_logprobs",
-            absl::StrCat("has ", lp.is_array() ? lp.size() : 0, " entries, expected ", L - r + 1));
-      for (size_t p = 1; p < lp.size(); ++p) {
-        const json& e = lp[p];
-        if (!e.is_array() || e.size() < 2 || !e[1].is_number_integer())
-          return bad(seq, absl::StrCat("meta_info.input_token_logprobs[", p, "]"),
-                     "is not [logprob, id, ...]");
-        if (e[1].get<int64_t>() != in.tokens[r - 1 + p])
-          return bad(
-              seq, absl::StrCat("meta_info.input_token_logprobs[", p, "]"),
-              absl::StrCat("has token ", e[1].get<int64_t>(), ", sent ", in.tokens[r - 1 + p]));
-        o.logprobs.push_back(Logprob(e[0]));
-      }
-      if (k > 0) {
-        if (!it["meta_info"].contains("input_top_logprobs"))
-          return bad(seq, "meta_info.input_top_logprobs", "is missing");
-        const json& tl = it["meta_info"]["input_top_logprobs"];
-        if (!tl.is_array() || tl.size() != L - r + 1)
-          return bad(seq, "meta_info.input_top_logprobs", "has the wrong number of entries");
-        for (size_t p = 1; p < tl.size(); ++p) {
-          const json& row = tl[p];
-          if (!row.is_array() || row.size() < static_cast<size_t>(k))
-            return bad(seq, absl::StrCat("meta_info.input_top_logprobs[", p, "]"),
-                       absl::StrCat("has fewer than ", k, " entries"));
-          std::vector<std::pair<float, int32_t>> v;
-          for (const auto& e : row) {
-            if (!e.is_array() || e.size() < 2 || !e[1].is_number_integer())
-              return bad(seq, absl::StrCat("meta_info.input_top_logprobs[", p, "]"),
-                         "holds an entry that is not [logprob, id, ...]");
-            v.emplace_back(Logprob(e[0]), e[1].get<int32_t>());
-          }
-          std::stable_sort(v.begin(), v.end(),
-                           [](const auto& a, const auto& b) { return a.first > b.first; });
-          for (int32_t t = 0; t < k; ++t) {
-            o.topk_ids.push_back(v[t].second);
-            o.topk_logprobs.push_back(v[t].first);
-          }
-        }
-      }
-    } else {
-      if (!it.contains("prompt_logprobs") || !it["prompt_logprobs"].is_array())
-        return bad(seq, "prompt_logprobs", "is missing");
-      const json& pl = it["prompt_logprobs"];
-      if (pl.size() != L)
-        return bad(seq, "prompt_logprobs",
-                   absl::StrCat("has ", pl.size(), " entries for ", L, " prompt tokens"));
-      for (size_t p = r; p < L; ++p) {
-        const json& d = pl[p];
-        const std::string field = absl::StrCat("prompt_logprobs[", p, "]");
-        if (!d.is_object()) return bad(seq, field, "is not an object");
-        const std::string key = std::to_string(in.tokens[p]);
-        if (!d.contains(key) || !d[key].is_object() || !d[key].contains("logprob"))
-          return bad(seq, field, absl::StrCat("has no entry for the sent token ", key));
-        o.logprobs.push_back(Logprob(d[key]["logprob"]));
-        if (k > 0) {
-          std::vector<std::pair<int64_t, std::pair<float, int32_t>>> v;
-          for (auto e = d.begin(); e != d.end(); ++e) {
-            if (!e.value().is_object() || !e.value().contains("rank") ||
-                !e.value()["rank"].is_number_integer())
-              return bad(seq, field, absl::StrCat("entry ", e.key(), " has no rank"));
-            const int64_t rank = e.value()["rank"].get<int64_t>();
-            if (rank < 1 || rank > k) continue;  // the sampled token outside the top k
-            int32_t id = 0;
-            try {
-              id = std::stoi(e.key());
-            } catch (...) {
-              return bad(seq, field, absl::StrCat("key '", e.key(), "' is not a token id"));
-            }
-            v.push_back({rank, {Logprob(e.value()["logprob"]), id}});
-          }
-          std::sort(v.begin(), v.end(),
-                    [](const auto& a, const auto& b) { return a.first < b.first; });
-          if (v.size() != static_cast<size_t>(k))
-            return bad(seq, field, absl::StrCat("has ", v.size(), " entries of rank <= ", k));
-          for (const auto& e : v) {
-            o.topk_ids.push_back(e.second.second);
-            o.topk_logprobs.push_back(e.second.first);
-          }
-        }
-      }
-    }
-  }
-  return out;
+  const std::string why =
+      absl::StrCat(end - begin, " sequences of ", tokens, " tokens x ", k + 1,
+                   " entries of <= ", kMaxReplyEntryBytes, " bytes, plus framing");
+  ASSIGN_OR_RETURN(const std::string body,
+                   Request(path, req.dump(), ReplyBytesBound(seqs, begin, end, k), why));
+  const std::string where = absl::StrCat(opts_.address, " POST ", path);
+  const json j = ParseLenient(body);
+  // A server that sent a broken body will send it again: not worth a retry.
+  if (j.is_discarded()) return absl::DataLossError(absl::StrCat(where, ": reply is not JSON"));
+  const ReplyReader reader(where, seqs, begin, end, k);
+  return sglang ? reader.Sglang(j) : reader.Vllm(j);
 }
 
 // TeacherClient's health check (declared in rpc/client.h).
@@ -469,16 +666,12 @@ bool TeacherClient::Healthy() {
 }
 
 absl::StatusOr<std::unique_ptr<TeacherEndpoint>> CreateTeacherEndpoint(const ClientOptions& opts) {
-  HttpTeacherKind kind;
-  std::string base;
-  if (ParseHttpTeacherEndpoint(opts.address, &kind, &base)) {
-    auto c = HttpTeacher::Create(opts);
-    if (!c.ok()) return c.status();
-    return std::unique_ptr<TeacherEndpoint>(std::move(*c));
+  if (IsHttpTeacherEndpoint(opts.address)) {
+    ASSIGN_OR_RETURN(auto c, HttpTeacher::Create(opts));
+    return std::unique_ptr<TeacherEndpoint>(std::move(c));
   }
-  auto c = TeacherClient::Create(opts);
-  if (!c.ok()) return c.status();
-  return std::unique_ptr<TeacherEndpoint>(std::move(*c));
+  ASSIGN_OR_RETURN(auto c, TeacherClient::Create(opts));
+  return std::unique_ptr<TeacherEndpoint>(std::move(c));
 }
 
 }  // namespace opd::rpc

@@ -43,10 +43,10 @@ echo "== paged decode attention, one layer (Qwen3-30B-A3B heads): CPU kernel vs 
 cmake --build build -j"$(nproc)" --target bench_paged_decode >/dev/null
 build/bench/bench_paged_decode --device cpu --iters 3 --max_gb 4
 
-# The engine's decode with the kernel and with the path it replaced (OPD_PAGED_DECODE=gather:
-# every layer gathers each sequence's K/V and applies a host-built mask), on the model above:
+# The engine's decode with the kernel and without it (OPD_PAGED_DECODE=gather: decode steps go
+# down the varlen prefill path, every layer gathering each sequence's K/V), on the model above:
 # the long-tail workload, then 32 prompts of 1,024 tokens x 2 samples x 128 new tokens.
-echo "== rollout engine decode tokens/s: paged decode kernel vs gather + mask =="
+echo "== rollout engine decode tokens/s: paged decode kernel vs gathered K/V =="
 $PY -c "import json, random; r = random.Random(2)
 json.dump([{'prompt': [r.randrange(32000) for _ in range(1024)], 'max_new': 128}
            for _ in range(32)], open('build/bench/paged_decode_long.json', 'w'))"
@@ -64,9 +64,10 @@ echo "== SFT training step (forward + backward + optimizer) =="
 cmake --build build -j"$(nproc)" --target opd-trainer >/dev/null
 $PY scripts/bench/sft.py --build build --workdir build/bench
 
-echo "== OPD step: sampling / scoring / learning / push, synchronous vs one-step-off =="
+echo "== OPD step: sampling / scoring / learning / push, phase by phase vs pipelined, and one-step-off =="
 cmake --build build -j"$(nproc)" --target opd-ctl >/dev/null
-$PY scripts/bench/opd.py --build build --workdir build/bench
+$PY scripts/bench/opd_pipeline.py --build build --workdir build/bench --compare pipeline
+$PY scripts/bench/opd_pipeline.py --build build --workdir build/bench --compare async
 
 echo "== learner collectives: Gloo all-reduce and one ZeRO-1 step, ours vs torch.distributed =="
 cmake --build build -j"$(nproc)" --target bench_dist >/dev/null

@@ -3,7 +3,8 @@
 # -DOPD_KERNELS_ONLY=ON: lm, kernels/, moe_kernels_test, bench_moe_kernels, attention_test,
 # paged_decode_test and bench_paged_decode; no gRPC) and the bf16
 # placement test (bf16_test: loading to the GPU in bf16, scoring there, the host memory of that
-# load), and runs them on a GPU machine, in well under 5 minutes on 16 cores. With
+# load) and the FP8 GEMMs' test (fp8_test: kernels against their CPU twin, an FP8 checkpoint's model
+# against its dequantized bf16 self), and runs them on a GPU machine, in well under 5 minutes on 16 cores. With
 # OPD_GPU_FULL_BUILD=1 (a machine with gRPC & co.) it configures the full build instead:
 # bf16_test also serves a bf16 opd-teacher on the GPU, and the other GPU cases run (the bf16-mixed
 # learner, the paged engine's bf16 KV cache, the device draw, Qwen3-Next bf16 decode, weight
@@ -144,7 +145,7 @@ print(":".join([d + "/lib"] + sorted(glob.glob(os.path.join(os.path.dirname(d), 
   say "paths: $S -> $(realpath "$S"), $B -> $(realpath "$B"), $BP -> $PY"
   if [[ "${OPD_MAKE_FIXTURES:-0}" == 1 ]]; then  # remake them with the image's python (transformers)
     for f in fixtures:make_fixtures fixtures_bf16:make_bf16_fixtures fixtures_next:make_next_fixtures \
-      fixtures_sft:make_sft_fixtures; do
+      fixtures_sft:make_sft_fixtures fixtures_fp8:make_fp8_fixtures; do
       rm -rf "$P/${f%%:*}.new"
       if timeout "$(cap 120 150)" "$BP" "$ROOT/tests/python/${f#*:}.py" --out "$P/${f%%:*}.new" \
         >"$RESULTS_DIR/${f#*:}.log" 2>&1; then
@@ -163,11 +164,12 @@ print(":".join([d + "/lib"] + sorted(glob.glob(os.path.join(os.path.dirname(d), 
     "paged_decode_test|PagedDecode.Cuda*|45"
     "bf16_test|Placement.*:Bf16Gpu.*:Bf16Serving.*|45"
     "mixed_precision_test|PrecisionGpu.*:MixedOptimizerGpu.*:LearnerDevice.*|45"
-    "engine_test|PagedKV.AttentionOnCudaInBf16:Engine.CudaBf16KvCache|25"
+    "engine_test|PagedKV.AttentionOnCuda*:Engine.CudaBf16KvCache|25"
     "sampler_test|Sampler.DeviceDrawOnCudaEqualsCpu|20"
     "qwen3_next_test|NextModel.Bf16DecodeStaysCloseCuda|25"
     "weight_sync_test|WeightSyncGpu.*|45"
     "fp32_logits_test|Fp32Logits.*Cuda*|25"
+    "fp8_test|Fp8Cuda.*:*GpuFp8*|45"
   )
   status=0
   SUMMARY=()
@@ -286,14 +288,14 @@ JOBS=${OPD_JOBS:-$(nproc)}
 say "== configure + build (jobs $JOBS), t=$(elapsed)s"
 set -o pipefail
 KERNELS_ONLY=ON
-BF16_TARGETS=(bf16_test load_rss_probe)
+BF16_TARGETS=(bf16_test load_rss_probe fp8_test)
 if [[ "${OPD_GPU_FULL_BUILD:-0}" == 1 ]]; then
   KERNELS_ONLY=OFF
   BF16_TARGETS+=(opd-teacher)
   # The other GPU cases of the full build: test binary and its GPU filter.
   FULL_GPU_TESTS=(
     "mixed_precision_test:PrecisionGpu.*:MixedOptimizerGpu.*:LearnerDevice.*"
-    "engine_test:PagedKV.AttentionOnCudaInBf16:Engine.CudaBf16KvCache"
+    "engine_test:PagedKV.AttentionOnCuda*:Engine.CudaBf16KvCache"
     "sampler_test:Sampler.DeviceDrawOnCudaEqualsCpu"
     "qwen3_next_test:NextModel.Bf16DecodeStaysCloseCuda"
     "weight_sync_test:WeightSyncGpu.*"
@@ -344,6 +346,22 @@ timeout 300 "$BUILD/tests/bf16_test" --gtest_color=no --gtest_filter="$BF16_FILT
   --gtest_output="xml:$RESULTS_DIR/bf16_test.xml" 2>&1 | tee -a "$RESULTS" || bf16_status=$?
 say "bf16_test exit status $bf16_status, t=$(elapsed)s"
 [[ $status != 0 ]] || status=$bf16_status
+
+# The FP8 GEMMs against their CPU twin, and an FP8 checkpoint's model against its dequantized
+# bf16 self (tests/fp8_test.cc); the model cases need the FP8 fixtures (transformers).
+FP8_FILTER='Fp8Cuda.*'
+if timeout 120 "$PY" "$ROOT/tests/python/make_fp8_fixtures.py" --out "$BUILD/fixtures_fp8" \
+  >"$BUILD/fp8_fixtures.log" 2>&1; then
+  FP8_FILTER='Fp8Cuda.*:*GpuFp8*'
+else
+  say "FP8 fixtures not made (no transformers in $PY?): the model cases skipped"
+fi
+say "== fp8_test ($FP8_FILTER), t=$(elapsed)s"
+rc=0
+timeout 300 "$BUILD/tests/fp8_test" --gtest_color=no --gtest_filter="$FP8_FILTER" \
+  --gtest_output="xml:$RESULTS_DIR/fp8_test.xml" 2>&1 | tee -a "$RESULTS" || rc=$?
+say "fp8_test exit status $rc, t=$(elapsed)s"
+[[ $status != 0 ]] || status=$rc
 
 # Full build only: the learner's bf16-mixed, the paged engine's bf16 KV cache, the sampler's
 # device draw, Qwen3-Next bf16 decoding and collective weight sync, on the GPU. Their fixtures

@@ -55,12 +55,12 @@ LIMIT=$((64 * 1024 * 1024))
 die() { echo "gpu_payload: $*" >&2; exit 1; }
 
 TESTS=(moe_kernels_test attention_test paged_decode_test bf16_test engine_test sampler_test
-  mixed_precision_test qwen3_next_test weight_sync_test)
+  mixed_precision_test qwen3_next_test weight_sync_test fp8_test)
 OPTIONAL_TESTS=(fp32_logits_test)  # carried when built
 HELPERS=(tests/load_rss_probe teacher_service/opd-teacher rollout/opd-rollout ctl/opd-ctl
   trainer/opd-trainer)
 BENCHES=(bench/bench_moe_kernels bench/bench_paged_decode)
-FIXTURES=(fixtures fixtures_bf16 fixtures_next fixtures_sft)
+FIXTURES=(fixtures fixtures_bf16 fixtures_next fixtures_sft fixtures_fp8)
 GLIBC_CORE='^(libc|libm|libdl|libpthread|librt|libutil|libresolv|libmvec|ld-linux-x86-64|linux-vdso)\.so'
 
 # The torch wheel's library dirs: torch/lib and site-packages/nvidia/*/lib.

@@ -31,11 +31,17 @@ class EpLeaderModel final : public lm::CausalLM {
   opd::rpc::EpGroup* group_;
 };
 
-// A follower's work: runs the forward of each batch the leader sends.
+// A follower's work: runs the forward of each batch the leader sends, in the leader's mode.
 opd::rpc::EpGroup::Work FollowerForwards(std::shared_ptr<lm::CausalLM> model);
 
-// The wire form of a packed batch (its tokens, positions and document boundaries).
-std::string EncodeBatch(const lm::PackedBatch& batch);
-absl::StatusOr<lm::PackedBatch> DecodeBatch(const std::string& bytes);
+// The wire form of a forward: the packed batch (its tokens, positions and document boundaries)
+// and whether the leader runs it batch-invariant (lm/model/batch_invariant.h), which every rank
+// must match: the mode changes the MoE layers' collective (rpc/ep_group.cc).
+struct EpForward {
+  lm::PackedBatch batch;
+  bool batch_invariant = false;
+};
+std::string EncodeBatch(const EpForward& forward);
+absl::StatusOr<EpForward> DecodeBatch(const std::string& bytes);
 
 }  // namespace teacher

@@ -31,6 +31,21 @@ ABSL_FLAG(int64_t, max_reply_mb, 1024,
           "largest reply a request may cost, in MiB (1..2047: protobuf cannot send 2 GiB); "
           "larger requests get RESOURCE_EXHAUSTED; with ScoreStream, the largest reply one "
           "sequence may cost");
+ABSL_FLAG(int64_t, max_streams, teacher::StreamLimits().max_streams,
+          "ScoreStream calls in progress at once; more get RESOURCE_EXHAUSTED (each holds its "
+          "request until it ends)");
+ABSL_FLAG(int64_t, max_streams_per_connection, teacher::StreamLimits().max_streams_per_connection,
+          "ScoreStream calls in progress at once on one client connection; more get "
+          "RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, stream_write_timeout_s,
+          absl::ToInt64Seconds(teacher::StreamLimits().write_timeout),
+          "seconds a reply (a ScoreStream chunk or a Score reply) may wait for its client to "
+          "read it; then the call is cancelled and its memory freed. While a reply waits it "
+          "holds one of --max-queue's slots");
+ABSL_FLAG(bool, batch_invariant, true,
+          "score every sequence with arithmetic independent of what shares its batch (CPU): "
+          "the same bits whatever concurrent requests are packed with it, so that OPD runs "
+          "reproduce and resume exactly; costs some speed (docs/performance.md)");
 ABSL_FLAG(int64_t, max_chunk_mb, 32,
           "ScoreStream: reply bytes per chunk, in MiB (1..2047; above --max-reply-mb it is "
           "--max-reply-mb); the server scores and holds one chunk per stream at a time");
@@ -74,6 +89,12 @@ absl::Status CheckFlags() {
       CheckFlagRange("--logprob-chunk", absl::GetFlag(FLAGS_logprob_chunk), 1, kMillion),
       CheckFlagRange("--max-reply-mb", absl::GetFlag(FLAGS_max_reply_mb), 1, 2047),
       CheckFlagRange("--max-chunk-mb", absl::GetFlag(FLAGS_max_chunk_mb), 1, 2047),
+      CheckFlagRange("--max-streams", absl::GetFlag(FLAGS_max_streams), 1, kMillion),
+      CheckFlagRange("--max-streams-per-connection",
+                     absl::GetFlag(FLAGS_max_streams_per_connection), 1, kMillion),
+      // A day: past it a stalled reply is held as good as forever.
+      CheckFlagRange("--stream-write-timeout-s", absl::GetFlag(FLAGS_stream_write_timeout_s), 1,
+                     86400),
   });
 }
 
@@ -99,6 +120,15 @@ absl::Status Run() {
   so.max_queue = absl::GetFlag(FLAGS_max_queue);
   so.workers = absl::GetFlag(FLAGS_workers);
   so.logprob_chunk_rows = absl::GetFlag(FLAGS_logprob_chunk);
+  so.batch_invariant = absl::GetFlag(FLAGS_batch_invariant);
+  if (so.batch_invariant && !loaded.placement.device.is_cpu()) {
+    // What is invariant on CUDA is so without the mode; the rest would only cost time.
+    lm::log::Warn(
+        "--batch-invariant covers CPU scoring only and is off on this device: on CUDA, cuBLAS "
+        "chooses GEMM kernels and torch's reductions split rows by batch shape, so a sequence's "
+        "log-probs may change in the last bits with what it is batched with (docs/gpu.md)");
+    so.batch_invariant = false;
+  }
   // The scoring buckets and LM-head chunks on top of the loaded weights, as opd-ctl plan counts
   // them (lm/plan/plan.h): refused naming the term rather than failing mid-request. Under
   // --world-size the loaded config's local_experts is already this rank's share.
@@ -119,8 +149,12 @@ absl::Status Run() {
   teacher::Scorer scorer(model, so);
 
   opd::rpc::Authenticator auth(loaded.secret);
+  teacher::StreamLimits streams;
+  streams.max_streams = absl::GetFlag(FLAGS_max_streams);
+  streams.max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
+  streams.write_timeout = absl::Seconds(absl::GetFlag(FLAGS_stream_write_timeout_s));
   teacher::TeacherService service(&scorer, &auth, limits,
-                                  loaded.Info(kServiceName, limits.max_seq_len));
+                                  loaded.Info(kServiceName, limits.max_seq_len), streams);
   // No reply or chunk exceeds max_reply_bytes (Validate, and the service's last check), so gRPC's
   // send limit can be that: it stays below the 2 GiB protobuf cannot serialise.
   return opd::rpc::ServeUntilSignal(

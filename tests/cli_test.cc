@@ -235,7 +235,6 @@ TEST_F(Cli, ModelServerFlagsOutOfRangeExit2BeforeTheModelLoads) {
         {{"--max-seq-len=-1"}, "--max-seq-len=-1", "[0, 16777216]"},
         {{"--max-samples-per-prompt=0"}, "--max-samples-per-prompt=0", "[1, 1048576]"},
         {{"--max-slots=0"}, "--max-slots=0", "[1, 1048576]"},
-        {{"--kv-budget-gb=-1"}, "--kv-budget-gb=-1", "[0, 65536]"},
         {{"--kv-cache-gb=0"}, "--kv-cache-gb=0", "(0, 65536]"},
         {{"--kv-cache-gb=nan"}, "--kv-cache-gb=nan", "(0, 65536]"},
         {{"--kv-block-size=0"}, "--kv-block-size=0", "[1, 1024]"},
@@ -298,6 +297,11 @@ TEST_F(Cli, CtlFlagsOutOfRangeExit2NamingTheRange) {
        {{}, "--threads=5000", "[0, 1024]"}},
       {{"eval", "--model=" + model_, "--prompts=/nonexistent", "--max-new-tokens=0"},
        {{}, "--max-new-tokens=0", "[1, 16777216]"}},
+      // Before, --temperature 1e-45 printed NaN log-probs with exit 0 and --threads 100000 hung.
+      {{"logprobs", "--model=" + model_, "--input=/nonexistent", "--temperature=1e-45"},
+       {{}, "--temperature=1e-45", "[0.0001, 1000]"}},
+      {{"logprobs", "--model=" + model_, "--input=/nonexistent", "--threads=100000"},
+       {{}, "--threads=100000", "[0, 1024]"}},
   };
   for (const auto& [words, c] : cases) {
     std::vector<std::string> argv = {kCtl};

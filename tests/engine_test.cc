@@ -1,9 +1,12 @@
 // The rollout engine (rollout/engine.h) and the paged KV cache it runs on (lm/model/paged_kv.h):
-// paged attention equals the contiguous cache's; the engine's samples equal the static
-// sampler's (greedy, sampled, filtered; in-process and through the gRPC service), with and without
-// preemption; the pool stays within its budget; the batch stays full under a long tail; the
-// samples of a prompt share its blocks; a full queue and a request that cannot fit are refused;
-// cancellation. Models: the tiny random fixtures; GPU cases (bf16 KV on CUDA) skip without one.
+// paged attention equals the contiguous cache's (prefills, decodes and chunks after a context in
+// one step, fp32 and bf16, no mask built); a model's paged steps, chunked or not, equal its full
+// forward; the engine's samples equal the static sampler's (greedy, sampled, filtered;
+// in-process and through the gRPC service), with and without preemption; the pool stays within
+// its budget; the batch stays full under a long tail; the samples of a prompt share its blocks; a
+// full queue and a request that cannot fit are refused; cancellation. Admission of large
+// requests, chunked prefill and seed indices: tests/engine_admission_test.cc. Models: the tiny
+// random fixtures; GPU cases (bf16 and fp32 on CUDA) skip without one.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -26,6 +29,7 @@
 #include "rollout/weights.h"
 #include "rpc/auth.h"
 #include "rpc/codec.h"
+#include "tests/engine_testing.h"
 #include "tests/gpu.h"
 #include "tests/tensor_testing.h"
 #include "tests/testing.h"
@@ -42,69 +46,14 @@ using lm::SampleResponses;
 using lm::SamplingParams;
 namespace {
 
-constexpr const char* kModel = "moe_tied_topk8";  // vocab 96, 256 positions
-
-std::shared_ptr<lm::CausalLM> Load(const std::string& fixture = kModel) {
-  torch::set_num_threads(1);  // tiny models gain nothing from more (see sampler_test)
-  auto m = lm::LoadModel(std::string(OPD_FIXTURES_DIR) + "/" + fixture + "/model");
-  EXPECT_TRUE(m.ok()) << m.status();
-  (*m)->eval();
-  return *m;
-}
-
-const std::vector<std::vector<int64_t>> kPrompts = {
-    {1, 5, 9, 13, 2}, {7, 3}, {40, 41, 42, 43, 44, 45, 46, 47}};
-
-void SortSamples(std::vector<Sample>& out) {
-  std::sort(out.begin(), out.end(), [](const Sample& a, const Sample& b) {
-    return std::tie(a.prompt_index, a.sample_index) < std::tie(b.prompt_index, b.sample_index);
-  });
-}
-
-std::vector<Sample> Static(lm::CausalLM& model, const std::vector<std::vector<int64_t>>& prompts,
-                           const SamplingParams& p) {
-  std::vector<Sample> out;
-  auto st = SampleResponses(model, prompts, p, [&](Sample s) { out.push_back(std::move(s)); });
-  EXPECT_TRUE(st.ok()) << st.status();
-  SortSamples(out);
-  return out;
-}
-
-std::vector<Sample> RunEngine(Engine& engine, std::shared_ptr<lm::CausalLM> model,
-                              const std::vector<std::vector<int64_t>>& prompts,
-                              const SamplingParams& p) {
-  std::vector<Sample> out;
-  absl::Status st = engine.Generate(
-      Snapshot{std::move(model), 0, nullptr}, prompts, p,
-      [&](Sample s) { out.push_back(std::move(s)); }, nullptr);
-  EXPECT_TRUE(st.ok()) << st;
-  SortSamples(out);
-  return out;
-}
-
-std::unique_ptr<Engine> MakeEngine(const lm::CausalLM& model, int64_t num_blocks,
-                                   int64_t max_running = 256, int64_t max_requests = 64) {
-  EngineOptions o;
-  o.num_blocks = num_blocks;
-  o.max_running = max_running;
-  o.max_requests = max_requests;
-  auto e = Engine::Create(model, o);
-  EXPECT_TRUE(e.ok()) << e.status();
-  return std::move(*e);
-}
-
-void ExpectSameSamples(const std::vector<Sample>& a, const std::vector<Sample>& b,
-                       double tol = 1e-5) {
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_EQ(a[i].prompt_index, b[i].prompt_index);
-    EXPECT_EQ(a[i].sample_index, b[i].sample_index);
-    EXPECT_EQ(a[i].tokens, b[i].tokens)
-        << "prompt " << a[i].prompt_index << " sample " << a[i].sample_index;
-    EXPECT_LE(MaxAbsDiff(a[i].logprobs, b[i].logprobs), tol);
-    EXPECT_EQ(a[i].finish, b[i].finish);
-  }
-}
+using engine_testing::ExpectSameSamples;
+using engine_testing::kModel;
+using engine_testing::kPrompts;
+using engine_testing::Load;
+using engine_testing::MakeEngine;
+using engine_testing::RunEngine;
+using engine_testing::SortSamples;
+using engine_testing::Static;
 
 // --- paged attention against the contiguous cache ---
 
@@ -170,7 +119,7 @@ void CheckPagedAttention(torch::TensorOptions opts, double tol) {
     auto q = torch::randn({c.step.num_tokens(), hq, d}, opts);
     auto meta = lm::BuildPagedAttentionMeta(c.step, bs, q.device());
     lm::WritePagedKV(c.k_pool, c.v_pool, k, v, meta);
-    auto got = lm::PagedAttention(q, c.k_pool, c.v_pool, meta, scale);
+    auto got = lm::PagedAttention(q, k, v, c.k_pool, c.v_pool, meta, scale);
     auto want = lm::VarlenCausalAttention(q, k, v, c.step.cu_seqlens, scale);
     EXPECT_LE((got - want).abs().max().item<double>(), tol);
   }
@@ -182,7 +131,7 @@ void CheckPagedAttention(torch::TensorOptions opts, double tol) {
     auto q = torch::randn({4, hq, d}, opts);
     auto meta = lm::BuildPagedAttentionMeta(c.step, bs, q.device());
     lm::WritePagedKV(c.k_pool, c.v_pool, k, v, meta);
-    auto got = lm::PagedAttention(q, c.k_pool, c.v_pool, meta, scale);
+    auto got = lm::PagedAttention(q, k, v, c.k_pool, c.v_pool, meta, scale);
     auto kc = torch::zeros({4, 20, hkv, d}, opts), vc = torch::zeros({4, 20, hkv, d}, opts);
     std::vector<int64_t> visible;
     for (int b = 0; b < 4; ++b) {
@@ -195,13 +144,14 @@ void CheckPagedAttention(torch::TensorOptions opts, double tol) {
     EXPECT_LE((got - want).abs().max().item<double>(), tol);
   }
   {
-    // Several new tokens after a context (the general case): each new token's row of the causal
-    // attention over the whole sequence.
-    auto c = MakeCase({{6, 3}, {0, 2}, {9, 1}}, bs, hkv, d, opts);
+    // Several new tokens after a context (a chunk of a long prompt or of a recompute), with
+    // prefills and a decode row in the same step: each new token's row of the causal attention
+    // over its whole sequence.
+    auto c = MakeCase({{6, 3}, {0, 2}, {9, 1}, {45, 17}, {0, 30}, {3, 40}}, bs, hkv, d, opts);
     auto [k, v] = NewKV(c);
     auto q_full = std::vector<torch::Tensor>{};
     std::vector<torch::Tensor> q_new, want;
-    for (size_t b = 0; b < 3; ++b) {
+    for (size_t b = 0; b < c.k_full.size(); ++b) {
       const int64_t len = c.k_full[b].size(0), ctx = c.step.context_lens[b];
       auto qf = torch::randn({len, hq, d}, opts);
       q_new.push_back(qf.narrow(0, ctx, len - ctx));
@@ -211,7 +161,7 @@ void CheckPagedAttention(torch::TensorOptions opts, double tol) {
     auto q = torch::cat(q_new);
     auto meta = lm::BuildPagedAttentionMeta(c.step, bs, q.device());
     lm::WritePagedKV(c.k_pool, c.v_pool, k, v, meta);
-    auto got = lm::PagedAttention(q, c.k_pool, c.v_pool, meta, scale);
+    auto got = lm::PagedAttention(q, k, v, c.k_pool, c.v_pool, meta, scale);
     EXPECT_LE((got - torch::cat(want)).abs().max().item<double>(), tol);
   }
 }
@@ -220,9 +170,42 @@ TEST(PagedKV, AttentionThroughBlockTablesEqualsContiguousCache) {
   CheckPagedAttention(torch::TensorOptions().dtype(torch::kFloat32), 1e-5);
 }
 
+// bf16 on the CPU: the flash kernel accumulates in fp32 and the continued rows merge in fp32, so
+// the two paths differ by the bf16 rounding of their outputs (a few units of 2^-8).
+TEST(PagedKV, AttentionInBf16OnCpu) {
+  CheckPagedAttention(torch::TensorOptions().dtype(torch::kBFloat16), 3e-2);
+}
+
+// CUDA: FlashAttention-2 varlen for bf16, the memory-efficient varlen kernel for fp32, both
+// causal from the bottom right over the gathered keys.
 TEST(PagedKV, AttentionOnCudaInBf16) {
   SKIP_WITHOUT_CUDA();
   CheckPagedAttention(torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA), 3e-2);
+}
+
+TEST(PagedKV, AttentionOnCudaInFp32) {
+  SKIP_WITHOUT_CUDA();
+  CheckPagedAttention(torch::TensorOptions().dtype(torch::kFloat32).device(torch::kCUDA), 1e-4);
+}
+
+// A step other than decode builds the varlen indices of its device only: the CPU's context rows
+// (none when no sequence has a context), never a mask: host memory O(tokens), not O(B Q L).
+TEST(PagedKV, PrefillMetaHoldsRowsNotAMask) {
+  lm::PagedStep step;
+  step.cu_seqlens = {0, 5, 9};
+  step.context_lens = {0, 7};
+  step.block_tables = {{3, 1}, {2, 4, 5}};
+  const auto meta = lm::BuildPagedAttentionMeta(step, 4, torch::kCPU);
+  EXPECT_FALSE(meta.decode);
+  EXPECT_FALSE(meta.all_fresh);
+  ASSERT_TRUE(meta.context_rows.defined());
+  // Sequence 1's context: positions 0..6, rows of blocks 2 (0..3) then 4 (4..6).
+  EXPECT_EQ(meta.context_rows.numel(), 7);
+  EXPECT_EQ(meta.context_rows[0].item<int64_t>(), 2 * 4);
+  EXPECT_EQ(meta.context_rows[6].item<int64_t>(), 4 * 4 + 2);
+  EXPECT_FALSE(meta.key_rows.defined());  // CUDA's
+  step.context_lens = {0, 0};
+  EXPECT_FALSE(lm::BuildPagedAttentionMeta(step, 4, torch::kCPU).context_rows.defined());
 }
 
 // A prompt's paged prefill and decode steps give the hidden states of a full forward.
@@ -242,6 +225,19 @@ TEST(PagedKV, ModelStepsEqualFullForward) {
     step.state_slots = {0};
     auto h = model->PagedForward(step, cache);
     EXPECT_LE((h[0] - full[5]).abs().max().item<double>(), 1e-5) << fixture;
+    // The same prompt prefilled in chunks of 2, 3 and 1 tokens (into other blocks).
+    auto chunked = model->NewPagedKVCache(8, 4, 1);
+    lm::PagedStep part = step;
+    part.block_tables = {{6, 3}};
+    for (auto [from, n] : std::vector<std::pair<int64_t, int64_t>>{{0, 2}, {2, 3}, {5, 1}}) {
+      part.input_ids =
+          torch::tensor(std::vector<int64_t>(seq.begin() + from, seq.begin() + from + n));
+      part.cu_seqlens = {0, n};
+      part.context_lens = {from};
+      auto hc = model->PagedForward(part, chunked);
+      EXPECT_LE((hc[0] - full[from + n - 1]).abs().max().item<double>(), 1e-5)
+          << fixture << " chunk at " << from;
+    }
     for (int64_t t = 6; t < static_cast<int64_t>(seq.size()); ++t) {
       step.input_ids = torch::tensor({seq[t]});
       step.cu_seqlens = {0, 1};

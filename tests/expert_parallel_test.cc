@@ -12,10 +12,12 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <random>
 #include <regex>
 #include <string>
 #include <thread>
@@ -297,6 +299,46 @@ TEST(TeacherFailure, FollowerKilledMidRequestGivesUnavailable) {
   EXPECT_EQ(g.rank(0).Stop(), 1) << g.Logs();
 }
 
+// Batch-invariant scoring (the default) across an expert-parallel group: with three ranks the
+// MoE layers' partial sums are gathered and added in rank order (rpc/ep_group.cc) where the
+// backend's all-reduce adds an element's three terms in an order set by its place in the buffer,
+// i.e. by the batch's size; the followers run the leader's mode. A sequence scored alone, and in
+// one request (one batch) with 1, 8 and 40 others before or around it, gives the same bits.
+TEST(TeacherBatchInvariance, ThreeRanksScoreASequenceTheSameAloneAndBatched) {
+  Group g(kBin + "/teacher_service/opd-teacher", kMoe + "/model", 3,
+          {"--max-batch-tokens=1000000"});
+  ASSERT_TRUE(g.ok()) << g.Logs();
+  auto client = opd::rpc::TeacherClient::Create(g.Options());
+  ASSERT_TRUE(client.ok()) << client.status();
+  std::mt19937 rng(3);
+  auto random = [&rng](int len) {
+    std::vector<int32_t> t(len);
+    for (auto& x : t) x = static_cast<int32_t>(rng() % 96);
+    return lm::Sample::ToScore(std::move(t), 1);
+  };
+  const lm::Sample target = random(37);
+  std::vector<lm::Sample> others;
+  for (int i = 0; i < 40; ++i) others.push_back(random(5 + static_cast<int>(rng() % 60)));
+  opd::rpc::ScoreOptions so;
+  so.top_k = 4;
+  auto alone = (*client)->Score({target}, so);
+  ASSERT_TRUE(alone.ok()) << alone.status() << "\n" << g.Logs();
+  for (auto [n, at] : {std::pair{1, 1}, {8, 0}, {8, 5}, {40, 20}, {40, 40}}) {
+    std::vector<lm::Sample> batch(others.begin(), others.begin() + n);
+    batch.insert(batch.begin() + at, target);
+    auto got = (*client)->Score(batch, so);
+    ASSERT_TRUE(got.ok()) << got.status();
+    const auto& a = (*alone)[0];
+    const auto& b = (*got)[at];
+    EXPECT_TRUE(a.logprobs.size() == b.logprobs.size() &&
+                std::memcmp(a.logprobs.data(), b.logprobs.data(), 4 * a.logprobs.size()) == 0 &&
+                std::memcmp(a.topk_logprobs.data(), b.topk_logprobs.data(),
+                            4 * a.topk_logprobs.size()) == 0 &&
+                a.topk_ids == b.topk_ids)
+        << n << " others, at " << at;
+  }
+}
+
 std::vector<lm::Sample> Generate(const Group& g, uint64_t seed, const std::string& secret = "") {
   auto client = opd::rpc::RolloutClient::Create(g.Options(secret));
   EXPECT_TRUE(client.ok()) << client.status();
@@ -347,6 +389,50 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, RolloutParity, ::testing::Values(kMoe, kNext)
                          [](const auto& info) {
                            return info.index == 0 ? "Qwen3Moe" : "Qwen3Next";
                          });
+
+// A request larger than one batch's cache (--kv-cache-gb=0.00003, 32 KiB: two of these prompts
+// with their samples) runs as consecutive batches on both ranks alike, with the samples one rank
+// draws running it whole; the seed indices travel to the follower. One prompt whose samples alone
+// exceed the batch is RESOURCE_EXHAUSTED naming it.
+TEST(RolloutBatches, TwoRanksRunALargeRequestInBatches) {
+  const std::string bin = kBin + "/rollout/opd-rollout";
+  const std::string model = kMoe + "/model";
+  std::vector<std::vector<int32_t>> prompts;
+  for (int32_t i = 0; i < 12; ++i) prompts.push_back({i + 1, (5 * i) % 96, (7 * i + 3) % 96});
+  opd::rpc::GenerateOptions go;
+  go.samples_per_prompt = 2;
+  go.max_new_tokens = 12;
+  go.seed = 4;
+  for (int64_t i = 0; i < 12; ++i) go.seed_indices.push_back(10 + i);
+  auto run = [&](const Group& g, const std::vector<std::vector<int32_t>>& ps) {
+    auto client = opd::rpc::RolloutClient::Create(g.Options());
+    EXPECT_TRUE(client.ok()) << client.status();
+    return (*client)->Generate(ps, go);
+  };
+  absl::StatusOr<std::vector<lm::Sample>> want;
+  {
+    Group one(bin, model, 1, {"--engine=static"});
+    ASSERT_TRUE(one.ok()) << one.Logs();
+    want = run(one, prompts);
+    ASSERT_TRUE(want.ok()) << want.status();
+  }
+  Group two(bin, model, 2, {"--kv-cache-gb=0.00003"});
+  ASSERT_TRUE(two.ok()) << two.Logs();
+  const auto got = run(two, prompts);
+  ASSERT_TRUE(got.ok()) << got.status() << "\n" << two.Logs();
+  ASSERT_EQ(got->size(), want->size());
+  for (size_t s = 0; s < got->size(); ++s) {
+    EXPECT_EQ((*got)[s].tokens, (*want)[s].tokens) << "sample " << s;
+    EXPECT_LE(MaxAbsDiff((*got)[s].logprobs, (*want)[s].logprobs), 1e-5);
+  }
+  go.seed_indices = {0};
+  const auto big = run(two, {std::vector<int32_t>(40, 5)});
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted) << big.status();
+  EXPECT_NE(std::string(big.status().message()).find("prompt 0: 40 tokens"), std::string::npos)
+      << big.status();
+  EXPECT_EQ(two.rank(0).Stop(), 0) << two.Logs();
+  EXPECT_EQ(two.rank(1).Wait(std::chrono::seconds(60)), 0) << two.Logs();
+}
 
 constexpr const char* kSecret = "ep-test-secret";
 

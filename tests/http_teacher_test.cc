@@ -14,12 +14,17 @@
 #include <iostream>
 #include <limits>
 #include <optional>
+#include <random>
+#include <sstream>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "fake_inference_server.h"
 #include "lm/io/safetensors.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing.h"
+#include "trainer/common/config.h"
+#include "trainer/opd/opd_config.h"
 #include "trainer/opd/teacher_pool.h"
 
 namespace {
@@ -77,16 +82,47 @@ void ExpectSynthetic(const std::vector<opd::rpc::ScoreOutput>& out, int k) {
   }
 }
 
+// opd-ctl run with `args`: its exit code and its output (stdout and stderr).
+struct CtlRun {
+  int code = -1;
+  std::string output;
+};
+
+CtlRun RunCtl(const std::vector<std::string>& args) {
+  static int n = 0;
+  const auto log = testing_util::FreshDir("ctl") / ("ctl" + std::to_string(n++) + ".log");
+  std::vector<std::string> argv = {std::string(OPD_BINARY_DIR) + "/ctl/opd-ctl"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  testing_util::ChildProcess p(argv, log.string());
+  CtlRun r;
+  r.code = p.Wait(std::chrono::seconds(120));
+  r.output = p.Log();
+  return r;
+}
+
 TEST(HttpTeacher, ParsesSchemes) {
-  opd::rpc::HttpTeacherKind kind;
-  std::string base;
-  ASSERT_TRUE(opd::rpc::ParseHttpTeacherEndpoint("sglang+https://h:1/", &kind, &base));
-  EXPECT_EQ(kind, opd::rpc::HttpTeacherKind::kSglang);
-  EXPECT_EQ(base, "https://h:1");
-  ASSERT_TRUE(opd::rpc::ParseHttpTeacherEndpoint("vllm://h:2", &kind, &base));
-  EXPECT_EQ(kind, opd::rpc::HttpTeacherKind::kVllm);
-  EXPECT_EQ(base, "http://h:2");
-  EXPECT_FALSE(opd::rpc::ParseHttpTeacherEndpoint("h:3", &kind, &base));
+  auto a = opd::rpc::ParseHttpTeacherAddress("sglang+https://h:1/");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->kind, opd::rpc::HttpTeacherKind::kSglang);
+  EXPECT_EQ(a->base_url, "https://h:1");
+  EXPECT_TRUE(a->has_tokenizer);
+  auto b = opd::rpc::ParseHttpTeacherAddress("vllm://h:2");
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->kind, opd::rpc::HttpTeacherKind::kVllm);
+  EXPECT_EQ(b->base_url, "http://h:2");
+  EXPECT_FALSE(opd::rpc::IsHttpTeacherEndpoint("h:3"));
+  EXPECT_FALSE(opd::rpc::ParseHttpTeacherAddress("h:3").ok());
+  // The one option: a server without a tokenizer.
+  auto c = opd::rpc::ParseHttpTeacherAddress("sglang://h:4/?tokenizer=none");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->base_url, "http://h:4");
+  EXPECT_FALSE(c->has_tokenizer);
+  for (const char* bad : {"vllm://h:5?tokenizer=yes", "sglang://?tokenizer=none", "vllm://"}) {
+    EXPECT_TRUE(opd::rpc::IsHttpTeacherEndpoint(bad)) << bad;
+    auto r = opd::rpc::ParseHttpTeacherAddress(bad);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(r.status().message().find(bad), std::string::npos) << r.status();
+  }
 }
 
 TEST(HttpTeacher, SglangAndVllmScores) {
@@ -205,6 +241,10 @@ TEST(HttpTeacher, HttpsWithTheServersCaScoresAndAnotherCaIsRefused) {
     auto pool = trainer::TeacherPool::Connect("s", {ep}, {}, po);
     EXPECT_EQ(pool.status().code(), absl::StatusCode::kFailedPrecondition) << pool.status();
     EXPECT_NE(pool.status().message().find(ep), std::string::npos) << pool.status();
+    // opd-ctl takes the TLS variants with --tls-ca.
+    const CtlRun info = RunCtl({"info", "--addr", ep, "--tls-ca", certs->ca.string()});
+    EXPECT_EQ(info.code, 0) << info.output;
+    EXPECT_NE(info.output.find("\"architecture\":"), std::string::npos) << info.output;
   }
   // Plain HTTP to a TLS port is not a reply.
   EXPECT_FALSE(ScoreWith(tls.Endpoint("sglang")).ok());
@@ -239,6 +279,346 @@ TEST(HttpTeacherPool, FailsOverFrom500) {
   ExpectSynthetic(*out, 0);
   EXPECT_GE((*pool)->failovers(), 1);
   EXPECT_EQ((*pool)->healthy_count(), 1);
+}
+
+// --- Replies checked field by field, and bounded -------------------------------------------------
+
+// Each malformed reply of the fake (a field missing, mistyped or out of range) is DATA_LOSS naming
+// the endpoint and the field, never a crash (a vLLM top-k entry without "logprob" aborted the
+// learner) and never a wrong number (a key "5abc" read as id 5, an id of 2^32 + 5 as 5).
+TEST(HttpTeacher, EveryReplyFieldIsCheckedBeforeUse) {
+  struct Case {
+    const char* mode;
+    const char* field;  // what the message must name
+  };
+  const Case cases[] = {{"vllm_no_logprob", "logprob"},
+                        {"vllm_logprob_string", "logprob"},
+                        {"vllm_no_rank", "rank"},
+                        {"vllm_key_junk", "abc"},
+                        {"vllm_key_big", "4294967296"},
+                        {"vllm_rank_repeated", "rank"},
+                        {"vllm_choice_not_object", "choices[0]"},
+                        {"sglang_id_big", "input_top_logprobs"},
+                        {"sglang_id_string", "input_top_logprobs"},
+                        {"sglang_meta_not_object", "meta_info"},
+                        {"sglang_item_not_object", "meta_info"},
+                        {"sglang_logprob_string", "input_token_logprobs"}};
+  for (const Case& c : cases) {
+    FakeServer s(c.mode);
+    ASSERT_TRUE(s.ok()) << c.mode;
+    const std::string ep = s.Endpoint(absl::StartsWith(c.mode, "vllm") ? "vllm" : "sglang");
+    auto out = ScoreWith(ep, 2);
+    EXPECT_EQ(out.status().code(), absl::StatusCode::kDataLoss) << c.mode << ": " << out.status();
+    const std::string msg(out.status().message());
+    EXPECT_NE(msg.find(ep), std::string::npos) << c.mode << ": " << msg;
+    EXPECT_NE(msg.find(c.field), std::string::npos) << c.mode << ": " << msg;
+  }
+}
+
+// A body that is not JSON is the server's fault and would come back the same: DATA_LOSS, which
+// the pool does not retry (INTERNAL was retried max_attempts times).
+TEST(HttpTeacher, ReplyThatIsNotJsonIsDataLoss) {
+  FakeServer s("notjson");
+  for (const char* scheme : {"sglang", "vllm"}) {
+    auto out = ScoreWith(s.Endpoint(scheme));
+    EXPECT_EQ(out.status().code(), absl::StatusCode::kDataLoss) << scheme << ": " << out.status();
+    EXPECT_FALSE(trainer::IsTransient(out.status()));
+  }
+}
+
+// Peak resident memory since the last reset, in bytes (Linux: VmHWM; reset by clear_refs 5).
+int64_t PeakRssBytes(bool reset) {
+  if (reset) std::ofstream("/proc/self/clear_refs") << "5";
+  std::ifstream in("/proc/self/status");
+  for (std::string key; in >> key;) {
+    int64_t kb = 0;
+    if (key == "VmHWM:" && in >> kb) return kb * 1024;
+  }
+  return -1;
+}
+
+// The bound of a score reply, by hand: Inputs() has 5 + 4 + 2 tokens; with k = 2 each position
+// has 3 entries.
+TEST(HttpTeacher, ReplyBoundIsTheRequestsEntries) {
+  const auto in = Inputs();
+  EXPECT_EQ(opd::rpc::ReplyBytesBound(in, 0, in.size(), 2),
+            opd::rpc::kReplyFixedBytes + 3 * opd::rpc::kReplySequenceBytes +
+                11 * 3 * opd::rpc::kMaxReplyEntryBytes);
+  EXPECT_EQ(opd::rpc::ReplyBytesBound(in, 1, 2, 0), opd::rpc::kReplyFixedBytes +
+                                                        opd::rpc::kReplySequenceBytes +
+                                                        4 * opd::rpc::kMaxReplyEntryBytes);
+}
+
+// A reply announcing 3 GB, and a chunked one that never ends, are refused once past what the
+// request can return (here ~80 KiB): DATA_LOSS, and the client's memory does not grow with them.
+// The fake sends as fast as loopback allows, so an unbounded client would take GBs in the 60 s
+// timeout; 64 MiB is far above the bound and far below that.
+TEST(HttpTeacher, ReplyBodyIsBoundedByTheRequest) {
+  for (const char* mode : {"hugelength", "endless"}) {
+    FakeServer s(mode);
+    ASSERT_TRUE(s.ok()) << mode;
+    for (const char* scheme : {"sglang", "vllm"}) {
+      const int64_t before = PeakRssBytes(/*reset=*/true);
+      auto out = ScoreWith(s.Endpoint(scheme), 2, 1.0f, absl::Seconds(60));
+      const int64_t grew = PeakRssBytes(false) - before;
+      EXPECT_EQ(out.status().code(), absl::StatusCode::kDataLoss)
+          << mode << " " << scheme << ": " << out.status();
+      EXPECT_NE(out.status().message().find("larger than"), std::string::npos) << out.status();
+      EXPECT_LT(grew, int64_t{64} << 20) << mode << " " << scheme;
+    }
+  }
+}
+
+// Ids of the right type but outside the student's vocabulary are refused by the pool.
+TEST(HttpTeacherPool, TopKIdOutsideTheVocabularyRefused) {
+  FakeServer s("sglang_id_vocab");
+  const std::string ep = s.Endpoint("sglang");
+  auto pool = trainer::TeacherPool::Connect("s", {ep}, {"", 96}, PoolOpts());
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  opd::rpc::ScoreOptions so;
+  so.top_k = 2;
+  auto out = (*pool)->Score(Inputs(), so);
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kDataLoss) << out.status();
+  EXPECT_NE(out.status().message().find("outside the vocabulary"), std::string::npos)
+      << out.status();
+}
+
+// --- Connect-time checks of what the stage will ask ----------------------------------------------
+
+trainer::TeacherRequirements Scoring(float temperature, int top_k, int64_t prompt = 0,
+                                     int64_t response = 0) {
+  trainer::TeacherRequirements req;
+  req.temperature = temperature;
+  req.top_k = top_k;
+  req.max_prompt_len = prompt;
+  req.max_new_tokens = response;
+  return req;
+}
+
+absl::Status ConnectWith(const std::string& ep, const trainer::TeacherRequirements& req) {
+  return trainer::TeacherPool::Connect("stage_x", {ep}, req, PoolOpts()).status();
+}
+
+// vLLM cannot scale prompt log-probs: a teacher temperature other than 1 is refused at connect
+// (a stage start or a swap), not when the stage first scores.
+TEST(HttpTeacherConnect, VllmRefusedAtATemperatureOtherThanOne) {
+  FakeServer s("ok");
+  const std::string ep = s.Endpoint("vllm");
+  EXPECT_TRUE(ConnectWith(ep, Scoring(1.0f, 0)).ok());
+  const absl::Status st = ConnectWith(ep, Scoring(0.7f, 0));
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("stage_x"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("vLLM"), std::string::npos) << st;
+}
+
+// SGLang at T != 1 must show on a probe that it scales its log-probs: the synthetic fake does (as
+// a server with temperature-scaled input log-probs would), the notemp one scores at T = 1 whatever
+// it is asked (stock SGLang) and is refused.
+TEST(HttpTeacherConnect, SglangMustApplyTheTemperature) {
+  FakeServer scales("ok"), ignores("notemp");
+  for (float t : {0.7f, 1.5f}) {
+    EXPECT_TRUE(ConnectWith(scales.Endpoint("sglang"), Scoring(t, 0)).ok()) << t;
+    EXPECT_TRUE(ConnectWith(scales.Endpoint("sglang"), Scoring(t, 3)).ok()) << t;
+    const absl::Status st = ConnectWith(ignores.Endpoint("sglang"), Scoring(t, 0));
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_NE(st.message().find("does not apply"), std::string::npos) << st;
+  }
+  // At T = 1 there is nothing to check.
+  EXPECT_TRUE(ConnectWith(ignores.Endpoint("sglang"), Scoring(1.0f, 0)).ok());
+}
+
+// A vLLM started with its default --max-logprobs (20) cannot serve loss.top_k 64: refused at
+// connect, naming the flag, instead of failing the first step with HTTP 400.
+TEST(HttpTeacherConnect, TopKAboveTheServersLimitRefusedNamingTheFlag) {
+  FakeServer s("ok", {"--max-logprobs", "20"});
+  const std::string ep = s.Endpoint("vllm");
+  EXPECT_TRUE(ConnectWith(ep, Scoring(1.0f, 20)).ok());
+  const absl::Status st = ConnectWith(ep, Scoring(1.0f, 64));
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("--max-logprobs 64"), std::string::npos) << st;
+  EXPECT_NE(st.message().find(ep), std::string::npos) << st;
+}
+
+// A context shorter than prompts.max_prompt_len + rollout.max_new_tokens is refused at connect,
+// naming both. The fake, as vLLM, refuses a sequence of exactly max_model_len tokens (a request
+// must leave room for one token), so the longest sequence it scores is max_model_len - 1.
+TEST(HttpTeacherConnect, ContextShorterThanTheStagesSequencesRefused) {
+  FakeServer s("ok", {"--max-model-len", "4096"});
+  for (const char* scheme : {"sglang", "vllm"}) {
+    const std::string ep = s.Endpoint(scheme);
+    EXPECT_TRUE(ConnectWith(ep, Scoring(1.0f, 0, 2048, 2047)).ok()) << scheme;
+    const absl::Status st = ConnectWith(ep, Scoring(1.0f, 0, 2048, 2048));
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_NE(st.message().find("at most 4095 tokens"), std::string::npos) << st;
+    EXPECT_NE(st.message().find("2048 + 2048 = 4096"), std::string::npos) << st;
+    // What the check assumes of the server: 4095 tokens are scored, 4096 refused.
+    std::vector<int32_t> longest(4095, 3);
+    auto ok = ScoreWith(Options(ep), {lm::Sample::ToScore(longest, 4000)});
+    EXPECT_TRUE(ok.ok()) << ok.status();
+    longest.push_back(3);
+    auto refused = ScoreWith(Options(ep), {lm::Sample::ToScore(longest, 4000)});
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  }
+}
+
+// The tokenize requests a fake has answered (its --tokenize-log file).
+int TokenizeRequests(const fs::path& log) {
+  std::ifstream in(log);
+  int n = 0;
+  for (std::string line; std::getline(in, line);) ++n;
+  return n;
+}
+
+// /tokenize: a 5xx is retried (a server starting up is not a server without a tokenizer); a 4xx
+// other than 404 refuses the endpoint, unless it says it has no tokenizer (?tokenizer=none: then
+// it is not asked); a 404 (no /tokenize) lets it through with a warning, as before.
+TEST(HttpTeacherConnect, TokenizerProbeRetries5xxAndRefuses4xx) {
+  trainer::TeacherRequirements req;
+  req.probe_text = trainer::kTokenizerProbe;
+  req.probe_ids = {1, 2, 3};
+  const trainer::TeacherPoolOptions po = PoolOpts();
+  const auto dir = testing_util::FreshDir("tokenize");
+  auto fake = [&](const std::string& tag, const std::vector<std::string>& flags) {
+    std::vector<std::string> f = {"--tokenize-log", (dir / tag).string()};
+    f.insert(f.end(), flags.begin(), flags.end());
+    return std::make_unique<FakeServer>("ok", f);
+  };
+  // 503 once, then 404 (this fake has no tokenizer): asked twice, then let through.
+  auto once = fake("once", {"--tokenize-status", "503", "--tokenize-failures", "1"});
+  EXPECT_TRUE(ConnectWith(once->Endpoint("sglang"), req).ok());
+  EXPECT_EQ(TokenizeRequests(dir / "once"), 2);
+  // 503 always: refused after max_attempts tries, UNAVAILABLE.
+  auto always = fake("always", {"--tokenize-status", "503"});
+  absl::Status st = ConnectWith(always->Endpoint("vllm"), req);
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
+  EXPECT_EQ(TokenizeRequests(dir / "always"), po.max_attempts);
+  // 400: refused at once, naming the option that declares a server without a tokenizer.
+  auto bad = fake("bad", {"--tokenize-status", "400"});
+  for (const char* scheme : {"sglang", "vllm"}) {
+    st = ConnectWith(bad->Endpoint(scheme), req);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(st.message().find("?tokenizer=none"), std::string::npos) << st;
+  }
+  EXPECT_EQ(TokenizeRequests(dir / "bad"), 2);
+  // Declared without a tokenizer: connects, and /tokenize is never asked.
+  EXPECT_TRUE(ConnectWith(bad->Endpoint("sglang") + "?tokenizer=none", req).ok());
+  EXPECT_EQ(TokenizeRequests(dir / "bad"), 2);
+}
+
+// The config refuses a vLLM teacher at T != 1 and a malformed external endpoint, naming the key.
+TEST(HttpTeacherConfig, VllmAtTemperatureAndBadEndpointsRefused) {
+  auto validate = [](const std::vector<std::string>& sets) {
+    auto root = trainer::ParseYaml(
+        "model: {path: m}\nprompts: {sources: [{files: [p.jsonl]}]}\n"
+        "rollout: {endpoints: [r:1]}\nstages: [{name: s1, teachers: [t:1], max_steps: 3}]\n"
+        "run: {dir: r}\n",
+        "test");
+    EXPECT_TRUE(root.ok());
+    for (const auto& s : sets) EXPECT_TRUE(trainer::ApplyOverride(*root, s).ok()) << s;
+    trainer::OpdConfig c;
+    EXPECT_TRUE(trainer::DecodeConfig(*root, &c).ok());
+    return trainer::ValidateOpdConfig(c);
+  };
+  EXPECT_TRUE(validate({"stages.0.teachers=[\"vllm://h:1\"]"}).ok());
+  EXPECT_TRUE(
+      validate({"stages.0.teachers=[\"sglang://h:1\"]", "loss.teacher_temperature=0.7"}).ok());
+  absl::Status st = validate(
+      {"stages.0.teachers=[\"t:1\", \"vllm+https://h:1\"]", "loss.teacher_temperature=0.7"});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message().rfind("stages[0].teachers[1]:", 0), 0u) << st;
+  st = validate({"stages.0.domains=[{domain: math, teachers: [\"vllm://h:2\"]}]",
+                 "loss.teacher_temperature=2.0"});
+  EXPECT_EQ(st.message().rfind("stages[0].domains[0].teachers[0]:", 0), 0u) << st;
+  st = validate({"stages.0.teachers=[\"sglang://h:1?tokenizer=no\"]"});
+  EXPECT_EQ(st.message().rfind("stages[0].teachers[0]:", 0), 0u) << st;
+}
+
+// --- Balance over replicas -----------------------------------------------------------------------
+
+// Sequence tokens each replica scored (the fakes' --record files).
+int64_t TokensScored(const fs::path& record) {
+  int64_t n = 0;
+  if (!fs::exists(record)) return 0;
+  for (const auto& j : testing_util::ReadJsonl(record))
+    n += static_cast<int64_t>(j["tokens"].size());
+  return n;
+}
+
+// Four learner ranks, each with its own pool of the same two replicas and one small share (one
+// call's worth): together the replicas each score half of the step's tokens, within one sequence.
+// (Each rank's share used to go to its pool's first healthy replica: the second got nothing.)
+TEST(HttpTeacherPool, RanksSpreadAStepOverTheReplicasByTokens) {
+  const auto dir = testing_util::FreshDir("spread");
+  FakeServer a("ok", {"--record", (dir / "a").string()});
+  FakeServer b("ok", {"--record", (dir / "b").string()});
+  ASSERT_TRUE(a.ok() && b.ok());
+  std::mt19937 rng(5);
+  std::vector<std::vector<lm::Sample>> ranks(4);
+  std::vector<int64_t> tokens(4, 0);
+  int64_t total = 0, longest = 0;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    for (int i = 0; i < 3 + static_cast<int>(r % 2); ++i) {
+      std::vector<int32_t> t(10 + rng() % 40);
+      for (auto& x : t) x = static_cast<int32_t>(1 + rng() % 90);
+      longest = std::max<int64_t>(longest, static_cast<int64_t>(t.size()));
+      tokens[r] += static_cast<int64_t>(t.size());
+      ranks[r].push_back(lm::Sample::ToScore(std::move(t), 3));
+    }
+    total += tokens[r];
+  }
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    auto pool = trainer::TeacherPool::Connect("s", {a.Endpoint("sglang"), b.Endpoint("vllm")}, {},
+                                              PoolOpts());
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    auto out = (*pool)->Score(ranks[r], {}, nullptr, trainer::SpreadAmong(tokens, r));
+    ASSERT_TRUE(out.ok()) << out.status();
+    ASSERT_EQ(out->size(), ranks[r].size());
+  }
+  const int64_t on_a = TokensScored(dir / "a"), on_b = TokensScored(dir / "b");
+  EXPECT_EQ(on_a + on_b, total);
+  EXPECT_LE(std::abs(2 * on_a - total), 2 * longest) << on_a << " of " << total;
+  EXPECT_LE(std::abs(2 * on_b - total), 2 * longest) << on_b << " of " << total;
+  std::cout << "[spread] " << total << " tokens: " << on_a << " on replica a, " << on_b
+            << " on b (longest sequence " << longest << ")\n";
+}
+
+// --- opd-ctl speaks to external teachers ---------------------------------------------------------
+
+// `opd-ctl score` and `opd-ctl info` take sglang:// and vllm:// endpoints (they spoke gRPC only:
+// "DNS resolution failed").
+TEST(HttpTeacherCtl, ScoreAndInfoTakeExternalEndpoints) {
+  FakeServer s("ok");
+  const auto dir = testing_util::FreshDir("ctl_input");
+  const fs::path input = dir / "in.jsonl";
+  {
+    std::ofstream f(input);
+    for (const auto& seq : Inputs())
+      f << nlohmann::json{{"tokens", seq.tokens}, {"response_start", seq.response_start}}.dump()
+        << "\n";
+  }
+  for (const char* scheme : {"sglang", "vllm"}) {
+    const CtlRun r =
+        RunCtl({"score", "--addr", s.Endpoint(scheme), "--input", input.string(), "--top-k", "2"});
+    ASSERT_EQ(r.code, 0) << r.output;
+    std::vector<opd::rpc::ScoreOutput> got;
+    std::istringstream lines(r.output);
+    for (std::string line; std::getline(lines, line);) {
+      if (line.empty() || line[0] != '{') continue;
+      const auto j = nlohmann::json::parse(line);
+      opd::rpc::ScoreOutput o;
+      o.logprobs = j["logprobs"].get<std::vector<float>>();
+      for (const auto& row : j["topk_ids"])
+        for (int id : row) o.topk_ids.push_back(id);
+      got.push_back(std::move(o));
+    }
+    ExpectSynthetic(got, 2);
+    const CtlRun info = RunCtl({"info", "--addr", s.Endpoint(scheme)});
+    ASSERT_EQ(info.code, 0) << info.output;
+    EXPECT_NE(info.output.find(std::string("\"architecture\":\"") + scheme + "\""),
+              std::string::npos)
+        << info.output;
+    EXPECT_NE(info.output.find("\"max_seq_len\":\"4095\""), std::string::npos) << info.output;
+  }
 }
 
 // --- Parity with opd-teacher on a real model ---------------------------------------------------

@@ -253,7 +253,8 @@ TEST_F(LearnerRuns, OpdOneStepOffResumeIsExact) {
 // The held-out convergence set end to end: 4 fixed prompts of task/eval_prompts.jsonl, sampled
 // and scored every 2 steps of a 5-step stage whose plateau watches them. Each evaluation is logged
 // (finite mean and standard error over 4 responses) and lands in the checkpoint's tracker state,
-// with the logged mean; the rule's decisions are tested in convergence_test.
+// with the logged mean, one step after the weights it evaluated were pushed (it runs beside that
+// step); the rule's decisions are tested in convergence_test.
 TEST_F(LearnerRuns, HeldoutEvaluationsFeedTheStagesRule) {
   const std::string teacher = StartService("teacher_heldout", kBin + "/teacher_service/opd-teacher",
                                            (dir_ / "teacher_small").string());
@@ -271,78 +272,86 @@ TEST_F(LearnerRuns, HeldoutEvaluationsFeedTheStagesRule) {
                "min_rel_improvement: 0.01}"}),
       run.string() + ".log");
   ASSERT_EQ(p.Wait(std::chrono::seconds(300)), 0) << p.Log();
+  // Evaluated after the pushes of steps 2 and 4, applied (and logged) at steps 3 and 5.
   std::map<int, double> logged;
   std::ifstream in(run / "metrics.jsonl");
   for (std::string line; std::getline(in, line);) {
     auto m = nlohmann::json::parse(line);
     if (!m.contains("opd/heldout_reverse_kl")) continue;
-    logged[m["step"].get<int>()] = m["opd/heldout_reverse_kl"].get<double>();
+    const int evaluated = static_cast<int>(m["opd/heldout_step"].get<double>());
+    EXPECT_EQ(m["step"].get<int>(), evaluated + 1) << line;
+    logged[evaluated] = m["opd/heldout_reverse_kl"].get<double>();
     EXPECT_EQ(m["opd/heldout_samples"].get<double>(), 4.0) << line;
     EXPECT_TRUE(std::isfinite(m["opd/heldout_reverse_kl_se"].get<double>())) << line;
   }
   ASSERT_EQ(logged.size(), 2u) << p.Log();
   ASSERT_TRUE(logged.count(2) && logged.count(4));
-  const auto conv = nlohmann::json::parse(
-      std::ifstream(run / "checkpoints/step_000004/trainer_state.json"))["convergence"];
-  ASSERT_EQ(conv["heldout"].size(), 2u) << conv.dump();
+  // Step 4's checkpoint: step 2's evaluation is in the rule, step 4's is pending (its values, or
+  // its step alone for a resume to evaluate again).
+  const auto four =
+      nlohmann::json::parse(std::ifstream(run / "checkpoints/step_000004/trainer_state.json"));
+  const auto conv = four["convergence"];
+  ASSERT_EQ(conv["heldout"].size(), 1u) << conv.dump();
   EXPECT_EQ(conv["heldout"][0][0], 4);
   EXPECT_DOUBLE_EQ(conv["heldout"][0][1].get<double>(), logged[2]);
-  EXPECT_DOUBLE_EQ(conv["heldout"][1][1].get<double>(), logged[4]);
-  EXPECT_EQ(conv["reason"], "");  // two evaluations cannot fill two windows of two
+  EXPECT_EQ(conv["reason"], "");  // one evaluation cannot fill two windows of two
+  ASSERT_TRUE(four.contains("heldout_pending")) << four.dump();
+  EXPECT_EQ(four["heldout_pending"]["step"], 4);
+  if (!four["heldout_pending"]["values"].is_null()) {
+    const auto v = four["heldout_pending"]["values"].get<std::vector<double>>();
+    double mean = 0;
+    for (double x : v) mean += x / static_cast<double>(v.size());
+    EXPECT_NEAR(mean, logged[4], 1e-12);
+  }
+  // Step 5 ended the stage by its budget: step 4's evaluation was logged, not fed to the rule.
   const auto last = nlohmann::json::parse(
       std::ifstream(run / "checkpoints/step_000005/trainer_state.json"))["convergence"];
+  EXPECT_EQ(last["heldout"].size(), 1u) << last.dump();
   EXPECT_EQ(last["reason"], "max_steps");
 }
 
 // Teachers by domain with real teachers: the task's prompts split into two domains, each scored
-// by its own opd-teacher. Student and teacher are both random, hence nearly uniform and close
-// (KL ~0.03, inside its step-to-step noise); scored at temperature 0.1 the teacher is peaked and
-// the KL starts near 5.5 nats. At lr 1e-2 it stays there for ~30 steps, then falls to 1-3 (seen:
-// the last 8 of 40 steps average ~2.7 against ~5.5 for the first 8, on both domains). The test
-// asks each domain's last-8 mean to be below its first-8 mean.
-TEST_F(LearnerRuns, EachDomainsKlFallsOnItsOwnTeacher) {
+// by its own opd-teacher, student and teachers all at temperature 0.1. Domain "add" is scored by
+// a random teacher (peaked at T=0.1: its KL to the random student is several nats); domain "mul"
+// by an opd-teacher serving the student itself, so at step 1 (weights not yet updated) its KL is
+// the sampler-vs-scorer rounding gap alone: fp32 logits agree to ~1e-6 relative, |logit| < 10 on
+// these models, so after dividing by T the log-probs agree to ~1e-4 per token and the mean is
+// far below 1e-2. "mul"'s KL below 1e-2 and "add"'s above 1: each domain had its own teacher.
+// (Whether the KL then falls is the optimiser's business and depends on the draws: the losses
+// themselves are tested in opd_loss_test and LossFormsAndOptionsTrainEndToEnd.)
+TEST_F(LearnerRuns, EachDomainIsScoredByItsOwnTeacher) {
   const std::string t_add = StartService("teacher_add", kBin + "/teacher_service/opd-teacher",
                                          (dir_ / "teacher_small").string());
   const std::string t_mul = StartService("teacher_mul", kBin + "/teacher_service/opd-teacher",
-                                         (dir_ / "teacher_small").string());
+                                         (dir_ / "student").string());
   const std::string rollout =
       StartService("rollout_domains", kBin + "/rollout/opd-rollout", (dir_ / "student").string());
   ASSERT_FALSE(t_add.empty() || t_mul.empty() || rollout.empty());
   const fs::path add_file = dir_ / "domain_add.jsonl", mul_file = dir_ / "domain_mul.jsonl";
   testing_util::SplitPromptsByDomain(dir_, add_file, "add", mul_file, "mul");
   const fs::path run = dir_ / "run_domain_kl";
-  ChildProcess p(
-      testing_util::OpdTrainerArgs(
-          dir_, run.string(), rollout,
-          {"prompts.sources=[{files: [" + add_file.string() + "]}, {files: [" + mul_file.string() +
-               "]}]",
-           "stages=[{name: only, teachers: [" + t_add +
-               "], max_steps: 40, domains: [{domain: add, "
-               "teachers: [" +
-               t_add + "]}, {domain: mul, teachers: [" + t_mul + "]}]}]",
-           "train.prompts_per_step=16", "loss.teacher_temperature=0.1", "optim.warmup_steps=0",
-           "optim.lr=1e-2", "optim.min_lr=1e-2", "checkpoint.every=0"}),
-      run.string() + ".log");
+  ChildProcess p(testing_util::OpdTrainerArgs(
+                     dir_, run.string(), rollout,
+                     {"prompts.sources=[{files: [" + add_file.string() + "]}, {files: [" +
+                          mul_file.string() + "]}]",
+                      "stages=[{name: only, teachers: [" + t_add +
+                          "], max_steps: 2, domains: [{domain: add, "
+                          "teachers: [" +
+                          t_add + "]}, {domain: mul, teachers: [" + t_mul + "]}]}]",
+                      "train.prompts_per_step=16", "loss.teacher_temperature=0.1",
+                      "rollout.temperature=0.1", "optim.warmup_steps=0", "checkpoint.every=0"}),
+                 run.string() + ".log");
   ASSERT_EQ(p.Wait(std::chrono::seconds(600)), 0) << p.Log();
-  std::map<std::string, std::vector<double>> kl;
   std::ifstream in(run / "metrics.jsonl");
   for (std::string line; std::getline(in, line);) {
     auto m = nlohmann::json::parse(line);
-    for (const std::string d : {"add", "mul"}) {
-      if (m.contains("teacher_kl/" + d) && m["teacher_kl/" + d].is_number())
-        kl[d].push_back(m["teacher_kl/" + d].get<double>());
-    }
+    if (m["step"] != 1 || !m.contains("teacher_kl/add")) continue;
+    ASSERT_TRUE(m["teacher_kl/add"].is_number() && m["teacher_kl/mul"].is_number()) << line;
+    EXPECT_GT(m["teacher_kl/add"].get<double>(), 1.0) << line;
+    EXPECT_LT(std::abs(m["teacher_kl/mul"].get<double>()), 1e-2) << line;
+    return;
   }
-  for (const std::string d : {"add", "mul"}) {
-    const auto& v = kl[d];
-    ASSERT_GE(v.size(), 36u) << d;  // a domain may miss a step's 16 prompts only by chance
-    double first = 0, last = 0;
-    for (size_t i = 0; i < 8; ++i) {
-      first += v[i] / 8;
-      last += v[v.size() - 1 - i] / 8;
-    }
-    EXPECT_LT(last, first) << d << ": " << ::testing::PrintToString(v);
-  }
+  ADD_FAILURE() << "no step-1 domain metrics in " << run / "metrics.jsonl";
 }
 
 // A failed weight push comes after the update: the step is complete and so is its bookkeeping.

@@ -8,6 +8,8 @@
 
 #include "lm/io/hf_model_dir.h"
 #include "lm/io/safetensors.h"
+#include "lm/model/logprobs.h"
+#include "lm/model/precision.h"
 #include "trainer/opd/opd_loss.h"
 
 namespace trainer {
@@ -157,6 +159,48 @@ TEST(OpdLossTopK, StudentTopKLogprobsEqualTheFullSoftmax) {
   auto r = torch::autograd::grad({ref}, {hidden, weight}, {g});
   EXPECT_LE((gh - r[0]).abs().max().item<double>(), 1e-5);
   EXPECT_LE((gw - r[1]).abs().max().item<double>(), 1e-5);
+}
+
+// Under bf16-mixed (CPU autocast) the top-k log-probs come from the same fp32 arithmetic as the
+// sampled token's log-prob that carries their normaliser. Operands are bf16-exact (the learner's
+// hidden states and compute weights are bf16), so each product is exact in fp32 and a logit's sum
+// of H products errs by at most gamma_H * S (gamma_H = H 2^-24, S = max_n sum_i |h_i w_i|); a
+// top-k log-prob (z_k - z_target) / T + lp_target then errs by at most B = 4 gamma_H S / T + 1e-6
+// (two logits, the target's log-prob with its log-sum-exp). Student = teacher must then give
+// log-probs within B of the exact ones, buckets that sum to 1 (the top-k mass below 1), and a
+// mixed KL of at most 2B per token (|sum p (log p - log q)| <= max |log p - log q| on each side).
+// Autocast's bf16 bmm erred by ~2^-9 |z| ~ 1e-2 here: a loss far from 0 where student = teacher.
+TEST(OpdLossTopK, Bf16MixedTopKLogprobsShareTheFp32Normaliser) {
+  torch::manual_seed(11);
+  const int64_t n = 48, H = 64, V = 96, k = 8;
+  const double T = 1.0;
+  auto hidden = torch::randn({n, H}).to(torch::kBFloat16).to(torch::kFloat32);
+  auto weight = (torch::randn({V, H}) * 0.5).to(torch::kBFloat16).to(torch::kFloat32);
+  auto targets = torch::randint(V, {n}, torch::kInt64);
+  const auto exact = torch::log_softmax(
+      torch::matmul(hidden.to(torch::kFloat64), weight.to(torch::kFloat64).t()) / T, -1);
+  const auto ids = std::get<1>(exact.topk(k, -1));
+  const auto teacher_k = exact.gather(1, ids).to(torch::kFloat32);
+  const double S = (hidden.abs().to(torch::kFloat64).matmul(weight.abs().to(torch::kFloat64).t()))
+                       .max()
+                       .item<double>();
+  const double B = 4 * static_cast<double>(H) * std::ldexp(1.0, -24) * S / T + 1e-6;
+  torch::Tensor student_k;
+  {
+    lm::Bf16Autocast autocast(true, torch::kCPU);
+    lm::LogprobOptions lo;
+    lo.temperature = T;
+    const auto lp = lm::TokenLogprobs(hidden, weight, targets, lo);
+    student_k = StudentTopKLogprobs(hidden, weight, ids, targets, lp, T);
+  }
+  ASSERT_EQ(student_k.scalar_type(), torch::kFloat32);
+  EXPECT_LE((student_k.to(torch::kFloat64) - exact.gather(1, ids)).abs().max().item<double>(), B)
+      << "B = " << B;
+  EXPECT_LT(student_k.exp().sum(-1).max().item<double>(), 1.0);
+  const double kl =
+      TopKLoss(student_k, teacher_k, 1.0, TopKDivergence::kMixed, 0.5).item<double>() /
+      static_cast<double>(n);
+  EXPECT_LE(std::abs(kl), 2 * B) << "per-token KL where student = teacher";
 }
 
 // GatheredLogits' weight gradient in a bf16 weight's dtype, accumulated in fp32: equal to the fp32

@@ -220,8 +220,8 @@ TEST(PagedDecode, CpuKernelIsThreadAndBatchInvariant) {
   }
 }
 
-// A decode step's meta carries the device block tables and lengths and none of the gather
-// indices or the mask; PagedAttention then equals the reference.
+// A decode step's meta carries the device block tables and lengths and none of the varlen
+// path's indices; PagedAttention then equals the reference.
 TEST(PagedDecode, DecodeStepMetaBuildsNoGatherOrMask) {
   torch::NoGradGuard no_grad;
   auto c = MakeCase(6, 4, 2, 16, 16, torch::kFloat32, 11);
@@ -234,12 +234,15 @@ TEST(PagedDecode, DecodeStepMetaBuildsNoGatherOrMask) {
   }
   auto meta = lm::BuildPagedAttentionMeta(step, 16, torch::kCPU);
   EXPECT_TRUE(meta.decode);
-  EXPECT_FALSE(meta.kv_gather.defined());
-  EXPECT_FALSE(meta.mask.defined());
+  EXPECT_FALSE(meta.context_rows.defined());
+  EXPECT_FALSE(meta.key_rows.defined());
+  EXPECT_TRUE(meta.cu_seqlens.empty());
   EXPECT_EQ(meta.seq_lens.scalar_type(), torch::kInt32);
   EXPECT_EQ(meta.block_tables.scalar_type(), torch::kInt32);
   EXPECT_TRUE(torch::equal(meta.seq_lens, c.lens));
-  auto got = lm::PagedAttention(c.q, c.k_pool, c.v_pool, meta, 0.25);
+  // The new tokens' keys and values are read from the pools on this path: none are passed.
+  auto got =
+      lm::PagedAttention(c.q, torch::Tensor(), torch::Tensor(), c.k_pool, c.v_pool, meta, 0.25);
   const Error e = Compare(got, Reference(c, 0.25), c);
   EXPECT_TRUE(e.within) << e.max_abs;
 }

@@ -174,6 +174,42 @@ TEST(DeltaRule, PackedDocumentsDoNotLeak) {
   }
 }
 
+// A document split in two: the second part from the first's final state (initial_state, as a
+// chunked prefill continues from a state slot) gives the whole document's outputs and final
+// state, for splits inside and on chunk boundaries, several documents at once (one of them with
+// no tokens, which keeps its initial state).
+TEST(DeltaRule, ChunkedContinuesFromAnInitialState) {
+  const std::vector<int64_t> lengths{150, 40, 64, 9}, splits{70, 1, 64, 9};
+  const auto cu = CuSeqlens(lengths);
+  auto in = RandomRule(cu.back(), 2, 8, 12, 2.0, 17);
+  torch::Tensor whole_state;
+  auto whole = GatedDeltaRuleChunked(in.q, in.k, in.v, in.g, in.beta,
+                                     DeltaRuleLayout::Make(cu, torch::kCPU), &whole_state);
+  std::vector<int64_t> first_rows, second_rows, first_len, second_len;
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    for (int64_t t = 0; t < lengths[b]; ++t)
+      (t < splits[b] ? first_rows : second_rows).push_back(cu[b] + t);
+    first_len.push_back(splits[b]);
+    second_len.push_back(lengths[b] - splits[b]);
+  }
+  auto pick = [](const torch::Tensor& x, const std::vector<int64_t>& rows) {
+    return x.index_select(0, torch::tensor(rows, torch::kInt64));
+  };
+  auto run = [&](const std::vector<int64_t>& rows, const std::vector<int64_t>& lens,
+                 torch::Tensor* final_state, const torch::Tensor* initial) {
+    return GatedDeltaRuleChunked(
+        pick(in.q, rows), pick(in.k, rows), pick(in.v, rows), pick(in.g, rows), pick(in.beta, rows),
+        DeltaRuleLayout::Make(CuSeqlens(lens), torch::kCPU), final_state, initial);
+  };
+  torch::Tensor mid, end;
+  auto a = run(first_rows, first_len, &mid, nullptr);
+  auto b = run(second_rows, second_len, &end, &mid);
+  EXPECT_LE(MaxAbsDiff(a, pick(whole, first_rows)), 1e-5);
+  EXPECT_LE(MaxAbsDiff(b, pick(whole, second_rows)), 1e-5);
+  EXPECT_LE(MaxAbsDiff(end, whole_state), 1e-5);
+  EXPECT_TRUE(torch::equal(end[3], mid[3]));  // no tokens after the split: the state as given
+}
+
 // The inference path (kernels/cpu/cpu_inference.h: one task per document and head, chunks in order,
 // a short last chunk at its length) against the per-token reference, with grouped key heads read
 // in place (3 value heads per key head), on lengths around the chunk size, for 1 and 2 threads.
@@ -700,16 +736,17 @@ TEST(NextSampler, SamplesEqualStepByStepForward) {
 
 class NextPaged : public ::testing::TestWithParam<std::string> {};
 
-// The engine's steps by hand: prefills and one-token decodes through block tables of scattered
-// blocks (4 tokens each) and state slots, one sequence joining with its prefill while the others
-// decode (a mixed step). Returns the logits of every checked position (fp32, on the CPU) and
-// transformers' logits there, row for row.
+// The engine's steps by hand: prefills and then `chunk` tokens a step (1: decodes; more: the
+// chunks of a long prompt or a recompute continuing from the slots) through block tables of
+// scattered blocks (4 tokens each) and state slots, one sequence joining with its prefill while
+// the others go on (a mixed step). Returns the logits of every checked position (the last of
+// each step's tokens; fp32, on the CPU) and transformers' logits there, row for row.
 struct PagedRun {
   torch::Tensor got, ref;
   std::vector<std::vector<int32_t>> tables;
 };
 
-PagedRun RunPagedSteps(CausalLM& model, Fixture& f, PagedKVCache& cache) {
+PagedRun RunPagedSteps(CausalLM& model, Fixture& f, PagedKVCache& cache, int64_t chunk = 1) {
   torch::NoGradGuard no_grad;
   const auto device = model.LmHeadWeight().device();
   const int64_t block = 4, B = static_cast<int64_t>(f.seqs.size());
@@ -737,7 +774,7 @@ PagedRun RunPagedSteps(CausalLM& model, Fixture& f, PagedKVCache& cache) {
     for (int64_t b = 0; b < B; ++b) {
       const int64_t len = static_cast<int64_t>(f.seqs[b].size());
       if (done[b] == len || (b == late && it < joins_at)) continue;
-      const int64_t n = done[b] == 0 ? prefix[b] : 1;
+      const int64_t n = done[b] == 0 ? prefix[b] : std::min(chunk, len - done[b]);
       ids.insert(ids.end(), f.seqs[b].begin() + done[b], f.seqs[b].begin() + done[b] + n);
       step.cu_seqlens.push_back(static_cast<int64_t>(ids.size()));
       step.context_lens.push_back(done[b]);
@@ -773,20 +810,13 @@ TEST_P(NextPaged, PagedStepsEqualForward) {
   const double d = RelDiff(run.got, run.ref);
   EXPECT_LE(d, 1e-4);
   std::printf("[%s] paged steps vs transformers %.3g (relative)\n", GetParam().c_str(), d);
-  // More than one new token after a context is refused with the sequence named.
-  torch::NoGradGuard no_grad;
-  PagedStep bad;
-  bad.input_ids = torch::tensor({1, 2}, torch::kInt64);
-  bad.cu_seqlens = {0, 2};
-  bad.context_lens = {3};
-  bad.block_tables = {run.tables[2]};
-  bad.state_slots = {2};
-  try {
-    model->PagedForward(bad, cache);
-    ADD_FAILURE() << "a two-token continuation was accepted";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("brings 2 new tokens"), std::string::npos) << e.what();
-  }
+  // Several new tokens after a context (a long prompt's later chunks, a recompute's): chunks of
+  // 9 continuing from the slots (the conv over its window, the chunked rule from the state) give
+  // transformers' logits at every chunk's end, as closely.
+  PagedKVCache chunked;
+  PagedRun c = RunPagedSteps(*model, f, chunked, /*chunk=*/9);
+  ASSERT_GT(c.got.size(0), 5);
+  EXPECT_LE(RelDiff(c.got, c.ref), 1e-4);
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, NextPaged, ::testing::ValuesIn(FixtureNames()));
@@ -800,19 +830,22 @@ std::vector<lm::Sample> Sorted(std::vector<lm::Sample> out) {
 
 // The continuous-batching engine serves a Qwen3-Next student: its samples (greedy and sampled, 2
 // per prompt, forked by copying the prompt's state slot) equal the static sampler's, also when a
-// pool of 12 blocks forces preemption (recompute from the prompt and the tokens so far).
+// pool of 12 blocks forces preemption (recompute from the prompt and the tokens so far) and when
+// prompts and recomputes are prefilled 5 tokens a step (continuing from the state slots).
 TEST(NextPaged, EngineEqualsStaticSampler) {
   Fixture f = LoadFixture("next_interval4");
   std::shared_ptr<CausalLM> model = MustLoad(f.dir + "/model");
   ASSERT_TRUE(model);
   const std::vector<std::vector<int64_t>> prompts = {
       {f.seqs[1][0], f.seqs[1][1]}, f.seqs[1], {f.seqs[3].begin(), f.seqs[3].begin() + 20}};
-  for (int64_t num_blocks : {int64_t{0}, int64_t{12}}) {
+  const std::vector<std::pair<int64_t, int64_t>> configs = {{0, 8192}, {12, 8192}, {0, 5}, {12, 5}};
+  for (auto [num_blocks, chunk] : configs) {
     rollout::EngineOptions eo;
     eo.block_size = 4;
     eo.num_blocks = num_blocks;
     eo.kv_cache_bytes = 1 << 20;
     eo.max_running = 8;
+    eo.max_prefill_tokens = chunk;  // 5: every prompt and recompute but the shortest in chunks
     auto engine = rollout::Engine::Create(*model, eo);
     ASSERT_TRUE(engine.ok()) << engine.status();
     for (double temperature : {0.0, 1.0}) {
@@ -833,8 +866,8 @@ TEST(NextPaged, EngineEqualsStaticSampler) {
       got = Sorted(got);
       ASSERT_EQ(got.size(), want.size());
       for (size_t i = 0; i < got.size(); ++i) {
-        EXPECT_EQ(got[i].tokens, want[i].tokens)
-            << "blocks " << num_blocks << " T " << temperature << " sample " << i;
+        EXPECT_EQ(got[i].tokens, want[i].tokens) << "blocks " << num_blocks << " chunk " << chunk
+                                                 << " T " << temperature << " sample " << i;
         ASSERT_EQ(got[i].logprobs.size(), want[i].logprobs.size());
         for (size_t t = 0; t < want[i].logprobs.size(); ++t)
           EXPECT_NEAR(got[i].logprobs[t], want[i].logprobs[t], 1e-4);
@@ -842,6 +875,10 @@ TEST(NextPaged, EngineEqualsStaticSampler) {
     }
     if (num_blocks > 0) {
       EXPECT_GT((*engine)->stats().preemptions, 0) << "no preemption";
+    }
+    if (chunk == 5) {
+      EXPECT_GT((*engine)->stats().partial_prefills, 0) << "no chunked prefill";
+      EXPECT_LE((*engine)->stats().largest_prefill_step, 5);
     }
   }
 }

@@ -1,6 +1,7 @@
 // The torch-free request checks of the rollout worker: a GenerateRequest's conversion (the
-// proto's defaults) and an UpdateWeights manifest against the model's parameters. Validate's
-// bounds are covered by sampler_test; these are what the fuzz targets assume (fuzz/).
+// proto's defaults, seed indices), Validate's absence of a KV budget and its seed-index checks,
+// and an UpdateWeights manifest against the model's parameters. Validate's other bounds are
+// covered by sampler_test; these are what the fuzz targets assume (fuzz/).
 #include <string>
 
 #include <gtest/gtest.h>
@@ -51,6 +52,60 @@ TEST(GenerateRequest, JobFromRequestAppliesTheProtoDefaults) {
   EXPECT_EQ(job.params.stop_ids, std::vector<int64_t>{2});
   EXPECT_EQ(job.params.seed, 99u);
   EXPECT_TRUE(job.params.return_routing);
+}
+
+// A prompt's seed_index travels to params.seed_indices when any prompt sets one (the others keep
+// their position); with none set, seed_indices stays empty (positions).
+TEST(GenerateRequest, JobFromRequestCarriesTheSeedIndices) {
+  opd::v1::GenerateRequest req;
+  for (int i = 0; i < 3; ++i) req.add_prompts()->add_tokens(i + 1);
+  req.mutable_params()->set_max_new_tokens(2);
+  EXPECT_TRUE(rollout::JobFromRequest(req).params.seed_indices.empty());
+  req.mutable_prompts(1)->set_seed_index(7);
+  const rollout::GenerateJob job = rollout::JobFromRequest(req);
+  EXPECT_EQ(job.params.seed_indices, (std::vector<int64_t>{0, 7, 2}));
+  EXPECT_EQ(job.params.SeedIndex(1), 7);
+  req.mutable_prompts(0)->set_seed_index(0);  // set to 0 is set
+  req.mutable_prompts(1)->clear_seed_index();
+  EXPECT_EQ(rollout::JobFromRequest(req).params.seed_indices, (std::vector<int64_t>{0, 1, 2}));
+}
+
+rollout::GenerateLimits Limits() {
+  rollout::GenerateLimits l;
+  l.vocab_size = 96;
+  l.max_seq_len = 16384;
+  l.max_samples_per_prompt = 64;
+  l.max_slots = 1024;
+  return l;
+}
+
+// No summed KV budget: one worker's share of the paper's step, 256 prompts of 2,048 tokens x 2
+// samples of up to 8,192 new tokens (560 GiB of KV cache for Marco-Nano at 112 KiB a token),
+// passes; the generators queue it through their cache (tests/engine_admission_test.cc).
+TEST(GenerateRequest, ValidateHasNoSummedKvBudget) {
+  lm::SamplingParams p;
+  p.samples_per_prompt = 2;
+  p.max_new_tokens = 8192;
+  const std::vector<std::vector<int64_t>> prompts(256, std::vector<int64_t>(2048, 5));
+  EXPECT_TRUE(rollout::Validate(prompts, p, Limits()).ok());
+}
+
+// A negative seed index is INVALID_ARGUMENT naming the prompt; so is a count that does not match
+// the prompts'.
+TEST(GenerateRequest, ValidateChecksTheSeedIndices) {
+  lm::SamplingParams p;
+  p.max_new_tokens = 4;
+  const std::vector<std::vector<int64_t>> prompts = {{1}, {2}, {3}};
+  p.seed_indices = {9, 0, 1LL << 40};
+  EXPECT_TRUE(rollout::Validate(prompts, p, Limits()).ok());
+  p.seed_indices = {0, -3, 2};
+  absl::Status st = rollout::Validate(prompts, p, Limits());
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("prompt 1: seed_index -3 is negative"), std::string::npos) << st;
+  p.seed_indices = {0, 1};
+  st = rollout::Validate(prompts, p, Limits());
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("2 seed indices for 3 prompts"), std::string::npos) << st;
 }
 
 TEST(WeightManifest, CountsTheWireBytesOfTheAnnouncedDtypes) {

@@ -119,7 +119,7 @@ std::vector<TensorToWrite> SampleTensors() {
 // --- dtypes -----------------------------------------------------------------------------------
 
 TEST(DTypeTest, ParseNameAndSize) {
-  for (DType d : {DType::kF32, DType::kF16, DType::kBF16}) {
+  for (DType d : {DType::kF32, DType::kF16, DType::kBF16, DType::kF8E4M3}) {
     auto parsed = ParseDType(DTypeName(d));
     ASSERT_TRUE(parsed.ok());
     EXPECT_EQ(*parsed, d);
@@ -127,7 +127,12 @@ TEST(DTypeTest, ParseNameAndSize) {
   EXPECT_EQ(DTypeSize(DType::kF32), 4u);
   EXPECT_EQ(DTypeSize(DType::kF16), 2u);
   EXPECT_EQ(DTypeSize(DType::kBF16), 2u);
+  EXPECT_EQ(DTypeSize(DType::kF8E4M3), 1u);
+  EXPECT_STREQ(DTypeName(DType::kF8E4M3), "F8_E4M3");
   EXPECT_TRUE(Contains(ParseDType("I64").status().message(), "unsupported dtype 'I64'"));
+  // The other FP8 formats stay refused, naming what is read.
+  EXPECT_TRUE(Contains(ParseDType("F8_E5M2").status().message(),
+                       "unsupported dtype 'F8_E5M2' (supported: F32, F16, BF16, F8_E4M3)"));
   EXPECT_TRUE(Contains(ParseDType("f32").status().message(), "unknown dtype 'f32'"));
 }
 
@@ -518,6 +523,35 @@ save_file({
   EXPECT_EQ(e.dtype, DType::kBF16);
   EXPECT_EQ(e.shape, (std::vector<int64_t>{0, 4}));
   EXPECT_EQ(e.nbytes, 0u);
+}
+
+// float8_e4m3fn (F8_E4M3, the weights of block-wise FP8 checkpoints) both ways with Python's
+// safetensors: 1, -2.5, 448 (the largest) and 2^-9 (the smallest subnormal) are the bytes 0x38,
+// 0xC2, 0x7E and 0x01.
+TEST(SafetensorsPython, Fp8E4m3BothWays) {
+  TempDir dir;
+  const std::string py = dir.File("py_f8.safetensors"), cpp = dir.File("cpp_f8.safetensors");
+  const std::vector<uint8_t> bytes = {0x38, 0xC2, 0x7E, 0x01};
+  ASSERT_TRUE(WriteSafetensors(cpp, {ToWrite("w", DType::kF8E4M3, {2, 2}, bytes)}).ok());
+  const std::string script = R"PY(
+import sys
+import torch
+from safetensors.torch import load_file, save_file
+
+want = torch.tensor([[1.0, -2.5], [448.0, 2.0**-9]]).to(torch.float8_e4m3fn)
+save_file({"w": want}, sys.argv[1])
+got = load_file(sys.argv[2])["w"]
+ok = got.dtype == torch.float8_e4m3fn and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+sys.exit(0 if ok else 1)
+)PY";
+  ASSERT_EQ(RunPython(dir, script, "'" + py + "' '" + cpp + "'"), 0);
+  auto file = SafetensorsFile::Open(py);
+  ASSERT_TRUE(file.ok()) << file.status();
+  const TensorView& w = (*file)->tensors().at("w");
+  EXPECT_EQ(w.dtype, DType::kF8E4M3);
+  EXPECT_EQ(w.shape, (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(w.nbytes, 4u);
+  EXPECT_EQ(Values<uint8_t>(w), bytes);
 }
 
 // --- fuzz -------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include <grpc/grpc.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -70,8 +71,9 @@ teacher::ScorerOptions OneSequencePerBatch(int64_t max_queue = 64) {
 // An opd-teacher in-process: scorer, service and server on 127.0.0.1:<any>, whose send limit is
 // the reply budget, as opd-teacher sets it.
 struct Teacher {
-  Teacher(teacher::ScoreLimits limits, teacher::ScorerOptions so)
-      : scorer(Model(), so), auth(kSecret), service(&scorer, &auth, limits, {}) {
+  Teacher(teacher::ScoreLimits limits, teacher::ScorerOptions so,
+          teacher::StreamLimits streams = {}, std::function<absl::Time()> clock = nullptr)
+      : scorer(Model(), so), auth(kSecret), service(&scorer, &auth, limits, {}, streams, clock) {
     opd::rpc::ServerOptions o;
     o.has_secret = true;
     o.max_send_bytes = static_cast<int>(limits.max_reply_bytes);
@@ -387,6 +389,130 @@ TEST(ScoreStream, WithoutTheSecretIsUnauthenticated) {
   EXPECT_EQ(t.scorer.batches(), 0);
   out = t.Client()->Score(seqs, {});
   EXPECT_TRUE(out.ok()) << out.status();
+}
+
+// ---- clients that stop reading ----
+
+// Waits (on a counter, a minute at most: a failure bound, never reached when passing) until
+// `done()`.
+bool WaitFor(const std::function<bool()>& done) {
+  for (int i = 0; i < 60000 && !done(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  return done();
+}
+
+// A raw client on its own connection (channels to one address otherwise share one) that sends
+// ScoreStream requests and reads nothing unless told; its receive window stays at gRPC's initial
+// 64 KiB (no BDP probing), so a larger chunk cannot be written until it reads.
+class RawClient {
+ public:
+  explicit RawClient(const Teacher& t) : options_(t.Options()) {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+    args.SetMaxReceiveMessageSize(64 << 20);
+    stub_ = opd::v1::Teacher::NewStub(
+        grpc::CreateCustomChannel(t.address, grpc::InsecureChannelCredentials(), args));
+  }
+  // Starts a stream (the call is under way when this returns; its handler may not have run yet).
+  void Start(const opd::v1::ScoreRequest& req) {
+    auto call = std::make_unique<Call>();
+    opd::rpc::PrepareContext(options_, &call->ctx);
+    call->reader = stub_->ScoreStream(&call->ctx, req);
+    calls_.push_back(std::move(call));
+  }
+  // Reads call `i` to its end; its status.
+  grpc::Status Finish(size_t i) {
+    opd::v1::ScoreChunk chunk;
+    while (calls_[i]->reader->Read(&chunk)) {
+    }
+    return calls_[i]->reader->Finish();
+  }
+
+ private:
+  struct Call {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReader<opd::v1::ScoreChunk>> reader;
+  };
+  opd::rpc::ClientOptions options_;
+  std::unique_ptr<opd::v1::Teacher::Stub> stub_;
+  std::vector<std::unique_ptr<Call>> calls_;
+};
+
+// (g) At most 2 streams per connection and 3 in all: with the scorer's worker held (so streams
+// stay in progress), a third stream on one connection and a fourth in all are refused with
+// RESOURCE_EXHAUSTED naming their flags; the others complete once the worker goes.
+TEST(ScoreStream, CapsOnStreamsRefuseNamingTheirFlags) {
+  teacher::StreamLimits caps;
+  caps.max_streams = 3;
+  caps.max_streams_per_connection = 2;
+  Teacher t(Limits(int64_t{1} << 20, 4000), OneSequencePerBatch(), caps);
+  const auto req = Request(Inputs(2), 0);
+  WorkerHold hold;
+  ASSERT_TRUE(hold.Start(t.scorer, Job(Inputs(1), 0, 0, 1)));
+  RawClient a(t), b(t), c(t);
+  a.Start(req);
+  a.Start(req);
+  ASSERT_TRUE(WaitFor([&] { return t.service.streams_in_progress() == 2; }));
+  a.Start(req);  // a third on connection a
+  grpc::Status refused = a.Finish(2);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("--max-streams-per-connection=2"), std::string::npos)
+      << refused.error_message();
+  b.Start(req);
+  ASSERT_TRUE(WaitFor([&] { return t.service.streams_in_progress() == 3; }));
+  c.Start(req);  // a fourth in all, the first on connection c
+  refused = c.Finish(0);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("--max-streams=3"), std::string::npos)
+      << refused.error_message();
+  hold.Release();
+  EXPECT_TRUE(a.Finish(0).ok());
+  EXPECT_TRUE(a.Finish(1).ok());
+  EXPECT_TRUE(b.Finish(0).ok());
+  EXPECT_EQ(t.service.streams_finished(), 3);
+  EXPECT_TRUE(WaitFor([&] { return t.service.streams_in_progress() == 0; }));
+}
+
+// (h) A stream whose client reads nothing: its first chunk (~2 MB, past the client's 64 KiB
+// window) waits to be written, holding an admission slot (with --max-queue 1 a new request is
+// refused naming the flag) and its memory. Once the fake clock passes the write timeout the
+// stream is cancelled: the client sees CANCELLED, the slot and every byte the call held are
+// released, and new requests are served again.
+TEST(ScoreStream, AnUnreadStreamIsCancelledAfterTheWriteTimeoutAndItsMemoryFreed) {
+  std::atomic<int64_t> now_ns{absl::ToUnixNanos(absl::FromUnixSeconds(1000))};
+  auto clock = [&now_ns] { return absl::FromUnixNanos(now_ns.load()); };
+  teacher::StreamLimits streams;
+  streams.write_timeout = absl::Seconds(10);
+  Teacher t(Limits(int64_t{64} << 20, int64_t{2} << 20), OneSequencePerBatch(/*max_queue=*/1),
+            streams, clock);
+  std::vector<lm::Sample> seqs = Inputs(40, 13);
+  for (auto& s : seqs) s.tokens.resize(200, 7);  // 197 positions x (4 + 8 x 96) bytes: ~150 KB
+  RawClient reader(t);
+  reader.Start(Request(seqs, 96));
+  ASSERT_TRUE(WaitFor([&] { return t.service.replies_waiting() == 1; }));
+  EXPECT_EQ(t.scorer.held_slots(), 1);
+  EXPECT_GT(t.service.held_bytes(), int64_t{2} << 20);  // the request and the chunk (twice)
+  // The unread chunk holds the only slot: a new request is refused.
+  opd::v1::ScoreResponse resp;
+  grpc::Status full = UnaryScore(t, Request(Inputs(1), 0), &resp);
+  EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << full.error_message();
+  EXPECT_NE(full.error_message().find("--max-queue"), std::string::npos) << full.error_message();
+
+  now_ns += absl::ToInt64Nanoseconds(absl::Seconds(9));
+  EXPECT_EQ(t.service.CancelStalledWrites(), 0);  // not yet
+  now_ns += absl::ToInt64Nanoseconds(absl::Seconds(1));
+  EXPECT_EQ(t.service.CancelStalledWrites(), 1);
+  ASSERT_TRUE(WaitFor([&] {
+    return t.service.streams_in_progress() == 0 && t.service.held_bytes() == 0 &&
+           t.scorer.held_slots() == 0 && t.service.replies_waiting() == 0;
+  })) << t.service.streams_in_progress()
+      << " streams, " << t.service.held_bytes() << " bytes";
+  EXPECT_EQ(reader.Finish(0).error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(t.service.streams_finished(), 0);
+  EXPECT_TRUE(UnaryScore(t, Request(Inputs(1), 0), &resp).ok());
+  // The unary reply held its bytes until its call was done (on the server, after the client's).
+  EXPECT_TRUE(WaitFor([&] { return t.service.held_bytes() == 0; })) << t.service.held_bytes();
 }
 
 }  // namespace

@@ -649,6 +649,34 @@ TEST_F(RolloutService, SeededSamplesAreReproducible) {
   EXPECT_GE(differ, 4);
 }
 
+// Prompt.seed_index over the wire (RolloutClient's seed_indices): the last prompt sent alone
+// with seed index 2 gets the samples it gets at position 2 of the whole request, still named
+// prompt 0 of its own; a seed index count that does not match the prompts' is refused before
+// anything is sent, a negative one by the worker, naming the prompt.
+TEST_F(RolloutService, SeedIndexKeysAPromptOverTheWire) {
+  auto c = Client();
+  auto all = c->Generate(kPrompts, Sampling(23));
+  auto g = Sampling(23);
+  g.seed_indices = {2};
+  auto alone = c->Generate({kPrompts[2]}, g);
+  ASSERT_TRUE(all.ok() && alone.ok()) << all.status() << alone.status();
+  ASSERT_EQ(alone->size(), 2u);
+  for (size_t s = 0; s < 2; ++s) {
+    EXPECT_EQ((*alone)[s].prompt_index, 0);
+    EXPECT_EQ((*alone)[s].tokens, (*all)[4 + s].tokens) << "sample " << s;
+    // Batched with the other prompts or alone: the same draws, logits rounded alike to ~1e-7.
+    EXPECT_LE(MaxAbsDiff((*alone)[s].logprobs, (*all)[4 + s].logprobs), 1e-5) << "sample " << s;
+  }
+  g.seed_indices = {2, 3};
+  EXPECT_EQ(c->Generate({kPrompts[2]}, g).status().code(), absl::StatusCode::kInvalidArgument);
+  g.seed_indices = {-1};
+  auto negative = c->Generate({kPrompts[2]}, g);
+  EXPECT_EQ(negative.status().code(), absl::StatusCode::kInvalidArgument) << negative.status();
+  EXPECT_NE(std::string(negative.status().message()).find("prompt 0: seed_index -1"),
+            std::string::npos)
+      << negative.status();
+}
+
 TEST_F(RolloutService, TemperatureToZeroIsGreedy) {
   auto model = LoadLocal(FixtureModel());
   for (float t : {0.0f, 1e-4f}) {
@@ -1037,6 +1065,122 @@ TEST(Scorer, SmallJobFinishesInTheNextBatchBehindALargeOne) {
   const int64_t small_in = small_done.get_future().get();
   EXPECT_LE(small_in, queued_at + 1);
   EXPECT_GE(large_done.get_future().get(), 100);
+}
+
+// Holds a scorer's only worker inside a job's completion until Release(), so that jobs submitted
+// meanwhile queue up whole: the state of the queue is the test's, not the machine's speed.
+class WorkerHold {
+ public:
+  void Start(teacher::Scorer& scorer) {
+    auto entered = entered_;
+    auto released = released_;
+    ASSERT_TRUE(scorer
+                    .Submit(Job({{1, 2, 3}}),
+                            [entered, released](auto) {
+                              entered->set_value();
+                              released.wait();
+                            })
+                    .ok());
+    entered_->get_future().wait();
+  }
+  void Release() {
+    if (!done_) release_.set_value();
+    done_ = true;
+  }
+  ~WorkerHold() { Release(); }
+
+ private:
+  std::shared_ptr<std::promise<void>> entered_ = std::make_shared<std::promise<void>>();
+  std::promise<void> release_;
+  std::shared_future<void> released_ = release_.get_future().share();
+  bool done_ = false;
+};
+
+// The fill the scorer's previous packer reached on `jobs` (sequence lengths, queue order) with
+// buckets of `budget` tokens: passes taking each job's next sequence in turn, the bucket closed at
+// the first that did not fit. Over the buckets closed while work remained, as Scorer::Packing.
+double NextSequencePackerFill(std::vector<std::vector<int64_t>> jobs, int64_t budget) {
+  std::vector<size_t> next(jobs.size(), 0);
+  auto left = [&] {
+    for (size_t j = 0; j < jobs.size(); ++j)
+      if (next[j] < jobs[j].size()) return true;
+    return false;
+  };
+  int64_t closed = 0, closed_tokens = 0;
+  while (left()) {
+    int64_t tokens = 0, items = 0;
+    for (bool full = false, took = true; !full && took;) {
+      took = false;
+      for (size_t j = 0; j < jobs.size() && !full; ++j) {
+        if (next[j] == jobs[j].size()) continue;
+        const int64_t len = jobs[j][next[j]];
+        if (items > 0 && tokens + len > budget) {
+          full = true;
+        } else {
+          tokens += len;
+          ++items;
+          ++next[j];
+          took = true;
+        }
+      }
+    }
+    if (left()) {
+      ++closed;
+      closed_tokens += tokens;
+    }
+  }
+  return static_cast<double>(closed_tokens) / (closed * budget);
+}
+
+// Bucket fill on a mixed-length queue: four jobs of 20-60 sequences, each 20-40 or 100-160 tokens
+// (the paper's mix of 2k-token prompts with short and long responses, over 16k-token buckets,
+// scaled by 1/64 to the fixture's 256 positions), queued whole behind a held worker, packed into
+// 256-token buckets. The buckets closed while work remained must be >= 95% full; the previous
+// packer, run on the same queue, is well below that. Every job's scores are still complete.
+TEST(Scorer, BucketsAreFullOnAMixedLengthQueue) {
+  auto model = TeacherModel();
+  teacher::ScorerOptions o;
+  o.workers = 1;
+  o.max_batch_tokens = 256;
+  teacher::Scorer scorer(model, o);
+  WorkerHold hold;
+  hold.Start(scorer);
+  std::mt19937 rng(4);
+  std::vector<std::future<absl::StatusOr<std::vector<teacher::SequenceScore>>>> results;
+  std::vector<std::vector<int64_t>> lengths(4);
+  for (auto& job_lengths : lengths) {
+    std::vector<std::vector<int64_t>> seqs(20 + rng() % 41);
+    for (auto& s : seqs) {
+      const int64_t len = rng() % 2 ? 20 + rng() % 21 : 100 + rng() % 61;
+      s.assign(len, 1 + static_cast<int64_t>(rng() % 95));
+      job_lengths.push_back(len);
+    }
+    auto done =
+        std::make_shared<std::promise<absl::StatusOr<std::vector<teacher::SequenceScore>>>>();
+    results.push_back(done->get_future());
+    ASSERT_TRUE(scorer.Submit(Job(seqs), [done](auto r) { done->set_value(std::move(r)); }).ok());
+  }
+  const teacher::Scorer::Packing before = scorer.packing();  // the holding job's bucket
+  hold.Release();
+  for (size_t j = 0; j < results.size(); ++j) {
+    auto r = results[j].get();
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->size(), lengths[j].size());
+    for (size_t i = 0; i < r->size(); ++i)
+      EXPECT_EQ((*r)[i].logprobs.size(), static_cast<size_t>(lengths[j][i] - 1)) << j << " " << i;
+  }
+  const teacher::Scorer::Packing p = scorer.packing();
+  const int64_t closed = p.closed_buckets - before.closed_buckets;
+  ASSERT_GT(closed, 10);
+  const double fill =
+      static_cast<double>(p.closed_tokens - before.closed_tokens) / (closed * o.max_batch_tokens);
+  const double previous = NextSequencePackerFill(lengths, o.max_batch_tokens);
+  std::printf(
+      "%lld buckets, %lld closed with work left, %.1f%% full (the previous packer: %.1f%%)\n",
+      static_cast<long long>(p.buckets - before.buckets), static_cast<long long>(closed),
+      100 * fill, 100 * previous);
+  EXPECT_GE(fill, 0.95);
+  EXPECT_LT(previous, 0.85) << "this queue does not tell the packers apart";
 }
 
 // Weights with a NaN or an infinity: the job fails with FAILED_PRECONDITION naming the sequence

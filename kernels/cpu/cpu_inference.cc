@@ -10,6 +10,7 @@
 
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/parallel_tasks.h"
+#include "lm/model/batch_invariant.h"
 
 // The Fortran BLAS sgemm of the library LibTorch links (MKL in the x86 wheels). Weak: where a
 // build does not export it, the paths that need it are not taken (HasBlas()).
@@ -48,6 +49,16 @@ void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
   if (mkl_set_num_threads_local_) mkl_set_num_threads_local_(&previous);
 }
 
+// x [M, K] in a fresh zero-padded [ceil(M / rows) * rows, K] fp32 buffer: whole blocks of
+// `rows` rows, each at the same alignment (LibTorch allocates 64-byte aligned).
+torch::Tensor PaddedRows(const torch::Tensor& x, int64_t rows) {
+  const int64_t M = x.size(0);
+  auto padded = torch::zeros({std::max<int64_t>(1, (M + rows - 1) / rows) * rows, x.size(1)},
+                             x.options().dtype(torch::kFloat32));
+  padded.narrow(0, 0, M).copy_(x);
+  return padded;
+}
+
 bool NeedsGrad(std::initializer_list<const torch::Tensor*> ts) {
   if (!torch::GradMode::is_enabled()) return false;
   return std::any_of(ts.begin(), ts.end(),
@@ -69,6 +80,8 @@ constexpr int64_t kKernelMaxRows = 32;
 // Rows of one expert per task: bounds a task's buffers (1.5 MiB at hidden 512) and splits busy
 // experts, so that no single task holds the threads up at the end.
 constexpr int64_t kRowsPerTask = 128;
+// Batch-invariant tasks are kInvariantRows rows: they must fit the buffers and take the GEMM.
+static_assert(kInvariantRows > kKernelMaxRows && kInvariantRows <= kRowsPerTask);
 
 // The (token, slot) pairs routed to each expert, expert-major and in token order within one
 // expert: pairs of expert e are pair[offset[e] .. offset[e + 1]).
@@ -96,12 +109,12 @@ struct ExpertTask {
   int64_t expert, begin, end;  // indices into ExpertRows::pair
 };
 
-// Tasks of at most kRowsPerTask rows, largest first.
-std::vector<ExpertTask> MakeExpertTasks(const ExpertRows& rows) {
+// Tasks of at most `per_task` rows, largest first.
+std::vector<ExpertTask> MakeExpertTasks(const ExpertRows& rows, int64_t per_task) {
   std::vector<ExpertTask> tasks;
   for (int64_t e = 0; e + 1 < static_cast<int64_t>(rows.offset.size()); ++e) {
-    for (int64_t b = rows.offset[e]; b < rows.offset[e + 1]; b += kRowsPerTask)
-      tasks.push_back({e, b, std::min(b + kRowsPerTask, rows.offset[e + 1])});
+    for (int64_t b = rows.offset[e]; b < rows.offset[e + 1]; b += per_task)
+      tasks.push_back({e, b, std::min(b + per_task, rows.offset[e + 1])});
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const ExpertTask& a, const ExpertTask& b) {
     return a.end - a.begin > b.end - b.begin;
@@ -109,11 +122,21 @@ std::vector<ExpertTask> MakeExpertTasks(const ExpertRows& rows) {
   return tasks;
 }
 
-// One thread's buffers: a task's gathered rows, their [gate | up] and their outputs.
+// One thread's buffers: a task's gathered rows, their [gate | up] and their outputs. In one
+// LibTorch allocation (64-byte aligned, each part too): the library's products then see the same
+// alignment in every task and every call, which batch-invariant results need.
 struct ExpertBuffers {
   ExpertBuffers(int64_t H, int64_t I)
-      : xs(kRowsPerTask * H), gu(kRowsPerTask * 2 * I), ys(kRowsPerTask * H) {}
-  std::vector<float> xs, gu, ys;
+      : buf_(torch::empty({Padded(kRowsPerTask * H) * 2 + Padded(kRowsPerTask * 2 * I)})) {
+    xs = buf_.data_ptr<float>();
+    ys = xs + Padded(kRowsPerTask * H);
+    gu = ys + Padded(kRowsPerTask * H);
+  }
+  float *xs, *ys, *gu;
+
+ private:
+  static int64_t Padded(int64_t n) { return (n + 15) / 16 * 16; }
+  torch::Tensor buf_;
 };
 
 // The SwiGLU MLP of one expert on m rows: y = (silu(x G^T) * (x U^T)) D^T, with the expert's
@@ -303,7 +326,11 @@ torch::Tensor MoeExpertsInferenceCpu(const torch::Tensor& x_in, const torch::Ten
   const auto ids = ids_in.to(torch::kInt64).contiguous();
   const int64_t T = x.size(0), k = ids.size(1), H = x.size(1), I = down.size(2);
   const ExpertRows rows = GroupByExpert(ids, gate_up.size(0));
-  const std::vector<ExpertTask> tasks = MakeExpertTasks(rows);
+  // Batch-invariant: every task is kInvariantRows rows, padded with zeros, through the library
+  // GEMM, so a row's products have one shape whatever number of rows its expert got.
+  const bool invariant = BatchInvariant();
+  const int64_t per_task = invariant ? kInvariantRows : kRowsPerTask;
+  const std::vector<ExpertTask> tasks = MakeExpertTasks(rows, per_task);
 
   auto y = torch::empty({T * k, H}, x.options());  // one output row per (token, slot) pair
   const float* xp = x.data_ptr<float>();
@@ -316,10 +343,12 @@ torch::Tensor MoeExpertsInferenceCpu(const torch::Tensor& x_in, const torch::Ten
         const ExpertTask& t = tasks[i];
         const int64_t m = t.end - t.begin;
         const int64_t* pair = rows.pair.data() + t.begin;
-        for (int64_t r = 0; r < m; ++r) std::copy_n(xp + (pair[r] / k) * H, H, &b.xs[r * H]);
-        ExpertMlp(b.xs.data(), m, H, gup + t.expert * 2 * I * H, dp + t.expert * H * I, I,
-                  b.gu.data(), b.ys.data());
-        for (int64_t r = 0; r < m; ++r) std::copy_n(&b.ys[r * H], H, yp + pair[r] * H);
+        for (int64_t r = 0; r < m; ++r) std::copy_n(xp + (pair[r] / k) * H, H, b.xs + r * H);
+        const int64_t rows_run = invariant ? per_task : m;
+        std::fill(b.xs + m * H, b.xs + rows_run * H, 0.0f);
+        ExpertMlp(b.xs, rows_run, H, gup + t.expert * 2 * I * H, dp + t.expert * H * I, I, b.gu,
+                  b.ys);
+        for (int64_t r = 0; r < m; ++r) std::copy_n(b.ys + r * H, H, yp + pair[r] * H);
       });
   return SumSlots(y, weights);
 }
@@ -426,19 +455,24 @@ torch::Tensor TokenLogprobsInferenceCpu(const torch::Tensor& hidden_in,
   // the target's logit where the tile holds it. The tiles' log-sum-exps are combined at the end.
   const int64_t tiles = (V + kVocabPerTask - 1) / kVocabPerTask;
   std::vector<float> tile_lse(N * tiles), target_logit(N);
-  const float* h = hidden.data_ptr<float>();
+  // Batch-invariant: the rows padded with zeros to whole kRowsPerProduct blocks in a fresh buffer,
+  // so that every product has the same shape and alignment whichever rows it holds.
+  const bool invariant = BatchInvariant();
+  const torch::Tensor padded = invariant ? PaddedRows(hidden, kRowsPerProduct) : hidden;
+  const float* h = padded.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   const float alpha = static_cast<float>(1.0 / temperature);
   ParallelTasks(
-      tiles, [] { return std::vector<float>(kRowsPerProduct * kVocabPerTask); },
-      [&](int64_t t, std::vector<float>& logits) {
+      tiles, [] { return torch::empty({kRowsPerProduct * kVocabPerTask}); },  // 64-byte aligned
+      [&](int64_t t, torch::Tensor& block) {
+        float* logits = block.data_ptr<float>();
         const int64_t v0 = t * kVocabPerTask, nv = std::min(kVocabPerTask, V - v0);
         for (int64_t r0 = 0; r0 < N; r0 += kRowsPerProduct) {
           const int64_t nr = std::min(kRowsPerProduct, N - r0);
-          Gemm(false, true, nr, nv, H, alpha, h + r0 * H, H, w + v0 * H, H, 0.0f, logits.data(),
-               nv);
+          Gemm(false, true, invariant ? kRowsPerProduct : nr, nv, H, alpha, h + r0 * H, H,
+               w + v0 * H, H, 0.0f, logits, nv);
           for (int64_t r = 0; r < nr; ++r) {
-            const float* row = logits.data() + r * nv;
+            const float* row = logits + r * nv;
             tile_lse[(r0 + r) * tiles + t] = cpu::LogSumExp(row, nv);
             const int64_t j = target[r0 + r] - v0;
             if (j >= 0 && j < nv) target_logit[r0 + r] = row[j];
@@ -449,6 +483,40 @@ torch::Tensor TokenLogprobsInferenceCpu(const torch::Tensor& hidden_in,
   float* o = out.data_ptr<float>();
   for (int64_t r = 0; r < N; ++r)
     o[r] = target_logit[r] - cpu::LogSumExp(tile_lse.data() + r * tiles, tiles);
+  return out;
+}
+
+// ---- batch-invariant GEMM ----
+
+bool UseCpuRowInvariantMatmul(const torch::Tensor& x, const torch::Tensor& w) {
+  return !NeedsGrad({&x, &w}) && AllFp32Cpu({&x, &w}) && x.dim() == 2 && w.dim() == 2 &&
+         x.size(1) == w.size(1) && HasBlas();
+}
+
+torch::Tensor RowInvariantMatmulCpu(const torch::Tensor& x, const torch::Tensor& w_in) {
+  const auto w = w_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const torch::Tensor xp = PaddedRows(x, kInvariantRows);
+  const int64_t row_blocks = xp.size(0) / kInvariantRows;
+  const int64_t col_blocks = std::max<int64_t>(1, (N + kInvariantCols - 1) / kInvariantCols);
+  auto out = torch::empty({M, N}, xp.options());
+  const float* a = xp.data_ptr<float>();
+  const float* b = w.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  // Each task one [kInvariantRows, K] x [K, <= kInvariantCols] product on one thread, into an
+  // aligned tile of its own (ldc = the tile's width, whatever N), then its real rows copied out.
+  ParallelTasks(
+      row_blocks * col_blocks, [] { return torch::empty({kInvariantRows * kInvariantCols}); },
+      [&](int64_t t, torch::Tensor& tile) {
+        const int64_t r0 = (t / col_blocks) * kInvariantRows,
+                      n0 = (t % col_blocks) * kInvariantCols;
+        const int64_t nc = std::min(kInvariantCols, N - n0);
+        if (nc <= 0) return;
+        float* c = tile.data_ptr<float>();
+        Gemm(false, true, kInvariantRows, nc, K, 1.0f, a + r0 * K, K, b + n0 * K, K, 0.0f, c, nc);
+        for (int64_t r = 0; r < std::min(kInvariantRows, M - r0); ++r)
+          std::copy_n(c + r * nc, nc, o + (r0 + r) * N + n0);
+      });
   return out;
 }
 

@@ -6,9 +6,13 @@
 //   - MoE experts: tasks of up to 128 rows of one expert. Decode-sized tasks run the streaming
 //     kernel of kernels/cpu/cpu_kernels.h, which reads the expert's weight once where a library
 //     GEMM would spend its time packing it; larger ones run the library GEMM on their thread.
+//     In batch-invariant mode (lm/model/batch_invariant.h) every task is kInvariantRows rows,
+//     zero-padded, through the library GEMM.
 //   - Gated delta rule (Qwen3-Next): one task per (document, value head), its chunks in order.
 //   - LM-head log-probs for scoring: one task per vocabulary tile, each [rows, tile] block of
-//     logits reduced to a log-sum-exp while still in cache; [rows, vocab] never exists.
+//     logits reduced to a log-sum-exp while still in cache; [rows, vocab] never exists. In
+//     batch-invariant mode the last block of rows is padded to the others' height.
+//   - Batch-invariant GEMMs: fixed-shape row and column tiles of x W^T.
 //   - A packed LM head for decode-sized row counts.
 //
 // This is the one file of `lm` compiled with -fopenmp: at::parallel_for's region is compiled
@@ -69,6 +73,16 @@ bool UseCpuLogSumExpRows(const torch::Tensor& logits);
 // reads of the logits instead of the library's four passes over memory, and no writes. The
 // training path's chunked log-probs use it.
 torch::Tensor LogSumExpRowsCpu(const torch::Tensor& logits);
+
+// Whether RowInvariantMatmulCpu applies: no gradient needed, fp32 on CPU, x [M, K] and w [N, K],
+// a BLAS library.
+bool UseCpuRowInvariantMatmul(const torch::Tensor& x, const torch::Tensor& w);
+
+// x W^T -> [M, N] for batch-invariant mode (lm/model/batch_invariant.h): x padded with zeros to
+// whole blocks of kInvariantRows rows, every task one [kInvariantRows, K] x [K, <= kInvariantCols]
+// single-threaded library product into an aligned tile, so a row's result does not depend on the
+// other rows, their number, or the thread count.
+torch::Tensor RowInvariantMatmulCpu(const torch::Tensor& x, const torch::Tensor& w);
 
 // A weight [N, K] (fp32, CPU) packed for few-row products x W^T: the rollout worker's LM head, per
 // weight version. Packing reads the weight once, about what one decode step's LM head costs

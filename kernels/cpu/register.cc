@@ -40,6 +40,11 @@ torch::Tensor PagedDecode(const torch::Tensor& q, const torch::Tensor& k_pool,
   return PagedDecodeCpu(q, k_pool, v_pool, block_tables, seq_lens, scale);
 }
 
+torch::Tensor RowInvariantMatmul(const torch::Tensor& x, const torch::Tensor& w) {
+  if (!UseCpuRowInvariantMatmul(x, w)) return {};
+  return RowInvariantMatmulCpu(x, w);
+}
+
 std::shared_ptr<const PackedWeight> PackLmHead(const torch::Tensor& weight) {
   std::optional<PackedLinear> packed = PackedLinear::Pack(weight);
   if (!packed) return nullptr;
@@ -53,6 +58,7 @@ const RegisterFastPaths kCpu(torch::kCPU, [](FastPaths& p) {
   p.token_logprobs = &Logprobs;
   p.logsumexp_rows = &LogSumExp;
   p.paged_decode = &PagedDecode;
+  p.row_invariant_matmul = &RowInvariantMatmul;
 });
 
 }  // namespace

@@ -15,9 +15,11 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -196,6 +198,7 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Create(const LaunchE
     return absl::InvalidArgumentError("the nccl backend needs a CUDA device");
   group->rank_ = env.rank;
   group->size_ = env.world_size;
+  group->env_ = env;
   group->backend_name_ = backend;
   Impl& impl = *group->impl_;
   impl.timeout = Millis(options.timeout);
@@ -340,6 +343,86 @@ absl::Status ProcessGroup::BroadcastBytes(std::string* bytes, int root) {
     bytes->assign(static_cast<const char*>(host.data_ptr()), static_cast<size_t>(n));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::string>> ProcessGroup::AllGatherBytes(const std::string& mine) {
+  if (size_ == 1) return std::vector<std::string>{mine};
+  torch::Tensor lengths = torch::empty({size_}, torch::kInt64).to(device_);
+  const torch::Tensor my_length =
+      torch::tensor({static_cast<int64_t>(mine.size())}, torch::kInt64).to(device_);
+  if (absl::Status s = AllGather(lengths, my_length); !s.ok()) return s;
+  const torch::Tensor n = lengths.to(torch::kCPU).contiguous();
+  const int64_t* len = n.data_ptr<int64_t>();
+  const int64_t longest = *std::max_element(len, len + size_);
+  std::vector<std::string> out(static_cast<size_t>(size_));
+  if (longest == 0) return out;
+  // Padded to the longest, so that one all_gather of equal parts carries every rank's bytes.
+  torch::Tensor part = torch::zeros({longest}, torch::kUInt8);
+  std::memcpy(part.data_ptr(), mine.data(), mine.size());
+  torch::Tensor all = torch::empty({longest * size_}, torch::kUInt8).to(device_);
+  if (absl::Status s = AllGather(all, part.to(device_)); !s.ok()) return s;
+  const torch::Tensor host = all.to(torch::kCPU).contiguous();
+  const char* data = static_cast<const char*>(host.data_ptr());
+  for (int r = 0; r < size_; ++r)
+    out[static_cast<size_t>(r)].assign(data + r * longest, static_cast<size_t>(len[r]));
+  return out;
+}
+
+namespace {
+
+class TcpStoreClient final : public StoreClient {
+ public:
+  explicit TcpStoreClient(c10::intrusive_ptr<c10d::TCPStore> store) : store_(std::move(store)) {}
+
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    return Guard("set", key,
+                 [&] { store_->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
+  }
+  absl::StatusOr<std::optional<std::string>> TryGet(const std::string& key) override {
+    std::optional<std::string> out;
+    absl::Status s = Guard("get", key, [&] {
+      if (!store_->check({key})) return;
+      const std::vector<uint8_t> v = store_->get(key);
+      out.emplace(v.begin(), v.end());
+    });
+    if (!s.ok()) return s;
+    return out;
+  }
+  absl::Status Delete(const std::string& key) override {
+    return Guard("delete", key, [&] { store_->deleteKey(key); });
+  }
+
+ private:
+  absl::Status Guard(const char* op, const std::string& key, const std::function<void()>& fn) {
+    try {
+      fn();
+      return absl::OkStatus();
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(
+          absl::StrCat("the group's store did not answer (", op, " ", key, "): ", ErrorText(e)));
+    }
+  }
+  c10::intrusive_ptr<c10d::TCPStore> store_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<StoreClient>> ProcessGroup::ConnectStore(
+    absl::Duration timeout) const {
+  if (size_ == 1) return absl::FailedPreconditionError("a one-process group has no store");
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(env_.master_port);
+  so.isServer = false;
+  so.waitWorkers = false;
+  so.timeout = Millis(timeout);
+  try {
+    return std::make_unique<TcpStoreClient>(
+        c10::make_intrusive<c10d::TCPStore>(env_.master_addr, so));
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("connecting to the group's store at ",
+                                               env_.master_addr, ":", env_.master_port, ": ",
+                                               ErrorText(e)));
+  }
 }
 
 absl::Status ProcessGroup::Barrier() {

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,18 @@ struct GroupOptions {
 };
 
 enum class ReduceOp { kSum, kMax, kMin };
+
+// A connection of its own to the group's key-value store (the TCPStore rank 0 hosts), for small
+// values ranks publish and poll beside the collectives (lm/dist/rank_sync.h). Every call fails
+// after the timeout it was opened with, so a stopped or dead host is an error, not a hang.
+class StoreClient {
+ public:
+  virtual ~StoreClient() = default;
+  virtual absl::Status Set(const std::string& key, const std::string& value) = 0;
+  // The key's value, or nullopt while it is not set (never waits for it).
+  virtual absl::StatusOr<std::optional<std::string>> TryGet(const std::string& key) = 0;
+  virtual absl::Status Delete(const std::string& key) = 0;
+};
 
 // A collective in flight; Wait() returns its outcome (once).
 class PendingCollective {
@@ -88,6 +101,8 @@ class ProcessGroup {
   absl::Status AllGather(torch::Tensor& output, const torch::Tensor& input);
   // Root's bytes on every rank.
   absl::Status BroadcastBytes(std::string* bytes, int root = 0);
+  // Every rank's bytes (any length, empty included), in rank order, on every rank.
+  absl::StatusOr<std::vector<std::string>> AllGatherBytes(const std::string& mine);
   absl::Status Barrier();
 
   // Convenience reductions of host scalars (one collective each).
@@ -96,12 +111,17 @@ class ProcessGroup {
   // Whether any rank passed true (e.g. a stop signal that reached only some ranks).
   absl::StatusOr<bool> AnyRank(bool value);
 
+  // A new connection to the group's store whose calls fail after `timeout`. FAILED_PRECONDITION
+  // for the trivial group (there is no store).
+  absl::StatusOr<std::unique_ptr<StoreClient>> ConnectStore(absl::Duration timeout) const;
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
   int rank_ = 0, size_ = 1;
   std::string backend_name_ = "none";
   torch::Device device_{torch::kCPU};
+  LaunchEnv env_;
 };
 
 // What c10d's NCCL backend is told before a group is made (environment variables it reads when a

@@ -6,8 +6,11 @@
 //   rollout::Engine          continuous batching over a paged KV cache (rollout/engine.h)
 //   rollout::EpRollout       a request run on every rank of an expert-parallel group
 //                            (rollout/ep_rollout.h)
-// They differ in scheduling only: sample s of prompt p draws with SampleSeed(seed, p, s), so every
-// generator gives a request the same tokens.
+// They differ in scheduling only: sample s of prompt p draws with SampleSeed(seed,
+// params.SeedIndex(p), s), so every generator gives a request the same tokens, and a prompt sent
+// with a seed index gets the same tokens in any request, at any position, on any worker.
+// None of them bounds a request by its summed KV cache: the paged engine queues the sequences
+// through its pool, the static sampler runs them in batches that fit its cache.
 #pragma once
 
 #include <cstdint>
@@ -43,7 +46,8 @@ class Generator {
   // Samples every prompt (prompts and params as rollout's Validate() accepted them) on
   // `snapshot`; `on_sample` receives each sample as it finishes, `cancelled` is polled between
   // steps (true: the call ends CANCELLED). A model producing non-finite log-probs ends the call
-  // FAILED_PRECONDITION (CheckDrawn).
+  // FAILED_PRECONDITION (CheckDrawn); a sequence that could never fit the generator's KV cache
+  // alone ends it RESOURCE_EXHAUSTED naming the prompt, before anything is sampled.
   virtual absl::Status Generate(const ModelSnapshot& snapshot,
                                 const std::vector<std::vector<int64_t>>& prompts,
                                 const SamplingParams& params,

@@ -13,6 +13,7 @@
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
 #include "lm/util/splitmix.h"
+#include "lm/util/status.h"
 
 namespace lm {
 namespace {
@@ -101,6 +102,136 @@ torch::Tensor Prefill(CausalLM& model, const std::vector<std::vector<int64_t>>& 
   // fp32 logits from the head as they are (bf16 operands, fp32 accumulate: CausalLM::Logits).
   return model.Logits(
       hidden.index_select(0, torch::tensor(last, torch::kInt64).to(hidden.device())));
+}
+
+// One batch: the request's prompts [first, first + prompts.size()) with one contiguous cache.
+absl::Status SampleBatch(CausalLM& model, const std::vector<std::vector<int64_t>>& prompts,
+                         int64_t first, const SamplingParams& params,
+                         const std::function<void(Sample)>& on_sample,
+                         const std::function<bool()>& cancelled, const PackedWeight* lm_head,
+                         SamplerStats& stats) {
+  const int64_t P = static_cast<int64_t>(prompts.size()), n = params.samples_per_prompt;
+  int64_t longest = 0;
+  for (const auto& p : prompts)
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
+  if (cancelled && cancelled()) return absl::CancelledError("cancelled before the prefill");
+
+  // Decode steps (few rows) compute logits on the packed LM head where it applies; many rows (a
+  // large batch, the prefill) are a real GEMM, where the library is faster.
+  std::shared_ptr<const PackedWeight> own_head;
+  if (!lm_head && P * n <= kPackedHeadMaxRows) {
+    own_head = PackLmHead(model);
+    lm_head = own_head.get();
+  }
+  auto decode_logits = [&](const torch::Tensor& hidden) {
+    return DecodeLogits(model, lm_head, hidden);
+  };
+  const auto device = model.LmHeadWeight().device();
+
+  // Routing replay: every MoE layer's top-k per fed token, [positions, layers, k] per slot.
+  const bool routing = params.return_routing;
+  int64_t moe_layers = 0;
+  const int64_t top_k = model.config().num_experts_per_tok;
+  if (routing) {
+    for (int64_t i = 0; i < model.config().num_hidden_layers; ++i)
+      moe_layers += model.config().IsMoeLayer(i);
+    if (!model.SupportsRoutingReplay() || moe_layers == 0 || top_k <= 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat("return_routing: a ", model.config().model_type,
+                       " model has no recordable MoE routing (routing replay supports qwen3_moe)"));
+  }
+  std::vector<torch::Tensor> seen;
+
+  KVCache cache = model.NewKVCache(P, longest + params.max_new_tokens);
+  auto logits =
+      Prefill(model, prompts, cache, stats, routing ? &seen : nullptr).repeat_interleave(n, 0);
+  cache = cache.RepeatInterleave(n);
+  std::vector<std::vector<int32_t>> prompt_routing(P);
+  if (routing) {
+    int64_t rows = 0;
+    for (const auto& p : prompts) rows += static_cast<int64_t>(p.size());
+    auto t = StackRouting(seen, rows, moe_layers, top_k);
+    if (!t.ok()) return t.status();
+    const int32_t* d = t->data_ptr<int32_t>();
+    int64_t at = 0;
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t len = static_cast<int64_t>(prompts[p].size()) * moe_layers * top_k;
+      prompt_routing[p].assign(d + at, d + at + len);
+      at += len;
+    }
+  }
+
+  std::vector<Slot> slots;
+  slots.reserve(P * n);
+  for (int64_t p = 0; p < P; ++p) {
+    for (int64_t s = 0; s < n; ++s) {
+      Slot slot{std::mt19937_64(SampleSeed(params.seed, params.SeedIndex(first + p), s)), Sample{}};
+      slot.out.prompt_index = first + p;
+      slot.out.sample_index = s;
+      slot.out.SetPrompt(prompts[p]);
+      if (routing) {
+        slot.out.routed_experts = prompt_routing[p];
+        slot.out.routing_layers = moe_layers;
+        slot.out.routing_top_k = top_k;
+      }
+      slots.push_back(std::move(slot));
+    }
+  }
+  auto is_stop = [&](int64_t id) {
+    return std::find(params.stop_ids.begin(), params.stop_ids.end(), id) != params.stop_ids.end();
+  };
+
+  while (true) {
+    std::vector<std::mt19937_64*> rngs;
+    for (auto& slot : slots) rngs.push_back(&slot.rng);
+    Draws d = DrawTokens(logits, rngs, params);
+    for (size_t i = 0; i < slots.size(); ++i) {
+      absl::Status st = CheckDrawn(slots[i].out, d.logprobs[i]);
+      if (!st.ok()) return st;
+    }
+    std::vector<int64_t> keep, next;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      Sample& out = slots[i].out;
+      out.tokens.push_back(static_cast<int32_t>(d.tokens[i]));
+      out.logprobs.push_back(d.logprobs[i]);
+      const bool stop = is_stop(d.tokens[i]);
+      if (stop || out.response_length() >= params.max_new_tokens) {
+        out.finish = stop ? FinishReason::kStop : FinishReason::kLength;
+        on_sample(std::move(out));
+      } else {
+        keep.push_back(static_cast<int64_t>(i));
+        next.push_back(d.tokens[i]);
+      }
+    }
+    if (keep.empty()) break;
+    if (cancelled && cancelled()) return absl::CancelledError("cancelled while decoding");
+    if (keep.size() < slots.size()) {
+      cache = cache.Select(keep);
+      std::vector<Slot> live;
+      live.reserve(keep.size());
+      for (int64_t i : keep) live.push_back(std::move(slots[i]));
+      slots = std::move(live);
+    }
+    seen.clear();
+    std::optional<ScopedRoutingRecorder> record;
+    if (routing) record.emplace(&seen);
+    const auto hidden = model.Decode(torch::tensor(next, torch::kInt64).to(device), cache);
+    record.reset();
+    if (routing) {
+      auto t = StackRouting(seen, static_cast<int64_t>(slots.size()), moe_layers, top_k);
+      if (!t.ok()) return t.status();
+      const int32_t* d = t->data_ptr<int32_t>();
+      const int64_t row = moe_layers * top_k;
+      for (size_t i = 0; i < slots.size(); ++i) {
+        auto& r = slots[i].out.routed_experts;
+        r.insert(r.end(), d + i * row, d + (i + 1) * row);
+      }
+    }
+    ++stats.decode_steps;
+    stats.decoded_tokens += static_cast<int64_t>(keep.size());
+    logits = decode_logits(hidden);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -195,134 +326,78 @@ torch::Tensor FilteredLogprobs(const torch::Tensor& logits, double temperature, 
   return torch::log_softmax(FilteredLogits(logits, temperature, top_k, top_p), -1);
 }
 
-absl::StatusOr<SamplerStats> SampleResponses(CausalLM& model,
-                                             const std::vector<std::vector<int64_t>>& prompts,
-                                             const SamplingParams& params,
-                                             const std::function<void(Sample)>& on_sample,
-                                             const std::function<bool()>& cancelled,
-                                             const PackedWeight* lm_head) {
-  torch::NoGradGuard no_grad;
-  const int64_t P = static_cast<int64_t>(prompts.size()), n = params.samples_per_prompt;
-  int64_t longest = 0;
-  for (const auto& p : prompts)
-    longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
-  SamplerStats stats;
-  if (cancelled && cancelled()) return absl::CancelledError("cancelled before the prefill");
-
-  // Decode steps (few rows) compute logits on the packed LM head where it applies; many rows (a
-  // large batch, the prefill) are a real GEMM, where the library is faster.
-  std::shared_ptr<const PackedWeight> own_head;
-  if (!lm_head && P * n <= kPackedHeadMaxRows) {
-    own_head = PackLmHead(model);
-    lm_head = own_head.get();
+StaticCacheCost StaticCacheCostOf(CausalLM& model) {
+  StaticCacheCost c;
+  if (model.SupportsPagedKV()) {  // the same layers and state as the paged cache
+    const PagedCacheSpec spec = model.PagedSpec();
+    c.bytes_per_token = spec.kv_bytes_per_token;
+    c.bytes_per_slot = spec.state_bytes_per_slot;
+  } else {
+    c.bytes_per_token = KvBytesPerToken(model.config(), model.LmHeadWeight().element_size());
   }
-  auto decode_logits = [&](const torch::Tensor& hidden) {
-    return DecodeLogits(model, lm_head, hidden);
-  };
-  const auto device = model.LmHeadWeight().device();
+  return c;
+}
 
-  // Routing replay: every MoE layer's top-k per fed token, [positions, layers, k] per slot.
-  const bool routing = params.return_routing;
-  int64_t moe_layers = 0;
-  const int64_t top_k = model.config().num_experts_per_tok;
-  if (routing) {
-    for (int64_t i = 0; i < model.config().num_hidden_layers; ++i)
-      moe_layers += model.config().IsMoeLayer(i);
-    if (!model.SupportsRoutingReplay() || moe_layers == 0 || top_k <= 0)
-      return absl::InvalidArgumentError(
-          absl::StrCat("return_routing: a ", model.config().model_type,
-                       " model has no recordable MoE routing (routing replay supports qwen3_moe)"));
+int64_t StaticCacheCost::BatchBytes(int64_t prompts, int64_t longest,
+                                    const SamplingParams& params) const {
+  // The prompts' cache and its copy per sample live together while it is repeated
+  // (KVCache::RepeatInterleave): (1 + n) x prompts slots of longest + max_new_tokens.
+  const int64_t slots = prompts * (1 + params.samples_per_prompt);
+  return slots * ((longest + params.max_new_tokens) * bytes_per_token + bytes_per_slot);
+}
+
+absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> PlanStaticBatches(
+    const std::vector<std::vector<int64_t>>& prompts, const SamplingParams& params,
+    const StaticCacheCost& cost, int64_t max_batch_kv_bytes) {
+  const int64_t P = static_cast<int64_t>(prompts.size());
+  std::vector<std::pair<int64_t, int64_t>> batches;
+  if (max_batch_kv_bytes <= 0) {
+    if (P > 0) batches.emplace_back(0, P);
+    return batches;
   }
-  std::vector<torch::Tensor> seen;
-
-  KVCache cache = model.NewKVCache(P, longest + params.max_new_tokens);
-  auto logits =
-      Prefill(model, prompts, cache, stats, routing ? &seen : nullptr).repeat_interleave(n, 0);
-  cache = cache.RepeatInterleave(n);
-  std::vector<std::vector<int32_t>> prompt_routing(P);
-  if (routing) {
-    int64_t rows = 0;
-    for (const auto& p : prompts) rows += static_cast<int64_t>(p.size());
-    auto t = StackRouting(seen, rows, moe_layers, top_k);
-    if (!t.ok()) return t.status();
-    const int32_t* d = t->data_ptr<int32_t>();
-    int64_t at = 0;
-    for (int64_t p = 0; p < P; ++p) {
-      const int64_t len = static_cast<int64_t>(prompts[p].size()) * moe_layers * top_k;
-      prompt_routing[p].assign(d + at, d + at + len);
-      at += len;
-    }
-  }
-
-  std::vector<Slot> slots;
-  slots.reserve(P * n);
+  // A prompt with all its samples is the smallest batch: refused at once (before anything is
+  // sampled) when even that cannot fit.
   for (int64_t p = 0; p < P; ++p) {
-    for (int64_t s = 0; s < n; ++s) {
-      Slot slot{std::mt19937_64(SampleSeed(params.seed, p, s)), Sample{}};
-      slot.out.prompt_index = p;
-      slot.out.sample_index = s;
-      slot.out.SetPrompt(prompts[p]);
-      if (routing) {
-        slot.out.routed_experts = prompt_routing[p];
-        slot.out.routing_layers = moe_layers;
-        slot.out.routing_top_k = top_k;
-      }
-      slots.push_back(std::move(slot));
-    }
+    const int64_t len = static_cast<int64_t>(prompts[p].size());
+    const int64_t need = cost.BatchBytes(1, len, params);
+    if (need > max_batch_kv_bytes)
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "prompt ", p, ": ", len, " tokens + max_new_tokens ", params.max_new_tokens, " x ",
+          params.samples_per_prompt, " samples need ", need,
+          " bytes of KV cache in one batch, more than this worker's ", max_batch_kv_bytes,
+          " (--kv-cache-gb): send a shorter prompt, fewer samples or a smaller max_new_tokens"));
   }
-  auto is_stop = [&](int64_t id) {
-    return std::find(params.stop_ids.begin(), params.stop_ids.end(), id) != params.stop_ids.end();
-  };
+  // Greedy: consecutive prompts while the batch's cache (sized by its longest prompt) fits.
+  int64_t begin = 0, longest = 0;
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t len = static_cast<int64_t>(prompts[p].size());
+    if (p > begin &&
+        cost.BatchBytes(p + 1 - begin, std::max(longest, len), params) > max_batch_kv_bytes) {
+      batches.emplace_back(begin, p);
+      begin = p;
+      longest = 0;
+    }
+    longest = std::max(longest, len);
+  }
+  if (P > begin) batches.emplace_back(begin, P);
+  return batches;
+}
 
-  while (true) {
-    std::vector<std::mt19937_64*> rngs;
-    for (auto& slot : slots) rngs.push_back(&slot.rng);
-    Draws d = DrawTokens(logits, rngs, params);
-    for (size_t i = 0; i < slots.size(); ++i) {
-      absl::Status st = CheckDrawn(slots[i].out, d.logprobs[i]);
-      if (!st.ok()) return st;
+absl::StatusOr<SamplerStats> SampleResponses(
+    CausalLM& model, const std::vector<std::vector<int64_t>>& prompts, const SamplingParams& params,
+    const std::function<void(Sample)>& on_sample, const std::function<bool()>& cancelled,
+    const PackedWeight* lm_head, int64_t max_batch_kv_bytes) {
+  torch::NoGradGuard no_grad;
+  ASSIGN_OR_RETURN(auto batches, PlanStaticBatches(prompts, params, StaticCacheCostOf(model),
+                                                   max_batch_kv_bytes));
+  SamplerStats stats;
+  for (const auto& [begin, end] : batches) {
+    if (begin == 0 && end == static_cast<int64_t>(prompts.size())) {
+      RETURN_IF_ERROR(SampleBatch(model, prompts, 0, params, on_sample, cancelled, lm_head, stats));
+      continue;
     }
-    std::vector<int64_t> keep, next;
-    for (size_t i = 0; i < slots.size(); ++i) {
-      Sample& out = slots[i].out;
-      out.tokens.push_back(static_cast<int32_t>(d.tokens[i]));
-      out.logprobs.push_back(d.logprobs[i]);
-      const bool stop = is_stop(d.tokens[i]);
-      if (stop || out.response_length() >= params.max_new_tokens) {
-        out.finish = stop ? FinishReason::kStop : FinishReason::kLength;
-        on_sample(std::move(out));
-      } else {
-        keep.push_back(static_cast<int64_t>(i));
-        next.push_back(d.tokens[i]);
-      }
-    }
-    if (keep.empty()) break;
-    if (cancelled && cancelled()) return absl::CancelledError("cancelled while decoding");
-    if (keep.size() < slots.size()) {
-      cache = cache.Select(keep);
-      std::vector<Slot> live;
-      live.reserve(keep.size());
-      for (int64_t i : keep) live.push_back(std::move(slots[i]));
-      slots = std::move(live);
-    }
-    seen.clear();
-    std::optional<ScopedRoutingRecorder> record;
-    if (routing) record.emplace(&seen);
-    const auto hidden = model.Decode(torch::tensor(next, torch::kInt64).to(device), cache);
-    record.reset();
-    if (routing) {
-      auto t = StackRouting(seen, static_cast<int64_t>(slots.size()), moe_layers, top_k);
-      if (!t.ok()) return t.status();
-      const int32_t* d = t->data_ptr<int32_t>();
-      const int64_t row = moe_layers * top_k;
-      for (size_t i = 0; i < slots.size(); ++i) {
-        auto& r = slots[i].out.routed_experts;
-        r.insert(r.end(), d + i * row, d + (i + 1) * row);
-      }
-    }
-    ++stats.decode_steps;
-    stats.decoded_tokens += static_cast<int64_t>(keep.size());
-    logits = decode_logits(hidden);
+    const std::vector<std::vector<int64_t>> part(prompts.begin() + begin, prompts.begin() + end);
+    RETURN_IF_ERROR(SampleBatch(model, part, begin, params, on_sample, cancelled, lm_head, stats));
   }
   return stats;
 }
@@ -333,7 +408,7 @@ absl::Status StaticSampler::Generate(const ModelSnapshot& snapshot,
                                      const std::function<void(Sample)>& on_sample,
                                      const std::function<bool()>& cancelled) {
   return SampleResponses(*snapshot.model, prompts, params, on_sample, cancelled,
-                         snapshot.lm_head.get())
+                         snapshot.lm_head.get(), max_batch_kv_bytes_)
       .status();
 }
 

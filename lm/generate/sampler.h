@@ -6,8 +6,9 @@
 //   3. decode: one Decode step per new token for every live slot; finished samples leave the
 //      batch (KVCache::Select) and are reported at once.
 //
-// Randomness: sample s of prompt p draws from its own generator seeded by (seed, p, s), one
-// uniform per token (inverse-CDF sampling over the softmax, through per-1024-token block sums),
+// Randomness: sample s of prompt p draws from its own generator seeded by (seed, p's seed index
+// (SamplingParams::SeedIndex: its position unless the request names one), s), one uniform per
+// token (inverse-CDF sampling over the softmax, through per-1024-token block sums),
 // so a sample does not depend on which other prompts or samples share its batch. The log-prob
 // reported for a token is under the distribution it was drawn from: temperature-scaled, then top-k,
 // then top-p filtered and renormalised (0 for greedy).
@@ -19,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include <torch/types.h>
@@ -48,13 +50,32 @@ int64_t KvBytesPerToken(const ModelConfig& config, int64_t element_size);
 // CANCELLED; when the model produces non-finite log-probs, with CheckDrawn's
 // FAILED_PRECONDITION. Prompts and params must have passed rollout's Validate(). `lm_head`: the
 // model's LM head already packed (PackLmHead; a snapshot's); without one it is packed here when a
-// kernel applies.
-absl::StatusOr<SamplerStats> SampleResponses(CausalLM& model,
-                                             const std::vector<std::vector<int64_t>>& prompts,
-                                             const SamplingParams& params,
-                                             const std::function<void(Sample)>& on_sample,
-                                             const std::function<bool()>& cancelled = nullptr,
-                                             const PackedWeight* lm_head = nullptr);
+// kernel applies. `max_batch_kv_bytes` > 0 runs the prompts in consecutive batches whose
+// contiguous cache fits it (PlanStaticBatches; a sample draws from its own seeded stream, so its
+// tokens do not depend on the batching); 0: one batch.
+absl::StatusOr<SamplerStats> SampleResponses(
+    CausalLM& model, const std::vector<std::vector<int64_t>>& prompts, const SamplingParams& params,
+    const std::function<void(Sample)>& on_sample, const std::function<bool()>& cancelled = nullptr,
+    const PackedWeight* lm_head = nullptr, int64_t max_batch_kv_bytes = 0);
+
+// What the static sampler's contiguous cache costs (KVCache: keys/values of the attention layers
+// per token of a slot's capacity, plus recurrent state per slot).
+struct StaticCacheCost {
+  int64_t bytes_per_token = 0, bytes_per_slot = 0;
+  // A batch of `prompts` prompts, the longest `longest` tokens, at its peak: the prompts' cache
+  // and its repetition per sample, (1 + samples_per_prompt) x prompts slots of longest +
+  // max_new_tokens tokens.
+  int64_t BatchBytes(int64_t prompts, int64_t longest, const SamplingParams& params) const;
+};
+StaticCacheCost StaticCacheCostOf(CausalLM& model);
+
+// The static sampler's batches over `prompts`, [begin, end) each, in order: consecutive prompts
+// while the batch's cache fits `max_batch_kv_bytes` (0: one batch of all). RESOURCE_EXHAUSTED
+// naming the first prompt whose samples alone cannot fit it (a prompt's samples share its
+// prefill, so they are never split).
+absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> PlanStaticBatches(
+    const std::vector<std::vector<int64_t>>& prompts, const SamplingParams& params,
+    const StaticCacheCost& cost, int64_t max_batch_kv_bytes);
 
 // The logits [B, V] (fp32) of the distribution sampled from: logits / temperature, keep the
 // top_k largest (exactly k; 0 = all), then the smallest most-likely set whose probability
@@ -65,7 +86,8 @@ torch::Tensor FilteredLogits(const torch::Tensor& logits, double temperature, in
 torch::Tensor FilteredLogprobs(const torch::Tensor& logits, double temperature, int64_t top_k,
                                double top_p);
 
-// The generator seed of sample `sample` of prompt `prompt` (SplitMix64 mixing).
+// The generator seed of sample `sample` of the prompt whose seed index is `prompt` (SplitMix64
+// mixing).
 uint64_t SampleSeed(uint64_t seed, int64_t prompt, int64_t sample);
 
 // One token per row of logits [B, V], on the logits' device: greedy is the argmax; otherwise row i
@@ -95,14 +117,20 @@ torch::Tensor DecodeLogits(CausalLM& model, const PackedWeight* lm_head,
 // (FastPaths::pack_lm_head: the CPU's AVX2 one for fp32), else null.
 std::shared_ptr<const PackedWeight> PackLmHead(CausalLM& model);
 
-// SampleResponses behind the interface.
+// SampleResponses behind the interface; `max_batch_kv_bytes` (0: none) bounds one batch's cache,
+// so that a request of any number of prompts runs in batches instead of allocating them all.
 class StaticSampler final : public Generator {
  public:
+  explicit StaticSampler(int64_t max_batch_kv_bytes = 0)
+      : max_batch_kv_bytes_(max_batch_kv_bytes) {}
   absl::Status Generate(const ModelSnapshot& snapshot,
                         const std::vector<std::vector<int64_t>>& prompts,
                         const SamplingParams& params, const std::function<void(Sample)>& on_sample,
                         const std::function<bool()>& cancelled) override;
   const char* name() const override { return "static"; }
+
+ private:
+  int64_t max_batch_kv_bytes_;
 };
 
 }  // namespace lm

@@ -22,9 +22,17 @@ struct SamplingParams {
   int64_t max_new_tokens = 16;
   std::vector<int64_t> stop_ids;
   uint64_t seed = 0;
+  // Per prompt, the index its samples' streams are keyed by: sample s of prompt p draws with
+  // SampleSeed(seed, SeedIndex(p), s), so a prompt gets the same tokens whatever request,
+  // worker or position it is sent in. Empty: each prompt's position in the request.
+  std::vector<int64_t> seed_indices;
   // Routing replay (R3): record the top-k experts every MoE layer picked for every input
   // position (Sample::routed_experts). Models whose MoE routing is not recordable refuse it.
   bool return_routing = false;
+
+  int64_t SeedIndex(int64_t prompt) const {
+    return seed_indices.empty() ? prompt : seed_indices[static_cast<size_t>(prompt)];
+  }
 };
 
 enum class FinishReason { kStop, kLength };

@@ -5,6 +5,7 @@
 #include <fstream>
 #include <limits>
 #include <optional>
+#include <set>
 #include <string_view>
 
 #include <torch/torch.h>
@@ -16,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "lm/model/arch.h"
 #include "lm/model/config.h"
+#include "lm/model/fp8.h"
 #include "lm/model/model.h"
 #include "lm/util/log.h"
 #include "lm/util/memory.h"
@@ -34,6 +36,8 @@ torch::Dtype TorchDType(DType d) {
       return torch::kFloat16;
     case DType::kBF16:
       return torch::kBFloat16;
+    case DType::kF8E4M3:
+      return torch::kFloat8_e4m3fn;
   }
   return torch::kFloat32;
 }
@@ -230,10 +234,26 @@ std::vector<const TensorView*> InByteOrder(const SafetensorsFile& file) {
   return order;
 }
 
+// An FP8 scale counts as loaded or ignored with its weight.
+absl::Status CountScale(const SafetensorsFile& file, const std::string& scale,
+                        const LoadFilter& filter, LoadReport& report) {
+  const std::string weight = scale.substr(0, scale.size() - std::string_view("_scale_inv").size());
+  ASSIGN_OR_RETURN(const std::optional<Target> t, Route(file, weight, filter));
+  ++(t ? report.tensors_loaded : report.tensors_ignored);
+  return absl::OkStatus();
+}
+
 // Checks one checkpoint tensor's header against `shapes` and records what it fills.
 absl::Status CheckTensor(const SafetensorsFile& file, const TensorView& view,
                          const ParameterShapes& shapes, const LoadFilter& filter,
-                         std::map<std::string, Coverage>& filled, LoadReport& report) {
+                         const Fp8Checkpoint* fp8, std::map<std::string, Coverage>& filled,
+                         LoadReport& report) {
+  if (fp8 != nullptr && fp8->IsScale(view.name)) return CountScale(file, view.name, filter, report);
+  if (view.dtype == DType::kF8E4M3 && (fp8 == nullptr || fp8->ScaleOf(view.name) == nullptr))
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.path(), ": tensor '", view.name,
+                     "' is F8_E4M3 (an FP8 weight): only a model directory whose config.json has a "
+                     "quantization_config loads FP8 weights"));
   ASSIGN_OR_RETURN(const std::optional<Target> t, Route(file, view.name, filter));
   if (!t) {
     ++report.tensors_ignored;
@@ -301,6 +321,42 @@ absl::Status CheckFinite(const SafetensorsFile& file, const std::string& name,
   return absl::InvalidArgumentError(absl::StrCat(
       file.path(), ": tensor '", name, "' has ", bad, " non-finite value(s) (NaN or infinity)",
       in_file ? "" : absl::StrCat(" once converted to ", c10::toString(dest.scalar_type()))));
+}
+
+// An FP8 tensor (its scales checked by Fp8Checkpoint::Scan) into `dest`, the slice of its
+// parameter: as it is, with its scales into the parameter's scale buffer, when the parameter is
+// kept in FP8; else dequantized into the parameter's dtype.
+absl::Status LoadFp8Tensor(const SafetensorsFile& file, const std::string& name,
+                           const torch::Tensor& src, const Target& t, torch::Tensor& dest,
+                           const Fp8Targets& fp8, LoadReport& report) {
+  const torch::Tensor* scale = fp8.checkpoint ? fp8.checkpoint->ScaleOf(name) : nullptr;
+  if (scale == nullptr)  // CheckCheckpoint refuses this before the walk
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.path(), ": tensor '", name, "': an FP8 tensor without its scales"));
+  if (const int64_t nan = Fp8NanCount(src); nan > 0)
+    return absl::InvalidArgumentError(absl::StrCat(file.path(), ": tensor '", name, "' has ", nan,
+                                                   " NaN value(s) (FP8 bytes 0x7F / 0xFF)"));
+  if (dest.scalar_type() == torch::kFloat8_e4m3fn) {
+    dest.copy_(src);
+    auto buffer = fp8.scales.find(t.param);
+    if (buffer == fp8.scales.end())
+      return absl::InternalError(absl::StrCat("parameter '", t.param, "' is FP8 without scales"));
+    torch::Tensor scales = buffer->second;
+    ASSIGN_OR_RETURN(torch::Tensor scale_dest, Destination(t, scales));
+    scale_dest.copy_(*scale);
+    ++report.fp8_kept;
+    return absl::OkStatus();
+  }
+  const Fp8Format& f = fp8.checkpoint->format();
+  DequantizeFp8Into(dest, src, *scale, f.block_rows, f.block_cols);
+  ++report.fp8_dequantized;
+  // Finite FP8 values times finite scales: only a product beyond an fp16 parameter's range (or
+  // fp32's, for absurd scales) is not.
+  if (dest.numel() > 0 && !torch::isfinite(dest).all().item<bool>())
+    return absl::InvalidArgumentError(absl::StrCat(file.path(), ": tensor '", name,
+                                                   "' has non-finite value(s) once dequantized to ",
+                                                   c10::toString(dest.scalar_type())));
+  return absl::OkStatus();
 }
 
 void AddDenseMlp(ParameterShapes& s, const std::string& p, int64_t hidden, int64_t width) {
@@ -410,11 +466,12 @@ LoadFilter ModelLoadFilter(const ModelConfig& config) {
 absl::StatusOr<LoadReport> CheckCheckpoint(
     const std::vector<std::shared_ptr<const SafetensorsFile>>& files, const ParameterShapes& shapes,
     const LoadFilter& filter) {
+  const Fp8Checkpoint* fp8 = filter.fp8.checkpoint.get();
   LoadReport report;
   std::map<std::string, Coverage> filled;
   for (const auto& file : files) {
     for (const TensorView* view : InByteOrder(*file))
-      RETURN_IF_ERROR(CheckTensor(*file, *view, shapes, filter, filled, report));
+      RETURN_IF_ERROR(CheckTensor(*file, *view, shapes, filter, fp8, filled, report));
   }
   RETURN_IF_ERROR(CheckComplete(files, shapes, filled));
   return report;
@@ -465,21 +522,25 @@ absl::StatusOr<LoadReport> LoadParameters(
     const std::vector<std::shared_ptr<const SafetensorsFile>>& files,
     std::map<std::string, torch::Tensor>& params, const LoadFilter& filter) {
   torch::NoGradGuard no_grad;
+  const Fp8Targets& fp8 = filter.fp8;
   ParameterShapes shapes;
   for (const auto& [name, p] : params) shapes[name] = p.sizes().vec();
   // Names, shapes and completeness come from the headers: a checkpoint that does not fit is
   // refused before a byte of it is read, and the walk below only copies.
-  ASSIGN_OR_RETURN(const LoadReport report, CheckCheckpoint(files, shapes, filter));
+  ASSIGN_OR_RETURN(LoadReport report, CheckCheckpoint(files, shapes, filter));
   RETURN_IF_ERROR(ForEachCheckpointTensor(
       files,
       [&](const SafetensorsFile& file, const std::string& name,
           const torch::Tensor& src) -> absl::Status {
+        if (fp8.checkpoint && fp8.checkpoint->IsScale(name)) return absl::OkStatus();
         ASSIGN_OR_RETURN(const std::optional<Target> t, Route(file, name, filter));
         if (!t) return absl::OkStatus();
-        const absl::StatusOr<torch::Tensor> dest = Destination(*t, params.at(t->param));
+        absl::StatusOr<torch::Tensor> dest = Destination(*t, params.at(t->param));
         if (!dest.ok())
           return absl::InvalidArgumentError(
               absl::StrCat(file.path(), ": tensor '", name, "': ", dest.status().message()));
+        if (src.scalar_type() == torch::kFloat8_e4m3fn)
+          return LoadFp8Tensor(file, name, src, *t, *dest, fp8, report);
         // Converts to the parameter's dtype and places it on its device: a CPU-side temporary of
         // this one tensor at most (LibTorch converts on the host before a host-to-device copy).
         dest->copy_(src);
@@ -594,23 +655,111 @@ absl::Status CheckLoadMemory(const std::string& dir, const ModelConfig& config,
       bytes);
 }
 
+// Parameters the load may keep in FP8: those every checkpoint tensor of which (under `filter`)
+// is FP8, but the LM head (read as a matrix, not only through a GEMM). Whether a parameter's
+// module can hold FP8 is MakeFp8Holder's to say.
+std::set<std::string> Fp8Parameters(
+    const std::vector<std::shared_ptr<const SafetensorsFile>>& files, const Fp8Checkpoint& fp8,
+    const LoadFilter& filter) {
+  std::map<std::string, bool> all_fp8;
+  for (const auto& file : files) {
+    for (const auto& [name, view] : file->tensors()) {
+      if (fp8.IsScale(name)) continue;
+      const absl::StatusOr<std::optional<Target>> t = Route(*file, name, filter);
+      if (!t.ok() || !t->has_value()) continue;  // CheckCheckpoint reported errors already
+      auto [it, fresh] = all_fp8.emplace((*t)->param, true);
+      it->second = it->second && view.dtype == DType::kF8E4M3;
+    }
+  }
+  std::set<std::string> out;
+  for (const auto& [param, fp8_only] : all_fp8)
+    if (fp8_only && param != "lm_head.weight") out.insert(param);
+  return out;
+}
+
+// Whether the load keeps the FP8 weights of `fp8` in FP8 on `opts.device`, or an error
+// (kKeep where that cannot be).
+absl::StatusOr<bool> KeepFp8(const std::string& dir, const Fp8Checkpoint& fp8,
+                             const LoadOptions& opts) {
+  if (fp8.empty() || opts.fp8 == Fp8Weights::kDequantize) return false;
+  const Fp8Format& f = fp8.format();
+  const bool gemm_blocks = f.block_rows == kFp8Block && f.block_cols == kFp8Block;
+  const bool kernels = Fp8KernelsFor(opts.device) != nullptr;
+  if (opts.fp8 == Fp8Weights::kAuto) return gemm_blocks && kernels && opts.device.is_cuda();
+  if (!gemm_blocks)
+    return absl::UnimplementedError(absl::StrCat(
+        dir, ": weight_block_size [", f.block_rows, ", ", f.block_cols,
+        "]: FP8 weights can only be kept in FP8 with 128 x 128 blocks (load them dequantized)"));
+  if (!kernels)
+    return absl::FailedPreconditionError(
+        absl::StrCat(dir, ": FP8 weights cannot be kept in FP8 on ", opts.device.str(),
+                     ": no FP8 GEMMs run there (CUDA needs compute capability 8.9 or newer)"));
+  return true;
+}
+
+// The model for `config` with every parameter an uninitialised tensor of `placement`, but those
+// of `fp8` that their modules can hold in FP8 (MakeFp8Holder): those are FP8, and `scales`
+// receives each one's scale buffer.
+absl::StatusOr<std::shared_ptr<CausalLM>> CreateModelWithFp8(
+    const ModelConfig& config, const LoadOptions& placement, const std::set<std::string>& fp8,
+    std::map<std::string, torch::Tensor>* scales) {
+  try {
+    ASSIGN_OR_RETURN(auto model, CreateModel(config));
+    // The constructors allocate fp32 host tensors without writing them (no page is touched, so
+    // they cost address space, not memory); each is replaced at once by an uninitialised tensor
+    // of the target dtype on the target device, as Module::to() would do after copying.
+    torch::NoGradGuard no_grad;
+    std::set<std::string> held;
+    for (const auto& module : model->named_modules("", /*include_self=*/false)) {
+      for (const auto& p : module.value()->named_parameters(/*recurse=*/false)) {
+        const std::string name = absl::StrCat(module.key(), ".", p.key());
+        if (!fp8.count(name) || !MakeFp8Holder(*module.value(), p.key(), placement.device))
+          continue;
+        held.insert(name);
+        (*scales)[name] = module.value()->named_buffers(false)[p.key() + "_scale_inv"];
+      }
+    }
+    const auto options = torch::TensorOptions().dtype(placement.dtype).device(placement.device);
+    for (auto& p : model->named_parameters())
+      if (!held.count(p.key())) p.value().set_data(torch::empty(p.value().sizes(), options));
+    return model;
+  } catch (const std::exception&) {
+    return ExceptionStatus(absl::StrCat("allocating a ", config.model_type, " model of ",
+                                        ParameterCount(ExpectedParameterShapes(config)),
+                                        " parameters as ", c10::toString(placement.dtype), " on ",
+                                        placement.device.str()));
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<CausalLM>> LoadCheckpoint(const std::string& dir,
                                                          const ModelConfig& config,
                                                          const LoadOptions& opts,
-                                                         const LoadFilter& filter,
+                                                         const LoadFilter& given,
                                                          LoadReport* report) {
   // Everything that can refuse the load does so from the headers and the config, before the
   // model is allocated: a config that disagrees with its checkpoint (hidden_size 1e6 over a small
   // model) would otherwise ask for its absurd size first.
   const ParameterShapes shapes = ExpectedParameterShapes(config);
   ASSIGN_OR_RETURN(auto files, OpenCheckpointFiles(dir));
+  LoadFilter filter = given;
+  Fp8Targets& fp8 = filter.fp8;
+  ASSIGN_OR_RETURN(fp8.checkpoint, Fp8Checkpoint::Scan(files, config.fp8));
   RETURN_IF_ERROR(CheckCheckpoint(files, shapes, filter).status());
   RETURN_IF_ERROR(CheckLoadMemory(dir, config, shapes, opts));
-  // The parameters exist only in the target dtype on the target device; each checkpoint tensor
-  // is converted and placed as it is read.
-  absl::StatusOr<std::shared_ptr<CausalLM>> model = CreateModel(config, opts);
+  ASSIGN_OR_RETURN(const bool keep_fp8, KeepFp8(dir, *fp8.checkpoint, opts));
+  if (!keep_fp8 && !fp8.checkpoint->empty() && opts.device.is_cuda() &&
+      opts.fp8 == Fp8Weights::kAuto)
+    log::Warn(absl::StrCat(dir, ": FP8 weights dequantized to ", c10::toString(opts.dtype), " on ",
+                           opts.device.str(),
+                           ": its FP8 GEMMs need compute capability 8.9 and 128 x 128 blocks"));
+  // The parameters exist only in the target dtype (or FP8) on the target device; each checkpoint
+  // tensor is converted and placed as it is read.
+  absl::StatusOr<std::shared_ptr<CausalLM>> model = CreateModelWithFp8(
+      config, opts,
+      keep_fp8 ? Fp8Parameters(files, *fp8.checkpoint, filter) : std::set<std::string>(),
+      &fp8.scales);
   if (!model.ok())
     return absl::Status(model.status().code(), absl::StrCat(dir, ": ", model.status().message()));
   std::map<std::string, torch::Tensor> params;
@@ -631,36 +780,36 @@ absl::StatusOr<std::shared_ptr<CausalLM>> LoadModel(const std::string& dir,
   ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir));
   LoadReport report;
   ASSIGN_OR_RETURN(auto model, LoadCheckpoint(dir, config, opts, ModelLoadFilter(config), &report));
+  std::string fp8;
+  if (report.fp8_kept + report.fp8_dequantized > 0)
+    fp8 = absl::StrCat(" (FP8: ", report.fp8_kept, " kept in FP8, ", report.fp8_dequantized,
+                       " dequantized)");
   log::Info(absl::StrCat("loaded ", dir, " (", config.model_type, "): ", report.tensors_loaded,
-                         " tensors, ", report.tensors_ignored, " ignored, as ",
+                         " tensors", fp8, ", ", report.tensors_ignored, " ignored, as ",
                          c10::toString(opts.dtype), " on ", opts.device.str()));
   return model;
 }
 
 absl::StatusOr<std::shared_ptr<CausalLM>> CreateModel(const ModelConfig& config,
                                                       const LoadOptions& placement) {
-  try {
-    ASSIGN_OR_RETURN(auto model, CreateModel(config));
-    // The constructors allocate fp32 host tensors without writing them (no page is touched, so
-    // they cost address space, not memory); each is replaced at once by an uninitialised tensor
-    // of the target dtype on the target device, as Module::to() would do after copying.
-    torch::NoGradGuard no_grad;
-    const auto options = torch::TensorOptions().dtype(placement.dtype).device(placement.device);
-    for (auto& p : model->parameters()) p.set_data(torch::empty(p.sizes(), options));
-    return model;
-  } catch (const std::exception&) {
-    return ExceptionStatus(absl::StrCat("allocating a ", config.model_type, " model of ",
-                                        ParameterCount(ExpectedParameterShapes(config)),
-                                        " parameters as ", c10::toString(placement.dtype), " on ",
-                                        placement.device.str()));
-  }
+  std::map<std::string, torch::Tensor> none;
+  return CreateModelWithFp8(config, placement, {}, &none);
 }
 
 absl::Status SaveModel(CausalLM& model, const std::string& dir, const SaveOptions& opts) {
   std::map<std::string, torch::Tensor> params;
-  for (auto& p : model.named_parameters()) params[p.key()] = p.value();
+  for (auto& p : model.named_parameters()) {
+    if (p.value().scalar_type() == torch::kFloat8_e4m3fn)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "saving to ", dir, ": parameter '", p.key(),
+          "' holds FP8 weights (kept from an FP8 checkpoint); load the model dequantized "
+          "(Fp8Weights::kDequantize) to save it"));
+    params[p.key()] = p.value();
+  }
   RETURN_IF_ERROR(SaveParameters(dir, params, opts.dtype, opts.max_shard_bytes));
   nlohmann::json cfg = model.config().raw;
+  // The weights are written dequantized: the checkpoint is no longer an FP8 one.
+  cfg.erase("quantization_config");
   cfg["dtype"] = opts.dtype == torch::kFloat32    ? "float32"
                  : opts.dtype == torch::kBFloat16 ? "bfloat16"
                                                   : "float16";

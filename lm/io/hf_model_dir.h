@@ -12,6 +12,7 @@
 #include <torch/types.h>
 
 #include "absl/status/statusor.h"
+#include "lm/io/fp8_checkpoint.h"
 #include "lm/io/safetensors.h"
 #include "lm/model/config.h"
 #include "lm/model/model.h"
@@ -38,9 +39,23 @@ absl::Status ForEachCheckpointTensor(
 struct LoadReport {
   int64_t tensors_loaded = 0;
   int64_t tensors_ignored = 0;  // e.g. Qwen3-Next mtp.* or a tied lm_head copy
+  // FP8 checkpoints (lm/io/fp8_checkpoint.h; counted by LoadParameters): FP8 tensors copied into
+  // parameters kept in FP8, and FP8 tensors dequantized into their parameters' dtype. Their
+  // scales count as loaded or ignored with them.
+  int64_t fp8_kept = 0;
+  int64_t fp8_dequantized = 0;
 };
 
-// Which checkpoint tensors LoadParameters skips, and where experts go.
+// Where a checkpoint's FP8 tensors go: the checkpoint's scales, and the scale buffer of each
+// parameter kept in FP8 (lm/model/fp8.h MakeFp8Holder). An FP8 tensor whose parameter is kept
+// in FP8 is copied as it is and its scales into the buffer (the slice of a fused expert
+// parameter's); any other FP8 tensor is dequantized into its parameter's dtype.
+struct Fp8Targets {
+  std::shared_ptr<const Fp8Checkpoint> checkpoint;  // null: no FP8 tensor is accepted
+  std::map<std::string, torch::Tensor> scales;      // parameter name -> its scale buffer
+};
+
+// Which checkpoint tensors LoadParameters skips, where experts go, and what FP8 tensors become.
 struct LoadFilter {
   std::vector<std::string> ignore_names;     // skipped and counted (a tied lm_head copy)
   std::vector<std::string> ignore_prefixes;  // skipped and counted (Qwen3-Next mtp.*)
@@ -48,6 +63,7 @@ struct LoadFilter {
   // in this process, or -1 when another process holds that expert (its tensors are skipped and
   // counted as ignored). Unset: row = expert. Completeness is checked over the parameter's rows.
   std::function<int64_t(const std::string& param, int64_t expert)> expert_row;
+  Fp8Targets fp8;  // set by LoadCheckpoint for an FP8 checkpoint
 };
 
 // Parameter name -> shape.
@@ -69,7 +85,8 @@ LoadFilter ModelLoadFilter(const ModelConfig& config);
 // Checks the checkpoint's headers against `shapes`, reading no tensor's bytes: every tensor that
 // `filter` keeps must fill a parameter (or an expert's slice of a fused one) of its exact shape,
 // once, and every parameter must be filled. Errors name the tensor and its file (missing
-// parameters: the directory). Returns the counts a load reports.
+// parameters: the directory). An FP8 tensor needs filter.fp8.checkpoint (Fp8Checkpoint::Scan
+// checked it and its scales), else it is an error naming it. Returns the counts a load reports.
 absl::StatusOr<LoadReport> CheckCheckpoint(
     const std::vector<std::shared_ptr<const SafetensorsFile>>& files, const ParameterShapes& shapes,
     const LoadFilter& filter);
@@ -101,6 +118,9 @@ absl::Status ExceptionStatus(const std::string& what);
 // ExpectedParameterShapes(config), or when a model on the CPU needs more bytes than the memory
 // available (RESOURCE_EXHAUSTED naming `dir` and both counts). An allocation that fails anyway
 // is RESOURCE_EXHAUSTED naming `dir`, not an exception. `report`, when set, receives the counts.
+// A block-wise FP8 checkpoint (config.fp8) is checked by Fp8Checkpoint::Scan first; its FP8
+// weights are kept in FP8 or dequantized as `opts.fp8` says (lm/model/model.h Fp8Weights): kept,
+// they are allocated in FP8 from the start (an 80B teacher never exists in bf16 on its device).
 absl::StatusOr<std::shared_ptr<CausalLM>> LoadCheckpoint(const std::string& dir,
                                                          const ModelConfig& config,
                                                          const LoadOptions& opts,

@@ -262,16 +262,17 @@ absl::StatusOr<DType> ParseDType(const std::string& s) {
   if (s == "F32") return DType::kF32;
   if (s == "F16") return DType::kF16;
   if (s == "BF16") return DType::kBF16;
+  if (s == "F8_E4M3") return DType::kF8E4M3;
   // Valid safetensors dtypes this project has no use for: say so, rather than "unknown".
   static const std::set<std::string> kOther = {
-      "BOOL", "U8",      "I8",      "I16",     "U16", "I32",     "U32",     "I64", "U64",
-      "F64",  "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4",  "F6_E2M3", "F6_E3M2", "C64"};
+      "BOOL", "U8",  "I8",      "I16",     "U16", "I32",     "U32",     "I64",
+      "U64",  "F64", "F8_E5M2", "F8_E8M0", "F4",  "F6_E2M3", "F6_E3M2", "C64"};
   if (kOther.count(s)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("unsupported dtype '", s, "' (supported: F32, F16, BF16)"));
+        absl::StrCat("unsupported dtype '", s, "' (supported: F32, F16, BF16, F8_E4M3)"));
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown dtype '", s, "' (supported: F32, F16, BF16)"));
+      absl::StrCat("unknown dtype '", s, "' (supported: F32, F16, BF16, F8_E4M3)"));
 }
 
 const char* DTypeName(DType d) {
@@ -282,6 +283,8 @@ const char* DTypeName(DType d) {
       return "F16";
     case DType::kBF16:
       return "BF16";
+    case DType::kF8E4M3:
+      return "F8_E4M3";
   }
   return "?";
 }
@@ -293,6 +296,8 @@ size_t DTypeSize(DType d) {
     case DType::kF16:
     case DType::kBF16:
       return 2;
+    case DType::kF8E4M3:
+      return 1;
   }
   return 0;
 }

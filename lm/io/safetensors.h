@@ -19,9 +19,11 @@
 
 namespace lm {
 
-enum class DType { kF32, kF16, kBF16 };
+// kF8E4M3: float8_e4m3fn, the weights of block-wise FP8 checkpoints (lm/model/fp8_format.h), which
+// are only valid together with their scales: lm/io/fp8_checkpoint.h pairs and checks them.
+enum class DType { kF32, kF16, kBF16, kF8E4M3 };
 
-// "F32" -> kF32 etc.; any other dtype string is an error naming it.
+// "F32" -> kF32, "F8_E4M3" -> kF8E4M3 etc.; any other dtype string is an error naming it.
 absl::StatusOr<DType> ParseDType(const std::string& s);
 const char* DTypeName(DType d);
 size_t DTypeSize(DType d);

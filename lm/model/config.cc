@@ -324,6 +324,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const json& j) {
     RETURN_IF_ERROR(CheckNoSlidingLayers(j));
   }
   RETURN_IF_ERROR(CheckDenseWidth(c));
+  ASSIGN_OR_RETURN(c.fp8, ParseFp8QuantizationConfig(j));
   return c;
 }
 

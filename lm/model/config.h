@@ -7,10 +7,12 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "lm/model/fp8_format.h"
 #include "nlohmann/json.hpp"
 
 namespace lm {
@@ -51,6 +53,9 @@ struct ModelConfig {
   int64_t linear_key_head_dim = 0;
   int64_t linear_value_head_dim = 0;
   int64_t linear_conv_kernel_dim = 4;
+
+  // quantization_config of a block-wise FP8 checkpoint (lm/model/fp8_format.h); unset otherwise.
+  std::optional<Fp8Format> fp8;
 
   nlohmann::json raw;  // the parsed file, written back unchanged (but for edits) on save
 

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "lm/model/config.h"
+#include "lm/model/fp8.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
 #include "lm/model/moe_grouped.h"
@@ -99,9 +100,14 @@ torch::Tensor ExpertParallelExperts(const ExpertParallel& ep, const torch::Tenso
                                     const Routing& r, const ExpertsImpl& experts) {
   // The combine and the all-reduce in fp32, rounded to the activations' dtype once at the end: a
   // bf16 sum over k experts and then over ranks would round at every addition.
-  torch::Tensor y = !x.device().is_cpu() && GroupedGemmsFit(x, experts.down_proj)
-                        ? LocalPartialOnDevice(ep, x, r, experts)
-                        : LocalPartialOnCpu(ep, x, r, experts);
+  torch::Tensor y;
+  if (HoldsFp8(experts)) {  // drops the other ranks' ids itself, on any device
+    y = Fp8MoeExperts(x, r.ids - ep.local.first, r.weights, experts, /*fp32_sum=*/true);
+  } else if (!x.device().is_cpu() && GroupedGemmsFit(x, experts.down_proj)) {
+    y = LocalPartialOnDevice(ep, x, r, experts);
+  } else {
+    y = LocalPartialOnCpu(ep, x, r, experts);
+  }
   if (absl::Status st = ep.all_reduce_sum(y); !st.ok()) throw CollectiveError(std::move(st));
   return y.to(x.scalar_type());
 }

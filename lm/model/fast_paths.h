@@ -45,6 +45,9 @@ struct FastPaths {
   // log p(target) per row of hidden [N, H] under weight [V, H] at `temperature`, for scoring.
   torch::Tensor (*token_logprobs)(const torch::Tensor& hidden, const torch::Tensor& weight,
                                   const torch::Tensor& targets, double temperature) = nullptr;
+  // x [M, K] W^T for W [N, K], each row computed by products of one fixed shape whatever M is
+  // (lm/model/batch_invariant.h), without autograd.
+  torch::Tensor (*row_invariant_matmul)(const torch::Tensor& x, const torch::Tensor& w) = nullptr;
   // logsumexp of each row of logits [rows, V].
   torch::Tensor (*logsumexp_rows)(const torch::Tensor& logits) = nullptr;
   // The LM head [V, H] packed for the decode steps' logits; null where no kernel applies.

@@ -7,6 +7,7 @@
 
 #include <torch/torch.h>
 
+#include "lm/model/batch_invariant.h"
 #include "lm/model/fast_paths.h"
 
 namespace lm {
@@ -117,9 +118,11 @@ DeltaRuleLayout DeltaRuleLayout::Make(const std::vector<int64_t>& cu_seqlens, to
   return layout;
 }
 
-Qwen3NextPagedPlan Qwen3NextPagedPlan::Make(const PagedStep& step, torch::Device device) {
+Qwen3NextPagedPlan Qwen3NextPagedPlan::Make(const PagedStep& step, int64_t conv_kernel,
+                                            torch::Device device) {
   Qwen3NextPagedPlan plan;
   std::vector<int64_t> prefill_rows, prefill_slots, decode_rows, decode_slots, cu{0};
+  std::vector<int64_t> continue_rows, continue_slots, continue_cu{0};
   for (int64_t b = 0; b < step.num_sequences(); ++b) {
     const int64_t start = step.cu_seqlens[b], n = step.cu_seqlens[b + 1] - start;
     TORCH_CHECK(b < static_cast<int64_t>(step.state_slots.size()),
@@ -128,23 +131,46 @@ Qwen3NextPagedPlan Qwen3NextPagedPlan::Make(const PagedStep& step, torch::Device
       for (int64_t t = start; t < start + n; ++t) prefill_rows.push_back(t);
       prefill_slots.push_back(step.state_slots[b]);
       cu.push_back(cu.back() + n);
-    } else {
-      // The recurrent state holds the context; only a prefill can start it afresh.
-      TORCH_CHECK(n == 1, "Qwen3-Next paged step: sequence ", b, " brings ", n,
-                  " new tokens after a context of ", step.context_lens[b],
-                  "; the linear-attention layers continue one token at a time");
+    } else if (n == 1) {
       decode_rows.push_back(start);
       decode_slots.push_back(step.state_slots[b]);
+    } else {
+      for (int64_t t = start; t < start + n; ++t) continue_rows.push_back(t);
+      continue_slots.push_back(step.state_slots[b]);
+      continue_cu.push_back(continue_cu.back() + n);
     }
   }
   plan.prefills = static_cast<int64_t>(prefill_slots.size());
   plan.decodes = static_cast<int64_t>(decode_slots.size());
-  plan.all_prefill = plan.decodes == 0;
+  plan.continues = static_cast<int64_t>(continue_slots.size());
+  plan.all_prefill = plan.decodes == 0 && plan.continues == 0;
   plan.prefill_rows = HostIndex(prefill_rows, device);
   plan.prefill_slots = HostIndex(prefill_slots, device);
   plan.decode_rows = HostIndex(decode_rows, device);
   plan.decode_slots = HostIndex(decode_slots, device);
   if (plan.prefills > 0) plan.prefill_layout = DeltaRuleLayout::Make(cu, device);
+  if (plan.continues == 0) return plan;
+  plan.continue_rows = HostIndex(continue_rows, device);
+  plan.continue_slots = HostIndex(continue_slots, device);
+  plan.continue_layout = DeltaRuleLayout::Make(continue_cu, device);
+  // Sequence i's conv input: its window (rows i (K-1) .. of the windows) then its chunk (rows
+  // after all windows).
+  const int64_t w = conv_kernel - 1, windows = plan.continues * w;
+  std::vector<int64_t> gather, pos, keep;
+  plan.window_cu.push_back(0);
+  for (int64_t i = 0; i < plan.continues; ++i) {
+    for (int64_t j = 0; j < w; ++j) gather.push_back(i * w + j);
+    for (int64_t t = continue_cu[i]; t < continue_cu[i + 1]; ++t) {
+      keep.push_back(static_cast<int64_t>(gather.size()));
+      gather.push_back(windows + t);
+    }
+    const int64_t len = static_cast<int64_t>(gather.size()) - plan.window_cu.back();
+    for (int64_t p = 0; p < len; ++p) pos.push_back(p);
+    plan.window_cu.push_back(static_cast<int64_t>(gather.size()));
+  }
+  plan.window_gather = HostIndex(gather, device);
+  plan.window_pos = HostIndex(pos, device);
+  plan.window_keep = HostIndex(keep, device);
   return plan;
 }
 
@@ -172,11 +198,16 @@ torch::Tensor GatedDeltaRuleRecurrent(const torch::Tensor& q, const torch::Tenso
 torch::Tensor GatedDeltaRuleChunked(const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v, const torch::Tensor& g,
                                     const torch::Tensor& beta, const DeltaRuleLayout& layout,
-                                    torch::Tensor* final_state) {
+                                    torch::Tensor* final_state,
+                                    const torch::Tensor* initial_state) {
   const int64_t B = static_cast<int64_t>(layout.order.size());
   const int64_t H = v.size(1), dk = k.size(2), dv = v.size(2);
+  if (initial_state)
+    TORCH_CHECK(initial_state->sizes() == c10::IntArrayRef({B, H, dk, dv}),
+                "delta rule: initial state ", initial_state->sizes(), " for ", B, " documents of [",
+                H, ", ", dk, ", ", dv, "]");
   // A document's state is final after the step of its last chunk; documents without tokens keep
-  // the zero state.
+  // their initial state (zero unless given).
   std::vector<torch::Tensor> finals(final_state ? B : 0);
   auto finish = [&](const torch::Tensor& S, size_t s) {
     if (!final_state) return;
@@ -189,8 +220,8 @@ torch::Tensor GatedDeltaRuleChunked(const torch::Tensor& q, const torch::Tensor&
   auto collect = [&] {
     if (!final_state) return;
     auto zero = torch::zeros({H, dk, dv}, v.options());
-    for (auto& f : finals)
-      if (!f.defined()) f = zero;
+    for (int64_t b = 0; b < B; ++b)
+      if (!finals[b].defined()) finals[b] = initial_state ? (*initial_state)[b] : zero;
     *final_state = B > 0 ? torch::stack(finals, 0) : torch::zeros({0, H, dk, dv}, v.options());
   };
   if (layout.num_chunks() == 0) {
@@ -204,12 +235,14 @@ torch::Tensor GatedDeltaRuleChunked(const torch::Tensor& q, const torch::Tensor&
   // previous step's documents, so the state batch S [n, H, dk, dv] only shrinks.
   const int64_t C = layout.chunk;
   std::vector<torch::Tensor> outs;
-  torch::Tensor S;
+  torch::Tensor S;  // in the layout's document order
+  if (initial_state)
+    S = initial_state->to(torch::kFloat32).index_select(0, HostIndex(layout.order, v.device()));
   for (size_t s = 0; s + 1 < layout.step_offsets.size(); ++s) {
     const int64_t off = layout.step_offsets[s], n = layout.step_offsets[s + 1] - off;
     auto u = c.u.narrow(0, off, n), attn = c.attn.narrow(0, off, n);
     auto k_decayed_t = c.k_decayed_t.narrow(0, off, n);
-    if (s == 0) {  // zero state: V' = U and the old state contributes nothing
+    if (s == 0 && !S.defined()) {  // zero state: V' = U and the old state contributes nothing
       outs.push_back(torch::matmul(attn, u));
       S = torch::matmul(k_decayed_t, u);
       finish(S, s);
@@ -259,10 +292,16 @@ torch::Tensor CausalConv1dImpl::forward(const torch::Tensor& x, const torch::Ten
     return forward(x.to(torch::kFloat32), doc_pos).to(x.scalar_type());
   const int64_t T = x.size(0), K = weight.size(2);
   auto w = weight.squeeze(1).to(torch::kFloat32);  // [C, K]; tap K-1 sees x_t, K-1-j x_{t-j}
+  // Batch-invariant: a product and a sum per tap (each rounded once on every path); addcmul's
+  // scalar tail may fuse them into one FMA where its vector loop does not.
+  const bool invariant = BatchInvariant();
+  auto tap = [invariant](torch::Tensor acc, const torch::Tensor& in, const torch::Tensor& w) {
+    if (invariant) return acc.add_(in * w);
+    return acc.addcmul_(in, w);
+  };
   auto y = x * w.select(1, K - 1);
-  for (int64_t j = 1; j < std::min(K, T); ++j) {
-    y.narrow(0, j, T - j).addcmul_(x.narrow(0, 0, T - j), w.select(1, K - 1 - j));
-  }
+  for (int64_t j = 1; j < std::min(K, T); ++j)
+    tap(y.narrow(0, j, T - j), x.narrow(0, 0, T - j), w.select(1, K - 1 - j));
   // Rows less than K-1 tokens into a document other than the first took taps from the previous
   // document: recompute them the same way with those taps' inputs zeroed (exactly as if alone).
   auto t = torch::arange(T, doc_pos.options());
@@ -272,7 +311,7 @@ torch::Tensor CausalConv1dImpl::forward(const torch::Tensor& x, const torch::Ten
   auto fixed = x.index_select(0, rows) * w.select(1, K - 1);
   for (int64_t j = 1; j < K; ++j) {
     auto earlier = x.index_select(0, (rows - j).clamp_min(0)) * (pos >= j).to(x.scalar_type());
-    fixed.addcmul_(earlier, w.select(1, K - 1 - j));
+    tap(fixed, earlier, w.select(1, K - 1 - j));
   }
   return y.index_copy(0, rows, fixed);
 }
@@ -308,7 +347,7 @@ torch::Tensor RMSNormGatedImpl::forward(const torch::Tensor& x, const torch::Ten
   const auto in_dtype = x.scalar_type();
   auto h = x.to(torch::kFloat32);
   h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return (weight * h.to(in_dtype) * torch::silu(gate.to(torch::kFloat32))).to(in_dtype);
+  return (weight * h.to(in_dtype) * pointwise::Silu(gate.to(torch::kFloat32))).to(in_dtype);
 }
 
 Qwen3NextGatedDeltaNetImpl::Qwen3NextGatedDeltaNetImpl(const ModelConfig& c)
@@ -357,9 +396,8 @@ Qwen3NextGatedDeltaNetImpl::RuleInputs Qwen3NextGatedDeltaNetImpl::Prepare(const
   in.q = L2Normalize(q.to(torch::kFloat32)) * (1.0 / std::sqrt(static_cast<double>(dk)));
   in.k = L2Normalize(k.to(torch::kFloat32));
   in.v = v.to(torch::kFloat32);
-  in.beta = torch::sigmoid(m.b).to(torch::kFloat32);
-  in.g = -A_log.to(torch::kFloat32).exp() *
-         torch::nn::functional::softplus(m.a.to(torch::kFloat32) + dt_bias);
+  in.beta = pointwise::Sigmoid(m.b).to(torch::kFloat32);
+  in.g = -A_log.to(torch::kFloat32).exp() * pointwise::Softplus(m.a.to(torch::kFloat32) + dt_bias);
   return in;
 }
 
@@ -375,7 +413,7 @@ torch::Tensor Qwen3NextGatedDeltaNetImpl::forward(const torch::Tensor& x,
   const int64_t r = num_v_heads_ / num_k_heads_;
   Mixed m = Project(x);
   if (conv_state) *conv_state = conv1d->LastInputs(m.qkv, layout.cu_seqlens);
-  RuleInputs in = Prepare(torch::silu(conv1d(m.qkv, layout.doc_pos)), m);
+  RuleInputs in = Prepare(pointwise::Silu(conv1d(m.qkv, layout.doc_pos)), m);
   torch::Tensor o;
   if (const auto fast = FastPathsFor(in.q.device().type()).gated_delta_rule)  // groups heads itself
     o = fast(in.q, in.k, in.v, in.g, in.beta, layout.cu_seqlens, layout.chunk, recurrent_state);
@@ -413,13 +451,46 @@ torch::Tensor Qwen3NextGatedDeltaNetImpl::paged(const torch::Tensor& x, torch::T
     recurrent_slots.index_copy_(0, plan.prefill_slots, rec.to(recurrent_slots.scalar_type()));
     out.index_copy_(0, plan.prefill_rows, y);
   }
-  auto conv = conv_slots.index_select(0, plan.decode_slots);
-  auto rec = recurrent_slots.index_select(0, plan.decode_slots);
-  auto y = decode(x.index_select(0, plan.decode_rows), conv, rec);
-  conv_slots.index_copy_(0, plan.decode_slots, conv);
-  recurrent_slots.index_copy_(0, plan.decode_slots, rec);
-  out.index_copy_(0, plan.decode_rows, y);
+  if (plan.continues > 0) {
+    out.index_copy_(
+        0, plan.continue_rows,
+        Continue(x.index_select(0, plan.continue_rows), conv_slots, recurrent_slots, plan));
+  }
+  if (plan.decodes > 0) {
+    auto conv = conv_slots.index_select(0, plan.decode_slots);
+    auto rec = recurrent_slots.index_select(0, plan.decode_slots);
+    auto y = decode(x.index_select(0, plan.decode_rows), conv, rec);
+    conv_slots.index_copy_(0, plan.decode_slots, conv);
+    recurrent_slots.index_copy_(0, plan.decode_slots, rec);
+    out.index_copy_(0, plan.decode_rows, y);
+  }
   return out;
+}
+
+torch::Tensor Qwen3NextGatedDeltaNetImpl::Continue(const torch::Tensor& x,
+                                                   torch::Tensor& conv_slots,
+                                                   torch::Tensor& recurrent_slots,
+                                                   const Qwen3NextPagedPlan& plan) {
+  const int64_t r = num_v_heads_ / num_k_heads_;
+  Mixed m = Project(x);
+  // The conv reads each chunk after its window, as if the sequence had run whole: its first K-1
+  // outputs are the window's and dropped; its last K-1 inputs are the next window.
+  const auto windows = conv_slots.index_select(0, plan.continue_slots);  // [Bc, K-1, C]
+  const auto input = torch::cat({windows.reshape({-1, windows.size(2)}), m.qkv}, 0)
+                         .index_select(0, plan.window_gather);
+  const auto conv = conv1d(input, plan.window_pos).index_select(0, plan.window_keep);
+  conv_slots.index_copy_(0, plan.continue_slots, conv1d->LastInputs(input, plan.window_cu));
+  RuleInputs in = Prepare(torch::silu(conv), m);
+  // The reference chunked form: the CPU kernel (FastPaths::gated_delta_rule) starts from zero.
+  const auto initial = recurrent_slots.index_select(0, plan.continue_slots);
+  torch::Tensor final_state;
+  auto qf = r > 1 ? in.q.repeat_interleave(r, 1) : in.q;
+  auto kf = r > 1 ? in.k.repeat_interleave(r, 1) : in.k;
+  auto o = GatedDeltaRuleChunked(qf, kf, in.v, in.g, in.beta, plan.continue_layout, &final_state,
+                                 &initial);
+  recurrent_slots.index_copy_(0, plan.continue_slots,
+                              final_state.to(recurrent_slots.scalar_type()));
+  return Output(o, m, x.scalar_type());
 }
 
 }  // namespace lm

@@ -56,14 +56,25 @@ struct DeltaRuleLayout {
 };
 
 // A paged step's sequences as the linear-attention layers take them: the prefills (no context)
-// chunked over their own packed rows, the decodes one token each from their state slots.
+// chunked over their own packed rows, the decodes one token each from their state slots, and the
+// continued chunks (several new tokens after a context: a long prompt's or a recompute's later
+// chunks) from their state slots: the conv over each one's window (the slot's last K-1 inputs)
+// followed by its chunk, the chunked rule from the slot's state.
 struct Qwen3NextPagedPlan {
-  torch::Tensor prefill_rows, prefill_slots;  // [Tp] rows of the step, [Bp] state slots
-  DeltaRuleLayout prefill_layout;             // over the prefill rows alone
-  torch::Tensor decode_rows, decode_slots;    // [Bd] each
-  bool all_prefill = false;                   // the prefill rows are the whole step, in order
-  int64_t prefills = 0, decodes = 0;
-  static Qwen3NextPagedPlan Make(const PagedStep& step, torch::Device device);
+  torch::Tensor prefill_rows, prefill_slots;    // [Tp] rows of the step, [Bp] state slots
+  DeltaRuleLayout prefill_layout;               // over the prefill rows alone
+  torch::Tensor decode_rows, decode_slots;      // [Bd] each
+  torch::Tensor continue_rows, continue_slots;  // [Tc] rows of the step, [Bc] state slots
+  DeltaRuleLayout continue_layout;              // over the continued rows alone
+  // The conv's input of the continued sequences, [window | chunk] each: rows of
+  // cat(windows [Bc * (K-1)], continued rows [Tc]) (window_gather), their boundaries
+  // (window_cu, [Bc + 1]) and positions (window_pos), and where the chunk rows sit among them
+  // (window_keep, [Tc]).
+  torch::Tensor window_gather, window_pos, window_keep;
+  std::vector<int64_t> window_cu;
+  bool all_prefill = false;  // the prefill rows are the whole step, in order
+  int64_t prefills = 0, decodes = 0, continues = 0;
+  static Qwen3NextPagedPlan Make(const PagedStep& step, int64_t conv_kernel, torch::Device device);
 };
 
 // Both forms take fp32 q, k [T, H, dk] (already L2-normalised, q scaled by dk^-1/2, one key head
@@ -85,11 +96,14 @@ torch::Tensor GatedDeltaRuleRecurrent(const torch::Tensor& q, const torch::Tenso
 //   S  = exp(G_C) S + (exp(G_C - G) K)^T V'
 // All chunks of all documents solve their triangular systems in one batch; the scan over chunk
 // steps runs every document at once. `final_state`, when given, receives each document's state
-// after its last token, [B, H, dk, dv] (a decode cache's prefill).
+// after its last token, [B, H, dk, dv] (a decode cache's prefill). `initial_state`, when given,
+// [B, H, dk, dv] fp32, is each document's state before its first token instead of zero (a chunk
+// continuing a sequence whose earlier tokens ran before).
 torch::Tensor GatedDeltaRuleChunked(const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v, const torch::Tensor& g,
                                     const torch::Tensor& beta, const DeltaRuleLayout& layout,
-                                    torch::Tensor* final_state = nullptr);
+                                    torch::Tensor* final_state = nullptr,
+                                    const torch::Tensor* initial_state = nullptr);
 
 // One decode step of B sequences, transformers' torch_recurrent_gated_delta_rule for one token:
 // q, k [B, Hk, dk] (normalised as above; value head h reads key head h / (Hv / Hk)), v [B, Hv, dv],
@@ -159,6 +173,10 @@ class Qwen3NextGatedDeltaNetImpl : public torch::nn::Module {
     torch::Tensor q, k, v, g, beta;
   };
   RuleInputs Prepare(const torch::Tensor& qkv, const Mixed& m);
+  // The continued chunks of a paged step (x [Tc, H], the plan's continue_rows), advancing their
+  // slots' conv windows and states in place.
+  torch::Tensor Continue(const torch::Tensor& x, torch::Tensor& conv_slots,
+                         torch::Tensor& recurrent_slots, const Qwen3NextPagedPlan& plan);
   // norm(o) * silu(z), out_proj: o [N, Hv, dv] fp32 -> [N, H]
   torch::Tensor Output(const torch::Tensor& o, const Mixed& m, torch::ScalarType dtype);
 

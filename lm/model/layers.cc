@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <numeric>
 
+#include "lm/model/batch_invariant.h"
+#include "lm/model/fp8.h"
+
 namespace lm {
 
 namespace F = torch::nn::functional;
@@ -18,11 +21,19 @@ bool FewRows(const torch::Tensor& x) {
 }  // namespace
 
 torch::Tensor MatmulWeightT(const torch::Tensor& x, const torch::Tensor& w) {
+  if (BatchInvariant() && x.is_cpu()) {  // rows computed alone: no choice by row count
+    auto rows = x.reshape({-1, x.size(-1)});
+    auto sizes = x.sizes().vec();
+    sizes.back() = w.size(0);
+    return InvariantMatmulWeightT(rows, w).view(sizes);
+  }
   return FewRows(x) ? torch::mm(w, x.t()).t().contiguous() : torch::linear(x, w);
 }
 
 void MatmulWeightTOut(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w) {
-  if (FewRows(x)) {
+  if (BatchInvariant() && x.is_cpu()) {
+    out.copy_(InvariantMatmulWeightT(x, w));
+  } else if (FewRows(x)) {
     out.copy_(torch::mm(w, x.t()).t());
   } else {
     torch::mm_out(out, x, w.t());
@@ -34,6 +45,7 @@ LinearImpl::LinearImpl(int64_t in_features, int64_t out_features) {
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
+  if (weight_scale_inv.defined()) return Fp8Linear(x, weight, weight_scale_inv);
   return MatmulWeightT(x, weight);
 }
 
@@ -65,7 +77,7 @@ DenseMlpImpl::DenseMlpImpl(int64_t hidden, int64_t intermediate) {
 }
 
 torch::Tensor DenseMlpImpl::forward(const torch::Tensor& x) {
-  return down_proj(torch::silu(gate_proj(x)) * up_proj(x));
+  return down_proj(pointwise::Silu(gate_proj(x)) * up_proj(x));
 }
 
 Rope::Rope(int64_t rotary_dim, double theta) : rotary_dim_(rotary_dim) {
@@ -78,7 +90,7 @@ std::pair<torch::Tensor, torch::Tensor> Rope::Tables(const torch::Tensor& positi
   auto freqs =
       positions.to(torch::kFloat32).unsqueeze(1) * inv_freq_.to(positions.device()).unsqueeze(0);
   auto emb = torch::cat({freqs, freqs}, -1);  // [T, rotary_dim]
-  return {emb.cos(), emb.sin()};
+  return {pointwise::Cos(emb), pointwise::Sin(emb)};
 }
 
 torch::Tensor Rope::Apply(const torch::Tensor& x, const torch::Tensor& cos,
@@ -196,6 +208,22 @@ torch::Tensor BucketAttention(const torch::Tensor& q, const torch::Tensor& k,
   return o.index_select(0, torch::tensor(valid, torch::kInt64).to(q.device()));
 }
 
+// Each document attended alone, in packed order, from copies of its rows: the same shapes,
+// strides and alignment wherever it sits in the batch.
+torch::Tensor PerDocumentAttention(const torch::Tensor& q, const torch::Tensor& k,
+                                   const torch::Tensor& v, const std::vector<int64_t>& cu_seqlens,
+                                   double scale) {
+  std::vector<torch::Tensor> outs;
+  for (size_t b = 0; b + 1 < cu_seqlens.size(); ++b) {
+    const int64_t s = cu_seqlens[b], l = cu_seqlens[b + 1] - s;
+    if (l > 0)
+      outs.push_back(DocumentAttention(q.narrow(0, s, l).clone(), k.narrow(0, s, l).clone(),
+                                       v.narrow(0, s, l).clone(), scale));
+  }
+  if (outs.empty()) return torch::empty({0, q.size(1), v.size(2)}, q.options());
+  return torch::cat(outs, 0);
+}
+
 }  // namespace
 
 torch::Tensor VarlenCausalAttention(const torch::Tensor& q, const torch::Tensor& k,
@@ -205,7 +233,11 @@ torch::Tensor VarlenCausalAttention(const torch::Tensor& q, const torch::Tensor&
               "VarlenCausalAttention: cu_seqlens must run from 0 to the ", q.size(0),
               " packed rows");
   const int64_t B = static_cast<int64_t>(cu_seqlens.size()) - 1;
+  // FlashAttention's varlen kernel tiles each document on its own (its tiles follow the head
+  // dimension, not the batch): batch-invariant as it is.
   if (UseFlashVarlen(q)) return FlashVarlenAttention(q, k, v, cu_seqlens, scale);
+  // A bucket's padded length sets the flash kernel's tiles: alone, a document's tiles are its own.
+  if (BatchInvariant()) return PerDocumentAttention(q, k, v, cu_seqlens, scale);
   if (B == 1) return DocumentAttention(q, k, v, scale);
   std::vector<torch::Tensor> outs;
   std::vector<int64_t> rows;  // the packed row of each output row, in output order

@@ -23,12 +23,14 @@ torch::Tensor MatmulWeightT(const torch::Tensor& x, const torch::Tensor& w);
 void MatmulWeightTOut(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w);
 
 // y = x W^T, no bias (Qwen projections have none). Weights start uninitialised: they are loaded
-// from a checkpoint or set by InitWeights.
+// from a checkpoint or set by InitWeights. A block-wise FP8 checkpoint's weight kept in FP8
+// (lm/model/fp8.h) comes with its block scales, and the forward is an FP8 GEMM.
 class LinearImpl : public torch::nn::Module {
  public:
   LinearImpl(int64_t in_features, int64_t out_features);
   torch::Tensor forward(const torch::Tensor& x);
-  torch::Tensor weight;  // [out, in]
+  torch::Tensor weight;            // [out, in]
+  torch::Tensor weight_scale_inv;  // FP8 weights only: the buffer of their block scales
 };
 TORCH_MODULE(Linear);
 

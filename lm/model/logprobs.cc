@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include "lm/model/batch_invariant.h"
 #include "lm/model/fast_paths.h"
 #include "lm/model/layers.h"
 #include "lm/model/precision.h"
@@ -56,7 +57,11 @@ class ChunkedTokenLogprob : public torch::autograd::Function<ChunkedTokenLogprob
       auto logits = ChunkLogits(scratch, hidden.narrow(0, s, n), weight, temperature);
       auto target_logit = logits.gather(1, targets.narrow(0, s, n).unsqueeze(1)).squeeze(1);
       torch::Tensor l;
-      if (const auto fast = FastPathsFor(logits.device().type()).logsumexp_rows) l = fast(logits);
+      if (BatchInvariant()) {
+        l = InvariantLogSumExpRows(logits);
+      } else if (const auto fast = FastPathsFor(logits.device().type()).logsumexp_rows) {
+        l = fast(logits);
+      }
       if (!l.defined()) l = LogsumexpInPlace(logits);
       lse.narrow(0, s, n).copy_(l);
       out.narrow(0, s, n).copy_(target_logit - l);
@@ -135,7 +140,10 @@ TopKLogprobs TopK(const torch::Tensor& hidden, const torch::Tensor& weight, int6
   for (int64_t s = 0; s < N; s += opts.chunk_rows) {
     const int64_t n = std::min(opts.chunk_rows, N - s);
     auto lp = ChunkLogits(scratch, hidden.narrow(0, s, n), weight, opts.temperature);
-    lp.sub_(lp.logsumexp(1, /*keepdim=*/true));
+    // Batch-invariant: each row's log-sum-exp alone (the library's exp leaves position-dependent
+    // scalar tails, and a lone row of the vocabulary is split across threads).
+    lp.sub_(BatchInvariant() ? InvariantLogSumExpRows(lp).unsqueeze(1)
+                             : lp.logsumexp(1, /*keepdim=*/true));
     auto [v, i] = lp.topk(k, -1);
     r.ids.narrow(0, s, n).copy_(i);
     r.logprobs.narrow(0, s, n).copy_(v);

@@ -94,9 +94,18 @@ class CausalLM : public torch::nn::Module {
 // A model with uninitialised weights for `config` (by model_type).
 absl::StatusOr<std::shared_ptr<CausalLM>> CreateModel(const ModelConfig& config);
 
+// What the loader does with a block-wise FP8 checkpoint's quantized weights (lm/model/fp8.h).
+enum class Fp8Weights {
+  kAuto,  // kept in FP8 where FP8 GEMMs run (CUDA, compute capability >= 8.9), else kDequantize
+  kDequantize,  // dequantized on load to LoadOptions::dtype
+  kKeep,        // kept in FP8 on any device with FP8 GEMMs (the CPU's are the GPU kernels' twin,
+                // for tests); an error where there are none
+};
+
 struct LoadOptions {
-  torch::Dtype dtype = torch::kFloat32;
+  torch::Dtype dtype = torch::kFloat32;  // FP8 weights kept in FP8 stay so; the rest is this dtype
   torch::Device device = torch::kCPU;
+  Fp8Weights fp8 = Fp8Weights::kAuto;
 };
 
 // A model for `config` whose parameters are uninitialised tensors of `placement.dtype` on

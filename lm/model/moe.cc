@@ -7,8 +7,10 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/torch.h>
 
+#include "lm/model/batch_invariant.h"
 #include "lm/model/expert_parallel.h"
 #include "lm/model/fast_paths.h"
+#include "lm/model/fp8.h"
 #include "lm/model/layers.h"
 #include "lm/model/moe_grouped.h"
 
@@ -36,7 +38,7 @@ class GroupedSwiGlu : public torch::autograd::Function<GroupedSwiGlu> {
       if (n == 0) continue;
       auto gu_e = gu.narrow(0, s, n);
       MatmulWeightTOut(gu_e, x.narrow(0, s, n), gate_up[e]);
-      auto h = torch::silu(gu_e.narrow(1, 0, I)) * gu_e.narrow(1, I, I);
+      auto h = pointwise::Silu(gu_e.narrow(1, 0, I)) * gu_e.narrow(1, I, I);
       auto y_e = y.narrow(0, s, n);
       MatmulWeightTOut(y_e, h, down[e]);
     }
@@ -110,6 +112,9 @@ namespace {
 // unchanged (both casts are no-ops). The gate is E x H, so its fp32 copy is cheap.
 torch::Tensor RouterLogits(const torch::Tensor& x, const torch::Tensor& gate_weight) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  // Batch-invariant: a token's logits, hence its experts, whatever else is in the batch.
+  if (BatchInvariant() && x.is_cpu())
+    return InvariantMatmulWeightT(x.to(torch::kFloat32), gate_weight.to(torch::kFloat32));
   return torch::linear(x.to(torch::kFloat32), gate_weight.to(torch::kFloat32));
 }
 
@@ -220,6 +225,7 @@ ExpertsImpl::ExpertsImpl(int64_t num_experts, int64_t hidden, int64_t intermedia
 
 torch::Tensor RunExperts(const torch::Tensor& x, const Routing& r, const ExpertsImpl& experts) {
   if (experts.ep) return ExpertParallelExperts(*experts.ep, x, r, experts);
+  if (HoldsFp8(experts)) return Fp8MoeExperts(x, r.ids, r.weights, experts);
   return MoeExperts(x, r.ids, r.weights, experts.gate_up_proj, experts.down_proj);
 }
 

@@ -90,6 +90,8 @@ class ExpertsImpl : public torch::nn::Module {
  public:
   ExpertsImpl(int64_t num_experts, int64_t hidden, int64_t intermediate);
   torch::Tensor gate_up_proj, down_proj;
+  // FP8 weights only (lm/model/fp8.h): the buffers of their block scales.
+  torch::Tensor gate_up_proj_scale_inv, down_proj_scale_inv;
   // Set under expert parallelism (lm/model/expert_parallel.h): the tensors hold only this
   // process's range of experts, and the layer's output is summed over the group.
   std::shared_ptr<const ExpertParallel> ep;

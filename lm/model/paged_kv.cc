@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "lm/model/fast_paths.h"
+#include "lm/model/layers.h"
 
 namespace lm {
 
@@ -60,35 +61,51 @@ void SetBlockTables(const PagedStep& step, torch::Device device, PagedAttentionM
   m.seq_lens = ToDevice(lens, device);
 }
 
-// The query padding, gather indices and mask of a step other than decode.
-void SetGatherAndMask(const PagedStep& step, int64_t block_size, torch::Device device,
-                      PagedAttentionMeta& m) {
-  const int64_t B = m.batch, T = step.num_tokens(), Q = m.max_new, L = m.max_len;
-  std::vector<int64_t> q_valid(T), q_gather(B * Q, T), kv(B * L, 0);
-  std::vector<uint8_t> mask(B * Q * L, 0);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t start = step.cu_seqlens[b], q = step.cu_seqlens[b + 1] - start;
-    const int64_t ctx = step.context_lens[b];
-    const auto& table = step.block_tables[b];
-    for (int64_t j = 0; j < ctx + q; ++j)
-      kv[b * L + j] = int64_t{table[j / block_size]} * block_size + j % block_size;
-    for (int64_t i = 0; i < q; ++i) {
-      q_valid[start + i] = b * Q + i;
-      q_gather[b * Q + i] = start + i;
-      // Causal: query i (position ctx + i) sees keys 0 .. ctx + i.
-      std::fill_n(mask.begin() + (b * Q + i) * L, ctx + i + 1, 1);
-    }
-    // Padded queries see key 0 so that no softmax row is empty (their outputs are dropped).
-    for (int64_t i = q; i < Q; ++i) mask[(b * Q + i) * L] = 1;
-  }
-  m.q_gather = I64(q_gather, device);
-  m.q_valid = I64(q_valid, device);
-  m.kv_gather = I64(kv, device).view({B, L});
-  m.mask = torch::from_blob(mask.data(), {B, 1, Q, L}, torch::kUInt8).to(torch::kBool).to(device);
+// Pool row of position j of a sequence with block table `table`.
+int64_t PoolRow(const std::vector<int32_t>& table, int64_t j, int64_t block_size) {
+  return int64_t{table[j / block_size]} * block_size + j % block_size;
 }
 
-// OPD_PAGED_DECODE=gather sends decode steps down the general path (gather + host-built mask +
-// SDPA), as before the decode kernel: for A/B benchmarks (scripts/bench.sh) only.
+torch::Tensor I32ToDevice(const std::vector<int64_t>& x, torch::Device device) {
+  return ToDevice(torch::tensor(x, torch::kInt64).to(torch::kInt32), device);
+}
+
+// The varlen path's indices for a step other than decode (PagedAttention): on CUDA every
+// sequence's key rows and the int32 boundaries the varlen kernels take, on the CPU the rows of
+// the continued sequences' contexts. Host work and memory O(context + new tokens), no mask.
+void SetVarlen(const PagedStep& step, int64_t block_size, torch::Device device,
+               PagedAttentionMeta& m) {
+  const int64_t B = m.batch;
+  m.cu_seqlens = step.cu_seqlens;
+  m.context_lens = step.context_lens;
+  m.all_fresh = std::all_of(step.context_lens.begin(), step.context_lens.end(),
+                            [](int64_t c) { return c == 0; });
+  std::vector<int64_t> rows;
+  if (device.is_cuda()) {
+    std::vector<int64_t> cu_k{0};
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t len = step.context_lens[b] + step.cu_seqlens[b + 1] - step.cu_seqlens[b];
+      for (int64_t j = 0; j < len; ++j)
+        rows.push_back(PoolRow(step.block_tables[b], j, block_size));
+      cu_k.push_back(cu_k.back() + len);
+    }
+    m.key_rows = ToDevice(torch::tensor(rows, torch::kInt64), device);
+    m.cu_q = I32ToDevice(step.cu_seqlens, device);
+    m.cu_k = I32ToDevice(cu_k, device);
+    return;
+  }
+  if (m.all_fresh) return;
+  m.context_offsets.assign(B, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    m.context_offsets[b] = static_cast<int64_t>(rows.size());
+    for (int64_t j = 0; j < step.context_lens[b]; ++j)
+      rows.push_back(PoolRow(step.block_tables[b], j, block_size));
+  }
+  m.context_rows = I64(rows, device);
+}
+
+// OPD_PAGED_DECODE=gather sends decode steps down the varlen path (each sequence's K/V gathered
+// from the pools), as before the decode kernel: for A/B benchmarks (scripts/bench.sh) only.
 bool DecodeKernelDisabled() {
   static const bool off = [] {
     const char* v = std::getenv("OPD_PAGED_DECODE");
@@ -116,9 +133,8 @@ PagedAttentionMeta BuildPagedAttentionMeta(const PagedStep& step, int64_t block_
     const int64_t ctx = step.context_lens[b];
     const auto& table = step.block_tables[b];
     for (int64_t i = 0; i < q; ++i) {
-      const int64_t pos = ctx + i;
-      positions[start + i] = pos;
-      slots[start + i] = int64_t{table[pos / block_size]} * block_size + pos % block_size;
+      positions[start + i] = ctx + i;
+      slots[start + i] = PoolRow(table, ctx + i, block_size);
     }
     last[b] = start + q - 1;
   }
@@ -126,7 +142,7 @@ PagedAttentionMeta BuildPagedAttentionMeta(const PagedStep& step, int64_t block_
   m.slot_mapping = I64(slots, device);
   m.last_rows = I64(last, device);
   SetBlockTables(step, device, m);
-  if (!m.decode) SetGatherAndMask(step, block_size, device, m);
+  if (!m.decode) SetVarlen(step, block_size, device, m);
   return m;
 }
 
@@ -137,31 +153,107 @@ void WritePagedKV(torch::Tensor& k_pool, torch::Tensor& v_pool, const torch::Ten
   v_pool.view({rows, v_pool.size(2), v_pool.size(3)}).index_copy_(0, meta.slot_mapping, v);
 }
 
-torch::Tensor PagedAttention(const torch::Tensor& q, const torch::Tensor& k_pool,
-                             const torch::Tensor& v_pool, const PagedAttentionMeta& meta,
-                             double scale) {
+namespace {
+
+// [L, H, D] -> [1, H, L, D], the layout of the CPU flash kernel.
+torch::Tensor Heads(const torch::Tensor& x) {
+  return x.transpose(0, 1).unsqueeze(0);
+}
+
+// The CPU: fresh sequences in one bucketed flash call, each continued one by its two parts.
+torch::Tensor VarlenAttentionCpu(const torch::Tensor& q, const torch::Tensor& k,
+                                 const torch::Tensor& v, const torch::Tensor& k_pool,
+                                 const torch::Tensor& v_pool, const PagedAttentionMeta& m,
+                                 double scale) {
+  if (m.all_fresh) return VarlenCausalAttention(q, k, v, m.cu_seqlens, scale);
+  auto out = torch::empty_like(q);
+  std::vector<int64_t> fresh_rows, fresh_cu{0};
+  for (int64_t b = 0; b < m.batch; ++b) {
+    if (m.context_lens[b] > 0) continue;
+    for (int64_t t = m.cu_seqlens[b]; t < m.cu_seqlens[b + 1]; ++t) fresh_rows.push_back(t);
+    fresh_cu.push_back(static_cast<int64_t>(fresh_rows.size()));
+  }
+  if (!fresh_rows.empty()) {
+    const auto idx = torch::tensor(fresh_rows, torch::kInt64).to(q.device());
+    out.index_copy_(0, idx,
+                    VarlenCausalAttention(q.index_select(0, idx), k.index_select(0, idx),
+                                          v.index_select(0, idx), fresh_cu, scale));
+  }
+  // Every continued sequence's context, gathered from the pools once for the layer.
+  const int64_t rows = k_pool.size(0) * k_pool.size(1), Hkv = k_pool.size(2), D = k_pool.size(3);
+  const auto k_ctx = k_pool.view({rows, Hkv, D}).index_select(0, m.context_rows);
+  const auto v_ctx = v_pool.view({rows, Hkv, D}).index_select(0, m.context_rows);
+  for (int64_t b = 0; b < m.batch; ++b) {
+    const int64_t c = m.context_lens[b];
+    if (c == 0) continue;
+    const int64_t s = m.cu_seqlens[b], n = m.cu_seqlens[b + 1] - s;
+    const int64_t off = m.context_offsets[b];
+    out.narrow(0, s, n).copy_(PagedContinuedAttention(q.narrow(0, s, n), k_ctx.narrow(0, off, c),
+                                                      v_ctx.narrow(0, off, c), k.narrow(0, s, n),
+                                                      v.narrow(0, s, n), scale));
+  }
+  return out;
+}
+
+// CUDA: one varlen launch over the step, the keys of each sequence (context then new) gathered
+// from the pools; causal from the bottom right, so query i of a sequence with context c sees its
+// first c + i + 1 keys.
+torch::Tensor VarlenAttentionCuda(const torch::Tensor& q, const torch::Tensor& k_pool,
+                                  const torch::Tensor& v_pool, const PagedAttentionMeta& m,
+                                  double scale) {
+  const int64_t rows = k_pool.size(0) * k_pool.size(1), Hkv = k_pool.size(2), D = k_pool.size(3);
+  const int64_t Hq = q.size(1);
+  auto keys = k_pool.view({rows, Hkv, D}).index_select(0, m.key_rows);
+  auto values = v_pool.view({rows, Hkv, D}).index_select(0, m.key_rows);
+  const auto dtype = q.scalar_type();
+  if ((dtype == torch::kBFloat16 || dtype == torch::kHalf) && D % 8 == 0 && D <= 256) {
+    // FlashAttention-2 reads GQA heads natively.
+    return std::get<0>(at::_flash_attention_forward(q.contiguous(), keys, values, m.cu_q, m.cu_k,
+                                                    m.max_new, m.max_len, /*dropout_p=*/0.0,
+                                                    /*is_causal=*/true,
+                                                    /*return_debug_mask=*/false, scale));
+  }
+  // The memory-efficient kernel (fp32 too) wants as many KV heads as query heads.
+  if (Hq != Hkv) {
+    keys = keys.repeat_interleave(Hq / Hkv, 1);
+    values = values.repeat_interleave(Hq / Hkv, 1);
+  }
+  constexpr int64_t kCausalFromBottomRight = 2;  // the kernel's custom_mask_type
+  auto o = std::get<0>(at::_efficient_attention_forward(
+      q.contiguous().unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), /*bias=*/std::nullopt,
+      m.cu_q, m.cu_k, m.max_new, m.max_len, /*dropout_p=*/0.0, kCausalFromBottomRight,
+      /*compute_log_sumexp=*/false, scale));
+  return o.squeeze(0);
+}
+
+}  // namespace
+
+torch::Tensor PagedContinuedAttention(const torch::Tensor& q, const torch::Tensor& k_ctx,
+                                      const torch::Tensor& v_ctx, const torch::Tensor& k_new,
+                                      const torch::Tensor& v_new, double scale) {
+  // o_j and lse_j per query and head over each part; the whole softmax is their mix weighted by
+  // exp(lse_j), taken relative to the larger lse so nothing overflows.
+  auto [o_ctx, lse_ctx] = at::_scaled_dot_product_flash_attention_for_cpu(
+      Heads(q), Heads(k_ctx), Heads(v_ctx), /*dropout_p=*/0.0, /*is_causal=*/false,
+      /*attn_mask=*/std::nullopt, scale);
+  auto [o_new, lse_new] = at::_scaled_dot_product_flash_attention_for_cpu(
+      Heads(q), Heads(k_new), Heads(v_new), /*dropout_p=*/0.0, /*is_causal=*/true,
+      /*attn_mask=*/std::nullopt, scale);
+  const auto top = torch::maximum(lse_ctx, lse_new);
+  const auto w_ctx = (lse_ctx - top).exp().unsqueeze(-1),
+             w_new = (lse_new - top).exp().unsqueeze(-1);
+  const auto o =
+      (o_ctx.to(torch::kFloat32) * w_ctx + o_new.to(torch::kFloat32) * w_new) / (w_ctx + w_new);
+  return o.squeeze(0).transpose(0, 1).to(q.scalar_type());  // [n, Hq, D]
+}
+
+torch::Tensor PagedAttention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                             const PagedAttentionMeta& meta, double scale) {
   if (meta.decode)
     return PagedDecodeAttention(q, k_pool, v_pool, meta.block_tables, meta.seq_lens, scale);
-  const int64_t B = meta.batch, Q = meta.max_new, L = meta.max_len;
-  const int64_t Hq = q.size(1), D = q.size(2), Hkv = k_pool.size(2);
-  const int64_t rows = k_pool.size(0) * k_pool.size(1);
-  auto gather_kv = [&](const torch::Tensor& pool) {  // [B, Hkv, L, D]
-    return pool.view({rows, Hkv, D})
-        .index_select(0, meta.kv_gather.view({B * L}))
-        .view({B, L, Hkv, D})
-        .transpose(1, 2);
-  };
-  // One new token each (a decode step sent here by OPD_PAGED_DECODE=gather) needs no padding.
-  const bool one_each = Q == 1 && q.size(0) == B;
-  auto qb = one_each ? q.unsqueeze(2)
-                     : torch::cat({q, torch::zeros({1, Hq, D}, q.options())}, 0)
-                           .index_select(0, meta.q_gather)
-                           .view({B, Q, Hq, D})
-                           .transpose(1, 2);  // [B, Hq, Q, D]
-  auto o = at::scaled_dot_product_attention(qb, gather_kv(k_pool), gather_kv(v_pool), meta.mask,
-                                            0.0, false, scale, /*enable_gqa=*/Hq != Hkv);
-  if (one_each) return o.squeeze(2);
-  return o.transpose(1, 2).reshape({B * Q, Hq, D}).index_select(0, meta.q_valid);
+  if (q.is_cuda()) return VarlenAttentionCuda(q, k_pool, v_pool, meta, scale);
+  return VarlenAttentionCpu(q, k, v, k_pool, v_pool, meta, scale);
 }
 
 torch::Tensor PagedDecodeAttention(const torch::Tensor& q, const torch::Tensor& k_pool,

@@ -16,15 +16,19 @@
 // PagedForward in lm/model/model.h):
 //   - a step is a set of B sequences, each with new tokens input_ids[cu_seqlens[b] ..
 //     cu_seqlens[b+1]) at positions context_lens[b], context_lens[b] + 1, ...;
-//   - the engine sends only two kinds of sequences: context 0 with any number of new tokens (a
-//     prefill, or the recompute of a preempted sequence), or one new token after a context (a
-//     decode step); block tables already cover context + new tokens;
+//   - a sequence may bring any number of new tokens after any context: a prefill (context 0), a
+//     chunk of a long prompt or of a preempted sequence's recompute (the engine prefills at most
+//     EngineOptions::max_prefill_tokens a step, so a long one arrives in chunks), or one token
+//     after its context (a decode step); block tables already cover context + new tokens;
 //   - the model writes the new tokens' keys/values (after q/k-norm and RoPE, as attention reads
 //     them) into their rows, updates the state slots, and returns the final hidden states (after
 //     the last norm) at each sequence's last new token, [B, H];
 //   - attention of a new token sees its sequence's context and the new tokens up to itself, read
 //     through the block table: the same math as the contiguous cache (CachedAttention /
-//     VarlenCausalAttention in lm/model/layers.h).
+//     VarlenCausalAttention in lm/model/layers.h). No step builds a mask or pads to the longest
+//     sequence: decode steps read the pools in place (PagedDecodeAttention), other steps run a
+//     varlen causal attention (PagedAttention below) whose scores are never held beyond one
+//     kernel tile.
 // The engine copies blocks (copy-on-write) and state slots (forking the samples of one prompt)
 // with PagedKVCache::CopyBlock / CopyStateSlot, so a model needs nothing for either.
 #pragma once
@@ -74,8 +78,9 @@ struct PagedStep {
 struct PagedAttentionMeta {
   int64_t batch = 0, max_new = 0, max_len = 0;  // B, longest new tokens, longest context + new
   // A decode step: one new token per sequence. Its attention reads the pools in place through
-  // block_tables and seq_lens (PagedDecodeAttention); the gather indices and the mask below are
-  // not built. (OPD_PAGED_DECODE=gather in the environment turns this off, for benchmarks.)
+  // block_tables and seq_lens (PagedDecodeAttention); none of the varlen indices below are
+  // built. (OPD_PAGED_DECODE=gather in the environment sends decode steps down the varlen path
+  // instead, for benchmarks.)
   bool decode = false;
   torch::Tensor positions;  // [T] int64: position of every new token
   torch::Tensor
@@ -83,11 +88,17 @@ struct PagedAttentionMeta {
   torch::Tensor block_tables;  // [B, max_blocks] int32 (0, the null block, past a table's end)
   torch::Tensor seq_lens;      // [B] int32: context + new tokens of each sequence
   torch::Tensor last_rows;     // [B] row (in [T]) of each sequence's last new token
-  // Steps other than decode only:
-  torch::Tensor q_gather;   // [B * max_new] row of q for each padded query (T: a zero row)
-  torch::Tensor q_valid;    // [T] padded-query index of every new token
-  torch::Tensor kv_gather;  // [B, max_len] pool row of each key (row 0, the null block, pads)
-  torch::Tensor mask;       // [B, 1, max_new, max_len] bool: key visible to query
+  // Steps other than decode (the varlen path):
+  std::vector<int64_t> cu_seqlens;    // [B+1] the new tokens' boundaries (the step's)
+  std::vector<int64_t> context_lens;  // [B] the step's
+  bool all_fresh = false;             // no sequence has a context (plain prefills)
+  // On the CPU: the pool rows of every continued sequence's context, sequence after sequence
+  // (sequence b's from context_offsets[b]); undefined when all_fresh.
+  torch::Tensor context_rows;
+  std::vector<int64_t> context_offsets;
+  // On CUDA: the pool rows of every sequence's keys, context then new, packed (key_rows), and
+  // the int32 boundaries of the queries (cu_q, the step's cu_seqlens) and of the keys (cu_k).
+  torch::Tensor key_rows, cu_q, cu_k;
 };
 
 PagedAttentionMeta BuildPagedAttentionMeta(const PagedStep& step, int64_t block_size,
@@ -99,10 +110,29 @@ void WritePagedKV(torch::Tensor& k_pool, torch::Tensor& v_pool, const torch::Ten
                   const torch::Tensor& v, const PagedAttentionMeta& meta);
 
 // Causal attention of the new tokens q [T, Hq, D] over their sequences' context and new tokens
-// read from the pools (Hq a multiple of n_kv: GQA). Returns [T, Hq, D]. Call after WritePagedKV.
-torch::Tensor PagedAttention(const torch::Tensor& q, const torch::Tensor& k_pool,
-                             const torch::Tensor& v_pool, const PagedAttentionMeta& meta,
-                             double scale);
+// (Hq a multiple of n_kv: GQA); k, v [T, Hkv, D] are the new tokens' keys and values, already
+// written to the pools (call after WritePagedKV). Returns [T, Hq, D]. No mask, no padding to the
+// longest sequence, no score matrix beyond a kernel's tile:
+//   - decode steps: PagedDecodeAttention, in place through the block tables;
+//   - on CUDA: one varlen causal launch over the step (the queries against each sequence's keys,
+//     context then new, gathered from the pools once per step and layer, bottom-right aligned):
+//     FlashAttention-2 for bf16/fp16 (head_dim % 8 == 0, <= 256), the memory-efficient kernel
+//     otherwise (fp32; KV heads repeated for it);
+//   - on the CPU: sequences without context as one VarlenCausalAttention (bucketed flash, no
+//     mask), each continued one as two flash calls, its new tokens over its gathered context (no
+//     mask: every context key is visible) and causally over themselves, merged by their
+//     log-sum-exps (PagedContinuedAttention).
+torch::Tensor PagedAttention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                             const PagedAttentionMeta& meta, double scale);
+
+// One continued sequence on the CPU: its n new queries q [n, Hq, D] at positions c .. c + n - 1
+// over its context's keys/values k_ctx, v_ctx [c, Hkv, D] and its new ones k_new, v_new
+// [n, Hkv, D]: softmax over all c + i + 1 visible keys of query i, computed as the two parts'
+// flash attentions merged by their log-sum-exps (fp32), so no [n, c + n] matrix exists.
+torch::Tensor PagedContinuedAttention(const torch::Tensor& q, const torch::Tensor& k_ctx,
+                                      const torch::Tensor& v_ctx, const torch::Tensor& k_new,
+                                      const torch::Tensor& v_new, double scale);
 
 // Decode attention read in place through the block tables: the one new token of each sequence b,
 // q[b] [Hq, D], attends to its sequence's first seq_lens[b] tokens (context and itself; keys and

@@ -4,6 +4,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/torch.h>
 
+#include "lm/model/batch_invariant.h"
 #include "lm/model/layers.h"
 
 namespace lm {
@@ -52,6 +53,11 @@ torch::Tensor LogitsFp32(const torch::Tensor& hidden, const torch::Tensor& weigh
   auto rows = hidden.reshape({-1, hidden.size(-1)});  // a 1-D hidden state is one row
   auto sizes = hidden.sizes().vec();
   sizes.back() = weight.size(0);
+  if (BatchInvariant() && rows.is_cpu()) {  // the same fp32 product of the rounded operands
+    const auto compute = ComputeDtype(weight);
+    return InvariantMatmulWeightT(RoundedFp32(rows, compute), RoundedFp32(weight, compute))
+        .view(sizes);
+  }
   return MatmulFp32(rows, weight.t(), ComputeDtype(weight)).view(sizes);
 }
 

@@ -58,7 +58,7 @@ torch::Tensor Qwen3MoeAttentionImpl::paged(const torch::Tensor& x, const torch::
                                            torch::Tensor& v_pool, const PagedAttentionMeta& meta) {
   auto [q, k, v] = Project(x, cos, sin);
   WritePagedKV(k_pool, v_pool, k, v, meta);
-  auto o = PagedAttention(q, k_pool, v_pool, meta, 1.0 / std::sqrt(double(head_dim_)));
+  auto o = PagedAttention(q, k, v, k_pool, v_pool, meta, 1.0 / std::sqrt(double(head_dim_)));
   return o_proj(o.reshape({x.size(0), heads_ * head_dim_}));
 }
 

@@ -4,6 +4,8 @@
 
 #include <torch/torch.h>
 
+#include "lm/model/batch_invariant.h"
+
 namespace lm {
 
 Qwen3NextAttentionImpl::Qwen3NextAttentionImpl(const ModelConfig& c)
@@ -33,7 +35,7 @@ Qwen3NextAttentionImpl::Projected Qwen3NextAttentionImpl::Project(const torch::T
 }
 
 torch::Tensor Qwen3NextAttentionImpl::Output(const torch::Tensor& o, const torch::Tensor& gate) {
-  return o_proj((o * torch::sigmoid(gate)).reshape({o.size(0), heads_ * head_dim_}));
+  return o_proj((o * pointwise::Sigmoid(gate)).reshape({o.size(0), heads_ * head_dim_}));
 }
 
 torch::Tensor Qwen3NextAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
@@ -65,8 +67,8 @@ torch::Tensor Qwen3NextAttentionImpl::paged(const torch::Tensor& x, const torch:
                                             torch::Tensor& v_pool, const PagedAttentionMeta& meta) {
   Projected p = Project(x, cos, sin);
   WritePagedKV(k_pool, v_pool, p.k, p.v, meta);
-  auto o =
-      PagedAttention(p.q, k_pool, v_pool, meta, 1.0 / std::sqrt(static_cast<double>(head_dim_)));
+  auto o = PagedAttention(p.q, p.k, p.v, k_pool, v_pool, meta,
+                          1.0 / std::sqrt(static_cast<double>(head_dim_)));
   return Output(o, p.gate);
 }
 
@@ -87,7 +89,7 @@ torch::Tensor Qwen3NextSparseMoeBlockImpl::forward(const torch::Tensor& x,
   // Under expert parallelism only the routed part is summed over the group; the replicated shared
   // expert is added once, on every rank.
   auto routed = RunExperts(x, r, *experts);
-  return routed + torch::sigmoid(shared_expert_gate(x)) * shared_expert(x);
+  return routed + pointwise::Sigmoid(shared_expert_gate(x)) * shared_expert(x);
 }
 
 Qwen3NextDecoderLayerImpl::Qwen3NextDecoderLayerImpl(const ModelConfig& c, int64_t layer) {
@@ -293,7 +295,8 @@ torch::Tensor Qwen3NextForCausalLM::PagedForward(const PagedStep& step, PagedKVC
   TORCH_CHECK(cache.k.size() + cache.state.size() / 2 == model->layers->size(),
               "Qwen3-Next paged step: the cache was not made by this model's NewPagedKVCache");
   const PagedAttentionMeta meta = BuildPagedAttentionMeta(step, cache.block_size, device);
-  const Qwen3NextPagedPlan plan = Qwen3NextPagedPlan::Make(step, device);
+  const Qwen3NextPagedPlan plan =
+      Qwen3NextPagedPlan::Make(step, config_.linear_conv_kernel_dim, device);
   auto [cos, sin] = rope_.Tables(meta.positions);
   auto h = model->embed_tokens(step.input_ids);
   for (size_t i = 0; i < model->layers->size(); ++i) {

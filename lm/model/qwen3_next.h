@@ -34,7 +34,9 @@
 // layer's state in the engine's state slots (PagedKVCache::state[2j] the conv window
 // [slots, K-1, C], state[2j + 1] the delta-rule state [slots, Hv, dk, dv] fp32, for the j-th
 // linear-attention layer). A sequence with no context is a prefill (chunked, its slot overwritten);
-// one new token after a context is a decode step from its slot.
+// one new token after a context is a decode step from its slot; several after a context (a long
+// prompt's or a recompute's later chunk) continue from its slot: the conv over its window and the
+// chunk, the chunked rule from its state.
 //
 // Member names are the checkpoint's names (model.layers.N.linear_attn.in_proj_qkvz.weight, ...);
 // `mtp.*` tensors of published checkpoints are skipped by LoadModel.

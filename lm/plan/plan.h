@@ -21,8 +21,9 @@
 //     recurrent state per running sequence), by default all the device has left after the other
 //     terms (--kv-cache-gb auto); in host memory, beside the device, a weight update staged while
 //     requests sample (one-step-off), every tensor in the serving dtype;
-//   teacher: bf16 weights, one scoring bucket's activations (max_batch_tokens) and one chunk of
-//     logits (logprob_chunk_rows x vocab, fp32, with its log-softmax);
+//   teacher: bf16 weights (a block-wise FP8 checkpoint's converted linear layers in FP8, 1 B per
+//     parameter plus fp32 block scales), one scoring bucket's activations (max_batch_tokens) and
+//     one chunk of logits (logprob_chunk_rows x vocab, fp32, with its log-softmax);
 //   every CUDA process: a fixed reserve for the CUDA context, cuBLAS/NCCL workspaces and allocator
 //     fragmentation (kCudaReserveBytes).
 //
@@ -110,6 +111,21 @@ struct ParameterCounts {
 };
 ParameterCounts CountParameters(const ModelConfig& c);
 
+// A block-wise FP8 checkpoint's weights (config.fp8: its quantization_config) as a CUDA process
+// holds them (lm/model/fp8.h): every linear layer's weight that the config converts in FP8, one
+// byte per parameter plus one fp32 scale per weight block; the rest (the LM head and the
+// embedding always, and what modules_to_not_convert names) as the unquantized count holds it,
+// `weight_bytes` per matrix parameter and fp32 norms and routers. `expert_parallel`: devices
+// sharing the routed experts (each holds 1/N). Without config.fp8, everything is `rest`.
+struct Fp8WeightBytes {
+  int64_t fp8 = 0;     // FP8 weights: one byte per parameter
+  int64_t scales = 0;  // their fp32 block scales
+  int64_t rest = 0;    // everything else
+  int64_t total() const { return fp8 + scales + rest; }
+};
+Fp8WeightBytes CountFp8WeightBytes(const ModelConfig& c, int64_t weight_bytes,
+                                   int64_t expert_parallel);
+
 // KV cache bytes of one token: full-attention layers x 2 (K and V) x kv_heads x head_dim x bytes.
 int64_t KvBytesPerToken(const ModelConfig& c, int64_t element_bytes);
 // Qwen3-Next's recurrent state of one sequence (conv window in the model dtype, delta-rule state
@@ -168,6 +184,9 @@ struct TeacherSettings {
   // and all of the rest.
   int64_t devices_per_replica = 1;
   int64_t weight_bytes = 2;
+  // A model whose config has an FP8 quantization_config keeps its FP8 weights in FP8 (the
+  // loader's default on a CUDA device that runs FP8 GEMMs): CountFp8WeightBytes.
+  bool fp8_weights = true;
   int64_t workers = 1;               // scoring threads (--workers), each with its own bucket
   int64_t max_batch_tokens = 16384;  // teacher_service/scorer.h ScorerOptions
   int64_t logprob_chunk_rows = 512;

@@ -203,9 +203,14 @@ ProcessPlan PlanTeacher(const ModelConfig& c, const TeacherSettings& s, const De
   const int64_t ep = std::max<int64_t>(s.devices_per_replica, 1);
   ProcessPlan p{absl::StrCat("teacher ", s.stage), replicas * ep, {}, {}, {}};
   const int64_t wb = s.weight_bytes;
-  const int64_t weights = WeightBytes(n, wb == 4) - n.experts * wb + CeilDiv(n.experts, ep) * wb;
+  const bool fp8 = c.fp8.has_value() && s.fp8_weights;
+  const Fp8WeightBytes fp8_bytes = CountFp8WeightBytes(c, wb, ep);
+  const int64_t weights =
+      fp8 ? fp8_bytes.total()
+          : WeightBytes(n, wb == 4) - n.experts * wb + CeilDiv(n.experts, ep) * wb;
   p.memory.terms.push_back(
-      {absl::StrCat("weights (", wb == 4 ? "fp32" : "bf16",
+      {absl::StrCat("weights (", fp8 ? "FP8 linear layers + block scales, " : "",
+                    wb == 4 ? "fp32" : "bf16", fp8 ? " rest" : "",
                     ep > 1 ? absl::StrCat("; 1/", ep, " of the experts)") : ")"),
        weights, "more expert-parallel devices per replica (--world-size) or a smaller teacher"});
   // Every scoring thread runs a bucket of its own, with its own logits chunk.
@@ -234,6 +239,10 @@ ProcessPlan PlanTeacher(const ModelConfig& c, const TeacherSettings& s, const De
   p.facts.push_back(
       absl::StrFormat("%d parameters (%d active per token); %d replicas of %d devices", n.total,
                       n.active, replicas, ep));
+  if (fp8)
+    p.facts.push_back(absl::StrFormat(
+        "FP8 checkpoint: %s of FP8 weights, %s of block scales, %s of the rest per device",
+        FormatGiB(fp8_bytes.fp8), FormatGiB(fp8_bytes.scales), FormatGiB(fp8_bytes.rest)));
   return p;
 }
 

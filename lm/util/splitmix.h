@@ -14,4 +14,10 @@ inline uint64_t SplitMix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// A seed derived from two values (a run's seed and a step, a step's seed and a prompt): the one
+// way seeds are combined, so that nearby inputs give unrelated streams.
+inline uint64_t MixSeed(uint64_t seed, uint64_t value) {
+  return SplitMix64(SplitMix64(seed) ^ value);
+}
+
 }  // namespace lm

@@ -20,11 +20,24 @@ Log-probs:
 /tokenize needs a tokenizer: --tokenizer DIR, or the model directory when it holds one; without
 one it answers 404 (the client then cannot check the tokenizer, as with a server that has none).
 
+The synthetic SGLang applies the request's temperature (every log-prob divided by it), as the
+model scorer does; mode notemp ignores it, as stock SGLang does for input log-probs.
+
 MODE: ok | nan | minus9999 | short | reorder | error500 | slow (3 s before each scoring reply) |
 hang (never replies to scoring) | drop (half a reply, then the connection is cut) | wrongtok
-(/tokenize gives a wrong last id). --marker FILE is written when a scoring request has been read
-(the test synchronises on it). --record FILE gets one JSON line per scored sequence: the api, the
-tokens and the log-probs sent back.
+(/tokenize gives a wrong last id) | notemp (SGLang scores at temperature 1 whatever is asked) |
+hugelength (a scoring reply announces a 3 GB body, sends a little and stalls) | endless (a
+chunked scoring reply that never ends) | notjson (a scoring reply that is not JSON) | one of the
+malformed replies in MALFORMED (a field missing, mistyped or out of range; see mangle()).
+--marker FILE is written when a scoring request has been read (the test synchronises on it).
+--record FILE gets one JSON line per scored sequence: the api, the tokens and the log-probs sent
+back; --tokenize-log FILE one line per /tokenize request.
+
+Limits, as the real servers have them: --max-model-len N is reported by /v1/models and a scoring
+request with a sequence of N tokens or more is refused (HTTP 400: the request must leave room for
+one token); --max-logprobs N refuses a vLLM prompt_logprobs above N (HTTP 400, vLLM's message;
+vLLM's default is 20, the fake's none). --tokenize-status CODE answers /tokenize with CODE for the
+first --tokenize-failures requests (default: all of them).
 """
 import argparse
 import json
@@ -35,8 +48,12 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+MALFORMED = ["vllm_no_logprob", "vllm_logprob_string", "vllm_no_rank", "vllm_key_junk",
+             "vllm_key_big", "vllm_choice_not_object", "vllm_rank_repeated", "sglang_id_big",
+             "sglang_id_string", "sglang_id_vocab", "sglang_meta_not_object",
+             "sglang_item_not_object", "sglang_logprob_string"]
 MODES = ["ok", "nan", "minus9999", "short", "reorder", "error500", "slow", "hang", "drop",
-         "wrongtok"]
+         "wrongtok", "notemp", "hugelength", "endless", "notjson"] + MALFORMED
 
 
 def parse_args():
@@ -50,6 +67,12 @@ def parse_args():
     ap.add_argument("--tls-key", help="the certificate's private key (PEM)")
     ap.add_argument("--marker", help="written when a scoring request has been read")
     ap.add_argument("--record", help="JSON lines of every scored sequence")
+    ap.add_argument("--tokenize-log", help="a line per /tokenize request")
+    ap.add_argument("--max-model-len", type=int, help="context length (refuses longer requests)")
+    ap.add_argument("--max-logprobs", type=int, help="largest vLLM prompt_logprobs accepted")
+    ap.add_argument("--tokenize-status", type=int, help="HTTP status /tokenize answers with")
+    ap.add_argument("--tokenize-failures", type=int, default=-1,
+                    help="how many /tokenize requests get --tokenize-status (-1: all)")
     return ap.parse_args()
 
 
@@ -70,10 +93,10 @@ class SyntheticScorer:
     max_len = 4096
 
     def positions(self, seq, temperature, k):
-        del temperature  # the synthetic values do not depend on it
-        top = [(-0.1, 7 * i) for i in range(k)]
+        top = [(-0.1 / temperature, 7 * i) for i in range(k)]
         ids = [i for _, i in top]
-        return [Position(-((t % 7) + 1) / 10.0, ids.index(t) + 1 if t in ids else 100, top)
+        return [Position(-((t % 7) + 1) / 10.0 / temperature, ids.index(t) + 1 if t in ids else 100,
+                         top)
                 for t in seq[1:]]
 
     def text(self, t):
@@ -125,8 +148,12 @@ def load_tokenizer():
 
 
 SCORER = ModelScorer(ARGS.model) if ARGS.model else SyntheticScorer()
+if ARGS.max_model_len:
+    SCORER.max_len = ARGS.max_model_len
 TOKENIZER = load_tokenizer()
 RECORD_LOCK = threading.Lock()
+TOKENIZE_LOCK = threading.Lock()
+TOKENIZE_FAILURES = [ARGS.tokenize_failures]
 
 
 def record(api, seq, lps):
@@ -134,6 +161,44 @@ def record(api, seq, lps):
         return
     with RECORD_LOCK, open(ARGS.record, "a") as f:
         f.write(json.dumps({"api": api, "tokens": seq, "logprobs": lps}) + "\n")
+
+
+def mangle(reply):
+    """The malformed reply of MODE, made from a good one (for a request with top-k >= 1)."""
+    if MODE.startswith("vllm_"):
+        choice = reply["choices"][0]
+        last = choice["prompt_logprobs"][-1]
+        top = next(key for key, v in last.items() if v["rank"] == 1)
+        if MODE == "vllm_no_logprob":
+            del last[top]["logprob"]
+        elif MODE == "vllm_logprob_string":
+            last[top]["logprob"] = "-0.5"
+        elif MODE == "vllm_no_rank":
+            del last[top]["rank"]
+        elif MODE == "vllm_key_junk":
+            last[top + "abc"] = last.pop(top)
+        elif MODE == "vllm_key_big":
+            last[str(2**32 + int(top))] = last.pop(top)
+        elif MODE == "vllm_rank_repeated":
+            for v in last.values():
+                v["rank"] = 1
+        elif MODE == "vllm_choice_not_object":
+            reply["choices"][0] = 5
+    elif MODE.startswith("sglang_"):
+        meta = reply[0]["meta_info"]
+        if MODE == "sglang_id_big":
+            meta["input_top_logprobs"][-1][0][1] = 2**32 + 5
+        elif MODE == "sglang_id_string":
+            meta["input_top_logprobs"][-1][0][1] = "5abc"
+        elif MODE == "sglang_id_vocab":
+            meta["input_top_logprobs"][-1][0][1] = 1000
+        elif MODE == "sglang_meta_not_object":
+            reply[0]["meta_info"] = []
+        elif MODE == "sglang_item_not_object":
+            reply[0] = 5
+        elif MODE == "sglang_logprob_string":
+            meta["input_token_logprobs"][-1][0] = "-0.5"
+    return reply
 
 
 def write_atomically(path, text):
@@ -148,8 +213,40 @@ class H(BaseHTTPRequestHandler):
     def log_message(self, *a):
         pass
 
+    def reply_huge(self):
+        """Announces 3 GB, sends 64 KiB and stalls: the client must refuse it from the header."""
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(3 * 10**9))
+        self.end_headers()
+        try:
+            self.wfile.write(b"[" + b" " * 65536)
+            self.wfile.flush()
+            time.sleep(30)
+        except OSError:
+            pass
+        self.close_connection = True
+
+    def reply_endless(self):
+        """A chunked body of valid-looking JSON that never ends, until the client goes away."""
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        chunk = b"[" + b"[-0.5, 1, null], " * 4096
+        try:
+            while True:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        except OSError:
+            pass
+        self.close_connection = True
+
     def reply(self, code, obj):
+        if MODE in MALFORMED and code == 200 and self.path in ("/generate", "/v1/completions"):
+            obj = mangle(obj)
         body = json.dumps(obj).encode()
+        if MODE == "notjson" and self.path in ("/generate", "/v1/completions"):
+            body = body[: len(body) // 2]
         if MODE == "drop" and self.path in ("/generate", "/v1/completions"):
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
@@ -189,13 +286,40 @@ class H(BaseHTTPRequestHandler):
             time.sleep(3)
         if MODE == "hang":
             time.sleep(600)
+        if MODE == "hugelength":
+            return self.reply_huge()
+        if MODE == "endless":
+            return self.reply_endless()
+        too_long = self.too_long(req)
+        if too_long:
+            return self.reply(400, {"object": "error", "message": too_long})
         if self.path == "/generate":
             return self.sglang(req)
         if self.path == "/v1/completions":
             return self.vllm(req)
         self.reply(404, {"error": "no such path"})
 
+    def too_long(self, req):
+        """vLLM's and SGLang's refusal of a sequence that leaves no room for one token."""
+        seqs = req.get("input_ids") or req.get("prompt") or []
+        for seq in seqs:
+            if len(seq) >= SCORER.max_len:
+                return (f"This model's maximum context length is {SCORER.max_len} tokens. However, "
+                        f"you requested {len(seq) + 1} tokens ({len(seq)} in the messages, 1 in "
+                        "the completion).")
+        return None
+
     def tokenize(self, req):
+        if ARGS.tokenize_log:
+            with RECORD_LOCK, open(ARGS.tokenize_log, "a") as f:
+                f.write(self.path + "\n")
+        if ARGS.tokenize_status:
+            with TOKENIZE_LOCK:
+                fail = TOKENIZE_FAILURES[0] != 0
+                if TOKENIZE_FAILURES[0] > 0:
+                    TOKENIZE_FAILURES[0] -= 1
+            if fail:
+                return self.reply(ARGS.tokenize_status, {"error": "tokenize refused"})
         if TOKENIZER is None:
             return self.reply(404, {"error": "this fake has no tokenizer"})
         ids = TOKENIZER.encode(req["prompt"], add_special_tokens=req.get("add_special_tokens", True))
@@ -208,6 +332,8 @@ class H(BaseHTTPRequestHandler):
         starts = req["logprob_start_len"]
         k = req.get("top_logprobs_num", 0)
         temperature = req.get("sampling_params", {}).get("temperature", 1.0)
+        if MODE == "notemp":
+            temperature = 1.0
         out = []
         for seq, s in zip(ids, starts):
             pos = SCORER.positions(seq, temperature, k)[s:]  # positions s + 1 .. L - 1
@@ -227,6 +353,10 @@ class H(BaseHTTPRequestHandler):
 
     def vllm(self, req):
         k = req.get("prompt_logprobs", 0)
+        if ARGS.max_logprobs is not None and k > ARGS.max_logprobs:
+            return self.reply(400, {"object": "error", "message":
+                                    f"Requested prompt logprobs of {k}, which is greater than "
+                                    f"max allowed: {ARGS.max_logprobs}"})
         choices = []
         for n, seq in enumerate(req["prompt"]):
             pos = SCORER.positions(seq, 1.0, k)

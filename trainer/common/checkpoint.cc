@@ -19,6 +19,7 @@
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "trainer/common/run_dir.h"
+#include "trainer/common/sections.h"  // limits
 
 namespace trainer {
 namespace {
@@ -202,11 +203,44 @@ absl::StatusOr<nlohmann::json> ReadTrainerState(const std::string& checkpoint_di
   nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
   if (j.is_discarded() || !j.is_object())
     return absl::DataLossError(absl::StrCat(path, ": not JSON"));
-  if (j.value("version", 0) != kTrainerStateVersion)
+  if (!j.contains("version") || !j["version"].is_number_integer() ||
+      j["version"].get<int64_t>() != kTrainerStateVersion)
     return absl::FailedPreconditionError(absl::StrCat(path, ": trainer state version ",
-                                                      j.value("version", 0), ", expected ",
-                                                      kTrainerStateVersion));
+                                                      j.value("version", nlohmann::json()).dump(),
+                                                      ", expected ", kTrainerStateVersion));
+  RETURN_IF_ERROR(CheckTrainerState(j, path));
   return j;
+}
+
+absl::Status CheckTrainerState(const nlohmann::json& j, const std::string& path) {
+  // Every count a resume restores, in range: a negative or impossible one would name directories
+  // (step_-00006) or steer AdamW's bias correction and the non-finite guard wrongly.
+  auto count = [&](const nlohmann::json& parent, const char* key, const std::string& name,
+                   int64_t hi) -> absl::StatusOr<int64_t> {
+    if (!parent.is_object() || !parent.contains(key) || !parent[key].is_number_integer())
+      return absl::DataLossError(absl::StrCat(path, ": ", name, " is missing or not an integer"));
+    const int64_t v = parent[key].get<int64_t>();
+    if (v < 0 || v > hi)
+      return absl::DataLossError(
+          absl::StrCat(path, ": ", name, " = ", v, " is outside [0, ", hi, "]"));
+    return v;
+  };
+  ASSIGN_OR_RETURN(const int64_t step, count(j, "step", "step", limits::kMaxSteps));
+  ASSIGN_OR_RETURN(const int64_t updates, count(j, "optimizer_steps", "optimizer_steps", step));
+  (void)updates;
+  if (!j.contains("nonfinite"))
+    return absl::DataLossError(absl::StrCat(path, ": nonfinite is missing"));
+  ASSIGN_OR_RETURN(const int64_t total,
+                   count(j["nonfinite"], "total", "nonfinite.total", step));
+  ASSIGN_OR_RETURN(const int64_t run,
+                   count(j["nonfinite"], "consecutive", "nonfinite.consecutive", total));
+  (void)run;
+  if (!j.contains("rng") || !j["rng"].is_object() || !j["rng"].contains("cpu") ||
+      !j["rng"]["cpu"].is_string())
+    return absl::DataLossError(absl::StrCat(path, ": rng.cpu is missing or not a string"));
+  if (!j.contains("data_cursor") || !j["data_cursor"].is_object())
+    return absl::DataLossError(absl::StrCat(path, ": data_cursor is missing"));
+  return absl::OkStatus();
 }
 
 nlohmann::json CaptureRngState() {
@@ -220,15 +254,24 @@ nlohmann::json CaptureRngState() {
 }
 
 absl::Status RestoreRngState(const nlohmann::json& state) {
-  if (!state.contains("cpu")) return absl::DataLossError("trainer state: no CPU RNG state");
-  ASSIGN_OR_RETURN(auto cpu, Base64ToByteTensor(state["cpu"].get<std::string>()));
-  at::Generator cpu_gen = at::detail::getDefaultCPUGenerator();  // a handle to the global one
-  cpu_gen.set_state(cpu);
-  if (state.contains("cuda") && torch::cuda::is_available()) {
-    ASSIGN_OR_RETURN(auto cuda, Base64ToByteTensor(state["cuda"].get<std::string>()));
-    at::Generator cuda_gen = at::globalContext().defaultGenerator(at::Device(at::kCUDA, 0));
-    cuda_gen.set_state(cuda);
-  }
+  auto restore = [&](const char* key, at::Generator gen) -> absl::Status {
+    if (!state.contains(key) || !state[key].is_string())
+      return absl::DataLossError(absl::StrCat("trainer state: rng.", key, " is not a string"));
+    ASSIGN_OR_RETURN(auto bytes, Base64ToByteTensor(state[key].get<std::string>()));
+    try {
+      gen.set_state(bytes);
+    } catch (const std::exception& e) {  // a state of another size or kind, without the backtrace
+      const std::string what = e.what();
+      return absl::DataLossError(absl::StrCat("trainer state: rng.", key,
+                                              " is not a generator state of this build (",
+                                              what.substr(0, what.find('\n')), ")"));
+    }
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(restore("cpu", at::detail::getDefaultCPUGenerator()));
+  if (state.contains("cuda") && torch::cuda::is_available())
+    RETURN_IF_ERROR(
+        restore("cuda", at::globalContext().defaultGenerator(at::Device(at::kCUDA, 0))));
   return absl::OkStatus();
 }
 

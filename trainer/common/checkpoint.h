@@ -67,6 +67,9 @@ class CheckpointManager {
 };
 
 // A checkpoint's trainer_state.json (its version checked).
+// The fields every job's trainer state holds, each present, of its type and in range: DATA_LOSS
+// naming the file and the field otherwise (ReadTrainerState runs it).
+absl::Status CheckTrainerState(const nlohmann::json& state, const std::string& path);
 absl::StatusOr<nlohmann::json> ReadTrainerState(const std::string& checkpoint_dir);
 
 // The default generators' states (CPU, and CUDA when present) as JSON (base64), and back.

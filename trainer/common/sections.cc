@@ -30,6 +30,8 @@ absl::Status CheckLearnerTrain(const LearnerTrainConfig& t) {
 
 absl::Status CheckDist(const DistConfig& c) {
   RETURN_IF_ERROR(validate::AboveAtMost("dist.timeout_s", c.timeout_s, 0, limits::kMaxTimeoutS));
+  RETURN_IF_ERROR(
+      validate::AboveAtMost("dist.stall_timeout_s", c.stall_timeout_s, 0, limits::kMaxTimeoutS));
   return validate::AboveAtMost("dist.bucket_mb", c.bucket_mb, 0, limits::kMaxBucketMb);
 }
 

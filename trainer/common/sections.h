@@ -160,6 +160,10 @@ struct DistConfig {
   OPD_CONFIG_FIELDS_BEGIN;
   OPD_FIELD(DistBackend, backend) = DistBackend::kAuto;
   OPD_FIELD(double, timeout_s) = 600;  // a collective (or the rendezvous) fails after this long
+  // After a phase of any length (OPD's sampling, scoring, held-out evaluation, push) ranks meet
+  // outside the collectives and wait for each other while their heartbeats advance; a rank
+  // whose heartbeat stops for this long ends every rank (lm/dist/rank_sync.h).
+  OPD_FIELD(double, stall_timeout_s) = 300;
   OPD_FIELD(double, bucket_mb) = 32;   // gradient all-reduce bucket size
   OPD_FIELD(AllGatherDtype, allgather_dtype) = AllGatherDtype::kAuto;
   OPD_CONFIG_FIELDS_END;

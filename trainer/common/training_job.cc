@@ -15,7 +15,6 @@
 #include "lm/util/status.h"
 #include "trainer/common/job_util.h"
 #include "trainer/common/learner_group.h"
-#include "trainer/common/learner_plan.h"
 #include "trainer/common/signals.h"
 
 namespace trainer {
@@ -83,25 +82,6 @@ absl::StatusOr<std::string> TrainingJob::AgreeOnCheckpoint(const JobArgs& args,
   return chosen;
 }
 
-namespace {
-
-// The plan's settings of this job, from its resolved config (the YAML every rank agreed on).
-absl::StatusOr<lm::plan::LearnerSettings> PlanSettings(const std::string& job,
-                                                       const std::string& yaml, int64_t ranks,
-                                                       bool bf16_mixed) {
-  ASSIGN_OR_RETURN(YAML::Node root, ParseYaml(yaml, "resolved config"));
-  if (job == "opd") {
-    OpdConfig c;
-    RETURN_IF_ERROR(DecodeConfig(root, &c));
-    return LearnerPlanSettings(c, ranks, bf16_mixed, /*cuda=*/true);
-  }
-  SftConfig c;
-  RETURN_IF_ERROR(DecodeConfig(root, &c));
-  return LearnerPlanSettings(c, ranks, bf16_mixed, /*cuda=*/true);
-}
-
-}  // namespace
-
 absl::Status TrainingJob::CheckPlannedMemory(const std::string& dir) const {
   // A host has no fixed budget: lm::LoadModel checks the weights against MemAvailable, and the
   // rest grows into swap or the OOM killer, which no start-up figure predicts.
@@ -110,15 +90,15 @@ absl::Status TrainingJob::CheckPlannedMemory(const std::string& dir) const {
       lm::plan::CudaDeviceMemoryBytes(device_.has_index() ? device_.index() : 0);
   // A model directory without a readable config.json is lm::LoadModel's error to report.
   absl::StatusOr<lm::ModelConfig> config = lm::LoadModelConfig(dir);
-  absl::StatusOr<lm::plan::LearnerSettings> settings =
-      PlanSettings(job_, config_yaml_, group_->size(), precision_ == Precision::kBf16Mixed);
+  const lm::plan::LearnerSettings settings =
+      PlanSettings(group_->size(), precision_ == Precision::kBf16Mixed);
   // The plan guards against a configuration that cannot fit; it never stops one it cannot read.
-  for (const absl::Status& s : {device_bytes.status(), config.status(), settings.status()}) {
+  for (const absl::Status& s : {device_bytes.status(), config.status()}) {
     if (s.ok()) continue;
     lm::log::Warn(absl::StrCat("memory plan not checked: ", s.message()));
     return absl::OkStatus();
   }
-  return lm::plan::CheckLearnerFits(*config, *settings, *device_bytes);
+  return lm::plan::CheckLearnerFits(*config, settings, *device_bytes);
 }
 
 absl::Status TrainingJob::LoadModel(const std::string& dir) {
@@ -216,6 +196,7 @@ absl::Status TrainingJob::SaveCheckpoint() {
             : "no checkpoint of this run exists yet"));
   if (last_checkpoint_step_ == step_) return absl::OkStatus();
   const auto t0 = Clock::now();
+  RETURN_IF_ERROR(PrepareCheckpoint());
   nlohmann::json state = JobState();
   state["job"] = job_;
   state["data_cursor"] = nlohmann::json::parse(cursor_.ToJson());

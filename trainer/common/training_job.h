@@ -20,6 +20,7 @@
 #include "lm/data/mixture.h"
 #include "lm/dist/process_group.h"
 #include "lm/model/model.h"
+#include "lm/plan/plan.h"
 #include "trainer/common/checkpoint.h"
 #include "trainer/common/config.h"
 #include "trainer/common/metrics.h"
@@ -54,8 +55,13 @@ class TrainingJob {
   virtual nlohmann::json JobState() const = 0;
   // Files of the job's own written into each checkpoint directory `dir` (rank 0, after JobState).
   virtual absl::Status WriteJobFiles(const std::string& /*dir*/) const { return absl::OkStatus(); }
+  // Called by SaveCheckpoint on every rank before JobState: a job gathers there what its state
+  // holds that only the ranks together know (collectives allowed).
+  virtual absl::Status PrepareCheckpoint() { return absl::OkStatus(); }
   // Where the tokenizer files that travel with each checkpoint come from.
   virtual std::string TokenizerPath() const = 0;
+  // What the memory plan takes from the job's config (trainer/common/learner_plan.h), for CUDA.
+  virtual lm::plan::LearnerSettings PlanSettings(int64_t ranks, bool bf16_mixed) const = 0;
 
   // Threads, device and the learner's process group (LOCAL_RANK picks the GPU); every rank must
   // have resolved the same config.

@@ -182,9 +182,14 @@ void DistributedOptimizer::ZeroGrad() {
   }
 }
 
-absl::StatusOr<double> DistributedOptimizer::ReduceAndClip(double max_norm) {
-  if (adamw_) return ClipGradNorm(params_, max_norm);
+absl::StatusOr<double> DistributedOptimizer::ReduceAndClip(double max_norm, double grad_scale) {
   torch::NoGradGuard no_grad;
+  if (adamw_) {
+    if (grad_scale != 1.0)
+      for (auto& p : params_)
+        if (p.grad().defined()) p.grad().mul_(grad_scale);
+    return ClipGradNorm(params_, max_norm);
+  }
   {
     // What the backward did not send (all of it on a rank that ran no micro-batch) goes now, in
     // the same bucket order on every rank.
@@ -206,6 +211,7 @@ absl::StatusOr<double> DistributedOptimizer::ReduceAndClip(double max_norm) {
   // reads), and only that slice is clipped: 1/N of the work on each rank. NaN and inf propagate
   // through the sum, so every rank sees the same non-finite norm and skips the step.
   torch::Tensor own = flat_grads_.narrow(0, shard_.begin, shard_.end - shard_.begin);
+  if (grad_scale != 1.0) own.mul_(grad_scale);
   const double own_norm =
       own.numel() > 0 ? torch::linalg_vector_norm(own, 2, {}, false, torch::kFloat64).item<double>()
                       : 0.0;

@@ -98,7 +98,9 @@ class DistributedOptimizer {
   // Collective: sums the gradients over ranks, clips them to `max_norm` by their global L2 norm
   // (as ClipGradNorm; with several ranks only this rank's slice is scaled, the part its AdamW
   // reads) and returns the norm before clipping.
-  absl::StatusOr<double> ReduceAndClip(double max_norm);
+  // The reduced gradients are first multiplied by `grad_scale` (a loss normaliser known only
+  // once every rank has learned its micro-batches).
+  absl::StatusOr<double> ReduceAndClip(double max_norm, double grad_scale = 1.0);
   // Collective: one AdamW update at `lr`, then every rank has the updated weights.
   absl::Status Step(double lr);
 

@@ -84,6 +84,11 @@ bool ConvergenceTracker::UpdateHeldout(const std::vector<double>& per_sample) {
   return false;
 }
 
+void ConvergenceTracker::Reopen() {
+  RestartWindow();
+  if (reason_ != "max_steps") reason_.clear();
+}
+
 void ConvergenceTracker::RestartWindow() {
   history_.clear();
   evals_.clear();  // held-out KL to the new teachers is another quantity too

@@ -69,6 +69,9 @@ class ConvergenceTracker {
   void MarkConverged(std::string reason) { reason_ = std::move(reason); }
   // Starts the plateau window (and the moving average) afresh from the next value.
   void RestartWindow();
+  // RestartWindow, and a plateau reached before is forgotten (a domain whose teacher was swapped
+  // has not converged on the new one). A step budget reached stays reached.
+  void Reopen();
   // Why the stage ended ("max_steps" | "plateau"), empty while running.
   const std::string& reason() const { return reason_; }
   int64_t steps() const { return steps_; }

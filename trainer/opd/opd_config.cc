@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "lm/model/sampling_limits.h"
 #include "lm/util/status.h"
+#include "rpc/http_teacher.h"
 #include "trainer/common/config.h"
 
 namespace trainer {
@@ -45,7 +46,32 @@ absl::Status ValidateHeldout(const OpdConfig& c) {
   return validate::IntInRange("heldout.every", h.every, 1, limits::kMaxSteps);
 }
 
-absl::Status ValidateDomains(const std::string& key, const OpdStageConfig& s) {
+// A pool's endpoints: distinct, an external server's well formed, and none a vLLM server when
+// the teacher temperature is not 1 (vLLM cannot apply one to prompt log-probs: refused here, not
+// when the stage first scores).
+absl::Status ValidateTeachers(const std::string& key, const std::vector<std::string>& teachers,
+                              double teacher_temperature) {
+  if (teachers.empty()) return Bad(key, "at least one teacher endpoint is required");
+  RETURN_IF_ERROR(validate::DistinctNonEmpty(key, teachers));
+  for (size_t t = 0; t < teachers.size(); ++t) {
+    const std::string tkey = absl::StrCat(key, "[", t, "]");
+    if (!opd::rpc::IsHttpTeacherEndpoint(teachers[t])) continue;
+    auto address = opd::rpc::ParseHttpTeacherAddress(teachers[t]);
+    if (!address.ok()) return Bad(tkey, std::string(address.status().message()));
+    if (address->kind == opd::rpc::HttpTeacherKind::kVllm && teacher_temperature != 1.0) {
+      return Bad(tkey, absl::StrCat("'", teachers[t],
+                                    "' is a vLLM server, which cannot apply "
+                                    "loss.teacher_temperature ",
+                                    teacher_temperature,
+                                    " to prompt log-probs: use temperature 1 or an opd-teacher "
+                                    "endpoint"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateDomains(const std::string& key, const OpdStageConfig& s,
+                             double teacher_temperature) {
   std::set<std::string> domains;
   for (size_t d = 0; d < s.domains.size(); ++d) {
     const auto& dom = s.domains[d];
@@ -53,13 +79,11 @@ absl::Status ValidateDomains(const std::string& key, const OpdStageConfig& s) {
     if (dom.domain.empty()) return Bad(dkey + ".domain", "required");
     if (!domains.insert(dom.domain).second)
       return Bad(dkey + ".domain", absl::StrCat("duplicate domain '", dom.domain, "'"));
-    if (dom.teachers.empty())
-      return Bad(dkey + ".teachers", "at least one teacher endpoint is required");
-    RETURN_IF_ERROR(validate::DistinctNonEmpty(dkey + ".teachers", dom.teachers));
+    RETURN_IF_ERROR(ValidateTeachers(dkey + ".teachers", dom.teachers, teacher_temperature));
   }
   if (s.plateau.per_domain) {
     if (s.domains.empty()) return Bad(key + ".plateau.per_domain", "needs the stage's domains");
-    if (s.plateau.metric != PlateauMetric::kTrain)
+    if (s.plateau.metric == PlateauMetric::kHeldout)
       return Bad(key + ".plateau.per_domain", "watches the training KL: use metric train");
     if (!s.plateau.enabled) return Bad(key + ".plateau.per_domain", "needs plateau.enabled");
   }
@@ -75,16 +99,14 @@ absl::Status ValidateStages(const OpdConfig& c) {
     if (s.name.empty()) return Bad(key + ".name", "required");
     if (!names.insert(s.name).second)
       return Bad(key + ".name", absl::StrCat("duplicate stage name '", s.name, "'"));
-    if (s.teachers.empty())
-      return Bad(key + ".teachers", "at least one teacher endpoint is required");
-    RETURN_IF_ERROR(validate::DistinctNonEmpty(key + ".teachers", s.teachers));
+    RETURN_IF_ERROR(ValidateTeachers(key + ".teachers", s.teachers, c.loss.teacher_temperature));
     // The job sums the stages' budgets: bounded, the sum cannot overflow.
     RETURN_IF_ERROR(validate::IntInRange(key + ".max_steps", s.max_steps, 0, limits::kMaxSteps));
     if (s.max_steps == 0 && !s.plateau.enabled) {
       return Bad(key, "needs a convergence rule: max_steps > 0 and/or plateau.enabled");
     }
     RETURN_IF_ERROR(ValidatePlateau(key + ".plateau", s.plateau));
-    RETURN_IF_ERROR(ValidateDomains(key, s));
+    RETURN_IF_ERROR(ValidateDomains(key, s, c.loss.teacher_temperature));
   }
   return absl::OkStatus();
 }
@@ -136,6 +158,10 @@ absl::Status ValidateTrain(const OpdTrainConfig& t) {
                                        limits::kMaxTokens));
   RETURN_IF_ERROR(validate::AboveAtMost("train.teacher_timeout_s", t.teacher_timeout_s, 0,
                                         limits::kMaxTimeoutS));
+  RETURN_IF_ERROR(
+      validate::IntInRange("train.score_calls_per_pool", t.score_calls_per_pool, 1, 64));
+  RETURN_IF_ERROR(
+      validate::IntInRange("train.score_call_tokens", t.score_call_tokens, 1, limits::kMaxTokens));
   return validate::AboveAtMost("train.score_deadline_s", t.score_deadline_s, 0,
                                limits::kMaxTimeoutS);
 }
@@ -150,6 +176,21 @@ absl::Status ValidateLoss(const OpdLossConfig& l) {
   RETURN_IF_ERROR(validate::AtLeast("loss.clip_high", l.clip_high, 0));
   RETURN_IF_ERROR(validate::InRange("loss.alpha", l.alpha, 0, 1));
   RETURN_IF_ERROR(validate::InRange("loss.kl_discount", l.kl_discount, 0, 1));
+  if (l.form == LossForm::kTopK) {
+    // The top-k form is an exact divergence over the teacher's top-k buckets at every position:
+    // nothing is sampled in it, so a sampling correction or a discount over the rest of a
+    // response has no meaning there. Refused rather than ignored (the defaults pass: they are
+    // what the sampled form does when nothing is set).
+    const OpdLossConfig defaults;
+    if (l.correction == Correction::kPpoClip)
+      return Bad("loss.correction", "ppo applies to the sampled form only (loss.form: topk)");
+    if (l.kl_discount != 0)
+      return Bad("loss.kl_discount", "applies to the sampled form only (loss.form: topk)");
+    if (l.tis_cap != defaults.tis_cap)
+      return Bad("loss.tis_cap", "applies to the sampled form only (loss.form: topk)");
+    if (l.clip_low != defaults.clip_low || l.clip_high != defaults.clip_high)
+      return Bad("loss.clip_low/clip_high", "apply to the sampled form only (loss.form: topk)");
+  }
   return Temperature("loss.teacher_temperature", l.teacher_temperature);
 }
 
@@ -163,6 +204,9 @@ absl::Status ValidateSteps(const std::string& key, const std::vector<int64_t>& s
 absl::Status ValidateDebug(const OpdDebugConfig& d) {
   RETURN_IF_ERROR(ValidateSteps("debug.nan_steps", d.nan_steps));
   RETURN_IF_ERROR(ValidateSteps("debug.fail_push_steps", d.fail_push_steps));
+  RETURN_IF_ERROR(ValidateSteps("debug.throw_while_learning_steps", d.throw_while_learning_steps));
+  RETURN_IF_ERROR(ValidateSteps("debug.fail_stage_starts", d.fail_stage_starts));
+  RETURN_IF_ERROR(validate::IntInRange("debug.fail_rank", d.fail_rank, -1, 1 << 20));
   return ValidateSteps("debug.throw_after_update_steps", d.throw_after_update_steps);
 }
 

@@ -26,12 +26,22 @@ inline const ConfigChoices<WeightSyncMode>& Choices(WeightSyncMode) {
   return c;
 }
 
-// stages[].plateau.metric: what the convergence rule watches.
-enum class PlateauMetric { kTrain, kHeldout };
+// stages[].plateau.metric: what the convergence rule watches. auto: the held-out evaluations when
+// a held-out set is given (the training KL is another batch's every step, too noisy to judge a
+// plateau at a small lr), else the training KL.
+enum class PlateauMetric { kAuto, kTrain, kHeldout };
 inline const ConfigChoices<PlateauMetric>& Choices(PlateauMetric) {
-  static const ConfigChoices<PlateauMetric> c{{"train", PlateauMetric::kTrain},
+  static const ConfigChoices<PlateauMetric> c{{"auto", PlateauMetric::kAuto},
+                                              {"train", PlateauMetric::kTrain},
                                               {"heldout", PlateauMetric::kHeldout}};
   return c;
+}
+
+// A stage's plateau metric once `auto` is resolved against the config's held-out set (per-domain
+// rules watch each domain's training KL).
+inline PlateauMetric ResolvedPlateauMetric(PlateauMetric m, bool heldout_set, bool per_domain) {
+  if (m != PlateauMetric::kAuto) return m;
+  return heldout_set && !per_domain ? PlateauMetric::kHeldout : PlateauMetric::kTrain;
 }
 
 // loss.form, loss.correction, loss.divergence, loss.normalization (trainer/opd/opd_loss.h).
@@ -62,6 +72,14 @@ enum class Normalization { kToken, kSequence };
 inline const ConfigChoices<Normalization>& Choices(Normalization) {
   static const ConfigChoices<Normalization> c{{"token", Normalization::kToken},
                                               {"sequence", Normalization::kSequence}};
+  return c;
+}
+
+// stages[].on_domain_down: what a step does when every replica of a domain's pool is down.
+enum class DomainDownPolicy { kFail, kDefaultPool };
+inline const ConfigChoices<DomainDownPolicy>& Choices(DomainDownPolicy) {
+  static const ConfigChoices<DomainDownPolicy> c{{"fail", DomainDownPolicy::kFail},
+                                                 {"default_pool", DomainDownPolicy::kDefaultPool}};
   return c;
 }
 
@@ -110,9 +128,10 @@ struct PlateauConfig {
   OPD_FIELD(double, min_rel_improvement) = 0.02;
   OPD_FIELD(double, ema_beta) = 0.9;
   OPD_FIELD(int64_t, min_steps) = 0;
-  // What the rule watches: train (each step's batch KL, smoothed) or heldout (the `heldout`
-  // section's evaluations; window counts evaluations; noise-aware, trainer/opd/convergence.h).
-  OPD_FIELD(PlateauMetric, metric) = PlateauMetric::kTrain;
+  // What the rule watches: train (each step's batch KL, smoothed), heldout (the `heldout`
+  // section's evaluations; window counts evaluations; noise-aware, trainer/opd/convergence.h), or
+  // auto (heldout when the config has a held-out set, else train).
+  OPD_FIELD(PlateauMetric, metric) = PlateauMetric::kAuto;
   // heldout: the improvement must be below the threshold by z standard errors
   OPD_FIELD(double, z) = 2.0;
   // With the stage's `domains`: each domain's training KL has its own rule (these settings), and
@@ -148,6 +167,10 @@ struct OpdStageConfig {
   // the default pool's replicas (host:port); required
   OPD_FIELD(std::vector<std::string>, teachers);
   OPD_FIELD(std::vector<OpdDomainTeachersConfig>, domains);  // pools by data domain (optional)
+  // When every replica of a domain's pool is down: fail (wait for one to come back until
+  // train.score_deadline_s, then end the step) or default_pool (score that domain's samples on
+  // the stage's default pool meanwhile, logged and counted as opd/domain_fallbacks).
+  OPD_FIELD(DomainDownPolicy, on_domain_down) = DomainDownPolicy::kFail;
   OPD_FIELD(int64_t, max_steps) = 0;  // step budget (0: none; then the plateau rule must be on)
   OPD_FIELD(PlateauConfig, plateau);
   OPD_CONFIG_FIELDS_END;
@@ -181,6 +204,14 @@ struct OpdTrainConfig : LearnerTrainConfig {
   // learner forward/backward chunk (prompt + response tokens)
   OPD_FIELD(int64_t, micro_batch_tokens) = 16384;
   OPD_FIELD(bool, async) = false;  // one-step-off: sample step k+1 while learning step k
+  // The step as a pipeline: each sample is scored as soon as it is sampled, and each micro-batch
+  // learned as soon as its samples are scored (off: sample all, then score all, then learn all;
+  // the same weights either way, trainer/opd/step_pipeline.h).
+  OPD_FIELD(bool, pipeline) = true;
+  // Scoring while sampling: Score calls in flight per teacher pool and rank, and the tokens one
+  // call takes at most (whatever has arrived since the last call went out).
+  OPD_FIELD(int64_t, score_calls_per_pool) = 4;
+  OPD_FIELD(int64_t, score_call_tokens) = 65536;
   OPD_FIELD(double, teacher_timeout_s) = 600;  // deadline of one Score call
   // deadline of a step's scoring, replica waits included
   OPD_FIELD(double, score_deadline_s) = 3600;
@@ -206,6 +237,12 @@ struct OpdDebugConfig {
   OPD_FIELD(std::vector<int64_t>, fail_push_steps);
   // 1-based steps that throw after their update, as a torch error in the push or the logging would
   OPD_FIELD(std::vector<int64_t>, throw_after_update_steps);
+  // 1-based steps that throw while learning, as a CUDA out-of-memory error on one rank would
+  OPD_FIELD(std::vector<int64_t>, throw_while_learning_steps);
+  // 1-based stages whose start fails (their teachers cannot be reached)
+  OPD_FIELD(std::vector<int64_t>, fail_stage_starts);
+  // The learner rank the two hooks above hit (-1: every rank)
+  OPD_FIELD(int64_t, fail_rank) = -1;
   OPD_CONFIG_FIELDS_END;
 };
 

@@ -1,5 +1,7 @@
 #include "trainer/opd/opd_loss.h"
 
+#include <ATen/autocast_mode.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -106,6 +108,10 @@ int64_t ChunkRows(int64_t k, int64_t hidden) {
 struct GatheredLogitsFn : torch::autograd::Function<GatheredLogitsFn> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
                                const torch::Tensor& weight, const torch::Tensor& ids) {
+    // fp32 arithmetic whatever the caller's autocast (bf16-mixed would run the bmm in bf16): the
+    // same arithmetic as the sampled token's log-prob (lm::TokenLogprobs), whose normaliser the
+    // top-k log-probs share, so the k + 1 buckets sum to 1.
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     ctx->save_for_backward({hidden, weight, ids});
     const int64_t n = ids.size(0), k = ids.size(1), H = hidden.size(1);
     auto out = torch::empty({n, k}, hidden.options().dtype(torch::kFloat32));
@@ -122,6 +128,7 @@ struct GatheredLogitsFn : torch::autograd::Function<GatheredLogitsFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const auto saved = ctx->get_saved_variables();
     const torch::Tensor &hidden = saved[0], &weight = saved[1], &ids = saved[2];
     const auto g = grads[0].to(torch::kFloat32);

@@ -3,7 +3,9 @@
 #include <cmath>
 #include <future>
 #include <map>
+#include <numeric>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -11,6 +13,7 @@
 #include "lm/util/status.h"
 #include "rpc/tensor_codec.h"
 #include "rpc/weight_wire.h"
+#include "trainer/opd/teacher_pool.h"  // IsTransient
 
 namespace trainer {
 namespace {
@@ -46,11 +49,12 @@ SampleStats SummarizeSamples(const std::vector<lm::Sample>& samples, int64_t lea
 
 absl::StatusOr<std::unique_ptr<RolloutPool>> RolloutPool::Connect(
     const std::vector<std::string>& endpoints, const opd::rpc::ClientOptions& base,
-    const std::string& tokenizer_fingerprint, int64_t vocab_size, const WeightPushOptions& push,
+    const std::string& tokenizer_fingerprint, int64_t vocab_size, const WeightPushOptions* push,
     torch::Device learner_device) {
   if (endpoints.empty()) return absl::InvalidArgumentError("no rollout worker endpoints");
   auto pool = std::make_unique<RolloutPool>();
   pool->vocab_size_ = vocab_size;
+  pool->canceller_ = base.canceller;
   for (const auto& ep : endpoints) {
     auto opts = base;
     opts.address = ep;
@@ -69,94 +73,181 @@ absl::StatusOr<std::unique_ptr<RolloutPool>> RolloutPool::Connect(
           "rollout worker ", ep, " has tokenizer fingerprint ", info->tokenizer_fingerprint(),
           ", the student's is ", tokenizer_fingerprint));
     }
-    ASSIGN_OR_RETURN(auto pusher, WeightPusher::Connect(opts, *info, push, learner_device));
+    if (push) {
+      ASSIGN_OR_RETURN(auto pusher, WeightPusher::Connect(opts, *info, *push, learner_device));
+      pool->pushers_.push_back(std::move(pusher));
+    }
     pool->clients_.push_back(std::move(*client));
-    pool->pushers_.push_back(std::move(pusher));
   }
   return pool;
 }
 
-absl::Status RolloutPool::CheckShare(const std::vector<lm::Sample>& samples, size_t prompts,
-                                     int32_t samples_per_prompt, int64_t min_version,
-                                     int64_t max_version, const std::string& address) const {
-  auto bad = [&](size_t i, const std::string& what) {
+absl::Status RolloutPool::CheckSample(const lm::Sample& s, int32_t samples_per_prompt,
+                                      int64_t min_version, const std::string& address) const {
+  auto bad = [&](const std::string& what) {
     return absl::DataLossError(absl::StrCat("rollout worker ", address,
-                                            " sent an invalid sample (#", i, " of its ",
-                                            samples.size(), "): ", what));
+                                            " sent an invalid sample (prompt ", s.prompt_index,
+                                            ", sample ", s.sample_index, "): ", what));
   };
-  std::set<std::pair<int64_t, int64_t>> seen;
-  for (size_t i = 0; i < samples.size(); ++i) {
-    const auto& s = samples[i];
-    // prompt_index is in range: the client rebuilt the sample's prompt from it.
-    if (s.sample_index < 0 || s.sample_index >= samples_per_prompt)
-      return bad(i, absl::StrCat("sample_index ", s.sample_index, " is outside [0, ",
-                                 samples_per_prompt, ")"));
-    if (!seen.emplace(s.prompt_index, s.sample_index).second)
-      return bad(i, absl::StrCat("(prompt_index ", s.prompt_index, ", sample_index ",
-                                 s.sample_index, ") is duplicated"));
-    const absl::Span<const int32_t> response = s.response();  // the prompt is ours
-    if (response.empty()) return bad(i, "tokens is empty");
-    for (size_t t = 0; t < response.size(); ++t) {
-      if (response[t] < 0 || response[t] >= vocab_size_)
-        return bad(i, absl::StrCat("tokens[", t, "] = ", response[t],
-                                   " is outside the vocabulary [0, ", vocab_size_, ")"));
-    }
-    if (s.logprobs.size() != response.size())
-      return bad(i, absl::StrCat("logprobs has ", s.logprobs.size(), " entries for ",
-                                 response.size(), " tokens"));
-    for (size_t t = 0; t < s.logprobs.size(); ++t) {
-      if (!std::isfinite(s.logprobs[t]) || s.logprobs[t] > kLogprobSlack)
-        return bad(
-            i, absl::StrCat("logprobs[", t, "] = ", s.logprobs[t], " is not a log-probability"));
-    }
-    if (min_version >= 0 && (s.weight_version < min_version || s.weight_version > max_version))
-      return bad(i, absl::StrCat("weight_version ", s.weight_version, " is not in [", min_version,
-                                 ", ", max_version, "] (the versions pushed to it)"));
+  if (s.sample_index < 0 || s.sample_index >= samples_per_prompt)
+    return bad(absl::StrCat("sample_index is outside [0, ", samples_per_prompt, ")"));
+  const absl::Span<const int32_t> response = s.response();  // the prompt is ours
+  if (response.empty()) return bad("tokens is empty");
+  for (size_t t = 0; t < response.size(); ++t) {
+    if (response[t] < 0 || response[t] >= vocab_size_)
+      return bad(absl::StrCat("tokens[", t, "] = ", response[t], " is outside the vocabulary [0, ",
+                              vocab_size_, ")"));
   }
-  const size_t expected = prompts * static_cast<size_t>(samples_per_prompt);
-  if (samples.size() != expected) {
-    return absl::DataLossError(absl::StrCat("rollout worker ", address, " sent ", samples.size(),
-                                            " samples for ", prompts, " prompts x ",
-                                            samples_per_prompt, " samples"));
+  if (s.logprobs.size() != response.size())
+    return bad(absl::StrCat("logprobs has ", s.logprobs.size(), " entries for ", response.size(),
+                            " tokens"));
+  for (size_t t = 0; t < s.logprobs.size(); ++t) {
+    if (!std::isfinite(s.logprobs[t]) || s.logprobs[t] > kLogprobSlack)
+      return bad(absl::StrCat("logprobs[", t, "] = ", s.logprobs[t], " is not a log-probability"));
+  }
+  const int64_t max_version = sent_version_.load();
+  if (min_version >= 0 && (s.weight_version < min_version || s.weight_version > max_version))
+    return bad(absl::StrCat("weight_version ", s.weight_version, " is not in [", min_version, ", ",
+                            max_version, "] (the versions pushed to it)"));
+  return absl::OkStatus();
+}
+
+// What the calls of one Stream share: which (prompt, sample) pairs have arrived, over every
+// round (a prompt sent again after a failure keeps what its first worker sent).
+struct RolloutPool::Round {
+  const std::vector<IndexedPrompt>* prompts = nullptr;
+  int32_t samples_per_prompt = 1;
+  int64_t min_version = -1;
+  absl::Mutex mu;
+  std::vector<std::vector<int>> got ABSL_GUARDED_BY(mu);  // [position][sample]: the call, or -1
+  int next_call ABSL_GUARDED_BY(mu) = 0;
+
+  int32_t Missing(size_t position) {
+    absl::MutexLock lock(&mu);
+    return static_cast<int32_t>(std::count(got[position].begin(), got[position].end(), -1));
+  }
+};
+
+absl::Status RolloutPool::CallWorker(size_t worker, const std::vector<size_t>& which, Round& round,
+                                     const opd::rpc::GenerateOptions& opts,
+                                     const std::function<void(lm::Sample)>& on_sample) {
+  opd::rpc::RolloutClient& client = *clients_[worker];
+  std::vector<std::vector<int32_t>> share;
+  opd::rpc::GenerateOptions o = opts;
+  o.seed_indices.clear();
+  for (size_t pos : which) {
+    share.push_back(*(*round.prompts)[pos].tokens);
+    o.seed_indices.push_back((*round.prompts)[pos].index);
+  }
+  int call = 0;
+  {
+    absl::MutexLock lock(&round.mu);
+    call = round.next_call++;
+  }
+  absl::Status st = client.StreamGenerate(share, o, [&](lm::Sample s) -> absl::Status {
+    RETURN_IF_ERROR(CheckSample(s, round.samples_per_prompt, round.min_version, client.address()));
+    const size_t pos = which[static_cast<size_t>(s.prompt_index)];
+    {
+      absl::MutexLock lock(&round.mu);
+      int& from = round.got[pos][static_cast<size_t>(s.sample_index)];
+      if (from == call)
+        return absl::DataLossError(absl::StrCat("rollout worker ", client.address(),
+                                                " sent (prompt_index ", s.prompt_index,
+                                                ", sample_index ", s.sample_index, ") twice"));
+      if (from >= 0) return absl::OkStatus();  // a failed call sent it already
+      from = call;
+    }
+    s.prompt_index = (*round.prompts)[pos].index;
+    on_sample(std::move(s));
+    return absl::OkStatus();
+  });
+  if (!st.ok()) return st;
+  for (size_t pos : which) {
+    if (const int32_t missing = round.Missing(pos); missing > 0)
+      return absl::DataLossError(absl::StrCat("rollout worker ", client.address(),
+                                              " ended without ", missing, " of prompt ",
+                                              (*round.prompts)[pos].index, "'s samples"));
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<lm::Sample>> RolloutPool::Generate(
-    const std::vector<std::vector<int32_t>>& prompts, const opd::rpc::GenerateOptions& opts) {
-  const size_t n = prompts.size(), w = clients_.size();
-  const int32_t spp = std::max(opts.samples_per_prompt, 1);
-  const int64_t min_version = acked_version_.load();
-  std::vector<std::future<absl::StatusOr<std::vector<lm::Sample>>>> calls;
-  std::vector<std::pair<size_t, size_t>> ranges;
-  std::vector<size_t> worker;
-  for (size_t i = 0; i < w; ++i) {
-    const size_t b = n * i / w, e = n * (i + 1) / w;
-    if (b == e) continue;
-    ranges.emplace_back(b, e);
-    worker.push_back(i);
-    opd::rpc::GenerateOptions share_opts = opts;
-    share_opts.seed = opts.seed * 1000003ULL + b;
-    calls.push_back(std::async(std::launch::async, [this, i, b, e, share_opts, &prompts] {
-      std::vector<std::vector<int32_t>> share(prompts.begin() + b, prompts.begin() + e);
-      return clients_[i]->Generate(share, share_opts);
-    }));
+absl::Status RolloutPool::Stream(const std::vector<IndexedPrompt>& prompts,
+                                 const opd::rpc::GenerateOptions& opts,
+                                 const std::function<void(lm::Sample)>& on_sample, int max_rounds) {
+  Round round;
+  round.prompts = &prompts;
+  round.samples_per_prompt = std::max(opts.samples_per_prompt, 1);
+  round.min_version = acked_version_.load();
+  {
+    absl::MutexLock lock(&round.mu);
+    round.got.assign(prompts.size(),
+                     std::vector<int>(static_cast<size_t>(round.samples_per_prompt), -1));
   }
-  // Every call is collected before returning, so none outlives this function.
-  std::vector<absl::StatusOr<std::vector<lm::Sample>>> results;
-  for (auto& c : calls) results.push_back(c.get());
-  const int64_t max_version = sent_version_.load();
-  std::vector<lm::Sample> out;
-  for (size_t c = 0; c < results.size(); ++c) {
-    if (!results[c].ok()) return results[c].status();
-    const auto [b, e] = ranges[c];
-    RETURN_IF_ERROR(CheckShare(*results[c], e - b, spp, min_version, max_version,
-                               clients_[worker[c]]->address()));
-    for (auto& s : *results[c]) {
-      s.prompt_index += static_cast<int64_t>(b);
-      out.push_back(std::move(s));
+  const size_t w = clients_.size();
+  std::vector<bool> failed(w, false);
+  std::vector<size_t> pending(prompts.size());
+  std::iota(pending.begin(), pending.end(), size_t{0});
+  std::string failures;  // the transient errors that moved prompts to other workers
+  for (int r = 0; r < max_rounds && !pending.empty(); ++r) {
+    std::vector<size_t> live;
+    for (size_t i = 0; i < w; ++i)
+      if (!failed[i]) live.push_back(i);
+    if (live.empty())
+      return absl::UnavailableError(absl::StrCat("every rollout worker failed: ", failures));
+    // Round 0 spreads by index over every worker; later rounds over the workers still standing.
+    std::vector<std::vector<size_t>> by_worker(w);
+    for (size_t pos : pending) {
+      const uint64_t index = static_cast<uint64_t>(prompts[pos].index);
+      by_worker[r == 0 ? index % w : live[(index + static_cast<uint64_t>(r)) % live.size()]]
+          .push_back(pos);
     }
+    std::vector<std::pair<size_t, std::future<absl::Status>>> calls;
+    for (size_t i = 0; i < w; ++i) {
+      if (by_worker[i].empty()) continue;
+      calls.emplace_back(i, std::async(std::launch::async, [&, i] {
+                           return CallWorker(i, by_worker[i], round, opts, on_sample);
+                         }));
+    }
+    // Every call is collected before returning, so none outlives this function.
+    absl::Status fatal;
+    for (auto& [i, call] : calls) {
+      absl::Status st = call.get();
+      if (st.ok()) continue;
+      const bool stopped = canceller_ && canceller_->cancelled();
+      if (IsTransient(st) && !stopped && !absl::IsDataLoss(st)) {
+        failed[i] = true;
+        failovers_.fetch_add(1);
+        absl::StrAppend(&failures, failures.empty() ? "" : "; ", st.message());
+        lm::log::Warn(absl::StrCat("rollout worker ", clients_[i]->address(), " failed (",
+                                   st.message(), "); its unfinished prompts go to another worker"));
+      } else if (fatal.ok()) {
+        fatal = st;
+      }
+    }
+    RETURN_IF_ERROR(fatal);
+    std::vector<size_t> still;
+    for (size_t pos : pending)
+      if (round.Missing(pos) > 0) still.push_back(pos);
+    pending = std::move(still);
   }
+  if (!pending.empty())
+    return absl::UnavailableError(absl::StrCat(pending.size(), " prompt(s) unsampled after ",
+                                               max_rounds,
+                                               " rounds over the rollout workers: ", failures));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<lm::Sample>> RolloutPool::Generate(
+    const std::vector<IndexedPrompt>& prompts, const opd::rpc::GenerateOptions& opts) {
+  absl::Mutex mu;
+  std::vector<lm::Sample> out;
+  RETURN_IF_ERROR(Stream(prompts, opts, [&](lm::Sample s) {
+    absl::MutexLock lock(&mu);
+    out.push_back(std::move(s));
+  }));
+  std::sort(out.begin(), out.end(), [](const lm::Sample& a, const lm::Sample& b) {
+    return std::tie(a.prompt_index, a.sample_index) < std::tie(b.prompt_index, b.sample_index);
+  });
   return out;
 }
 
@@ -170,12 +261,19 @@ absl::StatusOr<int64_t> RolloutPool::MaxWeightVersion() {
   return v;
 }
 
+void RolloutPool::NoteVersions(int64_t v) {
+  sent_version_.store(std::max(sent_version_.load(), v));
+  acked_version_.store(std::max(acked_version_.load(), v));
+}
+
 void RolloutPool::RecordPush(int64_t version, bool acknowledged) {
   sent_version_.store(std::max(sent_version_.load(), version));
   if (acknowledged) acked_version_.store(version);
 }
 
 absl::Status RolloutPool::PushWeights(torch::nn::Module& model, int64_t version) {
+  if (pushers_.size() != clients_.size())
+    return absl::FailedPreconditionError("this learner rank does not push weights");
   std::vector<std::pair<std::string, torch::Tensor>> params;
   for (const auto& p : model.named_parameters()) params.emplace_back(p.key(), p.value());
   // The wire form (and its checksums) once per dtype the workers serve, not once per worker.

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,21 +34,40 @@ SampleStats SummarizeSamples(const std::vector<lm::Sample>& samples, int64_t lea
 // The weight push settings of the rollout section (validated by ValidateOpdConfig).
 WeightPushOptions PushOptionsOf(const OpdRolloutConfig& r);
 
+// A prompt to sample and the index that names it in its step (or its held-out set).
+struct IndexedPrompt {
+  int64_t index = 0;
+  const std::vector<int32_t>* tokens = nullptr;
+};
+
 class RolloutPool {
  public:
-  // Connects to every worker and checks that it serves the student's vocabulary and tokenizer;
-  // with push.mode collective or auto, forms a weight group with each (trainer/opd/weight_push.h).
+  // Connects to every worker and checks that it serves the student's vocabulary and tokenizer.
+  // With `push` (the rank that pushes weights), a pusher per worker; with push->mode collective
+  // or auto, a weight group with each (trainer/opd/weight_push.h). Without it PushWeights fails.
   static absl::StatusOr<std::unique_ptr<RolloutPool>> Connect(
       const std::vector<std::string>& endpoints, const opd::rpc::ClientOptions& base,
       const std::string& tokenizer_fingerprint, int64_t vocab_size,
-      const WeightPushOptions& push = {}, torch::Device learner_device = torch::kCPU);
+      const WeightPushOptions* push = nullptr, torch::Device learner_device = torch::kCPU);
 
-  // Samples `opts.samples_per_prompt` responses per prompt. Prompts are split into contiguous
-  // shares, one per worker, sent in parallel; each share's seed is derived from (seed, first
-  // prompt index) so a run is reproducible for a fixed number of workers. Returns samples in
-  // (prompt, sample) order with global prompt indices, checked as the top of the file says.
-  absl::StatusOr<std::vector<lm::Sample>> Generate(const std::vector<std::vector<int32_t>>& prompts,
+  // Samples `opts.samples_per_prompt` responses for every prompt and hands each sample to
+  // `on_sample` as it arrives (from the workers' call threads, possibly at once; every (prompt,
+  // sample) exactly once, its prompt_index the prompt's `index`, checked as the top of the file
+  // says). Prompt i goes to worker index % W, so that every rank's share spreads over every
+  // worker; its samples draw from the seed stream of (opts.seed, index), so they do not depend on
+  // which worker or call samples them. A call that fails transiently (the worker went away, a
+  // deadline, an internal error) has its unfinished prompts sent again, to the next worker that
+  // has not failed, up to `max_rounds` rounds; samples already received are kept and a repeat is
+  // dropped, so nothing is counted twice. Other errors, a round limit reached or every worker
+  // failed end the call with the error naming the worker.
+  absl::Status Stream(const std::vector<IndexedPrompt>& prompts,
+                      const opd::rpc::GenerateOptions& opts,
+                      const std::function<void(lm::Sample)>& on_sample, int max_rounds = 3);
+  // Stream, collected in (prompt, sample) order.
+  absl::StatusOr<std::vector<lm::Sample>> Generate(const std::vector<IndexedPrompt>& prompts,
                                                    const opd::rpc::GenerateOptions& opts);
+  // Calls to workers that were retried elsewhere (over all Stream calls).
+  int64_t failovers() const { return failovers_.load(); }
 
   // Sends `model`'s parameters to every worker as weight version `version` (in parallel), each in
   // the worker's dtype and only those that changed since its last acknowledged push. An error
@@ -62,13 +82,20 @@ class RolloutPool {
 
   // The highest weight version any worker serves (a restarted learner continues above it).
   absl::StatusOr<int64_t> MaxWeightVersion();
+  // Version `v` reached every worker (pushed by another rank): samples are checked against it.
+  void NoteVersions(int64_t v);
 
   size_t size() const { return clients_.size(); }
 
  private:
-  absl::Status CheckShare(const std::vector<lm::Sample>& samples, size_t prompts,
-                          int32_t samples_per_prompt, int64_t min_version, int64_t max_version,
-                          const std::string& address) const;
+  struct Round;
+  // One sample against the contract at the top of the file (the version range of the call).
+  absl::Status CheckSample(const lm::Sample& s, int32_t samples_per_prompt, int64_t min_version,
+                           const std::string& address) const;
+  // One worker's call of a round: its prompts, the samples it sends (new ones to `on_sample`).
+  absl::Status CallWorker(size_t worker, const std::vector<size_t>& which, Round& round,
+                          const opd::rpc::GenerateOptions& opts,
+                          const std::function<void(lm::Sample)>& on_sample);
 
   std::vector<std::unique_ptr<opd::rpc::RolloutClient>> clients_;
   std::vector<std::unique_ptr<WeightPusher>> pushers_;  // one per client
@@ -77,6 +104,8 @@ class RolloutPool {
   // Weight versions: the newest one every worker acknowledged, and the newest one sent (a worker
   // may serve it before the push returns). -1: nothing pushed yet, versions are not checked.
   std::atomic<int64_t> acked_version_{-1}, sent_version_{-1};
+  std::atomic<int64_t> failovers_{0};
+  std::shared_ptr<opd::rpc::CallCanceller> canceller_;  // a stop: failures are not retried
 };
 
 }  // namespace trainer

@@ -3,12 +3,16 @@
 #include <algorithm>
 #include <cmath>
 #include <future>
+#include <map>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "lm/text/tokenizer.h"
 #include "lm/util/log.h"
+#include "lm/util/status.h"
+#include "rpc/http_teacher.h"
+#include "trainer/opd/opd_config.h"
 
 namespace trainer {
 namespace {
@@ -39,6 +43,7 @@ absl::Status CheckLogprobs(const std::vector<float>& v, const char* field) {
 // [begin, end) of the inputs, and how its tries went.
 struct TeacherPool::Share {
   size_t begin = 0, end = 0;
+  int replica = 0;   // the replica whose slice of the step's tokens holds it (ScoreSpread)
   int attempts = 0;  // failed tries so far
   absl::Time not_before = absl::InfinitePast();
 };
@@ -73,6 +78,25 @@ TeacherRequirements StudentRequirements(const lm::Tokenizer& tokenizer, int64_t 
   return req;
 }
 
+TeacherRequirements StageRequirements(const OpdConfig& c, const lm::Tokenizer& tokenizer,
+                                      int64_t vocab_size) {
+  TeacherRequirements req = StudentRequirements(tokenizer, vocab_size);
+  req.temperature = static_cast<float>(c.loss.teacher_temperature);
+  req.top_k = c.loss.form == LossForm::kTopK ? static_cast<int32_t>(c.loss.top_k) : 0;
+  req.max_prompt_len = c.prompts.max_prompt_len;
+  req.max_new_tokens = c.rollout.max_new_tokens;
+  return req;
+}
+
+ScoreSpread SpreadAmong(const std::vector<int64_t>& tokens, size_t caller) {
+  ScoreSpread s;
+  for (size_t c = 0; c < tokens.size(); ++c) {
+    if (c < caller) s.tokens_before += tokens[c];
+    s.total_tokens += tokens[c];
+  }
+  return s;
+}
+
 namespace {
 
 std::string IdList(const std::vector<int32_t>& ids) {
@@ -81,23 +105,102 @@ std::string IdList(const std::vector<int32_t>& ids) {
   return absl::StrCat("[", absl::StrJoin(head, ", "), ids.size() > kShown ? ", ...]" : "]");
 }
 
+// The flag that bounds a server's top-k, by ServiceInfo::architecture, for the refusal's message.
+std::string TopKLimitHint(const std::string& architecture, int32_t k) {
+  if (architecture == "vllm")
+    return absl::StrCat(
+        "vLLM returns at most --max-logprobs log-probs per position (20 by "
+        "default): start it with --max-logprobs ",
+        k, " or more");
+  if (architecture == "sglang")
+    return absl::StrCat("the server must return top_logprobs_num ", k, " per position");
+  return absl::StrCat(
+      "opd-teacher answers a top_k of at most its --max-top-k (1024 by default): "
+      "start it with --max-top-k ",
+      k, " or more");
+}
+
+// The context a server states, for the refusal's message.
+std::string ContextSource(const std::string& architecture, int64_t max_seq_len) {
+  if (architecture == "vllm" || architecture == "sglang")
+    return absl::StrCat(
+        "its max_model_len ", max_seq_len + 1,
+        " less the one token a request must leave room for; raise it with ",
+        architecture == "vllm" ? "vLLM's --max-model-len" : "SGLang's --context-length");
+  return "its --max-seq-len, by default the model's max_position_embeddings";
+}
+
+// A short sequence the stage's scoring is tried on: the student's ids of the tokenizer probe
+// (the teacher shares the tokenizer), or the first ids of any vocabulary when none is given.
+lm::Sample ProbeSequence(const TeacherRequirements& req) {
+  std::vector<int32_t> ids = req.probe_ids;
+  if (ids.size() < 2) ids = {0, 1, 2, 3};
+  return lm::Sample::ToScore(std::move(ids), 1);
+}
+
+// How much the gap between each position's top-1 log-prob and the sent token's grows from the
+// scoring at temperature 1 to the one at T: a server that applies T scales logits by 1 / T, so
+// every gap (a difference of logits, the normaliser cancels) scales by 1 / T; one that ignores T
+// keeps them. Needs top_k >= 1 in both. Returns -1 when the gaps sum to too little to tell (every
+// probe token the teacher's top-1).
+double GapRatio(const opd::rpc::ScoreOutput& at1, const opd::rpc::ScoreOutput& at_t, size_t k1,
+                size_t kt) {
+  double g1 = 0, gt = 0;
+  for (size_t p = 0; p < at1.logprobs.size(); ++p) {
+    g1 += at1.topk_logprobs[p * k1] - at1.logprobs[p];
+    gt += at_t.topk_logprobs[p * kt] - at_t.logprobs[p];
+  }
+  constexpr double kTooLittle = 1e-3;  // nats over the probe: below it the ratio is noise
+  return g1 > kTooLittle ? gt / g1 : -1;
+}
+
+}  // namespace
+
 // An endpoint with no fingerprint (SGLang, vLLM) is asked to tokenize the probe: different ids
-// mean a different tokenizer, whose log-probs would score other tokens than the student's.
-absl::Status CheckTokenizerProbe(const std::string& stage, const std::string& ep,
-                                 opd::rpc::TeacherEndpoint& client,
-                                 const TeacherRequirements& req) {
+// mean a different tokenizer, whose log-probs would score other tokens than the student's. A
+// transient refusal (5xx, 429) is retried as a share would be; "no /tokenize" (UNIMPLEMENTED)
+// lets the endpoint through with a warning; anything else refuses it, unless its endpoint says
+// it has no tokenizer ("?tokenizer=none", and then it is not asked).
+absl::Status TeacherPool::CheckTokenizerProbe(const std::string& ep,
+                                              opd::rpc::TeacherEndpoint& client,
+                                              const TeacherRequirements& req) const {
   if (req.probe_text.empty()) return absl::OkStatus();
+  if (opd::rpc::IsHttpTeacherEndpoint(ep)) {
+    auto address = opd::rpc::ParseHttpTeacherAddress(ep);
+    if (address.ok() && !address->has_tokenizer) {
+      lm::log::Info(absl::StrCat("stage '", stage_, "': teacher ", ep,
+                                 " is declared without a tokenizer (?tokenizer=none): its "
+                                 "tokenizer is not checked"));
+      return absl::OkStatus();
+    }
+  }
+  const auto cancelled = [this] {
+    return opts_.client.canceller != nullptr && opts_.client.canceller->cancelled();
+  };
   absl::StatusOr<std::vector<int32_t>> ids = client.Tokenize(req.probe_text);
+  for (int attempt = 1;
+       !ids.ok() && IsTransient(ids.status()) && attempt < opts_.max_attempts && !cancelled();
+       ++attempt) {
+    const absl::Duration wait = RetryBackoff(attempt, opts_.backoff_initial, opts_.backoff_max);
+    lm::log::Warn(absl::StrCat("stage '", stage_, "': teacher ", ep,
+                               " could not tokenize the probe (", ids.status().message(),
+                               "); retrying in ", absl::FormatDuration(wait)));
+    if (!Wait(wait, cancelled)) break;
+    ids = client.Tokenize(req.probe_text);
+  }
   if (absl::IsUnimplemented(ids.status())) {
-    lm::log::Warn(absl::StrCat("stage '", stage, "': teacher ", ep,
+    lm::log::Warn(absl::StrCat("stage '", stage_, "': teacher ", ep,
                                " cannot tokenize, so its tokenizer is not checked (",
                                ids.status().message(), ")"));
     return absl::OkStatus();
   }
   if (!ids.ok()) {
-    return absl::Status(ids.status().code(),
-                        absl::StrCat("stage '", stage, "': teacher ", ep,
-                                     " is not usable: ", ids.status().message()));
+    return absl::Status(
+        ids.status().code(),
+        absl::StrCat("stage '", stage_, "': teacher ", ep,
+                     " did not tokenize the tokenizer probe: ", ids.status().message(),
+                     ". A server without a tokenizer is declared so by appending "
+                     "?tokenizer=none to its endpoint (its tokenizer is then not checked)"));
   }
   if (*ids == req.probe_ids) return absl::OkStatus();
   size_t at = 0;
@@ -106,44 +209,107 @@ absl::Status CheckTokenizerProbe(const std::string& stage, const std::string& ep
     return at < v.size() ? std::to_string(v[at]) : std::string("none (it ends)");
   };
   return absl::FailedPreconditionError(absl::StrCat(
-      "stage '", stage, "': teacher ", ep, " tokenizes the probe \"",
+      "stage '", stage_, "': teacher ", ep, " tokenizes the probe \"",
       absl::CHexEscape(req.probe_text), "\" as ", IdList(*ids), " (", ids->size(),
       " ids) but the student's tokenizer gives ", IdList(req.probe_ids), " (", req.probe_ids.size(),
       " ids); first different at id ", at, ": the teacher's ", id_at(*ids), ", the student's ",
       id_at(req.probe_ids), ". Teacher and student must share the tokenizer"));
 }
 
-// Info() of a new endpoint against the student's requirements; what the endpoint leaves unknown
-// is not checked.
-absl::Status CheckEndpoint(const std::string& stage, const std::string& ep,
-                           opd::rpc::TeacherEndpoint& client, const TeacherRequirements& req) {
+// The stage's scoring tried on a probe sequence where Info cannot tell: a top-k above the
+// server's limit, and for SGLang at T != 1 whether it applies the temperature at all.
+absl::Status TeacherPool::CheckScoringProbe(const std::string& ep,
+                                            opd::rpc::TeacherEndpoint& client,
+                                            const opd::v1::ServiceInfo& info,
+                                            const TeacherRequirements& req) const {
+  const bool check_temperature = req.temperature != 1.0f && info.architecture() == "sglang";
+  if (req.top_k <= 0 && !check_temperature) return absl::OkStatus();
+  const std::vector<lm::Sample> probe = {ProbeSequence(req)};
+  const Share whole{0, 1};
+  opd::rpc::ScoreOptions at_t;
+  at_t.temperature = req.temperature;
+  at_t.top_k = std::max(req.top_k, check_temperature ? 1 : 0);
+  const std::string asked = absl::StrCat("top_k ", at_t.top_k, ", temperature ", at_t.temperature);
+  absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> got = client.Score(probe, at_t);
+  if (!got.ok()) {
+    const bool refused = absl::IsInvalidArgument(got.status());
+    return absl::Status(
+        refused ? absl::StatusCode::kFailedPrecondition : got.status().code(),
+        absl::StrCat("stage '", stage_, "': teacher ", ep,
+                     " did not score a probe sequence as the ", "stage asks (", asked,
+                     "): ", got.status().message(),
+                     refused && req.top_k > 0
+                         ? absl::StrCat(". ", TopKLimitHint(info.architecture(), req.top_k))
+                         : ""));
+  }
+  RETURN_IF_ERROR(Validate(*got, whole, probe, at_t.top_k, ep));
+  if (!check_temperature) return absl::OkStatus();
+  opd::rpc::ScoreOptions at1;
+  at1.top_k = 1;
+  absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> ref = client.Score(probe, at1);
+  if (!ref.ok()) {
+    return absl::Status(
+        ref.status().code(),
+        absl::StrCat("stage '", stage_, "': teacher ", ep,
+                     " did not score a probe sequence at temperature 1: ", ref.status().message()));
+  }
+  RETURN_IF_ERROR(Validate(*ref, whole, probe, 1, ep));
+  const double ratio = GapRatio(ref->front(), got->front(), 1, static_cast<size_t>(at_t.top_k));
+  const double scaled = 1.0 / req.temperature;
+  if (ratio >= 0 && std::abs(ratio - scaled) < std::abs(ratio - 1.0)) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "stage '", stage_, "': teacher ", ep, " is an SGLang server that does not apply ",
+      "loss.teacher_temperature ", req.temperature, " to input log-probs: ",
+      ratio < 0 ? "the probe cannot tell (its tokens are all the teacher's top-1)"
+                : absl::StrCat("on a probe sequence the log-prob gaps to the top-1 token scale by ",
+                               ratio, " from temperature 1, not by 1/T = ", scaled),
+      ". Stock SGLang scores prompts at temperature 1 whatever the request says: use "
+      "loss.teacher_temperature 1, or an opd-teacher endpoint"));
+}
+
+// Info() of a new endpoint against the student's requirements (what the endpoint leaves unknown
+// is not checked), then the probes.
+absl::Status TeacherPool::CheckEndpoint(const std::string& ep, opd::rpc::TeacherEndpoint& client,
+                                        const TeacherRequirements& req) const {
   auto info = client.Info();
   if (!info.ok()) {
     return absl::Status(info.status().code(),
-                        absl::StrCat("stage '", stage, "': teacher ", ep,
+                        absl::StrCat("stage '", stage_, "': teacher ", ep,
                                      " is not usable: ", info.status().message()));
   }
   if (!req.tokenizer_fingerprint.empty() && !info->tokenizer_fingerprint().empty() &&
       info->tokenizer_fingerprint() != req.tokenizer_fingerprint) {
     return absl::FailedPreconditionError(
-        absl::StrCat("stage '", stage, "': teacher ", ep, " has tokenizer fingerprint ",
+        absl::StrCat("stage '", stage_, "': teacher ", ep, " has tokenizer fingerprint ",
                      info->tokenizer_fingerprint(), " but the student's is ",
                      req.tokenizer_fingerprint, ": teacher and student must share the tokenizer"));
   }
   if (req.vocab_size > 0 && info->vocab_size() > 0 && info->vocab_size() != req.vocab_size) {
-    return absl::FailedPreconditionError(absl::StrCat("stage '", stage, "': teacher ", ep,
+    return absl::FailedPreconditionError(absl::StrCat("stage '", stage_, "': teacher ", ep,
                                                       " has vocabulary size ", info->vocab_size(),
                                                       ", the student ", req.vocab_size));
   }
-  if (info->tokenizer_fingerprint().empty()) {
-    if (absl::Status s = CheckTokenizerProbe(stage, ep, client, req); !s.ok()) return s;
+  if (req.temperature != 1.0f && info->architecture() == "vllm") {
+    return absl::FailedPreconditionError(
+        absl::StrCat("stage '", stage_, "': teacher ", ep, " is a vLLM server, which cannot apply ",
+                     "loss.teacher_temperature ", req.temperature,
+                     " to prompt log-probs: use temperature 1, or an opd-teacher endpoint"));
   }
-  lm::log::Info(absl::StrCat("stage '", stage, "': teacher ", ep, " ok (", info->architecture(),
-                             ", ", info->model_name(), ", vocab ", info->vocab_size(), ")"));
+  const int64_t needed = req.max_prompt_len + req.max_new_tokens;
+  if (needed > 0 && info->max_seq_len() > 0 && info->max_seq_len() < needed) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "stage '", stage_, "': teacher ", ep, " scores sequences of at most ", info->max_seq_len(),
+        " tokens (", ContextSource(info->architecture(), info->max_seq_len()),
+        "), but the stage's sequences reach prompts.max_prompt_len + rollout.max_new_tokens = ",
+        req.max_prompt_len, " + ", req.max_new_tokens, " = ", needed, " tokens"));
+  }
+  if (info->tokenizer_fingerprint().empty()) RETURN_IF_ERROR(CheckTokenizerProbe(ep, client, req));
+  RETURN_IF_ERROR(CheckScoringProbe(ep, client, *info, req));
+  lm::log::Info(absl::StrCat("stage '", stage_, "': teacher ", ep, " ok (", info->architecture(),
+                             ", ", info->model_name(), ", vocab ", info->vocab_size(),
+                             ", max sequence ", info->max_seq_len(), ")"));
   return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<TeacherPool>> TeacherPool::Connect(
     const std::string& stage, const std::vector<std::string>& endpoints,
@@ -157,7 +323,7 @@ absl::StatusOr<std::unique_ptr<TeacherPool>> TeacherPool::Connect(
     r.opts.address = ep;
     auto client = opd::rpc::CreateTeacherEndpoint(r.opts);
     if (!client.ok()) return client.status();
-    if (absl::Status s = CheckEndpoint(stage, ep, **client, req); !s.ok()) return s;
+    RETURN_IF_ERROR(pool->CheckEndpoint(ep, **client, req));
     r.client = std::move(*client);
     absl::MutexLock lock(&pool->mu_);
     pool->replicas_.push_back(std::move(r));
@@ -282,18 +448,49 @@ absl::Status TeacherPool::Validate(const std::vector<opd::rpc::ScoreOutput>& out
   return absl::OkStatus();
 }
 
+std::vector<TeacherPool::Share> TeacherPool::MakeShares(const std::vector<lm::Sample>& inputs,
+                                                        const ScoreSpread& spread) const {
+  int64_t own = 0;
+  for (const auto& s : inputs) own += static_cast<int64_t>(s.tokens.size());
+  const __int128 total = std::max(spread.total_tokens, spread.tokens_before + own);
+  __int128 replicas;
+  {
+    absl::MutexLock lock(&mu_);
+    replicas = static_cast<__int128>(std::max<size_t>(1, replicas_.size()));
+  }
+  const size_t per_call = static_cast<size_t>(std::max(1, opts_.max_sequences_per_call));
+  std::vector<Share> shares;
+  __int128 at = std::max<int64_t>(0, spread.tokens_before);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const int64_t len = static_cast<int64_t>(inputs[i].tokens.size());
+    // The slice holding the sequence's middle, (at + len / 2) * replicas / total, in integers.
+    const int replica =
+        spread.replica_hint >= 0
+            ? static_cast<int>(spread.replica_hint % static_cast<int64_t>(replicas))
+            : static_cast<int>(
+                  std::min(replicas - 1, total > 0 ? (2 * at + len) * replicas / (2 * total) : 0));
+    at += len;
+    if (shares.empty() || shares.back().replica != replica ||
+        shares.back().end - shares.back().begin >= per_call) {
+      Share share;
+      share.begin = i;
+      share.replica = replica;
+      shares.push_back(share);
+    }
+    shares.back().end = i + 1;
+  }
+  return shares;
+}
+
 absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> TeacherPool::Score(
     const std::vector<lm::Sample>& inputs, const opd::rpc::ScoreOptions& score_opts,
-    const std::function<bool()>& stop) {
+    const std::function<bool()>& stop, const ScoreSpread& spread) {
   const auto stopped = [&] {
     return (stop && stop()) ||
            (opts_.client.canceller != nullptr && opts_.client.canceller->cancelled());
   };
   std::vector<opd::rpc::ScoreOutput> out(inputs.size());
-  std::vector<Share> pending;
-  const size_t per_call = static_cast<size_t>(std::max(1, opts_.max_sequences_per_call));
-  for (size_t b = 0; b < inputs.size(); b += per_call)
-    pending.push_back({b, std::min(inputs.size(), b + per_call)});
+  std::vector<Share> pending = MakeShares(inputs, spread);
   std::string last_error = "none";
   const absl::Time deadline = Now() + opts_.score_deadline;
   while (!pending.empty()) {
@@ -310,6 +507,11 @@ absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> TeacherPool::Score(
           absl::StrJoin(endpoints(), ", "), ". Last error: ", last_error));
     }
     const auto healthy = HealthyReplicas();
+    if (healthy.empty() && opts_.give_up_when_all_down)
+      return absl::UnavailableError(absl::StrCat("stage '", stage_,
+                                                 "': every teacher replica is down (",
+                                                 absl::StrJoin(endpoints(), ", "),
+                                                 "). Last error: ", last_error));
     if (healthy.empty()) {
       const absl::Duration wait =
           std::max(absl::Milliseconds(10),
@@ -320,15 +522,26 @@ absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> TeacherPool::Score(
       Wait(wait, stopped);
       continue;
     }
-    // The shares whose backoff has passed, at most two per healthy replica, round robin.
+    // The shares whose backoff has passed, each on its own replica while that is healthy, else
+    // (and after a failure) on another healthy one; at most two calls per replica.
     const absl::Time now = Now();
-    std::vector<size_t> ready;
+    std::vector<std::pair<size_t, int>> ready;  // (share, replica)
+    std::map<int, int> calls_on;
     absl::Time earliest = absl::InfiniteFuture();
     for (size_t i = 0; i < pending.size(); ++i) {
       if (pending[i].not_before > now) {
         earliest = std::min(earliest, pending[i].not_before);
-      } else if (ready.size() < healthy.size() * 2) {
-        ready.push_back(i);
+        continue;
+      }
+      const Share& sh = pending[i];
+      const bool own_healthy =
+          std::find(healthy.begin(), healthy.end(), sh.replica) != healthy.end();
+      const int rep = sh.attempts == 0 && own_healthy
+                          ? sh.replica
+                          : healthy[static_cast<size_t>(sh.replica + sh.attempts) % healthy.size()];
+      if (calls_on[rep] < 2) {
+        ++calls_on[rep];
+        ready.emplace_back(i, rep);
       }
     }
     if (ready.empty()) {
@@ -342,15 +555,14 @@ absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> TeacherPool::Score(
       std::future<absl::StatusOr<std::vector<opd::rpc::ScoreOutput>>> result;
     };
     std::vector<Call> calls;
-    for (size_t c = 0; c < ready.size(); ++c) {
-      const int rep = healthy[c % healthy.size()];
+    for (const auto& [share_index, rep] : ready) {
       opd::rpc::TeacherEndpoint* client;
       {
         absl::MutexLock lock(&mu_);
         client = replicas_[rep].client.get();
       }
-      const Share range = pending[ready[c]];
-      calls.push_back({ready[c], rep, client->address(),
+      const Share range = pending[share_index];
+      calls.push_back({share_index, rep, client->address(),
                        std::async(std::launch::async, [client, range, &inputs, &score_opts] {
                          std::vector<lm::Sample> share(inputs.begin() + range.begin,
                                                        inputs.begin() + range.end);

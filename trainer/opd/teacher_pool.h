@@ -1,8 +1,10 @@
 // The teacher replicas of one OPD stage.
 //
-// Score() spreads a step's sequences over the healthy replicas in parallel, in shares of at most
-// max_sequences_per_call sequences. Every sequence is scored exactly once: results are written
-// to the input's own slot, and a share is either fully applied or retried whole.
+// Score() spreads a step's sequences over the healthy replicas by tokens (ScoreSpread: across
+// every caller of the step, not only this one), in shares of at most max_sequences_per_call
+// sequences, at most two calls per replica at a time. Every sequence is scored exactly once:
+// results are written to the input's own slot, and a share is either fully applied or retried
+// whole. A share whose replica is out of rotation goes to another healthy one.
 //
 // Failures, by kind:
 //  - transient (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, UNKNOWN, ABORTED, CANCELLED by the
@@ -13,7 +15,8 @@
 //    replica whose health check passes but whose Score keeps failing does not come straight back.
 //  - RESOURCE_EXHAUSTED (the replica's queue is full): the share is retried after the backoff;
 //    the replica stays in rotation.
-//  - anything else (INVALID_ARGUMENT, UNAUTHENTICATED, ...), or a reply that fails validation
+//  - anything else (INVALID_ARGUMENT, UNAUTHENTICATED, DATA_LOSS: a reply the client could not
+//    read, ...), or a reply that fails validation
 //    (sizes, finite log-probs <= 0, top-k ids inside the vocabulary): the step fails at once
 //    with an error naming the stage, the teacher and the field.
 //  - a share that has failed max_attempts times fails the step, naming the last error.
@@ -42,9 +45,12 @@ class Tokenizer;
 
 namespace trainer {
 
-// What every teacher must agree on with the student.
+struct OpdConfig;
+
+// What every teacher of a stage must agree on with the student, and what it must be able to serve.
+// TeacherPool::Connect checks each endpoint against it before any step is spent on it.
 struct TeacherRequirements {
-  // Not an aggregate, so that callers naming only the first two fields need not spell the probe.
+  // Not an aggregate, so that callers naming only the first two fields need not spell the rest.
   TeacherRequirements(std::string fingerprint = {}, int64_t vocab = 0)
       : tokenizer_fingerprint(std::move(fingerprint)), vocab_size(vocab) {}
   std::string tokenizer_fingerprint;  // empty: not checked
@@ -54,6 +60,18 @@ struct TeacherRequirements {
   // same ids. Empty probe_text: not checked.
   std::string probe_text;
   std::vector<int32_t> probe_ids;
+  // The stage's scoring (the defaults check nothing):
+  //  - temperature != 1: a vLLM endpoint is refused (it cannot apply a temperature to prompt
+  //    log-probs), and an SGLang endpoint must show on a probe sequence that it applies it (stock
+  //    SGLang scores input log-probs at temperature 1 whatever the request says);
+  //  - top_k > 0 (the topk loss form): every endpoint must score a probe sequence with it (a
+  //    server whose limit is lower is refused, naming the flag to raise);
+  //  - max_prompt_len + max_new_tokens > 0: the longest sequence the stage sends; an endpoint
+  //    that reports a shorter one (ServiceInfo::max_seq_len) is refused, naming both.
+  float temperature = 1.0f;
+  int32_t top_k = 0;
+  int64_t max_prompt_len = 0;
+  int64_t max_new_tokens = 0;
 };
 
 // The text of the connect-time tokenizer probe: ChatML markers, digits, spaces, accents, CJK and
@@ -64,8 +82,35 @@ inline constexpr const char* kTokenizerProbe =
     "\U0001F642<|im_end|>\n";
 
 // A student's requirements: its tokenizer's fingerprint and kTokenizerProbe as it tokenizes it,
-// and its vocabulary size.
+// and its vocabulary size (the scoring fields left unchecked).
 TeacherRequirements StudentRequirements(const lm::Tokenizer& tokenizer, int64_t vocab_size);
+
+// What an OPD job's teachers must meet, from its config: StudentRequirements plus the scoring the
+// stages ask for, loss.teacher_temperature, loss.top_k (when loss.form is topk, else 0), and
+// prompts.max_prompt_len + rollout.max_new_tokens. The same for every stage and domain pool and
+// for a swap's endpoints.
+TeacherRequirements StageRequirements(const OpdConfig& c, const lm::Tokenizer& tokenizer,
+                                      int64_t vocab_size);
+
+// Where one caller's inputs sit among everything a pool's replicas score in a step, when several
+// callers (the learner ranks, each with its own pool of the same replicas) score at once. The
+// pool lays the step's tokens on one line, callers in order, and gives replica j the j-th of
+// (replicas) equal slices: a sequence goes to the replica whose slice holds its middle. Every
+// replica then receives its share of the step's tokens within one sequence, however small each
+// caller's part (a rank whose inputs fit one call no longer always lands on the first replica).
+// The default is a caller alone: its own tokens are the whole line.
+struct ScoreSpread {
+  int64_t tokens_before = 0;  // the step's tokens for this pool held by the callers before it
+  int64_t total_tokens = 0;   // the step's tokens for this pool over every caller (0: its own)
+  // >= 0: the whole call goes to replica replica_hint % replicas (while it is healthy). Callers
+  // that score a step in many small calls as samples arrive (trainer/opd/score_stream.h) rotate
+  // it from their rank and step, so the calls of every rank spread evenly over the replicas.
+  int64_t replica_hint = -1;
+};
+
+// Caller `caller`'s spread when the callers hold tokens[0], tokens[1], ... for a pool (a token
+// being one of a sequence's tokens.size()).
+ScoreSpread SpreadAmong(const std::vector<int64_t>& tokens, size_t caller);
 
 struct TeacherPoolOptions {
   opd::rpc::ClientOptions client;  // address is filled per replica
@@ -79,6 +124,10 @@ struct TeacherPoolOptions {
   // fails DEADLINE_EXCEEDED naming the stage, its replicas and the last error (the job then ends
   // the step and checkpoints), instead of waiting for a replica that may never come back.
   absl::Duration score_deadline = absl::InfiniteDuration();
+  // With every replica out of rotation, end Score() at once with UNAVAILABLE instead of waiting
+  // for one to come back (a domain's pool whose stage sends its work to the default pool then:
+  // stages[].on_domain_down).
+  bool give_up_when_all_down = false;
   // How the pool waits `d`; returns false when `stopped()` ended the wait early. Unset: sleeps in
   // slices of at most 50 ms, checking `stopped()`. Tests set it to record the delays.
   std::function<bool(absl::Duration d, const std::function<bool()>& stopped)> wait;
@@ -91,16 +140,19 @@ class TeacherPool {
  public:
   TeacherPool(std::string stage, TeacherPoolOptions opts, int64_t vocab_size = 0)
       : stage_(std::move(stage)), opts_(std::move(opts)), vocab_size_(vocab_size) {}
-  // Connects to every endpoint and checks its Info() against `req`: a mismatch (or an endpoint
-  // that cannot be reached) is an error naming the endpoint, before any step is spent on it.
+  // Connects to every endpoint and checks it against `req` (its Info(), then the tokenizer and
+  // scoring probes; see TeacherRequirements): a mismatch, a limit below what the stage asks, or an
+  // endpoint that cannot be reached is an error naming the stage and the endpoint, before any
+  // step is spent on it.
   static absl::StatusOr<std::unique_ptr<TeacherPool>> Connect(
       const std::string& stage, const std::vector<std::string>& endpoints,
       const TeacherRequirements& req, const TeacherPoolOptions& opts);
 
-  // Scores every input (one output per input, in order); see the top of the file for failures.
+  // Scores every input (one output per input, in order); see the top of the file for failures
+  // and ScoreSpread for which replica scores what.
   absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> Score(
       const std::vector<lm::Sample>& inputs, const opd::rpc::ScoreOptions& score_opts,
-      const std::function<bool()>& stop = nullptr);
+      const std::function<bool()>& stop = nullptr, const ScoreSpread& spread = {});
 
   const std::string& stage() const { return stage_; }
   const TeacherPoolOptions& options() const { return opts_; }
@@ -119,6 +171,17 @@ class TeacherPool {
     absl::Time readmit_at = absl::InfinitePast();
   };
   struct Share;
+  // The connect-time checks of one endpoint against `req` (see TeacherRequirements).
+  absl::Status CheckEndpoint(const std::string& ep, opd::rpc::TeacherEndpoint& client,
+                             const TeacherRequirements& req) const;
+  absl::Status CheckTokenizerProbe(const std::string& ep, opd::rpc::TeacherEndpoint& client,
+                                   const TeacherRequirements& req) const;
+  absl::Status CheckScoringProbe(const std::string& ep, opd::rpc::TeacherEndpoint& client,
+                                 const opd::v1::ServiceInfo& info,
+                                 const TeacherRequirements& req) const;
+  // The inputs in shares of at most max_sequences_per_call, each with its replica (ScoreSpread).
+  std::vector<Share> MakeShares(const std::vector<lm::Sample>& inputs,
+                                const ScoreSpread& spread) const;
   std::vector<int> HealthyReplicas();  // re-admits replicas whose cool-down and health check pass
   absl::Time NextReadmission() const;  // the earliest cool-down end of a replica out of rotation
   void TakeOutOfRotation(int replica, const absl::Status& why);

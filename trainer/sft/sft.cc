@@ -27,6 +27,7 @@
 #include "trainer/common/checkpoint.h"
 #include "trainer/common/job_main.h"
 #include "trainer/common/job_util.h"
+#include "trainer/common/learner_plan.h"
 #include "trainer/common/metrics.h"
 #include "trainer/common/optim.h"
 #include "trainer/common/progress.h"
@@ -118,6 +119,9 @@ class SftJob : public TrainingJob {
  private:
   nlohmann::json JobState() const override;
   std::string TokenizerPath() const override { return StudentTokenizerPath(c_); }
+  lm::plan::LearnerSettings PlanSettings(int64_t ranks, bool bf16_mixed) const override {
+    return LearnerPlanSettings(c_, ranks, bf16_mixed, /*cuda=*/true);
+  }
 
   absl::Status LoadData();
   absl::Status LoadStudent(const std::string& dir) override;

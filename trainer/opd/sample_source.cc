@@ -1,0 +1,134 @@
+#include "trainer/opd/sample_source.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "lm/util/log.h"
+#include "lm/util/splitmix.h"
+#include "lm/util/status.h"
+#include "rpc/codec.h"
+
+namespace trainer {
+
+uint64_t PromptsHash(const std::vector<lm::PromptExample>& prompts) {
+  uint64_t h = 1469598103934665603ULL;
+  auto mix = [&h](uint64_t v) {
+    for (int b = 0; b < 8; ++b) h = (h ^ ((v >> (8 * b)) & 0xff)) * 1099511628211ULL;
+  };
+  for (const auto& p : prompts) {
+    mix(p.prompt_ids.size());
+    for (int32_t id : p.prompt_ids) mix(static_cast<uint32_t>(id));
+  }
+  return h;
+}
+
+SampleSource::SampleSource(std::unique_ptr<lm::PromptDataset> prompts,
+                           std::unique_ptr<RolloutPool> rollout, SampleSourceOptions options)
+    : prompts_(std::move(prompts)), rollout_(std::move(rollout)), opts_(std::move(options)) {}
+
+StepPrompts SampleSource::Draw(int64_t step) {
+  StepPrompts p;
+  p.step = step;
+  p.prompts = prompts_->NextBatch(static_cast<size_t>(opts_.prompts_per_step));
+  p.cursor_after = prompts_->cursor();
+  p.SetShare(opts_.rank, opts_.ranks);
+  return p;
+}
+
+std::unique_ptr<StepPipeline> SampleSource::Launch(StepPrompts prompts, const StepPipeline* after) {
+  opd::rpc::GenerateOptions gen = opts_.gen;
+  // A fresh seed per step (the data cursor's position), reproducible across resumes.
+  gen.seed = lm::MixSeed(opts_.seed, prompts.cursor_after.step);
+  return StepPipeline::Sample(std::move(prompts), opts_.pipeline, *rollout_, std::move(gen), after);
+}
+
+void SampleSource::Prefetch(int64_t step, const StepPipeline* current) {
+  if (opts_.prefetch) prefetch_ = Launch(Draw(step), current);
+}
+
+absl::StatusOr<std::unique_ptr<StepPipeline>> SampleSource::Next(int64_t step) {
+  if (prefetch_) {
+    if (prefetch_->prompts().step != step)
+      return absl::InternalError(absl::StrCat("the prefetched samples are for step ",
+                                              prefetch_->prompts().step, ", not ", step));
+    return std::move(prefetch_);
+  }
+  if (!resumed_) return Launch(Draw(step));
+  StepPrompts prompts = Draw(step);
+  std::vector<lm::Sample> samples = std::move(*resumed_);
+  resumed_.reset();
+  if (PromptsHash(prompts.prompts) != resumed_hash_)
+    return absl::FailedPreconditionError(
+        "the checkpoint's prefetched samples answer other prompts than the data now gives (the "
+        "prompt files or the mixture changed since): resume from a checkpoint taken without "
+        "train.async, or restore the data");
+  for (const auto& s : samples) {
+    if (s.prompt_index < 0 || static_cast<size_t>(s.prompt_index) >= prompts.prompts.size())
+      return absl::DataLossError(absl::StrCat("the checkpoint's prefetched samples name prompt ",
+                                              s.prompt_index, " of ", prompts.prompts.size()));
+  }
+  return StepPipeline::FromSamples(std::move(prompts), opts_.pipeline, std::move(samples));
+}
+
+absl::StatusOr<nlohmann::json> SampleSource::Settle(lm::dist::RankSync& sync,
+                                                    lm::dist::ProcessGroup& group) {
+  settled_bytes_.clear();
+  ASSIGN_OR_RETURN(const bool any, group.AnyRank(prefetch_ != nullptr));
+  if (!any) return nlohmann::json();
+  const absl::Status mine = prefetch_ ? prefetch_->WaitSampled() : absl::OkStatus();
+  // A failed prefetch is not the checkpoint's failure: it is kept out of it, and the next step
+  // (which takes the failed pipeline) fails as it would have.
+  const absl::Status agreed = sync.Agree("prefetched samples settled", mine);
+  if (sync.broken()) return agreed;
+  if (!agreed.ok()) return nlohmann::json();
+  ASSIGN_OR_RETURN(std::vector<std::string> all,
+                   group.AllGatherBytes(lm::EncodeSamples(prefetch_->samples())));
+  std::vector<lm::Sample> samples;
+  for (size_t r = 0; r < all.size(); ++r) {
+    absl::StatusOr<std::vector<lm::Sample>> part = lm::DecodeSamples(all[r]);
+    if (!part.ok())
+      return absl::DataLossError(
+          absl::StrCat("learner rank ", r, "'s prefetched samples: ", part.status().message()));
+    for (lm::Sample& s : *part) samples.push_back(std::move(s));
+  }
+  if (group.is_root()) settled_bytes_ = lm::EncodeSamples(samples);
+  return nlohmann::json{
+      {"file", kPrefetchedFile},
+      {"samples", samples.size()},
+      {"prompts_hash", std::to_string(PromptsHash(prefetch_->prompts().prompts))}};
+}
+
+absl::Status SampleSource::LoadPrefetched(const std::string& checkpoint,
+                                          const nlohmann::json& state) {
+  if (!state.contains("prefetched")) return absl::OkStatus();
+  if (!opts_.prefetch) {
+    lm::log::Info(
+        "the checkpoint holds one-step-off samples; train.async is off, so the next "
+        "step samples anew");
+    return absl::OkStatus();
+  }
+  const std::string path = checkpoint + "/" + kPrefetchedFile;
+  ASSIGN_OR_RETURN(const std::string bytes, opd::rpc::ReadFile(path));
+  absl::StatusOr<std::vector<lm::Sample>> samples = lm::DecodeSamples(bytes);
+  if (absl::IsFailedPrecondition(samples.status())) {
+    // Another build's samples: what a checkpoint without them does (the prompts are drawn again
+    // from the saved cursor and sampled on the resumed weights), said once.
+    lm::log::Warn(
+        absl::StrCat(path, ": ", samples.status().message(), "; the next step samples anew"));
+    return absl::OkStatus();
+  }
+  if (!samples.ok())
+    return absl::DataLossError(absl::StrCat(path, ": ", samples.status().message()));
+  uint64_t hash = 0;
+  if (!absl::SimpleAtoi(state.at("prefetched").at("prompts_hash").get<std::string>(), &hash))
+    return absl::DataLossError(absl::StrCat(checkpoint,
+                                            "/trainer_state.json: prefetched."
+                                            "prompts_hash is not a number"));
+  resumed_hash_ = hash;
+  resumed_ = std::move(*samples);
+  return absl::OkStatus();
+}
+
+}  // namespace trainer
