@@ -42,6 +42,27 @@ int64_t LearnerActivations(const ModelConfig& c, const LearnerSettings& s, bool 
   return per_token * std::max(s.micro_batch_tokens, int64_t{1});
 }
 
+// The gradient terms: stage 1 keeps every rank's local sum and its reduced slice, stage 2 the
+// slice and the reducer's staging buckets (`s.zero_stage` resolved).
+void AddGradients(MemoryPlan& m, const ModelConfig& c, const LearnerSettings& s) {
+  const ParameterCounts n = CountParameters(c);
+  const int64_t ranks = std::max<int64_t>(s.ranks, 1), slice = CeilDiv(n.total, ranks);
+  if (ranks == 1) {
+    m.terms.push_back({"gradients (fp32)", 4 * n.total, "a smaller student"});
+    return;
+  }
+  if (s.zero_stage != 2) {
+    m.terms.push_back({absl::StrCat("gradients (fp32, ZeRO-1: local sum + reduced 1/", ranks, ")"),
+                       4 * n.total + 4 * slice, "dist.zero_stage: 2 (shards the gradients)"});
+    return;
+  }
+  m.terms.push_back({absl::StrCat("gradients (fp32, ZeRO-2: reduced 1/", ranks, ")"), 4 * slice,
+                     "more learner ranks"});
+  const int64_t bucket = BucketElements(c, s);
+  m.terms.push_back({absl::StrCat("gradient buckets (4 x ", bucket, " fp32)"), 4 * 4 * bucket,
+                     "a smaller dist.bucket_mb"});
+}
+
 MemoryPlan LearnerMemory(const ModelConfig& c, const LearnerSettings& s) {
   const ParameterCounts n = CountParameters(c);
   const int64_t ranks = std::max<int64_t>(s.ranks, 1), slice = CeilDiv(n.total, ranks);
@@ -49,8 +70,7 @@ MemoryPlan LearnerMemory(const ModelConfig& c, const LearnerSettings& s) {
   m.terms.push_back(
       {s.bf16_mixed ? "weights (bf16 matrices, fp32 norms and routers)" : "weights (fp32)",
        WeightBytes(n, !s.bf16_mixed), "a smaller student (every rank holds all)"});
-  m.terms.push_back({"gradients (fp32, every rank)", 4 * n.total,
-                     "a smaller student (ZeRO-1 does not shard gradients)"});
+  AddGradients(m, c, s);
   if (s.bf16_mixed)
     m.terms.push_back(
         {absl::StrCat("fp32 masters (1/", ranks, ")"), 4 * slice, "more learner ranks"});
@@ -72,9 +92,30 @@ MemoryPlan LearnerMemory(const ModelConfig& c, const LearnerSettings& s) {
   return m;
 }
 
+LearnerSettings Resolved(const ModelConfig& c, LearnerSettings s, int64_t device_bytes) {
+  s.zero_stage = ResolveZeroStage(c, s, device_bytes);
+  return s;
+}
+
 }  // namespace
 
-ProcessPlan PlanLearner(const ModelConfig& c, const LearnerSettings& s, const DeviceSpec& d) {
+int64_t BucketElements(const ModelConfig& c, const LearnerSettings& s) {
+  const int64_t ranks = std::max<int64_t>(s.ranks, 1);
+  const int64_t total = CeilDiv(CountParameters(c).total, ranks) * ranks;
+  return std::min(total, CeilDiv(std::max<int64_t>(s.bucket_elements, 1), ranks) * ranks);
+}
+
+int64_t ResolveZeroStage(const ModelConfig& c, const LearnerSettings& s, int64_t device_bytes) {
+  if (s.ranks <= 1) return 1;
+  if (s.zero_stage == 1 || s.zero_stage == 2) return s.zero_stage;
+  LearnerSettings one = s;
+  one.zero_stage = 1;
+  return LearnerMemory(c, one).peak() <= device_bytes ? 1 : 2;
+}
+
+ProcessPlan PlanLearner(const ModelConfig& c, const LearnerSettings& settings,
+                        const DeviceSpec& d) {
+  const LearnerSettings s = Resolved(c, settings, d.memory_bytes);
   const ParameterCounts n = CountParameters(c);
   const int64_t ranks = std::max<int64_t>(s.ranks, 1);
   ProcessPlan p{"learner rank", ranks, LearnerMemory(c, s), {}, {}};
@@ -99,6 +140,16 @@ ProcessPlan PlanLearner(const ModelConfig& c, const LearnerSettings& s, const De
   p.facts.push_back(absl::StrFormat(
       "%d parameters (%d active per token), %d tokens per step over %d ranks, sequences of %d",
       n.total, n.active, s.tokens_per_step, ranks, len));
+  if (ranks > 1) {
+    // A reduce-scatter of the 4P gradient bytes sends (N - 1) / N of them from every rank; stage
+    // 2 reduces once per micro-batch round, stage 1 once per step.
+    const int64_t rounds = s.zero_stage == 2 ? std::max<int64_t>(micro, 1) : 1;
+    const double sent = 4.0 * static_cast<double>(n.total) * (ranks - 1) / ranks * rounds;
+    p.facts.push_back(absl::StrFormat(
+        "dist.zero_stage %d%s: gradients reduce-scattered %d time(s) per step, %s sent per rank",
+        s.zero_stage, settings.zero_stage == 0 ? " (auto)" : "", rounds,
+        FormatGiB(static_cast<int64_t>(sent))));
+  }
   return p;
 }
 
@@ -229,7 +280,7 @@ ProcessPlan PlanTeacher(const ModelConfig& c, const TeacherSettings& s, const De
 
 absl::Status CheckLearnerFits(const ModelConfig& c, const LearnerSettings& s,
                               int64_t device_bytes) {
-  return CheckFits(LearnerMemory(c, s), device_bytes, "learner rank");
+  return CheckFits(LearnerMemory(c, Resolved(c, s, device_bytes)), device_bytes, "learner rank");
 }
 
 absl::Status CheckRolloutFits(const ModelConfig& c, const RolloutSettings& s,

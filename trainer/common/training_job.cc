@@ -4,6 +4,7 @@
 
 #include <csignal>
 #include <filesystem>
+#include <optional>
 
 #include <unistd.h>
 
@@ -100,31 +101,61 @@ absl::StatusOr<lm::plan::LearnerSettings> PlanSettings(const std::string& job,
   return LearnerPlanSettings(c, ranks, bf16_mixed, /*cuda=*/true);
 }
 
-}  // namespace
-
-absl::Status TrainingJob::CheckPlannedMemory(const std::string& dir) const {
-  // A host has no fixed budget: lm::LoadModel checks the weights against MemAvailable, and the
-  // rest grows into swap or the OOM killer, which no start-up figure predicts.
-  if (!device_.is_cuda()) return absl::OkStatus();
+// What the plan needs on a CUDA device: its memory, the model's config.json, the job's settings
+// (nullopt, with a warning, when any cannot be read: the plan guards against a configuration that
+// cannot fit, it never stops one it cannot read).
+struct PlanInputs {
+  int64_t device_bytes = 0;
+  lm::ModelConfig model;
+  lm::plan::LearnerSettings settings;
+};
+std::optional<PlanInputs> ReadPlanInputs(const std::string& job, const std::string& yaml,
+                                         const std::string& dir, torch::Device device,
+                                         int64_t ranks, bool bf16_mixed) {
   absl::StatusOr<int64_t> device_bytes =
-      lm::plan::CudaDeviceMemoryBytes(device_.has_index() ? device_.index() : 0);
+      lm::plan::CudaDeviceMemoryBytes(device.has_index() ? device.index() : 0);
   // A model directory without a readable config.json is lm::LoadModel's error to report.
   absl::StatusOr<lm::ModelConfig> config = lm::LoadModelConfig(dir);
-  absl::StatusOr<lm::plan::LearnerSettings> settings =
-      PlanSettings(job_, config_yaml_, group_->size(), precision_ == Precision::kBf16Mixed);
-  // The plan guards against a configuration that cannot fit; it never stops one it cannot read.
+  absl::StatusOr<lm::plan::LearnerSettings> settings = PlanSettings(job, yaml, ranks, bf16_mixed);
   for (const absl::Status& s : {device_bytes.status(), config.status(), settings.status()}) {
     if (s.ok()) continue;
     lm::log::Warn(absl::StrCat("memory plan not checked: ", s.message()));
-    return absl::OkStatus();
+    return std::nullopt;
   }
-  return lm::plan::CheckLearnerFits(*config, *settings, *device_bytes);
+  return PlanInputs{*device_bytes, *config, *settings};
+}
+
+}  // namespace
+
+absl::StatusOr<ZeroStage> TrainingJob::ResolveZeroStage(const std::string& dir) const {
+  if (group_->size() == 1) return ZeroStage::kOne;  // nothing to shard
+  if (dist_config_.zero_stage != ZeroStage::kAuto) return dist_config_.zero_stage;
+  // A host has no fixed budget to plan against: stage 1 reduces once per step.
+  if (!device_.is_cuda()) return ZeroStage::kOne;
+  const std::optional<PlanInputs> in = ReadPlanInputs(
+      job_, config_yaml_, dir, device_, group_->size(), precision_ == Precision::kBf16Mixed);
+  if (!in) return ZeroStage::kTwo;  // the smaller footprint when the plan cannot say
+  return lm::plan::ResolveZeroStage(in->model, in->settings, in->device_bytes) == 1
+             ? ZeroStage::kOne
+             : ZeroStage::kTwo;
+}
+
+absl::Status TrainingJob::CheckPlannedMemory(const std::string& dir, ZeroStage stage) const {
+  // A host has no fixed budget: lm::LoadModel checks the weights against MemAvailable, and the
+  // rest grows into swap or the OOM killer, which no start-up figure predicts.
+  if (!device_.is_cuda()) return absl::OkStatus();
+  std::optional<PlanInputs> in = ReadPlanInputs(job_, config_yaml_, dir, device_, group_->size(),
+                                                precision_ == Precision::kBf16Mixed);
+  if (!in) return absl::OkStatus();
+  in->settings.zero_stage = stage == ZeroStage::kTwo ? 2 : 1;
+  return lm::plan::CheckLearnerFits(in->model, in->settings, in->device_bytes);
 }
 
 absl::Status TrainingJob::LoadModel(const std::string& dir) {
+  ASSIGN_OR_RETURN(const ZeroStage stage, ResolveZeroStage(dir));
   // Before any weight is allocated: a plan that cannot fit is refused naming its term, instead of
   // a CUDA out-of-memory error some steps in.
-  RETURN_IF_ERROR(CheckPlannedMemory(dir));
+  RETURN_IF_ERROR(CheckPlannedMemory(dir, stage));
   lm::LoadOptions opts;
   opts.dtype = torch::kFloat32;  // master weights; GPUs compute in bf16 under autocast
   opts.device = device_;
@@ -137,11 +168,38 @@ absl::Status TrainingJob::LoadModel(const std::string& dir) {
   std::vector<std::pair<std::string, torch::Tensor>> params;
   for (const auto& p : model_->named_parameters()) params.emplace_back(p.key(), p.value());
   ASSIGN_OR_RETURN(optimizer_, MakeLearnerOptimizer(params, optim_config_, dist_config_,
-                                                    group_.get(), precision_));
+                                                    group_.get(), precision_, stage));
+  if (group_->size() > 1)
+    lm::log::Info(absl::StrCat("dist.zero_stage ", stage == ZeroStage::kTwo ? 2 : 1,
+                               dist_config_.zero_stage == ZeroStage::kAuto ? " (auto)" : "", ": ",
+                               optimizer_->num_buckets(), " gradient buckets, ",
+                               optimizer_->memory().gradients >> 20,
+                               " MiB of gradients on this rank"));
   return absl::OkStatus();
 }
 
 absl::StatusOr<nlohmann::json> TrainingJob::ResumeCommon(const std::string& checkpoint) {
+  absl::StatusOr<nlohmann::json> state = LoadCheckpoint(checkpoint);
+  if (state.ok()) return state;
+  // Say that this checkpoint is unusable, and what remains: the run never falls back to an older
+  // checkpoint by itself (that would silently redo steps a user may believe done).
+  std::string hint;
+  const auto all = checkpoints_.List();
+  std::error_code ec;
+  if (!all.empty() && fs::equivalent(all.back().second, checkpoint, ec)) {
+    hint =
+        "; it is the newest checkpoint of this run and is not replaced by an older one "
+        "automatically: ";
+    hint += all.size() > 1
+                ? absl::StrCat("move it aside to resume from ", all[all.size() - 2].second,
+                               ", or name one with --resume=DIR")
+                : std::string("no older checkpoint exists");
+  }
+  return absl::Status(state.status().code(), absl::StrCat("cannot resume from ", checkpoint, ": ",
+                                                          state.status().message(), hint));
+}
+
+absl::StatusOr<nlohmann::json> TrainingJob::LoadCheckpoint(const std::string& checkpoint) {
   ASSIGN_OR_RETURN(nlohmann::json state, ReadTrainerState(checkpoint));
   // Checkpoints written before the job field existed are SFT's.
   const std::string job = state.value("job", "sft");
