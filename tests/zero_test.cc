@@ -458,8 +458,9 @@ TEST(ShardedOptimizer, GradScaleIsTheLossNormaliserAppliedAfterTheSum) {
 // ---------------------------------------------------------------------------------------------
 // Checkpointed state.
 
-// Three steps on `from` ranks (stage, bucket), saved; the fourth on `to` ranks, loaded from that
-// checkpoint: the one-rank trajectory whatever the world sizes, stages and buckets on either side.
+// Three steps on `from` ranks (stage, bucket, flat order), saved; the fourth on `to` ranks, loaded
+// from that checkpoint: the one-rank trajectory whatever the world sizes, stages, buckets and flat
+// orders on either side (a checkpoint's ranges are translated parameter by parameter).
 TEST(ShardedOptimizer, CheckpointsResumeOnAnyWorldSizeStageAndBucket) {
   torch::set_num_threads(1);
   const Problem p = MakeProblem(4);
@@ -468,7 +469,10 @@ TEST(ShardedOptimizer, CheckpointsResumeOnAnyWorldSizeStageAndBucket) {
     int world;
     ZeroStage stage;
     int64_t bucket;
+    std::vector<std::string> order = {};
   };
+  const std::vector<std::string> shuffled = {"proj.bias", "embed.weight", "head.weight",
+                                             "norm.weight", "proj.weight"};
   const std::string root = TestDir();
   int n = 0;
   for (auto [from, to] : std::vector<std::pair<Side, Side>>{
@@ -476,14 +480,16 @@ TEST(ShardedOptimizer, CheckpointsResumeOnAnyWorldSizeStageAndBucket) {
            {{1, ZeroStage::kOne, 64}, {2, ZeroStage::kTwo, 53}},
            {{2, ZeroStage::kOne, 37}, {3, ZeroStage::kTwo, 29}},
            {{4, ZeroStage::kTwo, 64}, {2, ZeroStage::kOne, 11}},
-           {{3, ZeroStage::kTwo, 1 << 20}, {4, ZeroStage::kTwo, 16}}}) {
+           {{3, ZeroStage::kTwo, 1 << 20}, {4, ZeroStage::kTwo, 16}},
+           {{2, ZeroStage::kTwo, 37}, {3, ZeroStage::kTwo, 29, shuffled}},
+           {{3, ZeroStage::kOne, 23, shuffled}, {2, ZeroStage::kTwo, 41}}}) {
     const std::string dir = root + "/case" + std::to_string(n++);
     fs::create_directories(dir);
     std::vector<torch::Tensor> after3;
     RunRanks(from.world, [&](int rank, ProcessGroup& g) {
       auto opt = trainer::DistributedOptimizer::Create(Clone(p.params), Optim(), &g, from.bucket,
                                                        torch::kFloat32, trainer::Precision::kFp32,
-                                                       from.stage);
+                                                       from.stage, from.order);
       ASSERT_TRUE(opt.ok());
       Train(**opt, p, 0, 3, rank, from.world);
       ASSERT_TRUE((*opt)->SaveState(dir).ok());
@@ -493,8 +499,9 @@ TEST(ShardedOptimizer, CheckpointsResumeOnAnyWorldSizeStageAndBucket) {
     RunRanks(to.world, [&](int rank, ProcessGroup& g) {
       auto params = Clone(p.params);
       for (size_t i = 0; i < params.size(); ++i) params[i].second.copy_(after3[i]);
-      auto opt = trainer::DistributedOptimizer::Create(
-          params, Optim(), &g, to.bucket, torch::kFloat32, trainer::Precision::kFp32, to.stage);
+      auto opt =
+          trainer::DistributedOptimizer::Create(params, Optim(), &g, to.bucket, torch::kFloat32,
+                                                trainer::Precision::kFp32, to.stage, to.order);
       ASSERT_TRUE(opt.ok());
       absl::Status s = (*opt)->LoadState(dir, 3);
       ASSERT_TRUE(s.ok()) << s;

@@ -52,15 +52,15 @@ void AddGradients(MemoryPlan& m, const ModelConfig& c, const LearnerSettings& s)
     return;
   }
   if (s.zero_stage != 2) {
-    m.terms.push_back({absl::StrCat("gradients (fp32, ZeRO-1: local sum + reduced 1/", ranks, ")"),
+    m.terms.push_back({absl::StrCat("gradients (fp32: local sum + reduced 1/", ranks, ")"),
                        4 * n.total + 4 * slice, "dist.zero_stage: 2 (shards the gradients)"});
     return;
   }
-  m.terms.push_back({absl::StrCat("gradients (fp32, ZeRO-2: reduced 1/", ranks, ")"), 4 * slice,
-                     "more learner ranks"});
+  m.terms.push_back(
+      {absl::StrCat("gradients (fp32: reduced 1/", ranks, ")"), 4 * slice, "more learner ranks"});
   const int64_t bucket = BucketElements(c, s);
-  m.terms.push_back({absl::StrCat("gradient buckets (4 x ", bucket, " fp32)"), 4 * 4 * bucket,
-                     "a smaller dist.bucket_mb"});
+  m.terms.push_back({absl::StrCat("gradient buckets in flight (4 x ", bucket, " fp32)"),
+                     4 * 4 * bucket, "a smaller dist.bucket_mb"});
 }
 
 MemoryPlan LearnerMemory(const ModelConfig& c, const LearnerSettings& s) {

@@ -157,7 +157,21 @@ absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> ShardRanges(
   return out;
 }
 
-// optimizer-RRRRR-of-NNNNN.safetensors: flat ranges (N ranks wrote them).
+// The same parameters (names and sizes), whatever their order.
+bool SameParameters(const FlatLayout& a, const FlatLayout& b) {
+  if (a.entries.size() != b.entries.size()) return false;
+  std::map<std::string, int64_t> sizes;
+  for (const auto& e : a.entries) sizes[e.name] = e.numel;
+  for (const auto& e : b.entries) {
+    auto it = sizes.find(e.name);
+    if (it == sizes.end() || it->second != e.numel) return false;
+  }
+  return true;
+}
+
+// optimizer-RRRRR-of-NNNNN.safetensors: flat ranges (N ranks wrote them) of the flat space the
+// files' "layout" describes, which may order the parameters otherwise than this model's: a read
+// is translated parameter by parameter.
 class ShardReader : public OptimizerStateReader {
  public:
   static absl::StatusOr<std::unique_ptr<OptimizerStateReader>> Open(const std::string& dir,
@@ -166,7 +180,7 @@ class ShardReader : public OptimizerStateReader {
     auto r = std::unique_ptr<ShardReader>(new ShardReader());
     r->layout_ = layout;
     r->paths_.reserve(static_cast<size_t>(world));  // the pieces point at these strings
-    const std::string want_layout = layout.ToJson().dump();
+    std::string file_layout;  // as the first shard has it; every shard must agree
     for (int rank = 0; rank < world; ++rank) {
       const std::string& path =
           r->paths_.emplace_back(dir + "/" + OptimizerShardFileName(rank, world));
@@ -178,10 +192,22 @@ class ShardReader : public OptimizerStateReader {
         return absl::DataLossError(
             absl::StrCat(path, ": not an ", kOptimizerShardFormat, " shard"));
       it = meta.find("layout");
-      if (total != layout.total || it == meta.end() || it->second != want_layout)
+      if (it == meta.end()) return absl::DataLossError(absl::StrCat(path, ": no layout"));
+      if (rank == 0) {
+        file_layout = it->second;
+        absl::StatusOr<FlatLayout> parsed = FlatLayout::FromJson(file_layout);
+        if (!parsed.ok())
+          return absl::DataLossError(absl::StrCat(path, ": ", parsed.status().message()));
+        r->file_layout_ = *parsed;
+        for (const auto& e : r->file_layout_.entries) r->file_offset_[e.name] = e.offset;
+      } else if (it->second != file_layout) {
+        return absl::DataLossError(absl::StrCat(path, ": its layout differs from ", r->paths_[0],
+                                                "'s (shards of two runs?)"));
+      }
+      if (total != r->file_layout_.total || !SameParameters(r->file_layout_, layout))
         return absl::FailedPreconditionError(absl::StrCat(path, ": written for other parameters (",
                                                           total, " elements; this model has ",
-                                                          layout.total, ") or in another order"));
+                                                          layout.total, ", or other names)"));
       ASSIGN_OR_RETURN(auto ranges, ShardRanges(path, meta, world, rank, total));
       int64_t n = 0;
       for (const auto& [b, e] : ranges) n += e - b;
@@ -201,7 +227,14 @@ class ShardReader : public OptimizerStateReader {
   }
   absl::Status Read(const std::string& which, int64_t begin, int64_t end,
                     float* out) const override {
-    return CopyRange(pieces_.at(which), which, begin, end, out, dir_ + "/optimizer-*", layout_);
+    for (const auto& e : layout_.entries) {
+      const int64_t lo = std::max(begin, e.offset), hi = std::min(end, e.offset + e.numel);
+      if (lo >= hi) continue;
+      const int64_t from = file_offset_.at(e.name) + (lo - e.offset);
+      RETURN_IF_ERROR(CopyRange(pieces_.at(which), which, from, from + (hi - lo),
+                                out + (lo - begin), dir_ + "/optimizer-*", file_layout_));
+    }
+    return absl::OkStatus();
   }
 
  private:
@@ -218,13 +251,14 @@ class ShardReader : public OptimizerStateReader {
             " flat elements from ", std::min(p.begin, next), " (", *p.file, ")"));
       next = p.end;
     }
-    if (next != layout_.total)
+    if (next != file_layout_.total)
       return absl::DataLossError(absl::StrCat(dir, "/optimizer-*: the shards end at element ", next,
-                                              " of ", layout_.total));
+                                              " of ", file_layout_.total));
     return absl::OkStatus();
   }
 
-  FlatLayout layout_;
+  FlatLayout layout_, file_layout_;  // this model's flat space, the files'
+  std::map<std::string, int64_t> file_offset_;
   std::string dir_;
   std::vector<std::string> paths_;
   std::vector<std::shared_ptr<const lm::SafetensorsFile>> files_;
@@ -251,12 +285,33 @@ absl::StatusOr<int> ShardWorld(const std::string& dir) {
 
 }  // namespace
 
-FlatLayout FlatLayout::Of(const std::vector<std::pair<std::string, torch::Tensor>>& params) {
+FlatLayout FlatLayout::Of(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                          const std::vector<std::string>& order) {
   FlatLayout l;
-  for (auto it = params.rbegin(); it != params.rend(); ++it) {
-    l.entries.push_back(
-        {it->first, l.total, it->second.numel(), UsesWeightDecay(it->first, it->second)});
-    l.total += it->second.numel();
+  std::map<std::string, const torch::Tensor*> left;
+  for (const auto& [name, t] : params) left[name] = &t;
+  auto add = [&](const std::string& name) {
+    auto it = left.find(name);
+    if (it == left.end()) return;  // not a parameter, or placed already
+    l.entries.push_back({name, l.total, it->second->numel(), UsesWeightDecay(name, *it->second)});
+    l.total += it->second->numel();
+    left.erase(it);
+  };
+  for (const std::string& name : order) add(name);
+  for (auto it = params.rbegin(); it != params.rend(); ++it) add(it->first);
+  return l;
+}
+
+absl::StatusOr<FlatLayout> FlatLayout::FromJson(const std::string& text) {
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  FlatLayout l;
+  if (!j.is_array()) return absl::DataLossError("the layout is not a list of [name, size]");
+  for (const auto& e : j) {
+    if (!e.is_array() || e.size() != 2 || !e[0].is_string() || !e[1].is_number_integer() ||
+        e[1].get<int64_t>() < 0)
+      return absl::DataLossError("the layout is not a list of [name, size]");
+    l.entries.push_back({e[0].get<std::string>(), l.total, e[1].get<int64_t>(), false});
+    l.total += l.entries.back().numel;
   }
   return l;
 }

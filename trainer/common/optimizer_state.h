@@ -37,11 +37,17 @@ struct FlatLayout {
     int64_t offset = 0, numel = 0;
     bool decay = false;
   };
-  std::vector<Entry> entries;  // in flat order: the model's parameters last to first
+  std::vector<Entry> entries;  // in flat order
   int64_t total = 0;
 
-  static FlatLayout Of(const std::vector<std::pair<std::string, torch::Tensor>>& params);
+  // The parameters in `order` (their names: the order in which a backward produces their
+  // gradients, GradientArrivalOrder in trainer/common/gradient_order.h), any it leaves out after
+  // them; without `order`, the model's parameters last to first (nearly the backward's order).
+  static FlatLayout Of(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                       const std::vector<std::string>& order = {});
   nlohmann::json ToJson() const;  // [[name, numel], ...] in flat order
+  // The names and sizes ToJson wrote (no decay flags); DATA_LOSS when it is not such a list.
+  static absl::StatusOr<FlatLayout> FromJson(const std::string& text);
 };
 
 // The older checkpoints' split: [begin, end) of `total` elements over `world` ranks in equal
@@ -86,8 +92,9 @@ struct BucketSharding {
 class OptimizerStateReader {
  public:
   // Opens optimizer.safetensors or the complete set of optimizer-*-of-*.safetensors in `dir`, and
-  // checks that they were written for `layout` and cover it exactly once. Errors name the file and
-  // what is wrong.
+  // checks that they were written for the parameters of `layout` (the same names and sizes, in
+  // any flat order: ranges are translated by parameter) and cover them exactly once. Errors name
+  // the file and what is wrong.
   static absl::StatusOr<std::unique_ptr<OptimizerStateReader>> Open(const std::string& dir,
                                                                     const FlatLayout& layout);
   virtual ~OptimizerStateReader() = default;

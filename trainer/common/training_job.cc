@@ -14,6 +14,7 @@
 #include "lm/plan/plan.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
+#include "trainer/common/gradient_order.h"
 #include "trainer/common/job_util.h"
 #include "trainer/common/learner_group.h"
 #include "trainer/common/learner_plan.h"
@@ -40,6 +41,7 @@ absl::Status TrainingJob::JoinGroup(const LearnerTrainConfig& train, const DistC
   device_ = placement.device;
   group_ = std::move(placement.group);
   precision_ = ResolvePrecision(train.precision, device_);
+  checkpoint_layers_ = train.activation_checkpointing;
   return CheckSameOnEveryRank(*group_, config_yaml_, "resolved config");
 }
 
@@ -167,8 +169,9 @@ absl::Status TrainingJob::LoadModel(const std::string& dir) {
   model_->train();
   std::vector<std::pair<std::string, torch::Tensor>> params;
   for (const auto& p : model_->named_parameters()) params.emplace_back(p.key(), p.value());
+  ASSIGN_OR_RETURN(const std::vector<std::string> order, FlatOrder());
   ASSIGN_OR_RETURN(optimizer_, MakeLearnerOptimizer(params, optim_config_, dist_config_,
-                                                    group_.get(), precision_, stage));
+                                                    group_.get(), precision_, stage, order));
   if (group_->size() > 1)
     lm::log::Info(absl::StrCat("dist.zero_stage ", stage == ZeroStage::kTwo ? 2 : 1,
                                dist_config_.zero_stage == ZeroStage::kAuto ? " (auto)" : "", ": ",
@@ -176,6 +179,26 @@ absl::Status TrainingJob::LoadModel(const std::string& dir) {
                                optimizer_->memory().gradients >> 20,
                                " MiB of gradients on this rank"));
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::string>> TrainingJob::FlatOrder() const {
+  // One rank in fp32 keeps AdamW per parameter: no flat space to order.
+  if (group_->size() == 1 && precision_ == Precision::kFp32) return std::vector<std::string>();
+  std::string order;
+  if (is_root()) {
+    absl::StatusOr<std::vector<std::string>> found =
+        GradientArrivalOrder(*model_, precision_, device_, checkpoint_layers_);
+    if (found.ok()) {
+      order = nlohmann::json(*found).dump();
+    } else {
+      lm::log::Warn(absl::StrCat("the backward's gradient order is unknown (",
+                                 found.status().message(), "): reverse model order"));
+    }
+  }
+  // Every rank lays the flat space out in rank 0's order.
+  RETURN_IF_ERROR(group_->BroadcastBytes(&order));
+  if (order.empty()) return std::vector<std::string>();
+  return nlohmann::json::parse(order).get<std::vector<std::string>>();
 }
 
 absl::StatusOr<nlohmann::json> TrainingJob::ResumeCommon(const std::string& checkpoint) {

@@ -73,6 +73,9 @@ class TrainingJob {
   // the job's micro-batch, this many ranks, ZeRO stage `stage`) exceeds its CUDA device; OK on
   // the CPU.
   absl::Status CheckPlannedMemory(const std::string& dir, ZeroStage stage) const;
+  // The sharded optimizer's flat order (trainer/common/gradient_order.h), found on rank 0 and the
+  // same on every rank; empty (reverse model order) when the probe fails, with a warning.
+  absl::StatusOr<std::vector<std::string>> FlatOrder() const;
   // LoadModel plus the job's own checks of the model (a job may add them).
   virtual absl::Status LoadStudent(const std::string& dir) { return LoadModel(dir); }
   // Reads `checkpoint` (refusing another job's), loads its model (LoadStudent) and optimizer
@@ -113,6 +116,7 @@ class TrainingJob {
   CheckpointManager checkpoints_;
   torch::Device device_{torch::kCPU};
   Precision precision_ = Precision::kFp32;  // train.precision, resolved for device_
+  bool checkpoint_layers_ = false;          // train.activation_checkpointing
   // The learner's ranks (one rank: the trivial group).
   std::unique_ptr<lm::dist::ProcessGroup> group_ = std::make_unique<lm::dist::ProcessGroup>();
   std::shared_ptr<lm::CausalLM> model_;

@@ -24,10 +24,11 @@ torch::ScalarType ResolveAllGatherDtype(AllGatherDtype setting, Precision precis
 
 absl::StatusOr<std::unique_ptr<DistributedOptimizer>> MakeLearnerOptimizer(
     const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& optim,
-    const DistConfig& dist, lm::dist::ProcessGroup* group, Precision precision, ZeroStage stage) {
+    const DistConfig& dist, lm::dist::ProcessGroup* group, Precision precision, ZeroStage stage,
+    const std::vector<std::string>& order) {
   return DistributedOptimizer::Create(
       params, optim, group, static_cast<int64_t>(dist.bucket_mb * (1 << 20) / sizeof(float)),
-      ResolveAllGatherDtype(dist.allgather_dtype, precision), precision, stage);
+      ResolveAllGatherDtype(dist.allgather_dtype, precision), precision, stage, order);
 }
 
 DistributedOptimizer::~DistributedOptimizer() = default;
@@ -39,7 +40,7 @@ torch::Tensor& DistributedOptimizer::ParamOf(size_t entry) {
 absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Create(
     const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& config,
     lm::dist::ProcessGroup* group, int64_t bucket_elements, torch::ScalarType gather_dtype,
-    Precision precision, ZeroStage stage) {
+    Precision precision, ZeroStage stage, const std::vector<std::string>& order) {
   auto o = std::unique_ptr<DistributedOptimizer>(new DistributedOptimizer());
   o->group_ = group;
   o->config_ = config;
@@ -50,7 +51,7 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Crea
   if (stage == ZeroStage::kAuto)
     return absl::InvalidArgumentError("dist.zero_stage auto must be resolved to 1 or 2 first");
   o->gather_dtype_ = gather_dtype;
-  o->layout_ = FlatLayout::Of(params);
+  o->layout_ = FlatLayout::Of(params, order);
   for (const auto& [name, p] : params) {
     o->names_.push_back(name);
     o->params_.push_back(p);

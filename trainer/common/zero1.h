@@ -75,7 +75,7 @@ class DistributedOptimizer;
 absl::StatusOr<std::unique_ptr<DistributedOptimizer>> MakeLearnerOptimizer(
     const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& optim,
     const DistConfig& dist, lm::dist::ProcessGroup* group, Precision precision = Precision::kFp32,
-    ZeroStage stage = ZeroStage::kOne);
+    ZeroStage stage = ZeroStage::kOne, const std::vector<std::string>& order = {});
 
 // dist.allgather_dtype under train.precision `precision`:
 // auto follows the precision, float32 for fp32 (an fp32 run keeps fp32 weights on every rank,
@@ -93,11 +93,15 @@ class DistributedOptimizer {
   // weights stay sharded, the other ranks' slices hold their bf16 values, which is what a bf16
   // autocast matmul reads anyway. SyncMasters() gives every rank the exact fp32 weights again
   // (checkpoints call it).
+  //
+  // `order` lays the flat space out (FlatLayout::Of): the backward's arrival order
+  // (trainer/common/gradient_order.h), the same on every rank; checkpoints load whatever order
+  // wrote them.
   static absl::StatusOr<std::unique_ptr<DistributedOptimizer>> Create(
       const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& config,
       lm::dist::ProcessGroup* group, int64_t bucket_elements = 8 << 20,
       torch::ScalarType gather_dtype = torch::kFloat32, Precision precision = Precision::kFp32,
-      ZeroStage stage = ZeroStage::kOne);
+      ZeroStage stage = ZeroStage::kOne, const std::vector<std::string>& order = {});
   ~DistributedOptimizer();
 
   // A step's backwards, on every rank:
