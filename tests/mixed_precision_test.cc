@@ -467,7 +467,7 @@ TEST(MixedOptimizer, MemoryPerRankIsBf16WeightsPlusAnNthOfMastersAndState) {
           auto params = Named(*model);
           // The flat space in the backward's order, as the learner lays it out: each bucket's
           // gradients complete before the next one's.
-          auto order = trainer::GradientArrivalOrder(*model, Precision::kBf16Mixed, torch::kCPU,
+          auto order = trainer::GradientArrivalOrder(*model, Precision::kBf16Mixed,
                                                      /*checkpoint_layers=*/false);
           ASSERT_TRUE(order.ok()) << order.status();
           ASSERT_EQ(order->size(), params.size()) << "every parameter has a gradient";

@@ -32,6 +32,7 @@
 #include "lm/io/safetensors.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
+#include "lm/plan/plan.h"
 #include "nlohmann/json.hpp"
 #include "tests/child_process.h"
 #include "tests/tensor_testing.h"
@@ -258,16 +259,17 @@ Chain MakeChain(int micro_batches) {
 struct ChainRun {
   std::vector<torch::Tensor> weights;
   int64_t overlapped = 0, buckets = 0;
+  trainer::LearnerMemory memory;
 };
 
 // Two steps of the chain on `g`'s ranks: rank r runs micro-batches r, r + N, ...; `legacy` drives
 // the older protocol (ExpectLastBackward, then the rank's own loss.backward()).
 ChainRun RunChain(const Chain& c, ProcessGroup& g, ZeroStage stage, int64_t bucket,
-                  bool legacy = false) {
+                  bool legacy = false, const std::vector<std::string>& order = {}) {
   auto params = Clone(c.init);
   for (auto& [n, t] : params) t.set_requires_grad(true);
   auto opt = trainer::DistributedOptimizer::Create(params, Optim(), &g, bucket, torch::kFloat32,
-                                                   trainer::Precision::kFp32, stage);
+                                                   trainer::Precision::kFp32, stage, order);
   EXPECT_TRUE(opt.ok()) << opt.status();
   if (!opt.ok()) return {};
   const int64_t micro = c.inputs.size(0), world = g.size();
@@ -294,6 +296,7 @@ ChainRun RunChain(const Chain& c, ProcessGroup& g, ZeroStage stage, int64_t buck
   }
   out.buckets = (*opt)->num_buckets();
   out.weights = Values(**opt);
+  out.memory = (*opt)->memory();
   return out;
 }
 
@@ -347,6 +350,41 @@ TEST(ShardedOptimizer, UnevenMicroBatchesAndRanksWithNoneTrainAsOne) {
       }
     }
   }
+}
+
+// A flat space laid out against the backward (the layers first to last, their gradients arriving
+// last to first): every gradient waits, as autograd made it, for its buckets' turn, the staging
+// buckets stay at most 2 in flight + 1 filling, and the sums are the same.
+TEST(ShardedOptimizer, GradientsArrivingOutOfOrderWaitForTheirBuckets) {
+  torch::set_num_threads(1);
+  const Chain c = MakeChain(4);
+  const auto want = OneRankChain(c);
+  std::vector<std::string> forward;
+  for (const auto& [n, t] : c.init) forward.push_back(n);
+  std::vector<ChainRun> runs(2);
+  RunRanks(2, [&](int rank, ProcessGroup& g) {
+    runs[rank] = RunChain(c, g, ZeroStage::kTwo, 16, false, forward);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_LE(MaxRelDiff(want, runs[r].weights), 1e-6) << "rank " << r;
+    EXPECT_EQ(runs[r].buckets, 24);
+    EXPECT_GT(runs[r].memory.gradient_buckets, 0);
+    EXPECT_LE(runs[r].memory.gradient_buckets,
+              static_cast<int64_t>(trainer::GradientReducer::kMaxInFlight + 1) * 16 * 4)
+        << "rank " << r;
+  }
+}
+
+// The plan's largest parameter (its "gradient awaiting its buckets" term) is the model's.
+TEST(ShardedOptimizer, ThePlansLargestParameterIsTheModels) {
+  std::ifstream in(std::string(OPD_SOURCE_DIR) + "/configs/sft/tiny_model.json");
+  auto config = lm::ParseModelConfig(nlohmann::json::parse(in));
+  ASSERT_TRUE(config.ok());
+  auto model = lm::CreateModel(*config);
+  ASSERT_TRUE(model.ok());
+  int64_t largest = 0;
+  for (const auto& p : (*model)->parameters()) largest = std::max(largest, p.numel());
+  EXPECT_EQ(lm::plan::CountParameters(*config).largest, largest);
 }
 
 // A rank that runs more backwards than it announced would need a round the others do not run:

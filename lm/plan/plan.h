@@ -12,7 +12,8 @@
 //   G with one rank: 4 P; dist.zero_stage 1: 4 P (every rank's local sum) + 4 P / N (its reduced
 //     slice); stage 2: 4 P / N plus 4 fp32 buckets of B elements
 //     (trainer/common/gradient_reducer.h: 2 in flight, 1 filling, 1 of zeros for a rank with fewer
-//     micro-batches); auto is stage 1 when its peak fits the device, else 2;
+//     micro-batches) and the gradient of the largest parameter held until its buckets' turn (bf16
+//     in bf16-mixed); auto is stage 1 when its peak fits the device, else 2;
 //   activations per micro-batch: what the backward keeps per token and layer (see
 //     TrainActivationBytesPerToken), or with activation checkpointing (lm/model/recompute.h) each
 //     layer's input only plus one layer's full set while it is recomputed; plus one chunk of
@@ -106,6 +107,7 @@ struct ParameterCounts {
   int64_t moe_layers = 0;
   int64_t active = 0;        // matmul parameters one token goes through, the LM head included
   int64_t dense_matmul = 0;  // active less the routed experts: what every decode step reads
+  int64_t largest = 0;       // elements of the largest single parameter tensor
 };
 ParameterCounts CountParameters(const ModelConfig& c);
 

@@ -61,6 +61,9 @@ void AddGradients(MemoryPlan& m, const ModelConfig& c, const LearnerSettings& s)
   const int64_t bucket = BucketElements(c, s);
   m.terms.push_back({absl::StrCat("gradient buckets in flight (4 x ", bucket, " fp32)"),
                      4 * 4 * bucket, "a smaller dist.bucket_mb"});
+  // A gradient is held as autograd made it until its buckets' turn: the largest one's at most.
+  m.terms.push_back({"gradient awaiting its buckets (largest parameter)",
+                     (s.bf16_mixed ? 2 : 4) * n.largest, "a student with smaller tensors"});
 }
 
 MemoryPlan LearnerMemory(const ModelConfig& c, const LearnerSettings& s) {

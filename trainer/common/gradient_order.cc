@@ -29,7 +29,6 @@ class ArrivalHook : public torch::autograd::PostAccumulateGradHook {
 
 absl::StatusOr<std::vector<std::string>> GradientArrivalOrder(lm::CausalLM& model,
                                                               Precision precision,
-                                                              torch::Device device,
                                                               bool checkpoint_layers) {
   std::vector<std::pair<std::string, torch::Tensor>> params;
   for (const auto& p : model.named_parameters()) {
@@ -59,6 +58,8 @@ absl::StatusOr<std::vector<std::string>> GradientArrivalOrder(lm::CausalLM& mode
           params[i].second.mutable_grad() = torch::Tensor();
         }));
   }
+  if (params.empty()) return order;
+  const torch::Device device = params.front().second.device();
   const int64_t vocab = model.config().vocab_size;
   lm::PackedBatch batch = lm::PackedBatch::FromSequences(
       {{1 % vocab, 2 % vocab, 3 % vocab}});  // any ids: only the graph's shape matters

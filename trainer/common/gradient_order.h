@@ -16,14 +16,16 @@
 
 namespace trainer {
 
-// One forward and backward of a three-token sequence through `model` (the learner's precision,
-// its layers recomputed when `checkpoint_layers`, as in training), recording the order of the
-// parameters' gradient accumulations; each gradient is dropped as it arrives. Parameters the
-// backward does not reach are left out (FlatLayout::Of puts them after). The model's weights, its
-// gradients (none) and the RNG are as they were.
+// One forward and backward of a three-token sequence through `model`, where its weights are (the
+// learner loads them on the host before placing them), in the learner's precision and with its
+// layers recomputed when `checkpoint_layers`, as in training; it records the order of the
+// parameters' gradient accumulations, each gradient dropped as it arrives. Training's autograd
+// graph is the reference one on every device (the device fast paths serve gradient-free calls
+// only), so the host's order is the device's. Parameters the backward does not reach are left out
+// (FlatLayout::Of puts them after). The model's weights, its gradients (none) and the RNG are as
+// they were.
 absl::StatusOr<std::vector<std::string>> GradientArrivalOrder(lm::CausalLM& model,
                                                               Precision precision,
-                                                              torch::Device device,
                                                               bool checkpoint_layers);
 
 }  // namespace trainer

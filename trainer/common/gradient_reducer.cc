@@ -53,7 +53,7 @@ GradientReducer::GradientReducer(std::vector<torch::Tensor> params, FlatLayout l
     slice_ = group_->size() == 1 ? flat_ : torch::zeros({sharding_.slice}, opts_);
   } else {
     slice_ = torch::zeros({sharding_.slice}, opts_);
-    staging_.resize(buckets);
+    pending_.resize(layout_.entries.size());
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     torch::autograd::impl::set_post_acc_grad_hooks(
@@ -80,10 +80,7 @@ void GradientReducer::ZeroGrad() {
   error_ = absl::OkStatus();
   slice_.zero_();
   if (stage_ == ZeroStage::kTwo) {
-    for (torch::Tensor& s : staging_) {
-      if (s.defined()) free_.push_back(s);
-      s = torch::Tensor();
-    }
+    for (torch::Tensor& g : pending_) g = torch::Tensor();
     for (torch::Tensor& p : params_) p.mutable_grad() = torch::Tensor();
     return;
   }
@@ -151,53 +148,48 @@ void GradientReducer::OnGradient(size_t entry) {
   const auto& e = layout_.entries[entry];
   const auto [first, last] = sharding_.BucketsOf(e.offset, e.offset + e.numel);
   const bool counts = armed_ && !arrived_[entry];
-  if (armed_ && !counts && stage_ == ZeroStage::kOne) {
+  if (armed_ && !counts && first < next_launch_) {
     // Accumulated twice in one backward (a parameter used inside and outside a recomputed
-    // block): harmless unless its bucket already went out, when the addition raced the sum.
-    if (first < next_launch_)
-      Fail(absl::FailedPreconditionError(absl::StrCat(
-          "parameter ", e.name,
-          " received a second gradient in one backward after its bucket was reduced")));
+    // block) after its first bucket went out: the second addition would miss that sum.
+    Fail(absl::FailedPreconditionError(
+        absl::StrCat("parameter ", e.name,
+                     " received a second gradient in one backward after its bucket was reduced")));
     return;
   }
   if (armed_) arrived_[entry] = 1;
-  torch::Tensor grad;
-  if (stage_ == ZeroStage::kTwo) {
-    grad = params_[entry].grad();
-    params_[entry].mutable_grad() = torch::Tensor();
-  }
-  // Bucket by bucket, so that a parameter spanning many buckets holds at most a few stagings.
-  for (size_t b = first; b <= last && e.numel > 0; ++b) {
-    if (grad.defined()) AddToStaging(b, entry, grad);
-    if (counts) --waiting_[b];
-    if (armed_) LaunchReady();
-  }
+  if (stage_ == ZeroStage::kTwo) TakeGradient(entry);
+  if (!counts) return;
+  for (size_t b = first; b <= last && e.numel > 0; ++b) --waiting_[b];
+  LaunchReady();
 }
 
-torch::Tensor& GradientReducer::Staging(size_t bucket) {
-  torch::Tensor& s = staging_[bucket];
-  if (s.defined()) return s;
+void GradientReducer::TakeGradient(size_t entry) {
+  torch::Tensor& grad = params_[entry].mutable_grad();
+  if (!grad.defined()) return;
+  // Autograd's own tensor, as it came (bf16 for a compute copy): it waits for its buckets' turn
+  // and is added into their fp32 staging then, so a gradient that arrives early holds its own
+  // bytes and no staging bucket. A second one in the same round (no reduction between) is summed
+  // in fp32, as stage 1's fp32 views sum it.
+  torch::Tensor& held = pending_[entry];
+  if (!held.defined()) {
+    held = std::move(grad);
+  } else {
+    if (held.scalar_type() != torch::kFloat32) held = held.to(torch::kFloat32);
+    held.add_(grad);
+  }
+  grad = torch::Tensor();
+}
+
+torch::Tensor GradientReducer::Staging(int64_t length) {
   if (free_.empty()) {
     free_.push_back(
         torch::empty({sharding_.buckets.front().padded_length(sharding_.world)}, opts_));
     ++staging_allocated_;
   }
-  s = std::move(free_.back());
+  torch::Tensor s = std::move(free_.back());
   free_.pop_back();
-  s.narrow(0, 0, sharding_.buckets[bucket].padded_length(sharding_.world)).zero_();
+  s.narrow(0, 0, length).zero_();
   return s;
-}
-
-void GradientReducer::AddToStaging(size_t bucket, size_t entry, const torch::Tensor& grad) {
-  const auto& b = sharding_.buckets[bucket];
-  const auto& e = layout_.entries[entry];
-  const int64_t lo = std::max(b.begin, e.offset), hi = std::min(b.end, e.offset + e.numel);
-  if (lo >= hi) return;
-  // fp32 += the gradient's dtype (bf16 for a compute copy): the fp32 accumulation stage 1 gets
-  // from its fp32 views.
-  Staging(bucket)
-      .narrow(0, lo - b.begin, hi - lo)
-      .add_(grad.reshape(-1).narrow(0, lo - e.offset, hi - lo));
 }
 
 void GradientReducer::LaunchReady() {
@@ -219,21 +211,24 @@ void GradientReducer::Launch(size_t bucket) {
     in_flight_.push_back(std::move(f));
     return;
   }
-  // Gradients that reached .grad without their hook (set by hand, or accumulated while no
-  // reduction was due) join their buckets now, whole: none of their buckets is out yet.
+  // The bucket's part of every gradient held for it; one that reached .grad without its hook
+  // (set by hand) joins them now. A bucket nobody contributed to reduces zeros.
+  torch::Tensor staging;
   for (size_t i : entries_of_bucket_[bucket]) {
-    if (!params_[i].grad().defined()) continue;
-    torch::Tensor grad = params_[i].grad();
-    params_[i].mutable_grad() = torch::Tensor();
+    TakeGradient(i);
+    if (!pending_[i].defined()) continue;
     const auto& e = layout_.entries[i];
-    const auto [first, last] = sharding_.BucketsOf(e.offset, e.offset + e.numel);
-    for (size_t k = first; k <= last; ++k) AddToStaging(k, i, grad);
+    const int64_t lo = std::max(b.begin, e.offset), hi = std::min(b.end, e.offset + e.numel);
+    if (!staging.defined()) staging = Staging(length);
+    // fp32 += the gradient's dtype: the fp32 accumulation stage 1 gets from its fp32 views.
+    staging.narrow(0, lo - b.begin, hi - lo)
+        .add_(pending_[i].reshape(-1).narrow(0, lo - e.offset, hi - lo));
+    if (hi == e.offset + e.numel) pending_[i] = torch::Tensor();  // its last bucket
   }
   torch::Tensor in;
-  if (staging_[bucket].defined()) {
-    f.staging = std::move(staging_[bucket]);
-    staging_[bucket] = torch::Tensor();
-    in = f.staging.narrow(0, 0, length);
+  if (staging.defined()) {
+    in = staging.narrow(0, 0, length);
+    f.staging = std::move(staging);
   } else {
     if (!zeros_.defined())
       zeros_ = torch::zeros({sharding_.buckets.front().padded_length(sharding_.world)}, opts_);
@@ -285,14 +280,13 @@ absl::Status GradientReducer::Finish() {
 
 absl::Status GradientReducer::CheckNothingLeft() const {
   if (stage_ == ZeroStage::kOne) return absl::OkStatus();
-  for (size_t b = 0; b < staging_.size(); ++b) {
-    if (!staging_[b].defined()) continue;
-    const auto& e = layout_.entries[entries_of_bucket_[b].front()];
-    return absl::FailedPreconditionError(
-        absl::StrCat("gradients (of ", e.name,
-                     " and its bucket) arrived after the step's last reduction: a "
-                     "backward outside the ",
-                     backwards_announced_, " announced (ExpectBackwards)"));
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    if (!pending_[i].defined() && !params_[i].grad().defined()) continue;
+    return absl::FailedPreconditionError(absl::StrCat("the gradient of ", layout_.entries[i].name,
+                                                      " arrived after the step's last reduction: a "
+                                                      "backward beyond the ",
+                                                      backwards_announced_,
+                                                      " announced (ExpectBackwards)"));
   }
   return absl::OkStatus();
 }

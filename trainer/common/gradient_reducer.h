@@ -8,14 +8,17 @@
 //            accumulate into it in place, and during the rank's last backward of the step each
 //            bucket is reduce-scattered into the slice as soon as its gradients are complete
 //            (one reduction per step). Gradient memory: 4P (the buffer) + 4P/N (the slice).
-//   stage 2  there is no full buffer: when a parameter's gradient arrives it is added (in fp32)
-//            into its buckets' staging buffers and released, and a bucket whose parameters have
-//            all arrived is reduce-scattered into the slice at once, every backward (a
-//            micro-batch's gradients are reduced before the next micro-batch runs; the slice
-//            accumulates them in fp32). At most kMaxInFlight buckets are in flight: when another
-//            is ready the oldest is waited for and its staging buffer reused, so what stage 2
-//            holds beyond the 4P/N slice is (kMaxInFlight + 1) staging buckets and the gradient
-//            of the parameter the backward is accumulating.
+//   stage 2  there is no full buffer: a parameter's gradient, as autograd made it, is taken from
+//            .grad when it arrives, and a bucket whose parameters have all arrived is added (in
+//            fp32) from them into a staging buffer and reduce-scattered into the slice at once,
+//            every backward (a micro-batch's gradients are reduced before the next micro-batch
+//            runs; the slice accumulates them in fp32); a gradient is released with its last
+//            bucket. At most kMaxInFlight buckets are in flight: when another is ready the oldest
+//            is waited for and its staging buffer reused. So what stage 2 holds beyond the 4P/N
+//            slice is kMaxInFlight + 1 staging buckets (one more of zeros on a rank that reduces
+//            a round without a backward) and the gradients that arrived ahead of their buckets'
+//            turn (in the flat space laid out in the backward's order, trainer/common/
+//            gradient_order.h, about one parameter's), in their own dtype.
 //
 // The collectives must match on every rank: every rank reduces every bucket in index order once
 // per round, and the rounds of a step are agreed before it starts (ExpectBackwards: the most
@@ -92,8 +95,8 @@ class GradientReducer {
   void OnGradient(size_t entry);  // from the autograd engine, after an accumulation
   void Arm();                     // the next backward's buckets go out as they complete
   // Under mu_:
-  void AddToStaging(size_t bucket, size_t entry, const torch::Tensor& grad);
-  torch::Tensor& Staging(size_t bucket);
+  void TakeGradient(size_t entry);        // stage 2: .grad into pending_
+  torch::Tensor Staging(int64_t length);  // a staging buffer, its first `length` zero
   void LaunchReady();
   void Launch(size_t bucket);
   void LaunchRound();  // the current round's remaining buckets
@@ -114,7 +117,7 @@ class GradientReducer {
   torch::Tensor slice_;  // this rank's reduced gradients
 
   // Stage 2.
-  std::vector<torch::Tensor> staging_;  // per bucket: the local sum not yet reduced
+  std::vector<torch::Tensor> pending_;  // per entry: its gradient not yet in a reduced bucket
   std::vector<torch::Tensor> free_;     // staging buffers to reuse
   int64_t staging_allocated_ = 0;
   torch::Tensor zeros_;  // the input of a bucket nobody contributed to

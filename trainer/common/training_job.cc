@@ -158,9 +158,13 @@ absl::Status TrainingJob::LoadModel(const std::string& dir) {
   // Before any weight is allocated: a plan that cannot fit is refused naming its term, instead of
   // a CUDA out-of-memory error some steps in.
   RETURN_IF_ERROR(CheckPlannedMemory(dir, stage));
+  // The sharded (flat) path places the weights on the device itself, a parameter at a time:
+  // loading the fp32 model there first would hold it and the flat buffers at once (in bf16-mixed
+  // 4P + 2P bytes at start-up against the 2P the plan counts). One fp32 rank loads in place.
+  const bool flat = group_->size() > 1 || precision_ == Precision::kBf16Mixed;
   lm::LoadOptions opts;
   opts.dtype = torch::kFloat32;  // master weights; GPUs compute in bf16 under autocast
-  opts.device = device_;
+  opts.device = flat ? torch::Device(torch::kCPU) : device_;
   absl::StatusOr<std::shared_ptr<lm::CausalLM>> model = lm::LoadModel(dir, opts);
   if (!model.ok())
     return absl::Status(model.status().code(),
@@ -170,8 +174,9 @@ absl::Status TrainingJob::LoadModel(const std::string& dir) {
   std::vector<std::pair<std::string, torch::Tensor>> params;
   for (const auto& p : model_->named_parameters()) params.emplace_back(p.key(), p.value());
   ASSIGN_OR_RETURN(const std::vector<std::string> order, FlatOrder());
-  ASSIGN_OR_RETURN(optimizer_, MakeLearnerOptimizer(params, optim_config_, dist_config_,
-                                                    group_.get(), precision_, stage, order));
+  ASSIGN_OR_RETURN(optimizer_,
+                   MakeLearnerOptimizer(params, optim_config_, dist_config_, group_.get(),
+                                        precision_, stage, order, device_));
   if (group_->size() > 1)
     lm::log::Info(absl::StrCat("dist.zero_stage ", stage == ZeroStage::kTwo ? 2 : 1,
                                dist_config_.zero_stage == ZeroStage::kAuto ? " (auto)" : "", ": ",
@@ -187,7 +192,7 @@ absl::StatusOr<std::vector<std::string>> TrainingJob::FlatOrder() const {
   std::string order;
   if (is_root()) {
     absl::StatusOr<std::vector<std::string>> found =
-        GradientArrivalOrder(*model_, precision_, device_, checkpoint_layers_);
+        GradientArrivalOrder(*model_, precision_, checkpoint_layers_);
     if (found.ok()) {
       order = nlohmann::json(*found).dump();
     } else {

@@ -25,10 +25,10 @@ torch::ScalarType ResolveAllGatherDtype(AllGatherDtype setting, Precision precis
 absl::StatusOr<std::unique_ptr<DistributedOptimizer>> MakeLearnerOptimizer(
     const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& optim,
     const DistConfig& dist, lm::dist::ProcessGroup* group, Precision precision, ZeroStage stage,
-    const std::vector<std::string>& order) {
+    const std::vector<std::string>& order, std::optional<torch::Device> device) {
   return DistributedOptimizer::Create(
       params, optim, group, static_cast<int64_t>(dist.bucket_mb * (1 << 20) / sizeof(float)),
-      ResolveAllGatherDtype(dist.allgather_dtype, precision), precision, stage, order);
+      ResolveAllGatherDtype(dist.allgather_dtype, precision), precision, stage, order, device);
 }
 
 DistributedOptimizer::~DistributedOptimizer() = default;
@@ -40,7 +40,8 @@ torch::Tensor& DistributedOptimizer::ParamOf(size_t entry) {
 absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Create(
     const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& config,
     lm::dist::ProcessGroup* group, int64_t bucket_elements, torch::ScalarType gather_dtype,
-    Precision precision, ZeroStage stage, const std::vector<std::string>& order) {
+    Precision precision, ZeroStage stage, const std::vector<std::string>& order,
+    std::optional<torch::Device> device) {
   auto o = std::unique_ptr<DistributedOptimizer>(new DistributedOptimizer());
   o->group_ = group;
   o->config_ = config;
@@ -59,14 +60,19 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Crea
   for (const auto& e : o->layout_.entries)
     o->entry_param_.push_back(static_cast<size_t>(
         std::find(o->names_.begin(), o->names_.end(), e.name) - o->names_.begin()));
+  if (params.empty()) return absl::InvalidArgumentError("the model has no parameters");
+  const torch::Device from = params.front().second.device();
   if (group->size() == 1 && !o->mixed_) {
+    if (device && *device != from)
+      return absl::InvalidArgumentError(
+          absl::StrCat("one fp32 rank updates the parameters where they are (", from.str(),
+                       "), not on ", device->str()));
     o->adamw_ = std::make_unique<AdamW>(params, config);
     return o;
   }
-  if (params.empty()) return absl::InvalidArgumentError("the model has no parameters");
-  const torch::TensorOptions opts = params.front().second.options();
+  const torch::TensorOptions opts = params.front().second.options().device(device.value_or(from));
   for (const auto& [name, p] : params) {
-    if (p.scalar_type() != torch::kFloat32 || p.device() != opts.device())
+    if (p.scalar_type() != torch::kFloat32 || p.device() != from)
       return absl::InvalidArgumentError(
           absl::StrCat("data-parallel training keeps fp32 weights on one device; parameter ", name,
                        " is ", c10::toString(p.scalar_type()), " on ", p.device().str()));
