@@ -510,8 +510,9 @@ TEST(PlanMeasured, CpuSftPeakMatchesThePlan) {
 // sequences: a rank holds weights 4P, its slice of the gradients 4P/4, AdamW 8P/4, up to 4
 // gradient buckets of 8 Mi elements (32 MiB each) and one gradient awaiting its buckets (the
 // largest parameter, a fused expert stack of 32 MiB): 354 + 128 + 32 MiB + activations for the
-// medium student. Stage 1 would hold 4P + 4P/4 of gradients, 154 MiB more than the whole
-// tolerance (4 x the largest parameter). Same tolerance as above.
+// medium student; and, this being the CPU, the loaded fp32 model the flat buffers were filled
+// from (4P: on a GPU it stays on the host). Stage 1 would hold 4P + 4P/4 of gradients, 154 MiB
+// more than the whole tolerance (4 x the largest parameter). Same tolerance as above.
 TEST(PlanMeasured, CpuShardedSftPeakMatchesThePlan) {
   const std::string dir = TestDir();
   const std::string medium_json = dir + "/medium.json";

@@ -73,6 +73,12 @@ MemoryPlan LearnerMemory(const ModelConfig& c, const LearnerSettings& s) {
   m.terms.push_back(
       {s.bf16_mixed ? "weights (bf16 matrices, fp32 norms and routers)" : "weights (fp32)",
        WeightBytes(n, !s.bf16_mixed), "a smaller student (every rank holds all)"});
+  // The flat path (several ranks, or bf16-mixed) loads the fp32 model on the host and moves it into
+  // its buffers: on a CUDA device nothing of it stays, on the CPU the host is the device and the
+  // loaded copy's memory is not reused (freed piece by piece between live allocations).
+  if (!s.cuda && (ranks > 1 || s.bf16_mixed))
+    m.terms.push_back({"the loaded fp32 model, before the flat buffers take it (CPU)", 4 * n.total,
+                       "a smaller student"});
   AddGradients(m, c, s);
   if (s.bf16_mixed)
     m.terms.push_back(

@@ -54,6 +54,7 @@ GradientReducer::GradientReducer(std::vector<torch::Tensor> params, FlatLayout l
   } else {
     slice_ = torch::zeros({sharding_.slice}, opts_);
     pending_.resize(layout_.entries.size());
+    absorbed_.assign(layout_.entries.size(), 0);
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     torch::autograd::impl::set_post_acc_grad_hooks(
@@ -82,6 +83,8 @@ void GradientReducer::ZeroGrad() {
   if (stage_ == ZeroStage::kTwo) {
     for (torch::Tensor& g : pending_) g = torch::Tensor();
     for (torch::Tensor& p : params_) p.mutable_grad() = torch::Tensor();
+    if (current_.defined()) free_.push_back(std::move(current_));
+    current_ = torch::Tensor();
     return;
   }
   flat_.zero_();
@@ -148,36 +151,61 @@ void GradientReducer::OnGradient(size_t entry) {
   const auto& e = layout_.entries[entry];
   const auto [first, last] = sharding_.BucketsOf(e.offset, e.offset + e.numel);
   const bool counts = armed_ && !arrived_[entry];
-  if (armed_ && !counts && first < next_launch_) {
-    // Accumulated twice in one backward (a parameter used inside and outside a recomputed
-    // block) after its first bucket went out: the second addition would miss that sum.
+  // Accumulated twice in one backward (a parameter used inside and outside a recomputed block):
+  // harmless until a part of it has gone into a bucket (stage 1: a reduced one; stage 2: one being
+  // summed), after which the second addition would miss that part.
+  const bool taken = stage_ == ZeroStage::kOne
+                         ? first < next_launch_
+                         : pending_[entry].defined() && absorbed_[entry] > first;
+  if (armed_ && !counts && taken) {
     Fail(absl::FailedPreconditionError(
         absl::StrCat("parameter ", e.name,
-                     " received a second gradient in one backward after its bucket was reduced")));
+                     " received a second gradient in one backward after a bucket took the first")));
     return;
   }
   if (armed_) arrived_[entry] = 1;
   if (stage_ == ZeroStage::kTwo) TakeGradient(entry);
   if (!counts) return;
   for (size_t b = first; b <= last && e.numel > 0; ++b) --waiting_[b];
+  if (stage_ == ZeroStage::kTwo) Absorb(next_launch_, /*all=*/false);
   LaunchReady();
 }
 
 void GradientReducer::TakeGradient(size_t entry) {
   torch::Tensor& grad = params_[entry].mutable_grad();
   if (!grad.defined()) return;
-  // Autograd's own tensor, as it came (bf16 for a compute copy): it waits for its buckets' turn
-  // and is added into their fp32 staging then, so a gradient that arrives early holds its own
-  // bytes and no staging bucket. A second one in the same round (no reduction between) is summed
-  // in fp32, as stage 1's fp32 views sum it.
+  // Autograd's own tensor, as it came (bf16 for a compute copy): its parts are added into the
+  // fp32 staging of each bucket when that bucket is the one being filled, and it is released with
+  // its last part. A second one before any part was taken (no reduction between) is summed in
+  // fp32, as stage 1's fp32 views sum it.
   torch::Tensor& held = pending_[entry];
   if (!held.defined()) {
     held = std::move(grad);
+    const auto& e = layout_.entries[entry];
+    absorbed_[entry] = sharding_.BucketsOf(e.offset, e.offset + e.numel).first;
   } else {
     if (held.scalar_type() != torch::kFloat32) held = held.to(torch::kFloat32);
     held.add_(grad);
   }
   grad = torch::Tensor();
+}
+
+void GradientReducer::Absorb(size_t bucket, bool all) {
+  if (bucket >= sharding_.buckets.size()) return;
+  const auto& b = sharding_.buckets[bucket];
+  for (size_t i : entries_of_bucket_[bucket]) {
+    // Before its bucket goes out, only a gradient complete for the round: one held from an
+    // earlier backward of the older protocol still takes this backward's part.
+    if (!pending_[i].defined() || absorbed_[i] != bucket || (!all && !arrived_[i])) continue;
+    const auto& e = layout_.entries[i];
+    const int64_t lo = std::max(b.begin, e.offset), hi = std::min(b.end, e.offset + e.numel);
+    if (!current_.defined()) current_ = Staging(b.padded_length(sharding_.world));
+    // fp32 += the gradient's dtype: the fp32 accumulation stage 1 gets from its fp32 views.
+    current_.narrow(0, lo - b.begin, hi - lo)
+        .add_(pending_[i].reshape(-1).narrow(0, lo - e.offset, hi - lo));
+    absorbed_[i] = bucket + 1;
+    if (hi == e.offset + e.numel) pending_[i] = torch::Tensor();  // its last part
+  }
 }
 
 torch::Tensor GradientReducer::Staging(int64_t length) {
@@ -196,6 +224,8 @@ void GradientReducer::LaunchReady() {
   while (next_launch_ < waiting_.size() && waiting_[next_launch_] == 0) {
     Launch(next_launch_++);
     ++overlapped_;
+    // The next bucket starts filling from what has arrived for it, releasing what it completes.
+    if (stage_ == ZeroStage::kTwo) Absorb(next_launch_, /*all=*/false);
   }
 }
 
@@ -211,24 +241,15 @@ void GradientReducer::Launch(size_t bucket) {
     in_flight_.push_back(std::move(f));
     return;
   }
-  // The bucket's part of every gradient held for it; one that reached .grad without its hook
-  // (set by hand) joins them now. A bucket nobody contributed to reduces zeros.
-  torch::Tensor staging;
-  for (size_t i : entries_of_bucket_[bucket]) {
-    TakeGradient(i);
-    if (!pending_[i].defined()) continue;
-    const auto& e = layout_.entries[i];
-    const int64_t lo = std::max(b.begin, e.offset), hi = std::min(b.end, e.offset + e.numel);
-    if (!staging.defined()) staging = Staging(length);
-    // fp32 += the gradient's dtype: the fp32 accumulation stage 1 gets from its fp32 views.
-    staging.narrow(0, lo - b.begin, hi - lo)
-        .add_(pending_[i].reshape(-1).narrow(0, lo - e.offset, hi - lo));
-    if (hi == e.offset + e.numel) pending_[i] = torch::Tensor();  // its last bucket
-  }
+  // Every gradient held for the bucket goes into its staging (one that reached .grad without its
+  // hook, set by hand, joins them now); a bucket nobody contributed to reduces zeros.
+  for (size_t i : entries_of_bucket_[bucket]) TakeGradient(i);
+  Absorb(bucket, /*all=*/true);
   torch::Tensor in;
-  if (staging.defined()) {
-    in = staging.narrow(0, 0, length);
-    f.staging = std::move(staging);
+  if (current_.defined()) {
+    in = current_.narrow(0, 0, length);
+    f.staging = std::move(current_);
+    current_ = torch::Tensor();
   } else {
     if (!zeros_.defined())
       zeros_ = torch::zeros({sharding_.buckets.front().padded_length(sharding_.world)}, opts_);

@@ -9,16 +9,18 @@
 //            bucket is reduce-scattered into the slice as soon as its gradients are complete
 //            (one reduction per step). Gradient memory: 4P (the buffer) + 4P/N (the slice).
 //   stage 2  there is no full buffer: a parameter's gradient, as autograd made it, is taken from
-//            .grad when it arrives, and a bucket whose parameters have all arrived is added (in
-//            fp32) from them into a staging buffer and reduce-scattered into the slice at once,
-//            every backward (a micro-batch's gradients are reduced before the next micro-batch
-//            runs; the slice accumulates them in fp32); a gradient is released with its last
-//            bucket. At most kMaxInFlight buckets are in flight: when another is ready the oldest
-//            is waited for and its staging buffer reused. So what stage 2 holds beyond the 4P/N
-//            slice is kMaxInFlight + 1 staging buckets (one more of zeros on a rank that reduces
-//            a round without a backward) and the gradients that arrived ahead of their buckets'
-//            turn (in the flat space laid out in the backward's order, trainer/common/
-//            gradient_order.h, about one parameter's), in their own dtype.
+//            .grad when it arrives; its part in the bucket being filled (the next to go out) is
+//            added at once (in fp32) into that bucket's staging buffer, its parts in later
+//            buckets when they become the one being filled, and it is released with its last
+//            part. A bucket whose parameters have all arrived is reduce-scattered into the slice
+//            at once, every backward (a micro-batch's gradients are reduced before the next
+//            micro-batch runs; the slice accumulates them in fp32). At most kMaxInFlight buckets
+//            are in flight: when another is ready the oldest is waited for and its staging buffer
+//            reused. So what stage 2 holds beyond the 4P/N slice is kMaxInFlight + 1 staging
+//            buckets (one more of zeros on a rank that reduces a round without a backward) and,
+//            in their own dtype, the gradients that arrived ahead of the bucket being filled:
+//            with the flat space laid out in the backward's order (trainer/common/
+//            gradient_order.h) about the one parameter whose buckets are under way.
 //
 // The collectives must match on every rank: every rank reduces every bucket in index order once
 // per round, and the rounds of a step are agreed before it starts (ExpectBackwards: the most
@@ -95,7 +97,10 @@ class GradientReducer {
   void OnGradient(size_t entry);  // from the autograd engine, after an accumulation
   void Arm();                     // the next backward's buckets go out as they complete
   // Under mu_:
-  void TakeGradient(size_t entry);        // stage 2: .grad into pending_
+  void TakeGradient(size_t entry);  // stage 2: .grad into pending_
+  // Stage 2: pending_ parts for `bucket` into current_ (those of entries arrived in the armed
+  // backward, or `all`).
+  void Absorb(size_t bucket, bool all);
   torch::Tensor Staging(int64_t length);  // a staging buffer, its first `length` zero
   void LaunchReady();
   void Launch(size_t bucket);
@@ -117,7 +122,9 @@ class GradientReducer {
   torch::Tensor slice_;  // this rank's reduced gradients
 
   // Stage 2.
-  std::vector<torch::Tensor> pending_;  // per entry: its gradient not yet in a reduced bucket
+  std::vector<torch::Tensor> pending_;  // per entry: its gradient, until its last part is taken
+  std::vector<size_t> absorbed_;        // per entry: the next bucket its pending part goes to
+  torch::Tensor current_;               // the staging of bucket next_launch_, filling
   std::vector<torch::Tensor> free_;     // staging buffers to reuse
   int64_t staging_allocated_ = 0;
   torch::Tensor zeros_;  // the input of a bucket nobody contributed to

@@ -156,10 +156,14 @@ absl::StatusOr<double> DistributedOptimizer::ReduceAndClip(double max_norm, doub
   // reads; the padding is zero), and only that slice is clipped: 1/N of the work on each rank.
   // NaN and inf propagate through the sum, so every rank sees the same non-finite norm and skips
   // the step.
-  const double own_norm =
-      own.numel() > 0 ? torch::linalg_vector_norm(own, 2, {}, false, torch::kFloat64).item<double>()
-                      : 0.0;
-  ASSIGN_OR_RETURN(std::vector<double> squares, group_->AllReduceDoubles({own_norm * own_norm}));
+  // A bucket's piece at a time: the fp64 sum of squares needs a copy of what it reads.
+  torch::Tensor own_squares = torch::zeros({}, own.options().dtype(torch::kFloat64));
+  for (const auto& b : sharding_.buckets)
+    own_squares += torch::linalg_vector_norm(own.narrow(0, b.slice_begin, b.piece), 2, {}, false,
+                                             torch::kFloat64)
+                       .square();
+  ASSIGN_OR_RETURN(std::vector<double> squares,
+                   group_->AllReduceDoubles({own_squares.item<double>()}));
   const double norm = std::sqrt(squares[0]);
   if (max_norm > 0 && std::isfinite(norm)) own.mul_(std::min(1.0, max_norm / (norm + 1e-6)));
   return norm;
