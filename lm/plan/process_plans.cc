@@ -66,6 +66,29 @@ void AddGradients(MemoryPlan& m, const ModelConfig& c, const LearnerSettings& s)
                      (s.bf16_mixed ? 2 : 4) * n.largest, "a student with smaller tensors"});
 }
 
+// The flat path (several ranks, or bf16-mixed) loads the fp32 model on the host and moves it into
+// its buffers before the first step. On a CUDA device none of it stays; on the CPU the host is the
+// device, and the loaded copy is resident with the buffers at start-up, released before a step
+// holds its buckets, activations and logits in its place: the peak is the larger of the two, so
+// the copy counts beyond what the step terms (from `step_terms` on, AdamW's excepted) hold.
+void AddStartupCopy(MemoryPlan& m, const ModelConfig& c, const LearnerSettings& s,
+                    size_t step_terms) {
+  if (s.cuda || (s.ranks <= 1 && !s.bf16_mixed)) return;
+  int64_t step = 0;
+  for (size_t i = step_terms; i < m.terms.size(); ++i)
+    if (m.terms[i].name.rfind("AdamW", 0) != 0 && m.terms[i].name.rfind("fp32 masters", 0) != 0)
+      step += m.terms[i].bytes;
+  // AddGradients' terms after the slice are a step's too.
+  for (size_t i = 0; i < step_terms; ++i)
+    if (m.terms[i].name.rfind("gradient buckets", 0) == 0 ||
+        m.terms[i].name.rfind("gradient awaiting", 0) == 0)
+      step += m.terms[i].bytes;
+  const int64_t copy = 4 * CountParameters(c).total;
+  if (copy > step)
+    m.terms.push_back({"start-up: the loaded fp32 model beyond the step's terms (CPU)", copy - step,
+                       "a smaller student"});
+}
+
 MemoryPlan LearnerMemory(const ModelConfig& c, const LearnerSettings& s) {
   const ParameterCounts n = CountParameters(c);
   const int64_t ranks = std::max<int64_t>(s.ranks, 1), slice = CeilDiv(n.total, ranks);
@@ -73,13 +96,8 @@ MemoryPlan LearnerMemory(const ModelConfig& c, const LearnerSettings& s) {
   m.terms.push_back(
       {s.bf16_mixed ? "weights (bf16 matrices, fp32 norms and routers)" : "weights (fp32)",
        WeightBytes(n, !s.bf16_mixed), "a smaller student (every rank holds all)"});
-  // The flat path (several ranks, or bf16-mixed) loads the fp32 model on the host and moves it into
-  // its buffers: on a CUDA device nothing of it stays, on the CPU the host is the device and the
-  // loaded copy's memory is not reused (freed piece by piece between live allocations).
-  if (!s.cuda && (ranks > 1 || s.bf16_mixed))
-    m.terms.push_back({"the loaded fp32 model, before the flat buffers take it (CPU)", 4 * n.total,
-                       "a smaller student"});
   AddGradients(m, c, s);
+  const size_t step_terms = m.terms.size();  // from here, what a step adds: buckets, activations
   if (s.bf16_mixed)
     m.terms.push_back(
         {absl::StrCat("fp32 masters (1/", ranks, ")"), 4 * slice, "more learner ranks"});
@@ -97,6 +115,7 @@ MemoryPlan LearnerMemory(const ModelConfig& c, const LearnerSettings& s) {
        LearnerActivations(c, s, !ckpt), ""});
   m.terms.push_back({absl::StrCat("logits chunk (", s.logits_chunk_rows, " rows, fp32 + grad)"),
                      s.logits_chunk_rows * c.vocab_size * 4 * 2, "a smaller logits chunk"});
+  AddStartupCopy(m, c, s, step_terms);
   AddReserve(m, s.cuda);
   return m;
 }
