@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "absl/strings/str_cat.h"
+#include "lm/util/log.h"
 #include "lm/util/status.h"
 
 namespace trainer {
@@ -123,7 +124,15 @@ void GradientReducer::Arm() {
 }
 
 void GradientReducer::ExpectLastBackward() {
-  if (!announced_) Arm();
+  if (announced_) return;
+  if (stage_ == ZeroStage::kTwo && !warned_legacy_) {
+    warned_legacy_ = true;
+    lm::log::Warn(
+        "dist.zero_stage 2 driven by ExpectLastBackward: a rank's earlier backwards keep their "
+        "gradients until its last one (full size); ExpectBackwards(n) and Backward(loss) reduce "
+        "each backward's");
+  }
+  Arm();
 }
 
 absl::Status GradientReducer::Backward(const torch::Tensor& loss) {

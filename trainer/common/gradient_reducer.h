@@ -139,6 +139,7 @@ class GradientReducer {
   bool announced_ = false;  // ExpectBackwards this step
   int64_t backwards_ = 0, backwards_announced_ = 0, rounds_ = 1;
   int64_t overlapped_ = 0;
+  bool warned_legacy_ = false;
   absl::Status error_;
 };
 
