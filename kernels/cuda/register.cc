@@ -1,5 +1,7 @@
-// The CUDA MoE kernels (kernels/cuda/moe_cuda.h) and paged decode attention
-// (kernels/cuda/paged_decode_cuda.h), registered for CUDA tensors.
+// The CUDA MoE kernels (kernels/cuda/moe_cuda.h), paged decode attention
+// (kernels/cuda/paged_decode_cuda.h) and the fused small ops (kernels/cuda/fused_ops_cuda.h),
+// registered for CUDA tensors.
+#include "kernels/cuda/fused_ops_cuda.h"
 #include "kernels/cuda/moe_cuda.h"
 #include "kernels/cuda/paged_decode_cuda.h"
 #include "lm/model/fast_paths.h"
@@ -20,6 +22,8 @@ const lm::RegisterFastPaths kCuda(torch::kCUDA, [](lm::FastPaths& p) {
   p.moe_experts = &Experts;
   p.route_topk = &RouteTopkCuda;
   p.paged_decode = &PagedDecodeCuda;
+  p.add_rms_norm = &AddRmsNormCuda;
+  p.qk_norm_rope = &QkNormRopeCuda;
 });
 
 }  // namespace
