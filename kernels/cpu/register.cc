@@ -1,10 +1,11 @@
 // The CPU fast paths (kernels/cpu/cpu_inference.h, kernels/cpu/paged_decode.h,
-// kernels/cpu/fused_ops.h), registered for CPU tensors: each applies where its Use* predicate
-// says (no gradient needed, the dtypes and shapes the kernels handle, AVX2) and leaves everything
-// else to lm/model's reference math.
+// kernels/cpu/fused_ops.h, kernels/cpu/sampler_cpu.h), registered for CPU tensors: each applies
+// where its Use* predicate says (no gradient needed, the dtypes and shapes the kernels handle,
+// AVX2) and leaves everything else to lm/model's reference math.
 #include "kernels/cpu/cpu_inference.h"
 #include "kernels/cpu/fused_ops.h"
 #include "kernels/cpu/paged_decode.h"
+#include "kernels/cpu/sampler_cpu.h"
 #include "lm/model/fast_paths.h"
 
 namespace lm {
@@ -74,6 +75,7 @@ const RegisterFastPaths kCpu(torch::kCPU, [](FastPaths& p) {
   p.route_weights = &RouteWeightsCpu;
   p.add_rms_norm = &AddRmsNorm;
   p.qk_norm_rope = &QkNormRope;
+  p.sample_rows = &SampleRowsCpu;
 });
 
 }  // namespace

@@ -169,8 +169,8 @@ cudaError_t AddRmsNorm(const AddRmsNormArgs& a, cudaStream_t stream) {
 }
 
 bool QkNormRopeSupports(int64_t head_dim, int64_t rotary_dim) {
-  return head_dim >= 1 && head_dim <= kQkNormRopeMaxDim && rotary_dim >= 0 &&
-         rotary_dim % 2 == 0 && rotary_dim <= head_dim;
+  return head_dim >= 1 && head_dim <= kQkNormRopeMaxDim && rotary_dim >= 0 && rotary_dim % 2 == 0 &&
+         rotary_dim <= head_dim;
 }
 
 cudaError_t QkNormRope(const QkNormRopeArgs& a, cudaStream_t stream) {

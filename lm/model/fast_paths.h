@@ -72,6 +72,15 @@ struct FastPaths {
   torch::Tensor (*logsumexp_rows)(const torch::Tensor& logits) = nullptr;
   // The LM head [V, H] packed for the decode steps' logits; null where no kernel applies.
   std::shared_ptr<const PackedWeight> (*pack_lm_head)(const torch::Tensor& weight) = nullptr;
+  // lm::SampleRows (lm/generate/sampler.h): logits [B, V] fp32 and SamplerRows' per-row tensors
+  // (keys, positions, top_k [B] int64; temperature, top_p [B] float64; stop_ids [B, S] int64),
+  // all on one device -> tokens [B] int64, logprobs [B] fp32, stopped [B] bool on that device,
+  // with no host synchronisation. The same bits on every device that registers it.
+  bool (*sample_rows)(const torch::Tensor& logits, const torch::Tensor& keys,
+                      const torch::Tensor& positions, const torch::Tensor& temperature,
+                      const torch::Tensor& top_k, const torch::Tensor& top_p,
+                      const torch::Tensor& stop_ids, torch::Tensor* tokens, torch::Tensor* logprobs,
+                      torch::Tensor* stopped) = nullptr;
   // PagedDecodeAttention (lm/model/paged_kv.h): q [B, Hq, D], pools [blocks, block_size, Hkv, D],
   // block_tables [B, max_blocks] and seq_lens [B] int32 on q's device -> [B, Hq, D] in q's dtype.
   torch::Tensor (*paged_decode)(const torch::Tensor& q, const torch::Tensor& k_pool,
