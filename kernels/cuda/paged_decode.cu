@@ -63,20 +63,23 @@ __device__ __forceinline__ uint4 Load16(const T* p) {
 
 // The pool blocks of one split, staged in shared memory at the split's start, so that a row's
 // address needs no dependent load from the block table in the loops (a split of kSplit tokens
-// spans at most kSplit + 1 table entries, for any block size).
+// spans at most kSplit + 1 table entries, for any block size). A power-of-two block size (16, the
+// engine's) divides by a shift.
 struct SplitBlocks {
   const int32_t* ids;  // shared: table entries first_entry, first_entry + 1, ...
   int first_entry;
+  int block_size, shift;  // shift >= 0: block_size == 1 << shift
+  __device__ int Entry(int pos) const { return shift >= 0 ? pos >> shift : pos / block_size; }
 };
 
-// Row `pos` (from the sequence's start) of the keys or values for KV head h: 64-bit offsets.
-template <typename T>
-__device__ __forceinline__ const T* Row(const T* pool, const PagedDecodeArgs& a,
-                                        const SplitBlocks& blocks, int pos, int h) {
-  const int entry = pos / static_cast<int>(a.block_size);
+// The element offset, in either pool, of row `pos` (from the sequence's start) for KV head h:
+// 64-bit.
+__device__ __forceinline__ int64_t RowOffset(const PagedDecodeArgs& a, const SplitBlocks& blocks,
+                                             int pos, int h) {
+  const int entry = blocks.Entry(pos);
   const int64_t block = blocks.ids[entry - blocks.first_entry];
-  const int64_t row = block * a.block_size + (pos - entry * static_cast<int>(a.block_size));
-  return pool + (row * a.kv_heads + h) * a.head_dim;
+  const int64_t row = block * blocks.block_size + (pos - entry * blocks.block_size);
+  return (row * a.kv_heads + h) * a.head_dim;
 }
 
 // Where a split block works: which split of which sequence, for which KV head and which query
@@ -107,7 +110,7 @@ __device__ SplitWork Locate(const PagedDecodeArgs& a, int heads_per_pass) {
 // Stages the split's block-table entries in `ids` (kSplit + 1 of them at most).
 __device__ SplitBlocks StageBlocks(const PagedDecodeArgs& a, const SplitWork& w, int32_t* ids) {
   const int bs = static_cast<int>(a.block_size);
-  const SplitBlocks blocks{ids, w.start / bs};
+  const SplitBlocks blocks{ids, w.start / bs, bs, (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1};
   for (int e = blocks.first_entry + threadIdx.x; e <= (w.start + w.n - 1) / bs; e += kThreads)
     ids[e - blocks.first_entry] = a.block_tables[w.b * a.max_blocks + e];
   return blocks;
@@ -182,12 +185,11 @@ __global__ void __launch_bounds__(kThreads) SplitCores(PagedDecodeArgs a) {
     for (int u = 0; u < C::kUnroll; ++u) {
       const int j = w0 + sub + u * C::kSlots;
       if (j < w.n) {
-        const T* krow = Row(kp, a, blocks, w.start + j, w.kvh);
-        const T* vrow = Row(vp, a, blocks, w.start + j, w.kvh);
+        const int64_t off = RowOffset(a, blocks, w.start + j, w.kvh);
 #pragma unroll
         for (int v = 0; v < C::kVecsLane; ++v) {
-          kr[u][v] = Load16(krow + C::Dim(v, li));
-          vr[u][v] = Load16(vrow + C::Dim(v, li));
+          kr[u][v] = Load16(kp + off + C::Dim(v, li));
+          vr[u][v] = Load16(vp + off + C::Dim(v, li));
         }
       }
     }
@@ -401,10 +403,9 @@ __global__ void __launch_bounds__(kThreads) SplitMma(PagedDecodeArgs a) {
     for (int c = lane; c < 16 * S::kChunks; c += 32) {
       const int r = c / S::kChunks, ch = c % S::kChunks, tok = 16 * t + r;
       const bool ok = tok < w.n;
-      const T* krow = ok ? Row(kp, a, blocks, w.start + tok, w.kvh) : kp;
-      const T* vrow = ok ? Row(vp, a, blocks, w.start + tok, w.kvh) : vp;
-      CpAsync16(SmemAddr(kd + r * kLds + ch * 8), krow + (ok ? ch * 8 : 0), ok);
-      CpAsync16(SmemAddr(vd + r * kLds + ch * 8), vrow + (ok ? ch * 8 : 0), ok);
+      const int64_t off = ok ? RowOffset(a, blocks, w.start + tok, w.kvh) + ch * 8 : 0;
+      CpAsync16(SmemAddr(kd + r * kLds + ch * 8), kp + off, ok);
+      CpAsync16(SmemAddr(vd + r * kLds + ch * 8), vp + off, ok);
     }
   };
 
