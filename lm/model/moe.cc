@@ -121,6 +121,18 @@ bool RouterNeedsGrad(const torch::Tensor& logits) {
   return torch::GradMode::is_enabled() && logits.requires_grad();
 }
 
+// The experts the router picks on its own from fp32 logits [T, E], exactly as Route picks them:
+// without autograd the device's fused top-k where it has one, else softmax + topk. (Where logits
+// tie, or round to equal probabilities, the two can differ: a recorded or replayed "own" pick
+// must be the one Route makes.)
+torch::Tensor OwnTopK(const torch::Tensor& logits, int64_t top_k) {
+  const auto route_topk = FastPathsFor(logits.device().type()).route_topk;
+  torch::Tensor w, ids;
+  if (route_topk && !RouterNeedsGrad(logits) && route_topk(logits, top_k, false, &w, &ids))
+    return ids;
+  return std::get<1>(torch::softmax(logits.detach(), -1, torch::kFloat32).topk(top_k, -1));
+}
+
 }  // namespace
 
 Routing RouteForced(const torch::Tensor& x, const torch::Tensor& gate_weight,
@@ -141,19 +153,15 @@ Routing RouteForced(const torch::Tensor& x, const torch::Tensor& gate_weight,
   // Without autograd, the device's fused router where it has one: its top-k for the rows not
   // replayed and its softmax at the given ids, so that replaying a row's own routing gives
   // Route's weights bit for bit.
-  const FastPaths& fast = FastPathsFor(r.logits.device().type());
-  if (fast.route_topk && fast.route_weights && !RouterNeedsGrad(r.logits)) {
-    torch::Tensor own_w, own_ids, w;
-    if (own && fast.route_topk(r.logits, ids.size(1), norm_topk_prob, &own_w, &own_ids))
-      r.ids = torch::where(own_row, own_ids, r.ids);
-    if ((!own || own_ids.defined()) && fast.route_weights(r.logits, r.ids, norm_topk_prob, &w)) {
-      r.weights = w.to(x.scalar_type());
-      return r;
-    }
+  if (own) r.ids = torch::where(own_row, OwnTopK(r.logits, ids.size(1)), r.ids);
+  const auto route_weights = FastPathsFor(r.logits.device().type()).route_weights;
+  torch::Tensor w;
+  if (route_weights && !RouterNeedsGrad(r.logits) &&
+      route_weights(r.logits, r.ids, norm_topk_prob, &w)) {
+    r.weights = w.to(x.scalar_type());
+    return r;
   }
-  auto probs = torch::softmax(r.logits, -1, torch::kFloat32);
-  if (own) r.ids = torch::where(own_row, std::get<1>(probs.detach().topk(ids.size(1), -1)), r.ids);
-  auto p = probs.gather(1, r.ids);
+  auto p = torch::softmax(r.logits, -1, torch::kFloat32).gather(1, r.ids);
   if (norm_topk_prob) p = p / p.sum(-1, /*keepdim=*/true);
   r.weights = p.to(x.scalar_type());
   return r;
@@ -289,8 +297,7 @@ torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& x, torch::Tensor*
                                    : Route(x, gate_weight, top_k, norm_topk_prob);
   if (routing_recorder) {
     if (forced_ids.defined()) {  // what the router would have picked on its own
-      routing_recorder->push_back(
-          std::get<1>(torch::softmax(r.logits.detach(), -1, torch::kFloat32).topk(top_k, -1)));
+      routing_recorder->push_back(OwnTopK(r.logits, top_k));
     } else {
       routing_recorder->push_back(r.ids.detach().to(torch::kInt64));
     }
