@@ -158,6 +158,10 @@ lm::plan::RolloutSettings RolloutOf(const trainer::OpdConfig& c, const Args& a) 
   r.kv_cache_bytes = static_cast<int64_t>(a.Number("kv-cache-gb", 0) * lm::plan::kGiB);
   r.block_size = a.Int64("kv-block-size", 16);
   r.max_running = a.Int64("max-running-seqs", 256);
+  // A collective push needs one receive bucket on the worker's device; gRPC pushes none.
+  r.update_bucket_bytes = c.rollout.weight_sync == trainer::WeightSyncMode::kGrpc
+                              ? 0
+                              : c.rollout.weight_sync_bucket_mb << 20;
   r.prompt_tokens = c.prompts.max_prompt_len;
   r.response_tokens = c.rollout.max_new_tokens;
   r.sequences_per_step = c.train.prompts_per_step * c.rollout.samples_per_prompt;

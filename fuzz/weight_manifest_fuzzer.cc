@@ -45,7 +45,9 @@ void CheckCarriedOver(const opd::v1::WeightManifest& m, const std::vector<Announ
   FUZZ_CHECK(a.size() == static_cast<size_t>(m.tensors_size()), "tensor count");
   for (int i = 0; i < m.tensors_size(); ++i) {
     const auto& t = m.tensors(i);
-    FUZZ_CHECK(a[i].name == t.name() && a[i].dtype == t.dtype() && a[i].checksum == t.checksum(),
+    const std::optional<uint64_t> checksum =
+        t.has_checksum() ? std::optional<uint64_t>(t.checksum()) : std::nullopt;
+    FUZZ_CHECK(a[i].name == t.name() && a[i].dtype == t.dtype() && a[i].checksum == checksum,
                absl::StrCat("tensor ", i));
     FUZZ_CHECK(a[i].shape == std::vector<int64_t>(t.shape().begin(), t.shape().end()),
                absl::StrCat("shape of tensor ", i));

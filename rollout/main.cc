@@ -14,6 +14,7 @@
 #include "lm/util/status.h"
 #include "rollout/engine.h"
 #include "rollout/ep_rollout.h"
+#include "rollout/kv_pool.h"
 #include "rollout/service.h"
 #include "rpc/auth.h"
 #include "rpc/flag_range.h"
@@ -26,10 +27,16 @@ ABSL_FLAG(int64_t, max_slots, 1024, "prompts x samples one request may decode");
 ABSL_FLAG(std::string, engine, "paged",
           "paged: continuous batching over a paged KV cache (rollout/engine.h); static: one "
           "batch per request with a contiguous cache (the reference sampler)");
-ABSL_FLAG(double, kv_cache_gb, 4,
+ABSL_FLAG(std::string, kv_cache_gb, "auto",
           "paged engine: the KV cache pool, GiB, preallocated in the model's dtype and shared by "
           "all requests; a request with a sequence that cannot fit it gets RESOURCE_EXHAUSTED. "
-          "Static sampler (and expert parallelism): the largest cache of one batch of a request");
+          "auto: what the device has left after the weights, a weight update's receive bucket, "
+          "the prefill workspace and a 2 GiB reserve (opd-ctl plan's terms; rollout/kv_pool.h); "
+          "a CPU worker without --device-memory-gb takes 4 GiB. Static sampler (and expert "
+          "parallelism): the largest cache of one batch of a request, sized the same way");
+ABSL_FLAG(double, device_memory_gb, 0,
+          "the device's memory, GiB, that --kv-cache-gb auto sizes the pool from (0: the CUDA "
+          "driver's figure; on the CPU, none)");
 ABSL_FLAG(int64_t, kv_block_size, 16, "paged engine: tokens per KV cache block");
 ABSL_FLAG(int64_t, max_running_seqs, 256, "paged engine: sequences decoding at once");
 ABSL_FLAG(int64_t, max_queued_requests, 64,
@@ -69,7 +76,8 @@ absl::Status CheckFlags() {
       CheckFlagRange("--max-samples-per-prompt", absl::GetFlag(FLAGS_max_samples_per_prompt), 1,
                      kMillion),
       CheckFlagRange("--max-slots", absl::GetFlag(FLAGS_max_slots), 1, kMillion),
-      opd::rpc::CheckFlagPositive("--kv-cache-gb", absl::GetFlag(FLAGS_kv_cache_gb), kMaxGiB),
+      rollout::ParseKvCacheGb(absl::GetFlag(FLAGS_kv_cache_gb), kMaxGiB).status(),
+      CheckFlagRange("--device-memory-gb", absl::GetFlag(FLAGS_device_memory_gb), 0.0, kMaxGiB),
       CheckFlagRange("--kv-block-size", absl::GetFlag(FLAGS_kv_block_size), 1, 1024),
       CheckFlagRange("--max-running-seqs", absl::GetFlag(FLAGS_max_running_seqs), 1, kMillion),
       CheckFlagRange("--max-queued-requests", absl::GetFlag(FLAGS_max_queued_requests), 1,
@@ -102,20 +110,35 @@ absl::Status Run() {
         "UpdateWeights is disabled");
   }
   const lm::ModelConfig& config = loaded.config;
-  // Refused here, naming the term, rather than by an allocation failure in the KV pool (the
-  // largest term, allocated below); the arithmetic is opd-ctl plan's (lm/plan/plan.h).
   const int64_t dtype_bytes = static_cast<int64_t>(c10::elementSize(loaded.placement.dtype));
-  if (engine_kind == EngineKind::kPaged && loaded.placement.device.is_cuda()) {
+  // The paged engine's pool (or the static sampler's largest batch cache), from the plan's terms
+  // (rollout/kv_pool.h); refused here, naming the term, rather than by an allocation failure in
+  // the KV pool (the largest term).
+  rollout::EngineOptions eo;
+  eo.block_size = absl::GetFlag(FLAGS_kv_block_size);
+  eo.max_running = absl::GetFlag(FLAGS_max_running_seqs);
+  eo.max_requests = absl::GetFlag(FLAGS_max_queued_requests);
+  {
     lm::plan::RolloutSettings plan;
     plan.weight_bytes = dtype_bytes;
-    plan.kv_cache_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_kv_cache_gb) * lm::plan::kGiB);
-    plan.block_size = absl::GetFlag(FLAGS_kv_block_size);
-    plan.max_running = absl::GetFlag(FLAGS_max_running_seqs);
+    plan.block_size = eo.block_size;
+    plan.max_running = eo.max_running;
+    plan.max_prefill_tokens = eo.max_prefill_tokens;
+    int64_t device_bytes =
+        static_cast<int64_t>(absl::GetFlag(FLAGS_device_memory_gb) * lm::plan::kGiB);
     const torch::Device& d = loaded.placement.device;
-    if (absl::StatusOr<int64_t> device =
-            lm::plan::CudaDeviceMemoryBytes(d.has_index() ? d.index() : 0);
-        device.ok())
-      RETURN_IF_ERROR(lm::plan::CheckRolloutFits(config, plan, *device));
+    if (device_bytes == 0 && d.is_cuda()) {
+      if (absl::StatusOr<int64_t> cuda =
+              lm::plan::CudaDeviceMemoryBytes(d.has_index() ? d.index() : 0);
+          cuda.ok())
+        device_bytes = *cuda;
+    }
+    ASSIGN_OR_RETURN(const std::optional<double> gib,
+                     rollout::ParseKvCacheGb(absl::GetFlag(FLAGS_kv_cache_gb), kMaxGiB));
+    ASSIGN_OR_RETURN(const rollout::KvPoolChoice pool,
+                     rollout::ChooseKvPool(config, plan, gib, device_bytes));
+    eo.kv_cache_bytes = static_cast<double>(pool.bytes);
+    lm::log::Info(pool.why);
   }
   rollout::ServiceOptions so;
   so.limits.vocab_size = config.vocab_size;
@@ -124,13 +147,15 @@ absl::Status Run() {
   so.limits.max_samples_per_prompt = absl::GetFlag(FLAGS_max_samples_per_prompt);
   so.limits.max_slots = absl::GetFlag(FLAGS_max_slots);
   so.max_concurrent = absl::GetFlag(FLAGS_max_concurrent);
-  const int64_t static_batch_kv_bytes =
-      static_cast<int64_t>(absl::GetFlag(FLAGS_kv_cache_gb) * lm::plan::kGiB);
+  const int64_t static_batch_kv_bytes = static_cast<int64_t>(eo.kv_cache_bytes);
   so.static_batch_kv_bytes = static_batch_kv_bytes;
 
   const opd::v1::ServiceInfo info = loaded.Info(kServiceName, so.limits.max_seq_len);
-  // The store owns the model from here on: an update replaces it and frees the old weights.
-  rollout::WeightStore store(std::move(loaded.model));
+  // The store owns the model from here on: updates are written into it (rollout/weights.h).
+  // Under expert parallelism a commit is one of the group's commands, which run one at a time.
+  rollout::WeightStoreOptions wo;
+  if (loaded.ep) wo.commit = rollout::WeightStoreOptions::Commit::kAtOnce;
+  rollout::WeightStore store(std::move(loaded.model), 0, wo);
   std::unique_ptr<rollout::EpRollout> ep;
   if (loaded.ep) {
     ep = std::make_unique<rollout::EpRollout>(loaded.ep.get(), &store, static_batch_kv_bytes);
@@ -140,16 +165,11 @@ absl::Status Run() {
     so.expert_parallel = ep.get();
   }
   opd::rpc::Authenticator auth(loaded.secret);
-  // The paged engine: its pool is --kv-cache-gb, allocated once here and shared by all requests,
-  // which it queues through the pool however many sequences they hold (only a sequence that could
-  // never fit the pool is refused).
+  // The paged engine: its pool (sized above) is allocated once here and shared by all
+  // requests, which it queues through the pool however many sequences they hold (only a sequence
+  // that could never fit the pool is refused).
   std::unique_ptr<rollout::Engine> engine;
   if (engine_kind == EngineKind::kPaged) {
-    rollout::EngineOptions eo;
-    eo.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_gb) * 1024.0 * 1024.0 * 1024.0;
-    eo.block_size = absl::GetFlag(FLAGS_kv_block_size);
-    eo.max_running = absl::GetFlag(FLAGS_max_running_seqs);
-    eo.max_requests = absl::GetFlag(FLAGS_max_queued_requests);
     ASSIGN_OR_RETURN(engine, rollout::Engine::Create(*store.Current().model, eo));
     const rollout::EngineStats es = engine->stats();
     lm::log::Info(absl::StrCat("paged engine: ", es.usable_blocks, " KV blocks of ", eo.block_size,

@@ -60,14 +60,22 @@ class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
                   lm::Generator* generator)
       : ctx_(ctx), running_(running), generator_(generator) {}
 
-  // Starts sampling on a thread of its own; the caller has taken a generation slot for it.
-  void Start(Snapshot snapshot, std::vector<std::vector<int64_t>> prompts, SamplingParams params) {
+  // Starts sampling on a thread of its own; the caller has taken a generation slot for it. The
+  // weights are taken there: a weight update being written or waiting to be is waited for (within
+  // the call's deadline), so the request samples with the newest accepted version.
+  void Start(const WeightStore* store, std::vector<std::vector<int64_t>> prompts,
+             SamplingParams params) {
     holds_slot_ = true;
-    thread_ =
-        std::thread([this, snapshot = std::move(snapshot), prompts = std::move(prompts), params] {
-          lm::BindThreadToDevice(snapshot.model->LmHeadWeight().device());  // per thread in CUDA
-          SamplerDone(RunSampler(snapshot, prompts, params));
-        });
+    const auto deadline = ctx_->deadline();
+    const absl::Time until = deadline == std::chrono::system_clock::time_point::max()
+                                 ? absl::InfiniteFuture()
+                                 : absl::FromChrono(deadline);
+    thread_ = std::thread([this, store, until, prompts = std::move(prompts), params] {
+      absl::StatusOr<Snapshot> snapshot = store->Acquire(until);
+      if (!snapshot.ok()) return SamplerDone(snapshot.status());
+      lm::BindThreadToDevice(snapshot->model->LmHeadWeight().device());  // per thread in CUDA
+      SamplerDone(RunSampler(*snapshot, prompts, params));
+    });
   }
 
   void Refuse(const grpc::Status& why) { Finish(why); }
@@ -274,7 +282,7 @@ grpc::ServerWriteReactor<opd::v1::Sample>* RolloutService::Generate(
         absl::StrCat(opts_.max_concurrent, " generations running already; retry later")));
     return reactor;
   }
-  reactor->Start(store_->Current(), std::move(job.prompts), job.params);
+  reactor->Start(store_, std::move(job.prompts), job.params);
   return reactor;
 }
 

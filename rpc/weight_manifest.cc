@@ -37,7 +37,10 @@ std::vector<AnnouncedTensor> Announced(const opd::v1::WeightManifest& m) {
   std::vector<AnnouncedTensor> out;
   out.reserve(m.tensors_size());
   for (const auto& t : m.tensors())
-    out.push_back({t.name(), {t.shape().begin(), t.shape().end()}, t.dtype(), t.checksum()});
+    out.push_back({t.name(),
+                   {t.shape().begin(), t.shape().end()},
+                   t.dtype(),
+                   t.has_checksum() ? std::optional<uint64_t>(t.checksum()) : std::nullopt});
   return out;
 }
 

@@ -34,8 +34,8 @@ int64_t WireDtypeSize(WireDtype dtype);
 struct AnnouncedTensor {
   std::string name;
   std::vector<int64_t> shape;
-  std::string dtype;      // wire dtype
-  uint64_t checksum = 0;  // XXH64 of the wire bytes (rpc/weight_wire.h)
+  std::string dtype;                 // wire dtype
+  std::optional<uint64_t> checksum;  // XXH64 of the wire bytes (rpc/weight_wire.h); unset: none
 };
 
 // The manifest's tensors, in manifest order, and its base version (unset: whatever serves).

@@ -5,6 +5,9 @@
 
 #include <torch/torch.h>
 
+#include "absl/strings/str_cat.h"
+#include "lm/util/status.h"
+
 namespace opd::rpc {
 namespace {
 
@@ -175,6 +178,95 @@ void ComputeChecksums(std::vector<WireTensor>* tensors, torch::Tensor& staging) 
     }).IgnoreError();
     t.checksum = h.Digest();
   }
+}
+
+std::vector<int64_t> SenderShares(int64_t total, int senders) {
+  std::vector<int64_t> out(static_cast<size_t>(std::max(senders, 1)));
+  int64_t begin = 0;
+  for (size_t r = 0; r < out.size(); ++r) {
+    const int64_t end = r + 1 == out.size() ? total
+                                            : total / static_cast<int64_t>(out.size()) *
+                                                  static_cast<int64_t>(r + 1) / 8 * 8;
+    out[r] = std::max<int64_t>(end - begin, 0);
+    begin += out[r];
+  }
+  return out;
+}
+
+absl::Status PackRange(const std::vector<WireTensor>& tensors, int64_t begin, int64_t end,
+                       torch::Tensor& bucket,
+                       const std::function<absl::Status(int64_t)>& on_bucket) {
+  torch::NoGradGuard no_grad;
+  const int64_t capacity = bucket.numel();
+  int64_t used = 0, start = 0;  // start: the stream offset of tensor i
+  auto misaligned = [&](const WireTensor& t, int64_t at) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': byte ", at,
+                                                   " of the push is not on one of its elements"));
+  };
+  for (const WireTensor& t : tensors) {
+    const int64_t lo = std::max(begin, start), hi = std::min(end, start + t.bytes);
+    const int64_t es = static_cast<int64_t>(c10::elementSize(t.dtype));
+    if (lo < hi) {
+      if ((lo - start) % es != 0) return misaligned(t, lo);
+      if ((hi - start) % es != 0) return misaligned(t, hi);
+      torch::Tensor flat = t.source.reshape({-1});
+      for (int64_t off = lo - start; off < hi - start;) {
+        const int64_t n = std::min(hi - start - off, capacity - used);
+        if (n % es != 0 || used % es != 0) return misaligned(t, start + off + n);
+        bucket.narrow(0, used, n).view(t.dtype).copy_(flat.narrow(0, off / es, n / es));
+        used += n;
+        off += n;
+        if (used == capacity || start + off == end) {
+          RETURN_IF_ERROR(on_bucket(used));
+          used = 0;
+        }
+      }
+    }
+    start += t.bytes;
+  }
+  if (used > 0) return on_bucket(used);
+  return absl::OkStatus();
+}
+
+void EncodeVerdict(const SyncVerdict& v, uint8_t* out) {
+  std::memset(out, 0, kVerdictBytes);
+  uint8_t* p = out;
+  auto put = [&p](const void* x, size_t n) {
+    std::memcpy(p, x, n);
+    p += n;
+  };
+  const uint8_t present = v.present ? 1 : 0;
+  put(&present, 1);
+  put(&v.code, 4);
+  put(&v.version, 8);
+  put(&v.tensors, 8);
+  put(&v.bytes, 8);
+  const uint16_t len = static_cast<uint16_t>(
+      std::min<size_t>(v.message.size(), kVerdictBytes - static_cast<size_t>(p - out) - 2));
+  put(&len, 2);
+  put(v.message.data(), len);
+}
+
+SyncVerdict DecodeVerdict(const uint8_t* in) {
+  SyncVerdict v;
+  const uint8_t* p = in;
+  auto get = [&p](void* x, size_t n) {
+    std::memcpy(x, p, n);
+    p += n;
+  };
+  uint8_t present = 0;
+  get(&present, 1);
+  v.present = present == 1;
+  get(&v.code, 4);
+  get(&v.version, 8);
+  get(&v.tensors, 8);
+  get(&v.bytes, 8);
+  uint16_t len = 0;
+  get(&len, 2);
+  len = static_cast<uint16_t>(
+      std::min<size_t>(len, kVerdictBytes - static_cast<size_t>(p - in)));  // a bad record
+  v.message.assign(reinterpret_cast<const char*>(p), len);
+  return v;
 }
 
 }  // namespace opd::rpc

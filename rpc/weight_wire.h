@@ -70,4 +70,36 @@ absl::Status PackBuckets(const std::vector<WireTensor>& tensors, const std::vect
 // not already a CPU tensor of the wire dtype).
 void ComputeChecksums(std::vector<WireTensor>* tensors, torch::Tensor& staging);
 
+// ---- The parallel push (SyncWeightsRequest.sender_bytes in rollout.proto) ----
+//
+// The concatenated wire bytes of an update (its tensors in manifest order) are split among the
+// learner ranks: sender r sends the r-th share, in buckets, as the root of a broadcast to the whole
+// weight group. Every member computes the same bucket sizes (a sender's share in pieces of
+// min(bucket, what is left)), so no frame header travels.
+
+// The shares of `total` bytes among `senders`: as equal as a multiple of 8 allows, the last one
+// taking the rest. With one wire dtype for every tensor, each share starts on an element.
+std::vector<int64_t> SenderShares(int64_t total, int senders);
+
+// Fills `bucket` (a contiguous uint8 tensor on any device) with bytes [begin, end) of the
+// concatenated wire stream of `tensors` (cast from their sources, a slice at a time) and calls
+// on_bucket(n) each time it holds min(bucket size, end - position) bytes. INVALID_ARGUMENT when
+// [begin, end) does not start and end on elements of the tensors it covers, or a bucket boundary
+// would split an element (the bucket size must be a multiple of every element size).
+absl::Status PackRange(const std::vector<WireTensor>& tensors, int64_t begin, int64_t end,
+                       torch::Tensor& bucket,
+                       const std::function<absl::Status(int64_t)>& on_bucket);
+
+// What each member of a parallel push contributes to the closing all-gather, in a fixed record
+// of kVerdictBytes: a worker its outcome (present), a learner rank nothing.
+inline constexpr int64_t kVerdictBytes = 512;
+struct SyncVerdict {
+  bool present = false;
+  int32_t code = 0;  // absl::StatusCode
+  int64_t version = 0, tensors = 0, bytes = 0;
+  std::string message;  // cut to what the record holds
+};
+void EncodeVerdict(const SyncVerdict& v, uint8_t* out);
+SyncVerdict DecodeVerdict(const uint8_t* in);
+
 }  // namespace opd::rpc

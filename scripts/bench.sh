@@ -76,3 +76,7 @@ $PY scripts/bench/dist.py --build build --ranks 2
 echo "== weight sync: a 1.0B-parameter push (bf16 wire) to opd-rollout, gRPC streaming vs Gloo =="
 cmake --build build -j"$(nproc)" --target bench_weight_sync opd-rollout >/dev/null
 $PY scripts/bench/weight_sync.py --build build --workdir build/bench
+
+echo "== weight push: rank 0's star vs every learner rank's share (2 ranks x 2 bf16 workers) =="
+cmake --build build -j"$(nproc)" --target bench_weight_publish opd-rollout >/dev/null
+$PY scripts/bench/weight_publish.py --build build --workdir build/bench

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the CUDA MoE kernels with their test and benchmark (a CMake configuration with
 # -DOPD_KERNELS_ONLY=ON: lm, kernels/, moe_kernels_test, bench_moe_kernels, attention_test,
-# paged_decode_test and bench_paged_decode; no gRPC) and the bf16
+# paged_decode_test, fused_ops_test, keyed_draw_test and bench_paged_decode; no gRPC) and the bf16
 # placement test (bf16_test: loading to the GPU in bf16, scoring there, the host memory of that
 # load) and the FP8 GEMMs' test (fp8_test: kernels against their CPU twin, an FP8 checkpoint's model
 # against its dequantized bf16 self), and runs them on a GPU machine, in well under 5 minutes on 16 cores. With
@@ -162,6 +162,8 @@ print(":".join([d + "/lib"] + sorted(glob.glob(os.path.join(os.path.dirname(d), 
     "moe_kernels_test|*|60"
     "attention_test|VarlenAttentionGpu.*|20"
     "paged_decode_test|PagedDecode.Cuda*|45"
+    "fused_ops_test|FusedOps.*Cuda*|20"
+    "keyed_draw_test|KeyedDraw.Cuda*|20"
     "bf16_test|Placement.*:Bf16Gpu.*:Bf16Serving.*|45"
     "mixed_precision_test|PrecisionGpu.*:MixedOptimizerGpu.*:LearnerDevice.*|45"
     "engine_test|PagedKV.AttentionOnCuda*:Engine.CudaBf16KvCache|25"
@@ -307,7 +309,7 @@ timeout 300 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DO
   -DOPD_PYTHON="$PY" -DOPD_CUDA_ARCHITECTURES="${OPD_CUDA_ARCHITECTURES:-80;90a}" \
   "${CMAKE_EXTRA[@]}" >"$BUILD/configure.log" 2>&1 ||
   { tail -40 "$BUILD/configure.log" | tee -a "$RESULTS"; die "configure failed (log: $BUILD/configure.log; missing packages? see --fetch-debs)"; }
-ATTENTION_TARGETS=(attention_test paged_decode_test bench_paged_decode)
+ATTENTION_TARGETS=(attention_test paged_decode_test fused_ops_test keyed_draw_test bench_paged_decode)
 timeout 600 cmake --build "$BUILD" -j "$JOBS" --target moe_kernels_test bench_moe_kernels \
   "${ATTENTION_TARGETS[@]}" "${BF16_TARGETS[@]}" \
   >"$BUILD/build.log" 2>&1 ||
@@ -320,8 +322,9 @@ timeout 300 "$BUILD/tests/moe_kernels_test" --gtest_color=no \
   --gtest_output="xml:$RESULTS_DIR/moe_kernels_test.xml" 2>&1 | tee -a "$RESULTS" || status=$?
 say "moe_kernels_test exit status $status, t=$(elapsed)s"
 
-# Packed (FlashAttention varlen) and paged decode attention against their references.
-for bin in attention_test paged_decode_test; do
+# Packed (FlashAttention varlen) and paged decode attention, the fused small ops and the keyed
+# token draw against their references.
+for bin in attention_test paged_decode_test fused_ops_test keyed_draw_test; do
   say "== $bin, t=$(elapsed)s"
   rc=0
   timeout 300 "$BUILD/tests/$bin" --gtest_color=no \

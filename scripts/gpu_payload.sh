@@ -54,8 +54,9 @@ done
 LIMIT=$((64 * 1024 * 1024))
 die() { echo "gpu_payload: $*" >&2; exit 1; }
 
-TESTS=(moe_kernels_test attention_test paged_decode_test bf16_test engine_test sampler_test
-  mixed_precision_test qwen3_next_test weight_sync_test fp8_test)
+TESTS=(moe_kernels_test attention_test paged_decode_test fused_ops_test keyed_draw_test bf16_test
+  engine_test sampler_test mixed_precision_test qwen3_next_test weight_sync_test
+  fp8_test)
 OPTIONAL_TESTS=(fp32_logits_test)  # carried when built
 HELPERS=(tests/load_rss_probe teacher_service/opd-teacher rollout/opd-rollout ctl/opd-ctl
   trainer/opd-trainer)

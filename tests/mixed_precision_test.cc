@@ -31,6 +31,7 @@
 #include "tests/gpu.h"
 #include "tests/tensor_testing.h"
 #include "tests/testing.h"
+#include "trainer/common/gradient_order.h"
 #include "trainer/common/learner_group.h"
 #include "trainer/common/mixed_precision.h"
 #include "trainer/common/optim.h"
@@ -319,7 +320,7 @@ std::map<std::string, torch::Tensor> Masters(
   EXPECT_TRUE(flat.ok()) << flat.status();
   std::map<std::string, torch::Tensor> out;
   if (!flat.ok() || !flat->defined()) return out;
-  const auto layout = trainer::FlatLayout::Of(params);
+  const auto& layout = opt.layout();
   std::map<std::string, torch::Tensor> shapes;
   for (const auto& [n, t] : params) shapes[n] = t;
   for (const auto& e : layout.entries)
@@ -435,9 +436,12 @@ TEST(MixedOptimizer, UpdatesBelowOneBf16UlpAccumulateInTheMasters) {
 }
 
 // (e) The bytes a rank holds, against the arithmetic of mixed_precision.h: P parameters of which
-// F stay fp32, N ranks, chunk = ceil(P / N):
-//   weights 2 * N * chunk (bf16 flat buffer) + 4 F,  gradients 4 * N * chunk,
-//   masters 4 * chunk,                                AdamW 8 * (own slice, <= chunk)
+// F stay fp32, N ranks, the flat space cut into buckets (trainer::BucketSharding: padded to
+// Pp >= P elements, a slice of S = Pp / N per rank):
+//   weights 2 Pp (bf16 flat buffer) + 4 F,
+//   gradients: one rank 4 Pp; stage 1 4 Pp + 4 S (the local sum and the reduced slice); stage 2
+//     4 S, plus its staging buckets once a step has run (at most 4 of them);
+//   masters 4 S, AdamW 8 S allocated (8 x the owned elements stored: 8 P over the ranks)
 // and the model's parameters hold 2 bytes per matrix element, 4 per fp32 one (their fp32 values
 // live on only in the masters).
 TEST(MixedOptimizer, MemoryPerRankIsBf16WeightsPlusAnNthOfMastersAndState) {
@@ -448,56 +452,95 @@ TEST(MixedOptimizer, MemoryPerRankIsBf16WeightsPlusAnNthOfMastersAndState) {
     P += t.numel();
     if (!lm::HoldsBf16ComputeCopy(n, t)) F += t.numel();
   }
-  for (int world : {1, 2, 4}) {
-    std::vector<trainer::LearnerMemory> mem(world), fp32(world);
-    const int port = testing_util::FreeLoopbackPort();
-    std::vector<std::thread> threads;
-    for (int r = 0; r < world; ++r) {
-      threads.emplace_back([&, r] {
-        lm::dist::LaunchEnv env{r, world, r, "127.0.0.1", port};
-        auto g = lm::dist::ProcessGroup::Create(env, torch::kCPU);
-        ASSERT_TRUE(g.ok()) << g.status();
-        auto model = Fp32Model(1);
-        auto params = Named(*model);
-        auto opt = DistributedOptimizer::Create(params, Optim(), g->get(), 1000, torch::kFloat32,
-                                                Precision::kBf16Mixed);
-        ASSERT_TRUE(opt.ok()) << opt.status();
-        mem[r] = (*opt)->memory();
-        int64_t param_bytes = 0;
-        for (const auto& [n, t] : params) param_bytes += t.numel() * t.element_size();
-        EXPECT_EQ(param_bytes, 2 * (P - F) + 4 * F);
-        auto model32 = Fp32Model(1);
-        auto opt32 = DistributedOptimizer::Create(Named(*model32), Optim(), g->get(), 1000);
-        ASSERT_TRUE(opt32.ok());
-        fp32[r] = (*opt32)->memory();
-      });
-    }
-    for (auto& t : threads) t.join();
-    const int64_t chunk = (P + world - 1) / world;
-    int64_t masters = 0, adamw = 0;
-    for (int r = 0; r < world; ++r) {
-      EXPECT_EQ(mem[r].weights, 2 * world * chunk + 4 * F) << world;
-      EXPECT_EQ(mem[r].gradients, 4 * world * chunk) << world;
-      const int64_t own = std::max<int64_t>(0, std::min(chunk, P - r * chunk));
-      EXPECT_EQ(mem[r].masters, 4 * chunk) << world;
-      EXPECT_EQ(mem[r].adamw, 8 * own) << world;
-      masters += mem[r].masters;
-      adamw += mem[r].adamw;
-      // 6P + 12P/N against 8P + 8P/N: less from 3 ranks on (one rank holds the masters on top).
-      if (world > 2) {
-        EXPECT_LT(mem[r].total(), fp32[r].total()) << world;
+  for (trainer::ZeroStage stage : {trainer::ZeroStage::kOne, trainer::ZeroStage::kTwo}) {
+    for (int world : {1, 2, 4}) {
+      std::vector<trainer::LearnerMemory> mem(world), fp32(world), stepped(world);
+      std::vector<int64_t> state(world);
+      const int port = testing_util::FreeLoopbackPort();
+      std::vector<std::thread> threads;
+      for (int r = 0; r < world; ++r) {
+        threads.emplace_back([&, r] {
+          lm::dist::LaunchEnv env{r, world, r, "127.0.0.1", port};
+          auto g = lm::dist::ProcessGroup::Create(env, torch::kCPU);
+          ASSERT_TRUE(g.ok()) << g.status();
+          auto model = Fp32Model(1);
+          auto params = Named(*model);
+          // The flat space in the backward's order, as the learner lays it out: each bucket's
+          // gradients complete before the next one's.
+          auto order = trainer::GradientArrivalOrder(*model, Precision::kBf16Mixed,
+                                                     /*checkpoint_layers=*/false);
+          ASSERT_TRUE(order.ok()) << order.status();
+          ASSERT_EQ(order->size(), params.size()) << "every parameter has a gradient";
+          auto opt = DistributedOptimizer::Create(params, Optim(), g->get(), 1000, torch::kFloat32,
+                                                  Precision::kBf16Mixed, stage, *order);
+          ASSERT_TRUE(opt.ok()) << opt.status();
+          mem[r] = (*opt)->memory();
+          state[r] = (*opt)->state_bytes();
+          int64_t param_bytes = 0;
+          for (const auto& [n, t] : params) param_bytes += t.numel() * t.element_size();
+          EXPECT_EQ(param_bytes, 2 * (P - F) + 4 * F);
+          // One step of one micro-batch per rank: stage 2's staging buckets appear.
+          (*opt)->ZeroGrad();
+          ASSERT_TRUE((*opt)->ExpectBackwards(1).ok());
+          std::vector<torch::Tensor> router;
+          lm::ForwardOptions o;
+          torch::Tensor loss;
+          {
+            trainer::ForwardPrecision autocast(Precision::kBf16Mixed, torch::kCPU);
+            auto [rows, targets] = lm::NextTokenRows(Batch());
+            auto h = model->Forward(Batch(), o).index_select(0, rows);
+            loss = -lm::TokenLogprobs(h, model->LmHeadWeight(), targets).sum();
+          }
+          ASSERT_TRUE((*opt)->Backward(loss).ok());
+          ASSERT_TRUE((*opt)->ReduceAndClip(1.0).ok());
+          stepped[r] = (*opt)->memory();
+          auto model32 = Fp32Model(1);
+          auto opt32 = DistributedOptimizer::Create(Named(*model32), Optim(), g->get(), 1000,
+                                                    torch::kFloat32, Precision::kFp32, stage);
+          ASSERT_TRUE(opt32.ok());
+          fp32[r] = (*opt32)->memory();
+        });
       }
-      if (world == 1) {
-        EXPECT_GT(mem[r].total(), fp32[r].total());
+      for (auto& t : threads) t.join();
+      int64_t adamw = 0;
+      for (int r = 0; r < world; ++r) {
+        const trainer::BucketSharding sh = trainer::BucketSharding::Of(P, 1000, world, r);
+        const int64_t Pp = sh.padded_total, S = sh.slice;
+        EXPECT_EQ(S * world, Pp);
+        const bool two = stage == trainer::ZeroStage::kTwo && world > 1;
+        EXPECT_EQ(mem[r].weights, 2 * Pp + 4 * F) << world;
+        EXPECT_EQ(mem[r].gradients, world == 1 ? 4 * Pp : two ? 4 * S : 4 * Pp + 4 * S) << world;
+        EXPECT_EQ(mem[r].gradient_buckets, 0) << world;
+        EXPECT_EQ(mem[r].masters, 4 * S) << world;
+        EXPECT_EQ(mem[r].adamw, 8 * S) << world;
+        // Stage 2 after a step: the staging buckets, a few of 1000 elements (rounded up to N).
+        const int64_t bucket = sh.buckets.front().padded_length(world);
+        EXPECT_EQ(stepped[r].gradients, mem[r].gradients) << world;
+        if (two) {
+          EXPECT_GT(stepped[r].gradient_buckets, 0) << world;
+          EXPECT_LE(stepped[r].gradient_buckets, 4 * 4 * bucket) << world;
+        } else {
+          EXPECT_EQ(stepped[r].gradient_buckets, 0) << world;
+        }
+        adamw += state[r];
+        // bf16-mixed holds less than fp32 from 3 ranks on (one rank holds the masters on top).
+        if (world > 2) {
+          EXPECT_LT(mem[r].total(), fp32[r].total()) << world;
+        }
+        if (world == 1) {
+          EXPECT_GT(mem[r].total(), fp32[r].total());
+        }
+        std::printf(
+            "%s, %d rank(s), rank %d: bf16-mixed %lld B (weights %lld, grads %lld + buckets %lld "
+            "after a step, masters %lld, AdamW %lld); fp32 %lld B\n",
+            two ? "stage 2" : "stage 1", world, r, static_cast<long long>(stepped[r].total()),
+            static_cast<long long>(mem[r].weights), static_cast<long long>(mem[r].gradients),
+            static_cast<long long>(stepped[r].gradient_buckets),
+            static_cast<long long>(mem[r].masters), static_cast<long long>(mem[r].adamw),
+            static_cast<long long>(fp32[r].total()));
       }
-      std::printf(
-          "%d rank(s), rank %d: bf16-mixed %lld B (weights %lld, grads %lld, masters %lld, "
-          "AdamW %lld); fp32 %lld B\n",
-          world, r, static_cast<long long>(mem[r].total()), static_cast<long long>(mem[r].weights),
-          static_cast<long long>(mem[r].gradients), static_cast<long long>(mem[r].masters),
-          static_cast<long long>(mem[r].adamw), static_cast<long long>(fp32[r].total()));
+      EXPECT_EQ(adamw, 8 * P) << world;  // the moments of every element, once over the ranks
     }
-    EXPECT_EQ(adamw, 8 * P) << world;  // the moments of every element, once over the ranks
   }
 }
 

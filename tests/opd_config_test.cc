@@ -238,6 +238,7 @@ TEST(ConfigEnums, UnknownWordsNameTheKeyAndTheChoices) {
       {"run.resume", "auto, never"},
       {"dist.backend", "auto, gloo, nccl"},
       {"dist.allgather_dtype", "auto, float32, bfloat16"},
+      {"dist.zero_stage", "auto, 1, 2"},
   };
   for (const auto& [key, choices] : shared) {
     const std::string want = key + ": 'bogus' is not one of " + choices;
@@ -279,6 +280,7 @@ TEST(ConfigEnums, SpellingsDecodeToTheirValues) {
   EXPECT_EQ(d.run.resume, ResumeMode::kAuto);
   EXPECT_EQ(d.dist.backend, DistBackend::kAuto);
   EXPECT_EQ(d.dist.allgather_dtype, AllGatherDtype::kAuto);
+  EXPECT_EQ(d.dist.zero_stage, ZeroStage::kAuto);
   EXPECT_EQ(d.rollout.weight_sync, WeightSyncMode::kGrpc);
   EXPECT_EQ(d.stages[0].plateau.metric, PlateauMetric::kTrain);
   EXPECT_EQ(d.loss.form, LossForm::kSampled);
@@ -287,14 +289,15 @@ TEST(ConfigEnums, SpellingsDecodeToTheirValues) {
   EXPECT_EQ(d.loss.normalization, Normalization::kToken);
   const OpdConfig c = DecodeWith<OpdConfig>(
       kOpd, {"model.chat_format=qwen2", "train.precision=bf16-mixed", "run.resume=never",
-             "dist.backend=nccl", "dist.allgather_dtype=bfloat16", "rollout.weight_sync=collective",
-             "stages.0.plateau.metric=heldout", "loss.form=topk", "loss.correction=ppo",
-             "loss.divergence=reverse", "loss.normalization=sequence"});
+             "dist.backend=nccl", "dist.allgather_dtype=bfloat16", "dist.zero_stage=2",
+             "rollout.weight_sync=collective", "stages.0.plateau.metric=heldout", "loss.form=topk",
+             "loss.correction=ppo", "loss.divergence=reverse", "loss.normalization=sequence"});
   EXPECT_EQ(c.model.chat_format, ChatFormatName::kQwen2);
   EXPECT_EQ(c.train.precision, PrecisionSetting::kBf16Mixed);
   EXPECT_EQ(c.run.resume, ResumeMode::kNever);
   EXPECT_EQ(c.dist.backend, DistBackend::kNccl);
   EXPECT_EQ(c.dist.allgather_dtype, AllGatherDtype::kBfloat16);
+  EXPECT_EQ(c.dist.zero_stage, ZeroStage::kTwo);
   EXPECT_EQ(c.rollout.weight_sync, WeightSyncMode::kCollective);
   EXPECT_EQ(c.stages[0].plateau.metric, PlateauMetric::kHeldout);
   EXPECT_EQ(c.loss.form, LossForm::kTopK);
@@ -318,10 +321,11 @@ TEST(ConfigEnums, ResolvedConfigRoundTrips) {
       kOpd, {"loss.form=topk", "loss.correction=none", "rollout.weight_sync=auto",
              "stages.0.plateau.metric=heldout", "train.precision=fp32"});
   const std::string text = EncodeConfig(c);
-  for (const char* line : {"form: \"topk\"", "correction: \"none\"", "weight_sync: \"auto\"",
-                           "metric: \"heldout\"", "precision: \"fp32\"", "chat_format: \"qwen3\"",
-                           "divergence: \"mixed\"", "normalization: \"token\"", "resume: \"auto\"",
-                           "backend: \"auto\"", "allgather_dtype: \"auto\""})
+  for (const char* line :
+       {"form: \"topk\"", "correction: \"none\"", "weight_sync: \"auto\"", "metric: \"heldout\"",
+        "precision: \"fp32\"", "chat_format: \"qwen3\"", "divergence: \"mixed\"",
+        "normalization: \"token\"", "resume: \"auto\"", "backend: \"auto\"",
+        "allgather_dtype: \"auto\"", "zero_stage: \"auto\""})
     EXPECT_NE(text.find(line), std::string::npos) << line << " in\n" << text;
   auto root = ParseYaml(text, "resolved");
   ASSERT_TRUE(root.ok()) << root.status();

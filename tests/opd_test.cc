@@ -1076,4 +1076,22 @@ TEST_F(Opd, ARankWithNoMicroBatchTrainsAsOne) {
       0.0);
 }
 
+// dist.zero_stage 2 (each rank keeps only its slice of the fp32 gradients) through the OPD Learn
+// loop as it drives the optimizer (ExpectLastBackward before a rank's last backward): the weights
+// and per-step KL of one rank, within the same bound; and with one micro-batch (rank 1 has none
+// and reduces zeros: x + 0 is exact, so without clipping the weights are equal bit for bit).
+TEST_F(Opd, TwoLearnerRanksWithShardedGradientsTrainAsOne) {
+  const std::string t1 = StartTeacher("z2_teacher_1"), t2 = StartTeacher("z2_teacher_2"),
+                    ro = StartRollout();
+  ASSERT_FALSE(t1.empty() || t2.empty() || ro.empty());
+  ExpectTwoRanksTrainAsOne(
+      *this, dir_, "zero2", ro, t1, t2,
+      {"train.micro_batch_tokens=96", "dist.timeout_s=120", "dist.zero_stage=2"}, 1e-6);
+  ExpectTwoRanksTrainAsOne(
+      *this, dir_, "zero2_single", ro, t1, t2,
+      {"train.prompts_per_step=1", "rollout.samples_per_prompt=1", "train.micro_batch_tokens=4096",
+       "optim.max_grad_norm=0", "dist.timeout_s=120", "dist.zero_stage=2"},
+      0.0);
+}
+
 }  // namespace

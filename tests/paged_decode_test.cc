@@ -12,12 +12,14 @@
 //     with D in place of sqrt(D): the score errors are amplified by exp).
 //   - bf16 (fp16 on CUDA): inputs are bf16 in the reference too, so the only extra error is the
 //     output's rounding to bf16: half a bf16 ulp of the value, plus the fp32 bound.
-// GPU cases skip without a device (tests/gpu.h).
+// GPU cases skip without a device (tests/gpu.h); the CUDA kernel's two forms (CUDA cores,
+// tensor cores: kernels/cuda/paged_decode.cuh) are each held to the same bound.
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -260,6 +262,78 @@ TEST(PagedDecode, CudaKernelEqualsReference) {
     CheckAgainstReference(CudaKernel(), torch::kCUDA, torch::kFloat32, d);
   }
   CheckAgainstReference(CudaKernel(), torch::kCUDA, torch::kHalf, 256);
+}
+
+// OPD_PAGED_DECODE_CUDA set for the scope (the CUDA split kernel's form), restored after.
+class ScopedPath {
+ public:
+  explicit ScopedPath(const char* path) {
+    const char* old = std::getenv("OPD_PAGED_DECODE_CUDA");
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    setenv("OPD_PAGED_DECODE_CUDA", path, 1);
+  }
+  ~ScopedPath() {
+    if (had_) {
+      setenv("OPD_PAGED_DECODE_CUDA", old_.c_str(), 1);
+    } else {
+      unsetenv("OPD_PAGED_DECODE_CUDA");
+    }
+  }
+
+ private:
+  bool had_ = false;
+  std::string old_;
+};
+
+// Each form of the CUDA split kernel on every group (1, 2, 4, 8, 16): the CUDA cores for every
+// dtype and head size, the tensor cores where they apply (bf16/fp16 q and pools, head_dim 64 or
+// 128). The tensor cores carry P as a high and a low bf16 part, |p - (hi + lo)| <= 2^-18 p, which
+// moves an output by at most 2^-18 max|v|: inside the fp32 bound of Compare (4 u (D + sqrt L)
+// max|v| >= 2^-18 max|v| for D >= 16), so the same bound holds.
+TEST(PagedDecode, CudaKernelBothFormsEqualReference) {
+  SKIP_WITHOUT_CUDA();
+  {
+    ScopedPath path("cores");
+    for (int64_t d : {64, 128, 256}) {
+      CheckAgainstReference(CudaKernel(), torch::kCUDA, torch::kBFloat16, d);
+      CheckAgainstReference(CudaKernel(), torch::kCUDA, torch::kFloat32, d);
+    }
+    CheckAgainstReference(CudaKernel(), torch::kCUDA, torch::kHalf, 128);
+  }
+  {
+    ScopedPath path("tensor");
+    for (int64_t d : {64, 128}) {
+      CheckAgainstReference(CudaKernel(), torch::kCUDA, torch::kBFloat16, d);
+      CheckAgainstReference(CudaKernel(), torch::kCUDA, torch::kHalf, d);
+    }
+  }
+}
+
+// The shapes the rollout decodes: Marco-Nano (16 query / 8 KV heads) and Qwen3-30B (32 / 4),
+// head_dim 128, bf16, 24 sequences of ragged lengths up to 2048, both forms; the two forms agree
+// with each other within twice the bound.
+TEST(PagedDecode, CudaKernelAtModelShapes) {
+  SKIP_WITHOUT_CUDA();
+  torch::NoGradGuard no_grad;
+  for (auto [hq, hkv] : {std::pair<int64_t, int64_t>{16, 8}, {32, 4}}) {
+    auto c = MakeCase(24, hq, hkv, 128, 16, torch::kBFloat16, static_cast<uint32_t>(hq));
+    const double scale = 1.0 / std::sqrt(128.0);
+    const auto want = Reference(c, scale);
+    torch::Tensor outs[2];
+    int i = 0;
+    for (const char* form : {"cores", "tensor"}) {
+      ScopedPath path(form);
+      outs[i] = CudaKernel()(c.q.cuda(), c.k_pool.cuda(), c.v_pool.cuda(), c.tables.cuda(),
+                             c.lens.cuda(), scale);
+      ASSERT_TRUE(outs[i].defined()) << form;
+      const Error e = Compare(outs[i], want, c);
+      EXPECT_TRUE(e.within) << hq << "/" << hkv << " " << form << " max error " << e.max_abs;
+      std::cout << "Hq " << hq << " Hkv " << hkv << " " << form << ": max |error| " << e.max_abs
+                << "\n";
+      ++i;
+    }
+  }
 }
 
 // A pool of more than 2^31 elements, read at its far end: the kernel's offsets are 64-bit.

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <limits>
 #include <map>
+#include <optional>
 #include <random>
 
 #include <gtest/gtest.h>
@@ -473,25 +474,33 @@ absl::Status StageAll(StagedWeights& staged, const opd::rpc::ModuleWeights& sour
   return absl::OkStatus();
 }
 
-TEST(WeightStore, SwapIsAtomicAndSnapshotsKeepTheirModel) {
+// One copy of the weights: a commit writes the update into the serving model, but only once no
+// snapshot of the serving version is alive; until then it is pending and the old snapshot keeps
+// the old weights (rollout/weights.h).
+TEST(WeightStore, CommitWaitsForSnapshotsAndWritesInPlace) {
   auto a = Load();
   auto b = Load();
   b->InitWeights(0.1, 42);
+  const torch::Tensor a_head = a->LmHeadWeight().clone();
   WeightStore store(a);
-  const Snapshot before = store.Current();
+  std::optional<Snapshot> before = store.Current();
   auto staged = store.Stage(1);
   ASSERT_TRUE(staged.ok()) << staged.status();
   auto source = opd::rpc::WeightsOf(*b);
   ASSERT_TRUE(StageAll(**staged, source).ok());
-  // Staging alone changes nothing.
-  EXPECT_EQ(store.Current().model, a);
-  ASSERT_TRUE(store.Commit(std::move(*staged)).ok());
+  // Staging alone changes nothing; the commit waits for the snapshot.
+  EXPECT_TRUE(torch::equal(a->LmHeadWeight(), a_head));
+  CommitState state = CommitState::kServing;
+  ASSERT_TRUE(store.Commit(std::move(*staged), &state).ok());
+  EXPECT_EQ(state, CommitState::kPending);
+  EXPECT_EQ(store.accepted_version(), 1);
+  EXPECT_EQ(store.Current().version, 0);
+  EXPECT_TRUE(torch::equal(before->model->LmHeadWeight(), a_head));
+  before.reset();  // the last reader of version 0 ends: the commit thread writes version 1
+  ASSERT_TRUE(store.AwaitNoPending(absl::Seconds(60)));
   const Snapshot after = store.Current();
   EXPECT_EQ(after.version, 1);
-  EXPECT_NE(after.model, a);
-  // The old snapshot still holds the old weights; the new one has b's.
-  EXPECT_TRUE(torch::equal(before.model->LmHeadWeight(), a->LmHeadWeight()));
-  EXPECT_TRUE(torch::equal(after.model->LmHeadWeight(), b->LmHeadWeight()));
+  EXPECT_EQ(after.model, a);  // the same model, now holding b's weights
   auto pb = b->named_parameters(), pn = after.model->named_parameters();
   for (const auto& p : pb) EXPECT_TRUE(torch::equal(pn[p.key()], p.value())) << p.key();
 }
@@ -612,12 +621,15 @@ TEST(WeightStore, NonFiniteTensorsAreRefusedNamingThem) {
   EXPECT_EQ(store.Current().model, a);
 }
 
-// A version above kMaxWeightVersion (2^53) is INVALID_ARGUMENT naming it; INT64_MAX would
-// otherwise be accepted and make every later push stale. The maximum itself is taken.
-TEST(WeightStore, VersionsAboveTheMaximumAreRefused) {
+// A version from kMaxWeightVersion (2^53) on is INVALID_ARGUMENT naming it; INT64_MAX would
+// otherwise be accepted and make every later push stale, and so did 2^53 itself (issue 41 #22:
+// accepted, then every later push refused until a restart). The largest version taken is
+// 2^53 - 1, and the one after it is exact as a double (what the learner records).
+TEST(WeightStore, VersionsFromTheMaximumOnAreRefused) {
   auto a = Load();
   WeightStore store(a);
-  for (int64_t v : {std::numeric_limits<int64_t>::max(), kMaxWeightVersion + 1}) {
+  for (int64_t v :
+       {std::numeric_limits<int64_t>::max(), kMaxWeightVersion + 1, kMaxWeightVersion}) {
     auto full = store.Stage(v);
     EXPECT_EQ(full.status().code(), absl::StatusCode::kInvalidArgument) << full.status();
     EXPECT_NE(std::string(full.status().message()).find(absl::StrCat("weight version ", v)),
@@ -628,10 +640,12 @@ TEST(WeightStore, VersionsAboveTheMaximumAreRefused) {
     EXPECT_EQ(store.StageAnnounced(v, {}).status().code(), absl::StatusCode::kInvalidArgument);
   }
   EXPECT_EQ(kMaxWeightVersion, int64_t{1} << 53);
-  auto staged = store.StageAnnounced(kMaxWeightVersion, {});
+  const int64_t last = kMaxWeightVersion - 1;
+  EXPECT_EQ(static_cast<int64_t>(static_cast<double>(last + 1)), last + 1);
+  auto staged = store.StageAnnounced(last, {});
   ASSERT_TRUE(staged.ok()) << staged.status();
   ASSERT_TRUE(store.Commit(std::move(*staged)).ok());
-  EXPECT_EQ(store.Current().version, kMaxWeightVersion);
+  EXPECT_EQ(store.Current().version, last);
 }
 
 }  // namespace

@@ -1,8 +1,11 @@
-// The CPU fast paths (kernels/cpu/cpu_inference.h, kernels/cpu/paged_decode.h), registered for
-// CPU tensors: each applies where its Use* predicate says (no gradient needed, fp32, shapes the
-// kernels handle, AVX2) and leaves everything else to lm/model's reference math.
+// The CPU fast paths (kernels/cpu/cpu_inference.h, kernels/cpu/paged_decode.h,
+// kernels/cpu/fused_ops.h, kernels/cpu/sampler_cpu.h), registered for CPU tensors: each applies
+// where its Use* predicate says (no gradient needed, the dtypes and shapes the kernels handle,
+// AVX2) and leaves everything else to lm/model's reference math.
 #include "kernels/cpu/cpu_inference.h"
+#include "kernels/cpu/fused_ops.h"
 #include "kernels/cpu/paged_decode.h"
+#include "kernels/cpu/sampler_cpu.h"
 #include "lm/model/fast_paths.h"
 
 namespace lm {
@@ -45,6 +48,21 @@ torch::Tensor RowInvariantMatmul(const torch::Tensor& x, const torch::Tensor& w)
   return RowInvariantMatmulCpu(x, w);
 }
 
+bool AddRmsNorm(const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& weight,
+                double eps, torch::Tensor* out, torch::Tensor* sum) {
+  if (!UseCpuAddRmsNorm(x, residual, weight)) return false;
+  AddRmsNormCpu(x, residual, weight, eps, out, sum);
+  return true;
+}
+
+bool QkNormRope(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& q_weight,
+                const torch::Tensor& k_weight, const torch::Tensor& cos, const torch::Tensor& sin,
+                double eps, const torch::Tensor& q_out, const torch::Tensor& k_out) {
+  if (!UseCpuQkNormRope(q, k, q_weight, k_weight, cos, sin, q_out, k_out)) return false;
+  QkNormRopeCpu(q, k, q_weight, k_weight, cos, sin, eps, q_out, k_out);
+  return true;
+}
+
 std::shared_ptr<const PackedWeight> PackLmHead(const torch::Tensor& weight) {
   std::optional<PackedLinear> packed = PackedLinear::Pack(weight);
   if (!packed) return nullptr;
@@ -59,6 +77,11 @@ const RegisterFastPaths kCpu(torch::kCPU, [](FastPaths& p) {
   p.logsumexp_rows = &LogSumExp;
   p.paged_decode = &PagedDecode;
   p.row_invariant_matmul = &RowInvariantMatmul;
+  p.route_topk = &RouteTopkCpu;
+  p.route_weights = &RouteWeightsCpu;
+  p.add_rms_norm = &AddRmsNorm;
+  p.qk_norm_rope = &QkNormRope;
+  p.sample_rows = &SampleRowsCpu;
 });
 
 }  // namespace

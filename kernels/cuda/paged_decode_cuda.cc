@@ -2,6 +2,9 @@
 // (stream-ordered), both launches on the current stream.
 #include "kernels/cuda/paged_decode_cuda.h"
 
+#include <cstdlib>
+#include <string>
+
 #include <torch/torch.h>
 
 #include <c10/cuda/CUDAGuard.h>
@@ -54,6 +57,17 @@ bool Supports(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::
          B <= 65535 && PagedDecodeNumSplits(block_tables.size(1), k_pool.size(1)) <= 12 * 1024;
 }
 
+// OPD_PAGED_DECODE_CUDA=cores|tensor forces a form of the split kernel (benchmarks and tests
+// compare them); unset or anything else: the automatic choice.
+PagedDecodePath PathFromEnvironment() {
+  const char* v = std::getenv("OPD_PAGED_DECODE_CUDA");
+  if (v == nullptr) return PagedDecodePath::kAuto;
+  const std::string s(v);
+  if (s == "cores") return PagedDecodePath::kCudaCores;
+  if (s == "tensor") return PagedDecodePath::kTensorCores;
+  return PagedDecodePath::kAuto;
+}
+
 }  // namespace
 
 torch::Tensor PagedDecodeCuda(const torch::Tensor& q, const torch::Tensor& k_pool,
@@ -72,6 +86,10 @@ torch::Tensor PagedDecodeCuda(const torch::Tensor& q, const torch::Tensor& k_poo
   a.num_splits = PagedDecodeNumSplits(a.max_blocks, a.block_size);
   a.scale = static_cast<float>(scale);
   KvDtypeOf(k_pool.scalar_type(), &a.dtype);
+  a.q_in_kv_dtype = q.scalar_type() == k_pool.scalar_type();
+  a.path = PathFromEnvironment();
+  // A forced form that does not apply to these inputs: not handled (the caller's reference runs).
+  if (PagedDecodeChosenPath(a) == PagedDecodePath::kAuto) return {};
   // q is tiny next to the pools: one fp32 copy keeps the kernels to one element type per pool.
   const auto qf = q.to(torch::kFloat32).contiguous();
   const auto tables = block_tables.contiguous(), lens = seq_lens.contiguous();

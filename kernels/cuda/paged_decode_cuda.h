@@ -10,7 +10,9 @@ namespace kernels {
 // [num_blocks, block_size, Hkv, D], block_tables [B, max_blocks] int32, seq_lens [B] int32, all
 // on one device -> [B, Hq, D] in q's dtype. Launched on the current stream of q's device, no host
 // synchronisation. Undefined for inputs it does not handle (see paged_decode.cuh; also a q that
-// needs a gradient), and the caller runs the reference.
+// needs a gradient), and the caller runs the reference. OPD_PAGED_DECODE_CUDA=cores|tensor in
+// the environment forces a form of the split kernel (benchmarks and tests compare them); a
+// forced form that does not apply to the inputs leaves them to the reference.
 torch::Tensor PagedDecodeCuda(const torch::Tensor& q, const torch::Tensor& k_pool,
                               const torch::Tensor& v_pool, const torch::Tensor& block_tables,
                               const torch::Tensor& seq_lens, double scale);

@@ -1,7 +1,10 @@
-// The CUDA MoE kernels (kernels/cuda/moe_cuda.h) and paged decode attention
-// (kernels/cuda/paged_decode_cuda.h), registered for CUDA tensors.
+// The CUDA MoE kernels (kernels/cuda/moe_cuda.h), paged decode attention
+// (kernels/cuda/paged_decode_cuda.h), the fused small ops (kernels/cuda/fused_ops_cuda.h) and
+// the keyed token draw (kernels/cuda/sampler_cuda.h), registered for CUDA tensors.
+#include "kernels/cuda/fused_ops_cuda.h"
 #include "kernels/cuda/moe_cuda.h"
 #include "kernels/cuda/paged_decode_cuda.h"
+#include "kernels/cuda/sampler_cuda.h"
 #include "lm/model/fast_paths.h"
 
 namespace kernels {
@@ -20,6 +23,9 @@ const lm::RegisterFastPaths kCuda(torch::kCUDA, [](lm::FastPaths& p) {
   p.moe_experts = &Experts;
   p.route_topk = &RouteTopkCuda;
   p.paged_decode = &PagedDecodeCuda;
+  p.add_rms_norm = &AddRmsNormCuda;
+  p.qk_norm_rope = &QkNormRopeCuda;
+  p.sample_rows = &SampleRowsCuda;
 });
 
 }  // namespace

@@ -178,6 +178,11 @@ struct ProcessGroup::Impl {
     return absl::UnavailableError(absl::StrCat("collective ", op, " failed on rank ", rank, " of ",
                                                size, " (a peer exited or timed out): ", broken));
   }
+
+  // Launches one collective and hands it back in flight (Wait() is Run's wait).
+  std::unique_ptr<PendingCollective> Launch(
+      const char* op, int rank, int size,
+      const std::function<c10::intrusive_ptr<c10d::Work>()>& launch);
 };
 
 ProcessGroup::ProcessGroup() : impl_(std::make_unique<Impl>()) {}
@@ -259,35 +264,59 @@ class ReadyCollective : public PendingCollective {
  private:
   absl::Status status_;
 };
+
+// A collective launched by c10d; Wait() waits for it within the group's timeout.
+class InFlightCollective : public PendingCollective {
+ public:
+  using Waiter = std::function<absl::Status(const char*, c10::intrusive_ptr<c10d::Work>)>;
+  InFlightCollective(const char* op, c10::intrusive_ptr<c10d::Work> work, Waiter wait)
+      : op_(op), work_(std::move(work)), wait_(std::move(wait)) {}
+  absl::Status Wait() override { return wait_(op_, work_); }
+
+ private:
+  const char* op_;
+  c10::intrusive_ptr<c10d::Work> work_;
+  Waiter wait_;
+};
 }  // namespace
+
+std::unique_ptr<PendingCollective> ProcessGroup::Impl::Launch(
+    const char* op, int rank, int size,
+    const std::function<c10::intrusive_ptr<c10d::Work>()>& launch) {
+  if (!broken.empty())
+    return std::make_unique<ReadyCollective>(absl::FailedPreconditionError(absl::StrCat(
+        "collective ", op, " on rank ", rank, ": the process group failed earlier: ", broken)));
+  try {
+    return std::make_unique<InFlightCollective>(
+        op, launch(), [this, rank, size](const char* name, c10::intrusive_ptr<c10d::Work> work) {
+          return Run(name, rank, size, [&] { return work; });
+        });
+  } catch (const std::exception& e) {
+    broken = ErrorText(e);
+    return std::make_unique<ReadyCollective>(absl::UnavailableError(
+        absl::StrCat("collective ", op, " failed on rank ", rank, ": ", broken)));
+  }
+}
 
 std::unique_ptr<PendingCollective> ProcessGroup::AllReduceAsync(
     std::vector<torch::Tensor>& tensors) {
   if (size_ == 1 || tensors.empty()) return std::make_unique<ReadyCollective>(absl::OkStatus());
-  class InFlight : public PendingCollective {
-   public:
-    InFlight(Impl* impl, int rank, int size, c10::intrusive_ptr<c10d::Work> work)
-        : impl_(impl), rank_(rank), size_(size), work_(std::move(work)) {}
-    absl::Status Wait() override {
-      return impl_->Run("all_reduce (bucket)", rank_, size_, [this] { return work_; });
-    }
+  return impl_->Launch("all_reduce (bucket)", rank_, size_,
+                       [&] { return impl_->backend->allreduce(tensors, {}); });
+}
 
-   private:
-    Impl* impl_;
-    int rank_, size_;
-    c10::intrusive_ptr<c10d::Work> work_;
-  };
-  if (!impl_->broken.empty())
-    return std::make_unique<ReadyCollective>(
-        absl::FailedPreconditionError("the process group failed earlier: " + impl_->broken));
-  try {
-    return std::make_unique<InFlight>(impl_.get(), rank_, size_,
-                                      impl_->backend->allreduce(tensors, {}));
-  } catch (const std::exception& e) {
-    impl_->broken = ErrorText(e);
-    return std::make_unique<ReadyCollective>(absl::UnavailableError(
-        absl::StrCat("collective all_reduce failed on rank ", rank_, ": ", impl_->broken)));
+std::unique_ptr<PendingCollective> ProcessGroup::ReduceScatterSumAsync(torch::Tensor output,
+                                                                       torch::Tensor input) {
+  if (input.numel() != output.numel() * size_ || !input.is_contiguous() || !output.is_contiguous())
+    return std::make_unique<ReadyCollective>(absl::InvalidArgumentError(
+        absl::StrCat("reduce_scatter: input has ", input.numel(), " elements, expected ", size_,
+                     " x ", output.numel(), ", both contiguous")));
+  if (size_ == 1) {
+    output.copy_(input.view_as(output));
+    return std::make_unique<ReadyCollective>(absl::OkStatus());
   }
+  return impl_->Launch("reduce_scatter (bucket)", rank_, size_,
+                       [&] { return impl_->backend->_reduce_scatter_base(output, input, {}); });
 }
 
 absl::Status ProcessGroup::Broadcast(std::vector<torch::Tensor>& tensors, int root) {

@@ -97,6 +97,10 @@ class ProcessGroup {
   // `input` (size() * n elements, contiguous) summed over ranks; this rank keeps chunk rank() in
   // `output` (n elements).
   absl::Status ReduceScatterSum(torch::Tensor& output, const torch::Tensor& input);
+  // The same, in flight: `output` and `input` (contiguous) must stay alive and untouched until
+  // Wait() returns.
+  std::unique_ptr<PendingCollective> ReduceScatterSumAsync(torch::Tensor output,
+                                                           torch::Tensor input);
   // `output` (size() * n elements) = the ranks' `input`s (n elements each) in rank order.
   absl::Status AllGather(torch::Tensor& output, const torch::Tensor& input);
   // Root's bytes on every rank.

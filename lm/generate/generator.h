@@ -26,14 +26,17 @@ namespace lm {
 class CausalLM;
 class PackedWeight;
 
-// One version of the weights to generate with; requests keep it (and so its weights) alive for
-// their whole duration.
+// One version of the weights to generate with; requests keep it for their whole duration.
 struct ModelSnapshot {
   std::shared_ptr<CausalLM> model;
   int64_t version = 0;
   // The LM head packed for the decode steps (PackLmHead), built once per version and shared by
   // its generations; null where no kernel applies.
   std::shared_ptr<const PackedWeight> lm_head;
+  // Held by every copy of the snapshot: the rollout's weight store writes a new version into the
+  // model only once no lease of the serving one is alive (rollout/weights.h), so whoever keeps
+  // the model pointer alone (a cache) does not hold an update back. Null outside a store.
+  std::shared_ptr<const void> lease;
 };
 
 class Generator {

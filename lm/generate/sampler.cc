@@ -402,6 +402,109 @@ absl::StatusOr<SamplerStats> SampleResponses(
   return stats;
 }
 
+namespace {
+
+absl::Status CheckRowTensor(const char* name, const torch::Tensor& t, int64_t B,
+                            torch::ScalarType dtype, const torch::Device& device) {
+  if (!t.defined() || t.dim() != 1 || t.size(0) != B || t.scalar_type() != dtype ||
+      t.device() != device)
+    return absl::InvalidArgumentError(
+        absl::StrCat("SampleRows: ", name, " must be [", B, "] ", c10::toString(dtype), " on ",
+                     device.str(), ", got ",
+                     t.defined() ? absl::StrCat(c10::toString(t.scalar_type()), " ",
+                                                t.device().str(), " of ", t.dim(), " dims")
+                                 : std::string("an undefined tensor")));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<SampledRows> SampleRows(const torch::Tensor& logits, const SamplerRows& rows) {
+  if (!logits.defined() || logits.dim() != 2 || logits.size(1) < 1 ||
+      logits.scalar_type() != torch::kFloat32)
+    return absl::InvalidArgumentError("SampleRows: logits must be [B, V >= 1] float32");
+  const int64_t B = logits.size(0);
+  const torch::Device device = logits.device();
+  RETURN_IF_ERROR(CheckRowTensor("keys", rows.keys, B, torch::kInt64, device));
+  RETURN_IF_ERROR(CheckRowTensor("positions", rows.positions, B, torch::kInt64, device));
+  RETURN_IF_ERROR(CheckRowTensor("temperature", rows.temperature, B, torch::kFloat64, device));
+  RETURN_IF_ERROR(CheckRowTensor("top_k", rows.top_k, B, torch::kInt64, device));
+  RETURN_IF_ERROR(CheckRowTensor("top_p", rows.top_p, B, torch::kFloat64, device));
+  const torch::Tensor& stop = rows.stop_ids;
+  if (!stop.defined() || stop.dim() != 2 || stop.size(0) != B ||
+      stop.scalar_type() != torch::kInt64 || stop.device() != device)
+    return absl::InvalidArgumentError(
+        absl::StrCat("SampleRows: stop_ids must be [", B, ", S] int64 on ", device.str()));
+  torch::NoGradGuard no_grad;
+  SampledRows out;
+  const auto fast = FastPathsFor(device.type()).sample_rows;
+  if (fast && fast(logits, rows.keys, rows.positions, rows.temperature, rows.top_k, rows.top_p,
+                   stop, &out.tokens, &out.logprobs, &out.stopped))
+    return out;
+  // A device without the kernel: the CPU's, on copies (the same bits; this waits on the device).
+  const auto cpu = FastPathsFor(torch::kCPU).sample_rows;
+  if (!cpu || !cpu(logits.cpu(), rows.keys.cpu(), rows.positions.cpu(), rows.temperature.cpu(),
+                   rows.top_k.cpu(), rows.top_p.cpu(), stop.cpu(), &out.tokens, &out.logprobs,
+                   &out.stopped))
+    return absl::InternalError("SampleRows: no sampling kernel is registered");
+  out.tokens = out.tokens.to(device);
+  out.logprobs = out.logprobs.to(device);
+  out.stopped = out.stopped.to(device);
+  return out;
+}
+
+SamplerRows MakeSamplerRows(const SamplingParams& params, const std::vector<int64_t>& prompts,
+                            const std::vector<int64_t>& samples,
+                            const std::vector<int64_t>& positions, const torch::Device& device) {
+  const int64_t B = static_cast<int64_t>(positions.size());
+  TORCH_CHECK(
+      static_cast<int64_t>(prompts.size()) == B && static_cast<int64_t>(samples.size()) == B,
+      "MakeSamplerRows: prompts, samples and positions must have one entry per row");
+  const int64_t S = static_cast<int64_t>(params.stop_ids.size());
+  const auto opts = torch::TensorOptions().pinned_memory(device.is_cuda());
+  auto i64 = torch::empty({3, B}, opts.dtype(torch::kInt64));    // keys, positions, top_k
+  auto f64 = torch::empty({2, B}, opts.dtype(torch::kFloat64));  // temperature, top_p
+  auto stop = torch::empty({B, S}, opts.dtype(torch::kInt64));
+  int64_t* ip = i64.data_ptr<int64_t>();
+  double* fp = f64.data_ptr<double>();
+  int64_t* sp = stop.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    ip[b] = static_cast<int64_t>(SampleSeed(params.seed, prompts[b], samples[b]));
+    ip[B + b] = positions[b];
+    ip[2 * B + b] = params.top_k;
+    fp[b] = params.temperature;
+    fp[B + b] = params.top_p;
+    for (int64_t j = 0; j < S; ++j) sp[b * S + j] = params.stop_ids[j];
+  }
+  const bool async = device.is_cuda();
+  auto i64d = i64.to(device, /*non_blocking=*/async), f64d = f64.to(device, async);
+  SamplerRows rows;
+  rows.keys = i64d[0];
+  rows.positions = i64d[1];
+  rows.top_k = i64d[2];
+  rows.temperature = f64d[0];
+  rows.top_p = f64d[1];
+  rows.stop_ids = stop.to(device, async);
+  return rows;
+}
+
+absl::StatusOr<Draws> DrawKeyed(const torch::Tensor& logits, const SamplerRows& rows) {
+  ASSIGN_OR_RETURN(const SampledRows s, SampleRows(logits, rows));
+  // One copy back: token ids are exact in fp64.
+  const auto host =
+      torch::stack({s.tokens.to(torch::kFloat64), s.logprobs.to(torch::kFloat64)}).cpu();
+  const int64_t B = logits.size(0);
+  const double* h = host.data_ptr<double>();
+  Draws d;
+  d.tokens.resize(B);
+  d.logprobs.resize(B);
+  for (int64_t i = 0; i < B; ++i) {
+    d.tokens[i] = static_cast<int64_t>(h[i]);
+    d.logprobs[i] = static_cast<float>(h[B + i]);
+  }
+  return d;
+}
+
 absl::Status StaticSampler::Generate(const ModelSnapshot& snapshot,
                                      const std::vector<std::vector<int64_t>>& prompts,
                                      const SamplingParams& params,

@@ -101,6 +101,56 @@ struct Draws {
 Draws DrawTokens(const torch::Tensor& logits, const std::vector<std::mt19937_64*>& rngs,
                  const SamplingParams& params);
 
+// ---- The keyed draw: one token per logits row on the rows' device, CPU and GPU alike ----
+//
+// Row b of logits [B, V] (fp32) draws one uniform u = U / 2^53 from a counter-based generator:
+// U = the top 53 bits of the first two words of Philox4x32-10 (at::philox_engine's) with key
+// keys[b] (SampleSeed(seed, prompt, sample): the sample's stream) and counter (positions[b], 0):
+// the draw is a pure function of (seed, prompt, sample, position), whatever batch, step, device
+// or process draws it. positions[b] is the index the drawn token will have in its sequence
+// (prompt length + tokens drawn before it). The distribution, with m the row's max:
+//   weights q_i = round(exp((x_i - m) / temperature) 2^S), S = 62 - ceil(log2 V), integers, so
+//     that every sum below is exact and the same on every device (exp and log are computed from
+//     correctly rounded fp64 operations only: kernels/cpu/draw_math.h);
+//   top_k (0 < k < V): the k largest logits, the lower token id first among equal ones;
+//   top_p (0 < p < 1): in the order larger logit then lower id, the shortest prefix of the kept
+//     tokens whose weight reaches ceil(p * their total);
+//   the token: the first (in token order) kept token whose running weight exceeds
+//     floor(u * total); its log-prob (x - m) / temperature - log(total 2^-S), under the kept
+//     distribution (what FilteredLogprobs computes, up to the weights' rounding, < V 2^-(S+1)).
+// temperature 0: the argmax (the first of equal maxima), log-prob 0. A row whose logits hold
+// NaN or +inf or are all -inf, or whose temperature is negative or NaN: token 0, log-prob NaN
+// (CheckDrawn turns it into an error). stopped[b]: the token is one of stop_ids[b] (-1 pads).
+// The CPU (kernels/cpu/sampler_cpu.h) and CUDA (kernels/cuda/sampler.cuh) kernels compute the
+// same tokens and log-probs bit for bit; on CUDA nothing waits on the device.
+struct SamplerRows {
+  torch::Tensor keys;         // [B] int64: the uint64 stream keys' bits
+  torch::Tensor positions;    // [B] int64
+  torch::Tensor temperature;  // [B] float64, 0: greedy
+  torch::Tensor top_k;        // [B] int64, <= 0 or >= V: off
+  torch::Tensor top_p;        // [B] float64, outside (0, 1): off
+  torch::Tensor stop_ids;     // [B, S] int64 (S may be 0), negative entries unused
+};
+struct SampledRows {
+  torch::Tensor tokens;    // [B] int64
+  torch::Tensor logprobs;  // [B] fp32
+  torch::Tensor stopped;   // [B] bool
+};
+
+// INVALID_ARGUMENT naming the tensor when shapes, dtypes or devices are off (checked from the
+// tensors' metadata: no sync).
+absl::StatusOr<SampledRows> SampleRows(const torch::Tensor& logits, const SamplerRows& rows);
+
+// Rows of one request's parameters: row b is sample samples[b] of prompt prompts[b] at
+// positions[b]; stop ids from params. On `device` (from pinned memory, not waiting on a CUDA
+// stream).
+SamplerRows MakeSamplerRows(const SamplingParams& params, const std::vector<int64_t>& prompts,
+                            const std::vector<int64_t>& samples,
+                            const std::vector<int64_t>& positions, const torch::Device& device);
+
+// SampleRows with the results on the host, as DrawTokens returns them (one copy back).
+absl::StatusOr<Draws> DrawKeyed(const torch::Tensor& logits, const SamplerRows& rows);
+
 // FAILED_PRECONDITION naming the sample and the position of the token about to be appended to
 // `s` when its drawn log-prob is not finite: finite logits always give finite log-probs (a greedy
 // draw's is NaN when its logit is not finite), so the model produced NaN or infinite values and

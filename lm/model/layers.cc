@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "lm/model/batch_invariant.h"
+#include "lm/model/fast_paths.h"
 #include "lm/model/fp8.h"
 
 namespace lm {
@@ -62,7 +63,36 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps, bool zero_centered)
   weight = register_parameter("weight", zero_centered ? torch::zeros({dim}) : torch::ones({dim}));
 }
 
+namespace {
+
+bool NeedsGrad(const torch::Tensor& a, const torch::Tensor& b) {
+  return torch::GradMode::is_enabled() && (a.requires_grad() || b.requires_grad());
+}
+
+}  // namespace
+
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  const auto fused = FastPathsFor(x.device().type()).add_rms_norm;
+  torch::Tensor out, unused;
+  if (fused && !zero_centered && !NeedsGrad(x, weight) &&
+      fused(x, torch::Tensor(), weight, eps, &out, &unused))
+    return out;
+  return Reference(x);
+}
+
+torch::Tensor RMSNormImpl::AddForward(const torch::Tensor& delta, torch::Tensor& residual) {
+  const auto fused = FastPathsFor(delta.device().type()).add_rms_norm;
+  torch::Tensor out, sum;
+  if (fused && !zero_centered && !NeedsGrad(delta, weight) && !NeedsGrad(residual, residual) &&
+      fused(delta, residual, weight, eps, &out, &sum)) {
+    residual = sum;
+    return out;
+  }
+  residual = residual + delta;
+  return forward(residual);
+}
+
+torch::Tensor RMSNormImpl::Reference(const torch::Tensor& x) {
   const auto in_dtype = x.scalar_type();
   auto h = x.to(torch::kFloat32);
   h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
@@ -86,9 +116,18 @@ Rope::Rope(int64_t rotary_dim, double theta) : rotary_dim_(rotary_dim) {
   inv_freq_ = 1.0 / torch::pow(torch::scalar_tensor(theta, torch::kFloat32), exponent);
 }
 
+torch::Tensor Rope::InvFreqOn(const torch::Device& device) const {
+  if (device == inv_freq_.device()) return inv_freq_;
+  std::lock_guard<std::mutex> lock(on_devices_->mu);
+  for (const torch::Tensor& t : on_devices_->copies)
+    if (t.device() == device) return t;
+  on_devices_->copies.push_back(inv_freq_.to(device));
+  return on_devices_->copies.back();
+}
+
 std::pair<torch::Tensor, torch::Tensor> Rope::Tables(const torch::Tensor& positions) const {
   auto freqs =
-      positions.to(torch::kFloat32).unsqueeze(1) * inv_freq_.to(positions.device()).unsqueeze(0);
+      positions.to(torch::kFloat32).unsqueeze(1) * InvFreqOn(positions.device()).unsqueeze(0);
   auto emb = torch::cat({freqs, freqs}, -1);  // [T, rotary_dim]
   return {pointwise::Cos(emb), pointwise::Sin(emb)};
 }
@@ -104,6 +143,22 @@ torch::Tensor Rope::Apply(const torch::Tensor& x, const torch::Tensor& cos,
   auto out = xr * c + rotated * s;
   if (!partial) return out;
   return torch::cat({out, x.narrow(-1, rotary_dim_, x.size(-1) - rotary_dim_)}, -1);
+}
+
+std::pair<torch::Tensor, torch::Tensor> QkNormRope(const torch::Tensor& q, const torch::Tensor& k,
+                                                   RMSNormImpl& q_norm, RMSNormImpl& k_norm,
+                                                   const Rope& rope, const torch::Tensor& cos,
+                                                   const torch::Tensor& sin, bool in_place) {
+  const auto fused = FastPathsFor(q.device().type()).qk_norm_rope;
+  if (fused && !q_norm.zero_centered && !k_norm.zero_centered && q_norm.eps == k_norm.eps &&
+      !NeedsGrad(q, q_norm.weight) && !NeedsGrad(k, k_norm.weight) &&
+      !(torch::GradMode::is_enabled() && (cos.requires_grad() || sin.requires_grad()))) {
+    const torch::Tensor q_out = in_place ? q : torch::empty_like(q);
+    const torch::Tensor k_out = in_place ? k : torch::empty_like(k);
+    if (fused(q, k, q_norm.weight, k_norm.weight, cos, sin, q_norm.eps, q_out, k_out))
+      return {q_out, k_out};
+  }
+  return {rope.Apply(q_norm.forward(q), cos, sin), rope.Apply(k_norm.forward(k), cos, sin)};
 }
 
 namespace {

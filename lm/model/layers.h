@@ -2,6 +2,8 @@
 // variable-length causal attention. Parameter names match Hugging Face checkpoints.
 #pragma once
 
+#include <memory>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -45,10 +47,17 @@ TORCH_MODULE(Embedding);
 
 // RMSNorm over the last dim, computed in fp32: x * rsqrt(mean(x^2) + eps), cast back, times w.
 // `zero_centered` (Qwen3-Next) multiplies by (1 + w) instead, still in fp32, cast once at the end.
+// Without autograd a device's fused kernel computes the same (FastPaths::add_rms_norm: one pass
+// instead of 8 ops; fp32 statistics summed in another order); Reference() is the op chain.
 class RMSNormImpl : public torch::nn::Module {
  public:
   RMSNormImpl(int64_t dim, double eps, bool zero_centered = false);
   torch::Tensor forward(const torch::Tensor& x);
+  // The residual stream's add and the next norm in one: residual = residual + delta (rounded as
+  // that add rounds), returns forward(residual).
+  torch::Tensor AddForward(const torch::Tensor& delta, torch::Tensor& residual);
+  // The library op chain (the autograd path, and what the fused kernels are tested against).
+  torch::Tensor Reference(const torch::Tensor& x);
   torch::Tensor weight;  // [dim]
   double eps;
   bool zero_centered;
@@ -77,9 +86,27 @@ class Rope {
                       const torch::Tensor& sin) const;
 
  private:
+  // inv_freq_ on `device`: copied there once (a copy per call would be a pageable host-to-device
+  // copy, a sync, in every forward).
+  torch::Tensor InvFreqOn(const torch::Device& device) const;
   int64_t rotary_dim_;
-  torch::Tensor inv_freq_;  // [rotary_dim / 2] fp32
+  torch::Tensor inv_freq_;  // [rotary_dim / 2] fp32, on the CPU
+  struct DeviceCopies {
+    std::mutex mu;
+    std::vector<torch::Tensor> copies;  // inv_freq_ on each device it was asked for
+  };
+  std::shared_ptr<DeviceCopies> on_devices_ = std::make_shared<DeviceCopies>();
 };
+
+// Qwen3's q/k path: the per-head RMSNorms of q [T, Hq, D] and k [T, Hkv, D] (q_norm, k_norm over
+// D), then `rope` at the positions of the tables. Without autograd a device's fused kernel does
+// both in one pass, in fp32, rounding once to the dtype (FastPaths::qk_norm_rope), writing over
+// q and k when `in_place` (they must then be free to overwrite: fresh projections); otherwise,
+// and with autograd, the reference rope.Apply(q_norm(q), ...), rope.Apply(k_norm(k), ...).
+std::pair<torch::Tensor, torch::Tensor> QkNormRope(const torch::Tensor& q, const torch::Tensor& k,
+                                                   RMSNormImpl& q_norm, RMSNormImpl& k_norm,
+                                                   const Rope& rope, const torch::Tensor& cos,
+                                                   const torch::Tensor& sin, bool in_place);
 
 // Causal attention within each document of a packed batch; q [T, Hq, D], k/v [T, Hkv, D] with
 // Hq a multiple of Hkv (GQA), cu_seqlens [B+1] from 0 to T. Returns [T, Hq, D]. No mask is built:

@@ -120,6 +120,26 @@ torch::Tensor RouterLogits(const torch::Tensor& x, const torch::Tensor& gate_wei
 
 }  // namespace
 
+namespace {
+
+bool RouterNeedsGrad(const torch::Tensor& logits) {
+  return torch::GradMode::is_enabled() && logits.requires_grad();
+}
+
+// The experts the router picks on its own from fp32 logits [T, E], exactly as Route picks them:
+// without autograd the device's fused top-k where it has one, else softmax + topk. (Where logits
+// tie, or round to equal probabilities, the two can differ: a recorded or replayed "own" pick
+// must be the one Route makes.)
+torch::Tensor OwnTopK(const torch::Tensor& logits, int64_t top_k) {
+  const auto route_topk = FastPathsFor(logits.device().type()).route_topk;
+  torch::Tensor w, ids;
+  if (route_topk && !RouterNeedsGrad(logits) && route_topk(logits, top_k, false, &w, &ids))
+    return ids;
+  return std::get<1>(torch::softmax(logits.detach(), -1, torch::kFloat32).topk(top_k, -1));
+}
+
+}  // namespace
+
 Routing RouteForced(const torch::Tensor& x, const torch::Tensor& gate_weight,
                     const torch::Tensor& ids, bool norm_topk_prob) {
   Routing r;
@@ -132,12 +152,21 @@ Routing RouteForced(const torch::Tensor& x, const torch::Tensor& gate_weight,
   TORCH_CHECK(
       ids.numel() == 0 || (r.ids.min().item<int64_t>() >= -1 && r.ids.max().item<int64_t>() < E),
       "routing replay: forced expert ids outside [-1, ", E, ")");
-  auto probs = torch::softmax(r.logits, -1, torch::kFloat32);
   // A row with a negative id takes the router's own top-k (a position not replayed).
   const auto own_row = (r.ids < 0).any(-1, /*keepdim=*/true);
-  if (own_row.any().item<bool>())
-    r.ids = torch::where(own_row, std::get<1>(probs.detach().topk(ids.size(1), -1)), r.ids);
-  auto p = probs.gather(1, r.ids);
+  const bool own = own_row.any().item<bool>();
+  // Without autograd, the device's fused router where it has one: its top-k for the rows not
+  // replayed and its softmax at the given ids, so that replaying a row's own routing gives
+  // Route's weights bit for bit.
+  if (own) r.ids = torch::where(own_row, OwnTopK(r.logits, ids.size(1)), r.ids);
+  const auto route_weights = FastPathsFor(r.logits.device().type()).route_weights;
+  torch::Tensor w;
+  if (route_weights && !RouterNeedsGrad(r.logits) &&
+      route_weights(r.logits, r.ids, norm_topk_prob, &w)) {
+    r.weights = w.to(x.scalar_type());
+    return r;
+  }
+  auto p = torch::softmax(r.logits, -1, torch::kFloat32).gather(1, r.ids);
   if (norm_topk_prob) p = p / p.sum(-1, /*keepdim=*/true);
   r.weights = p.to(x.scalar_type());
   return r;
@@ -149,7 +178,7 @@ Routing Route(const torch::Tensor& x, const torch::Tensor& gate_weight, int64_t 
   r.logits = RouterLogits(x, gate_weight);  // fp32: the top-k never sees bf16-rounded logits
   // Without autograd (sampling, scoring) a device's fused softmax + top-k where it has one.
   const auto route_topk = FastPathsFor(r.logits.device().type()).route_topk;
-  if (route_topk && !(torch::GradMode::is_enabled() && r.logits.requires_grad()) &&
+  if (route_topk && !RouterNeedsGrad(r.logits) &&
       route_topk(r.logits, top_k, norm_topk_prob, &r.weights, &r.ids)) {
     r.weights = r.weights.to(x.scalar_type());
     return r;
@@ -217,6 +246,29 @@ RouterImpl::RouterImpl(int64_t num_experts, int64_t hidden) {
   weight = register_parameter("weight", torch::empty({num_experts, hidden}));
 }
 
+torch::Tensor RouterImpl::Fp32Weight() const {
+  // Inference tensors carry no version counter: nothing would tell a stale copy, so they are
+  // converted per call as before.
+  if (weight.scalar_type() == torch::kFloat32 || weight.is_inference() ||
+      (torch::GradMode::is_enabled() && weight.requires_grad()))
+    return weight;
+  std::lock_guard<std::mutex> lock(fp32_mu_);
+  const int64_t version = weight._version();
+  const void* source = weight.data_ptr();
+  if (fp32_.defined() && fp32_version_ == version && fp32_source_ == source &&
+      fp32_.device() == weight.device() && fp32_.sizes() == weight.sizes())
+    return fp32_;
+  torch::NoGradGuard no_grad;
+  if (fp32_.defined() && fp32_.device() == weight.device() && fp32_.sizes() == weight.sizes()) {
+    fp32_.copy_(weight);
+  } else {
+    fp32_ = weight.detach().to(torch::kFloat32).contiguous();
+  }
+  fp32_version_ = version;
+  fp32_source_ = source;
+  return fp32_;
+}
+
 ExpertsImpl::ExpertsImpl(int64_t num_experts, int64_t hidden, int64_t intermediate) {
   gate_up_proj =
       register_parameter("gate_up_proj", torch::empty({num_experts, 2 * intermediate, hidden}));
@@ -246,12 +298,12 @@ torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& x, torch::Tensor*
                 " MoE layers given, a forward ran more");
     forced_ids = (*routing_replay)[routing_replay_next++];
   }
-  Routing r = forced_ids.defined() ? RouteForced(x, gate->weight, forced_ids, norm_topk_prob)
-                                   : Route(x, gate->weight, top_k, norm_topk_prob);
+  const torch::Tensor gate_weight = gate->Fp32Weight();
+  Routing r = forced_ids.defined() ? RouteForced(x, gate_weight, forced_ids, norm_topk_prob)
+                                   : Route(x, gate_weight, top_k, norm_topk_prob);
   if (routing_recorder) {
     if (forced_ids.defined()) {  // what the router would have picked on its own
-      routing_recorder->push_back(
-          std::get<1>(torch::softmax(r.logits.detach(), -1, torch::kFloat32).topk(top_k, -1)));
+      routing_recorder->push_back(OwnTopK(r.logits, top_k));
     } else {
       routing_recorder->push_back(r.ids.detach().to(torch::kInt64));
     }

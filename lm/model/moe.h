@@ -10,6 +10,7 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
 
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -80,7 +81,21 @@ torch::Tensor MoeExpertsCpu(const torch::Tensor& x, const torch::Tensor& ids,
 class RouterImpl : public torch::nn::Module {
  public:
   RouterImpl(int64_t num_experts, int64_t hidden);
+  // The gate in fp32, what Route and RouteForced multiply with: `weight` itself when it is fp32
+  // or needs a gradient here (the cast then stays under autograd); otherwise (a bf16 gate served
+  // for inference) an fp32 copy converted once and again only when `weight` changes (its
+  // version counter, storage or device: a load, a weight update's in-place copy, a move). A
+  // changed weight of the same shape is converted into the same copy, in place, so that a
+  // captured CUDA graph reads the new values once this has run after the update.
+  torch::Tensor Fp32Weight() const;
+
   torch::Tensor weight;
+
+ private:
+  mutable std::mutex fp32_mu_;  // forwards on several threads may share one model
+  mutable torch::Tensor fp32_;
+  mutable int64_t fp32_version_ = -1;
+  mutable const void* fp32_source_ = nullptr;
 };
 TORCH_MODULE(Router);
 

@@ -25,8 +25,10 @@ Qwen3MoeAttentionImpl::Qwen3MoeAttentionImpl(const ModelConfig& c)
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> Qwen3MoeAttentionImpl::Project(
     const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   const int64_t n = x.size(0);
-  auto q = rope_.Apply(q_norm(q_proj(x).view({n, heads_, head_dim_})), cos, sin);
-  auto k = rope_.Apply(k_norm(k_proj(x).view({n, kv_heads_, head_dim_})), cos, sin);
+  // The projections are fresh tensors: the fused norm + RoPE may overwrite them.
+  auto [q, k] =
+      QkNormRope(q_proj(x).view({n, heads_, head_dim_}), k_proj(x).view({n, kv_heads_, head_dim_}),
+                 *q_norm, *k_norm, rope_, cos, sin, /*in_place=*/true);
   auto v = v_proj(x).view({n, kv_heads_, head_dim_});
   return {q, k, v};
 }
@@ -93,6 +95,28 @@ Qwen3MoeModelImpl::Qwen3MoeModelImpl(const ModelConfig& c) {
   norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
 }
 
+namespace {
+
+// The decoder layers over the residual stream h, each residual add fused into the norm after it
+// (RMSNormImpl::AddForward: h += delta and the next norm in one pass where a device has the
+// kernel; the same ops as `h = h + delta; norm(h)` under autograd). attend(i, normed) is layer
+// i's attention output on its normed input, mlp(i, normed) its MLP's. Returns the final norm.
+template <class Attend, class Mlp>
+torch::Tensor RunLayers(Qwen3MoeModelImpl& model, torch::Tensor h, const Attend& attend,
+                        const Mlp& mlp) {
+  const size_t n = model.layers->size();
+  auto layer = [&](size_t i) { return model.layers->ptr<Qwen3MoeDecoderLayerImpl>(i); };
+  torch::Tensor normed = n > 0 ? layer(0)->input_layernorm(h) : model.norm(h);
+  for (size_t i = 0; i < n; ++i) {
+    normed = layer(i)->post_attention_layernorm->AddForward(attend(i, normed), h);
+    RMSNormImpl& next = i + 1 < n ? *layer(i + 1)->input_layernorm : *model.norm;
+    normed = next.AddForward(mlp(i, normed), h);
+  }
+  return normed;
+}
+
+}  // namespace
+
 Qwen3MoeForCausalLM::Qwen3MoeForCausalLM(ModelConfig c)
     : CausalLM(std::move(c)), rope_(config_.RotaryDim(), config_.rope_theta) {
   model = register_module("model", Qwen3MoeModel(config_));
@@ -113,17 +137,23 @@ torch::Tensor Qwen3MoeForCausalLM::Forward(const PackedBatch& batch, const Forwa
                 "replay_experts must be [tokens=", batch.num_tokens(), ", moe_layers=", moe_layers,
                 ", top_k=", config_.num_experts_per_tok, "], got ", opts.replay_experts.sizes());
   }
-  int64_t moe_index = 0;
-  for (size_t i = 0; i < model->layers->size(); ++i) {
-    auto layer = model->layers->ptr<Qwen3MoeDecoderLayerImpl>(i);
-    torch::Tensor forced;
-    if (replay && layer->moe) forced = opts.replay_experts.select(1, moe_index++);
-    if (opts.checkpoint_layers && !opts.cache && torch::GradMode::is_enabled()) {
+  // The expert ids layer i replays (undefined for a dense layer or without replay).
+  std::vector<torch::Tensor> forced(model->layers->size());
+  if (replay) {
+    int64_t moe_index = 0;
+    for (size_t i = 0; i < model->layers->size(); ++i) {
+      if (model->layers->ptr<Qwen3MoeDecoderLayerImpl>(i)->moe)
+        forced[i] = opts.replay_experts.select(1, moe_index++);
+    }
+  }
+  if (opts.checkpoint_layers && !opts.cache && torch::GradMode::is_enabled()) {
+    for (size_t i = 0; i < model->layers->size(); ++i) {
+      auto layer = model->layers->ptr<Qwen3MoeDecoderLayerImpl>(i);
       // The block returns the layer's output and, when asked for, its router logits (the aux
       // loss backpropagates through them into the router).
       const bool logits = opts.router_logits != nullptr;
       auto block = [layer, cos = cos, sin = sin, cu = batch.cu_seqlens, logits,
-                    forced](const torch::Tensor& x) {
+                    forced = forced[i]](const torch::Tensor& x) {
         std::vector<torch::Tensor> router;
         torch::Tensor y =
             x + layer->self_attn(layer->input_layernorm(x), cos, sin, cu, nullptr, nullptr);
@@ -134,31 +164,41 @@ torch::Tensor Qwen3MoeForCausalLM::Forward(const PackedBatch& batch, const Forwa
       std::vector<torch::Tensor> out = Recompute(block, h);
       h = out[0];
       if (logits) opts.router_logits->insert(opts.router_logits->end(), out.begin() + 1, out.end());
-      continue;
     }
-    torch::Tensor* kc = opts.cache ? &opts.cache->k[i] : nullptr;
-    torch::Tensor* vc = opts.cache ? &opts.cache->v[i] : nullptr;
-    h = h + layer->self_attn(layer->input_layernorm(h), cos, sin, batch.cu_seqlens, kc, vc);
-    h = h + layer->Mlp(layer->post_attention_layernorm(h), opts.router_logits, forced);
+    return model->norm(h);
   }
+  auto out = RunLayers(
+      *model, h,
+      [&](size_t i, const torch::Tensor& x) {
+        torch::Tensor* kc = opts.cache ? &opts.cache->k[i] : nullptr;
+        torch::Tensor* vc = opts.cache ? &opts.cache->v[i] : nullptr;
+        return model->layers->ptr<Qwen3MoeDecoderLayerImpl>(i)->self_attn(x, cos, sin,
+                                                                          batch.cu_seqlens, kc, vc);
+      },
+      [&](size_t i, const torch::Tensor& x) {
+        return model->layers->ptr<Qwen3MoeDecoderLayerImpl>(i)->Mlp(x, opts.router_logits,
+                                                                    forced[i]);
+      });
   if (opts.cache) {
     for (int64_t b = 0; b < batch.num_sequences(); ++b) opts.cache->lengths[b] = batch.length(b);
   }
-  return model->norm(h);
+  return out;
 }
 
 torch::Tensor Qwen3MoeForCausalLM::Decode(const torch::Tensor& tokens, KVCache& cache) {
   auto positions = torch::tensor(cache.lengths, torch::kInt64).to(tokens.device());
   auto [cos, sin] = rope_.Tables(positions);
-  auto h = model->embed_tokens(tokens);
-  for (size_t i = 0; i < model->layers->size(); ++i) {
-    auto layer = model->layers->ptr<Qwen3MoeDecoderLayerImpl>(i);
-    h = h + layer->self_attn->decode(layer->input_layernorm(h), cos, sin, cache.k[i], cache.v[i],
-                                     cache.lengths);
-    h = h + layer->Mlp(layer->post_attention_layernorm(h), nullptr);
-  }
+  auto out = RunLayers(
+      *model, model->embed_tokens(tokens),
+      [&](size_t i, const torch::Tensor& x) {
+        return model->layers->ptr<Qwen3MoeDecoderLayerImpl>(i)->self_attn->decode(
+            x, cos, sin, cache.k[i], cache.v[i], cache.lengths);
+      },
+      [&](size_t i, const torch::Tensor& x) {
+        return model->layers->ptr<Qwen3MoeDecoderLayerImpl>(i)->Mlp(x, nullptr);
+      });
   for (auto& len : cache.lengths) ++len;
-  return model->norm(h);
+  return out;
 }
 
 KVCache Qwen3MoeForCausalLM::NewKVCache(int64_t batch, int64_t capacity) const {

@@ -36,6 +36,9 @@ std::string FormatPlan(const ProcessPlan& p, const DeviceSpec& d) {
                              peak > d.memory_bytes ? "  DOES NOT FIT" : ""));
   for (const Term& t : p.memory.alternatives)
     out += Row(absl::StrCat("(instead: ", t.name, ")"), FormatGiB(t.bytes));
+  if (!p.memory.host.empty())
+    out += absl::StrFormat("%s: host memory beside the device\n", p.process);
+  for (const Term& t : p.memory.host) out += Row(t.name, FormatGiB(t.bytes));
   out +=
       absl::StrFormat("%s: time per step (roofline at 100%% of peak: a lower bound)\n", p.process);
   for (const TimeTerm& t : p.time.terms)

@@ -88,6 +88,23 @@ int64_t LayerActivationBytes(const ModelConfig& c, int64_t i, int64_t a) {
   return bytes;
 }
 
+// The largest tensor lm/io/hf_model_dir.cc registers: the embedding or LM head, a layer's fused
+// experts (gate_up [E, 2I, H]), its attention or linear-attention projections, a dense MLP's.
+int64_t LargestParameter(const ModelConfig& c) {
+  const int64_t h = c.hidden_size;
+  int64_t n = c.vocab_size * h;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const int64_t q = c.num_attention_heads * c.head_dim;
+    const int64_t k = c.linear_num_key_heads * c.linear_key_head_dim;
+    const int64_t v = c.linear_num_value_heads * c.linear_value_head_dim;
+    n = std::max(n, IsFull(c, i) ? (IsNext(c) ? 2 * q : q) * h : (2 * k + 2 * v) * h);
+    n = std::max(n, IsMoe(c, i) ? c.LocalExperts() * 2 * c.moe_intermediate_size * h
+                                : c.intermediate_size * h);
+    if (IsMoe(c, i) && IsNext(c)) n = std::max(n, c.shared_expert_intermediate_size * h);
+  }
+  return n;
+}
+
 }  // namespace
 
 int64_t MemoryPlan::peak() const {
@@ -128,6 +145,7 @@ ParameterCounts CountParameters(const ModelConfig& c) {
   }
   matmul += n.experts;
   n.total = matmul + n.fp32;
+  n.largest = LargestParameter(c);
   // A token's matmuls: everything but the embedding lookup and the experts it is not routed to,
   // plus the LM head (the embedding again when tied). Norm and router FLOPs are left out (the
   // routers' E x H is 0.1% of Marco-Nano's active count).

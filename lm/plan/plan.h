@@ -7,16 +7,24 @@
 // Memory (bytes, P parameters, N data-parallel learner ranks; trainer/common/mixed_precision.h and
 // trainer/common/zero1.h say what each rank keeps):
 //   learner, bf16-mixed: weights 2 P_bf16 + 4 P_fp32 (norms, routers, conv stay fp32), fp32
-//     gradients 4 P (the whole flat buffer on every rank), fp32 masters 4 P / N and AdamW moments
-//     8 P / N (ZeRO-1 shards both over the ranks; the gradients are not sharded);
-//   learner, fp32: weights 4 P, gradients 4 P, AdamW 8 P / N, no masters;
+//     gradients G, fp32 masters 4 P / N and AdamW moments 8 P / N (sharded over the ranks);
+//   learner, fp32: weights 4 P, gradients G, AdamW 8 P / N, no masters;
+//   G with one rank: 4 P; dist.zero_stage 1: 4 P (every rank's local sum) + 4 P / N (its reduced
+//     slice); stage 2: 4 P / N plus 4 fp32 buckets of B elements
+//     (trainer/common/gradient_reducer.h: 2 in flight, 1 filling, 1 of zeros for a rank with fewer
+//     micro-batches) and the gradient of the largest parameter held until its buckets' turn (bf16
+//     in bf16-mixed); auto is stage 1 when its peak fits the device, else 2;
 //   activations per micro-batch: what the backward keeps per token and layer (see
 //     TrainActivationBytesPerToken), or with activation checkpointing (lm/model/recompute.h) each
 //     layer's input only plus one layer's full set while it is recomputed; plus one chunk of
 //     [rows, vocab] fp32 logits and their gradient;
-//   rollout: bf16 weights, the paged KV pool (lm/model/paged_kv.h: full-attention layers x 2 x
-//     kv_heads x head_dim x 2 B per token, plus Qwen3-Next's recurrent state per running sequence)
-//     and the prefill workspace;
+//   rollout: bf16 weights, one receive bucket of a collective weight push (an update is written
+//     into place or staged in host memory, never as a second model on the device:
+//     rollout/weights.h), the prefill workspace, and the paged KV pool (lm/model/paged_kv.h:
+//     full-attention layers x 2 x kv_heads x head_dim x 2 B per token, plus Qwen3-Next's
+//     recurrent state per running sequence), by default all the device has left after the other
+//     terms (--kv-cache-gb auto); in host memory, beside the device, a weight update staged while
+//     requests sample (one-step-off), every tensor in the serving dtype;
 //   teacher: bf16 weights (a block-wise FP8 checkpoint's converted linear layers in FP8, 1 B per
 //     parameter plus fp32 block scales), one scoring bucket's activations (max_batch_tokens) and
 //     one chunk of logits (logprob_chunk_rows x vocab, fp32, with its log-softmax);
@@ -32,7 +40,8 @@
 //   decode reads per step the dense weights, the routed experts that a batch of B tokens touches
 //     (E (1 - (1 - k/E)^B) per layer under uniform routing: an upper bound on the experts read) and
 //     every running sequence's KV;
-//   collectives (all-reduce, all-gather, weight pushes) and host work are not counted.
+//   collectives (reduce-scatters, all-gathers, weight pushes) and host work are not counted; the
+//   learner's facts say how many bytes its gradient reduction sends per step.
 #pragma once
 
 #include <cstdint>
@@ -68,6 +77,7 @@ struct Term {
 struct MemoryPlan {
   std::vector<Term> terms;         // resident together at the peak, in allocation order
   std::vector<Term> alternatives;  // printed for comparison, not part of the peak
+  std::vector<Term> host;          // the process's host memory beside the device's (not the peak)
   int64_t peak() const;
 };
 
@@ -103,6 +113,7 @@ struct ParameterCounts {
   int64_t moe_layers = 0;
   int64_t active = 0;        // matmul parameters one token goes through, the LM head included
   int64_t dense_matmul = 0;  // active less the routed experts: what every decode step reads
+  int64_t largest = 0;       // elements of the largest single parameter tensor
 };
 ParameterCounts CountParameters(const ModelConfig& c);
 
@@ -147,14 +158,26 @@ struct LearnerSettings {
   int64_t tokens_per_step = 0;  // all ranks together
   bool activation_checkpointing = true;
   int64_t logits_chunk_rows = 512;  // SFT's fused NLL chunk; OPD's log-prob chunk is 1024
+  // dist.zero_stage: 0 auto, 1 or 2 (trainer/common/zero1.h); dist.bucket_mb in fp32 elements.
+  int64_t zero_stage = 0;
+  int64_t bucket_elements = int64_t{8} << 20;
 };
+// dist.zero_stage as the learner resolves it: 1 with one rank; auto is 1 when the plan with stage
+// 1 fits `device_bytes`, else 2.
+int64_t ResolveZeroStage(const ModelConfig& c, const LearnerSettings& s, int64_t device_bytes);
+// The elements of one gradient bucket: the bucket size rounded up to a multiple of the ranks, at
+// most the whole model (trainer/common/optimizer_state.h BucketSharding).
+int64_t BucketElements(const ModelConfig& c, const LearnerSettings& s);
 ProcessPlan PlanLearner(const ModelConfig& c, const LearnerSettings& s, const DeviceSpec& d);
 absl::Status CheckLearnerFits(const ModelConfig& c, const LearnerSettings& s, int64_t device_bytes);
 
 struct RolloutSettings {
   int64_t workers = 1;
   int64_t weight_bytes = 2;    // bf16 serving
-  int64_t kv_cache_bytes = 0;  // the pool (--kv-cache-gb); 0: all the device has left
+  int64_t kv_cache_bytes = 0;  // the pool (--kv-cache-gb); 0: all the device has left (auto)
+  // A collective weight push lands in one bucket of this size on the device
+  // (rollout.weight_sync_bucket_mb); 0: pushes over gRPC only, staged in host memory.
+  int64_t update_bucket_bytes = int64_t{64} << 20;
   int64_t block_size = 16;
   int64_t max_running = 256;
   int64_t max_prefill_tokens = 8192;
@@ -164,6 +187,10 @@ struct RolloutSettings {
 };
 ProcessPlan PlanRollout(const ModelConfig& c, const RolloutSettings& s, const DeviceSpec& d);
 absl::Status CheckRolloutFits(const ModelConfig& c, const RolloutSettings& s, int64_t device_bytes);
+// The KV pool opd-rollout allocates (its recurrent-state slots included): s.kv_cache_bytes when
+// set, else what a device of `device_bytes` has left after the plan's other terms (0 when
+// nothing is left).
+int64_t RolloutKvPoolBytes(const ModelConfig& c, const RolloutSettings& s, int64_t device_bytes);
 
 struct TeacherSettings {
   std::string stage;

@@ -42,6 +42,53 @@ int64_t LearnerActivations(const ModelConfig& c, const LearnerSettings& s, bool 
   return per_token * std::max(s.micro_batch_tokens, int64_t{1});
 }
 
+// The gradient terms: stage 1 keeps every rank's local sum and its reduced slice, stage 2 the
+// slice and the reducer's staging buckets (`s.zero_stage` resolved).
+void AddGradients(MemoryPlan& m, const ModelConfig& c, const LearnerSettings& s) {
+  const ParameterCounts n = CountParameters(c);
+  const int64_t ranks = std::max<int64_t>(s.ranks, 1), slice = CeilDiv(n.total, ranks);
+  if (ranks == 1) {
+    m.terms.push_back({"gradients (fp32)", 4 * n.total, "a smaller student"});
+    return;
+  }
+  if (s.zero_stage != 2) {
+    m.terms.push_back({absl::StrCat("gradients (fp32: local sum + reduced 1/", ranks, ")"),
+                       4 * n.total + 4 * slice, "dist.zero_stage: 2 (shards the gradients)"});
+    return;
+  }
+  m.terms.push_back(
+      {absl::StrCat("gradients (fp32: reduced 1/", ranks, ")"), 4 * slice, "more learner ranks"});
+  const int64_t bucket = BucketElements(c, s);
+  m.terms.push_back({absl::StrCat("gradient buckets in flight (4 x ", bucket, " fp32)"),
+                     4 * 4 * bucket, "a smaller dist.bucket_mb"});
+  // A gradient is held as autograd made it until its buckets' turn: the largest one's at most.
+  m.terms.push_back({"gradient awaiting its buckets (largest parameter)",
+                     (s.bf16_mixed ? 2 : 4) * n.largest, "a student with smaller tensors"});
+}
+
+// The flat path (several ranks, or bf16-mixed) loads the fp32 model on the host and moves it into
+// its buffers before the first step. On a CUDA device none of it stays; on the CPU the host is the
+// device, and the loaded copy is resident with the buffers at start-up, released before a step
+// holds its buckets, activations and logits in its place: the peak is the larger of the two, so
+// the copy counts beyond what the step terms (from `step_terms` on, AdamW's excepted) hold.
+void AddStartupCopy(MemoryPlan& m, const ModelConfig& c, const LearnerSettings& s,
+                    size_t step_terms) {
+  if (s.cuda || (s.ranks <= 1 && !s.bf16_mixed)) return;
+  int64_t step = 0;
+  for (size_t i = step_terms; i < m.terms.size(); ++i)
+    if (m.terms[i].name.rfind("AdamW", 0) != 0 && m.terms[i].name.rfind("fp32 masters", 0) != 0)
+      step += m.terms[i].bytes;
+  // AddGradients' terms after the slice are a step's too.
+  for (size_t i = 0; i < step_terms; ++i)
+    if (m.terms[i].name.rfind("gradient buckets", 0) == 0 ||
+        m.terms[i].name.rfind("gradient awaiting", 0) == 0)
+      step += m.terms[i].bytes;
+  const int64_t copy = 4 * CountParameters(c).total;
+  if (copy > step)
+    m.terms.push_back({"start-up: the loaded fp32 model beyond the step's terms (CPU)", copy - step,
+                       "a smaller student"});
+}
+
 MemoryPlan LearnerMemory(const ModelConfig& c, const LearnerSettings& s) {
   const ParameterCounts n = CountParameters(c);
   const int64_t ranks = std::max<int64_t>(s.ranks, 1), slice = CeilDiv(n.total, ranks);
@@ -49,8 +96,8 @@ MemoryPlan LearnerMemory(const ModelConfig& c, const LearnerSettings& s) {
   m.terms.push_back(
       {s.bf16_mixed ? "weights (bf16 matrices, fp32 norms and routers)" : "weights (fp32)",
        WeightBytes(n, !s.bf16_mixed), "a smaller student (every rank holds all)"});
-  m.terms.push_back({"gradients (fp32, every rank)", 4 * n.total,
-                     "a smaller student (ZeRO-1 does not shard gradients)"});
+  AddGradients(m, c, s);
+  const size_t step_terms = m.terms.size();  // from here, what a step adds: buckets, activations
   if (s.bf16_mixed)
     m.terms.push_back(
         {absl::StrCat("fp32 masters (1/", ranks, ")"), 4 * slice, "more learner ranks"});
@@ -68,13 +115,35 @@ MemoryPlan LearnerMemory(const ModelConfig& c, const LearnerSettings& s) {
        LearnerActivations(c, s, !ckpt), ""});
   m.terms.push_back({absl::StrCat("logits chunk (", s.logits_chunk_rows, " rows, fp32 + grad)"),
                      s.logits_chunk_rows * c.vocab_size * 4 * 2, "a smaller logits chunk"});
+  AddStartupCopy(m, c, s, step_terms);
   AddReserve(m, s.cuda);
   return m;
 }
 
+LearnerSettings Resolved(const ModelConfig& c, LearnerSettings s, int64_t device_bytes) {
+  s.zero_stage = ResolveZeroStage(c, s, device_bytes);
+  return s;
+}
+
 }  // namespace
 
-ProcessPlan PlanLearner(const ModelConfig& c, const LearnerSettings& s, const DeviceSpec& d) {
+int64_t BucketElements(const ModelConfig& c, const LearnerSettings& s) {
+  const int64_t ranks = std::max<int64_t>(s.ranks, 1);
+  const int64_t total = CeilDiv(CountParameters(c).total, ranks) * ranks;
+  return std::min(total, CeilDiv(std::max<int64_t>(s.bucket_elements, 1), ranks) * ranks);
+}
+
+int64_t ResolveZeroStage(const ModelConfig& c, const LearnerSettings& s, int64_t device_bytes) {
+  if (s.ranks <= 1) return 1;
+  if (s.zero_stage == 1 || s.zero_stage == 2) return s.zero_stage;
+  LearnerSettings one = s;
+  one.zero_stage = 1;
+  return LearnerMemory(c, one).peak() <= device_bytes ? 1 : 2;
+}
+
+ProcessPlan PlanLearner(const ModelConfig& c, const LearnerSettings& settings,
+                        const DeviceSpec& d) {
+  const LearnerSettings s = Resolved(c, settings, d.memory_bytes);
   const ParameterCounts n = CountParameters(c);
   const int64_t ranks = std::max<int64_t>(s.ranks, 1);
   ProcessPlan p{"learner rank", ranks, LearnerMemory(c, s), {}, {}};
@@ -99,6 +168,16 @@ ProcessPlan PlanLearner(const ModelConfig& c, const LearnerSettings& s, const De
   p.facts.push_back(absl::StrFormat(
       "%d parameters (%d active per token), %d tokens per step over %d ranks, sequences of %d",
       n.total, n.active, s.tokens_per_step, ranks, len));
+  if (ranks > 1) {
+    // A reduce-scatter of the 4P gradient bytes sends (N - 1) / N of them from every rank; stage
+    // 2 reduces once per micro-batch round, stage 1 once per step.
+    const int64_t rounds = s.zero_stage == 2 ? std::max<int64_t>(micro, 1) : 1;
+    const double sent = 4.0 * static_cast<double>(n.total) * (ranks - 1) / ranks * rounds;
+    p.facts.push_back(absl::StrFormat(
+        "dist.zero_stage %d%s: gradients reduce-scattered %d time(s) per step, %s sent per rank",
+        s.zero_stage, settings.zero_stage == 0 ? " (auto)" : "", rounds,
+        FormatGiB(static_cast<int64_t>(sent))));
+  }
   return p;
 }
 
@@ -112,8 +191,18 @@ MemoryPlan RolloutMemory(const ModelConfig& c, const RolloutSettings& s, int64_t
                          KvShape* kv) {
   const ParameterCounts n = CountParameters(c);
   MemoryPlan m;
-  m.terms.push_back({s.weight_bytes == 4 ? "weights (fp32)" : "weights (bf16)",
-                     WeightBytes(n, s.weight_bytes == 4), "a smaller student"});
+  const int64_t weights = WeightBytes(n, s.weight_bytes == 4);
+  m.terms.push_back(
+      {s.weight_bytes == 4 ? "weights (fp32)" : "weights (bf16)", weights, "a smaller student"});
+  // rollout/weights.h: an update goes into place, or waits in host memory while requests sample
+  // with the serving version; on the device only a collective push's receive bucket.
+  if (s.update_bucket_bytes > 0)
+    m.terms.push_back({absl::StrFormat("weight update: one receive bucket (%.0f MiB)",
+                                       static_cast<double>(s.update_bucket_bytes) / (1 << 20)),
+                       s.update_bucket_bytes, "rollout.weight_sync_bucket_mb"});
+  m.alternatives.push_back({"weight update staged as a second model on the device", weights, ""});
+  m.host.push_back({"weight update staged in page-locked host memory (one-step-off)", weights,
+                    "train.async: false (an update then goes into place)"});
   const int64_t workspace =
       s.max_prefill_tokens * InferenceActivationBytesPerToken(c, s.weight_bytes) +
       s.max_running * c.vocab_size * 4 * 2;  // the last rows' fp32 logits and log-softmax
@@ -238,13 +327,19 @@ ProcessPlan PlanTeacher(const ModelConfig& c, const TeacherSettings& s, const De
 
 absl::Status CheckLearnerFits(const ModelConfig& c, const LearnerSettings& s,
                               int64_t device_bytes) {
-  return CheckFits(LearnerMemory(c, s), device_bytes, "learner rank");
+  return CheckFits(LearnerMemory(c, Resolved(c, s, device_bytes)), device_bytes, "learner rank");
 }
 
 absl::Status CheckRolloutFits(const ModelConfig& c, const RolloutSettings& s,
                               int64_t device_bytes) {
   KvShape kv;
   return CheckFits(RolloutMemory(c, s, device_bytes, &kv), device_bytes, "opd-rollout");
+}
+
+int64_t RolloutKvPoolBytes(const ModelConfig& c, const RolloutSettings& s, int64_t device_bytes) {
+  KvShape kv;
+  RolloutMemory(c, s, device_bytes, &kv);
+  return kv.pool;
 }
 
 absl::Status CheckTeacherFits(const ModelConfig& c, const TeacherSettings& s,

@@ -106,6 +106,15 @@ absl::Status CheckpointManager::Save(int64_t step, lm::CausalLM& model,
                                      const std::vector<std::string>& model_extra_files,
                                      lm::dist::ProcessGroup& group,
                                      const JobFilesWriter& job_files) {
+  // Non-finite weights are never written: a resume from them could only fail (every later step
+  // NaN), and they would push the last good checkpoint out of keep_last.
+  if (absl::Status finite = optimizer.CheckFinite(); !finite.ok()) {
+    absl::StatusOr<std::string> kept = Latest();
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step, " is not checkpointed: ", finite.message(), "; ",
+                     kept.ok() ? absl::StrCat("the newest checkpoint, ", *kept, ", is kept")
+                               : std::string("no checkpoint of this run exists")));
+  }
   // The saved weights are the exact fp32 masters, whatever dtype the all-gathers used.
   RETURN_IF_ERROR(optimizer.SyncMasters());
   const std::string final_dir = dir_ + "/" + StepDirName(step);

@@ -42,7 +42,9 @@ class CheckpointManager {
   CheckpointManager(std::string dir, int64_t keep_last)
       : dir_(std::move(dir)), keep_last_(keep_last) {}
 
-  // Saves a checkpoint for `step` (a no-op when a complete one for that step exists). `state`
+  // Saves a checkpoint for `step` (a no-op when a complete one for that step exists); weights that
+  // are not all finite are refused (FAILED_PRECONDITION naming a parameter and the checkpoint
+  // kept), before anything is written. `state`
   // becomes trainer_state.json (a "version", "step" and "world_size" are added);
   // `model_extra_files` (tokenizer files) are copied into model/; `job_files`, when given, writes
   // the job's own files into the checkpoint directory on rank 0. Collective over `group`.

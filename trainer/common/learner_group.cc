@@ -32,6 +32,28 @@ absl::Status CheckSameOnEveryRank(lm::dist::ProcessGroup& group, const std::stri
                    " differs from rank 0's: every rank must be launched with the same one"));
 }
 
+absl::Status AgreeOnStatus(lm::dist::ProcessGroup& group, const absl::Status& mine) {
+  if (group.size() == 1) return mine;
+  std::vector<double> failed(static_cast<size_t>(group.size()), 0.0);
+  failed[static_cast<size_t>(group.rank())] = mine.ok() ? 0.0 : 1.0;
+  ASSIGN_OR_RETURN(failed, group.AllReduceDoubles(failed));
+  int first = -1;
+  for (size_t r = 0; r < failed.size() && first < 0; ++r)
+    if (failed[r] > 0) first = static_cast<int>(r);
+  if (first < 0) return absl::OkStatus();
+  // The failing rank's code and message, as "<code>\n<message>".
+  std::string text = group.rank() == first
+                         ? absl::StrCat(static_cast<int>(mine.code()), "\n", mine.message())
+                         : std::string();
+  RETURN_IF_ERROR(group.BroadcastBytes(&text, first));
+  const size_t nl = text.find('\n');
+  int code = static_cast<int>(absl::StatusCode::kUnknown);
+  if (nl == std::string::npos || !absl::SimpleAtoi(text.substr(0, nl), &code))
+    return absl::InternalError(absl::StrCat("rank ", first, " failed (see its log)"));
+  return absl::Status(static_cast<absl::StatusCode>(code),
+                      absl::StrCat("rank ", first, ": ", text.substr(nl + 1)));
+}
+
 absl::StatusOr<torch::Device> ResolveLearnerDevice(const std::string& spec, int local_rank,
                                                    int cuda_devices) {
   if (spec == "cpu" || (spec == "auto" && cuda_devices == 0)) return torch::Device(torch::kCPU);

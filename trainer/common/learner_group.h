@@ -32,6 +32,12 @@ absl::StatusOr<torch::Device> ResolveLearnerDevice(const std::string& spec, int 
 absl::Status CheckSameOnEveryRank(lm::dist::ProcessGroup& group, const std::string& value,
                                   const std::string& what);
 
+// Collective: OK on every rank when `mine` is OK on every rank; otherwise every rank returns the
+// lowest failing rank's status (its code, its message prefixed with "rank R: " when there are
+// several ranks), so that a check each rank makes of its own share fails the job the same way
+// everywhere.
+absl::Status AgreeOnStatus(lm::dist::ProcessGroup& group, const absl::Status& mine);
+
 // Reads the launcher's environment (lm::dist::LaunchEnv), picks the device (`device` as
 // train.device: auto | cpu | cuda | cuda:N, ResolveLearnerDevice), and joins the job's group with
 // collectives that time out after `timeout_s` on `backend`. One process: the trivial group.

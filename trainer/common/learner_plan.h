@@ -12,6 +12,12 @@
 
 namespace trainer {
 
+// dist.zero_stage and dist.bucket_mb as the plan takes them.
+inline void SetDistPlan(const DistConfig& d, lm::plan::LearnerSettings& s) {
+  s.zero_stage = d.zero_stage == ZeroStage::kOne ? 1 : d.zero_stage == ZeroStage::kTwo ? 2 : 0;
+  s.bucket_elements = static_cast<int64_t>(d.bucket_mb * (1 << 20) / 4);
+}
+
 // SFT: micro-batches of micro_batch_size packed sequences of data.max_seq_len tokens,
 // global_batch_size of them per step; the fused NLL's 512-row logits chunk (sft/fused_nll.h).
 inline lm::plan::LearnerSettings LearnerPlanSettings(const SftConfig& c, int64_t ranks,
@@ -25,6 +31,7 @@ inline lm::plan::LearnerSettings LearnerPlanSettings(const SftConfig& c, int64_t
   s.tokens_per_step = c.train.global_batch_size * c.data.max_seq_len;
   s.activation_checkpointing = c.train.activation_checkpointing;
   s.logits_chunk_rows = 512;
+  SetDistPlan(c.dist, s);
   return s;
 }
 
@@ -42,6 +49,7 @@ inline lm::plan::LearnerSettings LearnerPlanSettings(const OpdConfig& c, int64_t
   s.tokens_per_step = c.train.prompts_per_step * c.rollout.samples_per_prompt * s.sequence_len;
   s.activation_checkpointing = c.train.activation_checkpointing;
   s.logits_chunk_rows = 1024;
+  SetDistPlan(c.dist, s);
   return s;
 }
 

@@ -28,8 +28,8 @@ const char* PrecisionName(Precision p) {
 void DistributedOptimizer::MoveIntoMixedBuffers(std::map<std::string, torch::Tensor>& by_name,
                                                 const torch::TensorOptions& opts) {
   torch::NoGradGuard no_grad;
-  master_ = torch::zeros({shard_.chunk}, opts);
-  flat_compute_ = torch::zeros({shard_.chunk * group_->size()}, opts.dtype(torch::kBFloat16));
+  master_ = torch::zeros({sharding_.slice}, opts);
+  flat_compute_ = torch::zeros({sharding_.padded_total}, opts.dtype(torch::kBFloat16));
   int64_t exact_total = 0;
   for (const auto& e : layout_.entries) {
     const bool bf16 = lm::HoldsBf16ComputeCopy(e.name, by_name[e.name]);
@@ -41,10 +41,15 @@ void DistributedOptimizer::MoveIntoMixedBuffers(std::map<std::string, torch::Ten
     const auto& e = layout_.entries[i];
     torch::Tensor& p = by_name[e.name];
     const torch::Tensor values = p.reshape(-1);
-    const int64_t b = std::max(shard_.begin, e.offset),
-                  end = std::min(shard_.end, e.offset + e.numel);
-    if (b < end)
-      master_.narrow(0, b - shard_.begin, end - b).copy_(values.narrow(0, b - e.offset, end - b));
+    const auto [first, last] = sharding_.BucketsOf(e.offset, e.offset + e.numel);
+    for (size_t b = first; b <= last && e.numel > 0; ++b) {
+      const auto& bucket = sharding_.buckets[b];
+      const int64_t lo = std::max(bucket.own_begin, e.offset);
+      const int64_t hi = std::min(bucket.own_end, e.offset + e.numel);
+      if (lo < hi)
+        master_.narrow(0, sharding_.SliceOffset(b, lo), hi - lo)
+            .copy_(values.narrow(0, lo - e.offset, hi - lo));
+    }
     torch::Tensor view = exact_offset_[i] < 0 ? flat_compute_.narrow(0, e.offset, e.numel)
                                               : exact_.narrow(0, exact_offset_[i], e.numel);
     view.copy_(values);  // rounds to bf16 for a compute copy
@@ -54,26 +59,25 @@ void DistributedOptimizer::MoveIntoMixedBuffers(std::map<std::string, torch::Ten
   }
 }
 
-torch::Tensor DistributedOptimizer::MasterRange(int64_t begin, int64_t n) {
-  return mixed_ ? master_.narrow(0, begin - shard_.begin, n) : flat_params_.narrow(0, begin, n);
-}
-
 absl::Status DistributedOptimizer::RefreshComputeCopies() {
   torch::NoGradGuard no_grad;
-  // The masters rounded to bf16 are the compute copies; every rank rounds its own slice, so all
+  // The masters rounded to bf16 are the compute copies; every rank rounds its own pieces, so all
   // ranks hold the same copies as one rank would.
-  RETURN_IF_ERROR(group_->AllGather(flat_compute_, master_.to(torch::kBFloat16)));
+  const int world = group_->size();
+  for (const auto& b : sharding_.buckets) {
+    torch::Tensor out = flat_compute_.narrow(0, b.begin, b.padded_length(world));
+    RETURN_IF_ERROR(
+        group_->AllGather(out, master_.narrow(0, b.slice_begin, b.piece).to(torch::kBFloat16)));
+  }
   if (exact_.numel() == 0) return absl::OkStatus();
   // The fp32 parameters exactly: each rank contributes the elements it owns, zeros elsewhere, and
   // the sum (x + 0 + ... + 0 = x) is every master bit for bit.
   exact_.zero_();
-  for (size_t i = 0; i < layout_.entries.size(); ++i) {
-    const auto& e = layout_.entries[i];
-    const int64_t b = std::max(shard_.begin, e.offset),
-                  end = std::min(shard_.end, e.offset + e.numel);
-    if (exact_offset_[i] < 0 || b >= end) continue;
-    exact_.narrow(0, exact_offset_[i] + (b - e.offset), end - b)
-        .copy_(master_.narrow(0, b - shard_.begin, end - b));
+  for (const Piece& p : pieces_) {
+    const auto& e = layout_.entries[p.entry];
+    if (exact_offset_[p.entry] < 0) continue;
+    exact_.narrow(0, exact_offset_[p.entry] + (p.begin - e.offset), p.length)
+        .copy_(master_.narrow(0, p.slice, p.length));
   }
   std::vector<torch::Tensor> t{exact_};
   return group_->AllReduce(t);
@@ -92,21 +96,16 @@ absl::StatusOr<torch::Tensor> DistributedOptimizer::GatherMasters() {
     }
     return flat_params_.narrow(0, 0, layout_.total).to(torch::kCPU);
   }
-  const int world = group_->size();
-  const int64_t chunk = shard_.chunk;
-  const int64_t piece = std::max<int64_t>(1, std::min(chunk, bucket_elements_));
+  // A bucket at a time: the device holds one gathered bucket beyond the masters.
   torch::Tensor host;
-  if (group_->is_root()) host = torch::empty({chunk * world}, torch::kFloat32);
-  for (int64_t j = 0; j < chunk; j += piece) {
-    const int64_t len = std::min(piece, chunk - j);
-    torch::Tensor out = torch::empty({len * world}, master_.options());
-    RETURN_IF_ERROR(group_->AllGather(out, master_.narrow(0, j, len).contiguous()));
-    if (!host.defined()) continue;
-    torch::Tensor got = out.to(torch::kCPU);
-    for (int r = 0; r < world; ++r)
-      host.narrow(0, r * chunk + j, len).copy_(got.narrow(0, r * len, len));
+  if (group_->is_root()) host = torch::empty({layout_.total}, torch::kFloat32);
+  for (const auto& b : sharding_.buckets) {
+    torch::Tensor out = torch::empty({b.padded_length(group_->size())}, master_.options());
+    RETURN_IF_ERROR(group_->AllGather(out, master_.narrow(0, b.slice_begin, b.piece)));
+    if (host.defined())
+      host.narrow(0, b.begin, b.end - b.begin).copy_(out.narrow(0, 0, b.end - b.begin));
   }
-  return host.defined() ? host.narrow(0, 0, layout_.total) : host;
+  return host;
 }
 
 absl::Status DistributedOptimizer::WithMasterWeights(const std::function<absl::Status()>& fn) {
@@ -136,13 +135,15 @@ absl::Status DistributedOptimizer::WithMasterWeights(const std::function<absl::S
 
 LearnerMemory DistributedOptimizer::memory() const {
   LearnerMemory m;
-  m.adamw = state_bytes();
   if (adamw_) {
+    m.adamw = state_bytes();
     for (const auto& p : params_) m.weights += p.numel() * p.element_size();
     m.gradients = m.weights;  // one fp32 gradient per parameter after a backward
     return m;
   }
-  m.gradients = flat_grads_.numel() * flat_grads_.element_size();
+  m.adamw = (exp_avg_.numel() + exp_avg_sq_.numel()) * 4;
+  m.gradients = reducer_->gradient_bytes();
+  m.gradient_buckets = reducer_->bucket_bytes();
   if (!mixed_) {
     m.weights = flat_params_.numel() * flat_params_.element_size();
     return m;

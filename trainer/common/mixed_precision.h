@@ -12,10 +12,12 @@
 //               its 1/N slice of each), updates the masters, and refreshes the bf16 copies from
 //               them after every step. Checkpoints hold the fp32 masters. (The CUDA default.)
 //
-// Memory per rank, P parameters (nearly all of them matrices), N ranks:
-//   fp32:        weights 4P + gradients 4P + AdamW 8P/N
-//   bf16-mixed:  weights 2P + gradients 4P + masters 4P/N + AdamW 8P/N
-// (LearnerMemory counts the actual bytes.)
+// Memory per rank, P parameters (nearly all of them matrices), N > 1 ranks, G the gradients:
+//   fp32:        weights 4P + G + AdamW 8P/N
+//   bf16-mixed:  weights 2P + G + masters 4P/N + AdamW 8P/N
+//   G, dist.zero_stage 1: 4P (the local sum) + 4P/N (the reduced slice)
+//   G, dist.zero_stage 2: 4P/N + 3 staging buckets (trainer/common/gradient_reducer.h)
+// (one rank: G = 4P; LearnerMemory counts the actual bytes.)
 #pragma once
 
 #include <cstdint>
@@ -48,11 +50,12 @@ class ForwardPrecision {
 
 // Bytes one learner rank holds for training state (activations not included).
 struct LearnerMemory {
-  int64_t weights = 0;    // the model's parameters as the forward reads them
-  int64_t gradients = 0;  // the gradient buffers
-  int64_t masters = 0;    // fp32 master weights beyond the model's own (bf16-mixed)
-  int64_t adamw = 0;      // AdamW moments
-  int64_t total() const { return weights + gradients + masters + adamw; }
+  int64_t weights = 0;           // the model's parameters as the forward reads them
+  int64_t gradients = 0;         // the gradient buffers
+  int64_t gradient_buckets = 0;  // stage 2's staging buckets at their peak so far
+  int64_t masters = 0;           // fp32 master weights beyond the model's own (bf16-mixed)
+  int64_t adamw = 0;             // AdamW moments
+  int64_t total() const { return weights + gradients + gradient_buckets + masters + adamw; }
 };
 
 }  // namespace trainer

@@ -1,6 +1,7 @@
 #include "trainer/common/optimizer_state.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -23,18 +24,52 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Copies [begin, end) of the flat space from pieces that each cover [piece_begin, piece_end).
+// A stored run of one moment: flat [begin, end) is element `first` on of tensor `tensor` in
+// `file`.
 struct Piece {
   int64_t begin, end;
   const float* data;
+  const std::string* file;
+  std::string tensor;
+  int64_t first = 0;
 };
-absl::Status CopyRange(const std::vector<Piece>& pieces, int64_t begin, int64_t end, float* out,
-                       const std::string& what) {
+
+// The parameter holding flat element `x`, and x's index in it.
+std::string ElementName(const FlatLayout& layout, int64_t x) {
+  for (const auto& e : layout.entries)
+    if (x >= e.offset && x < e.offset + e.numel)
+      return absl::StrCat("parameter ", e.name, " element ", x - e.offset);
+  return absl::StrCat("flat element ", x);
+}
+
+// AdamW's moments are finite, and its second moment (an average of squares) is not negative.
+absl::Status CheckMoment(const std::string& which, const float* v, int64_t n, const Piece& p,
+                         int64_t begin, const FlatLayout& layout) {
+  const bool second = which == kOptimizerMoments[1];
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = v[i];
+    if (std::isfinite(x) && !(second && x < 0)) continue;
+    const int64_t flat = begin + i;
+    return absl::DataLossError(absl::StrFormat(
+        "%s: tensor %s holds %g at element %d (%s): %s; this optimizer state cannot be resumed",
+        *p.file, p.tensor, x, p.first + (flat - p.begin), ElementName(layout, flat),
+        std::isfinite(x) ? "a second moment is a mean of squares and cannot be negative"
+                         : "AdamW's moments are finite"));
+  }
+  return absl::OkStatus();
+}
+
+// Copies [begin, end) of the flat space from pieces that each cover [piece_begin, piece_end),
+// checking what it copies.
+absl::Status CopyRange(const std::vector<Piece>& pieces, const std::string& which, int64_t begin,
+                       int64_t end, float* out, const std::string& what, const FlatLayout& layout) {
   int64_t covered = 0;
   for (const Piece& p : pieces) {
     const int64_t b = std::max(begin, p.begin), e = std::min(end, p.end);
     if (b >= e) continue;
-    std::memcpy(out + (b - begin), p.data + (b - p.begin), static_cast<size_t>(e - b) * 4);
+    float* dst = out + (b - begin);
+    std::memcpy(dst, p.data + (b - p.begin), static_cast<size_t>(e - b) * 4);
+    RETURN_IF_ERROR(CheckMoment(which, dst, e - b, p, b, layout));
     covered += e - b;
   }
   if (covered != end - begin)
@@ -59,72 +94,173 @@ class NamedReader : public OptimizerStateReader {
   static absl::StatusOr<std::unique_ptr<OptimizerStateReader>> Open(const std::string& path,
                                                                     const FlatLayout& layout) {
     auto r = std::unique_ptr<NamedReader>(new NamedReader());
+    r->layout_ = layout;
     ASSIGN_OR_RETURN(r->file_, lm::SafetensorsFile::Open(path));
     for (const char* m : kOptimizerMoments) {
       for (const auto& e : layout.entries) {
-        ASSIGN_OR_RETURN(const float* data,
-                         F32Data(*r->file_, absl::StrCat(m, ".", e.name), e.numel));
-        r->pieces_[m].push_back({e.offset, e.offset + e.numel, data});
+        const std::string name = absl::StrCat(m, ".", e.name);
+        ASSIGN_OR_RETURN(const float* data, F32Data(*r->file_, name, e.numel));
+        r->pieces_[m].push_back({e.offset, e.offset + e.numel, data, &r->file_->path(), name});
       }
     }
     return std::unique_ptr<OptimizerStateReader>(std::move(r));
   }
   absl::Status Read(const std::string& which, int64_t begin, int64_t end,
                     float* out) const override {
-    return CopyRange(pieces_.at(which), begin, end, out, file_->path());
+    return CopyRange(pieces_.at(which), which, begin, end, out, file_->path(), layout_);
   }
 
  private:
+  FlatLayout layout_;
   std::shared_ptr<const lm::SafetensorsFile> file_;
   std::map<std::string, std::vector<Piece>> pieces_;
 };
 
-// optimizer-RRRRR-of-NNNNN.safetensors: flat ranges (N ranks wrote them).
+// The flat ranges a shard file holds: "ranges" ([[begin, end], ...]), or the older format's one
+// [begin, end), which must be that rank's chunk.
+absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> ShardRanges(
+    const std::string& path, const std::map<std::string, std::string>& meta, int world, int rank,
+    int64_t total) {
+  auto field = [&](const char* key) -> std::string {
+    auto it = meta.find(key);
+    return it == meta.end() ? std::string() : it->second;
+  };
+  const std::string format = field("format");
+  if (format == kOptimizerContiguousShardFormat) {
+    int64_t begin = 0, end = 0;
+    if (!absl::SimpleAtoi(field("begin"), &begin) || !absl::SimpleAtoi(field("end"), &end))
+      return absl::DataLossError(absl::StrCat(path, ": no begin/end"));
+    const Shard expect = Shard::Of(total, world, rank);
+    if (begin != expect.begin || end != expect.end)
+      return absl::DataLossError(absl::StrCat(path, ": covers [", begin, ", ", end, "), expected [",
+                                              expect.begin, ", ", expect.end, ")"));
+    return std::vector<std::pair<int64_t, int64_t>>{{begin, end}};
+  }
+  if (format != kOptimizerShardFormat)
+    return absl::DataLossError(absl::StrCat(path, ": not an ", kOptimizerShardFormat, " shard"));
+  const nlohmann::json j = nlohmann::json::parse(field("ranges"), nullptr, false);
+  std::vector<std::pair<int64_t, int64_t>> out;
+  if (j.is_array()) {
+    for (const auto& r : j) {
+      if (!r.is_array() || r.size() != 2 || !r[0].is_number_integer() || !r[1].is_number_integer())
+        break;
+      out.emplace_back(r[0].get<int64_t>(), r[1].get<int64_t>());
+      if (out.back().first < 0 || out.back().first >= out.back().second ||
+          out.back().second > total)
+        return absl::DataLossError(absl::StrCat(path, ": range [", out.back().first, ", ",
+                                                out.back().second, ") is not inside [0, ", total,
+                                                ")"));
+    }
+  }
+  if (!j.is_array() || out.size() != j.size())
+    return absl::DataLossError(absl::StrCat(path, ": \"ranges\" is not a list of [begin, end]"));
+  return out;
+}
+
+// The same parameters (names and sizes), whatever their order.
+bool SameParameters(const FlatLayout& a, const FlatLayout& b) {
+  if (a.entries.size() != b.entries.size()) return false;
+  std::map<std::string, int64_t> sizes;
+  for (const auto& e : a.entries) sizes[e.name] = e.numel;
+  for (const auto& e : b.entries) {
+    auto it = sizes.find(e.name);
+    if (it == sizes.end() || it->second != e.numel) return false;
+  }
+  return true;
+}
+
+// optimizer-RRRRR-of-NNNNN.safetensors: flat ranges (N ranks wrote them) of the flat space the
+// files' "layout" describes, which may order the parameters otherwise than this model's: a read
+// is translated parameter by parameter.
 class ShardReader : public OptimizerStateReader {
  public:
   static absl::StatusOr<std::unique_ptr<OptimizerStateReader>> Open(const std::string& dir,
                                                                     int world,
                                                                     const FlatLayout& layout) {
     auto r = std::unique_ptr<ShardReader>(new ShardReader());
-    const std::string want_layout = layout.ToJson().dump();
+    r->layout_ = layout;
+    r->paths_.reserve(static_cast<size_t>(world));  // the pieces point at these strings
+    std::string file_layout;  // as the first shard has it; every shard must agree
     for (int rank = 0; rank < world; ++rank) {
-      const std::string path = dir + "/" + OptimizerShardFileName(rank, world);
+      const std::string& path =
+          r->paths_.emplace_back(dir + "/" + OptimizerShardFileName(rank, world));
       ASSIGN_OR_RETURN(auto file, lm::SafetensorsFile::Open(path));
       const auto& meta = file->metadata();
-      auto field = [&](const char* key) -> std::string {
-        auto it = meta.find(key);
-        return it == meta.end() ? std::string() : it->second;
-      };
-      int64_t begin = 0, end = 0, total = 0;
-      if (field("format") != kOptimizerShardFormat || !absl::SimpleAtoi(field("begin"), &begin) ||
-          !absl::SimpleAtoi(field("end"), &end) || !absl::SimpleAtoi(field("total"), &total))
+      auto it = meta.find("total");
+      int64_t total = 0;
+      if (it == meta.end() || !absl::SimpleAtoi(it->second, &total))
         return absl::DataLossError(
             absl::StrCat(path, ": not an ", kOptimizerShardFormat, " shard"));
-      if (total != layout.total || field("layout") != want_layout)
+      it = meta.find("layout");
+      if (it == meta.end()) return absl::DataLossError(absl::StrCat(path, ": no layout"));
+      if (rank == 0) {
+        file_layout = it->second;
+        absl::StatusOr<FlatLayout> parsed = FlatLayout::FromJson(file_layout);
+        if (!parsed.ok())
+          return absl::DataLossError(absl::StrCat(path, ": ", parsed.status().message()));
+        r->file_layout_ = *parsed;
+        for (const auto& e : r->file_layout_.entries) r->file_offset_[e.name] = e.offset;
+      } else if (it->second != file_layout) {
+        return absl::DataLossError(absl::StrCat(path, ": its layout differs from ", r->paths_[0],
+                                                "'s (shards of two runs?)"));
+      }
+      if (total != r->file_layout_.total || !SameParameters(r->file_layout_, layout))
         return absl::FailedPreconditionError(absl::StrCat(path, ": written for other parameters (",
                                                           total, " elements; this model has ",
-                                                          layout.total, ") or in another order"));
-      const Shard expect = Shard::Of(total, world, rank);
-      if (begin != expect.begin || end != expect.end)
-        return absl::DataLossError(absl::StrCat(path, ": covers [", begin, ", ", end,
-                                                "), expected [", expect.begin, ", ", expect.end,
-                                                ")"));
+                                                          layout.total, ", or other names)"));
+      ASSIGN_OR_RETURN(auto ranges, ShardRanges(path, meta, world, rank, total));
+      int64_t n = 0;
+      for (const auto& [b, e] : ranges) n += e - b;
       for (const char* m : kOptimizerMoments) {
-        ASSIGN_OR_RETURN(const float* data, F32Data(*file, m, end - begin));
-        r->pieces_[m].push_back({begin, end, data});
+        ASSIGN_OR_RETURN(const float* data, F32Data(*file, m, n));
+        int64_t at = 0;
+        for (const auto& [b, e] : ranges) {
+          r->pieces_[m].push_back({b, e, data + at, &path, m, at});
+          at += e - b;
+        }
       }
       r->files_.push_back(std::move(file));
     }
+    RETURN_IF_ERROR(r->CheckCoverage(dir));
     r->dir_ = dir;
     return std::unique_ptr<OptimizerStateReader>(std::move(r));
   }
   absl::Status Read(const std::string& which, int64_t begin, int64_t end,
                     float* out) const override {
-    return CopyRange(pieces_.at(which), begin, end, out, dir_ + "/optimizer-*");
+    for (const auto& e : layout_.entries) {
+      const int64_t lo = std::max(begin, e.offset), hi = std::min(end, e.offset + e.numel);
+      if (lo >= hi) continue;
+      const int64_t from = file_offset_.at(e.name) + (lo - e.offset);
+      RETURN_IF_ERROR(CopyRange(pieces_.at(which), which, from, from + (hi - lo),
+                                out + (lo - begin), dir_ + "/optimizer-*", file_layout_));
+    }
+    return absl::OkStatus();
   }
 
  private:
+  // The files' ranges together cover [0, total) once.
+  absl::Status CheckCoverage(const std::string& dir) const {
+    std::vector<Piece> sorted = pieces_.at(kOptimizerMoments[0]);
+    std::sort(sorted.begin(), sorted.end(),
+              [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
+    int64_t next = 0;
+    for (const Piece& p : sorted) {
+      if (p.begin != next)
+        return absl::DataLossError(absl::StrCat(
+            dir, "/optimizer-*: ", p.begin < next ? "two shards both hold" : "no shard holds",
+            " flat elements from ", std::min(p.begin, next), " (", *p.file, ")"));
+      next = p.end;
+    }
+    if (next != file_layout_.total)
+      return absl::DataLossError(absl::StrCat(dir, "/optimizer-*: the shards end at element ", next,
+                                              " of ", file_layout_.total));
+    return absl::OkStatus();
+  }
+
+  FlatLayout layout_, file_layout_;  // this model's flat space, the files'
+  std::map<std::string, int64_t> file_offset_;
   std::string dir_;
+  std::vector<std::string> paths_;
   std::vector<std::shared_ptr<const lm::SafetensorsFile>> files_;
   std::map<std::string, std::vector<Piece>> pieces_;
 };
@@ -149,12 +285,33 @@ absl::StatusOr<int> ShardWorld(const std::string& dir) {
 
 }  // namespace
 
-FlatLayout FlatLayout::Of(const std::vector<std::pair<std::string, torch::Tensor>>& params) {
+FlatLayout FlatLayout::Of(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                          const std::vector<std::string>& order) {
   FlatLayout l;
-  for (auto it = params.rbegin(); it != params.rend(); ++it) {
-    l.entries.push_back(
-        {it->first, l.total, it->second.numel(), UsesWeightDecay(it->first, it->second)});
-    l.total += it->second.numel();
+  std::map<std::string, const torch::Tensor*> left;
+  for (const auto& [name, t] : params) left[name] = &t;
+  auto add = [&](const std::string& name) {
+    auto it = left.find(name);
+    if (it == left.end()) return;  // not a parameter, or placed already
+    l.entries.push_back({name, l.total, it->second->numel(), UsesWeightDecay(name, *it->second)});
+    l.total += it->second->numel();
+    left.erase(it);
+  };
+  for (const std::string& name : order) add(name);
+  for (auto it = params.rbegin(); it != params.rend(); ++it) add(it->first);
+  return l;
+}
+
+absl::StatusOr<FlatLayout> FlatLayout::FromJson(const std::string& text) {
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  FlatLayout l;
+  if (!j.is_array()) return absl::DataLossError("the layout is not a list of [name, size]");
+  for (const auto& e : j) {
+    if (!e.is_array() || e.size() != 2 || !e[0].is_string() || !e[1].is_number_integer() ||
+        e[1].get<int64_t>() < 0)
+      return absl::DataLossError("the layout is not a list of [name, size]");
+    l.entries.push_back({e[0].get<std::string>(), l.total, e[1].get<int64_t>(), false});
+    l.total += l.entries.back().numel;
   }
   return l;
 }
@@ -171,6 +328,41 @@ Shard Shard::Of(int64_t total, int world, int rank) {
   s.begin = std::min(total, s.chunk * rank);
   s.end = std::min(total, s.begin + s.chunk);
   return s;
+}
+
+BucketSharding BucketSharding::Of(int64_t total, int64_t bucket_elements, int world, int rank) {
+  BucketSharding s;
+  s.world = world;
+  s.rank = rank;
+  s.total = total;
+  const int64_t w = world;
+  const int64_t length = (std::max<int64_t>(bucket_elements, 1) + w - 1) / w * w;
+  for (int64_t begin = 0; begin < total; begin += length) {
+    Bucket b;
+    b.begin = begin;
+    b.end = std::min(total, begin + length);
+    b.piece = (b.end - b.begin + w - 1) / w;
+    b.slice_begin = s.slice;
+    b.own_begin = std::min(b.end, b.begin + rank * b.piece);
+    b.own_end = std::min(b.end, b.own_begin + b.piece);
+    s.slice += b.piece;
+    s.padded_total = b.begin + b.piece * w;
+    s.buckets.push_back(b);
+  }
+  return s;
+}
+
+std::pair<size_t, size_t> BucketSharding::BucketsOf(int64_t begin, int64_t end) const {
+  if (buckets.empty() || end <= begin) return {0, 0};
+  const int64_t length = buckets.front().end - buckets.front().begin;
+  return {static_cast<size_t>(begin / length), static_cast<size_t>((end - 1) / length)};
+}
+
+std::vector<std::pair<int64_t, int64_t>> BucketSharding::OwnedRanges() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const Bucket& b : buckets)
+    if (b.own_begin < b.own_end) out.emplace_back(b.own_begin, b.own_end);
+  return out;
 }
 
 absl::StatusOr<std::unique_ptr<OptimizerStateReader>> OptimizerStateReader::Open(

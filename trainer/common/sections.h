@@ -153,6 +153,19 @@ inline const ConfigChoices<AllGatherDtype>& Choices(AllGatherDtype) {
   return c;
 }
 
+// dist.zero_stage: what the learner's ranks shard (trainer/common/zero1.h). 1: the optimizer (fp32
+// masters, AdamW moments), with every rank summing its micro-batches' gradients in a full fp32
+// buffer and reducing them once per step; 2: the gradients too, every backward's gradients
+// reduce-scattered into each rank's 1/N slice (4P/N bytes instead of 4P + 4P/N, for one reduction
+// per micro-batch round instead of one per step). auto: 1 when the learner's memory plan
+// (lm/plan/plan.h) fits the device with it, else 2; 1 on the CPU and with one rank.
+enum class ZeroStage { kAuto, kOne, kTwo };
+inline const ConfigChoices<ZeroStage>& Choices(ZeroStage) {
+  static const ConfigChoices<ZeroStage> c{
+      {"auto", ZeroStage::kAuto}, {"1", ZeroStage::kOne}, {"2", ZeroStage::kTwo}};
+  return c;
+}
+
 // Several learner ranks (data parallel over c10d; trainer/common/learner_group.h). The launcher's
 // environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) says how many; these say
 // how.
@@ -164,8 +177,9 @@ struct DistConfig {
   // outside the collectives and wait for each other while their heartbeats advance; a rank
   // whose heartbeat stops for this long ends every rank (lm/dist/rank_sync.h).
   OPD_FIELD(double, stall_timeout_s) = 300;
-  OPD_FIELD(double, bucket_mb) = 32;   // gradient all-reduce bucket size
+  OPD_FIELD(double, bucket_mb) = 32;   // gradient reduce-scatter / weight all-gather bucket size
   OPD_FIELD(AllGatherDtype, allgather_dtype) = AllGatherDtype::kAuto;
+  OPD_FIELD(ZeroStage, zero_stage) = ZeroStage::kAuto;
   OPD_CONFIG_FIELDS_END;
 };
 

@@ -4,6 +4,7 @@
 
 #include <csignal>
 #include <filesystem>
+#include <optional>
 
 #include <unistd.h>
 
@@ -13,6 +14,7 @@
 #include "lm/plan/plan.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
+#include "trainer/common/gradient_order.h"
 #include "trainer/common/job_util.h"
 #include "trainer/common/learner_group.h"
 #include "trainer/common/signals.h"
@@ -38,6 +40,7 @@ absl::Status TrainingJob::JoinGroup(const LearnerTrainConfig& train, const DistC
   device_ = placement.device;
   group_ = std::move(placement.group);
   precision_ = ResolvePrecision(train.precision, device_);
+  checkpoint_layers_ = train.activation_checkpointing;
   return CheckSameOnEveryRank(*group_, config_yaml_, "resolved config");
 }
 
@@ -82,32 +85,68 @@ absl::StatusOr<std::string> TrainingJob::AgreeOnCheckpoint(const JobArgs& args,
   return chosen;
 }
 
-absl::Status TrainingJob::CheckPlannedMemory(const std::string& dir) const {
-  // A host has no fixed budget: lm::LoadModel checks the weights against MemAvailable, and the
-  // rest grows into swap or the OOM killer, which no start-up figure predicts.
-  if (!device_.is_cuda()) return absl::OkStatus();
+namespace {
+
+// What the plan needs on a CUDA device: its memory, the model's config.json, the job's settings
+// (nullopt, with a warning, when any cannot be read: the plan guards against a configuration that
+// cannot fit, it never stops one it cannot read).
+struct PlanInputs {
+  int64_t device_bytes = 0;
+  lm::ModelConfig model;
+  lm::plan::LearnerSettings settings;
+};
+std::optional<PlanInputs> ReadPlanInputs(const std::string& dir, torch::Device device,
+                                         lm::plan::LearnerSettings settings) {
   absl::StatusOr<int64_t> device_bytes =
-      lm::plan::CudaDeviceMemoryBytes(device_.has_index() ? device_.index() : 0);
+      lm::plan::CudaDeviceMemoryBytes(device.has_index() ? device.index() : 0);
   // A model directory without a readable config.json is lm::LoadModel's error to report.
   absl::StatusOr<lm::ModelConfig> config = lm::LoadModelConfig(dir);
-  const lm::plan::LearnerSettings settings =
-      PlanSettings(group_->size(), precision_ == Precision::kBf16Mixed);
-  // The plan guards against a configuration that cannot fit; it never stops one it cannot read.
   for (const absl::Status& s : {device_bytes.status(), config.status()}) {
     if (s.ok()) continue;
     lm::log::Warn(absl::StrCat("memory plan not checked: ", s.message()));
-    return absl::OkStatus();
+    return std::nullopt;
   }
-  return lm::plan::CheckLearnerFits(*config, settings, *device_bytes);
+  return PlanInputs{*device_bytes, *config, settings};
+}
+
+}  // namespace
+
+absl::StatusOr<ZeroStage> TrainingJob::ResolveZeroStage(const std::string& dir) const {
+  if (group_->size() == 1) return ZeroStage::kOne;  // nothing to shard
+  if (dist_config_.zero_stage != ZeroStage::kAuto) return dist_config_.zero_stage;
+  // A host has no fixed budget to plan against: stage 1 reduces once per step.
+  if (!device_.is_cuda()) return ZeroStage::kOne;
+  const std::optional<PlanInputs> in = ReadPlanInputs(
+      dir, device_, PlanSettings(group_->size(), precision_ == Precision::kBf16Mixed));
+  if (!in) return ZeroStage::kTwo;  // the smaller footprint when the plan cannot say
+  return lm::plan::ResolveZeroStage(in->model, in->settings, in->device_bytes) == 1
+             ? ZeroStage::kOne
+             : ZeroStage::kTwo;
+}
+
+absl::Status TrainingJob::CheckPlannedMemory(const std::string& dir, ZeroStage stage) const {
+  // A host has no fixed budget: lm::LoadModel checks the weights against MemAvailable, and the
+  // rest grows into swap or the OOM killer, which no start-up figure predicts.
+  if (!device_.is_cuda()) return absl::OkStatus();
+  std::optional<PlanInputs> in = ReadPlanInputs(
+      dir, device_, PlanSettings(group_->size(), precision_ == Precision::kBf16Mixed));
+  if (!in) return absl::OkStatus();
+  in->settings.zero_stage = stage == ZeroStage::kTwo ? 2 : 1;
+  return lm::plan::CheckLearnerFits(in->model, in->settings, in->device_bytes);
 }
 
 absl::Status TrainingJob::LoadModel(const std::string& dir) {
+  ASSIGN_OR_RETURN(const ZeroStage stage, ResolveZeroStage(dir));
   // Before any weight is allocated: a plan that cannot fit is refused naming its term, instead of
   // a CUDA out-of-memory error some steps in.
-  RETURN_IF_ERROR(CheckPlannedMemory(dir));
+  RETURN_IF_ERROR(CheckPlannedMemory(dir, stage));
+  // The sharded (flat) path places the weights on the device itself, a parameter at a time:
+  // loading the fp32 model there first would hold it and the flat buffers at once (in bf16-mixed
+  // 4P + 2P bytes at start-up against the 2P the plan counts). One fp32 rank loads in place.
+  const bool flat = group_->size() > 1 || precision_ == Precision::kBf16Mixed;
   lm::LoadOptions opts;
   opts.dtype = torch::kFloat32;  // master weights; GPUs compute in bf16 under autocast
-  opts.device = device_;
+  opts.device = flat ? torch::Device(torch::kCPU) : device_;
   absl::StatusOr<std::shared_ptr<lm::CausalLM>> model = lm::LoadModel(dir, opts);
   if (!model.ok())
     return absl::Status(model.status().code(),
@@ -116,12 +155,61 @@ absl::Status TrainingJob::LoadModel(const std::string& dir) {
   model_->train();
   std::vector<std::pair<std::string, torch::Tensor>> params;
   for (const auto& p : model_->named_parameters()) params.emplace_back(p.key(), p.value());
-  ASSIGN_OR_RETURN(optimizer_, MakeLearnerOptimizer(params, optim_config_, dist_config_,
-                                                    group_.get(), precision_));
+  ASSIGN_OR_RETURN(const std::vector<std::string> order, FlatOrder());
+  ASSIGN_OR_RETURN(optimizer_,
+                   MakeLearnerOptimizer(params, optim_config_, dist_config_, group_.get(),
+                                        precision_, stage, order, device_));
+  if (group_->size() > 1)
+    lm::log::Info(absl::StrCat("dist.zero_stage ", stage == ZeroStage::kTwo ? 2 : 1,
+                               dist_config_.zero_stage == ZeroStage::kAuto ? " (auto)" : "", ": ",
+                               optimizer_->num_buckets(), " gradient buckets, ",
+                               optimizer_->memory().gradients >> 20,
+                               " MiB of gradients on this rank"));
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<std::string>> TrainingJob::FlatOrder() const {
+  // One rank in fp32 keeps AdamW per parameter: no flat space to order.
+  if (group_->size() == 1 && precision_ == Precision::kFp32) return std::vector<std::string>();
+  std::string order;
+  if (is_root()) {
+    absl::StatusOr<std::vector<std::string>> found =
+        GradientArrivalOrder(*model_, precision_, checkpoint_layers_);
+    if (found.ok()) {
+      order = nlohmann::json(*found).dump();
+    } else {
+      lm::log::Warn(absl::StrCat("the backward's gradient order is unknown (",
+                                 found.status().message(), "): reverse model order"));
+    }
+  }
+  // Every rank lays the flat space out in rank 0's order.
+  RETURN_IF_ERROR(group_->BroadcastBytes(&order));
+  if (order.empty()) return std::vector<std::string>();
+  return nlohmann::json::parse(order).get<std::vector<std::string>>();
+}
+
 absl::StatusOr<nlohmann::json> TrainingJob::ResumeCommon(const std::string& checkpoint) {
+  absl::StatusOr<nlohmann::json> state = LoadCheckpoint(checkpoint);
+  if (state.ok()) return state;
+  // Say that this checkpoint is unusable, and what remains: the run never falls back to an older
+  // checkpoint by itself (that would silently redo steps a user may believe done).
+  std::string hint;
+  const auto all = checkpoints_.List();
+  std::error_code ec;
+  if (!all.empty() && fs::equivalent(all.back().second, checkpoint, ec)) {
+    hint =
+        "; it is the newest checkpoint of this run and is not replaced by an older one "
+        "automatically: ";
+    hint += all.size() > 1
+                ? absl::StrCat("move it aside to resume from ", all[all.size() - 2].second,
+                               ", or name one with --resume=DIR")
+                : std::string("no older checkpoint exists");
+  }
+  return absl::Status(state.status().code(), absl::StrCat("cannot resume from ", checkpoint, ": ",
+                                                          state.status().message(), hint));
+}
+
+absl::StatusOr<nlohmann::json> TrainingJob::LoadCheckpoint(const std::string& checkpoint) {
   ASSIGN_OR_RETURN(nlohmann::json state, ReadTrainerState(checkpoint));
   // Checkpoints written before the job field existed are SFT's.
   const std::string job = state.value("job", "sft");

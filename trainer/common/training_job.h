@@ -72,14 +72,24 @@ class TrainingJob {
   // The model of an HF directory on this rank's device, in training mode, and its optimizer.
   // On a CUDA device the memory plan (lm/plan/plan.h) is checked first.
   absl::Status LoadModel(const std::string& dir);
+  // dist.zero_stage for this rank's device and the model in `dir`: one rank is stage 1; auto is
+  // stage 1 on the CPU and, on CUDA, when the memory plan fits the device with it, else 2.
+  absl::StatusOr<ZeroStage> ResolveZeroStage(const std::string& dir) const;
   // RESOURCE_EXHAUSTED naming the term when the planned peak of this rank (the model in `dir`,
-  // the job's micro-batch, this many ranks) exceeds its CUDA device; OK on the CPU.
-  absl::Status CheckPlannedMemory(const std::string& dir) const;
+  // the job's micro-batch, this many ranks, ZeRO stage `stage`) exceeds its CUDA device; OK on
+  // the CPU.
+  absl::Status CheckPlannedMemory(const std::string& dir, ZeroStage stage) const;
+  // The sharded optimizer's flat order (trainer/common/gradient_order.h), found on rank 0 and the
+  // same on every rank; empty (reverse model order) when the probe fails, with a warning.
+  absl::StatusOr<std::vector<std::string>> FlatOrder() const;
   // LoadModel plus the job's own checks of the model (a job may add them).
   virtual absl::Status LoadStudent(const std::string& dir) { return LoadModel(dir); }
   // Reads `checkpoint` (refusing another job's), loads its model (LoadStudent) and optimizer
   // state and restores the common counters and RNG; returns the state for the job's own fields.
+  // An unusable checkpoint is an error that names it, and when it is the run's newest says that
+  // no older one is taken in its place and which one is next.
   absl::StatusOr<nlohmann::json> ResumeCommon(const std::string& checkpoint);
+  absl::StatusOr<nlohmann::json> LoadCheckpoint(const std::string& checkpoint);
   // Metrics (JSONL + TensorBoard, rank 0 only) and the progress line with ETA.
   absl::Status OpenRecords(int64_t total_steps, const LoggingConfig& logging, bool resumed);
 
@@ -112,6 +122,7 @@ class TrainingJob {
   CheckpointManager checkpoints_;
   torch::Device device_{torch::kCPU};
   Precision precision_ = Precision::kFp32;  // train.precision, resolved for device_
+  bool checkpoint_layers_ = false;          // train.activation_checkpointing
   // The learner's ranks (one rank: the trivial group).
   std::unique_ptr<lm::dist::ProcessGroup> group_ = std::make_unique<lm::dist::ProcessGroup>();
   std::shared_ptr<lm::CausalLM> model_;

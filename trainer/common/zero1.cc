@@ -6,9 +6,6 @@
 #include <cmath>
 #include <map>
 
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
-
 #include "absl/strings/str_cat.h"
 #include "lm/dist/process_group.h"
 #include "lm/io/safetensors.h"
@@ -27,18 +24,14 @@ torch::ScalarType ResolveAllGatherDtype(AllGatherDtype setting, Precision precis
 
 absl::StatusOr<std::unique_ptr<DistributedOptimizer>> MakeLearnerOptimizer(
     const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& optim,
-    const DistConfig& dist, lm::dist::ProcessGroup* group, Precision precision) {
+    const DistConfig& dist, lm::dist::ProcessGroup* group, Precision precision, ZeroStage stage,
+    const std::vector<std::string>& order, std::optional<torch::Device> device) {
   return DistributedOptimizer::Create(
       params, optim, group, static_cast<int64_t>(dist.bucket_mb * (1 << 20) / sizeof(float)),
-      ResolveAllGatherDtype(dist.allgather_dtype, precision), precision);
+      ResolveAllGatherDtype(dist.allgather_dtype, precision), precision, stage, order, device);
 }
 
-DistributedOptimizer::~DistributedOptimizer() {
-  if (adamw_) return;
-  // The hooks point at this object; the parameters may outlive it.
-  for (size_t i = 0; i < layout_.entries.size(); ++i)
-    torch::autograd::impl::set_post_acc_grad_hooks(ParamOf(i), nullptr);
-}
+DistributedOptimizer::~DistributedOptimizer() = default;
 
 torch::Tensor& DistributedOptimizer::ParamOf(size_t entry) {
   return params_[entry_param_[entry]];
@@ -47,17 +40,19 @@ torch::Tensor& DistributedOptimizer::ParamOf(size_t entry) {
 absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Create(
     const std::vector<std::pair<std::string, torch::Tensor>>& params, const OptimConfig& config,
     lm::dist::ProcessGroup* group, int64_t bucket_elements, torch::ScalarType gather_dtype,
-    Precision precision) {
+    Precision precision, ZeroStage stage, const std::vector<std::string>& order,
+    std::optional<torch::Device> device) {
   auto o = std::unique_ptr<DistributedOptimizer>(new DistributedOptimizer());
   o->group_ = group;
   o->config_ = config;
   o->mixed_ = precision == Precision::kBf16Mixed;
-  o->bucket_elements_ = std::max<int64_t>(bucket_elements, 1);
   if (gather_dtype != torch::kFloat32 && gather_dtype != torch::kBFloat16)
     return absl::InvalidArgumentError(absl::StrCat(
         "the weights' all-gather is float32 or bfloat16, not ", c10::toString(gather_dtype)));
+  if (stage == ZeroStage::kAuto)
+    return absl::InvalidArgumentError("dist.zero_stage auto must be resolved to 1 or 2 first");
   o->gather_dtype_ = gather_dtype;
-  o->layout_ = FlatLayout::Of(params);
+  o->layout_ = FlatLayout::Of(params, order);
   for (const auto& [name, p] : params) {
     o->names_.push_back(name);
     o->params_.push_back(p);
@@ -65,14 +60,19 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Crea
   for (const auto& e : o->layout_.entries)
     o->entry_param_.push_back(static_cast<size_t>(
         std::find(o->names_.begin(), o->names_.end(), e.name) - o->names_.begin()));
+  if (params.empty()) return absl::InvalidArgumentError("the model has no parameters");
+  const torch::Device from = params.front().second.device();
   if (group->size() == 1 && !o->mixed_) {
+    if (device && *device != from)
+      return absl::InvalidArgumentError(
+          absl::StrCat("one fp32 rank updates the parameters where they are (", from.str(),
+                       "), not on ", device->str()));
     o->adamw_ = std::make_unique<AdamW>(params, config);
     return o;
   }
-  if (params.empty()) return absl::InvalidArgumentError("the model has no parameters");
-  const torch::TensorOptions opts = params.front().second.options();
+  const torch::TensorOptions opts = params.front().second.options().device(device.value_or(from));
   for (const auto& [name, p] : params) {
-    if (p.scalar_type() != torch::kFloat32 || p.device() != opts.device())
+    if (p.scalar_type() != torch::kFloat32 || p.device() != from)
       return absl::InvalidArgumentError(
           absl::StrCat("data-parallel training keeps fp32 weights on one device; parameter ", name,
                        " is ", c10::toString(p.scalar_type()), " on ", p.device().str()));
@@ -80,14 +80,15 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Crea
   RETURN_IF_ERROR(CheckSameOnEveryRank(*group, o->layout_.ToJson().dump(),
                                        "model's parameter layout (names and sizes)"));
   torch::NoGradGuard no_grad;
-  o->shard_ = Shard::Of(o->layout_.total, group->size(), group->rank());
-  const int64_t padded = o->shard_.chunk * group->size();
+  o->stage_ = group->size() == 1 ? ZeroStage::kOne : stage;
+  o->sharding_ =
+      BucketSharding::Of(o->layout_.total, bucket_elements, group->size(), group->rank());
   std::map<std::string, torch::Tensor> by_name(params.begin(), params.end());
   if (o->mixed_) {
     // Before the gradients are allocated: the fp32 weights are released as they move.
     o->MoveIntoMixedBuffers(by_name, opts);
   } else {
-    o->flat_params_ = torch::zeros({padded}, opts);
+    o->flat_params_ = torch::zeros({o->sharding_.padded_total}, opts);
     for (const auto& e : o->layout_.entries) {
       torch::Tensor& p = by_name[e.name];
       torch::Tensor view = o->flat_params_.narrow(0, e.offset, e.numel);
@@ -97,125 +98,72 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Crea
       p.set_data(view.view(p.sizes()));
     }
   }
-  o->flat_grads_ = torch::zeros({padded}, opts);
-  const int64_t mine = o->shard_.end - o->shard_.begin;
-  o->exp_avg_ = torch::zeros({mine}, opts);
-  o->exp_avg_sq_ = torch::zeros({mine}, opts);
-  for (size_t i = 0; i < o->layout_.entries.size(); ++i)
-    o->entry_steps_.push_back(torch::zeros({}, opts));
-  // Buckets of whole parameters, about bucket_elements each; the last one takes the padding.
-  bucket_elements = o->bucket_elements_;
-  for (size_t i = 0; i < o->layout_.entries.size(); ++i) {
-    const auto& e = o->layout_.entries[i];
-    if (o->buckets_.empty() || o->buckets_.back().end - o->buckets_.back().begin >= bucket_elements)
-      o->buckets_.push_back({e.offset, e.offset});
-    o->buckets_.back().end = e.offset + e.numel;
-    o->bucket_of_entry_.push_back(o->buckets_.size() - 1);
+  // This rank's pieces of every parameter, in slice order.
+  for (size_t b = 0; b < o->sharding_.buckets.size(); ++b) {
+    const auto& bucket = o->sharding_.buckets[b];
+    for (size_t i = 0; i < o->layout_.entries.size(); ++i) {
+      const auto& e = o->layout_.entries[i];
+      const int64_t lo = std::max(bucket.own_begin, e.offset);
+      const int64_t hi = std::min(bucket.own_end, e.offset + e.numel);
+      if (lo < hi) o->pieces_.push_back({i, lo, hi - lo, o->sharding_.SliceOffset(b, lo)});
+    }
   }
-  o->buckets_.back().end = padded;
-  for (Bucket& b : o->buckets_) b.tensors = {o->flat_grads_.narrow(0, b.begin, b.end - b.begin)};
-  o->ZeroGrad();
-  o->InstallHooks();
+  o->piece_steps_ = torch::zeros({static_cast<int64_t>(o->pieces_.size())}, opts);
+  o->exp_avg_ = torch::zeros({o->sharding_.slice}, opts);
+  o->exp_avg_sq_ = torch::zeros({o->sharding_.slice}, opts);
+  std::vector<torch::Tensor> by_entry;
+  for (size_t i = 0; i < o->layout_.entries.size(); ++i) by_entry.push_back(o->ParamOf(i));
+  o->reducer_ = std::make_unique<GradientReducer>(std::move(by_entry), o->layout_, o->sharding_,
+                                                  o->stage_, group, opts);
   return o;
-}
-
-namespace {
-// Tells the optimizer that a parameter's gradient for this backward is complete.
-class GradReadyHook : public torch::autograd::PostAccumulateGradHook {
- public:
-  GradReadyHook(std::function<void()> ready) : ready_(std::move(ready)) {}
-  void operator()(const torch::autograd::Variable&) override { ready_(); }
-
- private:
-  std::function<void()> ready_;
-};
-}  // namespace
-
-void DistributedOptimizer::InstallHooks() {
-  for (size_t i = 0; i < layout_.entries.size(); ++i) {
-    const torch::Tensor& p = ParamOf(i);
-    torch::autograd::impl::set_post_acc_grad_hooks(
-        p, std::make_unique<GradReadyHook>([this, i] { GradReady(i); }));
-  }
-}
-
-void DistributedOptimizer::ExpectLastBackward() {
-  if (adamw_) return;
-  std::lock_guard<std::mutex> lock(mu_);
-  armed_ = true;
-  for (Bucket& b : buckets_) b.waiting = 0;
-  for (size_t b : bucket_of_entry_) ++buckets_[b].waiting;
-}
-
-void DistributedOptimizer::GradReady(size_t entry) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!armed_) return;
-  --buckets_[bucket_of_entry_[entry]].waiting;
-  LaunchReadyBuckets();
-}
-
-void DistributedOptimizer::LaunchReadyBuckets() {
-  while (next_launch_ < buckets_.size() && buckets_[next_launch_].waiting == 0) {
-    Bucket& b = buckets_[next_launch_++];
-    b.pending = group_->AllReduceAsync(b.tensors);
-    ++overlapped_;
-  }
 }
 
 void DistributedOptimizer::ZeroGrad() {
   if (adamw_) return adamw_->ZeroGrad();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    armed_ = false;
-    next_launch_ = 0;
-    overlapped_ = 0;
-    for (Bucket& b : buckets_) b.pending.reset();
+  reducer_->ZeroGrad();
+}
+
+absl::Status DistributedOptimizer::ExpectBackwards(int64_t backwards) {
+  if (adamw_) return absl::OkStatus();
+  return reducer_->ExpectBackwards(backwards);
+}
+
+absl::Status DistributedOptimizer::Backward(const torch::Tensor& loss) {
+  if (adamw_) {
+    loss.backward();
+    return absl::OkStatus();
   }
-  flat_grads_.zero_();
-  // The backward accumulates into these views in place; re-point them in case anything replaced
-  // a gradient tensor.
-  for (size_t i = 0; i < layout_.entries.size(); ++i) {
-    const auto& e = layout_.entries[i];
-    torch::Tensor& p = ParamOf(i);
-    torch::Tensor view = flat_grads_.narrow(0, e.offset, e.numel).view(p.sizes());
-    if (!p.grad().defined() || p.grad().data_ptr() != view.data_ptr()) p.mutable_grad() = view;
-  }
+  return reducer_->Backward(loss);
+}
+
+void DistributedOptimizer::ExpectLastBackward() {
+  if (!adamw_) reducer_->ExpectLastBackward();
 }
 
 absl::StatusOr<double> DistributedOptimizer::ReduceAndClip(double max_norm, double grad_scale) {
   torch::NoGradGuard no_grad;
   if (adamw_) {
-    if (grad_scale != 1.0)
+    if (grad_scale != 1.0) {
       for (auto& p : params_)
-        if (p.grad().defined()) p.grad().mul_(grad_scale);
+        if (p.grad().defined()) p.mutable_grad().mul_(grad_scale);
+    }
     return ClipGradNorm(params_, max_norm);
   }
-  {
-    // What the backward did not send (all of it on a rank that ran no micro-batch) goes now, in
-    // the same bucket order on every rank.
-    std::lock_guard<std::mutex> lock(mu_);
-    armed_ = false;
-    while (next_launch_ < buckets_.size()) {
-      Bucket& b = buckets_[next_launch_++];
-      b.pending = group_->AllReduceAsync(b.tensors);
-    }
-  }
-  absl::Status first = absl::OkStatus();
-  for (Bucket& b : buckets_) {
-    absl::Status s = b.pending->Wait();
-    b.pending.reset();
-    if (first.ok() && !s.ok()) first = s;
-  }
-  RETURN_IF_ERROR(first);
-  // The global norm from each rank's squared norm of its own slice (the only gradients its AdamW
-  // reads), and only that slice is clipped: 1/N of the work on each rank. NaN and inf propagate
-  // through the sum, so every rank sees the same non-finite norm and skips the step.
-  torch::Tensor own = flat_grads_.narrow(0, shard_.begin, shard_.end - shard_.begin);
+  RETURN_IF_ERROR(reducer_->Finish());
+  torch::Tensor& own = reducer_->slice();
   if (grad_scale != 1.0) own.mul_(grad_scale);
-  const double own_norm =
-      own.numel() > 0 ? torch::linalg_vector_norm(own, 2, {}, false, torch::kFloat64).item<double>()
-                      : 0.0;
-  ASSIGN_OR_RETURN(std::vector<double> squares, group_->AllReduceDoubles({own_norm * own_norm}));
+  // The global norm from each rank's squared norm of its own slice (the only gradients its AdamW
+  // reads; the padding is zero), and only that slice is clipped: 1/N of the work on each rank.
+  // NaN and inf propagate through the sum, so every rank sees the same non-finite norm and skips
+  // the step.
+  // A bucket's piece at a time: the fp64 sum of squares needs a copy of what it reads.
+  torch::Tensor own_squares = torch::zeros({}, own.options().dtype(torch::kFloat64));
+  for (const auto& b : sharding_.buckets)
+    own_squares += torch::linalg_vector_norm(own.narrow(0, b.slice_begin, b.piece), 2, {}, false,
+                                             torch::kFloat64)
+                       .square();
+  ASSIGN_OR_RETURN(std::vector<double> squares,
+                   group_->AllReduceDoubles({own_squares.item<double>()}));
   const double norm = std::sqrt(squares[0]);
   if (max_norm > 0 && std::isfinite(norm)) own.mul_(std::min(1.0, max_norm / (norm + 1e-6)));
   return norm;
@@ -229,50 +177,93 @@ absl::Status DistributedOptimizer::Step(double lr) {
   return ShardedStep(lr);
 }
 
+torch::Tensor DistributedOptimizer::MasterOf(const Piece& p) {
+  return mixed_ ? master_.narrow(0, p.slice, p.length) : flat_params_.narrow(0, p.begin, p.length);
+}
+
 absl::Status DistributedOptimizer::ShardedStep(double lr) {
   torch::NoGradGuard no_grad;
-  // This rank's slice of each parameter it meets, one fused AdamW call per decay group.
+  // The update's step count, one tensor per piece (a parameter may have several pieces), as
+  // torch.optim.AdamW(fused=True) keeps them.
+  piece_steps_.fill_(static_cast<double>(steps_ + 1));
+  const torch::Tensor& grads = reducer_->slice();
+  // This rank's pieces, one fused AdamW call per decay group.
   for (bool decay : {true, false}) {
     std::vector<torch::Tensor> p, g, m, v, t;
-    for (size_t i = 0; i < layout_.entries.size(); ++i) {
-      const auto& e = layout_.entries[i];
-      const int64_t b = std::max(shard_.begin, e.offset);
-      const int64_t end = std::min(shard_.end, e.offset + e.numel);
-      if (e.decay != decay || b >= end) continue;
-      p.push_back(MasterRange(b, end - b));
-      g.push_back(flat_grads_.narrow(0, b, end - b));
-      m.push_back(exp_avg_.narrow(0, b - shard_.begin, end - b));
-      v.push_back(exp_avg_sq_.narrow(0, b - shard_.begin, end - b));
-      t.push_back(entry_steps_[i]);
+    for (size_t k = 0; k < pieces_.size(); ++k) {
+      const Piece& piece = pieces_[k];
+      if (layout_.entries[piece.entry].decay != decay) continue;
+      p.push_back(MasterOf(piece));
+      g.push_back(grads.narrow(0, piece.slice, piece.length));
+      m.push_back(exp_avg_.narrow(0, piece.slice, piece.length));
+      v.push_back(exp_avg_sq_.narrow(0, piece.slice, piece.length));
+      t.push_back(piece_steps_[static_cast<int64_t>(k)]);
     }
     if (p.empty()) continue;
-    at::_foreach_add_(t, 1);
     at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, t, lr, config_.beta1, config_.beta2,
                       decay ? config_.weight_decay : 0.0, config_.eps, /*amsgrad=*/false,
                       /*maximize=*/false);
   }
   ++steps_;
   if (mixed_) return RefreshComputeCopies();
-  const int64_t chunk = shard_.chunk;
-  torch::Tensor own = flat_params_.narrow(0, chunk * group_->rank(), chunk);
-  if (gather_dtype_ == torch::kFloat32) return group_->AllGather(flat_params_, own.clone());
-  torch::Tensor master = own.clone();
-  torch::Tensor gathered = torch::empty({flat_params_.numel()}, own.options().dtype(gather_dtype_));
-  RETURN_IF_ERROR(group_->AllGather(gathered, own.to(gather_dtype_)));
-  flat_params_.copy_(gathered);
-  own.copy_(master);  // this rank's slice stays the fp32 master
-  masters_synced_ = false;
+  return GatherWeights();
+}
+
+absl::Status DistributedOptimizer::GatherWeights() {
+  const int world = group_->size(), rank = group_->rank();
+  for (const auto& b : sharding_.buckets) {
+    torch::Tensor out = flat_params_.narrow(0, b.begin, b.padded_length(world));
+    torch::Tensor own = out.narrow(0, rank * b.piece, b.piece);
+    if (gather_dtype_ == torch::kFloat32) {
+      RETURN_IF_ERROR(group_->AllGather(out, own.clone()));
+      continue;
+    }
+    torch::Tensor master = own.clone();
+    torch::Tensor gathered = torch::empty({out.numel()}, own.options().dtype(gather_dtype_));
+    RETURN_IF_ERROR(group_->AllGather(gathered, own.to(gather_dtype_)));
+    out.copy_(gathered);
+    own.copy_(master);  // this rank's piece stays the fp32 master
+  }
+  masters_synced_ = gather_dtype_ == torch::kFloat32;
   return absl::OkStatus();
 }
 
 absl::Status DistributedOptimizer::SyncMasters() {
   if (adamw_ || masters_synced_ || mixed_) return absl::OkStatus();
   torch::NoGradGuard no_grad;
-  const int64_t chunk = shard_.chunk;
-  torch::Tensor own = flat_params_.narrow(0, chunk * group_->rank(), chunk).clone();
-  RETURN_IF_ERROR(group_->AllGather(flat_params_, own));
+  const int world = group_->size(), rank = group_->rank();
+  for (const auto& b : sharding_.buckets) {
+    torch::Tensor out = flat_params_.narrow(0, b.begin, b.padded_length(world));
+    RETURN_IF_ERROR(group_->AllGather(out, out.narrow(0, rank * b.piece, b.piece).clone()));
+  }
   masters_synced_ = true;
   return absl::OkStatus();
+}
+
+absl::Status DistributedOptimizer::CheckFinite() {
+  torch::NoGradGuard no_grad;
+  absl::Status mine = absl::OkStatus();
+  // The first non-finite element of `t`, a run of flat elements from `flat_begin`.
+  auto check = [&](const torch::Tensor& t, int64_t flat_begin) {
+    if (!mine.ok() || t.numel() == 0 || torch::isfinite(t).all().item<bool>()) return;
+    const int64_t at =
+        torch::logical_not(torch::isfinite(t.reshape(-1))).nonzero()[0][0].item<int64_t>();
+    const double value = t.reshape(-1)[at].item<double>();
+    for (const auto& e : layout_.entries) {
+      const int64_t x = flat_begin + at;
+      if (x < e.offset || x >= e.offset + e.numel) continue;
+      mine = absl::FailedPreconditionError(absl::StrCat("the weights are not finite: parameter ",
+                                                        e.name, " element ", x - e.offset, " is ",
+                                                        value, " on rank ", group_->rank()));
+    }
+  };
+  if (adamw_) {
+    for (size_t i = 0; i < layout_.entries.size(); ++i)
+      check(ParamOf(i).detach().reshape(-1), layout_.entries[i].offset);
+  } else {
+    for (const Piece& p : pieces_) check(MasterOf(p), p.begin);
+  }
+  return AgreeOnStatus(*group_, mine);
 }
 
 int64_t DistributedOptimizer::steps() const {
@@ -281,7 +272,9 @@ int64_t DistributedOptimizer::steps() const {
 
 int64_t DistributedOptimizer::state_bytes() const {
   if (adamw_) return 2 * layout_.total * static_cast<int64_t>(sizeof(float));
-  return (exp_avg_.numel() + exp_avg_sq_.numel()) * static_cast<int64_t>(sizeof(float));
+  int64_t own = 0;
+  for (const auto& [b, e] : sharding_.OwnedRanges()) own += e - b;
+  return 2 * own * static_cast<int64_t>(sizeof(float));
 }
 
 size_t DistributedOptimizer::num_decay() const {
@@ -305,16 +298,28 @@ absl::Status DistributedOptimizer::SaveState(const std::string& dir) const {
         dir + "/" + kOptimizerNamedFile, out,
         {{"format", "opd-adamw"}, {"steps", std::to_string(adamw_->steps())}});
   }
-  torch::Tensor m = exp_avg_.to(torch::kCPU).contiguous();
-  torch::Tensor v = exp_avg_sq_.to(torch::kCPU).contiguous();
+  // This rank's owned ranges, in order, and the moments of each concatenated.
+  nlohmann::json ranges = nlohmann::json::array();
+  std::vector<torch::Tensor> m_parts, v_parts;
+  for (size_t b = 0; b < sharding_.buckets.size(); ++b) {
+    const auto& bucket = sharding_.buckets[b];
+    if (bucket.own_begin >= bucket.own_end) continue;
+    ranges.push_back({bucket.own_begin, bucket.own_end});
+    const int64_t at = sharding_.SliceOffset(b, bucket.own_begin);
+    m_parts.push_back(exp_avg_.narrow(0, at, bucket.own_end - bucket.own_begin));
+    v_parts.push_back(exp_avg_sq_.narrow(0, at, bucket.own_end - bucket.own_begin));
+  }
+  auto host = [](const std::vector<torch::Tensor>& parts) {
+    return parts.empty() ? torch::zeros({0}) : torch::cat(parts).to(torch::kCPU).contiguous();
+  };
+  torch::Tensor m = host(m_parts), v = host(v_parts);
   const std::vector<int64_t> shape{m.numel()};
   const size_t bytes = static_cast<size_t>(m.numel()) * sizeof(float);
   return lm::WriteSafetensors(dir + "/" + OptimizerShardFileName(group_->rank(), group_->size()),
                               {{"exp_avg", lm::DType::kF32, shape, m.data_ptr(), bytes},
                                {"exp_avg_sq", lm::DType::kF32, shape, v.data_ptr(), bytes}},
                               {{"format", kOptimizerShardFormat},
-                               {"begin", std::to_string(shard_.begin)},
-                               {"end", std::to_string(shard_.end)},
+                               {"ranges", ranges.dump()},
                                {"total", std::to_string(layout_.total)},
                                {"world_size", std::to_string(group_->size())},
                                {"steps", std::to_string(steps_)},
@@ -322,16 +327,20 @@ absl::Status DistributedOptimizer::SaveState(const std::string& dir) const {
 }
 
 absl::Status DistributedOptimizer::LoadState(const std::string& checkpoint_dir, int64_t steps) {
+  // Each rank reads (and checks) only its own ranges: what one finds wrong, all report.
+  return AgreeOnStatus(*group_, LoadOwnState(checkpoint_dir, steps));
+}
+
+absl::Status DistributedOptimizer::LoadOwnState(const std::string& checkpoint_dir, int64_t steps) {
   ASSIGN_OR_RETURN(std::unique_ptr<OptimizerStateReader> reader,
                    OptimizerStateReader::Open(checkpoint_dir, layout_));
   torch::NoGradGuard no_grad;
   if (adamw_) {
     std::map<std::string, torch::Tensor> tensors;
-    for (const auto& e : layout_.entries) {
-      const torch::Tensor& p =
-          params_[entry_param_[static_cast<size_t>(&e - layout_.entries.data())]];
+    for (size_t i = 0; i < layout_.entries.size(); ++i) {
+      const auto& e = layout_.entries[i];
       for (const char* m : kOptimizerMoments) {
-        torch::Tensor t = torch::empty(p.sizes(), torch::kFloat32);
+        torch::Tensor t = torch::empty(ParamOf(i).sizes(), torch::kFloat32);
         RETURN_IF_ERROR(reader->Read(m, e.offset, e.offset + e.numel, t.data_ptr<float>()));
         tensors[absl::StrCat(m, ".", e.name)] = t;
       }
@@ -340,14 +349,18 @@ absl::Status DistributedOptimizer::LoadState(const std::string& checkpoint_dir, 
     if (!s.ok()) return absl::DataLossError(absl::StrCat(checkpoint_dir, ": ", s.message()));
     return absl::OkStatus();
   }
-  const int64_t n = shard_.end - shard_.begin;
-  for (auto [m, dst] : {std::pair{kOptimizerMoments[0], &exp_avg_},
-                        std::pair{kOptimizerMoments[1], &exp_avg_sq_}}) {
-    torch::Tensor host = torch::empty({n}, torch::kFloat32);
-    RETURN_IF_ERROR(reader->Read(m, shard_.begin, shard_.end, host.data_ptr<float>()));
-    dst->copy_(host);
+  for (size_t b = 0; b < sharding_.buckets.size(); ++b) {
+    const auto& bucket = sharding_.buckets[b];
+    const int64_t n = bucket.own_end - bucket.own_begin;
+    if (n <= 0) continue;
+    const int64_t at = sharding_.SliceOffset(b, bucket.own_begin);
+    for (auto [m, dst] : {std::pair{kOptimizerMoments[0], &exp_avg_},
+                          std::pair{kOptimizerMoments[1], &exp_avg_sq_}}) {
+      torch::Tensor host = torch::empty({n}, torch::kFloat32);
+      RETURN_IF_ERROR(reader->Read(m, bucket.own_begin, bucket.own_end, host.data_ptr<float>()));
+      dst->narrow(0, at, n).copy_(host);
+    }
   }
-  for (torch::Tensor& t : entry_steps_) t.fill_(static_cast<double>(steps));
   steps_ = steps;
   return absl::OkStatus();
 }

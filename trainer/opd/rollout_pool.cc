@@ -266,6 +266,11 @@ void RolloutPool::NoteVersions(int64_t v) {
   acked_version_.store(std::max(acked_version_.load(), v));
 }
 
+void RolloutPool::RecordPush(int64_t version, bool acknowledged) {
+  sent_version_.store(std::max(sent_version_.load(), version));
+  if (acknowledged) acked_version_.store(version);
+}
+
 absl::Status RolloutPool::PushWeights(torch::nn::Module& model, int64_t version) {
   if (pushers_.size() != clients_.size())
     return absl::FailedPreconditionError("this learner rank does not push weights");

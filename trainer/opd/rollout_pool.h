@@ -76,6 +76,10 @@ class RolloutPool {
   // What the last PushWeights sent to each worker (in endpoint order).
   const std::vector<PushReport>& last_push() const { return last_push_; }
 
+  // The sample checks' versions when another pushes (WeightPublisher): `version` was sent (a
+  // worker may serve it from now on) and, when `acknowledged`, every worker took it.
+  void RecordPush(int64_t version, bool acknowledged);
+
   // The highest weight version any worker serves (a restarted learner continues above it).
   absl::StatusOr<int64_t> MaxWeightVersion();
   // Version `v` reached every worker (pushed by another rank): samples are checked against it.

@@ -61,11 +61,6 @@ absl::StatusOr<int> FreePort(const std::string& host) {
   return port;
 }
 
-std::string RandomId() {
-  std::random_device rd;
-  return absl::StrFormat("%08x%08x", rd(), rd());
-}
-
 opd::v1::ManifestTensor ManifestEntry(const opd::rpc::WireTensor& t) {
   opd::v1::ManifestTensor m;
   m.set_name(t.name);
@@ -76,6 +71,24 @@ opd::v1::ManifestTensor ManifestEntry(const opd::rpc::WireTensor& t) {
 }
 
 }  // namespace
+
+absl::StatusOr<std::pair<std::string, int>> WeightGroupAddress(const std::string& store_host,
+                                                               const std::string& worker) {
+  std::string host = store_host;
+  if (host.empty() && IsLoopbackHost(HostOf(worker))) host = "127.0.0.1";
+  if (host.empty()) {
+    char name[256] = {};
+    gethostname(name, sizeof(name) - 1);
+    host = name;
+  }
+  ASSIGN_OR_RETURN(const int port, FreePort(host));
+  return std::make_pair(host, port);
+}
+
+std::string NewWeightGroupId() {
+  std::random_device rd;
+  return absl::StrFormat("%08x%08x", rd(), rd());
+}
 
 WeightPusher::~WeightPusher() = default;
 
@@ -118,16 +131,10 @@ absl::Status WeightPusher::Fail(const std::string& what, const absl::Status& st)
 
 absl::Status WeightPusher::JoinGroup() {
   group_.reset();
-  const std::string host = !push_.store_host.empty()                  ? push_.store_host
-                           : IsLoopbackHost(HostOf(options_.address)) ? "127.0.0.1"
-                                                                      : [] {
-                                                                          char name[256] = {};
-                                                                          gethostname(name, 255);
-                                                                          return std::string(name);
-                                                                        }();
-  ASSIGN_OR_RETURN(const int port, FreePort(host));
+  ASSIGN_OR_RETURN(const auto address, WeightGroupAddress(push_.store_host, options_.address));
+  const auto& [host, port] = address;
   opd::v1::JoinWeightGroupRequest req;
-  group_id_ = RandomId();
+  group_id_ = NewWeightGroupId();
   req.set_group_id(group_id_);
   req.set_store_host(host);
   req.set_store_port(port);

@@ -1,5 +1,15 @@
-// The learner's side of weight pushes to one rollout worker: in the worker's dtype, only the
-// tensors that changed, over gRPC streaming or over a c10d group (collective weight sync).
+// The learner's side of weight pushes to the rollout workers:
+//   - WeightPublisher: what a job calls, on every learner rank, once per step. With
+//     rollout.weight_sync collective or auto it is the parallel push: every learner rank and every
+//     worker form one c10d group, and each rank broadcasts its own share of the new weights (a
+//     1/N slice of their concatenated bytes in the workers' dtype, in buckets), so no rank casts,
+//     hashes or sends the whole model and the bytes cross each link once. Workers outside the
+//     group (expert-parallel ones, another dtype, a CPU worker of a CUDA learner) get gRPC
+//     pushes from rank 0; with weight_sync grpc every worker does (the star).
+//   - WeightPusher: rank 0's push to one worker, in the worker's dtype, only the tensors that
+//     changed, over gRPC streaming or over a two-rank c10d group (the star's collective form).
+//
+// One WeightPusher:
 //
 // Wire dtype: the worker's parameter dtype (its ServiceInfo), so an fp32 learner sends bf16 to a
 // bf16 worker. Parameters are cast a bucket at a time into one reused buffer (rpc/weight_wire.h),
@@ -39,8 +49,13 @@
 namespace lm::dist {
 class ProcessGroup;
 }
+namespace torch::nn {
+class Module;
+}
 
 namespace trainer {
+
+class RolloutPool;
 
 struct WeightPushOptions {
   WeightSyncMode mode = WeightSyncMode::kGrpc;
@@ -104,6 +119,102 @@ class WeightPusher {
   // What the worker holds: checksum per tensor, and its version; empty = unknown.
   std::map<std::string, uint64_t> acked_;
   int64_t acked_version_ = -1;
+};
+
+// A weight group's rendezvous: where this learner's TCPStore listens (`store_host` when set,
+// 127.0.0.1 for a worker on loopback, else this host's name) and a port free there now (the store
+// binds it a moment later; a clash is an error the push reports, not a hang); and a fresh id.
+absl::StatusOr<std::pair<std::string, int>> WeightGroupAddress(const std::string& store_host,
+                                                               const std::string& worker);
+std::string NewWeightGroupId();
+
+// What one Publish did for one worker.
+struct WorkerPush {
+  std::string address;
+  // OK: the worker serves the version, or accepted it and serves it once the requests on its
+  // previous version end (rollout/weights.h); else why not, naming the worker.
+  absl::Status status;
+  bool collective = false;  // over the weight group (else gRPC from rank 0)
+  int64_t tensors = 0;      // the worker applied this many
+  int64_t bytes = 0;        // wire bytes it received
+};
+
+// The outcome of one Publish: the same on every learner rank.
+struct PublishReport {
+  int64_t version = 0;
+  absl::Status status;              // OK, or the first worker's failure (naming it)
+  std::vector<WorkerPush> workers;  // in endpoint order
+  bool group_formed = false;        // the weight group was (re)formed for this push
+  int64_t senders = 0;              // learner ranks that broadcast a share (0: no collective)
+  double seconds = 0;               // the push on rank 0, wall time
+};
+
+// The parallel push (weight_sync collective or auto) and its gRPC fallback, on every learner rank.
+//
+// Per Publish: rank 0 probes the workers that were down or outside the group (Info), and when the
+// group's members would change (a worker came back, one left) forms it anew: it asks each worker
+// to join (JoinWeightGroup: rank L + i of L + W, the backend: NCCL when the learner is on CUDA,
+// else Gloo) and every learner rank joins as its own rank. Rank 0 then announces the version to
+// every member (SyncWeights: the manifest of every parameter without checksums, the bucket size,
+// and each rank's share); if every member accepted, each learner rank broadcasts its share in
+// buckets, in rank order, and every member takes part in a closing all-gather of the workers'
+// verdicts (rollout.proto). A member that dies or stalls breaks the group for everyone: every
+// learner rank sees it (the collectives fail, bounded by rollout.weight_sync_timeout_s), the ranks
+// agree over the learner group, the group is dropped, the dead worker is reported (it does not
+// answer), and at a later push, once it answers again, the group is formed with it and it gets
+// the weights. In mode auto the members left without the version get it over gRPC in the same
+// push. Every tensor goes at every push (after an optimizer step every tensor has changed).
+//
+// Versions: the caller's, growing; a worker refuses a version not above its own, and says so in
+// its verdict. A worker holds one weight group at a time: a job whose publisher pushes connects
+// its RolloutPool (sampling) with push mode grpc, so that the pool forms no two-rank groups.
+class WeightPublisher {
+ public:
+  // Every learner rank, together (a collective over `learners`, not owned). Rank 0 connects to
+  // every worker of `endpoints` (its ServiceInfo gives the dtype the weights travel in); the group
+  // forms at the first Publish. `pool` (rank 0, optional, not owned) is told every push's version
+  // for the checks of the samples it gets (RolloutPool::RecordPush).
+  static absl::StatusOr<std::unique_ptr<WeightPublisher>> Create(
+      lm::dist::ProcessGroup* learners, const std::vector<std::string>& endpoints,
+      const opd::rpc::ClientOptions& base, const WeightPushOptions& push, torch::Device device,
+      RolloutPool* pool = nullptr);
+  ~WeightPublisher();
+
+  // Every learner rank, once per step, with the same weights (`model`'s parameters: a ZeRO-1
+  // learner all-gathers them) and `version`. Returns the report, the same on every rank; an
+  // error only when the learner group itself failed (the job cannot go on).
+  absl::StatusOr<PublishReport> Publish(torch::nn::Module& model, int64_t version);
+
+  bool has_group() const { return group_ != nullptr; }
+
+ private:
+  struct Worker;
+  struct Plan;
+  WeightPublisher();
+  absl::Status ConnectWorkers(const std::vector<std::string>& endpoints,
+                              const opd::rpc::ClientOptions& base);
+  Plan PlanPush(int64_t version, std::vector<absl::Status>* failed);
+  absl::Status JoinAll(Plan& plan);
+  absl::Status Announce(const Plan& plan, const std::vector<opd::rpc::WireTensor>& wire,
+                        int64_t version, std::vector<absl::Status>* failed);
+  // The data phase and the workers' verdicts (an error: a collective of the group failed).
+  absl::Status SendShares(const Plan& plan, const std::vector<opd::rpc::WireTensor>& wire,
+                          std::vector<opd::rpc::SyncVerdict>* verdicts);
+  WorkerPush PushGrpc(size_t worker,
+                      const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                      int64_t version);
+  bool Probe(size_t worker);  // rank 0: whether it answers now (marks it down when not)
+
+  lm::dist::ProcessGroup* learners_ = nullptr;
+  WeightPushOptions push_;
+  torch::Device device_{torch::kCPU};
+  RolloutPool* pool_ = nullptr;
+  std::vector<std::unique_ptr<Worker>> workers_;  // rank 0
+  // The weight group (every rank): its members (worker indices at ranks L, L+1, ...).
+  std::unique_ptr<lm::dist::ProcessGroup> group_;
+  std::vector<int> members_;
+  std::string backend_, group_id_;
+  torch::Tensor bucket_;
 };
 
 }  // namespace trainer

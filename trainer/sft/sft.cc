@@ -345,6 +345,13 @@ absl::StatusOr<StepOutcome> SftJob::TrainStep(const StepBatch& b) {
   // Rank r runs micro-batches r, r + N, ...; each backpropagates its tokens over the step's
   // global count, so the gradients summed over ranks are the one-process gradient.
   const int rank = group_->rank(), ranks = group_->size();
+  // Every rank says how many backwards it runs (a rank with none too): with sharded gradients
+  // (dist.zero_stage 2) each backward's gradients are reduced in rounds every rank joins.
+  const size_t mine =
+      b.micro.size() > static_cast<size_t>(rank)
+          ? (b.micro.size() - static_cast<size_t>(rank) + ranks - 1) / static_cast<size_t>(ranks)
+          : 0;
+  RETURN_IF_ERROR(optimizer_->ExpectBackwards(static_cast<int64_t>(mine)));
   for (size_t i = static_cast<size_t>(rank); i < b.micro.size(); i += static_cast<size_t>(ranks)) {
     // One process may abandon a step at any micro-batch; ranks agree on stops between steps.
     if (ranks == 1 && StopRequested()) {
@@ -358,9 +365,8 @@ absl::StatusOr<StepOutcome> SftJob::TrainStep(const StepBatch& b) {
       loss = loss * std::numeric_limits<double>::quiet_NaN();  // debug hook: NaN loss and grads
       ce = std::numeric_limits<double>::quiet_NaN();
     }
-    // The last local micro-batch: its backward all-reduces gradient buckets as they complete.
-    if (i + static_cast<size_t>(ranks) >= b.micro.size()) optimizer_->ExpectLastBackward();
-    loss.backward();
+    // Its gradient buckets are reduce-scattered as they complete (stage 1: in the last backward).
+    RETURN_IF_ERROR(optimizer_->Backward(loss));
     if (rank == c_.debug.kill_rank && this_step == c_.debug.kill_at_step) {
       lm::log::Warn(
           absl::StrFormat("debug.kill_rank: rank %d kills itself in step %d", rank, this_step));
@@ -370,8 +376,8 @@ absl::StatusOr<StepOutcome> SftJob::TrainStep(const StepBatch& b) {
     aux_total += aux;
   }
   // The gradient buckets first, then the statistics, on every rank: a rank with micro-batches sent
-  // its buckets in its last backward, a rank with none sends them in ReduceAndClip, and a sum of
-  // statistics before that would pair with another rank's bucket.
+  // its buckets in its backwards, a rank with fewer or none sends the rest in ReduceAndClip, and a
+  // sum of statistics before that would pair with another rank's bucket.
   ASSIGN_OR_RETURN(o.grad_norm, optimizer_->ReduceAndClip(c_.optim.max_grad_norm));
   ASSIGN_OR_RETURN(std::vector<double> sums, group_->AllReduceDoubles({ce_total, aux_total}));
   o.loss = sums[0] / static_cast<double>(std::max<int64_t>(b.trained, 1));
