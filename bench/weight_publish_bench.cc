@@ -175,7 +175,7 @@ absl::Status Push() {
   if (star) {
     if (rank == 0) {
       ASSIGN_OR_RETURN(
-          pool, trainer::RolloutPool::Connect(workers, co, "", model->config().vocab_size, po));
+          pool, trainer::RolloutPool::Connect(workers, co, "", model->config().vocab_size, &po));
     }
   } else {
     ASSIGN_OR_RETURN(

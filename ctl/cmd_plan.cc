@@ -18,6 +18,7 @@
 #include "ctl/model_config_file.h"
 #include "lm/model/config.h"
 #include "lm/plan/plan.h"
+#include "lm/plan/step_plan.h"
 #include "lm/util/status.h"
 #include "trainer/common/config.h"
 #include "trainer/common/learner_plan.h"
@@ -52,6 +53,12 @@ constexpr const char* kUsage =
     "  --kv-block-size N       tokens per KV block (16)\n"
     "  --max-batch-tokens N    a teacher's scoring bucket (16384)\n"
     "  --logprob-chunk N       a teacher's logits chunk, rows (512)\n"
+    "  --decode-efficiency E   share of the HBM roof decode reaches (0.30, docs/gpu.md)\n"
+    "  --forward-efficiency E  share of the bf16 peak prefill and scoring reach (0.20)\n"
+    "  --learn-efficiency E    share of the bf16 peak the learner's passes reach (0.09)\n"
+    "  --push-gbps G           GB/s a worker receives a weight push at (25)\n"
+    "  --response-tokens N     the responses' mean length for the step's time (default: half\n"
+    "                          rollout.max_new_tokens; the worst case is printed too)\n"
     "exit 0: every process fits; 1: one does not (its start-up refusal is printed); 2: bad flag\n";
 
 constexpr int64_t kMaxDevices = int64_t{1} << 20;
@@ -76,6 +83,11 @@ absl::Status CheckRanges(const Args& a) {
       CheckFlagRange("--kv-block-size", a.Int64("kv-block-size", 16), 1, 1024),
       CheckFlagRange("--max-batch-tokens", a.Int64("max-batch-tokens", 16384), 1, kMaxTokens),
       CheckFlagRange("--logprob-chunk", a.Int64("logprob-chunk", 512), 1, kMaxTokens),
+      CheckFlagRange("--decode-efficiency", a.Number("decode-efficiency", 0.3), 1e-3, 1.0),
+      CheckFlagRange("--forward-efficiency", a.Number("forward-efficiency", 0.2), 1e-3, 1.0),
+      CheckFlagRange("--learn-efficiency", a.Number("learn-efficiency", 0.09), 1e-3, 1.0),
+      CheckFlagPositive("--push-gbps", a.Number("push-gbps", 25), kMaxTbps * 1000),
+      CheckFlagRange("--response-tokens", a.Int64("response-tokens", 1), 1, kMaxTokens),
   });
 }
 
@@ -105,6 +117,49 @@ absl::StatusOr<std::optional<lm::ModelConfig>> TeacherConfig(const std::string& 
   }
   if (found.size() != 1) return std::optional<lm::ModelConfig>();
   return ReadModelConfigFile(found[0].string());
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) {
+  return b > 0 ? (a + b - 1) / b : 0;
+}
+
+// The job's deadlines against its planned step: each one that the planned work would pass.
+std::vector<std::string> TimeoutWarnings(const trainer::OpdConfig& c,
+                                         const lm::plan::StepPlan& step) {
+  std::vector<std::string> out;
+  const auto check = [&](const char* name, double limit, double needed, const char* what) {
+    if (limit < needed)
+      out.push_back(absl::StrFormat("%s %s is shorter than %s (%s)", name,
+                                    lm::plan::FormatSeconds(limit), what,
+                                    lm::plan::FormatSeconds(needed)));
+  };
+  // A rank's Generate call lasts about as long as its worker's whole step of sampling (every
+  // rank's sequences share the worker's pool).
+  check("rollout.timeout_s", c.rollout.timeout_s, step.sample, "a worker's planned sampling");
+  // A Score call waits its turn behind the calls of every rank on its replica.
+  check("train.teacher_timeout_s", c.train.teacher_timeout_s, step.score,
+        "a teacher replica's planned scoring of a step");
+  check("train.score_deadline_s", c.train.score_deadline_s, step.step, "the planned step");
+  check("rollout.weight_sync_timeout_s", c.rollout.weight_sync_timeout_s, step.push,
+        "the planned weight push");
+  check("dist.timeout_s", c.dist.timeout_s, step.optimizer + step.micro_batch,
+        "the step's collective part (reductions and the optimizer)");
+  return out;
+}
+
+// A KV pool that holds fewer sequences than the worker decodes at once makes decode run in more
+// waves than --max-running-seqs says; empty when it holds them.
+std::string PoolWarning(const lm::ModelConfig& student, const lm::plan::RolloutSettings& r,
+                        const DeviceSpec& d) {
+  const int64_t held = lm::plan::RolloutKvPoolSequences(student, r, d.memory_bytes);
+  const int64_t share = CeilDiv(r.sequences_per_step, std::max<int64_t>(r.workers, 1));
+  const int64_t wanted = std::min(r.max_running, share);
+  if (held >= wanted) return "";
+  return absl::StrFormat(
+      "a rollout worker's KV pool holds %d sequences of %d tokens, fewer than the %d it would "
+      "decode at once (--max-running-seqs %d, %d sequences per worker per step): more workers, "
+      "a larger --kv-cache-gb or shorter responses",
+      held, r.prompt_tokens + r.response_tokens, wanted, r.max_running, share);
 }
 
 DeviceSpec Device(const Args& a) {
@@ -208,6 +263,39 @@ absl::StatusOr<std::vector<std::optional<ProcessPlan>>> StagePlans(
   return plans;
 }
 
+// The step of each planned stage (lm/plan/step_plan.h) for config `c`'s sequence lengths, as one
+// line `OPD step, stage NAME (how) = T s`; with `warn`, the deadlines the step would pass.
+absl::Status PrintSteps(const trainer::OpdConfig& c, const Args& a, const DeviceSpec& d,
+                        const lm::ModelConfig& student, int64_t learners, bool mixed,
+                        const std::string& label, bool warn) {
+  const lm::plan::RolloutSettings r = RolloutOf(c, a);
+  ASSIGN_OR_RETURN(const auto stages, StagePlans(c, a, d, r));
+  const lm::plan::LearnerSettings ls = trainer::LearnerPlanSettings(c, learners, mixed, true);
+  const ProcessPlan learner = lm::plan::PlanLearner(student, ls, d);
+  const ProcessPlan rollout = lm::plan::PlanRollout(student, r, d);
+  lm::plan::Efficiencies e;
+  e.decode_hbm = a.Number("decode-efficiency", e.decode_hbm);
+  e.forward_compute = a.Number("forward-efficiency", e.forward_compute);
+  e.learn_compute = a.Number("learn-efficiency", e.learn_compute);
+  e.push_bytes_per_s = a.Number("push-gbps", e.push_bytes_per_s / 1e9) * 1e9;
+  lm::plan::StepShape shape;
+  shape.pipeline = c.train.pipeline;
+  shape.async = c.train.async;
+  shape.student_weight_bytes = 2 * lm::plan::CountParameters(student).total;
+  shape.micro_batches = CeilDiv(CeilDiv(ls.tokens_per_step, learners), ls.micro_batch_tokens);
+  for (size_t i = 0; i < stages.size(); ++i) {
+    if (!stages[i]) continue;
+    shape.score_calls =
+        CeilDiv(CeilDiv(ls.tokens_per_step, c.train.score_call_tokens), stages[i]->replicas);
+    const lm::plan::StepPlan step = lm::plan::PlanStep(rollout, *stages[i], learner, shape, e);
+    std::cout << absl::StrFormat("OPD step, stage %s, %s (%s) = %s\n", c.stages[i].name, label,
+                                 step.formula, lm::plan::FormatSeconds(step.step));
+    if (warn)
+      for (const std::string& w : TimeoutWarnings(c, step)) std::cout << "warning: " << w << "\n";
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<bool> PlanOpd(const Args& a, const DeviceSpec& d) {
   ASSIGN_OR_RETURN(auto c, trainer::LoadConfig<trainer::OpdConfig>(a.Get("config"), {}));
   ASSIGN_OR_RETURN(const lm::ModelConfig student, StudentConfig(c.model.path, a));
@@ -233,14 +321,20 @@ absl::StatusOr<bool> PlanOpd(const Args& a, const DeviceSpec& d) {
                 << ": no config.json (--teacher-config): not planned\n\n";
     }
   }
-  const double sample = rollout.time.total(), learn = learner.time.total();
-  for (size_t i = 0; i < stages.size(); ++i) {
-    const double score = stages[i] ? stages[i]->time.total() : 0;
-    std::cout << absl::StrFormat(
-        "OPD step, stage %s (sampling, scoring, learning in turn): %s + %s + %s = %s\n",
-        c.stages[i].name, lm::plan::FormatSeconds(sample), lm::plan::FormatSeconds(score),
-        lm::plan::FormatSeconds(learn), lm::plan::FormatSeconds(sample + score + learn));
-  }
+  const int64_t mean = a.Int64("response-tokens", c.rollout.max_new_tokens / 2);
+  trainer::OpdConfig typical = c;
+  typical.rollout.max_new_tokens = std::min(mean, c.rollout.max_new_tokens);
+  RETURN_IF_ERROR(
+      PrintSteps(typical, a, d, student, learners, mixed,
+                 absl::StrFormat("responses of %d tokens on average (--response-tokens)",
+                                 typical.rollout.max_new_tokens),
+                 /*warn=*/false));
+  RETURN_IF_ERROR(
+      PrintSteps(c, a, d, student, learners, mixed,
+                 absl::StrFormat("worst case: every response %d tokens", c.rollout.max_new_tokens),
+                 /*warn=*/true));
+  if (const std::string w = PoolWarning(student, r, d); !w.empty())
+    std::cout << "warning: " << w << "\n";
   if (learners + r.workers + teachers > d.count)
     std::cout << absl::StrFormat(
         "note: %d learner + %d rollout + %d teacher devices are more than --gpus %d\n", learners,
@@ -275,7 +369,12 @@ int RunPlan(const std::vector<std::string>& words) {
                          {"kv-block-size", Kind::kInt64},
                          {"max-batch-tokens", Kind::kInt64},
                          {"logprob-chunk", Kind::kInt64},
-                         {"teacher-ep", Kind::kInt64}};
+                         {"teacher-ep", Kind::kInt64},
+                         {"decode-efficiency", Kind::kNumber},
+                         {"forward-efficiency", Kind::kNumber},
+                         {"learn-efficiency", Kind::kNumber},
+                         {"push-gbps", Kind::kNumber},
+                         {"response-tokens", Kind::kInt64}};
   if (int rc = ParseCommandArgs("plan", words, spec, {"config"}, kUsage, &args); rc >= 0) return rc;
   absl::Status range = CheckRanges(args);
   const std::string precision = args.Get("precision", "bf16-mixed");

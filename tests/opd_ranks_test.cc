@@ -12,6 +12,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -19,8 +20,9 @@
 #include <gtest/gtest.h>
 
 #include "absl/synchronization/notification.h"
-#include "nlohmann/json.hpp"
+#include "lm/io/safetensors.h"
 #include "lm/text/tokenizer.h"
+#include "nlohmann/json.hpp"
 #include "tests/child_process.h"
 #include "tests/opd_fakes.h"
 #include "tests/opd_task.h"
@@ -64,10 +66,10 @@ class OpdRanks : public ::testing::Test {
   std::vector<std::string> Args(const fs::path& run, const std::string& rollout,
                                 const std::string& teacher, int steps,
                                 const std::vector<std::string>& sets) {
-    std::vector<std::string> all = {
-        "stages=[{name: only, teachers: [" + teacher + "], max_steps: " + std::to_string(steps) +
-            "}]",
-        "train.prompts_per_step=8", "checkpoint.every=1", "checkpoint.keep_last=0"};
+    std::vector<std::string> all = {"stages=[{name: only, teachers: [" + teacher +
+                                        "], max_steps: " + std::to_string(steps) + "}]",
+                                    "train.prompts_per_step=8", "checkpoint.every=1",
+                                    "checkpoint.keep_last=0"};
     all.insert(all.end(), sets.begin(), sets.end());
     return testing_util::OpdTrainerArgs(dir_, run.string(), rollout, all);
   }
@@ -96,6 +98,26 @@ void ExpectSameCheckpoint(const fs::path& a, const fs::path& b) {
       << a << " and " << b << " hold different weights";
   EXPECT_TRUE(ReadFile(a / "optimizer.safetensors") == ReadFile(b / "optimizer.safetensors"))
       << a << " and " << b << " hold different AdamW states";
+}
+
+// The largest difference between two checkpoints' fp32 weights, tensor by tensor.
+double MaxWeightDifference(const fs::path& a, const fs::path& b) {
+  auto fa = lm::SafetensorsFile::Open((a / "model/model.safetensors").string());
+  auto fb = lm::SafetensorsFile::Open((b / "model/model.safetensors").string());
+  EXPECT_TRUE(fa.ok() && fb.ok()) << a << " or " << b << " has no readable weights";
+  if (!fa.ok() || !fb.ok()) return INFINITY;
+  EXPECT_EQ((*fa)->tensors().size(), (*fb)->tensors().size());
+  double worst = 0;
+  for (const auto& [name, va] : (*fa)->tensors()) {
+    absl::StatusOr<lm::TensorView> vb = (*fb)->Get(name);
+    EXPECT_TRUE(vb.ok() && va.dtype == lm::DType::kF32 && vb->nbytes == va.nbytes) << name;
+    if (!vb.ok() || vb->nbytes != va.nbytes) return INFINITY;
+    const float* x = reinterpret_cast<const float*>(va.data);
+    const float* y = reinterpret_cast<const float*>(vb->data);
+    for (int64_t i = 0; i < va.numel(); ++i)
+      worst = std::max(worst, static_cast<double>(std::fabs(x[i] - y[i])));
+  }
+  return worst;
 }
 
 // The same two steps as a pipeline (scoring while sampling, learning while scoring) and phase by
@@ -167,11 +189,11 @@ TEST_F(OpdRanks, ARankThatStopsEndsEveryOtherRankWithTheStallError) {
     stopped.WaitForNotificationWithTimeout(absl::Seconds(120));
   };
   const fs::path run = dir_ / "run_stall";
-  auto ranks = Ranks(2,
-                     Args(run, worker.address, teacher, 3,
-                          {"train.prompts_per_step=2", "rollout.samples_per_prompt=1",
-                           "dist.stall_timeout_s=5"}),
-                     run);
+  auto ranks = Ranks(
+      2,
+      Args(run, worker.address, teacher, 3,
+           {"train.prompts_per_step=2", "rollout.samples_per_prompt=1", "dist.stall_timeout_s=5"}),
+      run);
   ASSERT_TRUE(rank0_in_step2.WaitForNotificationWithTimeout(absl::Seconds(300))) << ranks[0]->Log();
   ASSERT_EQ(::kill(ranks[0]->pid(), SIGSTOP), 0);
   stopped.Notify();
@@ -211,14 +233,48 @@ TEST_F(OpdRanks, ARankThatThrowsMidStepEndsEveryRankWithItsError) {
   EXPECT_FALSE(fs::exists(run / "checkpoints/step_000002"));
 }
 
+// ZeRO-2 over two ranks learns the step's micro-batches in lockstep once every rank's are scored
+// (each backward reduce-scatters), and trains the weights ZeRO-1 trains: for shares of unequal
+// size (3 prompts) and with a rank that has no work (1 prompt). The stages add the same gradient
+// terms in another order, so the weights differ by rounding only: fp32 sums of a few terms differ
+// by a few ulp of the gradient, which moves AdamW's normalised update by about 1e-6 of lr (1e-3)
+// per step, plus one ulp of a weight below 2 (2.4e-7) per step: under 1e-6 after two steps. The
+// bound is 1e-5; a missing rank's gradient moves weights by about lr.
+TEST_F(OpdRanks, ZeroTwoLearnsInLockstepTheWeightsOfZeroOne) {
+  const std::string teacher = Teacher("teacher_zero"), rollout = Rollout("rollout_zero");
+  ASSERT_FALSE(teacher.empty() || rollout.empty());
+  for (const int prompts : {3, 1}) {
+    std::map<int, fs::path> out;
+    for (const int stage : {1, 2}) {
+      const fs::path run =
+          dir_ / ("run_zero" + std::to_string(stage) + "_p" + std::to_string(prompts));
+      auto ranks = Ranks(
+          2,
+          Args(run, rollout, teacher, 2,
+               {"train.prompts_per_step=" + std::to_string(prompts), "train.micro_batch_tokens=96",
+                "checkpoint.every=2", "dist.zero_stage=" + std::to_string(stage)}),
+          run);
+      for (auto& r : ranks) {
+        ASSERT_EQ(r->Wait(std::chrono::seconds(300)), 0) << r->Log();
+        EXPECT_NE(r->Log().find("dist.zero_stage " + std::to_string(stage)), std::string::npos)
+            << r->Log();
+        // Stage 2 knew every rank's backwards before the first (not the full-size fallback).
+        EXPECT_EQ(r->Log().find("driven by ExpectLastBackward"), std::string::npos) << r->Log();
+      }
+      out[stage] = run / "checkpoints/step_000002";
+    }
+    EXPECT_LT(MaxWeightDifference(out[1], out[2]), 1e-5) << prompts << " prompts a step";
+  }
+}
+
 // Stage 2 cannot start on rank 1: both ranks end with that error after stage 1's checkpoint,
 // before any step of stage 2.
 TEST_F(OpdRanks, AStageThatCannotStartOnOneRankEndsEveryRank) {
   const std::string teacher = Teacher("teacher_stage"), rollout = Rollout("rollout_stage");
   ASSERT_FALSE(teacher.empty() || rollout.empty());
   const fs::path run = dir_ / "run_stage_fails";
-  std::vector<std::string> args = Args(run, rollout, teacher, 1,
-                                       {"debug.fail_stage_starts=[2]", "debug.fail_rank=1"});
+  std::vector<std::string> args =
+      Args(run, rollout, teacher, 1, {"debug.fail_stage_starts=[2]", "debug.fail_rank=1"});
   args.insert(args.end(), {"--set", "stages=[{name: one, teachers: [" + teacher +
                                         "], max_steps: 1}, {name: two, teachers: [" + teacher +
                                         "], max_steps: 1}]"});
@@ -241,9 +297,9 @@ TEST_F(OpdRanks, AStageThatCannotStartOnOneRankEndsEveryRank) {
 TEST_F(OpdRanks, AFailedPushNeverLosesTheHeldOutEvaluationOfItsStep) {
   const std::string teacher = Teacher("teacher_heldout"), rollout = Rollout("rollout_heldout");
   ASSERT_FALSE(teacher.empty() || rollout.empty());
-  const std::vector<std::string> heldout = {
-      "heldout={sources: [{files: [" + (dir_ / "task/eval_prompts.jsonl").string() +
-      "]}], num_prompts: 4, every: 2, seed: 3}"};
+  const std::vector<std::string> heldout = {"heldout={sources: [{files: [" +
+                                            (dir_ / "task/eval_prompts.jsonl").string() +
+                                            "]}], num_prompts: 4, every: 2, seed: 3}"};
   auto evaluations = [](const fs::path& run) {
     std::map<int, double> out;  // evaluated step -> mean
     for (const auto& m : ReadJsonl(run / "metrics.jsonl"))

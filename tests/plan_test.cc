@@ -13,7 +13,9 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_split.h"
 #include "lm/plan/plan.h"
+#include "lm/plan/step_plan.h"
 #include "nlohmann/json.hpp"
 #include "tests/child_process.h"
 #include "tests/testing.h"
@@ -200,7 +202,7 @@ TEST(PlanByHand, OpdLearner) {
 // (232 (1 - (224/232)^58) per layer, 2 x 1,179,648 B each) and 58 x 6,144 tokens of KV.
 TEST(PlanByHand, DecodeRoofline) {
   lm::plan::RolloutSettings r = OpdRollout();
-  EXPECT_EQ(r.workers, 2);
+  r.workers = 2;
   r.kv_cache_bytes = 64 * kGiB;
   const auto p = lm::plan::PlanRollout(Model("marco_nano"), r, {});
   EXPECT_EQ(TermBytes(p.memory, "KV pool"), 64 * kGiB);
@@ -387,10 +389,75 @@ TEST(PlanCli, PrintsBothConfigs) {
     EXPECT_NE(out.find(s), std::string::npos) << s << "\n" << out;
   ASSERT_EQ(Plan(NanoFlags("opd"), dir + "/opd.log", &out), 0) << out;
   for (const char* s :
-       {"learner rank", "rollout worker (x2 devices)", "KV pool", "teacher qwen3_30b_a3b",
+       {"learner rank", "rollout worker (x40 devices)", "KV pool", "teacher qwen3_30b_a3b",
         "teacher qwen3_next_80b_a3b", "1/2 of the experts", "decode", "scoring", "OPD step, stage"})
     EXPECT_NE(out.find(s), std::string::npos) << s << "\n" << out;
   std::printf("%s", out.c_str());
+}
+
+// The step as the job runs it (lm/plan/step_plan.h), from three process plans with one time term
+// each of known seconds and bound: compute terms divided by their compute share, HBM terms by
+// theirs; phase by phase the sum, pipelined the slowest stage plus the tail, one-step-off the
+// slowest side.
+TEST(PlanStep, PhasesPipelineAndOneStepOff) {
+  lm::plan::ProcessPlan rollout, teacher, learner;
+  rollout.time.terms = {{"decode", 30, "HBM"}};                            // / 0.3 = 100 s
+  teacher.time.terms = {{"scoring", 12, "compute"}};                       // / 0.2 = 60 s
+  learner.time.terms = {{"passes", 4.5, "compute"}, {"adamw", 1, "HBM"}};  // 50 s, 2 s
+  lm::plan::Efficiencies e;
+  lm::plan::StepShape shape;
+  shape.student_weight_bytes = 50'000'000'000;  // 2 s at 25 GB/s
+  shape.micro_batches = 10;                     // 5 s each
+  shape.score_calls = 20;                       // 3 s each
+  shape.pipeline = false;
+  lm::plan::StepPlan p = lm::plan::PlanStep(rollout, teacher, learner, shape, e);
+  EXPECT_NEAR(p.sample, 100, 1e-9);
+  EXPECT_NEAR(p.score, 60, 1e-9);
+  EXPECT_NEAR(p.learn, 50, 1e-9);
+  EXPECT_NEAR(p.optimizer, 2, 1e-9);
+  EXPECT_NEAR(p.push, 2, 1e-9);
+  EXPECT_NEAR(p.step, 100 + 60 + 50 + 2 + 2, 1e-9);
+  shape.pipeline = true;
+  p = lm::plan::PlanStep(rollout, teacher, learner, shape, e);
+  EXPECT_NEAR(p.step, 100 + (3 + 5 + 2 + 2), 1e-9) << p.formula;
+  shape.async = true;
+  p = lm::plan::PlanStep(rollout, teacher, learner, shape, e);
+  EXPECT_NEAR(p.step, 100 + 5, 1e-9) << p.formula;
+  // A learner slower than sampling sets the one-step-off step.
+  learner.time.terms[0].seconds = 9.9;  // 110 s
+  p = lm::plan::PlanStep(rollout, teacher, learner, shape, e);
+  EXPECT_NEAR(p.step, 110 + 2 + 2 + 11, 1e-9) << p.formula;
+}
+
+// The shipped split (40 rollout, 16 learner, 8 teacher devices, one-step-off) puts the paper's step
+// under its ~137 s for both stages at the plan's measured efficiencies, with responses averaging
+// half the cap; the worst case (every response 8,192 tokens) is printed beside it. The shipped
+// deadlines are above the worst case: no warning.
+TEST(PlanCli, TheShippedSplitStepsUnderThePapersPace) {
+  const std::string dir = TestDir();
+  std::string out;
+  ASSERT_EQ(Plan(NanoFlags("opd"), dir + "/step.log", &out), 0) << out;
+  int lines = 0;
+  for (const absl::string_view piece : absl::StrSplit(out, '\n')) {
+    const std::string line(piece);
+    if (line.rfind("OPD step, stage ", 0) != 0) continue;
+    ++lines;
+    EXPECT_NE(line.find("one-step-off"), std::string::npos) << line;
+    const size_t eq = line.rfind("= ");
+    ASSERT_NE(eq, std::string::npos) << line;
+    const double seconds = std::stod(line.substr(eq + 2));
+    ASSERT_NE(line.find(" s", eq), std::string::npos) << line;
+    if (line.find("on average") != std::string::npos) EXPECT_LT(seconds, 137) << line;
+  }
+  EXPECT_EQ(lines, 4) << out;  // two stages, typical and worst case
+  EXPECT_EQ(out.find("warning: "), std::string::npos) << out;
+  // A pool that cannot hold a worker's share at once is named (8 GiB: 7 sequences of 10,240).
+  std::vector<std::string> flags = NanoFlags("opd");
+  flags.push_back("--kv-cache-gb");
+  flags.push_back("8");
+  ASSERT_EQ(Plan(flags, dir + "/pool.log", &out), 0) << out;
+  EXPECT_NE(out.find("warning: a rollout worker's KV pool holds 7 sequences"), std::string::npos)
+      << out;
 }
 
 TEST(PlanCli, BadFlagsExit2NamingThem) {

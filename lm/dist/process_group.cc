@@ -20,9 +20,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
+#include <optional>
+#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "lm/dist/backends.h"
 #include "lm/util/log.h"
 
@@ -399,39 +404,77 @@ absl::StatusOr<std::vector<std::string>> ProcessGroup::AllGatherBytes(const std:
 
 namespace {
 
+// A c10d::TCPStore client whose every call ends within `timeout`. c10d bounds only the waits for a
+// key; a call to a store host that stopped answering (its process stopped, its host unreachable
+// with the connection open) blocks in recv() for good. So each call runs on a thread of its own
+// and the caller waits for it at most `timeout`: past that the client is dead (this call and every
+// later one fail at once, naming the first), and the stuck thread is left to the process's end.
 class TcpStoreClient final : public StoreClient {
  public:
-  explicit TcpStoreClient(c10::intrusive_ptr<c10d::TCPStore> store) : store_(std::move(store)) {}
+  TcpStoreClient(c10::intrusive_ptr<c10d::TCPStore> store, absl::Duration timeout)
+      : store_(std::move(store)), timeout_(timeout) {}
 
   absl::Status Set(const std::string& key, const std::string& value) override {
-    return Guard("set", key,
-                 [&] { store_->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
+    return Call("set", key,
+                [key, value](c10d::TCPStore& s) {
+                  s.set(key, std::vector<uint8_t>(value.begin(), value.end()));
+                  return std::optional<std::string>();
+                })
+        .status();
   }
   absl::StatusOr<std::optional<std::string>> TryGet(const std::string& key) override {
-    std::optional<std::string> out;
-    absl::Status s = Guard("get", key, [&] {
-      if (!store_->check({key})) return;
-      const std::vector<uint8_t> v = store_->get(key);
+    return Call("get", key, [key](c10d::TCPStore& s) {
+      std::optional<std::string> out;
+      if (!s.check({key})) return out;
+      const std::vector<uint8_t> v = s.get(key);
       out.emplace(v.begin(), v.end());
+      return out;
     });
-    if (!s.ok()) return s;
-    return out;
   }
   absl::Status Delete(const std::string& key) override {
-    return Guard("delete", key, [&] { store_->deleteKey(key); });
+    return Call("delete", key,
+                [key](c10d::TCPStore& s) {
+                  s.deleteKey(key);
+                  return std::optional<std::string>();
+                })
+        .status();
   }
 
  private:
-  absl::Status Guard(const char* op, const std::string& key, const std::function<void()>& fn) {
-    try {
-      fn();
-      return absl::OkStatus();
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(
-          absl::StrCat("the group's store did not answer (", op, " ", key, "): ", ErrorText(e)));
+  using Op = std::function<std::optional<std::string>(c10d::TCPStore&)>;
+  // What a call's thread hands back; shared, so that a thread outliving its caller stays valid.
+  struct Result {
+    absl::Notification done;
+    absl::StatusOr<std::optional<std::string>> value;
+  };
+
+  absl::StatusOr<std::optional<std::string>> Call(const char* op, const std::string& key, Op fn) {
+    if (!dead_.ok()) return dead_;
+    auto result = std::make_shared<Result>();
+    std::thread worker(
+        [store = store_, result, fn = std::move(fn), what = absl::StrCat(op, " ", key)] {
+          try {
+            result->value = fn(*store);
+          } catch (const std::exception& e) {
+            result->value = absl::UnavailableError(
+                absl::StrCat("the group's store did not answer (", what, "): ", ErrorText(e)));
+          }
+          result->done.Notify();
+        });
+    if (result->done.WaitForNotificationWithTimeout(timeout_)) {
+      worker.join();
+      return std::move(result->value);
     }
+    worker.detach();
+    dead_ = absl::UnavailableError(absl::StrCat("the group's store did not answer within ",
+                                                absl::FormatDuration(timeout_), " (", op, " ", key,
+                                                ")"));
+    return dead_;
   }
+
   c10::intrusive_ptr<c10d::TCPStore> store_;
+  const absl::Duration timeout_;
+  absl::Status dead_;  // set once a call timed out
 };
 
 }  // namespace
@@ -446,7 +489,7 @@ absl::StatusOr<std::unique_ptr<StoreClient>> ProcessGroup::ConnectStore(
   so.timeout = Millis(timeout);
   try {
     return std::make_unique<TcpStoreClient>(
-        c10::make_intrusive<c10d::TCPStore>(env_.master_addr, so));
+        c10::make_intrusive<c10d::TCPStore>(env_.master_addr, so), timeout);
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("connecting to the group's store at ",
                                                env_.master_addr, ":", env_.master_port, ": ",

@@ -191,6 +191,9 @@ absl::Status CheckRolloutFits(const ModelConfig& c, const RolloutSettings& s, in
 // set, else what a device of `device_bytes` has left after the plan's other terms (0 when
 // nothing is left).
 int64_t RolloutKvPoolBytes(const ModelConfig& c, const RolloutSettings& s, int64_t device_bytes);
+// The whole sequences (prompt_tokens + response_tokens) that pool holds at once.
+int64_t RolloutKvPoolSequences(const ModelConfig& c, const RolloutSettings& s,
+                               int64_t device_bytes);
 
 struct TeacherSettings {
   std::string stage;

@@ -342,6 +342,13 @@ int64_t RolloutKvPoolBytes(const ModelConfig& c, const RolloutSettings& s, int64
   return kv.pool;
 }
 
+int64_t RolloutKvPoolSequences(const ModelConfig& c, const RolloutSettings& s,
+                               int64_t device_bytes) {
+  KvShape kv;
+  RolloutMemory(c, s, device_bytes, &kv);
+  return kv.held;
+}
+
 absl::Status CheckTeacherFits(const ModelConfig& c, const TeacherSettings& s,
                               int64_t device_bytes) {
   DeviceSpec d;

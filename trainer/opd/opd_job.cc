@@ -99,7 +99,7 @@ ScoreStreamOptions OpdJob::ScoringOptions() const {
   return o;
 }
 
-// The prompts, the rollout workers (every rank samples its own share; rank 0 alone pushes), the
+// The prompts, the rollout workers (every rank samples its own share and pushes its share), the
 // held-out set, the stages' teachers and the rules.
 absl::Status OpdJob::Connect(bool resumed) {
   ASSIGN_OR_RETURN(tokenizer_, lm::Tokenizer::Load(TokenizerPath()));
@@ -127,11 +127,13 @@ absl::Status OpdJob::Connect(bool resumed) {
   base.tls = ClientTls(c_.auth);
   base.timeout = absl::Seconds(c_.rollout.timeout_s);
   base.canceller = canceller_;
-  const WeightPushOptions push = PushOptionsOf(c_.rollout);
-  ASSIGN_OR_RETURN(
-      std::unique_ptr<RolloutPool> rollout,
-      RolloutPool::Connect(c_.rollout.endpoints, base, tokenizer_->Fingerprint(),
-                           model_->config().vocab_size, is_root() ? &push : nullptr, device_));
+  ASSIGN_OR_RETURN(std::unique_ptr<RolloutPool> rollout,
+                   RolloutPool::Connect(c_.rollout.endpoints, base, tokenizer_->Fingerprint(),
+                                        model_->config().vocab_size, nullptr, device_));
+  // Every rank pushes its share of each version (collective sync), or rank 0 every tensor (grpc).
+  ASSIGN_OR_RETURN(publisher_,
+                   WeightPublisher::Create(group_.get(), c_.rollout.endpoints, base,
+                                           PushOptionsOf(c_.rollout), device_, rollout.get()));
   opd::rpc::GenerateOptions gen;
   gen.temperature = static_cast<float>(c_.rollout.temperature);
   gen.top_p = static_cast<float>(c_.rollout.top_p);
@@ -274,8 +276,7 @@ absl::Status OpdJob::Init(const JobArgs& args) {
 namespace {
 
 // OPD's own fields of a trainer state, each present and of its type and range, before any is used.
-absl::Status CheckOpdState(const nlohmann::json& s, const std::string& checkpoint,
-                           size_t stages) {
+absl::Status CheckOpdState(const nlohmann::json& s, const std::string& checkpoint, size_t stages) {
   const std::string file = checkpoint + "/trainer_state.json";
   auto bad = [&](const std::string& what) {
     return absl::DataLossError(absl::StrCat(file, ": ", what));

@@ -25,6 +25,7 @@
 #include "trainer/opd/stage_convergence.h"
 #include "trainer/opd/stage_teachers.h"
 #include "trainer/opd/step_learner.h"
+#include "trainer/opd/weight_push.h"
 
 namespace trainer::opd_detail {
 
@@ -55,7 +56,9 @@ class OpdJob : public TrainingJob {
   // One step (opd_step.cc): the rank's own phases, then the agreed, collective end.
   absl::Status Step();
   absl::Status LearnLocally(int64_t step, StepLearner& learner, std::unique_ptr<StepPipeline>& pipe,
-                            StepStats* st);
+                            std::vector<std::vector<size_t>>* held, StepStats* st);
+  absl::Status LearnInLockstep(int64_t step, StepLearner& learner, const StepPipeline& pipe,
+                               const std::vector<std::vector<size_t>>& held, StepStats* st);
   absl::Status PushWeights();
   absl::Status ApplyHeldout(bool* stage_over);
   void LogStep(const StepStats& st);
@@ -69,6 +72,7 @@ class OpdJob : public TrainingJob {
   std::unique_ptr<lm::Tokenizer> tokenizer_;
   std::unique_ptr<lm::dist::RankSync> sync_;
   std::unique_ptr<SampleSource> source_;
+  std::unique_ptr<WeightPublisher> publisher_;  // after source_: it reports to source_'s pool
   std::unique_ptr<StageTeachers> teachers_;
   std::unique_ptr<StageConvergence> convergence_;
   std::unique_ptr<HeldoutEvaluator> heldout_;

@@ -40,7 +40,8 @@ absl::Status InPhase(const std::string& phase, const absl::Status& s) {
 }  // namespace
 
 absl::Status OpdJob::LearnLocally(int64_t step, StepLearner& learner,
-                                  std::unique_ptr<StepPipeline>& pipe, StepStats* st) {
+                                  std::unique_ptr<StepPipeline>& pipe,
+                                  std::vector<std::vector<size_t>>* held, StepStats* st) {
   sync_->SetPhase(absl::StrCat("step ", step, ": sampling, scoring and learning"));
   ASSIGN_OR_RETURN(pipe, source_->Next(step));
   // Samples scored by other teachers (a prefetch before a swap or a new stage) are scored anew.
@@ -69,6 +70,11 @@ absl::Status OpdJob::LearnLocally(int64_t step, StepLearner& learner,
     if (throw_here)
       throw std::runtime_error(absl::StrCat("debug.throw_while_learning_steps: step ", step,
                                             " on rank ", group_->rank()));
+    if (held) {  // learned in lockstep, after every rank's are scored
+      held->push_back(std::move((*mb)->slots));
+      sync_->Progress(absl::StrCat("micro-batch ", held->size(), " scored"));
+      continue;
+    }
     const auto t0 = Clock::now();
     // The step's last micro-batch keeps its backward for after the agreement: it starts the
     // optimizer's reductions, which every rank must enter together.
@@ -82,6 +88,25 @@ absl::Status OpdJob::LearnLocally(int64_t step, StepLearner& learner,
   st->score_s = pipe->score_busy_seconds();
   st->domain_fallbacks = static_cast<double>(pipe->score_fallbacks());
   st->learn_s = learn_s;
+  return absl::OkStatus();
+}
+
+// Collective: every rank's held micro-batches, each backward reduce-scattering as it runs (a rank
+// with fewer adds rounds of zeros: trainer/common/gradient_reducer.h).
+absl::Status OpdJob::LearnInLockstep(int64_t step, StepLearner& learner, const StepPipeline& pipe,
+                                     const std::vector<std::vector<size_t>>& held, StepStats* st) {
+  const bool poison = Contains(c_.debug.nan_steps, step);
+  const auto t0 = Clock::now();
+  try {
+    RETURN_IF_ERROR(learner.ExpectBackwards(static_cast<int64_t>(held.size())));
+    for (const std::vector<size_t>& slots : held) {
+      RETURN_IF_ERROR(learner.Learn(pipe, slots, /*defer_backward=*/false, poison, st));
+      sync_->Progress("micro-batch learned");
+    }
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("learning: ", e.what()));
+  }
+  st->learn_s += Seconds(t0);
   return absl::OkStatus();
 }
 
@@ -115,16 +140,27 @@ absl::Status OpdJob::Step() {
   lo.max_grad_norm = c_.optim.max_grad_norm;
   StepLearner learner(lo, *model_, *optimizer_, *group_, device_, precision_,
                       teachers_->metric_domains());
+  // ZeRO-2 over several ranks reduce-scatters inside each backward, which every rank must enter
+  // together: the micro-batches are then learned in lockstep once every rank's are scored, and
+  // only sampling and scoring overlap (stage 1 learns each as soon as it is scored).
+  const bool lockstep = optimizer_->stage() == ZeroStage::kTwo && group_->size() > 1;
+  std::vector<std::vector<size_t>> held;
   std::unique_ptr<StepPipeline> pipe;
   absl::Status local;
   try {
-    local = LearnLocally(step, learner, pipe, &st);
+    local = LearnLocally(step, learner, pipe, lockstep ? &held : nullptr, &st);
   } catch (const std::exception& e) {  // LibTorch reports failures (e.g. out of memory) by throwing
     local = absl::InternalError(absl::StrCat("learning: ", e.what()));
   }
   if (!local.ok()) optimizer_->ZeroGrad();  // the step is abandoned on every rank
-  const absl::Status agreed = sync_->Agree(absl::StrCat("step ", step, ": learned"), local);
+  const absl::Status agreed =
+      sync_->Agree(absl::StrCat("step ", step, lockstep ? ": scored" : ": learned"), local);
   if (!agreed.ok()) return FailStep(agreed, absl::StrCat("step ", step));
+  if (lockstep) {
+    sync_->SetPhase(absl::StrCat("step ", step, ": learning in lockstep"));
+    if (absl::Status s = LearnInLockstep(step, learner, *pipe, held, &st); !s.ok())
+      return FailStep(s, absl::StrCat("step ", step, ": learning"));
+  }
 
   // Collective from here: every rank agreed that it learned its share.
   sync_->SetPhase(absl::StrCat("step ", step, ": reductions"));
@@ -188,14 +224,15 @@ absl::Status OpdJob::Step() {
   return absl::OkStatus();
 }
 
-// Rank 0 pushes (every rank holds the same weights after a step); every rank agrees on the
-// outcome, and learns the versions the workers may now answer with.
+// Every rank publishes the same weights (each sends its share: trainer/opd/weight_push.h) and
+// learns the same report; the ranks agree on it, and on the versions the workers may now answer
+// with.
 absl::Status OpdJob::PushWeights() {
   torch::NoGradGuard no_grad;
   ++weight_version_;
   sync_->SetPhase(absl::StrCat("pushing weight version ", weight_version_));
-  absl::Status pushed =
-      is_root() ? source_->rollout().PushWeights(*model_, weight_version_) : absl::OkStatus();
+  absl::StatusOr<PublishReport> report = publisher_->Publish(*model_, weight_version_);
+  const absl::Status pushed = report.ok() ? report->status : report.status();
   RETURN_IF_ERROR(
       sync_->Agree(absl::StrCat("weight version ", weight_version_, " pushed"), pushed));
   source_->rollout().NoteVersions(weight_version_);

@@ -143,7 +143,7 @@ absl::Status StepLearner::Learn(const StepPipeline& p, const std::vector<size_t>
   if (defer_backward) {
     deferred_loss_ = loss;
   } else {
-    loss.backward();
+    RETURN_IF_ERROR(optimizer_.Backward(loss));
   }
   st->loss_value += loss.item<double>();
   st->teacher_lp_sum += lp_teacher.sum().item<double>();
@@ -151,6 +151,10 @@ absl::Status StepLearner::Learn(const StepPipeline& p, const std::vector<size_t>
   st->entropy_sum += entropy.sum().item<double>();
   AddDomainSums(p, slots, lp, teacher_lp, st);
   return absl::OkStatus();
+}
+
+absl::Status StepLearner::ExpectBackwards(int64_t micro_batches) {
+  return optimizer_.ExpectBackwards(micro_batches);
 }
 
 void StepLearner::BackwardDeferred() {

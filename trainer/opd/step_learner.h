@@ -86,6 +86,10 @@ class StepLearner {
   absl::Status Learn(const StepPipeline& p, const std::vector<size_t>& slots, bool defer_backward,
                      bool poison, StepStats* st);
   void BackwardDeferred();
+  // Lockstep learning (ZeRO-2 over several ranks, whose backwards reduce-scatter as they run):
+  // collective, after every rank has its micro-batches scored and before the first Learn, which
+  // then must not defer.
+  absl::Status ExpectBackwards(int64_t micro_batches);
   // The rank's samples' own statistics (every sample of the share, learned or not).
   void AddSamples(const StepPipeline& p, int64_t learner_version, StepStats* st) const;
 
