@@ -501,6 +501,41 @@ TEST(DistributedSft, UnusableNewestCheckpointIsNamedNotSkipped) {
       << r.logs[0];
 }
 
+// A model file cut short in the newest checkpoint (a crash or a full disk while it was saved): the
+// checkpoint holds no step, so the resume sets it aside as DIR.unreadable, says so, and resumes
+// the one before it. When it is the run's only checkpoint, nothing is set aside: DATA_LOSS naming
+// the file, and no fresh start over it.
+TEST(DistributedSft, UnreadableNewestCheckpointFallsBackToThePreviousOne) {
+  const std::string dir = TestDir();
+  const std::string student = MakeStudent(dir);
+  const std::string run = dir + "/run";
+  ExpectSucceeded(RunSft(1, student, run, {"train.max_steps=2", "checkpoint.every=1"}));
+  const std::string newest = run + "/checkpoints/step_000002";
+  const std::string model = newest + "/model/model.safetensors";
+  fs::resize_file(model, fs::file_size(model) / 2);
+  RunResult r = RunSft(1, student, run, {"train.max_steps=3", "checkpoint.every=1"});
+  ExpectSucceeded(r);
+  for (const std::string& part :
+       {std::string("the newest checkpoint is unreadable"), model,
+        "moved to " + newest + ".unreadable", "resumed from " + run + "/checkpoints/step_000001"})
+    EXPECT_NE(r.logs[0].find(part), std::string::npos) << part << "\n" << r.logs[0];
+  EXPECT_TRUE(fs::exists(newest + ".unreadable/model/model.safetensors"));
+  // Step 2 trained again (the schedule keeps the checkpoint's 2 steps) and saved whole.
+  EXPECT_TRUE(fs::exists(newest + "/trainer_state.json"));
+  EXPECT_TRUE(trainer::CheckCheckpointFiles(newest).ok());
+
+  const std::string alone = dir + "/alone";
+  ExpectSucceeded(RunSft(1, student, alone, {"train.max_steps=1", "checkpoint.every=1"}));
+  const std::string only = alone + "/checkpoints/step_000001/model/model.safetensors";
+  fs::resize_file(only, fs::file_size(only) / 2);
+  r = RunSft(1, student, alone, {"train.max_steps=2", "checkpoint.every=1"});
+  EXPECT_NE(r.codes[0], 0) << r.logs[0];
+  EXPECT_NE(r.logs[0].find("the only checkpoint of this run"), std::string::npos) << r.logs[0];
+  EXPECT_NE(r.logs[0].find(only), std::string::npos) << r.logs[0];
+  EXPECT_TRUE(fs::exists(alone + "/checkpoints/step_000001/trainer_state.json"));
+  EXPECT_FALSE(fs::exists(alone + "/checkpoints/step_000002"));
+}
+
 // Ranks launched with different configs would exchange tensors that do not belong together:
 // every rank refuses to start, naming the rank that differs.
 TEST(DistributedSft, RanksWithDifferentConfigsRefuseToStart) {

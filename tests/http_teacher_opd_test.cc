@@ -2,6 +2,7 @@
 // tiny student and teacher, opd-ctl init-model): the connect-time tokenizer probe, and short CPU
 // OPD runs whose teacher is the fake SGLang / vLLM server (tests/python/fake_inference_server.py)
 // serving the teacher model with transformers, against the same run on opd-teacher.
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -177,7 +178,9 @@ TEST_F(HttpTeacherOpd, RunsOnSglangAndVllmEqualTheRunOnOpdTeacher) {
     inputs.push_back(lm::Sample::ToScore(tokens, static_cast<int64_t>(tokens.size()) - n));
     seen[r["api"]].push_back(tokens);
   }
-  // The two fake runs drew the same samples (so the comparisons below compare like with like).
+  // The two fake runs drew the same samples (so the comparisons below compare like with like);
+  // the pipelined step scores them as they arrive, so in any order.
+  for (auto& [api, sequences] : seen) std::sort(sequences.begin(), sequences.end());
   EXPECT_EQ(seen["sglang"], seen["vllm"]);
   auto client = opd::rpc::CreateTeacherEndpoint(own.Options());
   ASSERT_TRUE(client.ok());

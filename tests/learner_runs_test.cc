@@ -312,11 +312,13 @@ TEST_F(LearnerRuns, HeldoutEvaluationsFeedTheStagesRule) {
 
 // Teachers by domain with real teachers: the task's prompts split into two domains, each scored
 // by its own opd-teacher, student and teachers all at temperature 0.1. Domain "add" is scored by
-// a random teacher (peaked at T=0.1: its KL to the random student is several nats); domain "mul"
+// a random teacher (another random model: its KL to the random student is far from 0); domain "mul"
 // by an opd-teacher serving the student itself, so at step 1 (weights not yet updated) its KL is
 // the sampler-vs-scorer rounding gap alone: fp32 logits agree to ~1e-6 relative, |logit| < 10 on
 // these models, so after dividing by T the log-probs agree to ~1e-4 per token and the mean is
-// far below 1e-2. "mul"'s KL below 1e-2 and "add"'s above 1: each domain had its own teacher.
+// far below 1e-2. "mul"'s KL below 1e-2 and "add"'s ten times that bound and more (the random
+// teacher disagrees with the student by tenths of a nat per token at T=0.1): each domain had its
+// own teacher.
 // (Whether the KL then falls is the optimiser's business and depends on the draws: the losses
 // themselves are tested in opd_loss_test and LossFormsAndOptionsTrainEndToEnd.)
 TEST_F(LearnerRuns, EachDomainIsScoredByItsOwnTeacher) {
@@ -347,7 +349,7 @@ TEST_F(LearnerRuns, EachDomainIsScoredByItsOwnTeacher) {
     auto m = nlohmann::json::parse(line);
     if (m["step"] != 1 || !m.contains("teacher_kl/add")) continue;
     ASSERT_TRUE(m["teacher_kl/add"].is_number() && m["teacher_kl/mul"].is_number()) << line;
-    EXPECT_GT(m["teacher_kl/add"].get<double>(), 1.0) << line;
+    EXPECT_GT(m["teacher_kl/add"].get<double>(), 0.1) << line;
     EXPECT_LT(std::abs(m["teacher_kl/mul"].get<double>()), 1e-2) << line;
     return;
   }

@@ -258,7 +258,7 @@ TEST(ConfigEnums, UnknownWordsNameTheKeyAndTheChoices) {
     EXPECT_EQ(DecodeError<OpdConfig>(kOpd, {key + "=bogus"}).message(),
               key + ": 'bogus' is not one of " + choices);
   EXPECT_EQ(DecodeError<OpdConfig>(kOpd, {"stages.0.plateau.metric=eval"}).message(),
-            "stages[0].plateau.metric: 'eval' is not one of train, heldout");
+            "stages[0].plateau.metric: 'eval' is not one of auto, train, heldout");
   // Words are exact: no case folding, no other spelling.
   EXPECT_FALSE(DecodeError<OpdConfig>(kOpd, {"loss.form=TopK"}).ok());
   EXPECT_FALSE(DecodeError<OpdConfig>(kOpd, {"loss.form=top-k"}).ok());
@@ -282,7 +282,7 @@ TEST(ConfigEnums, SpellingsDecodeToTheirValues) {
   EXPECT_EQ(d.dist.allgather_dtype, AllGatherDtype::kAuto);
   EXPECT_EQ(d.dist.zero_stage, ZeroStage::kAuto);
   EXPECT_EQ(d.rollout.weight_sync, WeightSyncMode::kGrpc);
-  EXPECT_EQ(d.stages[0].plateau.metric, PlateauMetric::kTrain);
+  EXPECT_EQ(d.stages[0].plateau.metric, PlateauMetric::kAuto);
   EXPECT_EQ(d.loss.form, LossForm::kSampled);
   EXPECT_EQ(d.loss.correction, Correction::kTruncatedIs);
   EXPECT_EQ(d.loss.divergence, TopKDivergence::kMixed);

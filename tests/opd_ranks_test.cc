@@ -254,10 +254,11 @@ TEST_F(OpdRanks, ZeroTwoLearnsInLockstepTheWeightsOfZeroOne) {
                {"train.prompts_per_step=" + std::to_string(prompts), "train.micro_batch_tokens=96",
                 "checkpoint.every=2", "dist.zero_stage=" + std::to_string(stage)}),
           run);
+      for (auto& r : ranks) ASSERT_EQ(r->Wait(std::chrono::seconds(300)), 0) << r->Log();
+      // Rank 0 logs the stage in use.
+      EXPECT_NE(ranks[0]->Log().find("dist.zero_stage " + std::to_string(stage)), std::string::npos)
+          << ranks[0]->Log();
       for (auto& r : ranks) {
-        ASSERT_EQ(r->Wait(std::chrono::seconds(300)), 0) << r->Log();
-        EXPECT_NE(r->Log().find("dist.zero_stage " + std::to_string(stage)), std::string::npos)
-            << r->Log();
         // Stage 2 knew every rank's backwards before the first (not the full-size fallback).
         EXPECT_EQ(r->Log().find("driven by ExpectLastBackward"), std::string::npos) << r->Log();
       }
@@ -332,7 +333,15 @@ TEST_F(OpdRanks, AFailedPushNeverLosesTheHeldOutEvaluationOfItsStep) {
   }
   const auto want = evaluations(y), got = evaluations(x);
   ASSERT_EQ(want.size(), 2u);
-  EXPECT_EQ(got, want);
+  ASSERT_EQ(got.size(), want.size());
+  // The same steps, on the same weights and draws; the values within rounding: the evaluation
+  // samples beside another step's sequences in each run, and the rollout engine's fp32 log-probs
+  // of a sequence move by ~1e-6 relative with its batch (|log-prob| < 10 here: 1e-5 per token, so
+  // at most 1e-5 for the mean KL).
+  for (const auto& [step, kl] : want) {
+    ASSERT_TRUE(got.count(step)) << "step " << step << " was not evaluated after the resume";
+    EXPECT_NEAR(got.at(step), kl, 1e-5) << "step " << step;
+  }
   ExpectSameCheckpoint(y / "checkpoints/step_000004", x / "checkpoints/step_000004");
 }
 

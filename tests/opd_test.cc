@@ -29,10 +29,10 @@
 #include "opd/v1/rollout.grpc.pb.h"
 #include "opd/v1/teacher.grpc.pb.h"
 #include "opd_task.h"
-#include "tests/opd_fakes.h"
 #include "rpc/codec.h"
 #include "rpc/server.h"
 #include "rpc/tensor_codec.h"
+#include "tests/opd_fakes.h"
 #include "tests/tensor_testing.h"
 #include "tests/testing.h"
 #include "trainer/common/signals.h"
@@ -778,7 +778,10 @@ TEST_F(Opd, SigtermWhileAScoreHangsCheckpointsAndExits) {
   const fs::path run = dir_ / "run_sigterm";
   ChildProcess p(
       TrainerArgs(run.string(), ro, teacher.address, teacher.address, 50,
-                  {"checkpoint.every=0", "train.teacher_timeout_s=3600", "rollout.timeout_s=3600"}),
+                  {"checkpoint.every=0", "train.teacher_timeout_s=3600", "rollout.timeout_s=3600",
+                   // one Score call a step (all samples, then one call under the token cap), so
+                   // call 1 is step 2's whatever the order the samples arrive in
+                   "train.pipeline=false", "train.score_call_tokens=1048576"}),
       (dir_ / "opd_sigterm.log").string());
   ASSERT_TRUE(teacher.service.AwaitHang(absl::Seconds(300))) << p.Log();
   p.Kill(SIGTERM);

@@ -578,8 +578,10 @@ TEST(WeightSync, Bf16RolloutAcceptsAnFp32PushAndSamplesWithIt) {
         to_old = std::max(to_old, std::abs(double(s.logprobs[i]) - old[i]));
       }
     }
-    // bf16 activations: within a few bf16 ulps of the log-probs; the old weights are far off.
-    EXPECT_LE(to_pushed, 0.05);
+    // bf16 activations: the sampler's log-probs (|lp| < 8 over this 320-token vocabulary) within
+    // about two bf16 ulps at that magnitude (2 x 2^-5 = 0.0625), bounded at 0.1; the old weights
+    // are off by 0.3 and more.
+    EXPECT_LE(to_pushed, 0.1);
     EXPECT_GE(to_old, 0.3);
   }
   fs::remove_all(dir);
@@ -689,7 +691,8 @@ TEST(WeightSyncOpd, CollectiveRunEndsWithTheWeightsOfTheGrpcRun) {
         (dir / ("trainer_" + mode + ".log")).string());
     ASSERT_EQ(p.Wait(std::chrono::seconds(300)), 0) << p.Log();
     // The pushes went the way asked.
-    EXPECT_EQ(p.Log().find("weight group with") != std::string::npos, mode == "collective")
+    EXPECT_EQ(p.Log().find("weight group of 1 learner rank(s)") != std::string::npos,
+              mode == "collective")
         << p.Log();
     runs[mode] = run;
   }

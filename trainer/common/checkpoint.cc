@@ -187,6 +187,45 @@ absl::StatusOr<std::string> CheckpointManager::Latest() const {
   return all.back().second;
 }
 
+absl::Status CheckCheckpointFiles(const std::string& checkpoint) {
+  RETURN_IF_ERROR(ReadTrainerState(checkpoint).status());
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(checkpoint, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    if (it->path().extension() != ".safetensors") continue;
+    // Open checks the header and that every tensor's bytes lie inside the file.
+    absl::Status s = lm::SafetensorsFile::Open(it->path().string()).status();
+    if (!s.ok()) return absl::DataLossError(s.message());
+  }
+  if (ec) return absl::DataLossError(absl::StrCat(checkpoint, ": cannot list: ", ec.message()));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> CheckpointManager::LatestReadable() const {
+  for (;;) {
+    const auto all = List();
+    if (all.empty()) return absl::NotFoundError(absl::StrCat("no complete checkpoint in ", dir_));
+    const std::string& latest = all.back().second;
+    const absl::Status files = CheckCheckpointFiles(latest);
+    if (files.ok()) return latest;
+    // The only one is never set aside: the run would start over.
+    if (all.size() == 1)
+      return absl::DataLossError(absl::StrCat("the only checkpoint of this run, ", latest,
+                                              ", is unreadable: ", files.message()));
+    // Its files were never all written (a crash or a full disk while saving): like an incomplete
+    // checkpoint it holds no step, so the one before it is resumed. Kept aside, not deleted.
+    const std::string aside = latest + ".unreadable";
+    std::error_code ec;
+    fs::rename(latest, aside, ec);
+    if (ec)
+      return absl::DataLossError(
+          absl::StrCat(files.message(), "; and it cannot be set aside: ", ec.message()));
+    lm::log::Warn(absl::StrCat("the newest checkpoint is unreadable (", files.message(),
+                               "): moved to ", aside, "; resuming from ",
+                               all[all.size() - 2].second));
+  }
+}
+
 void CheckpointManager::RemoveIncomplete() const {
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir_, ec)) {
@@ -239,8 +278,7 @@ absl::Status CheckTrainerState(const nlohmann::json& j, const std::string& path)
   (void)updates;
   if (!j.contains("nonfinite"))
     return absl::DataLossError(absl::StrCat(path, ": nonfinite is missing"));
-  ASSIGN_OR_RETURN(const int64_t total,
-                   count(j["nonfinite"], "total", "nonfinite.total", step));
+  ASSIGN_OR_RETURN(const int64_t total, count(j["nonfinite"], "total", "nonfinite.total", step));
   ASSIGN_OR_RETURN(const int64_t run,
                    count(j["nonfinite"], "consecutive", "nonfinite.consecutive", total));
   (void)run;

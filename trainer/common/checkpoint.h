@@ -57,6 +57,9 @@ class CheckpointManager {
   std::vector<std::pair<int64_t, std::string>> List() const;
   // The newest complete checkpoint's directory, or NotFound.
   absl::StatusOr<std::string> Latest() const;
+  // The newest checkpoint whose files are all readable (CheckCheckpointFiles); a newer one that is
+  // not is moved aside as DIR.unreadable with a warning (rank 0, before any rank loads).
+  absl::StatusOr<std::string> LatestReadable() const;
   // Deletes .tmp- leftovers of interrupted saves.
   void RemoveIncomplete() const;
 
@@ -73,6 +76,9 @@ class CheckpointManager {
 // naming the file and the field otherwise (ReadTrainerState runs it).
 absl::Status CheckTrainerState(const nlohmann::json& state, const std::string& path);
 absl::StatusOr<nlohmann::json> ReadTrainerState(const std::string& checkpoint_dir);
+// DATA_LOSS naming the file when a checkpoint's trainer state does not parse or one of its
+// safetensors files is not whole (a header that does not parse, a tensor past the file's end).
+absl::Status CheckCheckpointFiles(const std::string& checkpoint);
 
 // The default generators' states (CPU, and CUDA when present) as JSON (base64), and back.
 nlohmann::json CaptureRngState();

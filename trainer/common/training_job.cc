@@ -46,8 +46,9 @@ absl::Status TrainingJob::JoinGroup(const LearnerTrainConfig& train, const DistC
 
 namespace {
 
-// Rank 0's choice: --resume=DIR, else the latest complete checkpoint unless run.resume is
-// "never" (then an existing checkpoint is an error unless --resume asks for it), "" for none.
+// Rank 0's choice: --resume=DIR, else the latest complete checkpoint whose files are readable
+// (CheckpointManager::LatestReadable) unless run.resume is "never" (then an existing checkpoint is
+// an error unless --resume asks for it), "" for none.
 absl::StatusOr<std::string> PickCheckpoint(const CheckpointManager& checkpoints,
                                            const RunDir& run_dir, const JobArgs& args,
                                            const RunConfig& run) {
@@ -57,12 +58,13 @@ absl::StatusOr<std::string> PickCheckpoint(const CheckpointManager& checkpoints,
           absl::StrCat("--resume=", args.resume_from, ": not a complete checkpoint"));
     return args.resume_from;
   }
-  absl::StatusOr<std::string> latest = checkpoints.Latest();
-  if (latest.ok() && run.resume == ResumeMode::kNever && !args.resume)
+  if (!checkpoints.Latest().ok() && args.resume) return checkpoints.Latest().status();
+  if (checkpoints.Latest().ok() && run.resume == ResumeMode::kNever && !args.resume)
     return absl::FailedPreconditionError(absl::StrCat(
         run_dir.path(), " already has checkpoints and run.resume is 'never': use another run.dir"));
-  if (!latest.ok() && args.resume) return latest.status();
-  return latest.ok() ? *latest : std::string();
+  absl::StatusOr<std::string> latest = checkpoints.LatestReadable();
+  if (!latest.ok() && absl::IsNotFound(latest.status()) && !args.resume) return std::string();
+  return latest;
 }
 
 }  // namespace

@@ -98,6 +98,7 @@ absl::Status OpdJob::LearnInLockstep(int64_t step, StepLearner& learner, const S
   const bool poison = Contains(c_.debug.nan_steps, step);
   const auto t0 = Clock::now();
   try {
+    RETURN_IF_ERROR(learner.Normalize(*st));
     RETURN_IF_ERROR(learner.ExpectBackwards(static_cast<int64_t>(held.size())));
     for (const std::vector<size_t>& slots : held) {
       RETURN_IF_ERROR(learner.Learn(pipe, slots, /*defer_backward=*/false, poison, st));
@@ -111,8 +112,12 @@ absl::Status OpdJob::LearnInLockstep(int64_t step, StepLearner& learner, const S
 }
 
 absl::Status OpdJob::Step() {
-  ASSIGN_OR_RETURN(const std::optional<StageTeachers::Applied> swap,
-                   teachers_->ApplyPendingSwap(admin_.get(), is_root(), *sync_));
+  absl::StatusOr<std::optional<StageTeachers::Applied>> applied =
+      teachers_->ApplyPendingSwap(admin_.get(), is_root(), *sync_);
+  // A rank that stopped answering at the swap's meeting point ends every rank as at any other.
+  if (!applied.ok() && sync_->broken()) return FailStep(applied.status(), "a teacher swap");
+  RETURN_IF_ERROR(applied.status());
+  const std::optional<StageTeachers::Applied>& swap = *applied;
   if (swap && swap->running) {
     convergence_->OnSwap(swap->domain, teachers_->stage().teachers);
     progress_->Log(absl::StrFormat(

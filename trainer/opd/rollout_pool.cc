@@ -90,7 +90,8 @@ absl::Status RolloutPool::CheckSample(const lm::Sample& s, int32_t samples_per_p
                                             ", sample ", s.sample_index, "): ", what));
   };
   if (s.sample_index < 0 || s.sample_index >= samples_per_prompt)
-    return bad(absl::StrCat("sample_index is outside [0, ", samples_per_prompt, ")"));
+    return bad(
+        absl::StrCat("sample_index ", s.sample_index, " is outside [0, ", samples_per_prompt, ")"));
   const absl::Span<const int32_t> response = s.response();  // the prompt is ours
   if (response.empty()) return bad("tokens is empty");
   for (size_t t = 0; t < response.size(); ++t) {

@@ -164,14 +164,21 @@ void StepLearner::BackwardDeferred() {
   deferred_loss_ = torch::Tensor();
 }
 
+absl::Status StepLearner::Normalize(const StepStats& st) {
+  if (scale_) return absl::OkStatus();
+  ASSIGN_OR_RETURN(std::vector<double> counts,
+                   group_.AllReduceDoubles({static_cast<double>(st.response_tokens),
+                                            static_cast<double>(st.sequences)}));
+  scale_ =
+      1.0 / std::max(opts_.normalization == Normalization::kToken ? counts[0] : counts[1], 1.0);
+  return absl::OkStatus();
+}
+
 absl::Status StepLearner::Finish(StepStats* st) {
   if (st->domain_sums.empty()) st->domain_sums.assign(metric_domains_.size() * kDomainSums, 0.0);
   // The normaliser first: every rank's response tokens and responses.
-  ASSIGN_OR_RETURN(std::vector<double> counts,
-                   group_.AllReduceDoubles({static_cast<double>(st->response_tokens),
-                                            static_cast<double>(st->sequences)}));
-  const double scale =
-      1.0 / std::max(opts_.normalization == Normalization::kToken ? counts[0] : counts[1], 1.0);
+  RETURN_IF_ERROR(Normalize(*st));
+  const double scale = *scale_;
   BackwardDeferred();
   ASSIGN_OR_RETURN(st->grad_norm, optimizer_.ReduceAndClip(opts_.max_grad_norm, scale));
   st->loss_value *= scale;

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,10 @@ class StepLearner {
   // collective, after every rank has its micro-batches scored and before the first Learn, which
   // then must not defer.
   absl::Status ExpectBackwards(int64_t micro_batches);
+  // Collective: the step's loss normaliser from every rank's sample counts (AddSamples). Finish
+  // computes it when not yet done; lockstep learning computes it first, so that no rank's
+  // all-reduce meets another's reduce-scatter.
+  absl::Status Normalize(const StepStats& st);
   // The rank's samples' own statistics (every sample of the share, learned or not).
   void AddSamples(const StepPipeline& p, int64_t learner_version, StepStats* st) const;
 
@@ -115,6 +120,7 @@ class StepLearner {
   const Precision precision_;
   const std::vector<std::string> metric_domains_;
   torch::Tensor deferred_loss_;  // the last micro-batch's, until BackwardDeferred
+  std::optional<double> scale_;  // the step's normaliser, once Normalize ran
 };
 
 // A step's metrics for the domains with metrics of their own: mean per-token reverse KL, teacher
