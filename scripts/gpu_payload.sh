@@ -1,25 +1,27 @@
 #!/usr/bin/env bash
-# Assembles gpu_payload/payload.tar.xz (gpu_payload/ is git-ignored; carry it to the device) from
-# the main build, for a GPU machine whose image has python3 with the same torch wheel (2.11,
-# CUDA 13) but none of our Debian libraries. The tree (staged in BUILD/gpu_payload_stage) holds
-# the GPU test binaries, the GPU benchmarks and the servers the GPU cases spawn, stripped, laid
-# out as the build tree is (tests/, bench/, teacher_service/, rollout/, ctl/, trainer/), plus
+# Assembles gpu_payload/payload.tar.xz (gpu_payload/ is git-ignored; copy it to the GPU machine)
+# from the main build, for a GPU machine that has python3 with the same torch wheel (2.11,
+# CUDA 13) but none of our Debian libraries and no build tools. The tree (staged in
+# BUILD/gpu_payload_stage) holds the GPU test binaries (BUILD/gpu_tests.txt, which cmake writes
+# from tests/CMakeLists.txt's lm_test_gpu, is packed with them), the GPU benchmarks and the
+# servers the GPU cases spawn, stripped, laid out as the build tree is (tests/, bench/,
+# teacher_service/, rollout/, ctl/, trainer/), plus
 #   lib/        every shared library they need per ldd, except LibTorch's own and the CUDA
 #               libraries of the wheel's nvidia-* packages (the image has them: found at run
 #               time under torch/lib and site-packages/nvidia/*/lib) and the glibc core (libc,
 #               libm, libdl, libpthread, librt, libutil, libresolv, ld-linux: never carried, a
 #               glibc must match its own loader).
 #   lib/cxx/    libstdc++ and libgcc_s, carried apart: this one needs GLIBC_2.36, so
-#               gpu_check.sh --payload uses the image's libstdc++ when it has the newest GLIBCXX
-#               the payload needs (GLIBCXX_NEEDED) and these only when it does not.
+#               scripts/gpu/unpack.sh uses the GPU machine's libstdc++ when it has the newest
+#               GLIBCXX the payload needs (GLIBCXX_NEEDED) and these only when it does not.
 #   BAKED       the absolute paths compiled into the tests (OPD_SOURCE_DIR, OPD_BINARY_DIR,
-#               OPD_PYTHON; the fixtures dirs lie in OPD_BINARY_DIR), which gpu_check.sh
-#               recreates on the device as links.
+#               OPD_PYTHON; the fixtures dirs lie in OPD_BINARY_DIR), which scripts/gpu/unpack.sh
+#               recreates on the GPU machine as links.
 #   fixtures*/  the fixtures the GPU cases read, made here by tests/python/make_*_fixtures.py (the
-#               image's python3 may lack transformers); scripts/gpu_check.sh --payload can remake
+#               GPU machine's python3 may lack transformers); scripts/gpu/unpack.sh can remake
 #               them there with OPD_MAKE_FIXTURES=1.
 # The binaries' RUNPATH names this machine's .venv: they find LibTorch through LD_LIBRARY_PATH
-# instead (searched first), set by scripts/gpu_check.sh --payload.
+# instead (searched first), set by scripts/gpu/unpack.sh.
 #
 #   scripts/gpu_payload.sh [--out DIR]           assemble (default DIR: gpu_payload), then check
 #   scripts/gpu_payload.sh --build ...           first rebuilds the payload's targets in BUILD
@@ -30,9 +32,10 @@
 #
 # The check (also ctest gpu_payload_check): under env -i with LD_LIBRARY_PATH = lib + lib/cxx + this
 # python's torch/lib + nvidia/*/lib only, ldd finds every library of every payload binary, none
-# from /usr or /lib other than the glibc core; every test binary lists its tests, the benchmarks
-# and servers start. Exit 1 on any failure, or when the payload exceeds 64 MiB (the device tool's
-# carry limit). Environment: OPD_BUILD_DIR (default build), OPD_PYTHON (default .venv/bin/python).
+# from /usr or /lib other than the glibc core; every test of its gpu_tests.txt is there and lists
+# its tests, the benchmarks and servers start. Exit 1 on any failure, or when the payload exceeds
+# OPD_PAYLOAD_LIMIT_MIB (default 64: a payload kept small to copy; ~27 MB when this was written).
+# Environment: OPD_BUILD_DIR (default build), OPD_PYTHON (default .venv/bin/python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -51,13 +54,9 @@ while [[ $# -gt 0 ]]; do
   esac
   shift
 done
-LIMIT=$((64 * 1024 * 1024))
+LIMIT=$((${OPD_PAYLOAD_LIMIT_MIB:-64} * 1024 * 1024))
 die() { echo "gpu_payload: $*" >&2; exit 1; }
 
-TESTS=(moe_kernels_test attention_test paged_decode_test fused_ops_test keyed_draw_test bf16_test
-  engine_test sampler_test mixed_precision_test qwen3_next_test weight_sync_test
-  fp8_test)
-OPTIONAL_TESTS=(fp32_logits_test)  # carried when built
 HELPERS=(tests/load_rss_probe teacher_service/opd-teacher rollout/opd-rollout ctl/opd-ctl
   trainer/opd-trainer)
 BENCHES=(bench/bench_moe_kernels bench/bench_paged_decode)
@@ -88,19 +87,26 @@ newest() {  # newest symbol version matching $1 that the given files need
   for f in "$@"; do objdump -T "$f" 2>/dev/null | grep -o "${pat}[0-9.]*" || true; done | sort -uV | tail -1
 }
 
+gpu_tests() {  # the names in gpu_tests.txt $1
+  [[ -f "$1" ]] || die "$1 missing (cmake writes it when it configures the build)"
+  awk '!/^#/ && NF {print $1}' "$1"
+}
+
 assemble() {
   local T=$STAGE
   rm -rf "$T"
   mkdir -p "$T"/{tests,bench,teacher_service,rollout,ctl,trainer,lib/cxx}
-  local rels=() t
-  for t in "${TESTS[@]}"; do rels+=("tests/$t"); done
-  for t in "${OPTIONAL_TESTS[@]}"; do [[ -x "$BUILD/tests/$t" ]] && rels+=("tests/$t"); done
+  local rels=() t tests
+  mapfile -t tests < <(gpu_tests "$BUILD/gpu_tests.txt")
+  for t in "${tests[@]}"; do rels+=("tests/$t"); done
   rels+=("${HELPERS[@]}" "${BENCHES[@]}")
   for t in "${rels[@]}"; do [[ -x "$BUILD/$t" ]] || die "$BUILD/$t not built"; done
   # Under the build lock: a target being relinked is never copied half-written.
+  # shellcheck disable=SC2016 # the inner shell expands them
   flock -w 900 /tmp/opd-build.lock bash -c 'for t in "${@:3}"; do cp "$1/$t" "$2/$t"; done' _ \
     "$BUILD" "$T" "${rels[@]}"
   for t in "${rels[@]}"; do strip --strip-unneeded "$T/$t"; done
+  cp "$BUILD/gpu_tests.txt" "$T/gpu_tests.txt"
   for t in "${FIXTURES[@]}"; do
     [[ -d "$BUILD/$t" ]] || die "$BUILD/$t missing (ctest -R make_ in $BUILD)"
     cp -r "$BUILD/$t" "$T/$t"
@@ -116,7 +122,8 @@ assemble() {
   done < <(for b in $(payload_bins "$T"); do
     env -i LD_LIBRARY_PATH="$TORCH_LIBS" ldd "$b" | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}'
   done | sort -u)
-  local bins=($(payload_bins "$T"))
+  local bins
+  mapfile -t bins < <(payload_bins "$T")
   {
     echo "OPD_SOURCE_DIR=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$BUILD/CMakeCache.txt")"
     echo "OPD_BINARY_DIR=$(cd "$BUILD" && pwd -P)"
@@ -138,9 +145,9 @@ check() {
   local fail=0 b out bad size T
   [[ -f "$OUTDIR/payload.tar.xz" ]] || die "$OUTDIR/payload.tar.xz missing"
   size=$(du -sb "$OUTDIR" | cut -f1)
-  echo "gpu_payload: $OUTDIR: $((size / 1024 / 1024)) MiB ($size bytes; carry limit $LIMIT)"
+  echo "gpu_payload: $OUTDIR: $((size / 1024 / 1024)) MiB ($size bytes; limit $LIMIT)"
   if ((size > LIMIT)); then
-    echo "gpu_payload: over 64 MiB; largest files in the tree:" >&2
+    echo "gpu_payload: over $((LIMIT / 1024 / 1024)) MiB; largest files in the tree:" >&2
     find "$STAGE" -type f -printf '%s %p\n' 2>/dev/null | sort -rn | head -15 >&2
     fail=1
   fi
@@ -150,7 +157,15 @@ check() {
   "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
     "$OUTDIR/payload.tar.xz" "$T"
   echo "gpu_payload: unpacked $(du -sh "$T" | cut -f1): $(payload_bins "$T" | wc -l) binaries," \
-    "$(ls "$T/lib" | grep -c '\.so') libraries + $(ls "$T/lib/cxx" | wc -l) in lib/cxx"
+    "$(find "$T/lib" -maxdepth 1 -name '*.so*' | wc -l) libraries + $(find "$T/lib/cxx" -type f | wc -l) in lib/cxx"
+  if [[ -f "$T/gpu_tests.txt" ]]; then
+    local t
+    for t in $(gpu_tests "$T/gpu_tests.txt"); do
+      [[ -x "$T/tests/$t" ]] || { echo "FAIL tests/$t (gpu_tests.txt) is not in the payload"; fail=1; }
+    done
+  else
+    echo "FAIL gpu_tests.txt is not in the payload (assemble it again)"; fail=1
+  fi
   local LDP="$T/lib:$T/lib/cxx:$TORCH_LIBS"
   for b in $(payload_bins "$T"); do
     out=$(env -i LD_LIBRARY_PATH="$LDP" ldd "$b" 2>&1) || { echo "FAIL ldd $b: $out"; fail=1; continue; }
@@ -160,12 +175,12 @@ check() {
       elif in_torch "$path"; then :
       else echo "$name from $path"; fi
     done)
-    if [[ -n "$bad" ]]; then echo "FAIL ldd ${b#$T/}: $bad"; fail=1; fi
+    if [[ -n "$bad" ]]; then echo "FAIL ldd ${b#"$T"/}: $bad"; fail=1; fi
   done
   # Each binary starts under that environment alone (no GPU needed: listing, usage, no-GPU skip).
   local ENV=(env -i LD_LIBRARY_PATH="$LDP" PATH=/usr/bin:/bin HOME=/tmp)
   for b in $(payload_bins "$T"); do
-    local rel=${b#$T/} rc=0 args
+    local rel=${b#"$T"/} rc=0 args
     case "$rel" in
       tests/load_rss_probe) args=(--bogus-flag) ;;  # usage, exit 2: it started
       tests/*) args=(--gtest_list_tests) ;;
@@ -197,7 +212,7 @@ if [[ $CHECK_ONLY == 1 && $IF_PRESENT == 1 && ! -f "$OUTDIR/payload.tar.xz" ]]; 
   exit 77
 fi
 if [[ $REBUILD == 1 ]]; then
-  targets=("${TESTS[@]}" "${OPTIONAL_TESTS[@]}")
+  mapfile -t targets < <(gpu_tests "$BUILD/gpu_tests.txt")
   for t in "${HELPERS[@]}" "${BENCHES[@]}"; do targets+=("${t##*/}"); done
   flock /tmp/opd-build.lock cmake --build "$BUILD" --target "${targets[@]}" -j2 || die "build failed"
 fi

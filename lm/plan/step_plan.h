@@ -3,9 +3,9 @@
 // slowest stage plus the work that cannot overlap, not the sum of the phases.
 //
 // Each process's roofline (lm/plan/plan.h, 100% of the device's peak) is divided by the share of
-// that roof our kernels reached on an H200 (docs/gpu.md, "Measured there"), per process kind and
-// per bound, so the figure is an estimate of a real run, not a lower bound. Then, with S, T, L the
-// sampling, scoring and learning of one step, O the reductions and the optimizer, P the push:
+// that roof our kernels reached on an H200 (docs/gpu.md, "Results on an H200"), per process kind
+// and per bound, so the figure is an estimate of a real run, not a lower bound. Then, with S, T,
+// L the sampling, scoring and learning of one step, O the reductions and the optimizer, P the push:
 //
 //   phase by phase (train.pipeline false):  S + T + L + O + P
 //   pipelined:    max(S, T, L) + tail,  tail = one scoring call + one micro-batch + O + P
