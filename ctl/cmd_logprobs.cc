@@ -11,7 +11,7 @@
 #include "ctl/command.h"
 #include "ctl/flag_ranges.h"
 #include "lm/model/model.h"
-#include "lm/model/sampling_limits.h"
+#include "lm/util/limits.h"
 #include "nlohmann/json.hpp"
 
 namespace ctl {

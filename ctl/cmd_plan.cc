@@ -19,6 +19,7 @@
 #include "lm/model/config.h"
 #include "lm/plan/plan.h"
 #include "lm/plan/step_plan.h"
+#include "lm/util/limits.h"
 #include "lm/util/status.h"
 #include "trainer/common/config.h"
 #include "trainer/common/learner_plan.h"
@@ -62,7 +63,7 @@ constexpr const char* kUsage =
     "exit 0: every process fits; 1: one does not (its start-up refusal is printed); 2: bad flag\n";
 
 constexpr int64_t kMaxDevices = int64_t{1} << 20;
-constexpr double kMaxGiB = 65536;
+using lm::limits::kMaxGiB;
 constexpr double kMaxTbps = 1000, kMaxTflops = 1e6;
 // Expert-parallel devices per teacher replica tried by default (the largest nodes have 8; 64 is
 // far above what any published MoE needs in bf16).

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "lm/util/limits.h"
 #include "rpc/flag_range.h"
 
 namespace ctl {
@@ -17,13 +18,11 @@ using opd::rpc::CheckFlagPositive;
 using opd::rpc::CheckFlagRange;
 using opd::rpc::FirstError;
 
-// Sizes past these are typos, not requests: 16M tokens in one sequence or vocabulary, a million
-// samples of one prompt (the services' own limits stop below both).
-inline constexpr int64_t kMaxTokens = int64_t{1} << 24;
-inline constexpr int64_t kMillion = int64_t{1} << 20;
-// A sampling or scoring temperature past this flattens every distribution to uniform for any
-// logits a model produces; larger is a typo.
-inline constexpr double kMaxTemperature = 1000;
+// The bounds of lm/util/limits.h: 16M tokens in one sequence or vocabulary, a million samples of
+// one prompt, the largest temperature.
+using lm::kMaxTemperature;
+using lm::limits::kMaxTokens;
+inline constexpr int64_t kMillion = lm::limits::kMaxBatch;
 
 // -1 when `st` is OK; else prints "opd-ctl <command>: <message>" and `usage` to stderr and returns
 // 2, the exit code of a bad flag.

@@ -3,7 +3,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "lm/model/sampling_limits.h"
+#include "lm/util/limits.h"
 #include "opd/v1/rollout.pb.h"
 
 namespace rollout {

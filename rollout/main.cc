@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "lm/plan/device_memory.h"
 #include "lm/plan/plan.h"
+#include "lm/util/limits.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "rollout/engine.h"
@@ -49,9 +50,9 @@ constexpr const char* kServiceName = "opd.v1.Rollout";
 // Sizes past these are typos: 16M tokens in one sequence, a million sequences in one request or
 // samples of one prompt, 64 TiB of KV cache, blocks of more than 1024 tokens (the paged engine's
 // blocks are a few dozen tokens; a huge block wastes its unused tail in every sequence).
-constexpr int64_t kMaxTokens = int64_t{1} << 24;
-constexpr int64_t kMillion = int64_t{1} << 20;
-constexpr double kMaxGiB = 65536;
+using lm::limits::kMaxTokens;
+constexpr int64_t kMillion = lm::limits::kMaxBatch;
+using lm::limits::kMaxGiB;
 // Generations at once: each holds a gRPC reactor and, with the static engine, a sampling thread
 // of its own (opd::rpc::kMaxThreads bounds thread counts everywhere).
 constexpr int kMaxConcurrent = opd::rpc::kMaxThreads;

@@ -12,16 +12,13 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "lm/util/limits.h"
 
 namespace opd::rpc {
 
-// The most threads one thread-count flag may ask for (--threads of every binary). Above the
-// hardware threads of any current host (the largest two-socket servers have 512), so no real set-up
-// is refused, and far below the tens of thousands that exhaust the kernel's thread limit. A fixed
-// number rather than a multiple of std::thread::hardware_concurrency(): a container often sees
-// every host CPU but may use few, and the same command line should be accepted or refused the same
-// way on every machine.
-inline constexpr int kMaxThreads = 1024;
+// The most threads one thread-count flag may ask for (--threads of every binary): lm/util/limits.h
+// says why.
+inline constexpr int kMaxThreads = static_cast<int>(lm::limits::kMaxThreads);
 
 // OK when lo <= value <= hi; else INVALID_ARGUMENT "--flag=value is outside [lo, hi]". NaN is
 // outside every range. T is the flag's type; the bounds convert to it (CheckFlagRange("--n", n, 1,

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "lm/plan/device_memory.h"
 #include "lm/plan/plan.h"
+#include "lm/util/limits.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "rpc/auth.h"
@@ -60,8 +61,8 @@ constexpr const char* kServiceName = "opd.v1.Teacher";
 constexpr int kMaxWorkers = 256;
 // Sizes past these are typos: 16M tokens in one forward or in one sequence, a million requests
 // waiting, a top-k or a chunk of a million rows exceed any device and any vocabulary.
-constexpr int64_t kMaxTokens = int64_t{1} << 24;
-constexpr int64_t kMillion = int64_t{1} << 20;
+using lm::limits::kMaxTokens;
+constexpr int64_t kMillion = lm::limits::kMaxBatch;
 
 // The chunk budget of ScoreStream. A chunk is one reply message, so it obeys --max-reply-mb: a
 // larger --max-chunk-mb is lowered to it, with a warning, rather than refused, so that a command

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "lm/model/sampling_limits.h"
+#include "lm/util/limits.h"
 #include "opd/v1/teacher.pb.h"
 
 namespace teacher {

@@ -1,7 +1,7 @@
 // What the teacher is asked to score, and the checks a request passes before any work: the
 // torch-free half of the scorer (teacher_service/scorer.h), so that it can be fuzzed and tested
 // without LibTorch. Depends on absl, the generated protos, lm/generate/sampling.h and
-// lm/model/sampling_limits.h only.
+// lm/util/limits.h only.
 #pragma once
 
 #include <cstdint>

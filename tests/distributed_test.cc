@@ -26,6 +26,7 @@
 #include "tests/child_process.h"
 #include "tests/tensor_testing.h"
 #include "tests/testing.h"
+#include "trainer/common/checkpoint.h"
 
 using testing_util::TestDir;
 

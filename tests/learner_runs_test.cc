@@ -225,7 +225,7 @@ TEST_F(LearnerRuns, OpdOneStepOffResumeIsExact) {
   const fs::path a = dir_ / "async_a", b = dir_ / "async_b", c = dir_ / "async_c";
   ASSERT_EQ(run(a, {}), 0);
   const fs::path a2 = a / "checkpoints/step_000002", a4 = a / "checkpoints/step_000004";
-  ASSERT_TRUE(fs::exists(a2 / "prefetched_samples.bin"));
+  ASSERT_TRUE(fs::exists(a2 / "prefetched_samples.rank0.bin"));
   ASSERT_EQ(run(b, {"--resume=" + a2.string()}), 0);
   ExpectSameWeightsAndMoments(a4, b / "checkpoints/step_000004");
 
@@ -243,7 +243,7 @@ TEST_F(LearnerRuns, OpdOneStepOffResumeIsExact) {
   // samples step 3 anew, as C did, ending where C ended.
   const fs::path foreign = dir_ / "async_a2_foreign_samples", d = dir_ / "async_d";
   fs::copy(a2, foreign, fs::copy_options::recursive);
-  std::ofstream(foreign / "prefetched_samples.bin", std::ios::binary | std::ios::trunc)
+  std::ofstream(foreign / "prefetched_samples.rank0.bin", std::ios::binary | std::ios::trunc)
       << std::string(64, '\0');
   ASSERT_EQ(run(d, {"--resume=" + foreign.string()}), 0);
   EXPECT_NE(ReadFile(d.string() + ".log").find("the next step samples anew"), std::string::npos);

@@ -16,7 +16,7 @@
 
 #include "absl/strings/str_join.h"
 
-#include "lm/model/sampling_limits.h"
+#include "lm/util/limits.h"
 #include "opd/v1/learner.grpc.pb.h"
 #include "rpc/client.h"
 #include "trainer/common/config.h"

@@ -16,10 +16,12 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 
 #include <gtest/gtest.h>
 
 #include "absl/synchronization/notification.h"
+#include "lm/generate/sampling.h"
 #include "lm/io/safetensors.h"
 #include "lm/text/tokenizer.h"
 #include "nlohmann/json.hpp"
@@ -266,6 +268,44 @@ TEST_F(OpdRanks, ZeroTwoLearnsInLockstepTheWeightsOfZeroOne) {
     }
     EXPECT_LT(MaxWeightDifference(out[1], out[2]), 1e-5) << prompts << " prompts a step";
   }
+}
+
+// One-step-off over two ranks: the checkpoint of step 2 holds step 3's samples as one file per
+// rank, each with that rank's share only (no sample crossed ranks to be saved), together every
+// prompt of the step once; a resume on one rank reads both files and learns step 3 from them.
+TEST_F(OpdRanks, EachRankCheckpointsItsOwnPrefetchedSamples) {
+  const std::string teacher = Teacher("teacher_prefetch"), rollout = Rollout("rollout_prefetch");
+  ASSERT_FALSE(teacher.empty() || rollout.empty());
+  const fs::path run = dir_ / "run_prefetch_two";
+  auto ranks =
+      Ranks(2, Args(run, rollout, teacher, 3, {"train.async=true", "checkpoint.every=2"}), run);
+  for (auto& r : ranks) ASSERT_EQ(r->Wait(std::chrono::seconds(300)), 0) << r->Log();
+  const fs::path ckpt = run / "checkpoints/step_000002";
+  const auto state = nlohmann::json::parse(std::ifstream(ckpt / "trainer_state.json"));
+  ASSERT_TRUE(state.contains("prefetched")) << state.dump();
+  EXPECT_EQ(state["prefetched"]["files"], 2);
+  std::map<int, std::set<int64_t>> prompts;  // rank -> prompt indices of its file
+  for (int r = 0; r < 2; ++r) {
+    auto samples = lm::DecodeSamples(
+        ReadFile(ckpt / ("prefetched_samples.rank" + std::to_string(r) + ".bin")));
+    ASSERT_TRUE(samples.ok()) << samples.status();
+    ASSERT_FALSE(samples->empty()) << "rank " << r;
+    for (const lm::Sample& s : *samples) prompts[r].insert(s.prompt_index);
+  }
+  std::set<int64_t> all;
+  for (const auto& [r, p] : prompts) {
+    for (int64_t i : p) EXPECT_TRUE(all.insert(i).second) << "prompt " << i << " in two files";
+  }
+  EXPECT_EQ(all.size(), 8u);  // train.prompts_per_step
+  EXPECT_FALSE(fs::exists(ckpt / "prefetched_samples.bin"));
+
+  const fs::path one = dir_ / "run_prefetch_one";
+  std::vector<std::string> args = Args(one, rollout, teacher, 3, {"train.async=true"});
+  args.push_back("--resume=" + ckpt.string());
+  ChildProcess p(args, one.string() + ".log");
+  ASSERT_EQ(p.Wait(std::chrono::seconds(300)), 0) << p.Log();
+  EXPECT_EQ(p.Log().find("samples anew"), std::string::npos) << p.Log();
+  EXPECT_TRUE(fs::exists(one / "checkpoints/step_000003/trainer_state.json")) << p.Log();
 }
 
 // Stage 2 cannot start on rank 1: both ranks end with that error after stage 1's checkpoint,

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <utility>
 #include <vector>
@@ -37,6 +38,32 @@ inline ::testing::AssertionResult MakeOpdTask(const std::filesystem::path& dir,
   }
   std::ofstream(dir / "secret") << secret << "\n";
   chmod((dir / "secret").c_str(), 0600);
+  return ::testing::AssertionSuccess();
+}
+
+// A test CA and one certificate it signs for 127.0.0.1/localhost in `dir` (ca.pem, node.pem,
+// node.key): the services', the admin service's and the learner's client certificate. With
+// `other_ca`, a second CA (other_ca.pem) that signs nothing. Made with the openssl command line.
+inline ::testing::AssertionResult MakeTestCertificates(const std::filesystem::path& dir,
+                                                       bool other_ca = false) {
+  std::string gen =
+      "cd " + dir.string() +
+      " && openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=opd-test-ca"
+      " -keyout ca.key -out ca.pem"
+      " && openssl req -newkey rsa:2048 -nodes -subj /CN=localhost -keyout node.key -out node.csr"
+      " && printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > ext.cnf"
+      " && openssl x509 -req -in node.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1"
+      " -extfile ext.cnf -out node.pem";
+  if (other_ca)
+    gen +=
+        " && openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=other-ca"
+        " -keyout other_ca.key -out other_ca.pem";
+  const std::string log = (dir / "openssl.log").string();
+  if (std::system(("(" + gen + ") > " + log + " 2>&1").c_str()) != 0) {
+    std::ifstream in(log);
+    return ::testing::AssertionFailure()
+           << "openssl failed: " << std::string(std::istreambuf_iterator<char>(in), {});
+  }
   return ::testing::AssertionSuccess();
 }
 

@@ -34,17 +34,7 @@ class Rehearsal : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = fs::temp_directory_path() / ("opd_rehearsal_" + std::to_string(::getpid()));
     fs::create_directories(dir_);
-    const std::string d = dir_.string();
-    const std::string gen =
-        "cd " + d +
-        " && openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=opd-test-ca"
-        " -keyout ca.key -out ca.pem"
-        " && openssl req -newkey rsa:2048 -nodes -subj /CN=localhost -keyout node.key -out node.csr"
-        " && printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > ext.cnf"
-        " && openssl x509 -req -in node.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1"
-        " -extfile ext.cnf -out node.pem";
-    ASSERT_EQ(std::system(("(" + gen + ") > " + d + "/openssl.log 2>&1").c_str()), 0)
-        << ReadFile(dir_ / "openssl.log");
+    ASSERT_TRUE(testing_util::MakeTestCertificates(dir_));
     ASSERT_TRUE(testing_util::MakeOpdTask(
         dir_, "--teacher-examples 100 --student-examples 10 --prompts 40 --eval 4", kSecret));
     // The task's prompts dealt round-robin into one file per shipped source.

@@ -16,7 +16,7 @@
 #include "lm/generate/sampler.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
-#include "lm/model/sampling_limits.h"
+#include "lm/util/limits.h"
 #include "rollout/generate_request.h"
 #include "rollout/weights.h"
 #include "rpc/tensor_codec.h"

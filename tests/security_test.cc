@@ -43,21 +43,9 @@ class Security : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = fs::temp_directory_path() / ("opd_security_" + std::to_string(::getpid()));
     fs::create_directories(dir_);
-    const std::string d = dir_.string();
-    // A CA, and one certificate it signs for 127.0.0.1/localhost: the services', the admin
-    // service's and the learner's client certificate. A second CA signs nothing we serve.
-    const std::string gen =
-        "cd " + d +
-        " && openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=opd-test-ca"
-        " -keyout ca.key -out ca.pem"
-        " && openssl req -newkey rsa:2048 -nodes -subj /CN=localhost -keyout node.key -out node.csr"
-        " && printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > ext.cnf"
-        " && openssl x509 -req -in node.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1"
-        " -extfile ext.cnf -out node.pem"
-        " && openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=other-ca"
-        " -keyout other_ca.key -out other_ca.pem";
-    ASSERT_EQ(Shell("(" + gen + ") > " + d + "/openssl.log 2>&1"), 0)
-        << ReadFile(dir_ / "openssl.log");
+    // A CA, one certificate it signs for 127.0.0.1/localhost, and a second CA that signs nothing
+    // we serve.
+    ASSERT_TRUE(testing_util::MakeTestCertificates(dir_, /*other_ca=*/true));
     ASSERT_TRUE(testing_util::MakeOpdTask(
         dir_, "--teacher-examples 100 --student-examples 10 --prompts 64 --eval 4", kSecret));
   }

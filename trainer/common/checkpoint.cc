@@ -136,12 +136,12 @@ absl::Status CheckpointManager::Save(int64_t step, lm::CausalLM& model,
 
   auto write = [&]() -> absl::Status {
     RETURN_IF_ERROR(optimizer.SaveState(tmp));
+    if (job_files) RETURN_IF_ERROR(job_files(tmp));  // every rank: its own files
     if (!group.is_root()) return absl::OkStatus();
     lm::SaveOptions save;
     save.dtype = torch::kFloat32;  // master weights: an exact resume needs every bit
     RETURN_IF_ERROR(lm::SaveModel(model, tmp + "/model", save));
     RETURN_IF_ERROR(CopyFiles(model_extra_files, tmp + "/model"));
-    if (job_files) RETURN_IF_ERROR(job_files(tmp));
     state["version"] = kTrainerStateVersion;
     state["step"] = step;
     state["optimizer_steps"] = optimizer.steps();

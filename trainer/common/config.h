@@ -55,7 +55,11 @@
 
 // Field declarations (see the top of this file). Each field's line keys its visitor, so a struct
 // declares at most one field per line.
-#define OPD_CONFIG_FIELDS_BEGIN static constexpr int opd_fields_begin_ = __LINE__
+// BEGIN also declares opd_marker_ (never defined): a struct that inherits its markers instead of
+// writing its own is told apart by that member's class (VisitFields checks it).
+#define OPD_CONFIG_FIELDS_BEGIN                      \
+  static constexpr int opd_fields_begin_ = __LINE__; \
+  void opd_marker_()
 #define OPD_CONFIG_FIELDS_END static constexpr int opd_fields_end_ = __LINE__
 #define OPD_CONFIG_BASE(Base) using opd_config_base_ = Base
 #define OPD_FIELD(Type, name)                                           \
@@ -156,9 +160,45 @@ void VisitLines(V& v, T& c, std::index_sequence<kOffset...>) {
   (FieldOnLine<V, T, T::opd_fields_begin_ + 1 + static_cast<int>(kOffset)>::Visit(v, c), ...);
 }
 
+// Whether `T` has a field visitor on line kLine (declared there by OPD_FIELD).
+struct AnyVisitor {
+  template <class F>
+  void operator()(const char*, F&) {}
+};
+template <class T, int kLine, class = void>
+struct HasFieldOnLine : std::false_type {};
+template <class T, int kLine>
+struct HasFieldOnLine<T, kLine,
+                      std::void_t<decltype(std::declval<T&>().opd_field_(
+                          std::declval<AnyVisitor&>(), Line<kLine>{}))>> : std::true_type {};
+template <class T, int kFrom, size_t... kOffset>
+constexpr bool AnyFieldOnLines(std::index_sequence<kOffset...>) {
+  return (HasFieldOnLine<T, kFrom + static_cast<int>(kOffset)>::value || ...);
+}
+// Lines either side of the markers searched for a field written outside them.
+inline constexpr int kStrayFieldWindow = 48;
+
+// The two ways a config struct could drop fields without a word, as compile errors: a field
+// written just outside its markers, and a struct (a derived section) without markers of its own,
+// whose fields the inherited markers never reach.
+template <class C>
+constexpr void CheckFieldMarkers() {
+  using T = std::remove_cv_t<C>;
+  static_assert(std::is_same_v<decltype(&T::opd_marker_), void (T::*)()>,
+                "a config struct needs its own OPD_CONFIG_FIELDS_BEGIN/END (a derived section "
+                "adds OPD_CONFIG_BASE(Base) and its own markers)");
+  static_assert(
+      !AnyFieldOnLines<T, T::opd_fields_end_ + 1>(std::make_index_sequence<kStrayFieldWindow>{}),
+      "an OPD_FIELD after OPD_CONFIG_FIELDS_END is never decoded");
+  static_assert(!AnyFieldOnLines<T, T::opd_fields_begin_ - kStrayFieldWindow>(
+                    std::make_index_sequence<kStrayFieldWindow>{}),
+                "an OPD_FIELD before OPD_CONFIG_FIELDS_BEGIN is never decoded");
+}
+
 // Calls v(key, field) for every field of `c`, in declaration order, then its base's.
 template <class V, class T>
 void VisitFields(V& v, T& c) {
+  CheckFieldMarkers<T>();
   VisitLines(v, c, std::make_index_sequence<T::opd_fields_end_ - T::opd_fields_begin_ - 1>{});
   using Base = typename ConfigBase<T>::type;
   if constexpr (!std::is_void_v<Base>) VisitFields(v, static_cast<Base&>(c));

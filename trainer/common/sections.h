@@ -11,36 +11,13 @@
 
 #include "absl/status/status.h"
 #include "lm/text/chat.h"
+#include "lm/util/limits.h"
 #include "trainer/common/config.h"
 
 namespace trainer {
 
-// Upper bounds of the config's numbers, shared by the jobs' validation. Each is far above any
-// real setting; what it guards against is a typo running as something else (wrapped to 32 bits,
-// overflowing a sum, hanging on an allocation) instead of failing at once with exit 2.
-namespace limits {
-
-// Counts the jobs may hand to 32-bit interfaces: above this a cast would truncate.
-inline constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
-// Token counts (max_seq_len, max_prompt_len, max_new_tokens, micro_batch_tokens, top-k): 16M is
-// far beyond any context or vocabulary (opd-ctl's token flags use the same bound), and inside the
-// int32 the datasets and the sampler take (data.max_seq_len 4294967424 ran as 128).
-inline constexpr int64_t kMaxTokens = int64_t{1} << 24;
-// Step counts (budgets, intervals, windows): 2^31 - 1 steps is centuries of training, and it keeps
-// sums over stages and `window + 1` far from int64 overflow.
-inline constexpr int64_t kMaxSteps = kMaxInt32;
-// Intra-op threads are created eagerly: 100000 hung the job creating them; 1024 is above the
-// hardware threads of any host (the largest have a few hundred).
-inline constexpr int64_t kMaxThreads = 1024;
-// Sequences or prompts per step, all held in memory at once (the paper uses 512 = 2^9).
-inline constexpr int64_t kMaxBatch = int64_t{1} << 20;
-// Any deadline: a week is beyond any step, rendezvous or call; a longer one is a hang, not a
-// deadline, and it keeps `now + timeout` far from overflow wherever it becomes a clock time.
-inline constexpr double kMaxTimeoutS = 7 * 24 * 3600.0;
-// Buffer sizes in MiB (1 TiB): the shift to bytes stays far inside int64.
-inline constexpr int64_t kMaxBucketMb = int64_t{1} << 20;
-
-}  // namespace limits
+// The config's bounds (lm/util/limits.h), as trainer::limits::kMaxTokens etc.
+namespace limits = ::lm::limits;
 
 // model.chat_format: qwen3 (no default system message) | qwen2 (lm::ChatFormat::Qwen2()).
 enum class ChatFormatName { kQwen3, kQwen2 };
@@ -177,7 +154,7 @@ struct DistConfig {
   // outside the collectives and wait for each other while their heartbeats advance; a rank
   // whose heartbeat stops for this long ends every rank (lm/dist/rank_sync.h).
   OPD_FIELD(double, stall_timeout_s) = 300;
-  OPD_FIELD(double, bucket_mb) = 32;   // gradient reduce-scatter / weight all-gather bucket size
+  OPD_FIELD(double, bucket_mb) = 32;  // gradient reduce-scatter / weight all-gather bucket size
   OPD_FIELD(AllGatherDtype, allgather_dtype) = AllGatherDtype::kAuto;
   OPD_FIELD(ZeroStage, zero_stage) = ZeroStage::kAuto;
   OPD_CONFIG_FIELDS_END;

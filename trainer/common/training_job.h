@@ -53,7 +53,8 @@ class TrainingJob {
 
   // The job's own fields of trainer_state.json (the common ones are added by SaveCheckpoint).
   virtual nlohmann::json JobState() const = 0;
-  // Files of the job's own written into each checkpoint directory `dir` (rank 0, after JobState).
+  // Files of the job's own written into each checkpoint directory `dir`, by every rank (each
+  // writes only files of its own name), before rank 0 writes the state.
   virtual absl::Status WriteJobFiles(const std::string& /*dir*/) const { return absl::OkStatus(); }
   // Called by SaveCheckpoint on every rank before JobState: a job gathers there what its state
   // holds that only the ranks together know (collectives allowed).

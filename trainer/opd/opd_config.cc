@@ -3,7 +3,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
-#include "lm/model/sampling_limits.h"
+#include "lm/util/limits.h"
 #include "lm/util/status.h"
 #include "rpc/http_teacher.h"
 #include "trainer/common/config.h"
@@ -16,7 +16,7 @@ absl::Status Bad(const std::string& key, const std::string& what) {
 }
 
 // Below lm::kMinTemperature logits / T stops being finite in fp32 (1e-45 gave NaN log-probs);
-// above lm::kMaxTemperature it is a typo (lm/model/sampling_limits.h says why).
+// above lm::kMaxTemperature it is a typo (lm/util/limits.h says why).
 absl::Status Temperature(const std::string& key, double t) {
   return validate::InRange(key, t, lm::kMinTemperature, lm::kMaxTemperature);
 }

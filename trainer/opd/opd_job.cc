@@ -364,7 +364,7 @@ nlohmann::json OpdJob::JobState() const {
 
 absl::Status OpdJob::WriteJobFiles(const std::string& dir) const {
   if (prefetched_record_.is_null()) return absl::OkStatus();
-  return WriteFileAtomic(dir + "/" + kPrefetchedFile, source_->settled_bytes());
+  return WriteFileAtomic(dir + "/" + PrefetchedFileName(group_->rank()), source_->settled_bytes());
 }
 
 // A step that cannot finish, agreed by every rank. When a stop signal is what failed it, stops as

@@ -5,6 +5,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "lm/util/limits.h"
 #include "lm/util/log.h"
 #include "lm/util/splitmix.h"
 #include "lm/util/status.h"
@@ -83,21 +84,17 @@ absl::StatusOr<nlohmann::json> SampleSource::Settle(lm::dist::RankSync& sync,
   const absl::Status agreed = sync.Agree("prefetched samples settled", mine);
   if (sync.broken()) return agreed;
   if (!agreed.ok()) return nlohmann::json();
-  ASSIGN_OR_RETURN(std::vector<std::string> all,
-                   group.AllGatherBytes(lm::EncodeSamples(prefetch_->samples())));
-  std::vector<lm::Sample> samples;
-  for (size_t r = 0; r < all.size(); ++r) {
-    absl::StatusOr<std::vector<lm::Sample>> part = lm::DecodeSamples(all[r]);
-    if (!part.ok())
-      return absl::DataLossError(
-          absl::StrCat("learner rank ", r, "'s prefetched samples: ", part.status().message()));
-    for (lm::Sample& s : *part) samples.push_back(std::move(s));
-  }
-  if (group.is_root()) settled_bytes_ = lm::EncodeSamples(samples);
+  settled_bytes_ = lm::EncodeSamples(prefetch_->samples());
+  ASSIGN_OR_RETURN(std::vector<double> total,
+                   group.AllReduceDoubles({static_cast<double>(prefetch_->samples().size())}));
   return nlohmann::json{
-      {"file", kPrefetchedFile},
-      {"samples", samples.size()},
+      {"files", group.size()},
+      {"samples", static_cast<int64_t>(total[0])},
       {"prompts_hash", std::to_string(PromptsHash(prefetch_->prompts().prompts))}};
+}
+
+std::string PrefetchedFileName(int rank) {
+  return absl::StrCat("prefetched_samples.rank", rank, ".bin");
 }
 
 absl::Status SampleSource::LoadPrefetched(const std::string& checkpoint,
@@ -109,25 +106,43 @@ absl::Status SampleSource::LoadPrefetched(const std::string& checkpoint,
         "step samples anew");
     return absl::OkStatus();
   }
-  const std::string path = checkpoint + "/" + kPrefetchedFile;
-  ASSIGN_OR_RETURN(const std::string bytes, opd::rpc::ReadFile(path));
-  absl::StatusOr<std::vector<lm::Sample>> samples = lm::DecodeSamples(bytes);
-  if (absl::IsFailedPrecondition(samples.status())) {
-    // Another build's samples: what a checkpoint without them does (the prompts are drawn again
-    // from the saved cursor and sampled on the resumed weights), said once.
-    lm::log::Warn(
-        absl::StrCat(path, ": ", samples.status().message(), "; the next step samples anew"));
-    return absl::OkStatus();
+  // Every rank's file (or the one file of an older checkpoint): this rank's share is taken from
+  // all of them, whatever the number of ranks that wrote them.
+  const nlohmann::json& record = state.at("prefetched");
+  std::vector<std::string> paths;
+  if (record.contains("files")) {
+    const int64_t files = record.at("files").get<int64_t>();
+    if (files < 1 || files > lm::limits::kMaxBatch)
+      return absl::DataLossError(absl::StrCat(checkpoint, "/trainer_state.json: prefetched.files ",
+                                              files, " is outside [1, ", lm::limits::kMaxBatch,
+                                              "]"));
+    for (int64_t r = 0; r < files; ++r)
+      paths.push_back(checkpoint + "/" + PrefetchedFileName(static_cast<int>(r)));
+  } else {
+    paths.push_back(checkpoint + "/" + kPrefetchedFile);
   }
-  if (!samples.ok())
-    return absl::DataLossError(absl::StrCat(path, ": ", samples.status().message()));
+  std::vector<lm::Sample> all;
+  for (const std::string& path : paths) {
+    ASSIGN_OR_RETURN(const std::string bytes, opd::rpc::ReadFile(path));
+    absl::StatusOr<std::vector<lm::Sample>> samples = lm::DecodeSamples(bytes);
+    if (absl::IsFailedPrecondition(samples.status())) {
+      // Another build's samples: what a checkpoint without them does (the prompts are drawn
+      // again from the saved cursor and sampled on the resumed weights), said once.
+      lm::log::Warn(
+          absl::StrCat(path, ": ", samples.status().message(), "; the next step samples anew"));
+      return absl::OkStatus();
+    }
+    if (!samples.ok())
+      return absl::DataLossError(absl::StrCat(path, ": ", samples.status().message()));
+    for (lm::Sample& s : *samples) all.push_back(std::move(s));
+  }
   uint64_t hash = 0;
   if (!absl::SimpleAtoi(state.at("prefetched").at("prompts_hash").get<std::string>(), &hash))
     return absl::DataLossError(absl::StrCat(checkpoint,
                                             "/trainer_state.json: prefetched."
                                             "prompts_hash is not a number"));
   resumed_hash_ = hash;
-  resumed_ = std::move(*samples);
+  resumed_ = std::move(all);
   return absl::OkStatus();
 }
 

@@ -26,7 +26,11 @@ namespace trainer {
 // checkpoint's samples answer (the data files or the mixture did not change in between).
 uint64_t PromptsHash(const std::vector<lm::PromptExample>& prompts);
 
-// The one-step-off samples a checkpoint holds (OpdJob::WriteJobFiles).
+// The one-step-off samples a checkpoint holds: each learner rank writes its own share (with its
+// routing, for routing replay) to a file of its own, so that no sample crosses ranks to be saved
+// (OpdJob::WriteJobFiles); a resume on any number of ranks reads them all and takes its share.
+std::string PrefetchedFileName(int rank);
+// The single file of checkpoints written before the per-rank files.
 inline constexpr const char* kPrefetchedFile = "prefetched_samples.bin";
 
 struct SampleSourceOptions {
@@ -60,7 +64,7 @@ class SampleSource {
   // aware) and gathers every rank's samples on rank 0; its record for the trainer state, or null
   // when no prefetch runs. A prefetch that failed stays failed: the next step fails as it would.
   absl::StatusOr<nlohmann::json> Settle(lm::dist::RankSync& sync, lm::dist::ProcessGroup& group);
-  // The file the last Settle gathered (rank 0), for the checkpoint directory.
+  // This rank's prefetched samples as the last Settle encoded them, for its file in the checkpoint.
   const std::string& settled_bytes() const { return settled_bytes_; }
 
   // A checkpoint's prefetched samples (its state's record), for the first step after a resume.

@@ -1,0 +1,17 @@
+// Must not compile: a derived section without markers of its own would decode its base's fields
+// only (tests/CMakeLists.txt expects trainer/common/config.h's static_assert message).
+#include "trainer/common/config.h"
+
+struct Base {
+  OPD_CONFIG_FIELDS_BEGIN;
+  OPD_FIELD(int64_t, a) = 1;
+  OPD_CONFIG_FIELDS_END;
+};
+
+struct Derived : Base {
+  OPD_FIELD(int64_t, dropped) = 2;
+};
+
+absl::Status Decode(const YAML::Node& n, Derived* c) {
+  return trainer::DecodeConfig(n, c);
+}
