@@ -12,7 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "fuzz/fuzz_util.h"
-#include "lm/model/sampling_limits.h"
+#include "lm/util/limits.h"
 #include "opd/v1/rollout.pb.h"
 #include "rollout/generate_request.h"
 

@@ -13,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "fuzz/fuzz_util.h"
-#include "lm/model/sampling_limits.h"
+#include "lm/util/limits.h"
 #include "opd/v1/teacher.pb.h"
 #include "teacher_service/score_job.h"
 

@@ -10,13 +10,17 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "lm/dist/process_group.h"
+#include "lm/util/status.h"
 #include "tests/child_process.h"
 #include "tests/testing.h"
 
@@ -128,29 +132,30 @@ TEST(RankSync, ARankWhoseHeartbeatStopsEndsTheWaitNamingItsPhaseAndProgress) {
   });
 }
 
+// Rank 2 never beats. Ranks 0 and 1 wait for it: each either gives up on it (DEADLINE_EXCEEDED,
+// "it never reported") or learns that the other gave up first (ABORTED); at least one gives up.
+// Rank 2, back after rank 0's wait ended, learns that the wait was abandoned.
 TEST(RankSync, ARankThatNeverBeatsIsAStallAndTheOthersLearnThatTheWaitWasAbandoned) {
-  absl::Notification gave_up;
+  absl::Notification rank0_done;
+  std::atomic<int> gave_up{0};
   RunRanks(3, [&](int r, ProcessGroup& g) {
     RankSyncOptions o = Fast(absl::Milliseconds(300));
     if (r == 2) o.heartbeat = false;  // stopped before its first beat
     auto sync = RankSync::Create(g, o);
     ASSERT_TRUE(sync.ok());
-    if (r == 0) {
-      absl::Status s = (*sync)->Agree("held-out evaluated", absl::OkStatus());
-      EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+    if (r == 2) rank0_done.WaitForNotification();  // it comes back after rank 0's wait ended
+    absl::Status s = (*sync)->Agree("held-out evaluated", absl::OkStatus());
+    EXPECT_TRUE((*sync)->broken());
+    if (r == 0) rank0_done.Notify();
+    if (r != 2 && s.code() == absl::StatusCode::kDeadlineExceeded) {
       EXPECT_NE(s.message().find("it never reported"), std::string::npos) << s;
-      gave_up.Notify();
+      ++gave_up;
       return;
     }
-    if (r == 2) {
-      gave_up.WaitForNotification();  // it comes back after rank 0 gave up on it
-    }
-    absl::Status s = (*sync)->Agree("held-out evaluated", absl::OkStatus());
-    if (r == 1 && s.code() == absl::StatusCode::kDeadlineExceeded) return;  // it gave up too
     EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << "rank " << r << ": " << s;
     EXPECT_NE(s.message().find("gave up"), std::string::npos) << s;
-    EXPECT_TRUE((*sync)->broken());
   });
+  EXPECT_GE(gave_up.load(), 1);
 }
 
 TEST(RankSync, RanksAtDifferentPointsAreAnError) {
@@ -169,7 +174,8 @@ TEST(RankSync, ExchangeGivesEveryRanksPayloadAndKeepsMessagesWhole) {
   RunRanks(3, [](int r, ProcessGroup& g) {
     auto sync = RankSync::Create(g, Fast());
     ASSERT_TRUE(sync.ok());
-    const std::string mine = r == 1 ? std::string() : std::string("line\nbreak\0end", 14) + char('0' + r);
+    const std::string mine =
+        r == 1 ? std::string() : std::string("line\nbreak\0end", 14) + char('0' + r);
     auto all = (*sync)->Exchange("announce", absl::OkStatus(), mine);
     ASSERT_TRUE(all.ok()) << all.status();
     ASSERT_EQ(all->size(), 3u);
@@ -183,6 +189,51 @@ TEST(RankSync, ExchangeGivesEveryRanksPayloadAndKeepsMessagesWhole) {
     EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss);
     EXPECT_EQ(failed.status().message(), r == 2 ? "two\nlines" : "learner rank 2: two\nlines");
   });
+}
+
+// A store whose host stops answering right after this rank wrote its outcome (the first call
+// succeeds, every later one fails): the rank knows its own outcome without reading it back, so it
+// waits for rank 0 alone and gives up on it after the stall timeout. Before, it waited for its own
+// unreadable outcome, where no stall is looked for, for ever.
+class StoreThatStopsAfterOneWrite final : public lm::dist::StoreClient {
+ public:
+  absl::Status Set(const std::string&, const std::string&) override { return Next(); }
+  absl::StatusOr<std::optional<std::string>> TryGet(const std::string&) override {
+    RETURN_IF_ERROR(Next());
+    return std::optional<std::string>();
+  }
+  absl::Status Delete(const std::string&) override { return Next(); }
+
+ private:
+  absl::Status Next() {
+    return calls_++ == 0 ? absl::OkStatus() : absl::UnavailableError("the store stopped");
+  }
+  int calls_ = 0;
+};
+
+TEST(RankSync, AStoreThatStopsAfterTheOwnWriteIsAStallOfTheOthers) {
+  RankSyncOptions o = Fast(absl::Milliseconds(200));
+  o.heartbeat = false;  // the one write the store takes is the outcome's
+  std::unique_ptr<RankSync> sync =
+      RankSync::WithStore(1, 2, std::make_unique<StoreThatStopsAfterOneWrite>(), o);
+  absl::Status agreed;
+  absl::Notification done;
+  std::thread waiter([&] {
+    agreed = sync->Agree("step 2: learned", absl::OkStatus());
+    done.Notify();
+  });
+  // A bound on failure only (the wait ends 200 ms after it starts when it works).
+  const bool ended = done.WaitForNotificationWithTimeout(absl::Seconds(60));
+  EXPECT_TRUE(ended) << "the wait never ended";
+  if (!ended) {
+    waiter.detach();
+    return;
+  }
+  waiter.join();
+  EXPECT_EQ(agreed.code(), absl::StatusCode::kDeadlineExceeded) << agreed;
+  EXPECT_NE(agreed.message().find("learner rank 0 made no progress"), std::string::npos) << agreed;
+  EXPECT_NE(agreed.message().find("the store stopped"), std::string::npos) << agreed;
+  EXPECT_TRUE(sync->broken());
 }
 
 TEST(RankSync, OneProcessReturnsItsOwnStatus) {

@@ -80,6 +80,12 @@ absl::StatusOr<std::unique_ptr<RankSync>> RankSync::Create(const ProcessGroup& g
       new RankSync(group.rank(), group.size(), std::move(store), options));
 }
 
+std::unique_ptr<RankSync> RankSync::WithStore(int rank, int size,
+                                              std::unique_ptr<StoreClient> store,
+                                              RankSyncOptions options) {
+  return std::unique_ptr<RankSync>(new RankSync(rank, size, std::move(store), options));
+}
+
 RankSync::RankSync(int rank, int size, std::unique_ptr<StoreClient> store, RankSyncOptions options)
     : rank_(rank), size_(size), opts_(options), store_(std::move(store)) {
   detail_at_ = absl::Now();
@@ -137,8 +143,8 @@ absl::Status RankSync::Agree(const std::string& point, const absl::Status& mine)
 }
 
 absl::StatusOr<std::vector<std::string>> RankSync::Exchange(const std::string& point,
-                                                           const absl::Status& mine,
-                                                           const std::string& payload) {
+                                                            const absl::Status& mine,
+                                                            const std::string& payload) {
   if (!store_) {
     if (!mine.ok()) return mine;
     return std::vector<std::string>{payload};
@@ -162,6 +168,12 @@ absl::StatusOr<std::vector<std::string>> RankSync::Exchange(const std::string& p
       absl::Status s = store_->Set(AgreeKey(k, rank_), own);
       published = s.ok();
       if (!s.ok()) store_error = std::string(s.message());
+      // Its own outcome is known here, not read back: a store that stops answering after the
+      // write would otherwise leave this rank waiting for itself, where no stall is looked for.
+      if (published) {
+        seen[rank_] = mine;
+        payloads[rank_] = payload;
+      }
       // Every rank has read the outcomes of point k - 2 once this one is reached.
       if (published && k > 2) (void)store_->Delete(AgreeKey(k - 2, rank_));
     }

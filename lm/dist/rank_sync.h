@@ -47,6 +47,9 @@ class RankSync {
   // The trivial group needs no store: Agree returns the rank's own status at once.
   static absl::StatusOr<std::unique_ptr<RankSync>> Create(const ProcessGroup& group,
                                                           RankSyncOptions options = {});
+  // Rank `rank` of `size` meeting through `store` (any StoreClient: tests give one that fails).
+  static std::unique_ptr<RankSync> WithStore(int rank, int size, std::unique_ptr<StoreClient> store,
+                                             RankSyncOptions options = {});
   ~RankSync();
   RankSync(const RankSync&) = delete;
   RankSync& operator=(const RankSync&) = delete;
