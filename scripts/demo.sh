@@ -94,12 +94,7 @@ echo "teacher (small) $EP_TS, teacher (large) $EP_TL, rollout $EP_RO"
 
 log "cascaded on-policy distillation"
 rm -rf "$RUN/opd"
-# One-step-off, as configs/opd/marco_nano.yaml ships: the worker samples step k+1 while the learner
-# learns step k and pushes. Each update then comes from samples one version old, so the demo's
-# learning rate is halved (at 1e-3 the mini run's accuracy fell below the SFT student's).
-$TRAINER opd --config configs/demo/opd.yaml "${OPD_SET[@]}" --set train.async=true \
-  --set optim.lr=5e-4 --set optim.min_lr=5e-4 \
-  --set run.dir="$RUN/opd" --set model.path="$ST" \
+$TRAINER opd --config configs/demo/opd.yaml "${OPD_SET[@]}" --set run.dir="$RUN/opd" --set model.path="$ST" \
   --set "prompts.sources=[{files: [$T/opd_prompts.jsonl]}]" --set "rollout.endpoints=[$EP_RO]" \
   --set "stages.0.teachers=[$EP_TS]" --set "stages.1.teachers=[$EP_TL]" --set auth.secret_file="$RUN/secret" \
   2>&1 | tee "$RUN/logs/opd.log" | grep -vE "^\s*$" | grep -E "stage|done|error|step [0-9]+/" || true
