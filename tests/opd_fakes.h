@@ -152,8 +152,9 @@ class FakeTeacher final : public opd::v1::Teacher::CallbackService {
 // (i its seed index, or else its position, mod 50; log-probs -1), so a prompt's samples are the
 // same bits whichever worker or call samples it, and the weight version it was last pushed; then
 // `corrupt` damages them as the test wants. `reverse` writes them last first;
-// `before_write(n, total)` runs before the n-th of `total` writes (a test may block there); `fail_after` >= 0 ends the call
-// UNAVAILABLE after that many writes, as a worker that died mid-stream.
+// `before_write(n, total)` runs before the n-th of `total` writes (a test may block there);
+// `fail_after` >= 0 ends the call UNAVAILABLE after that many writes, as a worker that died
+// mid-stream.
 class FakeRollout final : public opd::v1::Rollout::Service {
  public:
   explicit FakeRollout(std::string fingerprint) : fingerprint_(std::move(fingerprint)) {}
@@ -275,6 +276,5 @@ struct FakeClock {
     now += d;
   }
 };
-
 
 }  // namespace testing_util

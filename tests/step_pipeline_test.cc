@@ -42,7 +42,8 @@ std::unique_ptr<RolloutPool> Rollout(const std::vector<std::string>& addresses) 
 TeacherPools Teachers(const std::string& address) {
   trainer::TeacherPoolOptions o;
   o.client.timeout = absl::Seconds(60);
-  auto pool = TeacherPool::Connect("stage", {address}, trainer::TeacherRequirements(kFingerprint, 320), o);
+  auto pool =
+      TeacherPool::Connect("stage", {address}, trainer::TeacherRequirements(kFingerprint, 320), o);
   EXPECT_TRUE(pool.ok()) << pool.status();
   TeacherPools pools;
   if (pool.ok()) pools.fallback = std::move(*pool);
@@ -88,17 +89,15 @@ TEST(StepPipeline, TeachersScoreWhileTheStudentSamples) {
   for (const bool overlap : {true, false}) {
     absl::Notification teacher_called;
     std::atomic<bool> released_by_teacher{false};
-    InProcessServer<FakeTeacher> teacher(
-        "opd.v1.Teacher", kFingerprint, [&](int call) {
-          if (call == 0 && !teacher_called.HasBeenNotified()) teacher_called.Notify();
-          return FakeTeacher::Action{};
-        });
+    InProcessServer<FakeTeacher> teacher("opd.v1.Teacher", kFingerprint, [&](int call) {
+      if (call == 0 && !teacher_called.HasBeenNotified()) teacher_called.Notify();
+      return FakeTeacher::Action{};
+    });
     InProcessServer<FakeRollout> worker("opd.v1.Rollout", kFingerprint);
     worker.service.before_write = [&](int n, int total) {
       if (n + 1 < total) return;
-      released_by_teacher =
-          teacher_called.WaitForNotificationWithTimeout(overlap ? absl::Seconds(120)
-                                                                : absl::Seconds(2));
+      released_by_teacher = teacher_called.WaitForNotificationWithTimeout(
+          overlap ? absl::Seconds(120) : absl::Seconds(2));
     };
     auto rollout = Rollout({worker.address});
     auto pipe = StepPipeline::Sample(Prompts(4), Options(overlap), *rollout, {});

@@ -23,9 +23,13 @@ nlohmann::json GoodState() {
           {"data_cursor", {{"step", 12}, {"consumed", {12}}}}};
 }
 
-absl::Status Check(const nlohmann::json& j) { return trainer::CheckTrainerState(j, "X/state"); }
+absl::Status Check(const nlohmann::json& j) {
+  return trainer::CheckTrainerState(j, "X/state");
+}
 
-TEST(TrainerState, AGoodStatePasses) { EXPECT_TRUE(Check(GoodState()).ok()); }
+TEST(TrainerState, AGoodStatePasses) {
+  EXPECT_TRUE(Check(GoodState()).ok());
+}
 
 TEST(TrainerState, EveryCountIsRangeChecked) {
   struct Case {

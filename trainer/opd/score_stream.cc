@@ -165,8 +165,9 @@ void ScoreStream::Work() {
                                !cancelled_;
       if (to_fallback) {
         if (fallbacks_ == 0)
-          lm::log::Warn(absl::StrCat(st.message(), "; its samples go to the stage's default pool "
-                                                   "(on_domain_down: default_pool)"));
+          lm::log::Warn(absl::StrCat(st.message(),
+                                     "; its samples go to the stage's default pool "
+                                     "(on_domain_down: default_pool)"));
         fallbacks_ += static_cast<int64_t>(group.size());
         for (const Item& it : group) queues_.front()->queued.push_back(it);  // the fallback's
         continue;

@@ -84,10 +84,9 @@ absl::StatusOr<std::optional<StageTeachers::Applied>> StageTeachers::ApplyPendin
   for (const auto& s : stages_)
     if (s.name == swap->stage) stage = &s;
   absl::StatusOr<std::unique_ptr<TeacherPool>> pool =
-      stage == nullptr
-          ? absl::InvalidArgumentError(absl::StrCat("no stage '", swap->stage, "'"))
-          : TeacherPool::Connect(name, swap->endpoints, req_,
-                                 swap->domain.empty() ? opts_ : DomainOptions(*stage));
+      stage == nullptr ? absl::InvalidArgumentError(absl::StrCat("no stage '", swap->stage, "'"))
+                       : TeacherPool::Connect(name, swap->endpoints, req_,
+                                              swap->domain.empty() ? opts_ : DomainOptions(*stage));
   const absl::Status agreed = sync.Agree("teacher swap connected", pool.status());
   std::optional<Applied> applied;
   if (agreed.ok()) applied = Install(*swap, std::move(*pool));
@@ -98,8 +97,8 @@ absl::StatusOr<std::optional<StageTeachers::Applied>> StageTeachers::ApplyPendin
 
 // Rank 0's request (null: none) on every rank, as JSON with an explicit flag.
 absl::StatusOr<std::optional<SwapRequest>> StageTeachers::Announce(const SwapRequest* mine,
-                                                                  bool root,
-                                                                  lm::dist::RankSync& sync) {
+                                                                   bool root,
+                                                                   lm::dist::RankSync& sync) {
   const std::string announced =
       root ? nlohmann::json{{"swap", mine != nullptr},
                             {"stage", mine ? mine->stage : ""},

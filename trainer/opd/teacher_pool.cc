@@ -508,10 +508,9 @@ absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> TeacherPool::Score(
     }
     const auto healthy = HealthyReplicas();
     if (healthy.empty() && opts_.give_up_when_all_down)
-      return absl::UnavailableError(absl::StrCat("stage '", stage_,
-                                                 "': every teacher replica is down (",
-                                                 absl::StrJoin(endpoints(), ", "),
-                                                 "). Last error: ", last_error));
+      return absl::UnavailableError(
+          absl::StrCat("stage '", stage_, "': every teacher replica is down (",
+                       absl::StrJoin(endpoints(), ", "), "). Last error: ", last_error));
     if (healthy.empty()) {
       const absl::Duration wait =
           std::max(absl::Milliseconds(10),
