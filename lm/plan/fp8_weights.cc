@@ -4,27 +4,15 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "lm/plan/layer_rules.h"
 #include "lm/plan/plan.h"
 
 namespace lm::plan {
 namespace {
 
-// ModelConfig::IsMoeLayer / IsFullAttentionLayer (lm/model/config.cc, in the torch library) for
-// lm_base, as lm/plan/plan.cc has them.
-bool IsMoe(const ModelConfig& c, int64_t i) {
-  if (c.num_experts <= 0) return false;
-  if (std::find(c.mlp_only_layers.begin(), c.mlp_only_layers.end(), i) != c.mlp_only_layers.end())
-    return false;
-  return (i + 1) % c.decoder_sparse_step == 0;
-}
-
-bool IsFull(const ModelConfig& c, int64_t i) {
-  return c.layer_types.empty() || c.layer_types[i] == "full_attention";
-}
-
-int64_t CeilDiv(int64_t a, int64_t b) {
-  return (a + b - 1) / b;
-}
+using internal::CeilDiv;
+using internal::IsFull;
+using internal::IsMoe;
 
 // Adds the linear layers of one layer that `f` converts: `copies` of a [rows, cols] weight each,
 // which the bf16 count held at `counted` bytes per parameter.

@@ -6,22 +6,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "lm/plan/layer_rules.h"
 
 namespace lm::plan {
 namespace {
 
-// ModelConfig::IsMoeLayer / IsFullAttentionLayer live in lm/model/config.cc, which is in the
-// torch library (it resolves the architecture table); the same two rules, for lm_base.
-bool IsMoe(const ModelConfig& c, int64_t i) {
-  if (c.num_experts <= 0) return false;
-  if (std::find(c.mlp_only_layers.begin(), c.mlp_only_layers.end(), i) != c.mlp_only_layers.end())
-    return false;
-  return (i + 1) % c.decoder_sparse_step == 0;
-}
-
-bool IsFull(const ModelConfig& c, int64_t i) {
-  return c.layer_types.empty() || c.layer_types[i] == "full_attention";
-}
+using internal::CeilDiv;
+using internal::IsFull;
+using internal::IsMoe;
 
 bool IsNext(const ModelConfig& c) {
   return c.model_type == "qwen3_next";

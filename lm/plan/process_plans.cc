@@ -5,14 +5,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "lm/plan/layer_rules.h"
 #include "lm/plan/plan.h"
 
 namespace lm::plan {
 namespace {
 
-int64_t CeilDiv(int64_t a, int64_t b) {
-  return b > 0 ? (a + b - 1) / b : 0;
-}
+using internal::CeilDiv;
+using internal::IsFull;
+using internal::IsMoe;
 
 // A roofline term: the slower of the compute and the HBM time.
 TimeTerm Roofline(std::string name, double flops, double bytes, const DeviceSpec& d) {
