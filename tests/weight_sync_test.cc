@@ -36,6 +36,7 @@
 #include "rpc/tensor_codec.h"
 #include "rpc/weight_wire.h"
 #include "tests/gpu.h"
+#include "tests/local_rollout.h"
 #include "tests/tensor_testing.h"
 #include "tests/testing.h"
 #include "trainer/opd/weight_push.h"
@@ -93,49 +94,11 @@ std::vector<opd::rpc::WireTensor> Wire(lm::CausalLM& m, torch::Dtype dtype) {
   return w;
 }
 
-// An opd.v1.Rollout service in this process over its own WeightStore, so that a test can read the
-// weights it serves; on 127.0.0.1, stopped at the end.
-class LocalRollout {
+// A rollout service in this process over the fixture's model in `dtype` (tests/local_rollout.h).
+class LocalRollout : public testing_util::LocalRollout {
  public:
   explicit LocalRollout(torch::Dtype dtype)
-      : store_(Load(dtype)), auth_(kSecret), service_(&store_, &auth_, Options(), Info(dtype)) {
-    opd::rpc::ServerOptions so;
-    so.has_secret = true;
-    auto running = opd::rpc::StartServer(so, {&service_}, {"opd.v1.Rollout"});
-    EXPECT_TRUE(running.ok()) << running.status();
-    if (running.ok()) {
-      server_ = std::move(*running);
-      address_ = "127.0.0.1:" + std::to_string(server_.port);
-    }
-  }
-  ~LocalRollout() {
-    if (server_.server) server_.server->Shutdown();
-  }
-
-  const std::string& address() const { return address_; }
-  rollout::WeightStore& store() { return store_; }
-  const rollout::WeightSyncReceiver& sync() const { return service_.weight_sync(); }
-
- private:
-  static rollout::ServiceOptions Options() {
-    rollout::ServiceOptions o;
-    o.limits.vocab_size = 96;
-    o.limits.max_seq_len = 256;
-    return o;
-  }
-  static opd::v1::ServiceInfo Info(torch::Dtype dtype) {
-    opd::v1::ServiceInfo i;
-    i.set_service("opd.v1.Rollout");
-    i.set_vocab_size(96);
-    i.set_dtype(opd::rpc::DtypeName(dtype));
-    return i;
-  }
-
-  rollout::WeightStore store_;
-  opd::rpc::Authenticator auth_;
-  rollout::RolloutService service_;
-  opd::rpc::RunningServer server_;
-  std::string address_;
+      : testing_util::LocalRollout(Load(dtype), dtype, kSecret) {}
 };
 
 opd::rpc::ClientOptions Client(const std::string& address, const std::string& secret = kSecret) {
