@@ -287,7 +287,7 @@ absl::Status PrintSteps(const trainer::OpdConfig& c, const Args& a, const Device
   for (size_t i = 0; i < stages.size(); ++i) {
     if (!stages[i]) continue;
     shape.score_calls =
-        CeilDiv(CeilDiv(ls.tokens_per_step, c.train.score_call_tokens), stages[i]->replicas);
+        CeilDiv(CeilDiv(ls.tokens_per_step, c.train.ScoreCallTokens()), stages[i]->replicas);
     const lm::plan::StepPlan step = lm::plan::PlanStep(rollout, *stages[i], learner, shape, e);
     std::cout << absl::StrFormat("OPD step, stage %s, %s (%s) = %s\n", c.stages[i].name, label,
                                  step.formula, lm::plan::FormatSeconds(step.step));

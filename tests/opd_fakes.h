@@ -67,6 +67,8 @@ class FakeTeacher final : public opd::v1::Teacher::CallbackService {
   using Script = std::function<Action(int call)>;
   FakeTeacher(std::string fingerprint, Script script)
       : fingerprint_(std::move(fingerprint)), script_(std::move(script)) {}
+  // Runs as a call starts, before the script, with its request.
+  std::function<void(const opd::v1::ScoreRequest&)> on_request;
 
   grpc::ServerUnaryReactor* Score(grpc::CallbackServerContext* ctx,
                                   const opd::v1::ScoreRequest* req,
@@ -79,6 +81,7 @@ class FakeTeacher final : public opd::v1::Teacher::CallbackService {
       deadlines_s_.push_back(
           absl::ToDoubleSeconds(absl::FromChrono(ctx->deadline()) - absl::Now()));
     }
+    if (on_request) on_request(*req);
     const Action a = script_(call);
     if (a.hang) {
       auto* hanging = new HangingReactor();  // deletes itself in OnDone

@@ -8,9 +8,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <map>
 #include <set>
+#include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "tests/opd_fakes.h"
 #include "trainer/opd/rollout_pool.h"
@@ -135,6 +139,72 @@ TEST(StepPipeline, MicroBatchesComeInPromptOrderWhateverTheArrivalOrder) {
     }
   }
   EXPECT_EQ(by_order[false], by_order[true]);
+}
+
+// One sample a call, one call at a time, samples written last first: the first call takes a
+// sample that has arrived and is held until every sample has; every later call then takes the
+// lowest slot queued, the order the learner consumes them in, so the first micro-batch is scored
+// first whatever order the samples arrived in.
+TEST(StepPipeline, TeachersScoreInTheLearnersOrderWhateverTheArrivalOrder) {
+  absl::Notification sampled;
+  absl::Mutex mu;
+  std::vector<int32_t> prompt_of_call;  // each call's one sequence: its prompt (token 1 is 2 + p)
+  InProcessServer<FakeTeacher> teacher("opd.v1.Teacher", kFingerprint, [&](int call) {
+    if (call == 0) sampled.WaitForNotificationWithTimeout(absl::Seconds(120));
+    return FakeTeacher::Action{};
+  });
+  teacher.service.on_request = [&](const opd::v1::ScoreRequest& req) {
+    absl::MutexLock lock(&mu);
+    for (const auto& seq : req.sequences()) prompt_of_call.push_back(seq.tokens(1) - 2);
+  };
+  InProcessServer<FakeRollout> worker("opd.v1.Rollout", kFingerprint);
+  worker.service.reverse = true;
+  auto rollout = Rollout({worker.address});
+  auto pipe = StepPipeline::Sample(Prompts(5), Options(true, 12), *rollout, {});
+  trainer::ScoreStreamOptions so;
+  so.max_calls_per_pool = 1;
+  so.max_call_tokens = 5;  // one sample: 2 prompt + 3 response tokens
+  pipe->StartScoring(Teachers(teacher.address), so, 1);
+  ASSERT_TRUE(pipe->WaitSampled().ok());
+  sampled.Notify();
+  ASSERT_TRUE(pipe->WaitScored().ok());
+  EXPECT_EQ(Drain(*pipe).size(), 5u);
+  absl::MutexLock lock(&mu);
+  ASSERT_EQ(prompt_of_call.size(), 10u);
+  // After the first call (whichever sample it found), the calls come in slot order.
+  EXPECT_TRUE(std::is_sorted(prompt_of_call.begin() + 1, prompt_of_call.end()));
+  std::sort(prompt_of_call.begin(), prompt_of_call.end());
+  EXPECT_EQ(prompt_of_call, (std::vector<int32_t>{0, 0, 1, 1, 2, 2, 3, 3, 4, 4}));
+}
+
+// Phase by phase (overlap off) is the baseline the pipeline is measured against: nothing is
+// learned until every sample is scored. The teacher's last call waits for the learner's first
+// micro-batch: pipelined, it comes (its samples were scored by earlier calls); phase by phase it
+// never does, and the call goes on after a bound (the outcome the test expects there).
+TEST(StepPipeline, PhaseByPhaseLearnsOnlyOnceEverySampleIsScored) {
+  for (const bool overlap : {true, false}) {
+    absl::Notification first_learned;
+    std::atomic<bool> learned_before_last_call{false};
+    InProcessServer<FakeTeacher> teacher("opd.v1.Teacher", kFingerprint, [&](int call) {
+      if (call == 9)
+        learned_before_last_call = first_learned.WaitForNotificationWithTimeout(
+            overlap ? absl::Seconds(120) : absl::Seconds(2));
+      return FakeTeacher::Action{};
+    });
+    InProcessServer<FakeRollout> worker("opd.v1.Rollout", kFingerprint);
+    auto rollout = Rollout({worker.address});
+    auto pipe = StepPipeline::Sample(Prompts(5), Options(overlap, 12), *rollout, {});
+    trainer::ScoreStreamOptions so;
+    so.max_calls_per_pool = 1;
+    so.max_call_tokens = 5;
+    pipe->StartScoring(Teachers(teacher.address), so, 1);
+    auto first = pipe->NextMicroBatch();
+    ASSERT_TRUE(first.ok() && first->has_value()) << "overlap " << overlap;
+    first_learned.Notify();
+    EXPECT_EQ((*first)->slots, (std::vector<size_t>{0, 1}));
+    EXPECT_EQ(Drain(*pipe).size(), 4u);
+    EXPECT_EQ(learned_before_last_call.load(), overlap);
+  }
 }
 
 // Worker A dies after its first sample; its prompts (0 and 2 of 4: prompt i goes to worker

@@ -59,7 +59,7 @@ def run(args, build, task, models, rollout, teacher, secret_file, name, train):
         "prompts": {"sources": [{"files": [os.path.join(task, "opd_prompts.jsonl")]}], "max_prompt_len": 64},
         "rollout": {"endpoints": [rollout], "samples_per_prompt": 2, "max_new_tokens": args.new_tokens},
         "stages": [{"name": "bench", "teachers": [teacher], "max_steps": args.steps}],
-        "train": {"prompts_per_step": args.prompts, "threads": args.threads, **train},
+        "train": {"prompts_per_step": args.prompts, "threads": args.threads, **args.train, **train},
         "optim": {"lr": 1e-4, "min_lr": 1e-4},
         "checkpoint": {"every": 0},
         "logging": {"log_every": 1000, "tensorboard": False},
@@ -91,7 +91,10 @@ def main():
     ap.add_argument("--prompts", type=int, default=32, help="prompts per step (2 samples each)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1, help="threads of each process")
+    ap.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
+                    help="a train: setting of both runs (e.g. micro_batch_tokens=1024), repeatable")
     args = ap.parse_args()
+    args.train = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.train)}
     build = os.path.abspath(args.build)
     args.workdir = os.path.abspath(args.workdir)
     os.makedirs(args.workdir, exist_ok=True)

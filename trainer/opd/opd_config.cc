@@ -161,7 +161,7 @@ absl::Status ValidateTrain(const OpdTrainConfig& t) {
   RETURN_IF_ERROR(
       validate::IntInRange("train.score_calls_per_pool", t.score_calls_per_pool, 1, 64));
   RETURN_IF_ERROR(
-      validate::IntInRange("train.score_call_tokens", t.score_call_tokens, 1, limits::kMaxTokens));
+      validate::IntInRange("train.score_call_tokens", t.score_call_tokens, 0, limits::kMaxTokens));
   return validate::AboveAtMost("train.score_deadline_s", t.score_deadline_s, 0,
                                limits::kMaxTimeoutS);
 }

@@ -209,9 +209,13 @@ struct OpdTrainConfig : LearnerTrainConfig {
   // the same weights either way, trainer/opd/step_pipeline.h).
   OPD_FIELD(bool, pipeline) = true;
   // Scoring while sampling: Score calls in flight per teacher pool and rank, and the tokens one
-  // call takes at most (whatever has arrived since the last call went out).
+  // call takes at most (whatever has arrived since the last call went out). 0: a micro-batch's
+  // (micro_batch_tokens), so that the first micro-batch is learned while the next is scored.
   OPD_FIELD(int64_t, score_calls_per_pool) = 4;
-  OPD_FIELD(int64_t, score_call_tokens) = 65536;
+  OPD_FIELD(int64_t, score_call_tokens) = 0;
+  int64_t ScoreCallTokens() const {
+    return score_call_tokens > 0 ? score_call_tokens : micro_batch_tokens;
+  }
   OPD_FIELD(double, teacher_timeout_s) = 600;  // deadline of one Score call
   // deadline of a step's scoring, replica waits included
   OPD_FIELD(double, score_deadline_s) = 3600;

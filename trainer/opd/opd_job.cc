@@ -92,7 +92,7 @@ ScoreStreamOptions OpdJob::ScoringOptions() const {
   o.score.temperature = static_cast<float>(c_.loss.teacher_temperature);
   o.score.top_k = c_.loss.form == LossForm::kTopK ? static_cast<int32_t>(c_.loss.top_k) : 0;
   o.max_calls_per_pool = static_cast<int>(c_.train.score_calls_per_pool);
-  o.max_call_tokens = c_.train.score_call_tokens;
+  o.max_call_tokens = c_.train.ScoreCallTokens();
   o.stop = [] { return StopRequested(); };
   o.rank = group_->rank();
   o.step = step_ + 1;

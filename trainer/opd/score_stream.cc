@@ -1,6 +1,6 @@
 #include "trainer/opd/score_stream.h"
 
-#include <deque>
+#include <map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -12,7 +12,9 @@ namespace trainer {
 
 struct ScoreStream::PoolQueue {
   std::shared_ptr<TeacherPool> pool;
-  std::deque<Item> queued;
+  // Slot -> sample: calls take the lowest slots first, the order the learner consumes them in, so
+  // that the first micro-batch is scored first whatever order the samples arrived in.
+  std::map<size_t, const lm::Sample*> queued;
   int calls = 0;        // in flight
   int64_t started = 0;  // calls made so far (the replica rotation)
 };
@@ -67,7 +69,7 @@ void ScoreStream::AddLocked(size_t slot, const lm::Sample* sample) {
   ++outstanding_;
   for (auto& q : queues_) {
     if (q->pool.get() == pool) {
-      q->queued.push_back({slot, sample});
+      q->queued.emplace(slot, sample);
       return;
     }
   }
@@ -140,14 +142,15 @@ void ScoreStream::Work() {
       const int ready = ReadyPool();
       if (cancelled_ || !error_.ok() || ready < 0) return;
       q = queues_[static_cast<size_t>(ready)].get();
-      // Whatever is queued, oldest first, up to the token budget (at least one sample).
+      // Whatever is queued, lowest slot first, up to the token budget (at least one sample).
       int64_t tokens = 0;
       while (!q->queued.empty()) {
-        const int64_t len = static_cast<int64_t>(q->queued.front().sample->tokens.size());
+        const auto [slot, sample] = *q->queued.begin();
+        const int64_t len = static_cast<int64_t>(sample->tokens.size());
         if (!group.empty() && tokens + len > opts_.max_call_tokens) break;
         tokens += len;
-        group.push_back(q->queued.front());
-        q->queued.pop_front();
+        group.push_back({slot, sample});
+        q->queued.erase(q->queued.begin());
       }
       ++q->calls;
       hint = opts_.rank + opts_.step + q->started++;
@@ -169,7 +172,8 @@ void ScoreStream::Work() {
                                      "; its samples go to the stage's default pool "
                                      "(on_domain_down: default_pool)"));
         fallbacks_ += static_cast<int64_t>(group.size());
-        for (const Item& it : group) queues_.front()->queued.push_back(it);  // the fallback's
+        for (const Item& it : group)
+          queues_.front()->queued.emplace(it.slot, it.sample);  // the fallback's
         continue;
       }
       if (st.ok()) {

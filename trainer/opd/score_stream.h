@@ -2,8 +2,9 @@
 // domain as soon as it is added, so teachers work while the student samples the rest.
 //
 // Per pool, at most `max_calls_per_pool` Score calls run at once; a call takes whatever of the
-// pool's samples are queued when it starts (at most `max_call_tokens` tokens, at least one
-// sample), so samples that arrive while the teachers are busy are scored together. The groups
+// pool's samples are queued when it starts, lowest slot first (at most `max_call_tokens` tokens,
+// at least one sample), so samples that arrive while the teachers are busy are scored together,
+// in the order the learner consumes them. The groups
 // therefore depend on arrival times; the scores do not, where the teacher scores each sequence
 // the same whatever shares its batch (opd-teacher does: teacher_service/scorer.h).
 //

@@ -212,6 +212,7 @@ absl::StatusOr<std::optional<StepPipeline::MicroBatchSlots>> StepPipeline::NextM
   absl::MutexLock lock(&mu_);
   const auto front_ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     if (closed_.empty()) return false;
+    if (!opts_.overlap) return scored_count_ == slots_;  // phase by phase: learning comes last
     for (size_t slot : closed_.front())
       if (!scored_[slot]) return false;
     return true;

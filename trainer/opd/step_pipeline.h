@@ -47,7 +47,8 @@ struct StepPrompts {
 struct StepPipelineOptions {
   int32_t samples_per_prompt = 2;
   int64_t micro_batch_tokens = 16384;
-  bool overlap = true;  // score while sampling, learn while scoring
+  // Score while sampling, learn while scoring; off: sample all, then score all, then learn all.
+  bool overlap = true;
   // The domain of a prompt's samples (their teacher pool and metrics).
   std::function<std::string(const lm::PromptExample&)> domain_of;
   // Checks one sample before it is kept (routing replay's shape); an error fails the step.
