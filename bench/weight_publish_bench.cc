@@ -37,11 +37,11 @@
 #include "lm/dist/process_group.h"
 #include "lm/model/config.h"
 #include "lm/model/model.h"
+#include "lm/util/config.h"
 #include "lm/util/status.h"
 #include "nlohmann/json.hpp"
 #include "rpc/auth.h"
 #include "rpc/client.h"
-#include "trainer/common/config.h"
 #include "trainer/opd/rollout_pool.h"
 #include "trainer/opd/weight_push.h"
 
@@ -158,8 +158,7 @@ absl::Status Push() {
   const std::vector<std::string> workers =
       absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty());
   trainer::WeightPushOptions po;
-  ASSIGN_OR_RETURN(po.mode,
-                   trainer::ParseChoice<trainer::WeightSyncMode>(absl::GetFlag(FLAGS_sync)));
+  ASSIGN_OR_RETURN(po.mode, lm::ParseChoice<trainer::WeightSyncMode>(absl::GetFlag(FLAGS_sync)));
   po.bucket_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_bucket_mb) * (1 << 20)) / 8 * 8;
   po.group_timeout = go.timeout;
   int step = 0;

@@ -101,8 +101,7 @@ absl::Status Push() {
   ASSIGN_OR_RETURN(auto client, opd::rpc::RolloutClient::Create(co));
   ASSIGN_OR_RETURN(auto info, client->Info());
   trainer::WeightPushOptions po;
-  ASSIGN_OR_RETURN(po.mode,
-                   trainer::ParseChoice<trainer::WeightSyncMode>(absl::GetFlag(FLAGS_sync)));
+  ASSIGN_OR_RETURN(po.mode, lm::ParseChoice<trainer::WeightSyncMode>(absl::GetFlag(FLAGS_sync)));
   po.bucket_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_bucket_mb) * (1 << 20)) / 8 * 8;
   if (const int k = absl::GetFlag(FLAGS_die_after_buckets); k > 0)
     po.on_bucket = [k](int64_t b) {

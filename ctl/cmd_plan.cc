@@ -19,9 +19,9 @@
 #include "lm/model/config.h"
 #include "lm/plan/plan.h"
 #include "lm/plan/step_plan.h"
+#include "lm/util/config.h"
 #include "lm/util/limits.h"
 #include "lm/util/status.h"
-#include "trainer/common/config.h"
 #include "trainer/common/learner_plan.h"
 
 namespace ctl {
@@ -191,7 +191,7 @@ bool Print(const ProcessPlan& p, const DeviceSpec& d) {
 }
 
 absl::StatusOr<bool> PlanSft(const Args& a, const DeviceSpec& d) {
-  ASSIGN_OR_RETURN(auto c, trainer::LoadConfig<trainer::SftConfig>(a.Get("config"), {}));
+  ASSIGN_OR_RETURN(auto c, lm::LoadConfig<trainer::SftConfig>(a.Get("config"), {}));
   ASSIGN_OR_RETURN(const lm::ModelConfig student, StudentConfig(c.model.path, a));
   std::cout << Header("sft", a, d, student);
   const bool mixed = a.Get("precision", "bf16-mixed") == "bf16-mixed";
@@ -298,7 +298,7 @@ absl::Status PrintSteps(const trainer::OpdConfig& c, const Args& a, const Device
 }
 
 absl::StatusOr<bool> PlanOpd(const Args& a, const DeviceSpec& d) {
-  ASSIGN_OR_RETURN(auto c, trainer::LoadConfig<trainer::OpdConfig>(a.Get("config"), {}));
+  ASSIGN_OR_RETURN(auto c, lm::LoadConfig<trainer::OpdConfig>(a.Get("config"), {}));
   ASSIGN_OR_RETURN(const lm::ModelConfig student, StudentConfig(c.model.path, a));
   const lm::plan::RolloutSettings r = RolloutOf(c, a);
   ASSIGN_OR_RETURN(const auto stages, StagePlans(c, a, d, r));
@@ -345,7 +345,7 @@ absl::StatusOr<bool> PlanOpd(const Args& a, const DeviceSpec& d) {
 
 // OPD when the file has a `stages:` section, else SFT.
 absl::StatusOr<bool> IsOpd(const std::string& path) {
-  ASSIGN_OR_RETURN(YAML::Node root, trainer::LoadYamlFile(path));
+  ASSIGN_OR_RETURN(YAML::Node root, lm::LoadYamlFile(path));
   return root.IsMap() && root["stages"].IsDefined();
 }
 

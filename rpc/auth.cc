@@ -9,6 +9,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "lm/util/file.h"
 
 namespace opd::rpc {
 
@@ -26,12 +27,11 @@ absl::StatusOr<std::string> LoadSecret(const std::string& secret_file) {
         absl::StrFormat("secret file %s is readable by group or others (mode %04o): chmod 600 it",
                         secret_file, st.st_mode & 07777));
   }
-  std::ifstream in(secret_file);
-  if (!in)
-    return absl::PermissionDeniedError(absl::StrCat("cannot read secret file ", secret_file));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  std::string secret(absl::StripTrailingAsciiWhitespace(ss.str()));
+  absl::StatusOr<std::string> text = lm::ReadFile(secret_file);
+  if (!text.ok())
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot read secret file ", secret_file, ": ", text.status().message()));
+  std::string secret(absl::StripTrailingAsciiWhitespace(*text));
   if (secret.empty())
     return absl::InvalidArgumentError(absl::StrCat("secret file ", secret_file, " is empty"));
   return secret;

@@ -4,17 +4,10 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "lm/util/file.h"
 #include "lm/util/status.h"
 
 namespace opd::rpc {
-
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 absl::Status CheckServerTls(const TlsServerOptions& tls, const TlsServerNames& names) {
   if (tls.cert_file.empty() != tls.key_file.empty()) {
@@ -53,11 +46,11 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
   if (!tls.enabled()) return grpc::InsecureServerCredentials();
   grpc::SslServerCredentialsOptions opts;
   grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-  ASSIGN_OR_RETURN(pair.cert_chain, ReadFile(tls.cert_file));
-  ASSIGN_OR_RETURN(pair.private_key, ReadFile(tls.key_file));
+  ASSIGN_OR_RETURN(pair.cert_chain, lm::ReadFile(tls.cert_file));
+  ASSIGN_OR_RETURN(pair.private_key, lm::ReadFile(tls.key_file));
   opts.pem_key_cert_pairs.push_back(std::move(pair));
   if (!tls.client_ca_file.empty()) {
-    ASSIGN_OR_RETURN(opts.pem_root_certs, ReadFile(tls.client_ca_file));
+    ASSIGN_OR_RETURN(opts.pem_root_certs, lm::ReadFile(tls.client_ca_file));
     opts.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   return grpc::SslServerCredentials(opts);
@@ -68,10 +61,10 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
   RETURN_IF_ERROR(CheckClientTls(tls));
   if (!tls.enabled()) return grpc::InsecureChannelCredentials();
   grpc::SslCredentialsOptions opts;
-  ASSIGN_OR_RETURN(opts.pem_root_certs, ReadFile(tls.ca_file));
+  ASSIGN_OR_RETURN(opts.pem_root_certs, lm::ReadFile(tls.ca_file));
   if (!tls.cert_file.empty()) {
-    ASSIGN_OR_RETURN(opts.pem_cert_chain, ReadFile(tls.cert_file));
-    ASSIGN_OR_RETURN(opts.pem_private_key, ReadFile(tls.key_file));
+    ASSIGN_OR_RETURN(opts.pem_cert_chain, lm::ReadFile(tls.cert_file));
+    ASSIGN_OR_RETURN(opts.pem_private_key, lm::ReadFile(tls.key_file));
   }
   return grpc::SslCredentials(opts);
 }

@@ -55,7 +55,4 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const TlsClientOptions& tls);
 
-// The whole file, or NOT_FOUND naming it.
-absl::StatusOr<std::string> ReadFile(const std::string& path);
-
 }  // namespace opd::rpc

@@ -21,9 +21,9 @@
 #include "absl/strings/match.h"
 #include "fake_inference_server.h"
 #include "lm/io/safetensors.h"
+#include "lm/util/config.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing.h"
-#include "trainer/common/config.h"
 #include "trainer/opd/opd_config.h"
 #include "trainer/opd/teacher_pool.h"
 
@@ -508,15 +508,15 @@ TEST(HttpTeacherConnect, TokenizerProbeRetries5xxAndRefuses4xx) {
 // The config refuses a vLLM teacher at T != 1 and a malformed external endpoint, naming the key.
 TEST(HttpTeacherConfig, VllmAtTemperatureAndBadEndpointsRefused) {
   auto validate = [](const std::vector<std::string>& sets) {
-    auto root = trainer::ParseYaml(
+    auto root = lm::ParseYaml(
         "model: {path: m}\nprompts: {sources: [{files: [p.jsonl]}]}\n"
         "rollout: {endpoints: [r:1]}\nstages: [{name: s1, teachers: [t:1], max_steps: 3}]\n"
         "run: {dir: r}\n",
         "test");
     EXPECT_TRUE(root.ok());
-    for (const auto& s : sets) EXPECT_TRUE(trainer::ApplyOverride(*root, s).ok()) << s;
+    for (const auto& s : sets) EXPECT_TRUE(lm::ApplyOverride(*root, s).ok()) << s;
     trainer::OpdConfig c;
-    EXPECT_TRUE(trainer::DecodeConfig(*root, &c).ok());
+    EXPECT_TRUE(lm::DecodeConfig(*root, &c).ok());
     return trainer::ValidateOpdConfig(c);
   };
   EXPECT_TRUE(validate({"stages.0.teachers=[\"vllm://h:1\"]"}).ok());

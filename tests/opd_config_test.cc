@@ -16,10 +16,10 @@
 
 #include "absl/strings/str_join.h"
 
+#include "lm/util/config.h"
 #include "lm/util/limits.h"
 #include "opd/v1/learner.grpc.pb.h"
 #include "rpc/client.h"
-#include "trainer/common/config.h"
 #include "trainer/opd/learner_service.h"
 #include "trainer/opd/opd_config.h"
 #include "trainer/sft/sft_config.h"
@@ -36,11 +36,11 @@ constexpr const char* kOpd =
 
 template <class T>
 T DecodeWith(const char* base, const std::vector<std::string>& sets) {
-  auto root = ParseYaml(base, "test");
+  auto root = lm::ParseYaml(base, "test");
   EXPECT_TRUE(root.ok()) << root.status();
-  for (const auto& s : sets) EXPECT_TRUE(ApplyOverride(*root, s).ok()) << s;
+  for (const auto& s : sets) EXPECT_TRUE(lm::ApplyOverride(*root, s).ok()) << s;
   T c;
-  const absl::Status st = DecodeConfig(*root, &c);
+  const absl::Status st = lm::DecodeConfig(*root, &c);
   EXPECT_TRUE(st.ok()) << st;
   return c;
 }
@@ -48,13 +48,13 @@ T DecodeWith(const char* base, const std::vector<std::string>& sets) {
 // The decoding error of `sets` applied to `base` (OK when it decodes).
 template <class T>
 absl::Status DecodeError(const char* base, const std::vector<std::string>& sets) {
-  auto root = ParseYaml(base, "test");
+  auto root = lm::ParseYaml(base, "test");
   if (!root.ok()) return root.status();
   for (const auto& s : sets) {
-    if (absl::Status st = ApplyOverride(*root, s); !st.ok()) return st;
+    if (absl::Status st = lm::ApplyOverride(*root, s); !st.ok()) return st;
   }
   T c;
-  return DecodeConfig(*root, &c);
+  return lm::DecodeConfig(*root, &c);
 }
 
 // The job's verdict on `sets`: the decoding error (a word not among a choice field's), else the
@@ -267,7 +267,7 @@ TEST(ConfigEnums, UnknownWordsNameTheKeyAndTheChoices) {
   // Through the whole pipeline, as the job reports it (exit 2).
   const std::string path = testing::TempDir() + "/bad_enum.yaml";
   std::ofstream(path) << kOpd << "loss: {correction: clip}\n";
-  auto c = LoadConfig<OpdConfig>(path, {});
+  auto c = lm::LoadConfig<OpdConfig>(path, {});
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.status().message(), path + ": loss.correction: 'clip' is not one of none, tis, ppo");
 }
@@ -310,8 +310,8 @@ TEST(ConfigEnums, SpellingsDecodeToTheirValues) {
   EXPECT_EQ(DecodeWith<SftConfig>(kSft, {"data.overlong=drop"}).data.overlong,
             lm::OverlongPolicy::kDrop);
   EXPECT_EQ(DecodeWith<SftConfig>(kSft, {}).data.overlong, lm::OverlongPolicy::kTruncate);
-  EXPECT_STREQ(ChoiceName(LossForm::kTopK), "topk");
-  EXPECT_STREQ(ChoiceName(PrecisionSetting::kBf16Mixed), "bf16-mixed");
+  EXPECT_STREQ(lm::ChoiceName(LossForm::kTopK), "topk");
+  EXPECT_STREQ(lm::ChoiceName(PrecisionSetting::kBf16Mixed), "bf16-mixed");
 }
 
 // The resolved config (config.yaml in the run directory) writes each enum as its word, quoted as
@@ -320,18 +320,18 @@ TEST(ConfigEnums, ResolvedConfigRoundTrips) {
   const OpdConfig c = DecodeWith<OpdConfig>(
       kOpd, {"loss.form=topk", "loss.correction=none", "rollout.weight_sync=auto",
              "stages.0.plateau.metric=heldout", "train.precision=fp32"});
-  const std::string text = EncodeConfig(c);
+  const std::string text = lm::EncodeConfig(c);
   for (const char* line :
        {"form: \"topk\"", "correction: \"none\"", "weight_sync: \"auto\"", "metric: \"heldout\"",
         "precision: \"fp32\"", "chat_format: \"qwen3\"", "divergence: \"mixed\"",
         "normalization: \"token\"", "resume: \"auto\"", "backend: \"auto\"",
         "allgather_dtype: \"auto\"", "zero_stage: \"auto\""})
     EXPECT_NE(text.find(line), std::string::npos) << line << " in\n" << text;
-  auto root = ParseYaml(text, "resolved");
+  auto root = lm::ParseYaml(text, "resolved");
   ASSERT_TRUE(root.ok()) << root.status();
   OpdConfig again;
-  ASSERT_TRUE(DecodeConfig(*root, &again).ok()) << text;
-  EXPECT_EQ(EncodeConfig(again), text);
+  ASSERT_TRUE(lm::DecodeConfig(*root, &again).ok()) << text;
+  EXPECT_EQ(lm::EncodeConfig(again), text);
   EXPECT_EQ(again.loss.form, LossForm::kTopK);
   EXPECT_EQ(again.loss.correction, Correction::kNone);
   EXPECT_EQ(again.rollout.weight_sync, WeightSyncMode::kAuto);
@@ -340,13 +340,13 @@ TEST(ConfigEnums, ResolvedConfigRoundTrips) {
 
   const SftConfig s =
       DecodeWith<SftConfig>(kSft, {"data.overlong=drop", "model.chat_format=qwen2"});
-  const std::string sft_text = EncodeConfig(s);
+  const std::string sft_text = lm::EncodeConfig(s);
   EXPECT_NE(sft_text.find("overlong: \"drop\""), std::string::npos) << sft_text;
-  auto sft_root = ParseYaml(sft_text, "resolved");
+  auto sft_root = lm::ParseYaml(sft_text, "resolved");
   ASSERT_TRUE(sft_root.ok()) << sft_root.status();
   SftConfig sft_again;
-  ASSERT_TRUE(DecodeConfig(*sft_root, &sft_again).ok()) << sft_text;
-  EXPECT_EQ(EncodeConfig(sft_again), sft_text);
+  ASSERT_TRUE(lm::DecodeConfig(*sft_root, &sft_again).ok()) << sft_text;
+  EXPECT_EQ(lm::EncodeConfig(sft_again), sft_text);
   EXPECT_EQ(sft_again.data.overlong, lm::OverlongPolicy::kDrop);
   EXPECT_EQ(sft_again.model.chat_format, ChatFormatName::kQwen2);
 }
@@ -369,13 +369,13 @@ TEST(ConfigValidation, TeacherTemperatureOtherThanRolloutTemperatureWarns) {
 TEST(ConfigValidation, ShippedConfigsPass) {
   const std::string root = std::string(OPD_SOURCE_DIR) + "/configs/";
   for (const char* f : {"opd/marco_nano.yaml", "demo/opd.yaml"}) {
-    auto c = LoadConfig<OpdConfig>(root + f, {});
+    auto c = lm::LoadConfig<OpdConfig>(root + f, {});
     ASSERT_TRUE(c.ok()) << f << ": " << c.status();
     EXPECT_TRUE(ValidateOpdConfig(*c).ok()) << f << ": " << ValidateOpdConfig(*c);
     EXPECT_TRUE(OpdConfigWarnings(*c).empty()) << f;
   }
   for (const char* f : {"sft/marco_nano.yaml", "sft/tiny.yaml", "demo/sft.yaml"}) {
-    auto c = LoadConfig<SftConfig>(root + f, {});
+    auto c = lm::LoadConfig<SftConfig>(root + f, {});
     ASSERT_TRUE(c.ok()) << f << ": " << c.status();
     EXPECT_TRUE(ValidateSftConfig(*c).ok()) << f << ": " << ValidateSftConfig(*c);
   }
@@ -390,21 +390,22 @@ namespace {
 // yaml-cpp keeps both entries of a repeated key and a lookup finds the first: a second `train:`
 // block was silently ignored. It is an error naming the key's path and both lines.
 TEST(Config, DuplicateKeysAreErrorsNamingKeyAndLine) {
-  auto top = ParseYaml("train:\n  threads: 1\nrun: {dir: r}\ntrain:\n  threads: 2\n", "job.yaml");
+  auto top =
+      lm::ParseYaml("train:\n  threads: 1\nrun: {dir: r}\ntrain:\n  threads: 2\n", "job.yaml");
   ASSERT_FALSE(top.ok());
   EXPECT_EQ(top.status().message(), "job.yaml:4:1: duplicate key 'train' (first at line 1)");
-  auto nested = ParseYaml("train:\n  threads: 1\n  seed: 3\n  threads: 2\n", "job.yaml");
+  auto nested = lm::ParseYaml("train:\n  threads: 1\n  seed: 3\n  threads: 2\n", "job.yaml");
   ASSERT_FALSE(nested.ok());
   EXPECT_EQ(nested.status().message(),
             "job.yaml:4:3: duplicate key 'train.threads' (first at line 2)");
-  auto in_list = ParseYaml("stages:\n  - name: a\n  - {name: b, max_steps: 1, name: c}\n", "j");
+  auto in_list = lm::ParseYaml("stages:\n  - name: a\n  - {name: b, max_steps: 1, name: c}\n", "j");
   ASSERT_FALSE(in_list.ok());
   EXPECT_TRUE(Contains(in_list.status(), "j:3:")) << in_list.status();
   EXPECT_TRUE(Contains(in_list.status(), "duplicate key 'stages[1].name'")) << in_list.status();
   // Quoting does not make it another key: both decode as `seed`.
-  EXPECT_FALSE(ParseYaml("seed: 1\n\"seed\": 2\n", "j").ok());
+  EXPECT_FALSE(lm::ParseYaml("seed: 1\n\"seed\": 2\n", "j").ok());
   // The same name in different mappings is no duplicate.
-  EXPECT_TRUE(ParseYaml("a: {x: 1}\nb: {x: 1}\nl: [{x: 1}, {x: 2}]\n", "j").ok());
+  EXPECT_TRUE(lm::ParseYaml("a: {x: 1}\nb: {x: 1}\nl: [{x: 1}, {x: 2}]\n", "j").ok());
 
   // Aliases are walked where they are used: an alias bomb (10^7 nodes from 70 lines) is refused
   // instead of walked.
@@ -415,21 +416,21 @@ TEST(Config, DuplicateKeysAreErrorsNamingKeyAndLine) {
     for (int j = 1; j < 10; ++j) bomb += ", " + prev;
     bomb += "]\n";
   }
-  auto bombed = ParseYaml(bomb, "j");
+  auto bombed = lm::ParseYaml(bomb, "j");
   ASSERT_FALSE(bombed.ok());
   EXPECT_TRUE(Contains(bombed.status(), "YAML nodes")) << bombed.status();
 
   // A --set value is checked as a file is.
-  auto root = ParseYaml(kSft, "test");
+  auto root = lm::ParseYaml(kSft, "test");
   ASSERT_TRUE(root.ok());
-  const absl::Status set = ApplyOverride(*root, "train={threads: 1, threads: 2}");
+  const absl::Status set = lm::ApplyOverride(*root, "train={threads: 1, threads: 2}");
   EXPECT_FALSE(set.ok());
   EXPECT_TRUE(Contains(set, "duplicate key 'train.threads'")) << set;
 
   // Through the whole pipeline (what the job's exit 2 reports).
   const std::string path = testing::TempDir() + "/duplicate_block.yaml";
   std::ofstream(path) << kOpd << "train:\n  threads: 1\ntrain:\n  threads: 100\n";
-  auto c = LoadConfig<OpdConfig>(path, {});
+  auto c = lm::LoadConfig<OpdConfig>(path, {});
   ASSERT_FALSE(c.ok());
   EXPECT_TRUE(Contains(c.status(), path + ":8:1: duplicate key 'train' (first at line 6)"))
       << c.status();

@@ -242,8 +242,8 @@ TEST(OpdLossOptions, TokenWeightsForBothNormalizations) {
   EXPECT_DOUBLE_EQ(seq.narrow(0, 0, 2).sum().item<double>(), 0.25);
   EXPECT_DOUBLE_EQ(seq.narrow(0, 2, 5).sum().item<double>(), 0.25);
   EXPECT_DOUBLE_EQ(seq[7].item<double>(), 0.25);
-  EXPECT_EQ(*ParseChoice<Normalization>("sequence"), Normalization::kSequence);
-  EXPECT_FALSE(ParseChoice<Normalization>("tokens").ok());
+  EXPECT_EQ(*lm::ParseChoice<Normalization>("sequence"), Normalization::kSequence);
+  EXPECT_FALSE(lm::ParseChoice<Normalization>("tokens").ok());
 }
 
 // R_t = d_t + gamma R_{t+1}, restarting at each response.
@@ -303,10 +303,10 @@ TEST(OpdLossOptions, ExpectedGradientIsTheExactReverseKlGradient) {
 
 // The loss's options are the config's words (trainer/opd/opd_config.h), parsed once.
 TEST(OpdLossParse, NamesAndErrors) {
-  EXPECT_EQ(*ParseChoice<Correction>("ppo"), Correction::kPpoClip);
-  EXPECT_EQ(*ParseChoice<TopKDivergence>("mixed"), TopKDivergence::kMixed);
-  EXPECT_STREQ(ChoiceName(Correction::kTruncatedIs), "tis");
-  auto bad = ParseChoice<Correction>("clipped");
+  EXPECT_EQ(*lm::ParseChoice<Correction>("ppo"), Correction::kPpoClip);
+  EXPECT_EQ(*lm::ParseChoice<TopKDivergence>("mixed"), TopKDivergence::kMixed);
+  EXPECT_STREQ(lm::ChoiceName(Correction::kTruncatedIs), "tis");
+  auto bad = lm::ParseChoice<Correction>("clipped");
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().message(), "'clipped' is not one of none, tis, ppo");
 }

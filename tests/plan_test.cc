@@ -16,10 +16,10 @@
 #include "absl/strings/str_split.h"
 #include "lm/plan/plan.h"
 #include "lm/plan/step_plan.h"
+#include "lm/util/config.h"
 #include "nlohmann/json.hpp"
 #include "tests/child_process.h"
 #include "tests/testing.h"
-#include "trainer/common/config.h"
 #include "trainer/common/learner_plan.h"
 
 using testing_util::ReadFile;
@@ -132,7 +132,7 @@ TEST(PlanByHand, KvAndStateBytes) {
 }
 
 lm::plan::LearnerSettings SftSettings(int64_t ranks) {
-  auto c = trainer::LoadConfig<trainer::SftConfig>(kSource + "/configs/sft/marco_nano.yaml", {});
+  auto c = lm::LoadConfig<trainer::SftConfig>(kSource + "/configs/sft/marco_nano.yaml", {});
   EXPECT_TRUE(c.ok()) << c.status();
   return trainer::LearnerPlanSettings(*c, ranks, /*bf16_mixed=*/true, /*cuda=*/true);
 }
@@ -163,7 +163,7 @@ TEST(PlanByHand, SftLearnerOn64H200) {
 }
 
 lm::plan::RolloutSettings OpdRollout() {
-  auto c = trainer::LoadConfig<trainer::OpdConfig>(kSource + "/configs/opd/marco_nano.yaml", {});
+  auto c = lm::LoadConfig<trainer::OpdConfig>(kSource + "/configs/opd/marco_nano.yaml", {});
   EXPECT_TRUE(c.ok()) << c.status();
   lm::plan::RolloutSettings r;
   r.workers = static_cast<int64_t>(c->rollout.endpoints.size());
@@ -174,7 +174,7 @@ lm::plan::RolloutSettings OpdRollout() {
 }
 
 TEST(PlanByHand, OpdLearner) {
-  auto c = trainer::LoadConfig<trainer::OpdConfig>(kSource + "/configs/opd/marco_nano.yaml", {});
+  auto c = lm::LoadConfig<trainer::OpdConfig>(kSource + "/configs/opd/marco_nano.yaml", {});
   ASSERT_TRUE(c.ok()) << c.status();
   const auto s = trainer::LearnerPlanSettings(*c, 48, true, true);
   EXPECT_EQ(s.sequence_len, 2048 + 8192);
@@ -185,10 +185,10 @@ TEST(PlanByHand, OpdLearner) {
   EXPECT_EQ(TermBytes(p.memory, "AdamW"), 8 * (kNanoParams / 48));
   // The learner's start-up check reads its settings back from the resolved config it writes
   // (trainer/common/training_job.cc): the same micro-batch as the file's.
-  auto root = trainer::ParseYaml(trainer::EncodeConfig(*c), "resolved");
+  auto root = lm::ParseYaml(lm::EncodeConfig(*c), "resolved");
   ASSERT_TRUE(root.ok()) << root.status();
   trainer::OpdConfig back;
-  ASSERT_TRUE(trainer::DecodeConfig(*root, &back).ok());
+  ASSERT_TRUE(lm::DecodeConfig(*root, &back).ok());
   const auto again = trainer::LearnerPlanSettings(back, 48, true, true);
   EXPECT_EQ(again.tokens_per_step, s.tokens_per_step);
   EXPECT_EQ(again.micro_batch_tokens, s.micro_batch_tokens);
@@ -313,7 +313,7 @@ TEST(PlanByHand, ShardedGradients) {
 //   16 ranks: weights 2 (P - F) + 4 F = 32.15 GiB, gradients 4P/16 = 4.02 GiB, buckets 0.5 GiB,
 //   masters 4.02 GiB, AdamW 8.03 GiB, activations and logits chunk, 2 GiB reserve.
 TEST(PlanByHand, MarcoMiniFitsEightyGigabytesFromSixteenRanks) {
-  auto c = trainer::LoadConfig<trainer::OpdConfig>(kSource + "/configs/opd/marco_nano.yaml", {});
+  auto c = lm::LoadConfig<trainer::OpdConfig>(kSource + "/configs/opd/marco_nano.yaml", {});
   ASSERT_TRUE(c.ok()) << c.status();
   const lm::ModelConfig mini = Model("marco_mini");
   const int64_t p = lm::plan::CountParameters(mini).total;
@@ -580,7 +580,7 @@ double SftPeakRssMb(const std::string& dir, const std::string& config_json, int 
 
 lm::plan::LearnerSettings CpuSettings(int64_t ranks = 1,
                                       const std::vector<std::string>& sets = {}) {
-  auto c = trainer::LoadConfig<trainer::SftConfig>(kSource + "/configs/sft/tiny.yaml", sets);
+  auto c = lm::LoadConfig<trainer::SftConfig>(kSource + "/configs/sft/tiny.yaml", sets);
   EXPECT_TRUE(c.ok()) << c.status();
   return trainer::LearnerPlanSettings(*c, ranks, /*bf16_mixed=*/false, /*cuda=*/false);
 }

@@ -17,13 +17,13 @@
 
 #include "child_process.h"
 #include "lm/text/tokenizer.h"
+#include "lm/util/config.h"
 #include "opd/v1/learner.grpc.pb.h"
 #include "opd_task.h"
 #include "rpc/client.h"
 #include "rpc/server.h"
 #include "rpc/status.h"
 #include "tests/testing.h"
-#include "trainer/common/config.h"
 #include "trainer/opd/learner_service.h"
 #include "trainer/opd/opd_config.h"
 
@@ -276,7 +276,7 @@ TEST(ShippedConfigs, AdminServiceIsLoopbackOrTlsWithSecret) {
   for (const auto& entry :
        fs::recursive_directory_iterator(std::string(OPD_SOURCE_DIR) + "/configs")) {
     if (entry.path().extension() != ".yaml") continue;
-    auto config = trainer::LoadConfig<trainer::OpdConfig>(entry.path().string(), {});
+    auto config = lm::LoadConfig<trainer::OpdConfig>(entry.path().string(), {});
     if (!config.ok()) continue;  // an SFT config
     ++checked;
     const auto& c = *config;

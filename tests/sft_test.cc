@@ -30,10 +30,11 @@
 #include "absl/strings/str_format.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
+#include "lm/util/config.h"
 #include "nlohmann/json.hpp"
 #include "tests/tensor_testing.h"
 #include "tests/testing.h"
-#include "trainer/common/config.h"
+#include "trainer/common/job_args.h"
 #include "trainer/common/metrics.h"
 #include "trainer/common/optim.h"
 #include "trainer/common/progress.h"
@@ -207,13 +208,13 @@ bool WaitFor(const std::function<bool()>& cond, double seconds) {
 
 absl::StatusOr<SftConfig> Decode(const std::string& yaml,
                                  const std::vector<std::string>& sets = {}) {
-  auto root = ParseYaml(yaml, "test.yaml");
+  auto root = lm::ParseYaml(yaml, "test.yaml");
   if (!root.ok()) return root.status();
   for (const auto& s : sets) {
-    if (auto st = ApplyOverride(*root, s); !st.ok()) return st;
+    if (auto st = lm::ApplyOverride(*root, s); !st.ok()) return st;
   }
   SftConfig c;
-  if (auto st = DecodeConfig(*root, &c); !st.ok()) return st;
+  if (auto st = lm::DecodeConfig(*root, &c); !st.ok()) return st;
   return c;
 }
 
@@ -278,10 +279,10 @@ TEST(Config, ResolvedConfigRoundTrips) {
                   {"optim.lr=1e-5", "optim.eps=1e-8", "debug.nan_steps=[3]", "run.dir=\"007\"",
                    "data.overlong=drop"});
   ASSERT_TRUE(c.ok()) << c.status();
-  const std::string text = EncodeConfig(*c);
+  const std::string text = lm::EncodeConfig(*c);
   auto again = Decode(text);
   ASSERT_TRUE(again.ok()) << again.status() << "\n" << text;
-  EXPECT_EQ(EncodeConfig(*again), text);
+  EXPECT_EQ(lm::EncodeConfig(*again), text);
   EXPECT_EQ(again->optim.eps, 1e-8);
   EXPECT_EQ(again->run.dir, "007");  // a string that looks like a number stays a string
   EXPECT_EQ(again->data.overlong, lm::OverlongPolicy::kDrop);  // an enum is written as its word

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "lm/util/file.h"
 #include "lm/util/status.h"
 #include "nlohmann/json.hpp"
 
@@ -611,15 +612,6 @@ std::string BadShardName(const std::string& file) {
   return "";
 }
 
-absl::StatusOr<std::string> ReadText(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) return absl::DataLossError(absl::StrCat(path, ": read error"));
-  return ss.str();
-}
-
 // `path` with every symbolic link resolved, and whether that worked.
 absl::StatusOr<fs::path> Resolved(const fs::path& path) {
   std::error_code ec;
@@ -680,7 +672,7 @@ absl::StatusOr<std::vector<std::string>> CheckpointFilePaths(const std::string& 
     if (fs::exists(single, ec)) return std::vector<std::string>{single};
     return absl::NotFoundError(absl::StrCat(dir, ": no model.safetensors or ", kIndexFile));
   }
-  ASSIGN_OR_RETURN(const std::string text, ReadText(index_path));
+  ASSIGN_OR_RETURN(const std::string text, ReadFile(index_path));
   ASSIGN_OR_RETURN(const SafetensorsIndex index, ParseSafetensorsIndex(text, index_path));
   ASSIGN_OR_RETURN(const fs::path root, Resolved(dir));
   // A Hugging Face cache snapshot (<repo>/snapshots/<revision>/) holds its shards as links into

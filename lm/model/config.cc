@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "lm/model/arch.h"
+#include "lm/util/file.h"
 #include "lm/util/status.h"
 
 namespace lm {
@@ -330,12 +331,11 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const json& j) {
 
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& dir) {
   const std::string path = dir + "/config.json";
-  std::ifstream in(path);
-  if (!in)
-    return absl::NotFoundError(absl::StrCat(path, ": cannot open (is this a model directory?)"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  json j = json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  absl::StatusOr<std::string> text = ReadFile(path);
+  if (!text.ok())
+    return absl::Status(text.status().code(),
+                        absl::StrCat(text.status().message(), " (is this a model directory?)"));
+  json j = json::parse(*text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(path, ": not valid JSON"));
   auto c = ParseModelConfig(j);
   if (!c.ok())

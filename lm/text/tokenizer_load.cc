@@ -18,6 +18,7 @@
 #include "lm/text/tokenizer.h"
 #include "lm/text/tokenizer_internal.h"
 #include "lm/text/utf8.h"
+#include "lm/util/file.h"
 #include "lm/util/status.h"
 #include "nlohmann/json.hpp"
 
@@ -73,17 +74,8 @@ absl::StatusOr<int32_t> TokenIdFromJson(const nlohmann::json& v, std::string_vie
   return CheckedTokenId(v.get<int64_t>(), token, what, where);
 }
 
-absl::StatusOr<std::string> ReadFile(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path.string()));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) return absl::DataLossError(absl::StrCat("cannot read ", path.string()));
-  return ss.str();
-}
-
 absl::StatusOr<json> ReadJson(const fs::path& path) {
-  ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  ASSIGN_OR_RETURN(std::string text, ReadFile(path.string()));
   try {
     return json::parse(text);
   } catch (const json::exception& e) {
@@ -456,7 +448,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& di
   std::error_code ec;
   if (fs::is_regular_file(path, ec) || fs::exists(path / "tokenizer.json", ec)) {
     const fs::path file = fs::is_regular_file(path, ec) ? path : path / "tokenizer.json";
-    ASSIGN_OR_RETURN(const std::string text, ReadFile(file));
+    ASSIGN_OR_RETURN(const std::string text, ReadFile(file.string()));
     return FromTokenizerJson(text, file.string(), options);
   }
   Builder builder;

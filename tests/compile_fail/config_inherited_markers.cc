@@ -1,6 +1,6 @@
 // Must not compile: a derived section without markers of its own would decode its base's fields
-// only (tests/CMakeLists.txt expects trainer/common/config.h's static_assert message).
-#include "trainer/common/config.h"
+// only (tests/CMakeLists.txt expects lm/util/config.h's static_assert message).
+#include "lm/util/config.h"
 
 struct Base {
   OPD_CONFIG_FIELDS_BEGIN;
@@ -13,5 +13,5 @@ struct Derived : Base {
 };
 
 absl::Status Decode(const YAML::Node& n, Derived* c) {
-  return trainer::DecodeConfig(n, c);
+  return lm::DecodeConfig(n, c);
 }

@@ -1,6 +1,6 @@
 // Must not compile: a field written after OPD_CONFIG_FIELDS_END would never be decoded
-// (tests/CMakeLists.txt expects trainer/common/config.h's static_assert message).
-#include "trainer/common/config.h"
+// (tests/CMakeLists.txt expects lm/util/config.h's static_assert message).
+#include "lm/util/config.h"
 
 struct StrayField {
   OPD_CONFIG_FIELDS_BEGIN;
@@ -10,5 +10,5 @@ struct StrayField {
 };
 
 absl::Status Decode(const YAML::Node& n, StrayField* c) {
-  return trainer::DecodeConfig(n, c);
+  return lm::DecodeConfig(n, c);
 }

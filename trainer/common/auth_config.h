@@ -18,8 +18,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "lm/util/config.h"
 #include "rpc/tls.h"
-#include "trainer/common/config.h"
 
 namespace trainer {
 

@@ -16,6 +16,7 @@
 #include "lm/dist/process_group.h"
 #include "lm/io/hf_model_dir.h"
 #include "lm/io/safetensors.h"
+#include "lm/util/file.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "trainer/common/run_dir.h"
@@ -45,12 +46,12 @@ absl::Status CopyFiles(const std::vector<std::string>& files, const std::string&
 absl::Status SyncTree(const std::string& dir) {
   std::error_code ec;
   for (const auto& e : fs::recursive_directory_iterator(dir, ec)) {
-    if (e.is_regular_file()) RETURN_IF_ERROR(SyncPath(e.path().string()));
+    if (e.is_regular_file()) RETURN_IF_ERROR(lm::SyncPath(e.path().string()));
   }
   for (const auto& e : fs::recursive_directory_iterator(dir, ec)) {
-    if (e.is_directory()) RETURN_IF_ERROR(SyncPath(e.path().string()));
+    if (e.is_directory()) RETURN_IF_ERROR(lm::SyncPath(e.path().string()));
   }
-  return SyncPath(dir);
+  return lm::SyncPath(dir);
 }
 
 // "step_000100" -> 100; -1 for anything else (including .tmp- names).
@@ -146,7 +147,7 @@ absl::Status CheckpointManager::Save(int64_t step, lm::CausalLM& model,
     state["step"] = step;
     state["optimizer_steps"] = optimizer.steps();
     state["world_size"] = group.size();
-    return WriteFileAtomic(tmp + "/" + kStateFile, state.dump(2) + "\n");
+    return lm::WriteFileAtomic(tmp + "/" + kStateFile, state.dump(2) + "\n");
   };
   // bf16-mixed: rank 0's model holds the fp32 masters while it is written (zero1.h).
   RETURN_IF_ERROR(optimizer.WithMasterWeights(
@@ -161,7 +162,7 @@ absl::Status CheckpointManager::Save(int64_t step, lm::CausalLM& model,
       fs::rename(tmp, final_dir, ec);
       if (ec)
         return absl::InternalError(absl::StrCat(final_dir, ": rename failed: ", ec.message()));
-      RETURN_IF_ERROR(SyncPath(dir_));
+      RETURN_IF_ERROR(lm::SyncPath(dir_));
       Prune();
       return absl::OkStatus();
     }();
@@ -246,9 +247,8 @@ void CheckpointManager::Prune() const {
 
 absl::StatusOr<nlohmann::json> ReadTrainerState(const std::string& checkpoint_dir) {
   const std::string path = checkpoint_dir + "/" + kStateFile;
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  ASSIGN_OR_RETURN(const std::string text, lm::ReadFile(path));
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
   if (j.is_discarded() || !j.is_object())
     return absl::DataLossError(absl::StrCat(path, ": not JSON"));
   if (!j.contains("version") || !j["version"].is_number_integer() ||

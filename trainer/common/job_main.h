@@ -14,10 +14,11 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "lm/util/config.h"
 #include "lm/util/log.h"
 #include "rpc/auth.h"
 #include "rpc/last_resort.h"
-#include "trainer/common/config.h"
+#include "trainer/common/job_args.h"
 #include "trainer/common/signals.h"
 
 namespace trainer {
@@ -79,7 +80,7 @@ int RunJobMain(const Job<Config>& job, const std::vector<std::string>& words, co
     PrintJobUsage(stderr, me, job.config_example);
     return 2;
   }
-  absl::StatusOr<Config> config = LoadConfig<Config>(args->config_path, args->overrides);
+  absl::StatusOr<Config> config = lm::LoadConfig<Config>(args->config_path, args->overrides);
   absl::Status s = config.ok() ? job.validate(*config) : config.status();
   if (s.ok()) s = CheckSecretFile(*config);
   if (!s.ok()) {

@@ -88,7 +88,7 @@ absl::StatusOr<LearnerPlacement> JoinLearnerGroup(const std::string& device, dou
   lm::BindThreadToDevice(p.device);  // before the group: NCCL and every later launch use it
   lm::dist::GroupOptions o;
   o.timeout = absl::Seconds(timeout_s);
-  o.backend = ChoiceName(backend);  // lm::dist takes the same words
+  o.backend = lm::ChoiceName(backend);  // lm::dist takes the same words
   ASSIGN_OR_RETURN(p.group, lm::dist::ProcessGroup::Create(env, p.device, o));
   if (env.distributed()) {
     lm::log::Info(absl::StrFormat("rank %d of %d (local rank %d) on %s, %s collectives via %s:%d",

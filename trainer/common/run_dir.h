@@ -36,11 +36,4 @@ class RunDir {
   std::string path_;
 };
 
-// Writes `contents` to `path + ".tmp"`, flushes it to disk and renames it over `path`: readers
-// see the old file or the new one, never a half-written one.
-absl::Status WriteFileAtomic(const std::string& path, const std::string& contents);
-
-// fsync of a file or directory (best effort for directories). Makes a rename durable.
-absl::Status SyncPath(const std::string& path);
-
 }  // namespace trainer

@@ -1,6 +1,6 @@
 // Config sections shared by the learner's jobs (sft/, opd/): the student model, the learner's
 // common train fields, optimizer and schedule, run directory, checkpoints, logging, ranks. Each
-// struct lists its fields for trainer/common/config.h; ValidateSharedSections checks them the same
+// struct lists its fields for lm/util/config.h; ValidateSharedSections checks them the same
 // way for both jobs. The choice fields are enums, their words listed once by their Choices.
 #pragma once
 
@@ -11,8 +11,8 @@
 
 #include "absl/status/status.h"
 #include "lm/text/chat.h"
+#include "lm/util/config.h"
 #include "lm/util/limits.h"
-#include "trainer/common/config.h"
 
 namespace trainer {
 
@@ -21,9 +21,9 @@ namespace limits = ::lm::limits;
 
 // model.chat_format: qwen3 (no default system message) | qwen2 (lm::ChatFormat::Qwen2()).
 enum class ChatFormatName { kQwen3, kQwen2 };
-inline const ConfigChoices<ChatFormatName>& Choices(ChatFormatName) {
-  static const ConfigChoices<ChatFormatName> c{{"qwen3", ChatFormatName::kQwen3},
-                                               {"qwen2", ChatFormatName::kQwen2}};
+inline const lm::ConfigChoices<ChatFormatName>& Choices(ChatFormatName) {
+  static const lm::ConfigChoices<ChatFormatName> c{{"qwen3", ChatFormatName::kQwen3},
+                                                   {"qwen2", ChatFormatName::kQwen2}};
   return c;
 }
 lm::ChatFormat ChatFormatOf(ChatFormatName name);
@@ -41,10 +41,10 @@ struct StudentModelConfig {
 // copies of the matrices, fp32 masters and AdamW state (trainer/common/mixed_precision.h resolves
 // auto for the device).
 enum class PrecisionSetting { kAuto, kFp32, kBf16Mixed };
-inline const ConfigChoices<PrecisionSetting>& Choices(PrecisionSetting) {
-  static const ConfigChoices<PrecisionSetting> c{{"auto", PrecisionSetting::kAuto},
-                                                 {"fp32", PrecisionSetting::kFp32},
-                                                 {"bf16-mixed", PrecisionSetting::kBf16Mixed}};
+inline const lm::ConfigChoices<PrecisionSetting>& Choices(PrecisionSetting) {
+  static const lm::ConfigChoices<PrecisionSetting> c{{"auto", PrecisionSetting::kAuto},
+                                                     {"fp32", PrecisionSetting::kFp32},
+                                                     {"bf16-mixed", PrecisionSetting::kBf16Mixed}};
   return c;
 }
 
@@ -81,9 +81,9 @@ struct OptimConfig {
 // run.resume: auto continues from the latest checkpoint if there is one; never refuses to start
 // in a run directory with checkpoints.
 enum class ResumeMode { kAuto, kNever };
-inline const ConfigChoices<ResumeMode>& Choices(ResumeMode) {
-  static const ConfigChoices<ResumeMode> c{{"auto", ResumeMode::kAuto},
-                                           {"never", ResumeMode::kNever}};
+inline const lm::ConfigChoices<ResumeMode>& Choices(ResumeMode) {
+  static const lm::ConfigChoices<ResumeMode> c{{"auto", ResumeMode::kAuto},
+                                               {"never", ResumeMode::kNever}};
   return c;
 }
 
@@ -113,8 +113,8 @@ struct LoggingConfig {
 
 // dist.backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl.
 enum class DistBackend { kAuto, kGloo, kNccl };
-inline const ConfigChoices<DistBackend>& Choices(DistBackend) {
-  static const ConfigChoices<DistBackend> c{
+inline const lm::ConfigChoices<DistBackend>& Choices(DistBackend) {
+  static const lm::ConfigChoices<DistBackend> c{
       {"auto", DistBackend::kAuto}, {"gloo", DistBackend::kGloo}, {"nccl", DistBackend::kNccl}};
   return c;
 }
@@ -123,10 +123,10 @@ inline const ConfigChoices<DistBackend>& Choices(DistBackend) {
 // train.precision: float32 for fp32, bfloat16 for bf16-mixed) | float32 | bfloat16. With bfloat16
 // the fp32 masters stay sharded (trainer/common/zero1.h).
 enum class AllGatherDtype { kAuto, kFloat32, kBfloat16 };
-inline const ConfigChoices<AllGatherDtype>& Choices(AllGatherDtype) {
-  static const ConfigChoices<AllGatherDtype> c{{"auto", AllGatherDtype::kAuto},
-                                               {"float32", AllGatherDtype::kFloat32},
-                                               {"bfloat16", AllGatherDtype::kBfloat16}};
+inline const lm::ConfigChoices<AllGatherDtype>& Choices(AllGatherDtype) {
+  static const lm::ConfigChoices<AllGatherDtype> c{{"auto", AllGatherDtype::kAuto},
+                                                   {"float32", AllGatherDtype::kFloat32},
+                                                   {"bfloat16", AllGatherDtype::kBfloat16}};
   return c;
 }
 
@@ -137,8 +137,8 @@ inline const ConfigChoices<AllGatherDtype>& Choices(AllGatherDtype) {
 // per micro-batch round instead of one per step). auto: 1 when the learner's memory plan
 // (lm/plan/plan.h) fits the device with it, else 2; 1 on the CPU and with one rank.
 enum class ZeroStage { kAuto, kOne, kTwo };
-inline const ConfigChoices<ZeroStage>& Choices(ZeroStage) {
-  static const ConfigChoices<ZeroStage> c{
+inline const lm::ConfigChoices<ZeroStage>& Choices(ZeroStage) {
+  static const lm::ConfigChoices<ZeroStage> c{
       {"auto", ZeroStage::kAuto}, {"1", ZeroStage::kOne}, {"2", ZeroStage::kTwo}};
   return c;
 }

@@ -5,9 +5,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "lm/util/config.h"
 #include "lm/util/log.h"
 #include "rpc/status.h"
-#include "trainer/common/config.h"
 
 namespace trainer {
 
@@ -134,7 +134,8 @@ absl::Status LearnerServer::Check(const opd::v1::SwapTeacherRequest& req) const 
   }
   if (req.endpoints().empty()) return absl::InvalidArgumentError("no endpoints given");
   // A replica given twice would be connected and checked twice and get two shares of every step.
-  return validate::DistinctNonEmpty("endpoints", {req.endpoints().begin(), req.endpoints().end()});
+  return lm::validate::DistinctNonEmpty("endpoints",
+                                        {req.endpoints().begin(), req.endpoints().end()});
 }
 
 grpc::ServerUnaryReactor* LearnerServer::SwapTeacher(grpc::CallbackServerContext* ctx,

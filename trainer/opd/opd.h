@@ -18,7 +18,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "trainer/common/config.h"
+#include "lm/util/config.h"
+#include "trainer/common/job_args.h"
 #include "trainer/opd/opd_config.h"
 
 namespace trainer {

@@ -3,10 +3,10 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "lm/util/config.h"
 #include "lm/util/limits.h"
 #include "lm/util/status.h"
 #include "rpc/http_teacher.h"
-#include "trainer/common/config.h"
 
 namespace trainer {
 namespace {
@@ -18,19 +18,19 @@ absl::Status Bad(const std::string& key, const std::string& what) {
 // Below lm::kMinTemperature logits / T stops being finite in fp32 (1e-45 gave NaN log-probs);
 // above lm::kMaxTemperature it is a typo (lm/util/limits.h says why).
 absl::Status Temperature(const std::string& key, double t) {
-  return validate::InRange(key, t, lm::kMinTemperature, lm::kMaxTemperature);
+  return lm::validate::InRange(key, t, lm::kMinTemperature, lm::kMaxTemperature);
 }
 
 absl::Status ValidatePlateau(const std::string& key, const PlateauConfig& p) {
   // The window is read even when the rule is off (the tracker keeps window + 1 values).
-  RETURN_IF_ERROR(validate::IntInRange(key + ".window", p.window, 1, limits::kMaxSteps));
+  RETURN_IF_ERROR(lm::validate::IntInRange(key + ".window", p.window, 1, limits::kMaxSteps));
   // 0 could never fire (a change is never < 0): the stage would run forever.
   if (p.enabled)
-    RETURN_IF_ERROR(validate::Above(key + ".min_rel_improvement", p.min_rel_improvement, 0));
-  RETURN_IF_ERROR(validate::AtLeast(key + ".min_rel_improvement", p.min_rel_improvement, 0));
-  RETURN_IF_ERROR(validate::InHalfOpen(key + ".ema_beta", p.ema_beta, 0, 1));
-  RETURN_IF_ERROR(validate::InRange(key + ".z", p.z, 0, 10));
-  return validate::IntInRange(key + ".min_steps", p.min_steps, 0, limits::kMaxSteps);
+    RETURN_IF_ERROR(lm::validate::Above(key + ".min_rel_improvement", p.min_rel_improvement, 0));
+  RETURN_IF_ERROR(lm::validate::AtLeast(key + ".min_rel_improvement", p.min_rel_improvement, 0));
+  RETURN_IF_ERROR(lm::validate::InHalfOpen(key + ".ema_beta", p.ema_beta, 0, 1));
+  RETURN_IF_ERROR(lm::validate::InRange(key + ".z", p.z, 0, 10));
+  return lm::validate::IntInRange(key + ".min_steps", p.min_steps, 0, limits::kMaxSteps);
 }
 
 absl::Status ValidateHeldout(const OpdConfig& c) {
@@ -42,8 +42,9 @@ absl::Status ValidateHeldout(const OpdConfig& c) {
   }
   if (h.sources.empty()) return absl::OkStatus();
   RETURN_IF_ERROR(ValidateSources("heldout.sources", h.sources));
-  RETURN_IF_ERROR(validate::IntInRange("heldout.num_prompts", h.num_prompts, 1, limits::kMaxBatch));
-  return validate::IntInRange("heldout.every", h.every, 1, limits::kMaxSteps);
+  RETURN_IF_ERROR(
+      lm::validate::IntInRange("heldout.num_prompts", h.num_prompts, 1, limits::kMaxBatch));
+  return lm::validate::IntInRange("heldout.every", h.every, 1, limits::kMaxSteps);
 }
 
 // A pool's endpoints: distinct, an external server's well formed, and none a vLLM server when
@@ -52,7 +53,7 @@ absl::Status ValidateHeldout(const OpdConfig& c) {
 absl::Status ValidateTeachers(const std::string& key, const std::vector<std::string>& teachers,
                               double teacher_temperature) {
   if (teachers.empty()) return Bad(key, "at least one teacher endpoint is required");
-  RETURN_IF_ERROR(validate::DistinctNonEmpty(key, teachers));
+  RETURN_IF_ERROR(lm::validate::DistinctNonEmpty(key, teachers));
   for (size_t t = 0; t < teachers.size(); ++t) {
     const std::string tkey = absl::StrCat(key, "[", t, "]");
     if (!opd::rpc::IsHttpTeacherEndpoint(teachers[t])) continue;
@@ -101,7 +102,8 @@ absl::Status ValidateStages(const OpdConfig& c) {
       return Bad(key + ".name", absl::StrCat("duplicate stage name '", s.name, "'"));
     RETURN_IF_ERROR(ValidateTeachers(key + ".teachers", s.teachers, c.loss.teacher_temperature));
     // The job sums the stages' budgets: bounded, the sum cannot overflow.
-    RETURN_IF_ERROR(validate::IntInRange(key + ".max_steps", s.max_steps, 0, limits::kMaxSteps));
+    RETURN_IF_ERROR(
+        lm::validate::IntInRange(key + ".max_steps", s.max_steps, 0, limits::kMaxSteps));
     if (s.max_steps == 0 && !s.plateau.enabled) {
       return Bad(key, "needs a convergence rule: max_steps > 0 and/or plateau.enabled");
     }
@@ -123,13 +125,13 @@ absl::Status ValidateStages(const OpdConfig& c) {
 absl::Status ValidateRollout(const OpdRolloutConfig& r) {
   if (r.endpoints.empty())
     return Bad("rollout.endpoints", "at least one rollout worker is required");
-  RETURN_IF_ERROR(validate::DistinctNonEmpty("rollout.endpoints", r.endpoints));
+  RETURN_IF_ERROR(lm::validate::DistinctNonEmpty("rollout.endpoints", r.endpoints));
   // The sampler takes both as int32; samples_per_prompt also multiplies the step's prompts, whose
   // samples are all held at once.
-  RETURN_IF_ERROR(validate::IntInRange("rollout.samples_per_prompt", r.samples_per_prompt, 1,
-                                       limits::kMaxBatch));
+  RETURN_IF_ERROR(lm::validate::IntInRange("rollout.samples_per_prompt", r.samples_per_prompt, 1,
+                                           limits::kMaxBatch));
   RETURN_IF_ERROR(
-      validate::IntInRange("rollout.max_new_tokens", r.max_new_tokens, 1, limits::kMaxTokens));
+      lm::validate::IntInRange("rollout.max_new_tokens", r.max_new_tokens, 1, limits::kMaxTokens));
   RETURN_IF_ERROR(Temperature("rollout.temperature", r.temperature));
   if (!(r.top_p == 1.0)) {
     return Bad("rollout.top_p",
@@ -143,39 +145,39 @@ absl::Status ValidateRollout(const OpdRolloutConfig& r) {
                             ": the learner's log-probs are over the whole vocabulary, so a "
                             "top-k filter would bias the importance ratio"));
   }
-  RETURN_IF_ERROR(validate::AboveAtMost("rollout.weight_sync_timeout_s", r.weight_sync_timeout_s, 0,
-                                        limits::kMaxTimeoutS));
-  RETURN_IF_ERROR(validate::IntInRange("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb, 1,
-                                       limits::kMaxBucketMb));
+  RETURN_IF_ERROR(lm::validate::AboveAtMost("rollout.weight_sync_timeout_s",
+                                            r.weight_sync_timeout_s, 0, limits::kMaxTimeoutS));
+  RETURN_IF_ERROR(lm::validate::IntInRange("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb,
+                                           1, limits::kMaxBucketMb));
   // rollout.seed: any int64 (used as its uint64 bits).
-  return validate::AboveAtMost("rollout.timeout_s", r.timeout_s, 0, limits::kMaxTimeoutS);
+  return lm::validate::AboveAtMost("rollout.timeout_s", r.timeout_s, 0, limits::kMaxTimeoutS);
 }
 
 absl::Status ValidateTrain(const OpdTrainConfig& t) {
   RETURN_IF_ERROR(
-      validate::IntInRange("train.prompts_per_step", t.prompts_per_step, 1, limits::kMaxBatch));
-  RETURN_IF_ERROR(validate::IntInRange("train.micro_batch_tokens", t.micro_batch_tokens, 1,
-                                       limits::kMaxTokens));
-  RETURN_IF_ERROR(validate::AboveAtMost("train.teacher_timeout_s", t.teacher_timeout_s, 0,
-                                        limits::kMaxTimeoutS));
+      lm::validate::IntInRange("train.prompts_per_step", t.prompts_per_step, 1, limits::kMaxBatch));
+  RETURN_IF_ERROR(lm::validate::IntInRange("train.micro_batch_tokens", t.micro_batch_tokens, 1,
+                                           limits::kMaxTokens));
+  RETURN_IF_ERROR(lm::validate::AboveAtMost("train.teacher_timeout_s", t.teacher_timeout_s, 0,
+                                            limits::kMaxTimeoutS));
   RETURN_IF_ERROR(
-      validate::IntInRange("train.score_calls_per_pool", t.score_calls_per_pool, 1, 64));
-  RETURN_IF_ERROR(
-      validate::IntInRange("train.score_call_tokens", t.score_call_tokens, 0, limits::kMaxTokens));
-  return validate::AboveAtMost("train.score_deadline_s", t.score_deadline_s, 0,
-                               limits::kMaxTimeoutS);
+      lm::validate::IntInRange("train.score_calls_per_pool", t.score_calls_per_pool, 1, 64));
+  RETURN_IF_ERROR(lm::validate::IntInRange("train.score_call_tokens", t.score_call_tokens, 0,
+                                           limits::kMaxTokens));
+  return lm::validate::AboveAtMost("train.score_deadline_s", t.score_deadline_s, 0,
+                                   limits::kMaxTimeoutS);
 }
 
 absl::Status ValidateLoss(const OpdLossConfig& l) {
   // Unused (and never sent) by the sampled form; k ids of a vocabulary (bounded as token counts).
   if (l.form == LossForm::kTopK)
-    RETURN_IF_ERROR(validate::IntInRange("loss.top_k", l.top_k, 1, limits::kMaxTokens));
-  RETURN_IF_ERROR(validate::Above("loss.kl_coef", l.kl_coef, 0));
-  RETURN_IF_ERROR(validate::Above("loss.tis_cap", l.tis_cap, 0));
-  RETURN_IF_ERROR(validate::InHalfOpen("loss.clip_low", l.clip_low, 0, 1));  // ratio >= 1 - low
-  RETURN_IF_ERROR(validate::AtLeast("loss.clip_high", l.clip_high, 0));
-  RETURN_IF_ERROR(validate::InRange("loss.alpha", l.alpha, 0, 1));
-  RETURN_IF_ERROR(validate::InRange("loss.kl_discount", l.kl_discount, 0, 1));
+    RETURN_IF_ERROR(lm::validate::IntInRange("loss.top_k", l.top_k, 1, limits::kMaxTokens));
+  RETURN_IF_ERROR(lm::validate::Above("loss.kl_coef", l.kl_coef, 0));
+  RETURN_IF_ERROR(lm::validate::Above("loss.tis_cap", l.tis_cap, 0));
+  RETURN_IF_ERROR(lm::validate::InHalfOpen("loss.clip_low", l.clip_low, 0, 1));  // ratio >= 1 - low
+  RETURN_IF_ERROR(lm::validate::AtLeast("loss.clip_high", l.clip_high, 0));
+  RETURN_IF_ERROR(lm::validate::InRange("loss.alpha", l.alpha, 0, 1));
+  RETURN_IF_ERROR(lm::validate::InRange("loss.kl_discount", l.kl_discount, 0, 1));
   if (l.form == LossForm::kTopK) {
     // The top-k form is an exact divergence over the teacher's top-k buckets at every position:
     // nothing is sampled in it, so a sampling correction or a discount over the rest of a
@@ -197,7 +199,7 @@ absl::Status ValidateLoss(const OpdLossConfig& l) {
 absl::Status ValidateSteps(const std::string& key, const std::vector<int64_t>& steps) {
   for (size_t i = 0; i < steps.size(); ++i)
     RETURN_IF_ERROR(
-        validate::IntInRange(absl::StrCat(key, "[", i, "]"), steps[i], 1, limits::kMaxSteps));
+        lm::validate::IntInRange(absl::StrCat(key, "[", i, "]"), steps[i], 1, limits::kMaxSteps));
   return absl::OkStatus();
 }
 
@@ -206,7 +208,7 @@ absl::Status ValidateDebug(const OpdDebugConfig& d) {
   RETURN_IF_ERROR(ValidateSteps("debug.fail_push_steps", d.fail_push_steps));
   RETURN_IF_ERROR(ValidateSteps("debug.throw_while_learning_steps", d.throw_while_learning_steps));
   RETURN_IF_ERROR(ValidateSteps("debug.fail_stage_starts", d.fail_stage_starts));
-  RETURN_IF_ERROR(validate::IntInRange("debug.fail_rank", d.fail_rank, -1, 1 << 20));
+  RETURN_IF_ERROR(lm::validate::IntInRange("debug.fail_rank", d.fail_rank, -1, 1 << 20));
   return ValidateSteps("debug.throw_after_update_steps", d.throw_after_update_steps);
 }
 
@@ -219,8 +221,8 @@ absl::Status ValidateOpdConfig(const OpdConfig& c) {
     return Bad("prompts.sources", "at least one prompt source is required");
   RETURN_IF_ERROR(ValidateSources("prompts.sources", c.prompts.sources));
   // The prompt dataset takes it as an int32. prompts.seed: any int64 (its uint64 bits).
-  RETURN_IF_ERROR(validate::IntInRange("prompts.max_prompt_len", c.prompts.max_prompt_len, 1,
-                                       limits::kMaxTokens));
+  RETURN_IF_ERROR(lm::validate::IntInRange("prompts.max_prompt_len", c.prompts.max_prompt_len, 1,
+                                           limits::kMaxTokens));
   RETURN_IF_ERROR(ValidateRollout(c.rollout));
   RETURN_IF_ERROR(ValidateTrain(c.train));
   RETURN_IF_ERROR(ValidateStages(c));

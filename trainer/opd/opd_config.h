@@ -1,5 +1,5 @@
 // The config of `opd-trainer opd`: configs/opd/*.yaml decode into OpdConfig
-// (trainer/common/config.h). Defaults are the Marco-MoE paper's OPD recipe: 512 prompts per step, 2
+// (lm/util/config.h). Defaults are the Marco-MoE paper's OPD recipe: 512 prompts per step, 2
 // samples per prompt, prompts <= 2048 tokens, responses <= 8192, temperature 1.0, top-p 1.0,
 // constant lr 1e-6, AdamW as in SFT, the sampled-token reverse-KL loss.
 #pragma once
@@ -8,21 +8,21 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "lm/util/config.h"
 #include "trainer/common/auth_config.h"
-#include "trainer/common/config.h"
 #include "trainer/common/sections.h"
 #include "trainer/sft/sft_config.h"
 
 namespace trainer {
 
-// The choice fields' enums (trainer/common/config.h), used as they are by the code they configure.
+// The choice fields' enums (lm/util/config.h), used as they are by the code they configure.
 
 // rollout.weight_sync: how weights reach the workers (trainer/opd/weight_push.h).
 enum class WeightSyncMode { kGrpc, kCollective, kAuto };
-inline const ConfigChoices<WeightSyncMode>& Choices(WeightSyncMode) {
-  static const ConfigChoices<WeightSyncMode> c{{"grpc", WeightSyncMode::kGrpc},
-                                               {"collective", WeightSyncMode::kCollective},
-                                               {"auto", WeightSyncMode::kAuto}};
+inline const lm::ConfigChoices<WeightSyncMode>& Choices(WeightSyncMode) {
+  static const lm::ConfigChoices<WeightSyncMode> c{{"grpc", WeightSyncMode::kGrpc},
+                                                   {"collective", WeightSyncMode::kCollective},
+                                                   {"auto", WeightSyncMode::kAuto}};
   return c;
 }
 
@@ -30,10 +30,10 @@ inline const ConfigChoices<WeightSyncMode>& Choices(WeightSyncMode) {
 // a held-out set is given (the training KL is another batch's every step, too noisy to judge a
 // plateau at a small lr), else the training KL.
 enum class PlateauMetric { kAuto, kTrain, kHeldout };
-inline const ConfigChoices<PlateauMetric>& Choices(PlateauMetric) {
-  static const ConfigChoices<PlateauMetric> c{{"auto", PlateauMetric::kAuto},
-                                              {"train", PlateauMetric::kTrain},
-                                              {"heldout", PlateauMetric::kHeldout}};
+inline const lm::ConfigChoices<PlateauMetric>& Choices(PlateauMetric) {
+  static const lm::ConfigChoices<PlateauMetric> c{{"auto", PlateauMetric::kAuto},
+                                                  {"train", PlateauMetric::kTrain},
+                                                  {"heldout", PlateauMetric::kHeldout}};
   return c;
 }
 
@@ -46,40 +46,40 @@ inline PlateauMetric ResolvedPlateauMetric(PlateauMetric m, bool heldout_set, bo
 
 // loss.form, loss.correction, loss.divergence, loss.normalization (trainer/opd/opd_loss.h).
 enum class LossForm { kSampled, kTopK };
-inline const ConfigChoices<LossForm>& Choices(LossForm) {
-  static const ConfigChoices<LossForm> c{{"sampled", LossForm::kSampled},
-                                         {"topk", LossForm::kTopK}};
+inline const lm::ConfigChoices<LossForm>& Choices(LossForm) {
+  static const lm::ConfigChoices<LossForm> c{{"sampled", LossForm::kSampled},
+                                             {"topk", LossForm::kTopK}};
   return c;
 }
 
 enum class Correction { kNone, kTruncatedIs, kPpoClip };
-inline const ConfigChoices<Correction>& Choices(Correction) {
-  static const ConfigChoices<Correction> c{{"none", Correction::kNone},
-                                           {"tis", Correction::kTruncatedIs},
-                                           {"ppo", Correction::kPpoClip}};
+inline const lm::ConfigChoices<Correction>& Choices(Correction) {
+  static const lm::ConfigChoices<Correction> c{{"none", Correction::kNone},
+                                               {"tis", Correction::kTruncatedIs},
+                                               {"ppo", Correction::kPpoClip}};
   return c;
 }
 
 enum class TopKDivergence { kForward, kReverse, kMixed };
-inline const ConfigChoices<TopKDivergence>& Choices(TopKDivergence) {
-  static const ConfigChoices<TopKDivergence> c{{"forward", TopKDivergence::kForward},
-                                               {"reverse", TopKDivergence::kReverse},
-                                               {"mixed", TopKDivergence::kMixed}};
+inline const lm::ConfigChoices<TopKDivergence>& Choices(TopKDivergence) {
+  static const lm::ConfigChoices<TopKDivergence> c{{"forward", TopKDivergence::kForward},
+                                                   {"reverse", TopKDivergence::kReverse},
+                                                   {"mixed", TopKDivergence::kMixed}};
   return c;
 }
 
 enum class Normalization { kToken, kSequence };
-inline const ConfigChoices<Normalization>& Choices(Normalization) {
-  static const ConfigChoices<Normalization> c{{"token", Normalization::kToken},
-                                              {"sequence", Normalization::kSequence}};
+inline const lm::ConfigChoices<Normalization>& Choices(Normalization) {
+  static const lm::ConfigChoices<Normalization> c{{"token", Normalization::kToken},
+                                                  {"sequence", Normalization::kSequence}};
   return c;
 }
 
 // stages[].on_domain_down: what a step does when every replica of a domain's pool is down.
 enum class DomainDownPolicy { kFail, kDefaultPool };
-inline const ConfigChoices<DomainDownPolicy>& Choices(DomainDownPolicy) {
-  static const ConfigChoices<DomainDownPolicy> c{{"fail", DomainDownPolicy::kFail},
-                                                 {"default_pool", DomainDownPolicy::kDefaultPool}};
+inline const lm::ConfigChoices<DomainDownPolicy>& Choices(DomainDownPolicy) {
+  static const lm::ConfigChoices<DomainDownPolicy> c{
+      {"fail", DomainDownPolicy::kFail}, {"default_pool", DomainDownPolicy::kDefaultPool}};
   return c;
 }
 

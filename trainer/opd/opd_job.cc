@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "lm/text/chat.h"
+#include "lm/util/file.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "rpc/auth.h"
@@ -364,7 +365,8 @@ nlohmann::json OpdJob::JobState() const {
 
 absl::Status OpdJob::WriteJobFiles(const std::string& dir) const {
   if (prefetched_record_.is_null()) return absl::OkStatus();
-  return WriteFileAtomic(dir + "/" + PrefetchedFileName(group_->rank()), source_->settled_bytes());
+  return lm::WriteFileAtomic(dir + "/" + PrefetchedFileName(group_->rank()),
+                             source_->settled_bytes());
 }
 
 // A step that cannot finish, agreed by every rank. When a stop signal is what failed it, stops as
@@ -427,7 +429,7 @@ absl::Status OpdJob::Run() {
                             {"peak_rss_mb", PeakRssMb()},
                             {"world_size", group_->size()},
                             {"optimizer_state_bytes_per_rank", optimizer_->state_bytes()}};
-  if (is_root()) (void)WriteFileAtomic(run_.path() + "/summary.json", summary.dump(2) + "\n");
+  if (is_root()) (void)lm::WriteFileAtomic(run_.path() + "/summary.json", summary.dump(2) + "\n");
   lm::log::Info(
       absl::StrFormat("done: %d steps over %d stage(s)", step_, convergence_->summaries().size()));
   return absl::OkStatus();
@@ -441,7 +443,7 @@ absl::Status RunOpd(const OpdConfig& config, const JobArgs& args) {
   RETURN_IF_ERROR(ValidateOpdConfig(config));
   for (const std::string& w : OpdConfigWarnings(config)) lm::log::Warn(w);
   return RunTrainingJob(
-      "opd", config.run, EncodeConfig(config), args, [&config](RunDir run, std::string yaml) {
+      "opd", config.run, lm::EncodeConfig(config), args, [&config](RunDir run, std::string yaml) {
         return std::make_unique<opd_detail::OpdJob>(config, std::move(run), std::move(yaml));
       });
 }

@@ -5,6 +5,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "lm/util/file.h"
 #include "lm/util/limits.h"
 #include "lm/util/log.h"
 #include "lm/util/splitmix.h"
@@ -123,7 +124,7 @@ absl::Status SampleSource::LoadPrefetched(const std::string& checkpoint,
   }
   std::vector<lm::Sample> all;
   for (const std::string& path : paths) {
-    ASSIGN_OR_RETURN(const std::string bytes, opd::rpc::ReadFile(path));
+    ASSIGN_OR_RETURN(const std::string bytes, lm::ReadFile(path));
     absl::StatusOr<std::vector<lm::Sample>> samples = lm::DecodeSamples(bytes);
     if (absl::IsFailedPrecondition(samples.status())) {
       // Another build's samples: what a checkpoint without them does (the prompts are drawn

@@ -22,6 +22,7 @@
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
 #include "lm/text/tokenizer.h"
+#include "lm/util/file.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
 #include "trainer/common/checkpoint.h"
@@ -479,7 +480,7 @@ void SftJob::WriteSummary(double wall_s) {
       {"world_size", group_->size()},
       {"optimizer_state_bytes_per_rank", optimizer_->state_bytes()},
       {"wall_s", wall_s}};
-  (void)WriteFileAtomic(run_.path() + "/summary.json", s.dump(2) + "\n");
+  (void)lm::WriteFileAtomic(run_.path() + "/summary.json", s.dump(2) + "\n");
 }
 
 absl::Status SftJob::Run() {
@@ -523,7 +524,7 @@ absl::Status SftJob::Run() {
 absl::Status RunSft(const SftConfig& config, const JobArgs& args) {
   RETURN_IF_ERROR(ValidateSftConfig(config));
   RETURN_IF_ERROR(CheckInputs(config));
-  return RunTrainingJob("sft", config.run, EncodeConfig(config), args,
+  return RunTrainingJob("sft", config.run, lm::EncodeConfig(config), args,
                         [&config](RunDir run, std::string yaml) {
                           return std::make_unique<SftJob>(config, std::move(run), std::move(yaml));
                         });

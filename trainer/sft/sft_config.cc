@@ -1,8 +1,8 @@
 #include "trainer/sft/sft_config.h"
 
 #include "absl/strings/str_cat.h"
+#include "lm/util/config.h"
 #include "lm/util/status.h"
-#include "trainer/common/config.h"
 
 namespace trainer {
 namespace {
@@ -21,41 +21,43 @@ constexpr double kMaxSourceWeight = 1e12;
 constexpr int64_t kMaxStepSleepMs = 3600 * 1000;
 
 absl::Status CheckTrain(const SftTrainConfig& t) {
+  RETURN_IF_ERROR(lm::validate::IntInRange("train.global_batch_size", t.global_batch_size, 1,
+                                           limits::kMaxBatch));
   RETURN_IF_ERROR(
-      validate::IntInRange("train.global_batch_size", t.global_batch_size, 1, limits::kMaxBatch));
-  RETURN_IF_ERROR(
-      validate::IntInRange("train.micro_batch_size", t.micro_batch_size, 1, limits::kMaxBatch));
+      lm::validate::IntInRange("train.micro_batch_size", t.micro_batch_size, 1, limits::kMaxBatch));
   if (t.global_batch_size % t.micro_batch_size != 0)
     return Invalid(
         "train.global_batch_size",
         absl::StrCat(t.global_batch_size, " is not divisible by train.micro_batch_size (",
                      t.micro_batch_size, "): every step must be whole micro-batches"));
-  RETURN_IF_ERROR(validate::IntInRange("train.max_steps", t.max_steps, 0, limits::kMaxSteps));
+  RETURN_IF_ERROR(lm::validate::IntInRange("train.max_steps", t.max_steps, 0, limits::kMaxSteps));
   // Epochs only count without a step budget (then they must be > 0); a NaN never passes.
-  if (t.max_steps == 0) RETURN_IF_ERROR(validate::Above("train.epochs", t.epochs, 0));
-  RETURN_IF_ERROR(validate::InRange("train.epochs", t.epochs, 0, kMaxEpochs));
-  return validate::Finite("train.aux_loss_coef", t.aux_loss_coef);  // < 0: the model's
+  if (t.max_steps == 0) RETURN_IF_ERROR(lm::validate::Above("train.epochs", t.epochs, 0));
+  RETURN_IF_ERROR(lm::validate::InRange("train.epochs", t.epochs, 0, kMaxEpochs));
+  return lm::validate::Finite("train.aux_loss_coef", t.aux_loss_coef);  // < 0: the model's
 }
 
 absl::Status CheckSteps(const std::string& key, const std::vector<int64_t>& steps) {
   for (size_t i = 0; i < steps.size(); ++i)
     RETURN_IF_ERROR(
-        validate::IntInRange(absl::StrCat(key, "[", i, "]"), steps[i], 1, limits::kMaxSteps));
+        lm::validate::IntInRange(absl::StrCat(key, "[", i, "]"), steps[i], 1, limits::kMaxSteps));
   return absl::OkStatus();
 }
 
 absl::Status CheckEval(const SftEvalConfig& e) {
-  RETURN_IF_ERROR(validate::IntInRange("eval.every", e.every, 0, limits::kMaxSteps));
+  RETURN_IF_ERROR(lm::validate::IntInRange("eval.every", e.every, 0, limits::kMaxSteps));
   RETURN_IF_ERROR(
-      validate::IntInRange("eval.max_sequences", e.max_sequences, 0, limits::kMaxInt32));
-  return validate::IntInRange("eval.micro_batch_size", e.micro_batch_size, 0, limits::kMaxBatch);
+      lm::validate::IntInRange("eval.max_sequences", e.max_sequences, 0, limits::kMaxInt32));
+  return lm::validate::IntInRange("eval.micro_batch_size", e.micro_batch_size, 0,
+                                  limits::kMaxBatch);
 }
 
 absl::Status CheckDebug(const SftDebugConfig& d) {
   RETURN_IF_ERROR(CheckSteps("debug.nan_steps", d.nan_steps));
-  RETURN_IF_ERROR(validate::IntInRange("debug.step_sleep_ms", d.step_sleep_ms, 0, kMaxStepSleepMs));
-  RETURN_IF_ERROR(validate::IntInRange("debug.kill_rank", d.kill_rank, -1, limits::kMaxInt32));
-  return validate::IntInRange("debug.kill_at_step", d.kill_at_step, 0, limits::kMaxSteps);
+  RETURN_IF_ERROR(
+      lm::validate::IntInRange("debug.step_sleep_ms", d.step_sleep_ms, 0, kMaxStepSleepMs));
+  RETURN_IF_ERROR(lm::validate::IntInRange("debug.kill_rank", d.kill_rank, -1, limits::kMaxInt32));
+  return lm::validate::IntInRange("debug.kill_at_step", d.kill_at_step, 0, limits::kMaxSteps);
 }
 
 }  // namespace
@@ -64,7 +66,8 @@ absl::Status ValidateSources(const std::string& key, const std::vector<SftSource
   for (size_t i = 0; i < sources.size(); ++i) {
     const std::string k = absl::StrCat(key, "[", i, "]");
     if (sources[i].files.empty()) return Invalid(k + ".files", "no files given");
-    RETURN_IF_ERROR(validate::AboveAtMost(k + ".weight", sources[i].weight, 0, kMaxSourceWeight));
+    RETURN_IF_ERROR(
+        lm::validate::AboveAtMost(k + ".weight", sources[i].weight, 0, kMaxSourceWeight));
   }
   return absl::OkStatus();
 }
@@ -77,7 +80,7 @@ absl::Status ValidateSftConfig(const SftConfig& c) {
   RETURN_IF_ERROR(ValidateSources("data.eval", c.data.eval));
   // The datasets take max_seq_len as an int32: 4294967424 ran as 128.
   RETURN_IF_ERROR(
-      validate::IntInRange("data.max_seq_len", c.data.max_seq_len, 8, limits::kMaxTokens));
+      lm::validate::IntInRange("data.max_seq_len", c.data.max_seq_len, 8, limits::kMaxTokens));
   // data.seed: any int64 (used as its uint64 bits).
   RETURN_IF_ERROR(CheckTrain(c.train));
   RETURN_IF_ERROR(CheckEval(c.eval));

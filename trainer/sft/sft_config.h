@@ -1,5 +1,5 @@
 // The config of `opd-trainer sft`: configs/sft/*.yaml decode into SftConfig
-// (trainer/common/config.h). Defaults are the Marco-MoE paper's SFT recipe: AdamW (weight decay
+// (lm/util/config.h). Defaults are the Marco-MoE paper's SFT recipe: AdamW (weight decay
 // 0.1, betas 0.9/0.95), lr 1e-5 cosine to 1e-6, one epoch, 512 sequences per step, context 8192,
 // the router load-balancing loss at the model's own coefficient.
 #pragma once
@@ -10,15 +10,15 @@
 
 #include "absl/status/status.h"
 #include "lm/data/sft_dataset.h"
-#include "trainer/common/config.h"
+#include "lm/util/config.h"
 #include "trainer/common/sections.h"
 
 namespace lm {
 // data.overlong: the dataset's own enum. Its words are declared here, in lm, where
 // argument-dependent lookup looks for them; lm knows nothing of configs.
-inline const trainer::ConfigChoices<OverlongPolicy>& Choices(OverlongPolicy) {
-  static const trainer::ConfigChoices<OverlongPolicy> c{{"truncate", OverlongPolicy::kTruncate},
-                                                        {"drop", OverlongPolicy::kDrop}};
+inline const lm::ConfigChoices<OverlongPolicy>& Choices(OverlongPolicy) {
+  static const lm::ConfigChoices<OverlongPolicy> c{{"truncate", OverlongPolicy::kTruncate},
+                                                   {"drop", OverlongPolicy::kDrop}};
   return c;
 }
 }  // namespace lm

@@ -62,14 +62,14 @@
   void opd_marker_()
 #define OPD_CONFIG_FIELDS_END static constexpr int opd_fields_end_ = __LINE__
 #define OPD_CONFIG_BASE(Base) using opd_config_base_ = Base
-#define OPD_FIELD(Type, name)                                           \
-  template <class V_>                                                   \
-  void opd_field_(V_& v_, ::trainer::config_internal::Line<__LINE__>) { \
-    v_(#name, name);                                                    \
-  }                                                                     \
+#define OPD_FIELD(Type, name)                                      \
+  template <class V_>                                              \
+  void opd_field_(V_& v_, ::lm::config_internal::Line<__LINE__>) { \
+    v_(#name, name);                                               \
+  }                                                                \
   Type name
 
-namespace trainer {
+namespace lm {
 
 // The YAML document in `path` (an empty file is an empty mapping). Errors name the file and line.
 // A key written twice in one mapping (a second `train:` block, `{a: 1, a: 2}`) is an error naming
@@ -82,15 +82,6 @@ absl::StatusOr<YAML::Node> ParseYaml(const std::string& text, const std::string&
 // (decoding then rejects unknown keys); a numeric component indexes into a sequence. The value is
 // checked for duplicate keys as a file is.
 absl::Status ApplyOverride(YAML::Node& root, const std::string& assignment);
-
-// The words every job sub-command accepts: --config FILE, --set k=v (repeatable), --resume[=DIR].
-struct JobArgs {
-  std::string config_path;
-  std::vector<std::string> overrides;
-  bool resume = false;      // --resume: a checkpoint must be found and resumed
-  std::string resume_from;  // --resume=DIR: that checkpoint directory
-};
-absl::StatusOr<JobArgs> ParseJobArgs(const std::vector<std::string>& words);
 
 // An enum field's YAML spellings, one per value (see the top of this file).
 template <class E>
@@ -378,4 +369,4 @@ absl::Status OneOf(const std::string& key, const std::string& v,
 absl::Status Required(const std::string& key, const std::string& v, const std::string& what);
 
 }  // namespace validate
-}  // namespace trainer
+}  // namespace lm

@@ -1,4 +1,4 @@
-#include "trainer/common/config.h"
+#include "lm/util/config.h"
 
 #include <algorithm>
 #include <charconv>
@@ -11,9 +11,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "lm/util/file.h"
 #include "lm/util/status.h"
 
-namespace trainer {
+namespace lm {
 namespace {
 
 // yaml-cpp reports a parse error's position 0-based.
@@ -96,11 +97,8 @@ absl::StatusOr<YAML::Node> ParseYaml(const std::string& text, const std::string&
 }
 
 absl::StatusOr<YAML::Node> LoadYamlFile(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open the config file"));
-  std::stringstream text;
-  text << in.rdbuf();
-  return ParseYaml(text.str(), path);
+  ASSIGN_OR_RETURN(const std::string text, ReadFile(path));
+  return ParseYaml(text, path);
 }
 
 absl::Status ApplyOverride(YAML::Node& root, const std::string& assignment) {
@@ -157,36 +155,6 @@ absl::Status ApplyOverride(YAML::Node& root, const std::string& assignment) {
                                                    ", which is ", Describe(node)));
   node[last] = value;
   return absl::OkStatus();
-}
-
-absl::StatusOr<JobArgs> ParseJobArgs(const std::vector<std::string>& words) {
-  JobArgs a;
-  for (size_t i = 0; i < words.size(); ++i) {
-    const std::string& w = words[i];
-    auto value = [&](const std::string& flag) -> absl::StatusOr<std::string> {
-      if (w.size() > flag.size() && w[flag.size()] == '=') return w.substr(flag.size() + 1);
-      if (i + 1 >= words.size()) return absl::InvalidArgumentError(flag + " needs a value");
-      return words[++i];
-    };
-    if (w == "--config" || w.rfind("--config=", 0) == 0) {
-      absl::StatusOr<std::string> v = value("--config");
-      if (!v.ok()) return v.status();
-      a.config_path = *v;
-    } else if (w == "--set" || w.rfind("--set=", 0) == 0) {
-      absl::StatusOr<std::string> v = value("--set");
-      if (!v.ok()) return v.status();
-      a.overrides.push_back(*v);
-    } else if (w == "--resume") {
-      a.resume = true;
-    } else if (w.rfind("--resume=", 0) == 0) {
-      a.resume = true;
-      a.resume_from = w.substr(9);
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", w, "'"));
-    }
-  }
-  if (a.config_path.empty()) return absl::InvalidArgumentError("--config FILE is required");
-  return a;
 }
 
 namespace config_internal {
@@ -412,4 +380,4 @@ absl::Status Required(const std::string& key, const std::string& v, const std::s
 }
 
 }  // namespace validate
-}  // namespace trainer
+}  // namespace lm
