@@ -5,6 +5,10 @@
 //               h += MLP(post_attention_layernorm(h))    MLP = SparseMoeBlock or DenseMlp
 //   logits = lm_head(norm(h))
 //
+// One forward (Run) computes this for every caller: Forward (packed documents, optionally
+// prefilling a KVCache), Decode and PagedForward only build the AttentionContext that says where
+// attention's keys and values live (lm/model/attention_context.h).
+//
 // Member names are the checkpoint's names (model.layers.N.self_attn.q_proj.weight, ...).
 #pragma once
 

@@ -22,6 +22,9 @@
 // MoE:  y = sum_k p_k Expert_k(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)
 //       (router as Qwen3-MoE: softmax in fp32, top-k, renormalised when norm_topk_prob)
 //
+// One forward (Run) computes this for every caller: Forward, Decode and PagedForward only build the
+// AttentionContext (lm/model/attention_context.h) that holds the layers' keys/values and state:
+//
 // Incremental decoding (a rollout student): the KVCache holds per slot the full-attention layers'
 // keys/values (KVCache::k, v, one entry per full-attention layer in layer order) and each Gated
 // DeltaNet layer's fixed-size state (KVCache::conv, recurrent, one entry per linear-attention
