@@ -15,6 +15,7 @@
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
 #include "lm/model/placement.h"
+#include "lm/model/routing_trace.h"
 #include "rollout/block_allocator.h"
 
 namespace rollout {
@@ -145,9 +146,7 @@ absl::StatusOr<std::shared_ptr<Engine::Request>> Engine::Submit(
         " sequences this worker decodes at once (--max-running-seqs)"));
   if (params.return_routing) {
     const lm::ModelConfig& c = snapshot.model->config();
-    int64_t moe_layers = 0;
-    for (int64_t i = 0; i < c.num_hidden_layers; ++i) moe_layers += c.IsMoeLayer(i);
-    if (!snapshot.model->SupportsRoutingReplay() || moe_layers == 0)
+    if (!snapshot.model->SupportsRoutingReplay() || !lm::RoutingTrace(c).recordable())
       return absl::InvalidArgumentError(
           absl::StrCat("return_routing: a ", c.model_type,
                        " model has no recordable MoE routing (routing replay supports qwen3_moe)"));
@@ -440,32 +439,31 @@ torch::Tensor Engine::Forward(lm::CausalLM& model, std::vector<StepRow>& rows,
   bool routing = false;
   for (size_t i : idx) routing |= rows[i].req->params.return_routing;
   std::vector<torch::Tensor> seen, replay;
-  const lm::ModelConfig& c = model.config();
-  int64_t layers = 0;
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) layers += c.IsMoeLayer(l);
-  const int64_t top_k = c.num_experts_per_tok, row = layers * top_k;
+  const lm::RoutingTrace layout(model.config());
   if (routing) {
     // A recompute after a preemption refeeds positions whose routing is recorded: it routes
     // them as recorded, so that the recomputed keys/values are the ones the later tokens would
     // have seen, and the learner's replay of one routing per position stays exact.
-    std::vector<int32_t> forced;
+    lm::RoutingTrace forced = layout;  // the step's tokens, -1 where not recorded
+    bool any = false;
     for (size_t k = 0; k < idx.size(); ++k) {
       const Seq& s = *rows[idx[k]].seqs[0];
-      if (!s.req->params.return_routing) continue;
-      const int64_t have = static_cast<int64_t>(s.out.routed_experts.size()) / row;
-      const int64_t end = std::min(have, s.cached + rows[idx[k]].new_tokens);
-      for (int64_t pos = s.cached; pos < end; ++pos) {
-        if (forced.empty()) forced.assign(ids.size() * row, -1);
-        const int64_t at = step.cu_seqlens[k] + (pos - s.cached);
-        std::copy(s.out.routed_experts.begin() + pos * row,
-                  s.out.routed_experts.begin() + (pos + 1) * row, forced.begin() + at * row);
+      const int64_t fed = rows[idx[k]].new_tokens;
+      const int64_t have =
+          s.req->params.return_routing
+              ? static_cast<int64_t>(s.out.routed_experts.size()) / layout.per_position()
+              : 0;
+      const int64_t recorded = std::clamp<int64_t>(have - s.cached, 0, fed);
+      if (recorded > 0) {
+        const auto ids =
+            absl::MakeConstSpan(s.out.routed_experts)
+                .subspan(s.cached * layout.per_position(), recorded * layout.per_position());
+        TORCH_CHECK(forced.Append(ids).ok(), "return_routing: a partial position");
+        any = true;
       }
+      forced.AppendUnrouted(fed - recorded);
     }
-    if (!forced.empty()) {
-      const auto t = torch::tensor(forced, torch::kInt32)
-                         .view({static_cast<int64_t>(ids.size()), layers, top_k});
-      for (int64_t l = 0; l < layers; ++l) replay.push_back(t.select(1, l));
-    }
+    if (any) replay = forced.PerLayer();
   }
   std::optional<lm::ScopedRoutingRecorder> record;
   std::optional<lm::ScopedRoutingReplay> replaying;
@@ -475,26 +473,22 @@ torch::Tensor Engine::Forward(lm::CausalLM& model, std::vector<StepRow>& rows,
   replaying.reset();
   record.reset();
   if (!routing) return hidden;
-  TORCH_CHECK(static_cast<int64_t>(seen.size()) == layers, "return_routing: recorded ", seen.size(),
-              " MoE layers, expected ", layers);
-  const auto t = torch::stack(seen, 1).to(torch::kCPU, torch::kInt32).contiguous();
-  TORCH_CHECK(t.size(0) == static_cast<int64_t>(ids.size()) && t.size(2) == top_k,
-              "return_routing: recorded routing of shape ", t.sizes());
-  const int32_t* d = t.data_ptr<int32_t>();
+  lm::RoutingTrace recorded = layout;  // the step's tokens
+  const absl::Status st = recorded.AppendRecorded(seen, static_cast<int64_t>(ids.size()));
+  TORCH_CHECK(st.ok(), st.message());
   for (size_t k = 0; k < idx.size(); ++k) {
     Seq& s = *rows[idx[k]].seqs[0];
     if (!s.req->params.return_routing) continue;
     auto& r = s.out.routed_experts;
-    s.out.routing_layers = layers;
-    s.out.routing_top_k = top_k;
+    s.out.routing_layers = layout.layers();
+    s.out.routing_top_k = layout.top_k();
     // Positions s.cached.. were fed in this step; after a preemption the recompute refeeds
     // positions already recorded (routed as recorded, above): only new ones are appended.
-    const int64_t have = static_cast<int64_t>(r.size()) / row;
-    const int64_t end = s.cached + rows[idx[k]].new_tokens;
-    for (int64_t pos = std::max(have, s.cached); pos < end; ++pos) {
-      const int64_t at = step.cu_seqlens[k] + (pos - s.cached);
-      r.insert(r.end(), d + at * row, d + (at + 1) * row);
-    }
+    const int64_t have = static_cast<int64_t>(r.size()) / layout.per_position();
+    const int64_t from = std::max(have, s.cached), end = s.cached + rows[idx[k]].new_tokens;
+    if (from >= end) continue;
+    const auto ids = recorded.Positions(step.cu_seqlens[k] + (from - s.cached), end - from);
+    r.insert(r.end(), ids.begin(), ids.end());
   }
   return hidden;
 }

@@ -32,6 +32,7 @@
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
 #include "lm/model/qwen3_moe.h"
+#include "lm/model/routing_trace.h"
 #include "lm/util/status.h"
 #include "nlohmann/json.hpp"
 #include "opd_task.h"
@@ -61,9 +62,7 @@ std::shared_ptr<lm::CausalLM> Load(const std::string& fixture) {
 }
 
 int64_t MoeLayers(const lm::ModelConfig& c) {
-  int64_t n = 0;
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) n += c.IsMoeLayer(i);
-  return n;
+  return lm::RoutingTrace(c).layers();
 }
 
 // Every MoE router's rows made near-equal: row e = row 0 + scale * noise_e, so that the experts'

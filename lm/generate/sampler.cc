@@ -12,6 +12,7 @@
 #include "lm/model/fast_paths.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
+#include "lm/model/routing_trace.h"
 #include "lm/util/splitmix.h"
 #include "lm/util/status.h"
 
@@ -29,22 +30,6 @@ struct Slot {
   std::mt19937_64 rng;
   Sample out;
 };
-
-// What a ScopedRoutingRecorder saw over one forward of T rows: [T, layers, k] int32 on the host.
-// INTERNAL when it did not see `layers` MoE layers of `top_k` ids (a model whose routing does
-// not go through SparseMoeBlock).
-absl::StatusOr<torch::Tensor> StackRouting(const std::vector<torch::Tensor>& seen, int64_t rows,
-                                           int64_t layers, int64_t top_k) {
-  if (static_cast<int64_t>(seen.size()) != layers)
-    return absl::InternalError(absl::StrCat("return_routing: recorded ", seen.size(),
-                                            " MoE layers in a forward, expected ", layers));
-  auto t = torch::stack(seen, 1).to(torch::kCPU, torch::kInt32).contiguous();
-  if (t.size(0) != rows || t.size(2) != top_k)
-    return absl::InternalError(absl::StrCat("return_routing: recorded routing of shape [",
-                                            t.size(0), ", ", t.size(1), ", ", t.size(2),
-                                            "], expected [", rows, ", ", layers, ", ", top_k, "]"));
-  return t;
-}
 
 constexpr int64_t kBlock = 1024;  // probabilities summed per block for the two-level search
 
@@ -130,52 +115,43 @@ absl::Status SampleBatch(CausalLM& model, const std::vector<std::vector<int64_t>
 
   // Routing replay: every MoE layer's top-k per fed token, [positions, layers, k] per slot.
   const bool routing = params.return_routing;
-  int64_t moe_layers = 0;
-  const int64_t top_k = model.config().num_experts_per_tok;
-  if (routing) {
-    for (int64_t i = 0; i < model.config().num_hidden_layers; ++i)
-      moe_layers += model.config().IsMoeLayer(i);
-    if (!model.SupportsRoutingReplay() || moe_layers == 0 || top_k <= 0)
-      return absl::InvalidArgumentError(
-          absl::StrCat("return_routing: a ", model.config().model_type,
-                       " model has no recordable MoE routing (routing replay supports qwen3_moe)"));
-  }
+  const RoutingTrace layout(model.config());
+  if (routing && (!model.SupportsRoutingReplay() || !layout.recordable()))
+    return absl::InvalidArgumentError(
+        absl::StrCat("return_routing: a ", model.config().model_type,
+                     " model has no recordable MoE routing (routing replay supports qwen3_moe)"));
   std::vector<torch::Tensor> seen;
 
   KVCache cache = model.NewKVCache(P, longest + params.max_new_tokens);
   auto logits =
       Prefill(model, prompts, cache, stats, routing ? &seen : nullptr).repeat_interleave(n, 0);
   cache = cache.RepeatInterleave(n);
-  std::vector<std::vector<int32_t>> prompt_routing(P);
+  RoutingTrace prompt_routing = layout;  // the prompts', one after another
   if (routing) {
     int64_t rows = 0;
     for (const auto& p : prompts) rows += static_cast<int64_t>(p.size());
-    auto t = StackRouting(seen, rows, moe_layers, top_k);
-    if (!t.ok()) return t.status();
-    const int32_t* d = t->data_ptr<int32_t>();
-    int64_t at = 0;
-    for (int64_t p = 0; p < P; ++p) {
-      const int64_t len = static_cast<int64_t>(prompts[p].size()) * moe_layers * top_k;
-      prompt_routing[p].assign(d + at, d + at + len);
-      at += len;
-    }
+    RETURN_IF_ERROR(prompt_routing.AppendRecorded(seen, rows));
   }
 
   std::vector<Slot> slots;
   slots.reserve(P * n);
+  int64_t prompt_position = 0;
   for (int64_t p = 0; p < P; ++p) {
+    const int64_t prompt_length = static_cast<int64_t>(prompts[p].size());
     for (int64_t s = 0; s < n; ++s) {
       Slot slot{std::mt19937_64(SampleSeed(params.seed, params.SeedIndex(first + p), s)), Sample{}};
       slot.out.prompt_index = first + p;
       slot.out.sample_index = s;
       slot.out.SetPrompt(prompts[p]);
       if (routing) {
-        slot.out.routed_experts = prompt_routing[p];
-        slot.out.routing_layers = moe_layers;
-        slot.out.routing_top_k = top_k;
+        const auto ids = prompt_routing.Positions(prompt_position, prompt_length);
+        slot.out.routed_experts.assign(ids.begin(), ids.end());
+        slot.out.routing_layers = layout.layers();
+        slot.out.routing_top_k = layout.top_k();
       }
       slots.push_back(std::move(slot));
     }
+    prompt_position += prompt_length;
   }
   auto is_stop = [&](int64_t id) {
     return std::find(params.stop_ids.begin(), params.stop_ids.end(), id) != params.stop_ids.end();
@@ -217,14 +193,13 @@ absl::Status SampleBatch(CausalLM& model, const std::vector<std::vector<int64_t>
     if (routing) record.emplace(&seen);
     const auto hidden = model.Decode(torch::tensor(next, torch::kInt64).to(device), cache);
     record.reset();
-    if (routing) {
-      auto t = StackRouting(seen, static_cast<int64_t>(slots.size()), moe_layers, top_k);
-      if (!t.ok()) return t.status();
-      const int32_t* d = t->data_ptr<int32_t>();
-      const int64_t row = moe_layers * top_k;
+    if (routing) {  // one position per slot
+      RoutingTrace step = layout;
+      RETURN_IF_ERROR(step.AppendRecorded(seen, static_cast<int64_t>(slots.size())));
       for (size_t i = 0; i < slots.size(); ++i) {
-        auto& r = slots[i].out.routed_experts;
-        r.insert(r.end(), d + i * row, d + (i + 1) * row);
+        const auto ids = step.Positions(static_cast<int64_t>(i), 1);
+        slots[i].out.routed_experts.insert(slots[i].out.routed_experts.end(), ids.begin(),
+                                           ids.end());
       }
     }
     ++stats.decode_steps;

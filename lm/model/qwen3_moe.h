@@ -5,40 +5,35 @@
 //               h += MLP(post_attention_layernorm(h))    MLP = SparseMoeBlock or DenseMlp
 //   logits = lm_head(norm(h))
 //
+// One forward (Run) computes this for every caller: Forward (packed documents, optionally
+// prefilling a KVCache), Decode and PagedForward only build the AttentionContext that says where
+// attention's keys and values live (lm/model/attention_context.h).
+//
 // Member names are the checkpoint's names (model.layers.N.self_attn.q_proj.weight, ...).
 #pragma once
 
 #include <torch/nn/modules/container/modulelist.h>
 
+#include "lm/model/attention_context.h"
 #include "lm/model/layers.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
+#include "lm/model/residual_stream.h"
+#include "lm/model/routing_trace.h"
 
 namespace lm {
 
 class Qwen3MoeAttentionImpl : public torch::nn::Module {
  public:
   Qwen3MoeAttentionImpl(const ModelConfig& c);
-  // Prefill over a packed batch: x [T, H]; rope tables [T, D]. Fills `cache_layer` if given.
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const std::vector<int64_t>& cu_seqlens, torch::Tensor* k_cache,
-                        torch::Tensor* v_cache);
-  // Decode: x [B, H] at per-slot positions, appending to the caches.
-  torch::Tensor decode(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                       torch::Tensor& k_cache, torch::Tensor& v_cache,
-                       const std::vector<int64_t>& lengths);
-  // A paged step (lm/model/paged_kv.h): x [T, H] the new tokens, written into the pools, then
-  // attending through the block tables.
-  torch::Tensor paged(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                      torch::Tensor& k_pool, torch::Tensor& v_pool, const PagedAttentionMeta& meta);
+  // x [T, H] -> [T, H]: the new tokens' q, k, v, attending through `ctx` as attention layer
+  // `kv_layer` (every layer of this architecture is one: kv_layer = the layer's index).
+  torch::Tensor forward(const torch::Tensor& x, AttentionContext& ctx, int64_t kv_layer);
 
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};
 
  private:
-  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> Project(const torch::Tensor& x,
-                                                                  const torch::Tensor& cos,
-                                                                  const torch::Tensor& sin);
   int64_t heads_, kv_heads_, head_dim_;
   Rope rope_;
 };
@@ -47,7 +42,11 @@ TORCH_MODULE(Qwen3MoeAttention);
 class Qwen3MoeDecoderLayerImpl : public torch::nn::Module {
  public:
   Qwen3MoeDecoderLayerImpl(const ModelConfig& c, int64_t layer);
-  // `forced_ids` [T, k] when defined: routing replay for this (MoE) layer.
+  // h += Attn(input_layernorm(h)); h += Mlp(post_attention_layernorm(h)). The router logits go to
+  // `router_logits` when given; `forced_ids` [T, k] when defined: routing replay for this (MoE)
+  // layer.
+  void forward(ResidualStream& h, AttentionContext& ctx, std::vector<torch::Tensor>* router_logits,
+               const torch::Tensor& forced_ids);
   torch::Tensor Mlp(const torch::Tensor& x, std::vector<torch::Tensor>* router_logits,
                     const torch::Tensor& forced_ids = {});
 
@@ -55,6 +54,9 @@ class Qwen3MoeDecoderLayerImpl : public torch::nn::Module {
   Qwen3MoeAttention self_attn{nullptr};
   SparseMoeBlock moe{nullptr};  // registered as "mlp" when this is a MoE layer
   DenseMlp dense{nullptr};      // registered as "mlp" otherwise
+
+ private:
+  int64_t index_;  // the layer's index: its attention's KV layer
 };
 TORCH_MODULE(Qwen3MoeDecoderLayer);
 
@@ -84,7 +86,13 @@ class Qwen3MoeForCausalLM : public CausalLM {
   Qwen3MoeModel model{nullptr};
 
  private:
+  // The one forward, what the entry points above wrap: embed -> layers -> norm over `ctx`.
+  // Returns the final hidden states at ctx.OutputRows().
+  torch::Tensor Run(const torch::Tensor& input_ids, AttentionContext& ctx,
+                    const ForwardOptions& opts);
+
   Rope rope_;
+  RoutingTrace routing_;  // the layout of routing replay's record (no positions)
 };
 
 }  // namespace lm

@@ -21,55 +21,16 @@ Qwen3NextAttentionImpl::Qwen3NextAttentionImpl(const ModelConfig& c)
   k_norm = register_module("k_norm", RMSNorm(head_dim_, c.rms_norm_eps, /*zero_centered=*/true));
 }
 
-Qwen3NextAttentionImpl::Projected Qwen3NextAttentionImpl::Project(const torch::Tensor& x,
-                                                                  const torch::Tensor& cos,
-                                                                  const torch::Tensor& sin) {
-  const int64_t N = x.size(0);
-  auto q_gate = q_proj(x).view({N, heads_, 2 * head_dim_});  // per head [query | gate]
-  Projected p;
-  p.q = rope_.Apply(q_norm(q_gate.narrow(2, 0, head_dim_)), cos, sin);
-  p.gate = q_gate.narrow(2, head_dim_, head_dim_);
-  p.k = rope_.Apply(k_norm(k_proj(x).view({N, kv_heads_, head_dim_})), cos, sin);
-  p.v = v_proj(x).view({N, kv_heads_, head_dim_});
-  return p;
-}
-
-torch::Tensor Qwen3NextAttentionImpl::Output(const torch::Tensor& o, const torch::Tensor& gate) {
-  return o_proj((o * pointwise::Sigmoid(gate)).reshape({o.size(0), heads_ * head_dim_}));
-}
-
-torch::Tensor Qwen3NextAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
-                                              const torch::Tensor& sin,
-                                              const std::vector<int64_t>& cu_seqlens,
-                                              torch::Tensor* k_cache, torch::Tensor* v_cache) {
-  Projected p = Project(x, cos, sin);
-  if (k_cache) FillCache(*k_cache, *v_cache, p.k, p.v, cu_seqlens);
-  auto o = VarlenCausalAttention(p.q, p.k, p.v, cu_seqlens,
-                                 1.0 / std::sqrt(static_cast<double>(head_dim_)));
-  return Output(o, p.gate);
-}
-
-torch::Tensor Qwen3NextAttentionImpl::decode(const torch::Tensor& x, const torch::Tensor& cos,
-                                             const torch::Tensor& sin, torch::Tensor& k_cache,
-                                             torch::Tensor& v_cache,
-                                             const std::vector<int64_t>& lengths) {
-  Projected p = Project(x, cos, sin);
-  AppendCache(k_cache, v_cache, p.k, p.v, lengths);
-  std::vector<int64_t> visible(lengths.size());
-  for (size_t b = 0; b < lengths.size(); ++b) visible[b] = lengths[b] + 1;
-  auto o = CachedAttention(p.q, k_cache, v_cache, visible,
-                           1.0 / std::sqrt(static_cast<double>(head_dim_)));
-  return Output(o, p.gate);
-}
-
-torch::Tensor Qwen3NextAttentionImpl::paged(const torch::Tensor& x, const torch::Tensor& cos,
-                                            const torch::Tensor& sin, torch::Tensor& k_pool,
-                                            torch::Tensor& v_pool, const PagedAttentionMeta& meta) {
-  Projected p = Project(x, cos, sin);
-  WritePagedKV(k_pool, v_pool, p.k, p.v, meta);
-  auto o = PagedAttention(p.q, p.k, p.v, k_pool, v_pool, meta,
-                          1.0 / std::sqrt(static_cast<double>(head_dim_)));
-  return Output(o, p.gate);
+torch::Tensor Qwen3NextAttentionImpl::forward(const torch::Tensor& x, AttentionContext& ctx,
+                                              int64_t kv_layer) {
+  const int64_t n = x.size(0);
+  auto q_gate = q_proj(x).view({n, heads_, 2 * head_dim_});  // per head [query | gate]
+  auto q = rope_.Apply(q_norm(q_gate.narrow(2, 0, head_dim_)), ctx.cos(), ctx.sin());
+  auto gate = q_gate.narrow(2, head_dim_, head_dim_);
+  auto k = rope_.Apply(k_norm(k_proj(x).view({n, kv_heads_, head_dim_})), ctx.cos(), ctx.sin());
+  auto v = v_proj(x).view({n, kv_heads_, head_dim_});
+  auto o = ctx.Attend(kv_layer, q, k, v, 1.0 / std::sqrt(static_cast<double>(head_dim_)));
+  return o_proj((o * pointwise::Sigmoid(gate)).reshape({n, heads_ * head_dim_}));
 }
 
 Qwen3NextSparseMoeBlockImpl::Qwen3NextSparseMoeBlockImpl(const ModelConfig& c)
@@ -120,45 +81,11 @@ torch::Tensor Qwen3NextDecoderLayerImpl::Mlp(const torch::Tensor& x,
   return y;
 }
 
-torch::Tensor Qwen3NextDecoderLayerImpl::forward(const torch::Tensor& h,
-                                                 const Qwen3NextStep& step) {
-  auto x = input_layernorm(h);
-  KVCache* cache = step.cache;
-  torch::Tensor mixed;
-  if (linear_attn) {
-    mixed = linear_attn(x, *step.layout, cache ? &cache->conv[cache_index_] : nullptr,
-                        cache ? &cache->recurrent[cache_index_] : nullptr);
-  } else {
-    mixed = self_attn(x, step.cos, step.sin, *step.cu_seqlens,
-                      cache ? &cache->k[cache_index_] : nullptr,
-                      cache ? &cache->v[cache_index_] : nullptr);
-  }
-  auto h1 = h + mixed;
-  return h1 + Mlp(post_attention_layernorm(h1), step.router_logits);
-}
-
-torch::Tensor Qwen3NextDecoderLayerImpl::decode(const torch::Tensor& h, const torch::Tensor& cos,
-                                                const torch::Tensor& sin, KVCache& cache) {
-  auto x = input_layernorm(h);
-  auto mixed = linear_attn
-                   ? linear_attn->decode(x, cache.conv[cache_index_], cache.recurrent[cache_index_])
-                   : self_attn->decode(x, cos, sin, cache.k[cache_index_], cache.v[cache_index_],
-                                       cache.lengths);
-  auto h1 = h + mixed;
-  return h1 + Mlp(post_attention_layernorm(h1), nullptr);
-}
-
-torch::Tensor Qwen3NextDecoderLayerImpl::paged(const torch::Tensor& h, const torch::Tensor& cos,
-                                               const torch::Tensor& sin, PagedKVCache& cache,
-                                               const PagedAttentionMeta& meta,
-                                               const Qwen3NextPagedPlan& plan) {
-  auto x = input_layernorm(h);
-  auto mixed = linear_attn ? linear_attn->paged(x, cache.state[2 * cache_index_],
-                                                cache.state[2 * cache_index_ + 1], plan)
-                           : self_attn->paged(x, cos, sin, cache.k[cache_index_],
-                                              cache.v[cache_index_], meta);
-  auto h1 = h + mixed;
-  return h1 + Mlp(post_attention_layernorm(h1), nullptr);
+void Qwen3NextDecoderLayerImpl::forward(ResidualStream& h, AttentionContext& ctx,
+                                        std::vector<torch::Tensor>* router_logits) {
+  auto x = h.Norm(*input_layernorm);
+  h.Add(linear_attn ? ctx.Recur(cache_index_, *linear_attn, x) : self_attn(x, ctx, cache_index_));
+  h.Add(Mlp(h.Norm(*post_attention_layernorm), router_logits));
 }
 
 Qwen3NextModelImpl::Qwen3NextModelImpl(const ModelConfig& c) {
@@ -174,6 +101,15 @@ Qwen3NextForCausalLM::Qwen3NextForCausalLM(ModelConfig c)
   AddLmHead(model->embed_tokens);
 }
 
+torch::Tensor Qwen3NextForCausalLM::Run(const torch::Tensor& input_ids, AttentionContext& ctx,
+                                        std::vector<torch::Tensor>* router_logits) {
+  ResidualStream h(model->embed_tokens(input_ids));
+  for (size_t i = 0; i < model->layers->size(); ++i)
+    model->layers->ptr<Qwen3NextDecoderLayerImpl>(i)->forward(h, ctx, router_logits);
+  ctx.Finish();
+  return h.Final(*model->norm, ctx.OutputRows());
+}
+
 torch::Tensor Qwen3NextForCausalLM::Forward(const PackedBatch& batch, const ForwardOptions& opts) {
   KVCache* cache = opts.cache;
   if (cache) {
@@ -184,17 +120,8 @@ torch::Tensor Qwen3NextForCausalLM::Forward(const PackedBatch& batch, const Forw
                     cache->recurrent.size() == cache->conv.size(),
                 "Qwen3-Next prefill: the cache was not made by this model's NewKVCache");
   }
-  auto [cos, sin] = rope_.Tables(batch.position_ids);
-  const auto layout = DeltaRuleLayout::Make(batch.cu_seqlens, batch.input_ids.device());
-  const Qwen3NextStep step{cos, sin, &batch.cu_seqlens, &layout, opts.router_logits, cache};
-  auto h = model->embed_tokens(batch.input_ids);
-  for (size_t i = 0; i < model->layers->size(); ++i) {
-    h = model->layers->ptr<Qwen3NextDecoderLayerImpl>(i)->forward(h, step);
-  }
-  if (cache) {
-    for (int64_t b = 0; b < batch.num_sequences(); ++b) cache->lengths[b] = batch.length(b);
-  }
-  return model->norm(h);
+  auto ctx = AttentionContext::Packed(batch, rope_, cache);
+  return Run(batch.input_ids, ctx, opts.router_logits);
 }
 
 torch::Tensor Qwen3NextForCausalLM::Decode(const torch::Tensor& tokens, KVCache& cache) {
@@ -207,14 +134,8 @@ torch::Tensor Qwen3NextForCausalLM::Decode(const torch::Tensor& tokens, KVCache&
   }
   // The sampler hands host tokens; the cache and the weights may live on a GPU.
   const auto device = model->embed_tokens->weight.device();
-  auto positions = torch::tensor(cache.lengths, torch::kInt64).to(device);
-  auto [cos, sin] = rope_.Tables(positions);
-  auto h = model->embed_tokens(tokens.to(device));
-  for (size_t i = 0; i < model->layers->size(); ++i) {
-    h = model->layers->ptr<Qwen3NextDecoderLayerImpl>(i)->decode(h, cos, sin, cache);
-  }
-  for (auto& len : cache.lengths) ++len;
-  return model->norm(h);
+  auto ctx = AttentionContext::Decode(cache, rope_, device);
+  return Run(tokens.to(device), ctx, nullptr);
 }
 
 KVCache Qwen3NextForCausalLM::NewKVCache(int64_t batch, int64_t capacity) const {
@@ -294,17 +215,8 @@ torch::Tensor Qwen3NextForCausalLM::PagedForward(const PagedStep& step, PagedKVC
   const auto device = model->embed_tokens->weight.device();
   TORCH_CHECK(cache.k.size() + cache.state.size() / 2 == model->layers->size(),
               "Qwen3-Next paged step: the cache was not made by this model's NewPagedKVCache");
-  const PagedAttentionMeta meta = BuildPagedAttentionMeta(step, cache.block_size, device);
-  const Qwen3NextPagedPlan plan =
-      Qwen3NextPagedPlan::Make(step, config_.linear_conv_kernel_dim, device);
-  auto [cos, sin] = rope_.Tables(meta.positions);
-  auto h = model->embed_tokens(step.input_ids);
-  for (size_t i = 0; i < model->layers->size(); ++i) {
-    h = model->layers->ptr<Qwen3NextDecoderLayerImpl>(i)->paged(h, cos, sin, cache, meta, plan);
-  }
-  // Only the last new token of each sequence is sampled from: norm those rows alone.
-  if (meta.max_new > 1) h = h.index_select(0, meta.last_rows);
-  return model->norm(h);
+  auto ctx = AttentionContext::Paged(step, cache, rope_, device);
+  return Run(step.input_ids, ctx, nullptr);
 }
 
 }  // namespace lm

@@ -22,6 +22,9 @@
 // MoE:  y = sum_k p_k Expert_k(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)
 //       (router as Qwen3-MoE: softmax in fp32, top-k, renormalised when norm_topk_prob)
 //
+// One forward (Run) computes this for every caller: Forward, Decode and PagedForward only build the
+// AttentionContext (lm/model/attention_context.h) that holds the layers' keys/values and state:
+//
 // Incremental decoding (a rollout student): the KVCache holds per slot the full-attention layers'
 // keys/values (KVCache::k, v, one entry per full-attention layer in layer order) and each Gated
 // DeltaNet layer's fixed-size state (KVCache::conv, recurrent, one entry per linear-attention
@@ -44,41 +47,26 @@
 
 #include <torch/nn/modules/container/modulelist.h>
 
+#include "lm/model/attention_context.h"
 #include "lm/model/gated_deltanet.h"
 #include "lm/model/layers.h"
 #include "lm/model/model.h"
 #include "lm/model/moe.h"
+#include "lm/model/residual_stream.h"
 
 namespace lm {
 
 class Qwen3NextAttentionImpl : public torch::nn::Module {
  public:
   explicit Qwen3NextAttentionImpl(const ModelConfig& c);
-  // x [T, H]; rope tables [T, rotary_dim] -> [T, H]. Fills the caches (slot b = document b, from
-  // position 0) when given.
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const std::vector<int64_t>& cu_seqlens, torch::Tensor* k_cache = nullptr,
-                        torch::Tensor* v_cache = nullptr);
-  // One decode step: x [B, H] at positions lengths[b] (rope tables of those), appended to the
-  // caches [B, capacity, Hkv, D]; attends to the slot's lengths[b] + 1 positions.
-  torch::Tensor decode(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                       torch::Tensor& k_cache, torch::Tensor& v_cache,
-                       const std::vector<int64_t>& lengths);
-  // A paged step (lm/model/paged_kv.h): x [T, H] the new tokens, written into the pools, then
-  // attending through the block tables.
-  torch::Tensor paged(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                      torch::Tensor& k_pool, torch::Tensor& v_pool, const PagedAttentionMeta& meta);
+  // x [T, H] -> [T, H]: the new tokens' gated attention through `ctx` as its attention layer
+  // `kv_layer` (the layer's index among the full-attention layers).
+  torch::Tensor forward(const torch::Tensor& x, AttentionContext& ctx, int64_t kv_layer);
 
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};
 
  private:
-  struct Projected {
-    torch::Tensor q, gate, k, v;  // [N, Hq, D] x 2, [N, Hkv, D] x 2
-  };
-  Projected Project(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
-  torch::Tensor Output(const torch::Tensor& o, const torch::Tensor& gate);
-
   int64_t heads_, kv_heads_, head_dim_;
   Rope rope_;
 };
@@ -101,26 +89,12 @@ class Qwen3NextSparseMoeBlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Qwen3NextSparseMoeBlock);
 
-// What every layer of one forward shares.
-struct Qwen3NextStep {
-  torch::Tensor cos, sin;  // RoPE tables [T, rotary_dim]
-  const std::vector<int64_t>* cu_seqlens;
-  const DeltaRuleLayout* layout;
-  std::vector<torch::Tensor>* router_logits;  // may be null
-  KVCache* cache = nullptr;                   // a prefill's cache, or null
-};
-
 class Qwen3NextDecoderLayerImpl : public torch::nn::Module {
  public:
   Qwen3NextDecoderLayerImpl(const ModelConfig& c, int64_t layer);
-  torch::Tensor forward(const torch::Tensor& h, const Qwen3NextStep& step);
-  // One decode step: h [B, H] at positions cache.lengths (rope tables of those).
-  torch::Tensor decode(const torch::Tensor& h, const torch::Tensor& cos, const torch::Tensor& sin,
-                       KVCache& cache);
-  // A paged step: h [T, H] the step's new tokens (rope tables of their positions).
-  torch::Tensor paged(const torch::Tensor& h, const torch::Tensor& cos, const torch::Tensor& sin,
-                      PagedKVCache& cache, const PagedAttentionMeta& meta,
-                      const Qwen3NextPagedPlan& plan);
+  // h += Mixer(input_layernorm(h)); h += Mlp(post_attention_layernorm(h)), the mixer's memory
+  // in `ctx`. The router logits go to `router_logits` when given.
+  void forward(ResidualStream& h, AttentionContext& ctx, std::vector<torch::Tensor>* router_logits);
 
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Qwen3NextGatedDeltaNet linear_attn{nullptr};  // linear_attention layers
@@ -130,7 +104,8 @@ class Qwen3NextDecoderLayerImpl : public torch::nn::Module {
 
  private:
   torch::Tensor Mlp(const torch::Tensor& x, std::vector<torch::Tensor>* router_logits);
-  // This layer's entry in KVCache::k/v (full attention) or KVCache::conv/recurrent (linear).
+  // This layer's index among the layers of its kind (full or linear attention): its entry in the
+  // context's keys and values or recurrent state.
   int64_t cache_index_ = 0;
 };
 TORCH_MODULE(Qwen3NextDecoderLayer);
@@ -162,6 +137,11 @@ class Qwen3NextForCausalLM : public CausalLM {
   Qwen3NextModel model{nullptr};
 
  private:
+  // The one forward, what the entry points above wrap: embed -> layers -> norm over `ctx`.
+  // Returns the final hidden states at ctx.OutputRows().
+  torch::Tensor Run(const torch::Tensor& input_ids, AttentionContext& ctx,
+                    std::vector<torch::Tensor>* router_logits);
+
   Rope rope_;
 };
 

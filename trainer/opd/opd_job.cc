@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "lm/model/routing_trace.h"
 #include "lm/text/chat.h"
 #include "lm/util/file.h"
 #include "lm/util/log.h"
@@ -64,25 +65,11 @@ StepPipelineOptions OpdJob::PipelineOptions() {
   if (c_.rollout.routing_replay) {
     // Every sample's routed_experts covers its fed positions (prompt + response - 1) x the
     // student's MoE layers x top_k, with ids of its experts.
-    const lm::ModelConfig mc = model_->config();
-    int64_t layers = 0;
-    for (int64_t l = 0; l < mc.num_hidden_layers; ++l) layers += mc.IsMoeLayer(l);
-    o.check = [mc, layers](const lm::Sample& s) -> absl::Status {
-      const int64_t positions = static_cast<int64_t>(s.tokens.size()) - 1;
-      const int64_t k = mc.num_experts_per_tok;
-      if (s.routing_layers != layers || s.routing_top_k != k ||
-          static_cast<int64_t>(s.routed_experts.size()) != positions * layers * k)
-        return absl::InvalidArgumentError(absl::StrCat(
-            "rollout.routing_replay: routed_experts of prompt ", s.prompt_index, ", sample ",
-            s.sample_index, " holds ", s.routed_experts.size(), " ids as [", s.routing_layers,
-            " layers, top_k ", s.routing_top_k, "], expected ", positions, " positions x ", layers,
-            " MoE layers x top_k ", k, " (does the worker serve this student's architecture?)"));
-      for (int32_t e : s.routed_experts)
-        if (e < 0 || e >= mc.num_experts)
-          return absl::InvalidArgumentError(
-              absl::StrCat("rollout.routing_replay: routed_experts of prompt ", s.prompt_index,
-                           " names expert ", e, " of ", mc.num_experts));
-      return absl::OkStatus();
+    o.check = [layout = lm::RoutingTrace(model_->config())](const lm::Sample& s) {
+      return layout.Check(absl::StrCat("rollout.routing_replay: routed_experts of prompt ",
+                                       s.prompt_index, ", sample ", s.sample_index),
+                          s.routed_experts, s.routing_layers, s.routing_top_k,
+                          static_cast<int64_t>(s.tokens.size()) - 1);
     };
   }
   return o;

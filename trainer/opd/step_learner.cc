@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "lm/model/logprobs.h"
 #include "lm/model/moe.h"
+#include "lm/model/routing_trace.h"
 #include "lm/util/status.h"
 #include "trainer/opd/step_pipeline.h"
 
@@ -28,12 +29,9 @@ struct MicroBatch {
 
 MicroBatch Pack(const StepPipeline& p, const std::vector<size_t>& slots, const lm::ModelConfig& mc,
                 bool replay, torch::Device device) {
-  int64_t moe_layers = 0;
-  for (int64_t l = 0; l < mc.num_hidden_layers; ++l) moe_layers += mc.IsMoeLayer(l);
-  const int64_t per_token = moe_layers * mc.num_experts_per_tok;
+  lm::RoutingTrace routing(mc);  // the micro-batch's tokens, packed as the batch
   std::vector<std::vector<int64_t>> docs;
   std::vector<int64_t> rows, targets;
-  std::vector<int32_t> routing;
   int64_t tokens = 0;
   for (size_t slot : slots) {
     const lm::Sample& s = p.samples()[slot];
@@ -43,8 +41,8 @@ MicroBatch Pack(const StepPipeline& p, const std::vector<size_t>& slots, const l
       targets.push_back(s.tokens[t]);
     }
     if (replay) {  // fed positions as the rollout routed them (checked on arrival), the last own
-      routing.insert(routing.end(), s.routed_experts.begin(), s.routed_experts.end());
-      routing.insert(routing.end(), per_token, -1);
+      TORCH_CHECK(routing.Append(s.routed_experts).ok(), "routing replay: a partial position");
+      routing.AppendUnrouted(1);
     }
     docs.emplace_back(s.tokens.begin(), s.tokens.end());
     tokens += len;
@@ -55,10 +53,7 @@ MicroBatch Pack(const StepPipeline& p, const std::vector<size_t>& slots, const l
   mb.batch.position_ids = mb.batch.position_ids.to(device);
   mb.rows = torch::tensor(rows, torch::kInt64).to(device);
   mb.targets = torch::tensor(targets, torch::kInt64).to(device);
-  if (replay)
-    mb.replay_experts = torch::tensor(routing, torch::kInt32)
-                            .view({tokens, moe_layers, mc.num_experts_per_tok})
-                            .to(device);
+  if (replay) mb.replay_experts = routing.ToTensor().to(device);
   return mb;
 }
 
