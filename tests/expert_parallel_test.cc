@@ -122,7 +122,7 @@ class Group {
   testing_util::Served leader_;                           // rank 0
 };
 
-std::vector<opd::rpc::ScoreOutput> Score(const Group& g, const std::string& fixture) {
+std::vector<lm::SequenceScore> Score(const Group& g, const std::string& fixture) {
   auto client = opd::rpc::TeacherClient::Create(g.Options());
   EXPECT_TRUE(client.ok()) << client.status();
   std::vector<lm::Sample> in;
@@ -131,7 +131,7 @@ std::vector<opd::rpc::ScoreOutput> Score(const Group& g, const std::string& fixt
   so.top_k = 4;
   auto out = (*client)->Score(in, so);
   EXPECT_TRUE(out.ok()) << out.status() << "\n" << g.Logs();
-  return out.ok() ? *out : std::vector<opd::rpc::ScoreOutput>{};
+  return out.ok() ? *out : std::vector<lm::SequenceScore>{};
 }
 
 // The parameter bytes a rank logged: {total, experts}.
@@ -150,7 +150,7 @@ TEST_P(TeacherParity, ScoresLikeOneRankWithAShareOfTheExpertsPerRank) {
   const std::string fixture = GetParam();
   const std::string model = fixture + "/model";
   const std::string bin = kBin + "/teacher_service/opd-teacher";
-  std::vector<opd::rpc::ScoreOutput> want;
+  std::vector<lm::SequenceScore> want;
   {
     Group one(bin, model, 1);
     ASSERT_TRUE(one.ok()) << one.Logs();

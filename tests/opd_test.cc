@@ -191,7 +191,7 @@ TEST_F(Opd, TeacherReplicaKilledMidStepEverySequenceScoredOnce) {
   ASSERT_TRUE(
       WaitFor([&] { return ProcessState(replica_b.pid()) == 'T'; }, std::chrono::seconds(30)));
   std::atomic<bool> finished{false};
-  absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> scores;
+  absl::StatusOr<std::vector<lm::SequenceScore>> scores;
   std::thread scorer([&] {
     scores = (*pool)->Score(inputs, {});
     finished = true;

@@ -427,7 +427,7 @@ TEST(TeacherLoad, ConcurrentClientsMatchSerialScoring) {
     }
   }
   auto serial_client = *opd::rpc::TeacherClient::Create(Options(*teacher));
-  std::vector<std::vector<opd::rpc::ScoreOutput>> serial;
+  std::vector<std::vector<lm::SequenceScore>> serial;
   for (const auto& req : pool) {
     auto r = serial_client->Score(req, {1.0f, 3});
     ASSERT_TRUE(r.ok()) << r.status();
@@ -1009,7 +1009,7 @@ TEST(Scorer, PackedBatchesEqualOneSequenceAtATime) {
   teacher::ScorerOptions o;
   o.max_batch_tokens = 25;  // forces jobs to be split across batches and batches to mix jobs
   teacher::Scorer scorer(model, o);
-  std::vector<std::future<absl::StatusOr<std::vector<teacher::SequenceScore>>>> futures;
+  std::vector<std::future<absl::StatusOr<std::vector<lm::SequenceScore>>>> futures;
   for (int rep = 0; rep < 3; ++rep) {
     futures.push_back(std::async(std::launch::async, [&] { return scorer.Score(Job(seqs, 4)); }));
   }
@@ -1045,7 +1045,7 @@ TEST(Scorer, SmallJobFinishesInTheNextBatchBehindALargeOne) {
   std::vector<std::vector<int64_t>> large_seqs(400, std::vector<int64_t>(10, 5));
   ASSERT_TRUE(scorer
                   .Submit(Job(large_seqs),
-                          [&](absl::StatusOr<std::vector<teacher::SequenceScore>> r) {
+                          [&](absl::StatusOr<std::vector<lm::SequenceScore>> r) {
                             EXPECT_TRUE(r.ok()) << r.status();
                             large_done.set_value(scorer.batches());
                           })
@@ -1056,7 +1056,7 @@ TEST(Scorer, SmallJobFinishesInTheNextBatchBehindALargeOne) {
   ASSERT_GE(scorer.batches(), 1);
   ASSERT_TRUE(scorer
                   .Submit(Job({std::vector<int64_t>(10, 6), std::vector<int64_t>(10, 7)}),
-                          [&](absl::StatusOr<std::vector<teacher::SequenceScore>> r) {
+                          [&](absl::StatusOr<std::vector<lm::SequenceScore>> r) {
                             EXPECT_TRUE(r.ok()) << r.status();
                             small_done.set_value(scorer.batches());
                           })
@@ -1146,7 +1146,7 @@ TEST(Scorer, BucketsAreFullOnAMixedLengthQueue) {
   WorkerHold hold;
   hold.Start(scorer);
   std::mt19937 rng(4);
-  std::vector<std::future<absl::StatusOr<std::vector<teacher::SequenceScore>>>> results;
+  std::vector<std::future<absl::StatusOr<std::vector<lm::SequenceScore>>>> results;
   std::vector<std::vector<int64_t>> lengths(4);
   for (auto& job_lengths : lengths) {
     std::vector<std::vector<int64_t>> seqs(20 + rng() % 41);
@@ -1155,8 +1155,7 @@ TEST(Scorer, BucketsAreFullOnAMixedLengthQueue) {
       s.assign(len, 1 + static_cast<int64_t>(rng() % 95));
       job_lengths.push_back(len);
     }
-    auto done =
-        std::make_shared<std::promise<absl::StatusOr<std::vector<teacher::SequenceScore>>>>();
+    auto done = std::make_shared<std::promise<absl::StatusOr<std::vector<lm::SequenceScore>>>>();
     results.push_back(done->get_future());
     ASSERT_TRUE(scorer.Submit(Job(seqs), [done](auto r) { done->set_value(std::move(r)); }).ok());
   }
