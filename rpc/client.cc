@@ -360,35 +360,6 @@ absl::StatusOr<std::vector<lm::Sample>> RolloutClient::Generate(
   return samples;
 }
 
-absl::StatusOr<opd::v1::UpdateWeightsResponse> RolloutClient::UpdateWeights(
-    int64_t version, const std::vector<WeightTensor>& tensors, size_t chunk_bytes) {
-  grpc::ClientContext ctx;
-  PrepareContext(opts_, &ctx);
-  CallCanceller::Scope cancel_scope(opts_.canceller.get(), &ctx);
-  opd::v1::UpdateWeightsResponse resp;
-  auto writer = stub_->UpdateWeights(&ctx, &resp);
-  bool open = true;
-  for (const auto& t : tensors) {
-    // A zero-byte tensor still sends one (empty) chunk, so that the server sees it.
-    for (size_t off = 0; open && (off < t.bytes || off == 0); off += chunk_bytes) {
-      opd::v1::WeightChunk chunk;
-      chunk.set_version(version);
-      chunk.set_name(t.name);
-      chunk.mutable_shape()->Add(t.shape.begin(), t.shape.end());
-      chunk.set_dtype(t.dtype);
-      chunk.set_offset(static_cast<int64_t>(off));
-      chunk.set_data(t.data + off, std::min(chunk_bytes, t.bytes - off));
-      // A failed write means the server already ended the call; Finish says why.
-      open = writer->Write(chunk);
-      if (t.bytes == 0) break;
-    }
-    if (!open) break;
-  }
-  if (open) writer->WritesDone();
-  RETURN_IF_ERROR(FromGrpc(writer->Finish(), opts_.address));
-  return resp;
-}
-
 // --- health ---
 
 absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> CheckHealth(

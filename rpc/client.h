@@ -117,15 +117,6 @@ struct GenerateOptions {
   bool return_routing = false;  // routing replay: each sample carries routed_experts
 };
 
-// A tensor to send: raw bytes in row-major order (see tensor_codec.h for model parameters).
-struct WeightTensor {
-  std::string name;
-  std::string dtype;  // "float32" | "bfloat16" | "float16"
-  std::vector<int64_t> shape;
-  const char* data = nullptr;
-  size_t bytes = 0;
-};
-
 class RolloutClient {
  public:
   static absl::StatusOr<std::unique_ptr<RolloutClient>> Create(const ClientOptions& opts);
@@ -143,9 +134,7 @@ class RolloutClient {
   absl::Status StreamGenerate(const std::vector<std::vector<int32_t>>& prompts,
                               const GenerateOptions& opts,
                               const std::function<absl::Status(lm::Sample)>& on_sample);
-  // Streams every tensor as chunks of at most `chunk_bytes` and returns what the server applied.
-  absl::StatusOr<opd::v1::UpdateWeightsResponse> UpdateWeights(
-      int64_t version, const std::vector<WeightTensor>& tensors, size_t chunk_bytes = 4 << 20);
+  // Weight updates: rpc/weight_stream.h StreamWeights, the one streamer.
   const std::string& address() const { return opts_.address; }
 
  private:

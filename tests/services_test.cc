@@ -36,6 +36,7 @@
 #include "nlohmann/json.hpp"
 #include "rpc/client.h"
 #include "rpc/tensor_codec.h"
+#include "rpc/weight_stream.h"
 #include "teacher_service/scorer.h"
 #include "tests/tensor_testing.h"
 #include "tests/testing.h"
@@ -604,8 +605,13 @@ class RolloutService : public ::testing::Test {
   absl::StatusOr<opd::v1::UpdateWeightsResponse> Push(const std::string& dir, int64_t version,
                                                       const std::string& secret = kSecret) {
     auto model = LoadLocal(dir);
-    auto w = opd::rpc::WeightsOf(*model);
-    return Client(secret)->UpdateWeights(version, w.views, 1000);  // small chunks: many per tensor
+    opd::rpc::StreamOptions small;
+    small.chunk_bytes = 1000;  // small chunks: many per tensor
+    auto pushed = opd::rpc::StreamWeights(
+        Options(*rollout_, secret), version,
+        opd::rpc::WireTensorsOf(opd::rpc::NamedParameters(*model), torch::kFloat32), small);
+    if (!pushed.ok()) return pushed.status();
+    return pushed->applied;
   }
 
   static ServerProcess* rollout_;
@@ -917,8 +923,10 @@ TEST(RolloutStartup, WithoutSecretUpdateWeightsIsDisabled) {
   auto c = *opd::rpc::RolloutClient::Create(Options(*rollout, "anything"));
   EXPECT_TRUE(c->Generate({{1, 2}}, Sampling(0)).ok());  // open without a secret
   auto model = LoadLocal(FixtureModel());
-  auto w = opd::rpc::WeightsOf(*model);
-  EXPECT_EQ(c->UpdateWeights(1, w.views).status().code(), absl::StatusCode::kUnauthenticated);
+  auto pushed = opd::rpc::StreamWeights(
+      Options(*rollout, "anything"), 1,
+      opd::rpc::WireTensorsOf(opd::rpc::NamedParameters(*model), torch::kFloat32));
+  EXPECT_EQ(pushed.status().code(), absl::StatusCode::kUnauthenticated);
   EXPECT_EQ((*c->Info()).weight_version(), 0);
 }
 
