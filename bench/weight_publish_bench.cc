@@ -1,6 +1,6 @@
 // One learner rank of a weight push to opd-rollout workers, timed: the parallel push of every rank
-// (trainer/opd/weight_push.h WeightPublisher) or rank 0's star (RolloutPool::PushWeights: one
-// two-rank group or gRPC stream per worker, the checksums of the whole model on one thread).
+// (trainer/opd/weight_push.h WeightPublisher) or rank 0's star (a WeightPusher per worker: one
+// two-rank group or gRPC stream each, the checksums of the whole model on one thread).
 // scripts/bench/weight_publish.py runs both side by side; tests/weight_publish_test.cc runs it as
 // the learner ranks of its multi-process tests.
 //
@@ -25,6 +25,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <future>
+#include <map>
 #include <thread>
 
 #include <torch/torch.h>
@@ -42,7 +44,8 @@
 #include "nlohmann/json.hpp"
 #include "rpc/auth.h"
 #include "rpc/client.h"
-#include "trainer/opd/rollout_pool.h"
+#include "rpc/tensor_codec.h"
+#include "rpc/weight_wire.h"
 #include "trainer/opd/weight_push.h"
 
 ABSL_FLAG(std::string, out, "", "make-model: the checkpoint directory to write");
@@ -139,6 +142,56 @@ absl::StatusOr<int64_t> ServedVersion(lm::dist::ProcessGroup& learners,
   return static_cast<int64_t>(v[0]);
 }
 
+// Rank 0's star, the baseline the parallel push is measured against: one WeightPusher per worker
+// (its two-rank group, or gRPC with --sync grpc), all pushed at once.
+absl::StatusOr<std::vector<std::unique_ptr<trainer::WeightPusher>>> ConnectStar(
+    const std::vector<std::string>& workers, const opd::rpc::ClientOptions& base,
+    const trainer::WeightPushOptions& po) {
+  std::vector<std::unique_ptr<trainer::WeightPusher>> out;
+  for (const std::string& w : workers) {
+    opd::rpc::ClientOptions o = base;
+    o.address = w;
+    ASSIGN_OR_RETURN(auto client, opd::rpc::RolloutClient::Create(o));
+    ASSIGN_OR_RETURN(const opd::v1::ServiceInfo info, client->Info());
+    ASSIGN_OR_RETURN(auto pusher, trainer::WeightPusher::Connect(o, info, po, torch::kCPU));
+    out.push_back(std::move(pusher));
+  }
+  return out;
+}
+
+// The star's push of `model` as `version`: the wire form and its checksums once per worker dtype,
+// then every worker at once. The first error, naming the worker; `bytes`: what went out.
+absl::Status PushStar(std::vector<std::unique_ptr<trainer::WeightPusher>>& pushers,
+                      const std::vector<std::string>& workers, torch::nn::Module& model,
+                      int64_t version, int64_t* bytes) {
+  const auto params = opd::rpc::NamedParameters(model);
+  std::map<torch::Dtype, std::vector<opd::rpc::WireTensor>> wire;
+  torch::Tensor staging = torch::empty({int64_t{16} << 20}, torch::kUInt8);
+  for (const auto& p : pushers) {
+    auto [it, added] = wire.try_emplace(p->wire_dtype());
+    if (!added) continue;
+    it->second = opd::rpc::WireTensorsOf(params, p->wire_dtype());
+    opd::rpc::ComputeChecksums(&it->second, staging);
+  }
+  std::vector<std::future<absl::StatusOr<trainer::PushReport>>> calls;
+  for (auto& p : pushers) {
+    const auto& tensors = wire.at(p->wire_dtype());
+    calls.push_back(std::async(std::launch::async,
+                               [&p, &tensors, version] { return p->Push(tensors, version); }));
+  }
+  absl::Status first;
+  *bytes = 0;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    auto r = calls[i].get();
+    if (r.ok()) *bytes += r->bytes;
+    if (!r.ok() && first.ok())
+      first = absl::Status(r.status().code(),
+                           absl::StrCat("weight push of version ", version, " to rollout worker ",
+                                        workers[i], " failed: ", r.status().message()));
+  }
+  return first;
+}
+
 absl::Status Push() {
   const int rank = absl::GetFlag(FLAGS_rank), world = absl::GetFlag(FLAGS_world);
   lm::dist::GroupOptions go;
@@ -169,12 +222,11 @@ absl::Status Push() {
         kill(pid, SIGKILL);
     };
   const bool star = absl::GetFlag(FLAGS_how) == "star";
-  std::unique_ptr<trainer::RolloutPool> pool;
+  std::vector<std::unique_ptr<trainer::WeightPusher>> pushers;
   std::unique_ptr<trainer::WeightPublisher> publisher;
   if (star) {
     if (rank == 0) {
-      ASSIGN_OR_RETURN(
-          pool, trainer::RolloutPool::Connect(workers, co, "", model->config().vocab_size, &po));
+      ASSIGN_OR_RETURN(pushers, ConnectStar(workers, co, po));
     }
   } else {
     ASSIGN_OR_RETURN(
@@ -199,15 +251,13 @@ absl::Status Push() {
         {"step", step}, {"version", version}, {"how", star ? "star" : "parallel"}};
     const auto t0 = Clock::now();
     if (star) {
-      absl::Status st = rank == 0 ? pool->PushWeights(*model, version) : absl::OkStatus();
+      int64_t bytes = 0;
+      absl::Status st =
+          rank == 0 ? PushStar(pushers, workers, *model, version, &bytes) : absl::OkStatus();
       RETURN_IF_ERROR(learners->Barrier());
       line["seconds"] = std::chrono::duration<double>(Clock::now() - t0).count();
       line["status"] = StatusJson(st);
-      if (rank == 0) {
-        int64_t bytes = 0;
-        for (const auto& r : pool->last_push()) bytes += r.bytes;
-        line["bytes"] = bytes;
-      }
+      if (rank == 0) line["bytes"] = bytes;
     } else {
       ASSIGN_OR_RETURN(trainer::PublishReport r, publisher->Publish(*model, version));
       line["seconds"] = r.seconds;

@@ -11,6 +11,7 @@
 #include "lm/model/model.h"
 #include "nlohmann/json.hpp"
 #include "rpc/tensor_codec.h"
+#include "rpc/weight_stream.h"
 
 namespace ctl {
 
@@ -48,16 +49,17 @@ int RunPushWeights(const std::vector<std::string>& words) {
   load.dtype = *dtype;
   auto model = lm::LoadModel(args.Get("from"), load);
   if (!model.ok()) return Fail("push-weights", model.status());
-  auto client = opd::rpc::RolloutClient::Create(opts);
-  if (!client.ok()) return Fail("push-weights", client.status());
-  const auto weights = opd::rpc::WeightsOf(**model);
-  const size_t chunk = static_cast<size_t>(chunk_mb * (1 << 20));
-  auto resp =
-      (*client)->UpdateWeights(args.Int64("version", 0), weights.views, std::max<size_t>(chunk, 1));
-  if (!resp.ok()) return Fail("push-weights", resp.status());
-  std::cout << nlohmann::json{{"version", resp->version()},
-                              {"tensors", resp->tensors()},
-                              {"bytes", resp->bytes()}}
+  torch::NoGradGuard no_grad;
+  opd::rpc::StreamOptions stream;
+  stream.chunk_bytes = std::max<size_t>(static_cast<size_t>(chunk_mb * (1 << 20)), 1);
+  auto pushed = opd::rpc::StreamWeights(
+      opts, args.Int64("version", 0),
+      opd::rpc::WireTensorsOf(opd::rpc::NamedParameters(**model), *dtype), stream);
+  if (!pushed.ok()) return Fail("push-weights", pushed.status());
+  const opd::v1::UpdateWeightsResponse& resp = pushed->applied;
+  std::cout << nlohmann::json{{"version", resp.version()},
+                              {"tensors", resp.tensors()},
+                              {"bytes", resp.bytes()}}
                    .dump()
             << "\n";
   return 0;

@@ -39,7 +39,7 @@ absl::Status CheckFlags(const Args& args) {
   });
 }
 
-void PrintScores(const opd::rpc::ScoreOutput& s, int k) {
+void PrintScores(const lm::SequenceScore& s, int k) {
   nlohmann::json out{{"logprobs", s.logprobs}};
   if (k > 0) {
     auto ids = nlohmann::json::array(), lps = nlohmann::json::array();

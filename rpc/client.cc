@@ -104,10 +104,10 @@ absl::Status Prefixed(const absl::Status& s, absl::string_view what) {
 }
 
 // One sequence's scores; `in` says how many positions it has.
-absl::StatusOr<ScoreOutput> UnpackScores(const opd::v1::SequenceScores& r, const lm::Sample& in,
-                                         int32_t top_k) {
+absl::StatusOr<lm::SequenceScore> UnpackScores(const opd::v1::SequenceScores& r,
+                                               const lm::Sample& in, int32_t top_k) {
   const int64_t n = static_cast<int64_t>(in.tokens.size()) - in.response_start;
-  ScoreOutput out;
+  lm::SequenceScore out;
   ASSIGN_OR_RETURN(out.logprobs, UnpackArray<float>(r.logprobs(), n, "logprobs"));
   if (top_k > 0) {
     ASSIGN_OR_RETURN(out.topk_ids, UnpackArray<int32_t>(r.topk_ids(), n * top_k, "topk_ids"));
@@ -120,7 +120,7 @@ absl::StatusOr<ScoreOutput> UnpackScores(const opd::v1::SequenceScores& r, const
 // Appends `chunk`'s sequences to `out`: they must be the next ones of `seqs`, with the top_k of
 // the first chunk (`*top_k`, -1 before it).
 absl::Status AppendChunk(const opd::v1::ScoreChunk& chunk, const std::vector<lm::Sample>& seqs,
-                         int32_t* top_k, std::vector<ScoreOutput>* out) {
+                         int32_t* top_k, std::vector<lm::SequenceScore>* out) {
   if (chunk.first_sequence() != static_cast<int64_t>(out->size())) {
     return absl::InternalError(absl::StrCat("a chunk starts at sequence ", chunk.first_sequence(),
                                             ", expected ", out->size()));
@@ -137,7 +137,7 @@ absl::Status AppendChunk(const opd::v1::ScoreChunk& chunk, const std::vector<lm:
   }
   for (const auto& r : chunk.sequences()) {
     const size_t i = out->size();
-    absl::StatusOr<ScoreOutput> o = UnpackScores(r, seqs[i], *top_k);
+    absl::StatusOr<lm::SequenceScore> o = UnpackScores(r, seqs[i], *top_k);
     if (!o.ok()) return Prefixed(o.status(), absl::StrCat("sequence ", i));
     out->push_back(*std::move(o));
   }
@@ -146,13 +146,13 @@ absl::Status AppendChunk(const opd::v1::ScoreChunk& chunk, const std::vector<lm:
 
 }  // namespace
 
-absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::Score(const std::vector<lm::Sample>& seqs,
-                                                              const ScoreOptions& opts) {
+absl::StatusOr<std::vector<lm::SequenceScore>> TeacherClient::Score(
+    const std::vector<lm::Sample>& seqs, const ScoreOptions& opts) {
   const opd::v1::ScoreRequest req = MakeScoreRequest(seqs, opts);
   const absl::Time deadline = absl::Now() + opts_.timeout;
   if (!unary_only_.load()) {
     bool unimplemented = false;
-    absl::StatusOr<std::vector<ScoreOutput>> out =
+    absl::StatusOr<std::vector<lm::SequenceScore>> out =
         ScoreStreamed(req, seqs, deadline, &unimplemented);
     if (!unimplemented) return out;
     if (!unary_only_.exchange(true)) {
@@ -164,14 +164,14 @@ absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::Score(const std::vector<
   return ScoreUnary(req, seqs, deadline);
 }
 
-absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::ScoreStreamed(
+absl::StatusOr<std::vector<lm::SequenceScore>> TeacherClient::ScoreStreamed(
     const opd::v1::ScoreRequest& req, const std::vector<lm::Sample>& seqs, absl::Time deadline,
     bool* unimplemented) {
   grpc::ClientContext ctx;
   PrepareContextUntil(opts_, deadline, &ctx);
   CallCanceller::Scope cancel_scope(opts_.canceller.get(), &ctx);
   auto reader = stub_->ScoreStream(&ctx, req);
-  std::vector<ScoreOutput> out;
+  std::vector<lm::SequenceScore> out;
   out.reserve(seqs.size());
   int32_t top_k = -1;
   absl::Status bad;
@@ -193,7 +193,7 @@ absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::ScoreStreamed(
   return out;
 }
 
-absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::ScoreUnary(
+absl::StatusOr<std::vector<lm::SequenceScore>> TeacherClient::ScoreUnary(
     const opd::v1::ScoreRequest& req, const std::vector<lm::Sample>& seqs, absl::Time deadline) {
   grpc::ClientContext ctx;
   PrepareContextUntil(opts_, deadline, &ctx);
@@ -204,9 +204,9 @@ absl::StatusOr<std::vector<ScoreOutput>> TeacherClient::ScoreUnary(
     return absl::InternalError(absl::StrCat(opts_.address, ": ", resp.sequences_size(),
                                             " results for ", seqs.size(), " sequences"));
   }
-  std::vector<ScoreOutput> out(seqs.size());
+  std::vector<lm::SequenceScore> out(seqs.size());
   for (size_t i = 0; i < seqs.size(); ++i) {
-    absl::StatusOr<ScoreOutput> o =
+    absl::StatusOr<lm::SequenceScore> o =
         UnpackScores(resp.sequences(static_cast<int>(i)), seqs[i], resp.top_k());
     if (!o.ok()) return Prefixed(o.status(), absl::StrCat(opts_.address, ": sequence ", i));
     out[i] = *std::move(o);
@@ -358,35 +358,6 @@ absl::StatusOr<std::vector<lm::Sample>> RolloutClient::Generate(
     return std::tie(a.prompt_index, a.sample_index) < std::tie(b.prompt_index, b.sample_index);
   });
   return samples;
-}
-
-absl::StatusOr<opd::v1::UpdateWeightsResponse> RolloutClient::UpdateWeights(
-    int64_t version, const std::vector<WeightTensor>& tensors, size_t chunk_bytes) {
-  grpc::ClientContext ctx;
-  PrepareContext(opts_, &ctx);
-  CallCanceller::Scope cancel_scope(opts_.canceller.get(), &ctx);
-  opd::v1::UpdateWeightsResponse resp;
-  auto writer = stub_->UpdateWeights(&ctx, &resp);
-  bool open = true;
-  for (const auto& t : tensors) {
-    // A zero-byte tensor still sends one (empty) chunk, so that the server sees it.
-    for (size_t off = 0; open && (off < t.bytes || off == 0); off += chunk_bytes) {
-      opd::v1::WeightChunk chunk;
-      chunk.set_version(version);
-      chunk.set_name(t.name);
-      chunk.mutable_shape()->Add(t.shape.begin(), t.shape.end());
-      chunk.set_dtype(t.dtype);
-      chunk.set_offset(static_cast<int64_t>(off));
-      chunk.set_data(t.data + off, std::min(chunk_bytes, t.bytes - off));
-      // A failed write means the server already ended the call; Finish says why.
-      open = writer->Write(chunk);
-      if (t.bytes == 0) break;
-    }
-    if (!open) break;
-  }
-  if (open) writer->WritesDone();
-  RETURN_IF_ERROR(FromGrpc(writer->Finish(), opts_.address));
-  return resp;
 }
 
 // --- health ---

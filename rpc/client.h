@@ -70,12 +70,6 @@ struct ScoreOptions {
   int32_t top_k = 0;  // > 0: also the top-k ids and log-probs per position
 };
 
-struct ScoreOutput {
-  std::vector<float> logprobs;       // [n], n = tokens.size() - response_start
-  std::vector<int32_t> topk_ids;     // [n * k], row-major, most likely first
-  std::vector<float> topk_logprobs;  // [n * k]
-};
-
 class TeacherClient : public TeacherEndpoint {
  public:
   static absl::StatusOr<std::unique_ptr<TeacherClient>> Create(const ClientOptions& opts);
@@ -85,8 +79,8 @@ class TeacherClient : public TeacherEndpoint {
   // sequences, so that no reply message has to hold the whole batch), and falls back to the unary
   // Score when the server has no ScoreStream (UNIMPLEMENTED: an older opd-teacher), remembering
   // that for this client's later calls. One deadline (ClientOptions::timeout) covers both tries.
-  absl::StatusOr<std::vector<ScoreOutput>> Score(const std::vector<lm::Sample>& seqs,
-                                                 const ScoreOptions& opts = {}) override;
+  absl::StatusOr<std::vector<lm::SequenceScore>> Score(const std::vector<lm::Sample>& seqs,
+                                                       const ScoreOptions& opts = {}) override;
   // The standard gRPC health check (2 s deadline) answers SERVING.
   bool Healthy() override;
   const std::string& address() const override { return opts_.address; }
@@ -94,12 +88,13 @@ class TeacherClient : public TeacherEndpoint {
  private:
   TeacherClient(ClientOptions opts, std::shared_ptr<grpc::Channel> channel);
   // The two ways of asking; `unimplemented` is set when the server has no ScoreStream.
-  absl::StatusOr<std::vector<ScoreOutput>> ScoreStreamed(const opd::v1::ScoreRequest& req,
-                                                         const std::vector<lm::Sample>& seqs,
-                                                         absl::Time deadline, bool* unimplemented);
-  absl::StatusOr<std::vector<ScoreOutput>> ScoreUnary(const opd::v1::ScoreRequest& req,
-                                                      const std::vector<lm::Sample>& seqs,
-                                                      absl::Time deadline);
+  absl::StatusOr<std::vector<lm::SequenceScore>> ScoreStreamed(const opd::v1::ScoreRequest& req,
+                                                               const std::vector<lm::Sample>& seqs,
+                                                               absl::Time deadline,
+                                                               bool* unimplemented);
+  absl::StatusOr<std::vector<lm::SequenceScore>> ScoreUnary(const opd::v1::ScoreRequest& req,
+                                                            const std::vector<lm::Sample>& seqs,
+                                                            absl::Time deadline);
   ClientOptions opts_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<opd::v1::Teacher::Stub> stub_;
@@ -122,15 +117,6 @@ struct GenerateOptions {
   bool return_routing = false;  // routing replay: each sample carries routed_experts
 };
 
-// A tensor to send: raw bytes in row-major order (see tensor_codec.h for model parameters).
-struct WeightTensor {
-  std::string name;
-  std::string dtype;  // "float32" | "bfloat16" | "float16"
-  std::vector<int64_t> shape;
-  const char* data = nullptr;
-  size_t bytes = 0;
-};
-
 class RolloutClient {
  public:
   static absl::StatusOr<std::unique_ptr<RolloutClient>> Create(const ClientOptions& opts);
@@ -148,9 +134,7 @@ class RolloutClient {
   absl::Status StreamGenerate(const std::vector<std::vector<int32_t>>& prompts,
                               const GenerateOptions& opts,
                               const std::function<absl::Status(lm::Sample)>& on_sample);
-  // Streams every tensor as chunks of at most `chunk_bytes` and returns what the server applied.
-  absl::StatusOr<opd::v1::UpdateWeightsResponse> UpdateWeights(
-      int64_t version, const std::vector<WeightTensor>& tensors, size_t chunk_bytes = 4 << 20);
+  // Weight updates: rpc/weight_stream.h StreamWeights, the one streamer.
   const std::string& address() const { return opts_.address; }
 
  private:

@@ -125,8 +125,8 @@ class ReplyReader {
               int32_t k)
       : where_(std::move(where)), seqs_(seqs), begin_(begin), end_(end), k_(k) {}
 
-  absl::StatusOr<std::vector<ScoreOutput>> Sglang(const json& j) const;
-  absl::StatusOr<std::vector<ScoreOutput>> Vllm(const json& j) const;
+  absl::StatusOr<std::vector<lm::SequenceScore>> Sglang(const json& j) const;
+  absl::StatusOr<std::vector<lm::SequenceScore>> Vllm(const json& j) const;
 
  private:
   absl::Status Bad(size_t seq, const std::string& field, const std::string& what) const {
@@ -135,10 +135,10 @@ class ReplyReader {
   absl::Status BadReply(const std::string& what) const {
     return absl::DataLossError(absl::StrCat(where_, ": ", what));
   }
-  absl::StatusOr<ScoreOutput> SglangItem(size_t seq, const json& it) const;
-  absl::Status SglangTopK(size_t seq, const json& meta, ScoreOutput* o) const;
-  absl::StatusOr<ScoreOutput> VllmItem(size_t seq, const json& it) const;
-  absl::Status VllmPosition(size_t seq, size_t p, const json& d, ScoreOutput* o) const;
+  absl::StatusOr<lm::SequenceScore> SglangItem(size_t seq, const json& it) const;
+  absl::Status SglangTopK(size_t seq, const json& meta, lm::SequenceScore* o) const;
+  absl::StatusOr<lm::SequenceScore> VllmItem(size_t seq, const json& it) const;
+  absl::Status VllmPosition(size_t seq, size_t p, const json& d, lm::SequenceScore* o) const;
 
   std::string where_;
   const std::vector<lm::Sample>& seqs_;
@@ -146,7 +146,7 @@ class ReplyReader {
   int32_t k_;
 };
 
-absl::StatusOr<std::vector<ScoreOutput>> ReplyReader::Sglang(const json& j) const {
+absl::StatusOr<std::vector<lm::SequenceScore>> ReplyReader::Sglang(const json& j) const {
   const size_t n_seq = end_ - begin_;
   json single;
   const json* list = &j;
@@ -157,10 +157,10 @@ absl::StatusOr<std::vector<ScoreOutput>> ReplyReader::Sglang(const json& j) cons
   if (!list->is_array() || list->size() != n_seq)
     return BadReply(absl::StrCat("reply has ", list->is_array() ? list->size() : 0, " items for ",
                                  n_seq, " sequences"));
-  std::vector<ScoreOutput> out;
+  std::vector<lm::SequenceScore> out;
   out.reserve(n_seq);
   for (size_t i = 0; i < n_seq; ++i) {
-    ASSIGN_OR_RETURN(ScoreOutput o, SglangItem(begin_ + i, (*list)[i]));
+    ASSIGN_OR_RETURN(lm::SequenceScore o, SglangItem(begin_ + i, (*list)[i]));
     out.push_back(std::move(o));
   }
   return out;
@@ -168,7 +168,7 @@ absl::StatusOr<std::vector<ScoreOutput>> ReplyReader::Sglang(const json& j) cons
 
 // Entries for tokens [r - 1, L): the first (null: the token before the response has no score
 // here) is dropped; each is [logprob, id, text-or-null] and must carry the id sent.
-absl::StatusOr<ScoreOutput> ReplyReader::SglangItem(size_t seq, const json& it) const {
+absl::StatusOr<lm::SequenceScore> ReplyReader::SglangItem(size_t seq, const json& it) const {
   const lm::Sample& in = seqs_[seq];
   const size_t r = static_cast<size_t>(in.response_start), L = in.tokens.size();
   if (!it.is_object() || !it.contains("meta_info") || !it["meta_info"].is_object())
@@ -181,7 +181,7 @@ absl::StatusOr<ScoreOutput> ReplyReader::SglangItem(size_t seq, const json& it) 
     return Bad(
         seq, "meta_info.input_token_logprobs",
         absl::StrCat("has ", lp.is_array() ? lp.size() : 0, " entries, expected ", L - r + 1));
-  ScoreOutput o;
+  lm::SequenceScore o;
   o.logprobs.reserve(L - r);
   for (size_t p = 1; p < lp.size(); ++p) {
     const json& e = lp[p];
@@ -200,7 +200,7 @@ absl::StatusOr<ScoreOutput> ReplyReader::SglangItem(size_t seq, const json& it) 
 
 // input_top_logprobs: per position at least k [logprob, id, ...] entries, the k most likely
 // kept (most likely first).
-absl::Status ReplyReader::SglangTopK(size_t seq, const json& meta, ScoreOutput* o) const {
+absl::Status ReplyReader::SglangTopK(size_t seq, const json& meta, lm::SequenceScore* o) const {
   const lm::Sample& in = seqs_[seq];
   const size_t n = in.tokens.size() - static_cast<size_t>(in.response_start);
   if (!meta.contains("input_top_logprobs"))
@@ -238,7 +238,7 @@ absl::Status ReplyReader::SglangTopK(size_t seq, const json& meta, ScoreOutput* 
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<ScoreOutput>> ReplyReader::Vllm(const json& j) const {
+absl::StatusOr<std::vector<lm::SequenceScore>> ReplyReader::Vllm(const json& j) const {
   const size_t n_seq = end_ - begin_;
   if (!j.is_object() || !j.contains("choices") || !j["choices"].is_array())
     return BadReply("reply has no choices");
@@ -253,20 +253,20 @@ absl::StatusOr<std::vector<ScoreOutput>> ReplyReader::Vllm(const json& j) const 
       return BadReply(absl::StrCat("choices[", c, "].index ", idx, " is out of range or repeated"));
     items[idx] = &ch;
   }
-  std::vector<ScoreOutput> out;
+  std::vector<lm::SequenceScore> out;
   out.reserve(n_seq);
   for (size_t i = 0; i < n_seq; ++i) {
     if (items[i] == nullptr)
       return BadReply(absl::StrCat("choices has ", choices.size(), " entries for ", n_seq,
                                    " sequences (index ", i, " missing)"));
-    ASSIGN_OR_RETURN(ScoreOutput o, VllmItem(begin_ + i, *items[i]));
+    ASSIGN_OR_RETURN(lm::SequenceScore o, VllmItem(begin_ + i, *items[i]));
     out.push_back(std::move(o));
   }
   return out;
 }
 
 // prompt_logprobs: one entry per prompt token (the first null), each an object keyed by token id.
-absl::StatusOr<ScoreOutput> ReplyReader::VllmItem(size_t seq, const json& it) const {
+absl::StatusOr<lm::SequenceScore> ReplyReader::VllmItem(size_t seq, const json& it) const {
   const lm::Sample& in = seqs_[seq];
   const size_t r = static_cast<size_t>(in.response_start), L = in.tokens.size();
   if (!it.contains("prompt_logprobs") || !it["prompt_logprobs"].is_array())
@@ -275,7 +275,7 @@ absl::StatusOr<ScoreOutput> ReplyReader::VllmItem(size_t seq, const json& it) co
   if (pl.size() != L)
     return Bad(seq, "prompt_logprobs",
                absl::StrCat("has ", pl.size(), " entries for ", L, " prompt tokens"));
-  ScoreOutput o;
+  lm::SequenceScore o;
   o.logprobs.reserve(L - r);
   for (size_t p = r; p < L; ++p) RETURN_IF_ERROR(VllmPosition(seq, p, pl[p], &o));
   return o;
@@ -283,7 +283,8 @@ absl::StatusOr<ScoreOutput> ReplyReader::VllmItem(size_t seq, const json& it) co
 
 // One position: {"<id>": {"logprob": x, "rank": n, ...}, ...} with the sent token's entry and
 // (k > 0) the entries of rank 1..k, each checked whether it is used or not.
-absl::Status ReplyReader::VllmPosition(size_t seq, size_t p, const json& d, ScoreOutput* o) const {
+absl::Status ReplyReader::VllmPosition(size_t seq, size_t p, const json& d,
+                                       lm::SequenceScore* o) const {
   const std::string field = absl::StrCat("prompt_logprobs[", p, "]");
   if (!d.is_object()) return Bad(seq, field, "is not an object");
   const std::string sent = std::to_string(seqs_[seq].tokens[p]);
@@ -587,8 +588,8 @@ absl::StatusOr<std::vector<int32_t>> HttpTeacher::Tokenize(const std::string& te
   return ids;
 }
 
-absl::StatusOr<std::vector<ScoreOutput>> HttpTeacher::Score(const std::vector<lm::Sample>& seqs,
-                                                            const ScoreOptions& opts) {
+absl::StatusOr<std::vector<lm::SequenceScore>> HttpTeacher::Score(
+    const std::vector<lm::Sample>& seqs, const ScoreOptions& opts) {
   if (where_.kind == HttpTeacherKind::kVllm && opts.temperature != 1.0f) {
     return absl::InvalidArgumentError(
         absl::StrCat(opts_.address,
@@ -602,7 +603,7 @@ absl::StatusOr<std::vector<ScoreOutput>> HttpTeacher::Score(const std::vector<lm
                                                      " has response_start ", s.response_start,
                                                      " outside [1, ", s.tokens.size(), "]"));
   }
-  std::vector<ScoreOutput> out;
+  std::vector<lm::SequenceScore> out;
   out.reserve(seqs.size());
   size_t begin = 0;
   while (begin < seqs.size()) {
@@ -618,7 +619,7 @@ absl::StatusOr<std::vector<ScoreOutput>> HttpTeacher::Score(const std::vector<lm
   return out;
 }
 
-absl::StatusOr<std::vector<ScoreOutput>> HttpTeacher::ScoreBatch(
+absl::StatusOr<std::vector<lm::SequenceScore>> HttpTeacher::ScoreBatch(
     const std::vector<lm::Sample>& seqs, size_t begin, size_t end, const ScoreOptions& opts) {
   const bool sglang = where_.kind == HttpTeacherKind::kSglang;
   const int32_t k = std::max(opts.top_k, 0);

@@ -77,8 +77,8 @@ class HttpTeacher : public TeacherEndpoint {
   // allow; 0 when SGLang does not say). vocab_size and tokenizer_fingerprint are left unset (not
   // known).
   absl::StatusOr<opd::v1::ServiceInfo> Info() override;
-  absl::StatusOr<std::vector<ScoreOutput>> Score(const std::vector<lm::Sample>& seqs,
-                                                 const ScoreOptions& opts) override;
+  absl::StatusOr<std::vector<lm::SequenceScore>> Score(const std::vector<lm::Sample>& seqs,
+                                                       const ScoreOptions& opts) override;
   bool Healthy() override;  // SGLang GET /health, vLLM GET /health: HTTP 200
   const std::string& address() const override { return opts_.address; }
   HttpTeacherKind kind() const { return where_.kind; }
@@ -97,9 +97,9 @@ class HttpTeacher : public TeacherEndpoint {
   absl::StatusOr<std::string> Request(const std::string& path, const std::string& body,
                                       int64_t max_body, const std::string& why_max,
                                       long* http_code = nullptr);
-  absl::StatusOr<std::vector<ScoreOutput>> ScoreBatch(const std::vector<lm::Sample>& seqs,
-                                                      size_t begin, size_t end,
-                                                      const ScoreOptions& opts);
+  absl::StatusOr<std::vector<lm::SequenceScore>> ScoreBatch(const std::vector<lm::Sample>& seqs,
+                                                            size_t begin, size_t end,
+                                                            const ScoreOptions& opts);
   absl::StatusOr<std::string> ModelName();
   void* TakeHandle();
   void ReturnHandle(void* h);

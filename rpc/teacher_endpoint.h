@@ -10,13 +10,13 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "lm/generate/sampling.h"
+#include "lm/generate/scores.h"
 #include "opd/v1/teacher.pb.h"
 
 namespace opd::rpc {
 
 struct ClientOptions;
 struct ScoreOptions;
-struct ScoreOutput;
 
 class TeacherEndpoint {
  public:
@@ -26,8 +26,8 @@ class TeacherEndpoint {
   virtual absl::StatusOr<opd::v1::ServiceInfo> Info() = 0;
   // One output per input, in order: the log-probs of each sequence's response tokens (from its
   // response_start, in [1, tokens.size()]); the samples' own log-probs are not read.
-  virtual absl::StatusOr<std::vector<ScoreOutput>> Score(const std::vector<lm::Sample>& seqs,
-                                                         const ScoreOptions& opts) = 0;
+  virtual absl::StatusOr<std::vector<lm::SequenceScore>> Score(const std::vector<lm::Sample>& seqs,
+                                                               const ScoreOptions& opts) = 0;
   // True when the endpoint answers its health check (used to re-admit a replica).
   virtual bool Healthy() = 0;
   // The ids the endpoint's own tokenizer gives `text`, no special tokens added: the pool compares

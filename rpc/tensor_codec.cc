@@ -27,6 +27,12 @@ absl::StatusOr<torch::Dtype> DtypeFromName(const std::string& name) {
       absl::StrCat("unknown dtype '", name, "' (float32, bfloat16 or float16)"));
 }
 
+std::vector<std::pair<std::string, torch::Tensor>> NamedParameters(torch::nn::Module& module) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& p : module.named_parameters()) out.emplace_back(p.key(), p.value());
+  return out;
+}
+
 ModuleWeights WeightsOf(torch::nn::Module& module) {
   ModuleWeights w;
   for (const auto& p : module.named_parameters()) {

@@ -1,7 +1,7 @@
 // What the teacher is asked to score, and the checks a request passes before any work: the
 // torch-free half of the scorer (teacher_service/scorer.h), so that it can be fuzzed and tested
-// without LibTorch. Depends on absl, the generated protos, lm/generate/sampling.h and
-// lm/util/limits.h only.
+// without LibTorch. Depends on absl, the generated protos, lm/generate/sampling.h,
+// lm/generate/scores.h and lm/util/limits.h only.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "lm/generate/sampling.h"
+#include "lm/generate/scores.h"  // lm::SequenceScore, what a job produces
 
 namespace opd::v1 {
 class ScoreRequest;
@@ -30,12 +31,6 @@ struct ScoreJob {
   // it even when the queue is full, since refusing it would fail a stream half-way through. The
   // queue then exceeds its bound by at most one slice per stream in progress.
   bool admitted = false;
-};
-
-struct SequenceScore {
-  std::vector<float> logprobs;       // [n], n = len - response_start
-  std::vector<int32_t> topk_ids;     // [n * k] row-major
-  std::vector<float> topk_logprobs;  // [n * k]
 };
 
 // What a job may ask for; Validate() turns a violation into INVALID_ARGUMENT naming the sequence.

@@ -22,9 +22,9 @@ namespace teacher {
 struct Scorer::Pending {
   ScoreJob job;
   ScoreDone done;
-  std::vector<SequenceScore> results;  // each entry written by the one worker that scored it
-  std::vector<int64_t> left;           // sequences not packed yet, in order (guarded by mu_)
-  int64_t outstanding = 0;             // sequences not finished or dropped (guarded by mu_)
+  std::vector<lm::SequenceScore> results;  // each entry written by the one worker that scored it
+  std::vector<int64_t> left;               // sequences not packed yet, in order (guarded by mu_)
+  int64_t outstanding = 0;                 // sequences not finished or dropped (guarded by mu_)
   // The failure reported (guarded by mu_): of the batches' failures, the one of the lowest
   // sequence index (`error_sequence`), so that the report does not depend on how the job's
   // sequences were packed; a job given up as a whole (cancelled, shut down) reports that.
@@ -118,11 +118,11 @@ absl::Status Scorer::Submit(ScoreJob job, ScoreDone done) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<SequenceScore>> Scorer::Score(ScoreJob job) {
-  std::promise<absl::StatusOr<std::vector<SequenceScore>>> promise;
+absl::StatusOr<std::vector<lm::SequenceScore>> Scorer::Score(ScoreJob job) {
+  std::promise<absl::StatusOr<std::vector<lm::SequenceScore>>> promise;
   auto future = promise.get_future();
   absl::Status st =
-      Submit(std::move(job), [&promise](absl::StatusOr<std::vector<SequenceScore>> r) {
+      Submit(std::move(job), [&promise](absl::StatusOr<std::vector<lm::SequenceScore>> r) {
         promise.set_value(std::move(r));
       });
   if (!st.ok()) return st;
@@ -270,7 +270,8 @@ torch::Tensor PackGroup(const torch::Tensor& logprobs, const lm::TopKLogprobs* t
 // non-finite log-prob in `s`, a scored token's or a top-k one. Finite logits always give finite
 // log-probs (log_softmax), so this means the model produced NaN or infinite values (broken
 // weights) and the score must not go out as OK. Runs on the batch's host copy: no device sync.
-absl::Status CheckFinite(const SequenceScore& s, int64_t index, int64_t response_start, int64_t k) {
+absl::Status CheckFinite(const lm::SequenceScore& s, int64_t index, int64_t response_start,
+                         int64_t k) {
   auto bad = [&](float lp, int64_t j, const char* what) {
     return absl::FailedPreconditionError(absl::StrCat(
         "sequence ", index, ": the ", what, " log-prob at position ", response_start + j, " is ",
@@ -353,7 +354,7 @@ void Scorer::RunBatch(const std::vector<Item>& items) {
           const auto& job = items[i].job->job;
           const lm::Sample& s = job.sequences[items[i].index];
           const int64_t n = s.response_length();
-          SequenceScore& out = items[i].job->results[items[i].index];
+          lm::SequenceScore& out = items[i].job->results[items[i].index];
           out.logprobs.assign(lpp, lpp + n);
           if (g.k > 0) {
             out.topk_ids.assign(ids, ids + n * g.k);

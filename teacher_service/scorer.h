@@ -33,7 +33,7 @@ class CausalLM;
 
 namespace teacher {
 
-using ScoreDone = std::function<void(absl::StatusOr<std::vector<SequenceScore>>)>;
+using ScoreDone = std::function<void(absl::StatusOr<std::vector<lm::SequenceScore>>)>;
 
 struct ScorerOptions {
   int64_t max_batch_tokens = 16384;  // tokens per forward (one longer sequence runs alone)
@@ -62,7 +62,7 @@ class Scorer {
   // sequence and position: no NaN log-prob is ever returned as OK.
   absl::Status Submit(ScoreJob job, ScoreDone done);
   // Blocking convenience for in-process use.
-  absl::StatusOr<std::vector<SequenceScore>> Score(ScoreJob job);
+  absl::StatusOr<std::vector<lm::SequenceScore>> Score(ScoreJob job);
 
   // Fails queued jobs with UNAVAILABLE, finishes the batches in flight, joins the workers.
   void Stop();

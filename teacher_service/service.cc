@@ -25,7 +25,7 @@ ScoreJob CallJob(const opd::v1::ScoreRequest& req, grpc::CallbackServerContext* 
 // Packs `scores` into `reply`'s sequences (ScoreResponse or ScoreChunk). Takes the scores by
 // value so that they are freed as soon as they are packed: the server then holds one copy.
 template <class Reply>
-void FillSequences(std::vector<SequenceScore> scores, int64_t top_k, Reply* reply) {
+void FillSequences(std::vector<lm::SequenceScore> scores, int64_t top_k, Reply* reply) {
   reply->set_top_k(static_cast<int32_t>(top_k));
   for (auto& s : scores) {
     auto* m = reply->add_sequences();
@@ -35,7 +35,7 @@ void FillSequences(std::vector<SequenceScore> scores, int64_t top_k, Reply* repl
       opd::rpc::PackArray(s.topk_logprobs.data(), s.topk_logprobs.size(),
                           m->mutable_topk_logprobs());
     }
-    s = SequenceScore();
+    s = lm::SequenceScore();
   }
 }
 
@@ -149,13 +149,13 @@ class ScoreStreamReactor final : public grpc::ServerWriteReactor<opd::v1::ScoreC
     ++next_;
     absl::Status queued = service_->scorer_->Submit(
         std::move(slice),
-        [this](absl::StatusOr<std::vector<SequenceScore>> r) { OnScored(std::move(r)); });
+        [this](absl::StatusOr<std::vector<lm::SequenceScore>> r) { OnScored(std::move(r)); });
     // Once queued, the scorer's callback may already have finished (and deleted) this reactor.
     if (!queued.ok()) Finish(opd::rpc::ToGrpc(queued));
   }
 
   // On a scorer thread: writes the chunk, or finishes with the job's error.
-  void OnScored(absl::StatusOr<std::vector<SequenceScore>> r) {
+  void OnScored(absl::StatusOr<std::vector<lm::SequenceScore>> r) {
     if (!r.ok()) {
       Finish(opd::rpc::ToGrpc(r.status()));
       return;
@@ -207,7 +207,7 @@ class ScoreReactor final : public grpc::ServerUnaryReactor {
     const int64_t top_k = job.top_k;
     // The callback runs on a scorer thread; ctx, resp and this reactor stay valid until OnDone.
     absl::Status queued = service_->scorer_->Submit(
-        std::move(job), [this, top_k](absl::StatusOr<std::vector<SequenceScore>> r) {
+        std::move(job), [this, top_k](absl::StatusOr<std::vector<lm::SequenceScore>> r) {
           if (!r.ok()) {
             Finish(opd::rpc::ToGrpc(r.status()));
             return;

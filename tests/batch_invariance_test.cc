@@ -159,9 +159,9 @@ struct Options {
 
 // Scores `seqs` as one job; one batch (the budget holds them all), so the packed batch is `seqs`
 // in order.
-std::vector<teacher::SequenceScore> ScoreAsOneBatch(teacher::Scorer& scorer,
-                                                    const std::vector<lm::Sample>& seqs,
-                                                    const Options& o) {
+std::vector<lm::SequenceScore> ScoreAsOneBatch(teacher::Scorer& scorer,
+                                               const std::vector<lm::Sample>& seqs,
+                                               const Options& o) {
   teacher::ScoreJob job;
   job.sequences = seqs;
   job.temperature = o.temperature;
@@ -170,10 +170,10 @@ std::vector<teacher::SequenceScore> ScoreAsOneBatch(teacher::Scorer& scorer,
   auto r = scorer.Score(std::move(job));
   EXPECT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(scorer.batches(), before + 1) << "the job did not go in one batch";
-  return r.ok() ? *r : std::vector<teacher::SequenceScore>(seqs.size());
+  return r.ok() ? *r : std::vector<lm::SequenceScore>(seqs.size());
 }
 
-bool SameScore(const teacher::SequenceScore& a, const teacher::SequenceScore& b) {
+bool SameScore(const lm::SequenceScore& a, const lm::SequenceScore& b) {
   return SameBits(a.logprobs, b.logprobs) && SameBits(a.topk_logprobs, b.topk_logprobs) &&
          a.topk_ids == b.topk_ids;
 }

@@ -35,6 +35,7 @@
 #include "rpc/client.h"
 #include "rpc/ep_group.h"
 #include "rpc/tensor_codec.h"
+#include "rpc/weight_stream.h"
 #include "tests/tensor_testing.h"
 #include "tests/testing.h"
 
@@ -122,7 +123,7 @@ class Group {
   testing_util::Served leader_;                           // rank 0
 };
 
-std::vector<opd::rpc::ScoreOutput> Score(const Group& g, const std::string& fixture) {
+std::vector<lm::SequenceScore> Score(const Group& g, const std::string& fixture) {
   auto client = opd::rpc::TeacherClient::Create(g.Options());
   EXPECT_TRUE(client.ok()) << client.status();
   std::vector<lm::Sample> in;
@@ -131,7 +132,7 @@ std::vector<opd::rpc::ScoreOutput> Score(const Group& g, const std::string& fixt
   so.top_k = 4;
   auto out = (*client)->Score(in, so);
   EXPECT_TRUE(out.ok()) << out.status() << "\n" << g.Logs();
-  return out.ok() ? *out : std::vector<opd::rpc::ScoreOutput>{};
+  return out.ok() ? *out : std::vector<lm::SequenceScore>{};
 }
 
 // The parameter bytes a rank logged: {total, experts}.
@@ -150,7 +151,7 @@ TEST_P(TeacherParity, ScoresLikeOneRankWithAShareOfTheExpertsPerRank) {
   const std::string fixture = GetParam();
   const std::string model = fixture + "/model";
   const std::string bin = kBin + "/teacher_service/opd-teacher";
-  std::vector<opd::rpc::ScoreOutput> want;
+  std::vector<lm::SequenceScore> want;
   {
     Group one(bin, model, 1);
     ASSERT_TRUE(one.ok()) << one.Logs();
@@ -475,18 +476,20 @@ TEST(RolloutWeights, PushToTwoRanksSwapsEveryRanksShard) {
   const auto before = Generate(two, 3, kSecret);
   auto client = opd::rpc::RolloutClient::Create(two.Options(kSecret));
   ASSERT_TRUE(client.ok());
-  opd::rpc::ModuleWeights w = opd::rpc::WeightsOf(*fresh);
-  auto pushed = (*client)->UpdateWeights(1, w.views, 1000);
+  const auto w = opd::rpc::WireTensorsOf(opd::rpc::NamedParameters(*fresh), torch::kFloat32);
+  opd::rpc::StreamOptions small;
+  small.chunk_bytes = 1000;
+  auto pushed = opd::rpc::StreamWeights(two.Options(kSecret), 1, w, small);
   ASSERT_TRUE(pushed.ok()) << pushed.status() << "\n" << two.Logs();
-  EXPECT_EQ(pushed->version(), 1);
-  EXPECT_EQ(pushed->tensors(), static_cast<int64_t>(w.views.size()));
+  EXPECT_EQ(pushed->applied.version(), 1);
+  EXPECT_EQ(pushed->applied.tensors(), static_cast<int64_t>(w.size()));
   ExpectSameSamples(Generate(two, 3, kSecret), want, 1);
 
   // Incomplete (the last tensor left out): refused, every rank keeps version 1.
-  std::vector<opd::rpc::WeightTensor> partial(w.views.begin(), w.views.end() - 1);
-  auto refused = (*client)->UpdateWeights(2, partial, 1000);
+  const std::vector<opd::rpc::WireTensor> partial(w.begin(), w.end() - 1);
+  auto refused = opd::rpc::StreamWeights(two.Options(kSecret), 2, partial, small);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
-  auto stale = (*client)->UpdateWeights(1, w.views, 1 << 20);
+  auto stale = opd::rpc::StreamWeights(two.Options(kSecret), 1, w);
   EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition) << stale.status();
   ExpectSameSamples(Generate(two, 3, kSecret), want, 1);
   // The push changed what is sampled (the comparison is not of unchanged weights).
@@ -510,8 +513,9 @@ TEST(RolloutFailure, FollowerKilledMidGenerateGivesUnavailable) {
   EXPECT_EQ(g.rank(1).Wait(std::chrono::seconds(60)), 128 + SIGKILL);
   auto model = lm::LoadModel(kMoe + "/model");
   ASSERT_TRUE(model.ok());
-  opd::rpc::ModuleWeights w = opd::rpc::WeightsOf(**model);
-  auto push = (*client)->UpdateWeights(1, w.views);
+  auto push = opd::rpc::StreamWeights(
+      g.Options(kSecret), 1,
+      opd::rpc::WireTensorsOf(opd::rpc::NamedParameters(**model), torch::kFloat32));
   EXPECT_EQ(push.status().code(), absl::StatusCode::kUnavailable) << push.status();
   EXPECT_EQ(g.rank(0).Stop(), 1) << g.Logs();
 }

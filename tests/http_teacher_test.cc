@@ -51,9 +51,9 @@ opd::rpc::ClientOptions Options(const std::string& ep, absl::Duration timeout = 
   return o;
 }
 
-absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> ScoreWith(const opd::rpc::ClientOptions& o,
-                                                             const std::vector<lm::Sample>& inputs,
-                                                             int k = 0, float temp = 1.0f) {
+absl::StatusOr<std::vector<lm::SequenceScore>> ScoreWith(const opd::rpc::ClientOptions& o,
+                                                         const std::vector<lm::Sample>& inputs,
+                                                         int k = 0, float temp = 1.0f) {
   auto c = opd::rpc::CreateTeacherEndpoint(o);
   if (!c.ok()) return c.status();
   if (auto info = (*c)->Info(); !info.ok()) return info.status();
@@ -63,13 +63,13 @@ absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> ScoreWith(const opd::rpc::Cli
   return (*c)->Score(inputs, so);
 }
 
-absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> ScoreWith(
+absl::StatusOr<std::vector<lm::SequenceScore>> ScoreWith(
     const std::string& ep, int k = 0, float temp = 1.0f,
     absl::Duration timeout = absl::Seconds(10)) {
   return ScoreWith(Options(ep, timeout), Inputs(), k, temp);
 }
 
-void ExpectSynthetic(const std::vector<opd::rpc::ScoreOutput>& out, int k) {
+void ExpectSynthetic(const std::vector<lm::SequenceScore>& out, int k) {
   auto in = Inputs();
   ASSERT_EQ(out.size(), in.size());
   for (size_t i = 0; i < in.size(); ++i) {
@@ -600,12 +600,12 @@ TEST(HttpTeacherCtl, ScoreAndInfoTakeExternalEndpoints) {
     const CtlRun r =
         RunCtl({"score", "--addr", s.Endpoint(scheme), "--input", input.string(), "--top-k", "2"});
     ASSERT_EQ(r.code, 0) << r.output;
-    std::vector<opd::rpc::ScoreOutput> got;
+    std::vector<lm::SequenceScore> got;
     std::istringstream lines(r.output);
     for (std::string line; std::getline(lines, line);) {
       if (line.empty() || line[0] != '{') continue;
       const auto j = nlohmann::json::parse(line);
-      opd::rpc::ScoreOutput o;
+      lm::SequenceScore o;
       o.logprobs = j["logprobs"].get<std::vector<float>>();
       for (const auto& row : j["topk_ids"])
         for (int id : row) o.topk_ids.push_back(id);
@@ -678,8 +678,8 @@ struct Parity {
 
 // `got` against `ref`, per scored token and per top-k entry. Top-k ids may differ only where two
 // entries are tied within the tolerance (their order is then the kernels' to choose).
-Parity Compare(const std::vector<opd::rpc::ScoreOutput>& ref,
-               const std::vector<opd::rpc::ScoreOutput>& got, int k, double tol) {
+Parity Compare(const std::vector<lm::SequenceScore>& ref, const std::vector<lm::SequenceScore>& got,
+               int k, double tol) {
   Parity p;
   EXPECT_EQ(ref.size(), got.size());
   for (size_t s = 0; s < std::min(ref.size(), got.size()); ++s) {

@@ -32,6 +32,7 @@
 #include "rpc/codec.h"
 #include "rpc/server.h"
 #include "rpc/tensor_codec.h"
+#include "rpc/weight_stream.h"
 #include "tests/opd_fakes.h"
 #include "tests/tensor_testing.h"
 #include "tests/testing.h"
@@ -191,7 +192,7 @@ TEST_F(Opd, TeacherReplicaKilledMidStepEverySequenceScoredOnce) {
   ASSERT_TRUE(
       WaitFor([&] { return ProcessState(replica_b.pid()) == 'T'; }, std::chrono::seconds(30)));
   std::atomic<bool> finished{false};
-  absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> scores;
+  absl::StatusOr<std::vector<lm::SequenceScore>> scores;
   std::thread scorer([&] {
     scores = (*pool)->Score(inputs, {});
     finished = true;
@@ -731,10 +732,16 @@ TEST_F(Opd, RolloutRepliesThatFailValidationAreRefusedNamingTheField) {
     worker.service.corrupt = c.corrupt;
     opd::rpc::ClientOptions base;
     base.secret = kSecret;
-    const trainer::WeightPushOptions push;
-    auto pool = trainer::RolloutPool::Connect({worker.address}, base, Fingerprint(), 320, &push);
+    auto pool = trainer::RolloutPool::Connect({worker.address}, base, Fingerprint(), 320);
     ASSERT_TRUE(pool.ok()) << pool.status();
-    ASSERT_TRUE((*pool)->PushWeights(*weights, 3).ok());
+    // Version 3 goes out through the one weight streamer, and the pool is told, as a
+    // WeightPublisher tells it: the samples' versions are checked against it from now on.
+    opd::rpc::ClientOptions to = base;
+    to.address = worker.address;
+    auto pushed = opd::rpc::StreamWeights(
+        to, 3, opd::rpc::WireTensorsOf(opd::rpc::NamedParameters(*weights), torch::kFloat32));
+    ASSERT_TRUE(pushed.ok()) << pushed.status();
+    (*pool)->RecordPush(3, /*acknowledged=*/true);
     opd::rpc::GenerateOptions g;
     g.samples_per_prompt = 2;
     const std::vector<int32_t> a = {1, 2}, b = {3, 4};

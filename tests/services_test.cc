@@ -36,6 +36,7 @@
 #include "nlohmann/json.hpp"
 #include "rpc/client.h"
 #include "rpc/tensor_codec.h"
+#include "rpc/weight_stream.h"
 #include "teacher_service/scorer.h"
 #include "tests/tensor_testing.h"
 #include "tests/testing.h"
@@ -427,7 +428,7 @@ TEST(TeacherLoad, ConcurrentClientsMatchSerialScoring) {
     }
   }
   auto serial_client = *opd::rpc::TeacherClient::Create(Options(*teacher));
-  std::vector<std::vector<opd::rpc::ScoreOutput>> serial;
+  std::vector<std::vector<lm::SequenceScore>> serial;
   for (const auto& req : pool) {
     auto r = serial_client->Score(req, {1.0f, 3});
     ASSERT_TRUE(r.ok()) << r.status();
@@ -604,8 +605,13 @@ class RolloutService : public ::testing::Test {
   absl::StatusOr<opd::v1::UpdateWeightsResponse> Push(const std::string& dir, int64_t version,
                                                       const std::string& secret = kSecret) {
     auto model = LoadLocal(dir);
-    auto w = opd::rpc::WeightsOf(*model);
-    return Client(secret)->UpdateWeights(version, w.views, 1000);  // small chunks: many per tensor
+    opd::rpc::StreamOptions small;
+    small.chunk_bytes = 1000;  // small chunks: many per tensor
+    auto pushed = opd::rpc::StreamWeights(
+        Options(*rollout_, secret), version,
+        opd::rpc::WireTensorsOf(opd::rpc::NamedParameters(*model), torch::kFloat32), small);
+    if (!pushed.ok()) return pushed.status();
+    return pushed->applied;
   }
 
   static ServerProcess* rollout_;
@@ -917,8 +923,10 @@ TEST(RolloutStartup, WithoutSecretUpdateWeightsIsDisabled) {
   auto c = *opd::rpc::RolloutClient::Create(Options(*rollout, "anything"));
   EXPECT_TRUE(c->Generate({{1, 2}}, Sampling(0)).ok());  // open without a secret
   auto model = LoadLocal(FixtureModel());
-  auto w = opd::rpc::WeightsOf(*model);
-  EXPECT_EQ(c->UpdateWeights(1, w.views).status().code(), absl::StatusCode::kUnauthenticated);
+  auto pushed = opd::rpc::StreamWeights(
+      Options(*rollout, "anything"), 1,
+      opd::rpc::WireTensorsOf(opd::rpc::NamedParameters(*model), torch::kFloat32));
+  EXPECT_EQ(pushed.status().code(), absl::StatusCode::kUnauthenticated);
   EXPECT_EQ((*c->Info()).weight_version(), 0);
 }
 
@@ -1009,7 +1017,7 @@ TEST(Scorer, PackedBatchesEqualOneSequenceAtATime) {
   teacher::ScorerOptions o;
   o.max_batch_tokens = 25;  // forces jobs to be split across batches and batches to mix jobs
   teacher::Scorer scorer(model, o);
-  std::vector<std::future<absl::StatusOr<std::vector<teacher::SequenceScore>>>> futures;
+  std::vector<std::future<absl::StatusOr<std::vector<lm::SequenceScore>>>> futures;
   for (int rep = 0; rep < 3; ++rep) {
     futures.push_back(std::async(std::launch::async, [&] { return scorer.Score(Job(seqs, 4)); }));
   }
@@ -1045,7 +1053,7 @@ TEST(Scorer, SmallJobFinishesInTheNextBatchBehindALargeOne) {
   std::vector<std::vector<int64_t>> large_seqs(400, std::vector<int64_t>(10, 5));
   ASSERT_TRUE(scorer
                   .Submit(Job(large_seqs),
-                          [&](absl::StatusOr<std::vector<teacher::SequenceScore>> r) {
+                          [&](absl::StatusOr<std::vector<lm::SequenceScore>> r) {
                             EXPECT_TRUE(r.ok()) << r.status();
                             large_done.set_value(scorer.batches());
                           })
@@ -1056,7 +1064,7 @@ TEST(Scorer, SmallJobFinishesInTheNextBatchBehindALargeOne) {
   ASSERT_GE(scorer.batches(), 1);
   ASSERT_TRUE(scorer
                   .Submit(Job({std::vector<int64_t>(10, 6), std::vector<int64_t>(10, 7)}),
-                          [&](absl::StatusOr<std::vector<teacher::SequenceScore>> r) {
+                          [&](absl::StatusOr<std::vector<lm::SequenceScore>> r) {
                             EXPECT_TRUE(r.ok()) << r.status();
                             small_done.set_value(scorer.batches());
                           })
@@ -1146,7 +1154,7 @@ TEST(Scorer, BucketsAreFullOnAMixedLengthQueue) {
   WorkerHold hold;
   hold.Start(scorer);
   std::mt19937 rng(4);
-  std::vector<std::future<absl::StatusOr<std::vector<teacher::SequenceScore>>>> results;
+  std::vector<std::future<absl::StatusOr<std::vector<lm::SequenceScore>>>> results;
   std::vector<std::vector<int64_t>> lengths(4);
   for (auto& job_lengths : lengths) {
     std::vector<std::vector<int64_t>> seqs(20 + rng() % 41);
@@ -1155,8 +1163,7 @@ TEST(Scorer, BucketsAreFullOnAMixedLengthQueue) {
       s.assign(len, 1 + static_cast<int64_t>(rng() % 95));
       job_lengths.push_back(len);
     }
-    auto done =
-        std::make_shared<std::promise<absl::StatusOr<std::vector<teacher::SequenceScore>>>>();
+    auto done = std::make_shared<std::promise<absl::StatusOr<std::vector<lm::SequenceScore>>>>();
     results.push_back(done->get_future());
     ASSERT_TRUE(scorer.Submit(Job(seqs), [done](auto r) { done->set_value(std::move(r)); }).ok());
   }

@@ -1,4 +1,4 @@
-"""The weight push to rollout workers, side by side: rank 0's star (RolloutPool::PushWeights: the
+"""The weight push to rollout workers, side by side: rank 0's star (a WeightPusher per worker: the
 checksums of the whole model on one thread, then one two-rank Gloo group per worker, rank 0
 sending everything to everyone) against the parallel push of every learner rank
 (WeightPublisher: one Gloo group of every learner rank and every worker, each rank broadcasting

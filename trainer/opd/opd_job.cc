@@ -117,7 +117,7 @@ absl::Status OpdJob::Connect(bool resumed) {
   base.canceller = canceller_;
   ASSIGN_OR_RETURN(std::unique_ptr<RolloutPool> rollout,
                    RolloutPool::Connect(c_.rollout.endpoints, base, tokenizer_->Fingerprint(),
-                                        model_->config().vocab_size, nullptr, device_));
+                                        model_->config().vocab_size));
   // Every rank pushes its share of each version (collective sync), or rank 0 every tensor (grpc).
   ASSIGN_OR_RETURN(publisher_,
                    WeightPublisher::Create(group_.get(), c_.rollout.endpoints, base,

@@ -11,8 +11,6 @@
 #include "absl/strings/str_cat.h"
 #include "lm/util/log.h"
 #include "lm/util/status.h"
-#include "rpc/tensor_codec.h"
-#include "rpc/weight_wire.h"
 #include "trainer/opd/teacher_pool.h"  // IsTransient
 
 namespace trainer {
@@ -49,8 +47,7 @@ SampleStats SummarizeSamples(const std::vector<lm::Sample>& samples, int64_t lea
 
 absl::StatusOr<std::unique_ptr<RolloutPool>> RolloutPool::Connect(
     const std::vector<std::string>& endpoints, const opd::rpc::ClientOptions& base,
-    const std::string& tokenizer_fingerprint, int64_t vocab_size, const WeightPushOptions* push,
-    torch::Device learner_device) {
+    const std::string& tokenizer_fingerprint, int64_t vocab_size) {
   if (endpoints.empty()) return absl::InvalidArgumentError("no rollout worker endpoints");
   auto pool = std::make_unique<RolloutPool>();
   pool->vocab_size_ = vocab_size;
@@ -72,10 +69,6 @@ absl::StatusOr<std::unique_ptr<RolloutPool>> RolloutPool::Connect(
       return absl::FailedPreconditionError(absl::StrCat(
           "rollout worker ", ep, " has tokenizer fingerprint ", info->tokenizer_fingerprint(),
           ", the student's is ", tokenizer_fingerprint));
-    }
-    if (push) {
-      ASSIGN_OR_RETURN(auto pusher, WeightPusher::Connect(opts, *info, *push, learner_device));
-      pool->pushers_.push_back(std::move(pusher));
     }
     pool->clients_.push_back(std::move(*client));
   }
@@ -270,46 +263,6 @@ void RolloutPool::NoteVersions(int64_t v) {
 void RolloutPool::RecordPush(int64_t version, bool acknowledged) {
   sent_version_.store(std::max(sent_version_.load(), version));
   if (acknowledged) acked_version_.store(version);
-}
-
-absl::Status RolloutPool::PushWeights(torch::nn::Module& model, int64_t version) {
-  if (pushers_.size() != clients_.size())
-    return absl::FailedPreconditionError("this learner rank does not push weights");
-  std::vector<std::pair<std::string, torch::Tensor>> params;
-  for (const auto& p : model.named_parameters()) params.emplace_back(p.key(), p.value());
-  // The wire form (and its checksums) once per dtype the workers serve, not once per worker.
-  std::map<torch::Dtype, std::vector<opd::rpc::WireTensor>> wire;
-  torch::Tensor staging = torch::empty({int64_t{16} << 20}, torch::kUInt8);
-  for (const auto& p : pushers_) {
-    auto [it, added] = wire.try_emplace(p->wire_dtype());
-    if (!added) continue;
-    it->second = opd::rpc::WireTensorsOf(params, p->wire_dtype());
-    opd::rpc::ComputeChecksums(&it->second, staging);
-  }
-  sent_version_.store(std::max(sent_version_.load(), version));
-  std::vector<std::future<absl::StatusOr<PushReport>>> calls;
-  for (auto& p : pushers_) {
-    const auto& tensors = wire.at(p->wire_dtype());
-    calls.push_back(std::async(std::launch::async,
-                               [&p, &tensors, version] { return p->Push(tensors, version); }));
-  }
-  absl::Status first_error;
-  last_push_.assign(calls.size(), PushReport{});
-  for (size_t i = 0; i < calls.size(); ++i) {
-    auto r = calls[i].get();
-    if (r.ok()) {
-      last_push_[i] = *r;
-      continue;
-    }
-    if (first_error.ok()) {
-      first_error =
-          absl::Status(r.status().code(),
-                       absl::StrCat("weight push of version ", version, " to rollout worker ",
-                                    clients_[i]->address(), " failed: ", r.status().message()));
-    }
-  }
-  if (first_error.ok()) acked_version_.store(version);
-  return first_error;
 }
 
 }  // namespace trainer

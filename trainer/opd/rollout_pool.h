@@ -14,8 +14,6 @@
 #include <string>
 #include <vector>
 
-#include <torch/nn/module.h>
-
 #include "absl/status/statusor.h"
 #include "rpc/client.h"
 #include "trainer/opd/opd_config.h"
@@ -43,12 +41,11 @@ struct IndexedPrompt {
 class RolloutPool {
  public:
   // Connects to every worker and checks that it serves the student's vocabulary and tokenizer.
-  // With `push` (the rank that pushes weights), a pusher per worker; with push->mode collective
-  // or auto, a weight group with each (trainer/opd/weight_push.h). Without it PushWeights fails.
+  // Weights reach the workers through trainer/opd/weight_push.h (WeightPublisher), which tells
+  // the pool each version it pushed (RecordPush) for the sample checks.
   static absl::StatusOr<std::unique_ptr<RolloutPool>> Connect(
       const std::vector<std::string>& endpoints, const opd::rpc::ClientOptions& base,
-      const std::string& tokenizer_fingerprint, int64_t vocab_size,
-      const WeightPushOptions* push = nullptr, torch::Device learner_device = torch::kCPU);
+      const std::string& tokenizer_fingerprint, int64_t vocab_size);
 
   // Samples `opts.samples_per_prompt` responses for every prompt and hands each sample to
   // `on_sample` as it arrives (from the workers' call threads, possibly at once; every (prompt,
@@ -69,14 +66,7 @@ class RolloutPool {
   // Calls to workers that were retried elsewhere (over all Stream calls).
   int64_t failovers() const { return failovers_.load(); }
 
-  // Sends `model`'s parameters to every worker as weight version `version` (in parallel), each in
-  // the worker's dtype and only those that changed since its last acknowledged push. An error
-  // names the worker and the version.
-  absl::Status PushWeights(torch::nn::Module& model, int64_t version);
-  // What the last PushWeights sent to each worker (in endpoint order).
-  const std::vector<PushReport>& last_push() const { return last_push_; }
-
-  // The sample checks' versions when another pushes (WeightPublisher): `version` was sent (a
+  // The sample checks' versions when weights are pushed (WeightPublisher): `version` was sent (a
   // worker may serve it from now on) and, when `acknowledged`, every worker took it.
   void RecordPush(int64_t version, bool acknowledged);
 
@@ -98,8 +88,6 @@ class RolloutPool {
                           const std::function<void(lm::Sample)>& on_sample);
 
   std::vector<std::unique_ptr<opd::rpc::RolloutClient>> clients_;
-  std::vector<std::unique_ptr<WeightPusher>> pushers_;  // one per client
-  std::vector<PushReport> last_push_;
   int64_t vocab_size_ = 0;
   // Weight versions: the newest one every worker acknowledged, and the newest one sent (a worker
   // may serve it before the push returns). -1: nothing pushed yet, versions are not checked.

@@ -193,7 +193,7 @@ absl::Status ScoreStream::ScoreGroup(TeacherPool& pool, const std::vector<Item>&
   inputs.reserve(group.size());
   for (const Item& it : group)
     inputs.push_back(lm::Sample::ToScore(it.sample->tokens, it.sample->response_start));
-  absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> scores = pool.Score(
+  absl::StatusOr<std::vector<lm::SequenceScore>> scores = pool.Score(
       inputs, opts_.score, [this] { return Stopped(); }, ScoreSpread{0, 0, replica_hint});
   if (!scores.ok()) return scores.status();
   for (size_t j = 0; j < group.size(); ++j) {

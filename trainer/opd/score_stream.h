@@ -60,7 +60,7 @@ class ScoreStream {
   // Each sample goes to `pools.For(sample.domain)`. `on_scored(slot, scores)` runs once per
   // added slot, on a worker thread; `on_failed(error)` once, when the stream fails (not when it
   // is cancelled).
-  using OnScored = std::function<void(size_t slot, opd::rpc::ScoreOutput scores)>;
+  using OnScored = std::function<void(size_t slot, lm::SequenceScore scores)>;
   using OnFailed = std::function<void(const absl::Status& error)>;
   ScoreStream(TeacherPools pools, ScoreStreamOptions options, OnScored on_scored,
               OnFailed on_failed = nullptr);

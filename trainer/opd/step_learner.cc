@@ -92,7 +92,7 @@ absl::Status StepLearner::Learn(const StepPipeline& p, const std::vector<size_t>
   std::vector<int64_t> topk_ids, lengths;
   for (size_t slot : slots) {
     const lm::Sample& s = p.samples()[slot];
-    const opd::rpc::ScoreOutput& sc = p.scores(slot);
+    const lm::SequenceScore& sc = p.scores(slot);
     lengths.push_back(static_cast<int64_t>(s.logprobs.size()));
     old_lp.insert(old_lp.end(), s.logprobs.begin(), s.logprobs.end());
     teacher_lp.insert(teacher_lp.end(), sc.logprobs.begin(), sc.logprobs.end());

@@ -134,7 +134,7 @@ void StepPipeline::StartScoring(TeacherPools pools, ScoreStreamOptions options,
     scored_count_ = 0;
     scoring_ = std::make_unique<ScoreStream>(
         std::move(pools), std::move(options),
-        [this, generation](size_t slot, opd::rpc::ScoreOutput s) {
+        [this, generation](size_t slot, lm::SequenceScore s) {
           absl::MutexLock l(&mu_);
           if (generation != generation_ || scored_[slot]) return;  // a replaced stream's
           scores_[slot] = std::move(s);

@@ -97,7 +97,7 @@ class StepPipeline {
   const StepPrompts& prompts() const { return prompts_; }
   // Slot (p - begin) * samples_per_prompt + s. Complete once WaitSampled returned OK.
   const std::vector<lm::Sample>& samples() const { return samples_; }
-  const opd::rpc::ScoreOutput& scores(size_t slot) const { return scores_[slot]; }
+  const lm::SequenceScore& scores(size_t slot) const { return scores_[slot]; }
   // Seconds from the pipeline's start to its last sample, and teacher-busy seconds.
   double sample_seconds() const;
   double score_busy_seconds() const;
@@ -108,7 +108,7 @@ class StepPipeline {
   StepPipeline(StepPrompts prompts, StepPipelineOptions options);
   void OnSample(lm::Sample s);
   void SamplingDone(absl::Status st);
-  void OnScored(size_t slot, opd::rpc::ScoreOutput scores);
+  void OnScored(size_t slot, lm::SequenceScore scores);
   void Fail(const absl::Status& st);
   // Moves the packing cursor over arrived samples, closing micro-batches that are final.
   void PackLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -116,8 +116,8 @@ class StepPipeline {
   const StepPrompts prompts_;
   const StepPipelineOptions opts_;
   const size_t slots_;
-  std::vector<lm::Sample> samples_;            // written once per slot, before `arrived_`
-  std::vector<opd::rpc::ScoreOutput> scores_;  // written once per slot, before `scored_`
+  std::vector<lm::Sample> samples_;        // written once per slot, before `arrived_`
+  std::vector<lm::SequenceScore> scores_;  // written once per slot, before `scored_`
   mutable absl::Mutex mu_;
   std::vector<bool> arrived_ ABSL_GUARDED_BY(mu_), scored_ ABSL_GUARDED_BY(mu_);
   size_t arrived_count_ ABSL_GUARDED_BY(mu_) = 0, scored_count_ ABSL_GUARDED_BY(mu_) = 0;

@@ -143,8 +143,7 @@ lm::Sample ProbeSequence(const TeacherRequirements& req) {
 // every gap (a difference of logits, the normaliser cancels) scales by 1 / T; one that ignores T
 // keeps them. Needs top_k >= 1 in both. Returns -1 when the gaps sum to too little to tell (every
 // probe token the teacher's top-1).
-double GapRatio(const opd::rpc::ScoreOutput& at1, const opd::rpc::ScoreOutput& at_t, size_t k1,
-                size_t kt) {
+double GapRatio(const lm::SequenceScore& at1, const lm::SequenceScore& at_t, size_t k1, size_t kt) {
   double g1 = 0, gt = 0;
   for (size_t p = 0; p < at1.logprobs.size(); ++p) {
     g1 += at1.topk_logprobs[p * k1] - at1.logprobs[p];
@@ -230,7 +229,7 @@ absl::Status TeacherPool::CheckScoringProbe(const std::string& ep,
   at_t.temperature = req.temperature;
   at_t.top_k = std::max(req.top_k, check_temperature ? 1 : 0);
   const std::string asked = absl::StrCat("top_k ", at_t.top_k, ", temperature ", at_t.temperature);
-  absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> got = client.Score(probe, at_t);
+  absl::StatusOr<std::vector<lm::SequenceScore>> got = client.Score(probe, at_t);
   if (!got.ok()) {
     const bool refused = absl::IsInvalidArgument(got.status());
     return absl::Status(
@@ -246,7 +245,7 @@ absl::Status TeacherPool::CheckScoringProbe(const std::string& ep,
   if (!check_temperature) return absl::OkStatus();
   opd::rpc::ScoreOptions at1;
   at1.top_k = 1;
-  absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> ref = client.Score(probe, at1);
+  absl::StatusOr<std::vector<lm::SequenceScore>> ref = client.Score(probe, at1);
   if (!ref.ok()) {
     return absl::Status(
         ref.status().code(),
@@ -405,9 +404,9 @@ bool TeacherPool::Wait(absl::Duration d, const std::function<bool()>& stopped) c
   return opts_.wait ? opts_.wait(d, stopped) : SleepUnlessStopped(d, stopped);
 }
 
-absl::Status TeacherPool::Validate(const std::vector<opd::rpc::ScoreOutput>& out,
-                                   const Share& share, const std::vector<lm::Sample>& inputs,
-                                   int32_t top_k, const std::string& address) const {
+absl::Status TeacherPool::Validate(const std::vector<lm::SequenceScore>& out, const Share& share,
+                                   const std::vector<lm::Sample>& inputs, int32_t top_k,
+                                   const std::string& address) const {
   auto bad = [&](size_t seq, const absl::Status& s) {
     return absl::DataLossError(absl::StrCat("stage '", stage_, "': teacher ", address,
                                             " sent an invalid reply for sequence ", seq, ": ",
@@ -422,7 +421,7 @@ absl::Status TeacherPool::Validate(const std::vector<opd::rpc::ScoreOutput>& out
     const size_t seq = share.begin + i;
     const size_t n = inputs[seq].tokens.size() - static_cast<size_t>(inputs[seq].response_start);
     const size_t k = static_cast<size_t>(std::max(top_k, 0));
-    const opd::rpc::ScoreOutput& o = out[i];
+    const lm::SequenceScore& o = out[i];
     if (o.logprobs.size() != n) {
       return bad(seq, absl::DataLossError(absl::StrCat("logprobs has ", o.logprobs.size(),
                                                        " entries, the response ", n, " tokens")));
@@ -482,14 +481,14 @@ std::vector<TeacherPool::Share> TeacherPool::MakeShares(const std::vector<lm::Sa
   return shares;
 }
 
-absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> TeacherPool::Score(
+absl::StatusOr<std::vector<lm::SequenceScore>> TeacherPool::Score(
     const std::vector<lm::Sample>& inputs, const opd::rpc::ScoreOptions& score_opts,
     const std::function<bool()>& stop, const ScoreSpread& spread) {
   const auto stopped = [&] {
     return (stop && stop()) ||
            (opts_.client.canceller != nullptr && opts_.client.canceller->cancelled());
   };
-  std::vector<opd::rpc::ScoreOutput> out(inputs.size());
+  std::vector<lm::SequenceScore> out(inputs.size());
   std::vector<Share> pending = MakeShares(inputs, spread);
   std::string last_error = "none";
   const absl::Time deadline = Now() + opts_.score_deadline;
@@ -551,7 +550,7 @@ absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> TeacherPool::Score(
       size_t share;
       int replica;
       std::string address;
-      std::future<absl::StatusOr<std::vector<opd::rpc::ScoreOutput>>> result;
+      std::future<absl::StatusOr<std::vector<lm::SequenceScore>>> result;
     };
     std::vector<Call> calls;
     for (const auto& [share_index, rep] : ready) {

@@ -150,9 +150,10 @@ class TeacherPool {
 
   // Scores every input (one output per input, in order); see the top of the file for failures
   // and ScoreSpread for which replica scores what.
-  absl::StatusOr<std::vector<opd::rpc::ScoreOutput>> Score(
-      const std::vector<lm::Sample>& inputs, const opd::rpc::ScoreOptions& score_opts,
-      const std::function<bool()>& stop = nullptr, const ScoreSpread& spread = {});
+  absl::StatusOr<std::vector<lm::SequenceScore>> Score(const std::vector<lm::Sample>& inputs,
+                                                       const opd::rpc::ScoreOptions& score_opts,
+                                                       const std::function<bool()>& stop = nullptr,
+                                                       const ScoreSpread& spread = {});
 
   const std::string& stage() const { return stage_; }
   const TeacherPoolOptions& options() const { return opts_; }
@@ -187,7 +188,7 @@ class TeacherPool {
   void TakeOutOfRotation(int replica, const absl::Status& why);
   bool Wait(absl::Duration d, const std::function<bool()>& stopped) const;
   absl::Time Now() const { return opts_.clock ? opts_.clock() : absl::Now(); }
-  absl::Status Validate(const std::vector<opd::rpc::ScoreOutput>& out, const Share& share,
+  absl::Status Validate(const std::vector<lm::SequenceScore>& out, const Share& share,
                         const std::vector<lm::Sample>& inputs, int32_t top_k,
                         const std::string& address) const;
 

@@ -18,6 +18,7 @@
 #include "lm/util/status.h"
 #include "rpc/status.h"
 #include "rpc/tensor_codec.h"
+#include "rpc/weight_stream.h"
 
 namespace trainer {
 namespace {
@@ -250,59 +251,19 @@ absl::StatusOr<PushReport> WeightPusher::PushGrpc(const std::vector<opd::rpc::Wi
                                                   int64_t version) {
   if (!bucket_.defined() || !bucket_.device().is_cpu())
     bucket_ = torch::empty({push_.bucket_bytes}, torch::kUInt8);
-  grpc::ClientContext ctx;
-  opd::rpc::PrepareContext(options_, &ctx);
-  opd::rpc::CallCanceller::Scope cancel(options_.canceller.get(), &ctx);
-  opd::v1::UpdateWeightsResponse resp;
-  auto writer = stub_->UpdateWeights(&ctx, &resp);
-  bool open = true, first = true;
-  int64_t buckets = 0, bytes = 0;
-  auto write = [&](opd::v1::WeightChunk& chunk) {
-    if (first && manifest) *chunk.mutable_manifest() = *manifest;
-    first = false;
-    chunk.set_version(version);
-    // A failed write means the server already ended the call; Finish says why.
-    open = writer->Write(chunk);
-    return open;
-  };
-  absl::Status packed = opd::rpc::PackBuckets(
-      tensors, which, bucket_,
-      [&](int64_t n, const std::vector<opd::rpc::BucketSegment>& segments) {
-        const char* base = static_cast<const char*>(bucket_.data_ptr());
-        for (const auto& s : segments) {
-          const opd::rpc::WireTensor& t = tensors[s.tensor];
-          for (int64_t off = 0; off < s.bytes || (s.bytes == 0 && off == 0);) {
-            const int64_t take =
-                std::min<int64_t>(s.bytes - off, static_cast<int64_t>(push_.grpc_chunk_bytes));
-            opd::v1::WeightChunk chunk;
-            chunk.set_name(t.name);
-            chunk.mutable_shape()->Add(t.shape.begin(), t.shape.end());
-            chunk.set_dtype(opd::rpc::DtypeName(t.dtype));
-            chunk.set_offset(s.offset + off);
-            chunk.set_data(base + s.bucket_offset + off, static_cast<size_t>(take));
-            if (!write(chunk)) return absl::CancelledError("stream closed by the worker");
-            if (s.bytes == 0) break;
-            off += take;
-          }
-        }
-        bytes += n;
-        if (push_.on_bucket) push_.on_bucket(buckets);
-        ++buckets;
-        return absl::OkStatus();
-      });
-  if (open && first && manifest) {  // nothing changed: the manifest alone moves the version on
-    opd::v1::WeightChunk chunk;
-    write(chunk);
-  }
-  (void)packed;  // a closed stream: Finish below has the worker's reason
-  if (open) writer->WritesDone();
-  if (absl::Status st = opd::rpc::FromGrpc(writer->Finish(), options_.address); !st.ok())
-    return absl::Status(st.code(),
-                        absl::StrCat("weight push of version ", version, ": ", st.message()));
-  if (resp.version() != version)
-    return Fail(absl::StrCat("push of version ", version),
-                absl::DataLossError(absl::StrCat("serves version ", resp.version(), " after it")));
-  return PushReport{false, resp.tensors(), bytes};
+  opd::rpc::StreamOptions stream;
+  stream.chunk_bytes = push_.grpc_chunk_bytes;
+  stream.on_bucket = push_.on_bucket;
+  absl::StatusOr<opd::rpc::StreamReport> r =
+      opd::rpc::StreamWeights(*stub_, options_, version, tensors, which, manifest, bucket_, stream);
+  if (!r.ok())
+    return absl::Status(r.status().code(), absl::StrCat("weight push of version ", version, ": ",
+                                                        r.status().message()));
+  if (r->applied.version() != version)
+    return Fail(
+        absl::StrCat("push of version ", version),
+        absl::DataLossError(absl::StrCat("serves version ", r->applied.version(), " after it")));
+  return PushReport{false, r->applied.tensors(), r->bytes};
 }
 
 absl::StatusOr<PushReport> WeightPusher::PushCollective(
