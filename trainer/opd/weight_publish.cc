@@ -372,6 +372,22 @@ WorkerPush WeightPublisher::PushGrpc(
   return out;
 }
 
+// One Publish's state, as its steps leave it.
+struct WeightPublisher::Round {
+  int64_t version = 0;
+  Plan plan;
+  std::vector<absl::Status> failed;  // rank 0: per worker, before the data phase
+  absl::Status joined, formed, announced, sent;
+  bool formed_now = false, data_phase = false, broken = false;
+  std::vector<size_t> by_grpc;  // rank 0: the workers pushed over gRPC this round
+  std::vector<opd::rpc::SyncVerdict> verdicts;
+
+  bool InGroup(size_t worker) const {
+    return std::find(plan.members.begin(), plan.members.end(), static_cast<int>(worker)) !=
+           plan.members.end();
+  }
+};
+
 absl::StatusOr<PublishReport> WeightPublisher::Publish(torch::nn::Module& model, int64_t version) {
   torch::NoGradGuard no_grad;
   const auto t0 = Clock::now();
@@ -380,184 +396,196 @@ absl::StatusOr<PublishReport> WeightPublisher::Publish(torch::nn::Module& model,
   for (const auto& p : model.named_parameters()) params.emplace_back(p.key(), p.value().detach());
   // A worker may serve the version before this returns: the pool's sample checks allow it now.
   if (root && pool_) pool_->RecordPush(version, /*acknowledged=*/false);
-  std::vector<absl::Status> failed(root ? workers_.size() : 0);
+  Round round;
+  round.version = version;
+  round.failed.resize(root ? workers_.size() : 0);
 
   // 1. Rank 0's plan, to every rank.
-  Plan plan;
-  absl::Status joined;
   if (root) {
-    plan = PlanPush(version, &failed);
-    if (plan.form) joined = JoinAll(plan);
-    if (!joined.ok()) {
-      plan.collective = plan.form = false;
-      plan.drop = true;  // the workers that joined left the old group
+    round.plan = PlanPush(version, &round.failed);
+    if (round.plan.form) round.joined = JoinAll(round.plan);
+    if (!round.joined.ok()) {
+      round.plan.collective = round.plan.form = false;
+      round.plan.drop = true;  // the workers that joined left the old group
     }
   }
-  ASSIGN_OR_RETURN(const nlohmann::json shared, ShareJson(*learners_, plan.ToJson()));
-  plan = Plan::FromJson(shared);
+  ASSIGN_OR_RETURN(const nlohmann::json shared, ShareJson(*learners_, round.plan.ToJson()));
+  round.plan = Plan::FromJson(shared);
 
   // 2. The group, formed anew by every rank when its members change.
-  bool formed_now = false;
-  absl::Status formed = joined;
-  if (plan.drop) {
-    group_.reset();
-    members_.clear();
-  }
-  if (plan.form) {
-    group_.reset();
-    members_.clear();
-    lm::dist::GroupOptions go;
-    go.timeout = push_.group_timeout;
-    go.backend = plan.backend;
-    const int world = learners_->size() + static_cast<int>(plan.members.size());
-    const torch::Device on = plan.backend == "nccl" ? device_ : torch::Device(torch::kCPU);
-    auto group = lm::dist::ProcessGroup::Create(
-        lm::dist::LaunchEnv{learners_->rank(), world, 0, plan.host, plan.port}, on, go);
-    formed = group.status();
-    ASSIGN_OR_RETURN(const bool any_failed, learners_->AnyRank(!formed.ok()));
-    if (!any_failed) {
-      group_ = std::move(*group);
-      members_ = plan.members;
-      backend_ = plan.backend;
-      group_id_ = plan.group_id;
-      formed_now = true;
-      if (root)
-        lm::log::Info(absl::StrCat("weight group of ", learners_->size(), " learner rank(s) and ",
-                                   members_.size(), " rollout worker(s): ", plan.backend, " via ",
-                                   plan.host, ":", plan.port));
-    } else {
-      plan.collective = false;
-      if (formed.ok()) formed = absl::UnavailableError("another learner rank could not join");
-    }
-  }
+  RETURN_IF_ERROR(FormGroup(round));
 
   // 3. The announcement (rank 0), and whether the data phase goes ahead (every rank).
   std::vector<opd::rpc::WireTensor> wire;
-  if (plan.collective)
-    wire = opd::rpc::WireTensorsOf(params, *opd::rpc::DtypeFromName(plan.wire_dtype));
-  const absl::Status announced =
-      root && plan.collective ? Announce(plan, wire, version, &failed) : absl::OkStatus();
-  ASSIGN_OR_RETURN(const nlohmann::json go, ShareJson(*learners_, Verdict(announced)));
-  const bool data_phase = plan.collective && FromVerdict(go).ok();
-  if (plan.collective && !data_phase) {
+  if (round.plan.collective)
+    wire = opd::rpc::WireTensorsOf(params, *opd::rpc::DtypeFromName(round.plan.wire_dtype));
+  if (root && round.plan.collective)
+    round.announced = Announce(round.plan, wire, version, &round.failed);
+  ASSIGN_OR_RETURN(const nlohmann::json go, ShareJson(*learners_, Verdict(round.announced)));
+  round.data_phase = round.plan.collective && FromVerdict(go).ok();
+  if (round.plan.collective && !round.data_phase) {
     // The members that accepted wait for data that will not come: dropping the group ends that.
-    group_.reset();
-    members_.clear();
+    DropGroup();
   }
 
   // 4. The shares, every rank; rank 0 meanwhile pushes over gRPC the workers outside the group
   // (and, in mode auto, the members when the group did not form or was not announced).
   std::vector<WorkerPush> results(root ? workers_.size() : 0);
-  std::vector<size_t> by_grpc;
-  if (root) {
-    for (size_t i = 0; i < workers_.size(); ++i) {
-      results[i].address = workers_[i]->address;
-      const bool in_group = std::find(plan.members.begin(), plan.members.end(),
-                                      static_cast<int>(i)) != plan.members.end();
-      if (!failed[i].ok() || (data_phase && in_group)) continue;
-      // Mode collective: a member without a group this push is a failure, not a gRPC push.
-      if (in_group && push_.mode == WeightSyncMode::kCollective) continue;
-      by_grpc.push_back(i);
-    }
-  }
+  if (root) round.by_grpc = GrpcWorkers(round);
   std::future<void> grpc_pushes;
-  if (!by_grpc.empty())
+  if (!round.by_grpc.empty())
     grpc_pushes = std::async(std::launch::async, [&] {
-      for (size_t i : by_grpc) results[i] = PushGrpc(i, params, version);
+      for (size_t i : round.by_grpc) results[i] = PushGrpc(i, params, version);
     });
-  std::vector<opd::rpc::SyncVerdict> verdicts;
-  const absl::Status sent = data_phase ? SendShares(plan, wire, &verdicts) : absl::OkStatus();
-  if (!sent.ok()) {
-    // Unusable after a failed collective; dropping it now closes our connections, so the members
-    // waiting on us fail at once instead of at the group's timeout.
-    group_.reset();
-    members_.clear();
-  }
-  ASSIGN_OR_RETURN(const bool broken, learners_->AnyRank(!sent.ok()));
-  if (broken) {
-    group_.reset();
-    members_.clear();
-  }
+  if (round.data_phase) round.sent = SendShares(round.plan, wire, &round.verdicts);
+  // Unusable after a failed collective; dropping it now closes our connections, so the members
+  // waiting on us fail at once instead of at the group's timeout.
+  if (!round.sent.ok()) DropGroup();
+  ASSIGN_OR_RETURN(round.broken, learners_->AnyRank(!round.sent.ok()));
+  if (round.broken) DropGroup();
   if (grpc_pushes.valid()) grpc_pushes.get();
 
   // 5. Rank 0's report, to every rank.
-  PublishReport report;
   nlohmann::json mine;
   if (root) {
-    for (size_t i = 0; i < workers_.size(); ++i) {
-      WorkerPush& r = results[i];
-      const bool in_group = std::find(plan.members.begin(), plan.members.end(),
-                                      static_cast<int>(i)) != plan.members.end();
-      if (!failed[i].ok()) {
-        r.status = failed[i];
-      } else if (data_phase && in_group && !broken) {
-        const size_t k = static_cast<size_t>(
-            std::find(plan.members.begin(), plan.members.end(), static_cast<int>(i)) -
-            plan.members.begin());
-        const opd::rpc::SyncVerdict& v = verdicts[k];
-        r.collective = true;
-        r.tensors = v.tensors;
-        r.bytes = v.bytes;
-        if (!v.present)
-          r.status = absl::DataLossError(
-              absl::StrCat("rollout worker ", r.address, " sent no verdict for version ", version));
-        else if (v.code != 0)
-          r.status = absl::Status(static_cast<absl::StatusCode>(v.code),
-                                  absl::StrCat("rollout worker ", r.address, ": weight version ",
-                                               version, ": ", v.message));
-        else if (v.version != version)
-          r.status = absl::DataLossError(
-              absl::StrCat("rollout worker ", r.address, " applied version ", v.version));
-      } else if (data_phase && in_group) {
-        // Broken: a member that does not answer died; the others learn nothing of this version.
-        if (!Probe(i)) {
-          r.status = absl::UnavailableError(absl::StrCat(
-              "rollout worker ", r.address, " died during the push of version ", version, " (",
-              workers_[i]->probe.message(), "); it gets the weights once it answers again"));
-        } else if (push_.mode == WeightSyncMode::kAuto) {
-          r = PushGrpc(i, params, version);
-        } else {
-          r.status = absl::UnavailableError(absl::StrCat(
-              "rollout worker ", r.address, ": the weight group broke during the push",
-              " of version ", version, " (", sent.ok() ? "on another rank" : sent.message(),
-              "); it gets the weights at the next push"));
-        }
-      } else if (std::find(by_grpc.begin(), by_grpc.end(), i) == by_grpc.end()) {
-        // Mode collective, a member without a group this push.
-        r.status = absl::UnavailableError(
-            absl::StrCat("rollout worker ", r.address, ": no weight group for version ", version,
-                         ": ", formed.ok() ? announced.message() : formed.message()));
-      }
-    }
-    std::vector<std::string> bad;
-    absl::StatusCode code = absl::StatusCode::kOk;
-    nlohmann::json workers = nlohmann::json::array();
-    for (const WorkerPush& r : results) {
-      if (!r.status.ok()) {
-        if (code == absl::StatusCode::kOk) code = r.status.code();
-        bad.push_back(std::string(r.status.message()));
-      }
-      workers.push_back({{"address", r.address},
-                         {"status", Verdict(r.status)},
-                         {"collective", r.collective},
-                         {"tensors", r.tensors},
-                         {"bytes", r.bytes}});
-    }
-    const absl::Status status =
-        bad.empty()
-            ? absl::OkStatus()
-            : absl::Status(code, absl::StrCat("weight version ", version, ": ", bad.size(), " of ",
-                                              results.size(), " rollout worker(s) failed: ",
-                                              absl::StrJoin(bad, "; ")));
-    if (pool_) pool_->RecordPush(version, status.ok());
-    mine = {{"version", version},
-            {"status", Verdict(status)},
-            {"workers", workers},
-            {"group_formed", formed_now},
-            {"senders", data_phase && !broken ? learners_->size() : 0},
-            {"seconds", std::chrono::duration<double>(Clock::now() - t0).count()}};
+    for (size_t i = 0; i < workers_.size(); ++i) Settle(i, round, params, results[i]);
+    mine = RootReport(round, results, std::chrono::duration<double>(Clock::now() - t0).count());
   }
   ASSIGN_OR_RETURN(const nlohmann::json agreed, ShareJson(*learners_, mine));
+  return ReportFromJson(agreed);
+}
+
+void WeightPublisher::DropGroup() {
+  group_.reset();
+  members_.clear();
+}
+
+absl::Status WeightPublisher::FormGroup(Round& round) {
+  Plan& plan = round.plan;
+  round.formed = round.joined;
+  if (plan.drop) DropGroup();
+  if (!plan.form) return absl::OkStatus();
+  DropGroup();
+  lm::dist::GroupOptions go;
+  go.timeout = push_.group_timeout;
+  go.backend = plan.backend;
+  const int world = learners_->size() + static_cast<int>(plan.members.size());
+  const torch::Device on = plan.backend == "nccl" ? device_ : torch::Device(torch::kCPU);
+  auto group = lm::dist::ProcessGroup::Create(
+      lm::dist::LaunchEnv{learners_->rank(), world, 0, plan.host, plan.port}, on, go);
+  round.formed = group.status();
+  ASSIGN_OR_RETURN(const bool any_failed, learners_->AnyRank(!round.formed.ok()));
+  if (any_failed) {
+    plan.collective = false;
+    if (round.formed.ok())
+      round.formed = absl::UnavailableError("another learner rank could not join");
+    return absl::OkStatus();
+  }
+  group_ = std::move(*group);
+  members_ = plan.members;
+  backend_ = plan.backend;
+  group_id_ = plan.group_id;
+  round.formed_now = true;
+  if (learners_->is_root())
+    lm::log::Info(absl::StrCat("weight group of ", learners_->size(), " learner rank(s) and ",
+                               members_.size(), " rollout worker(s): ", plan.backend, " via ",
+                               plan.host, ":", plan.port));
+  return absl::OkStatus();
+}
+
+std::vector<size_t> WeightPublisher::GrpcWorkers(const Round& round) const {
+  std::vector<size_t> out;
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    const bool in_group = round.InGroup(i);
+    if (!round.failed[i].ok() || (round.data_phase && in_group)) continue;
+    // Mode collective: a member without a group this push is a failure, not a gRPC push.
+    if (in_group && push_.mode == WeightSyncMode::kCollective) continue;
+    out.push_back(i);
+  }
+  return out;
+}
+
+void WeightPublisher::Settle(size_t i, const Round& round,
+                             const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                             WorkerPush& r) {
+  const int64_t version = round.version;
+  r.address = workers_[i]->address;
+  const bool in_group = round.InGroup(i);
+  if (!round.failed[i].ok()) {
+    r.status = round.failed[i];
+  } else if (round.data_phase && in_group && !round.broken) {
+    const size_t k = static_cast<size_t>(
+        std::find(round.plan.members.begin(), round.plan.members.end(), static_cast<int>(i)) -
+        round.plan.members.begin());
+    const opd::rpc::SyncVerdict& v = round.verdicts[k];
+    r.collective = true;
+    r.tensors = v.tensors;
+    r.bytes = v.bytes;
+    if (!v.present)
+      r.status = absl::DataLossError(
+          absl::StrCat("rollout worker ", r.address, " sent no verdict for version ", version));
+    else if (v.code != 0)
+      r.status = absl::Status(static_cast<absl::StatusCode>(v.code),
+                              absl::StrCat("rollout worker ", r.address, ": weight version ",
+                                           version, ": ", v.message));
+    else if (v.version != version)
+      r.status = absl::DataLossError(
+          absl::StrCat("rollout worker ", r.address, " applied version ", v.version));
+  } else if (round.data_phase && in_group) {
+    // Broken: a member that does not answer died; the others learn nothing of this version.
+    if (!Probe(i)) {
+      r.status = absl::UnavailableError(absl::StrCat(
+          "rollout worker ", r.address, " died during the push of version ", version, " (",
+          workers_[i]->probe.message(), "); it gets the weights once it answers again"));
+    } else if (push_.mode == WeightSyncMode::kAuto) {
+      r = PushGrpc(i, params, version);
+    } else {
+      r.status = absl::UnavailableError(absl::StrCat(
+          "rollout worker ", r.address, ": the weight group broke during the push", " of version ",
+          version, " (", round.sent.ok() ? "on another rank" : round.sent.message(),
+          "); it gets the weights at the next push"));
+    }
+  } else if (std::find(round.by_grpc.begin(), round.by_grpc.end(), i) == round.by_grpc.end()) {
+    // Mode collective, a member without a group this push.
+    r.status = absl::UnavailableError(
+        absl::StrCat("rollout worker ", r.address, ": no weight group for version ", version, ": ",
+                     round.formed.ok() ? round.announced.message() : round.formed.message()));
+  }
+}
+
+nlohmann::json WeightPublisher::RootReport(const Round& round,
+                                           const std::vector<WorkerPush>& results, double seconds) {
+  std::vector<std::string> bad;
+  absl::StatusCode code = absl::StatusCode::kOk;
+  nlohmann::json workers = nlohmann::json::array();
+  for (const WorkerPush& r : results) {
+    if (!r.status.ok()) {
+      if (code == absl::StatusCode::kOk) code = r.status.code();
+      bad.push_back(std::string(r.status.message()));
+    }
+    workers.push_back({{"address", r.address},
+                       {"status", Verdict(r.status)},
+                       {"collective", r.collective},
+                       {"tensors", r.tensors},
+                       {"bytes", r.bytes}});
+  }
+  const absl::Status status =
+      bad.empty()
+          ? absl::OkStatus()
+          : absl::Status(code, absl::StrCat("weight version ", round.version, ": ", bad.size(),
+                                            " of ", results.size(), " rollout worker(s) failed: ",
+                                            absl::StrJoin(bad, "; ")));
+  if (pool_) pool_->RecordPush(round.version, status.ok());
+  return {{"version", round.version},
+          {"status", Verdict(status)},
+          {"workers", workers},
+          {"group_formed", round.formed_now},
+          {"senders", round.data_phase && !round.broken ? learners_->size() : 0},
+          {"seconds", seconds}};
+}
+
+PublishReport WeightPublisher::ReportFromJson(const nlohmann::json& agreed) {
+  PublishReport report;
   report.version = agreed.at("version");
   report.status = FromVerdict(agreed.at("status"));
   report.group_formed = agreed.at("group_formed");

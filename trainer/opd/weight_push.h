@@ -42,6 +42,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "nlohmann/json_fwd.hpp"
 #include "rpc/client.h"
 #include "rpc/weight_wire.h"
 #include "trainer/opd/opd_config.h"  // WeightSyncMode
@@ -204,6 +205,17 @@ class WeightPublisher {
                       const std::vector<std::pair<std::string, torch::Tensor>>& params,
                       int64_t version);
   bool Probe(size_t worker);  // rank 0: whether it answers now (marks it down when not)
+  // Publish's steps over one round's state (weight_publish.cc).
+  struct Round;
+  void DropGroup();
+  absl::Status FormGroup(Round& round);  // every rank; an error: the learner group failed
+  std::vector<size_t> GrpcWorkers(const Round& round) const;  // rank 0
+  // Rank 0: worker i's outcome (a member of a broken group may be pushed over gRPC here).
+  void Settle(size_t i, const Round& round,
+              const std::vector<std::pair<std::string, torch::Tensor>>& params, WorkerPush& r);
+  nlohmann::json RootReport(const Round& round, const std::vector<WorkerPush>& results,
+                            double seconds);
+  static PublishReport ReportFromJson(const nlohmann::json& agreed);
 
   lm::dist::ProcessGroup* learners_ = nullptr;
   WeightPushOptions push_;
