@@ -212,8 +212,7 @@ absl::Status SampleBatch(CausalLM& model, const std::vector<std::vector<int64_t>
 }  // namespace
 
 uint64_t SampleSeed(uint64_t seed, int64_t prompt, int64_t sample) {
-  return SplitMix64(SplitMix64(SplitMix64(seed) ^ static_cast<uint64_t>(prompt)) ^
-                    static_cast<uint64_t>(sample));
+  return MixSeed(seed, prompt, sample);
 }
 
 Draws DrawTokens(const torch::Tensor& logits, const std::vector<std::mt19937_64*>& rngs,
