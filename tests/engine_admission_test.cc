@@ -41,10 +41,10 @@ using engine_testing::Static;
 using lm::Sample;
 using lm::SamplingParams;
 
-std::vector<std::vector<int64_t>> RandomPrompts(int n, int64_t min_len, int64_t max_len,
+std::vector<std::vector<int32_t>> RandomPrompts(int n, int64_t min_len, int64_t max_len,
                                                 uint32_t seed) {
   std::mt19937 rng(seed);
-  std::vector<std::vector<int64_t>> prompts(n);
+  std::vector<std::vector<int32_t>> prompts(n);
   for (auto& p : prompts) {
     p.resize(min_len + rng() % (max_len - min_len + 1));
     for (auto& t : p) t = rng() % 96;
@@ -122,7 +122,7 @@ TEST(Admission, SeedIndexKeysAPromptWhateverItsPosition) {
   alone.seed_indices = {7};
   for (bool paged : {true, false}) {
     SCOPED_TRACE(paged ? "engine" : "static sampler");
-    auto run = [&](const std::vector<std::vector<int64_t>>& ps, const SamplingParams& sp) {
+    auto run = [&](const std::vector<std::vector<int32_t>>& ps, const SamplingParams& sp) {
       return paged ? RunEngine(*engine, model, ps, sp) : Static(*model, ps, sp);
     };
     const auto all = run(prompts, p);

@@ -735,10 +735,11 @@ TEST_F(Opd, RolloutRepliesThatFailValidationAreRefusedNamingTheField) {
     auto pool = trainer::RolloutPool::Connect({worker.address}, base, Fingerprint(), 320, &push);
     ASSERT_TRUE(pool.ok()) << pool.status();
     ASSERT_TRUE((*pool)->PushWeights(*weights, 3).ok());
-    opd::rpc::GenerateOptions g;
+    lm::SamplingParams g;
     g.samples_per_prompt = 2;
+    g.max_new_tokens = 256;
     const std::vector<int32_t> a = {1, 2}, b = {3, 4};
-    auto r = (*pool)->Generate({{0, &a}, {1, &b}}, g);
+    auto r = (*pool)->Generate({{0, a}, {1, b}}, g);
     if (c.expected.empty()) {
       ASSERT_TRUE(r.ok()) << r.status();
       EXPECT_EQ(r->size(), 4u);
