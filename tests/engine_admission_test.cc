@@ -176,7 +176,7 @@ TEST(Admission, StaticSamplerRunsALargeRequestInBatchesThatFitItsCache) {
 
   int samples = 0;
   auto st = lm::SampleResponses(
-      *model, {{1, 2}, std::vector<int64_t>(30, 5)}, p, [&](Sample) { ++samples; }, nullptr,
+      *model, {{1, 2}, std::vector<int32_t>(30, 5)}, p, [&](Sample) { ++samples; }, nullptr,
       nullptr, cost.BatchBytes(1, 20, p));
   EXPECT_EQ(st.status().code(), absl::StatusCode::kResourceExhausted) << st.status();
   EXPECT_NE(std::string(st.status().message()).find("prompt 1: 30 tokens"), std::string::npos)
@@ -222,7 +222,7 @@ TEST(ChunkedPrefill, LongPromptIsPrefilledBetweenDecodeSteps) {
   shortp.max_new_tokens = 4;
   SamplingParams longp;
   longp.max_new_tokens = 2;
-  const std::vector<int64_t> long_prompt(600, 9);
+  const std::vector<int32_t> long_prompt(600, 9);
   std::atomic<int64_t> prefilled_when_short_finished{-1};
   engine->Pause();
   auto a = engine->Submit(Snapshot{model, 0, nullptr}, {{4, 5, 6}}, shortp, [&](Sample) {
@@ -307,10 +307,10 @@ TEST(ChunkedPrefill, RecomputeOfA10kTokenSequenceStaysWithinItsMemoryBound) {
   grow.max_new_tokens = 200;
   SamplingParams longp;
   longp.max_new_tokens = 16;
-  std::vector<int64_t> long_prompt(9984);
+  std::vector<int32_t> long_prompt(9984);
   for (size_t i = 0; i < long_prompt.size(); ++i) long_prompt[i] = (i * 31) % 96;
   engine->Pause();
-  auto a = engine->Submit(Snapshot{model, 0, nullptr}, {std::vector<int64_t>(16, 3)}, grow,
+  auto a = engine->Submit(Snapshot{model, 0, nullptr}, {std::vector<int32_t>(16, 3)}, grow,
                           [](Sample) {});
   auto b = engine->Submit(Snapshot{model, 0, nullptr}, {long_prompt}, longp,
                           [](Sample s) { EXPECT_EQ(s.response_length(), 16); });
