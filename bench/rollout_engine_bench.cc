@@ -35,7 +35,7 @@ ABSL_FLAG(uint64_t, seed, 0, "sampling seed");
 namespace {
 
 struct Req {
-  std::vector<int64_t> prompt;
+  std::vector<int32_t> prompt;
   int64_t max_new = 0;
 };
 
@@ -83,7 +83,7 @@ int64_t RunEngine(rollout::Engine& engine, std::shared_ptr<lm::CausalLM> model,
 int64_t RunStatic(lm::CausalLM& model, const lm::PackedWeight* head, const std::vector<Req>& reqs,
                   bool one, int64_t kv_token, double* kv_bytes) {
   int64_t tokens = 0;
-  auto run = [&](const std::vector<std::vector<int64_t>>& prompts, int64_t max_new,
+  auto run = [&](const std::vector<std::vector<int32_t>>& prompts, int64_t max_new,
                  const std::vector<int64_t>& own_len) {
     int64_t longest = 0;
     for (const auto& p : prompts) longest = std::max<int64_t>(longest, p.size());
@@ -101,7 +101,7 @@ int64_t RunStatic(lm::CausalLM& model, const lm::PackedWeight* head, const std::
     }
   };
   if (one) {
-    std::vector<std::vector<int64_t>> prompts;
+    std::vector<std::vector<int32_t>> prompts;
     std::vector<int64_t> lens;
     int64_t longest = 0;
     for (const auto& r : reqs) {
@@ -131,7 +131,7 @@ int main(int argc, char** argv) {
   model->eval();
   std::vector<Req> reqs;
   for (const auto& j : nlohmann::json::parse(std::ifstream(absl::GetFlag(FLAGS_requests))))
-    reqs.push_back(Req{j["prompt"].get<std::vector<int64_t>>(), j["max_new"].get<int64_t>()});
+    reqs.push_back(Req{j["prompt"].get<std::vector<int32_t>>(), j["max_new"].get<int64_t>()});
   std::vector<Req> warm(reqs.begin(), reqs.begin() + std::min<size_t>(4, reqs.size()));
   for (auto& r : warm) r.max_new = std::min<int64_t>(r.max_new, 8);
 

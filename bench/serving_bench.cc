@@ -147,21 +147,23 @@ int BenchScore(const std::vector<std::vector<int64_t>>& seqs) {
 int BenchGenerate(const std::vector<std::vector<int64_t>>& prompts) {
   std::vector<Side> sides;
   std::unique_ptr<opd::rpc::RolloutClient> client;
+  // Host token ids, as both sides take them.
   std::vector<std::vector<int32_t>> in;
-  opd::rpc::GenerateOptions g;
-  g.samples_per_prompt = absl::GetFlag(FLAGS_samples);
-  g.max_new_tokens = absl::GetFlag(FLAGS_max_new_tokens);
-  g.seed = absl::GetFlag(FLAGS_seed);
+  for (const auto& p : prompts) in.emplace_back(p.begin(), p.end());
+  // The same parameters for both sides.
+  lm::SamplingParams p;
+  p.samples_per_prompt = absl::GetFlag(FLAGS_samples);
+  p.max_new_tokens = absl::GetFlag(FLAGS_max_new_tokens);
+  p.seed = static_cast<int64_t>(absl::GetFlag(FLAGS_seed));
   // Warm-up runs generate a few tokens only: enough to touch every code path and allocation.
-  opd::rpc::GenerateOptions short_g = g;
-  short_g.max_new_tokens = std::min(g.max_new_tokens, 4);
+  lm::SamplingParams short_p = p;
+  short_p.max_new_tokens = std::min<int64_t>(p.max_new_tokens, 4);
   if (!absl::GetFlag(FLAGS_addr).empty()) {
     auto c = opd::rpc::RolloutClient::Create(Client());
     if (!c.ok()) return std::cerr << c.status() << "\n", 1;
     client = std::move(*c);
-    for (const auto& p : prompts) in.emplace_back(p.begin(), p.end());
     sides.push_back({"grpc", [&](bool warmup) -> absl::StatusOr<std::pair<int64_t, double>> {
-                       auto r = client->Generate(in, warmup ? short_g : g);
+                       auto r = client->Generate(in, warmup ? short_p : p);
                        if (!r.ok()) return r.status();
                        int64_t n = 0;
                        double sum = 0;
@@ -173,22 +175,16 @@ int BenchGenerate(const std::vector<std::vector<int64_t>>& prompts) {
                      }});
   }
   std::shared_ptr<lm::CausalLM> model;
-  lm::SamplingParams p;
-  p.samples_per_prompt = g.samples_per_prompt;
-  p.max_new_tokens = g.max_new_tokens;
-  p.seed = g.seed;
-  lm::SamplingParams short_p = p;
-  short_p.max_new_tokens = short_g.max_new_tokens;
   if (!absl::GetFlag(FLAGS_model).empty()) {
     model = Model();
     sides.push_back({"inprocess", [&](bool warmup) -> absl::StatusOr<std::pair<int64_t, double>> {
                        int64_t n = 0;
                        double sum = 0;
-                       auto st = lm::SampleResponses(*model, prompts, warmup ? short_p : p,
-                                                     [&](lm::Sample s) {
-                                                       n += s.response_length();
-                                                       sum += Sum(s.logprobs);
-                                                     });
+                       auto st =
+                           lm::SampleResponses(*model, in, warmup ? short_p : p, [&](lm::Sample s) {
+                             n += s.response_length();
+                             sum += Sum(s.logprobs);
+                           });
                        if (!st.ok()) return st.status();
                        return std::make_pair(n, sum);
                      }});

@@ -73,14 +73,14 @@ int RunGenerate(const std::vector<std::string>& words) {
   }
   opd::rpc::ClientOptions opts;
   if (int rc = ClientOptionsFrom("generate", args, &opts); rc >= 0) return rc;
-  opd::rpc::GenerateOptions go;
-  go.samples_per_prompt = args.Int("samples", 1);
-  go.temperature = static_cast<float>(args.Number("temperature", 1.0));
-  go.top_p = static_cast<float>(args.Number("top-p", 1.0));
-  go.top_k = args.Int("top-k", 0);
-  go.max_new_tokens = args.Int("max-new-tokens", 256);
-  go.seed = args.Uint64("seed", 0);
-  go.stop_token_ids = *stops;
+  lm::SamplingParams params;
+  params.samples_per_prompt = args.Int("samples", 1);
+  params.temperature = args.Number("temperature", 1.0);
+  params.top_p = args.Number("top-p", 1.0);
+  params.top_k = args.Int("top-k", 0);
+  params.max_new_tokens = args.Int("max-new-tokens", 256);
+  params.seed = static_cast<int64_t>(args.Uint64("seed", 0));  // the same bits on the wire
+  params.stop_ids = *stops;
 
   std::vector<std::vector<int32_t>> prompts;
   absl::Status st =
@@ -93,7 +93,7 @@ int RunGenerate(const std::vector<std::string>& words) {
   if (!st.ok()) return Fail("generate", st);
   auto client = opd::rpc::RolloutClient::Create(opts);
   if (!client.ok()) return Fail("generate", client.status());
-  auto samples = (*client)->Generate(prompts, go);
+  auto samples = (*client)->Generate(prompts, params);
   if (!samples.ok()) return Fail("generate", samples.status());
   for (const auto& s : *samples) {
     std::cout << nlohmann::json{{"prompt_index", s.prompt_index},

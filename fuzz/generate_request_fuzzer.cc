@@ -40,7 +40,7 @@ void CheckCarriedOver(const opd::v1::GenerateRequest& req, const GenerateJob& jo
   FUZZ_CHECK(job.prompts.size() == static_cast<size_t>(req.prompts_size()), "prompts");
   for (int i = 0; i < req.prompts_size(); ++i) {
     const auto& t = req.prompts(i).tokens();
-    FUZZ_CHECK(job.prompts[i] == std::vector<int64_t>(t.begin(), t.end()),
+    FUZZ_CHECK(job.prompts[i] == std::vector<int32_t>(t.begin(), t.end()),
                absl::StrCat("prompt ", i));
   }
   const auto& m = req.params();
@@ -51,9 +51,10 @@ void CheckCarriedOver(const opd::v1::GenerateRequest& req, const GenerateJob& jo
   FUZZ_CHECK(SameFloat(p.top_p, m.top_p() == 0 ? 1.0 : m.top_p()), "top_p");
   FUZZ_CHECK(p.top_k == m.top_k() && p.max_new_tokens == m.max_new_tokens(), "top_k, max_new");
   FUZZ_CHECK(
-      p.stop_ids == std::vector<int64_t>(m.stop_token_ids().begin(), m.stop_token_ids().end()),
+      p.stop_ids == std::vector<int32_t>(m.stop_token_ids().begin(), m.stop_token_ids().end()),
       "stop ids");
-  FUZZ_CHECK(p.seed == m.seed() && p.return_routing == req.return_routing(), "seed, routing");
+  FUZZ_CHECK(static_cast<uint64_t>(p.seed) == m.seed() && p.return_routing == req.return_routing(),
+             "seed, routing");
   bool seeded = false;
   for (const auto& pr : req.prompts()) seeded |= pr.has_seed_index();
   FUZZ_CHECK(p.seed_indices.size() == (seeded ? job.prompts.size() : 0), "seed indices");

@@ -35,7 +35,7 @@ class Engine::Request {
  public:
   Snapshot snapshot;
   std::shared_ptr<const lm::PackedWeight> lm_head;  // the snapshot's, or packed by the engine
-  std::vector<std::vector<int64_t>> prompts;
+  std::vector<std::vector<int32_t>> prompts;
   SamplingParams params;
   std::function<void(Sample)> on_sample;
   std::function<bool()> cancelled;
@@ -138,7 +138,7 @@ Engine::~Engine() {
 }
 
 absl::StatusOr<std::shared_ptr<Engine::Request>> Engine::Submit(
-    Snapshot snapshot, std::vector<std::vector<int64_t>> prompts, SamplingParams params,
+    Snapshot snapshot, std::vector<std::vector<int32_t>> prompts, SamplingParams params,
     std::function<void(Sample)> on_sample, std::function<bool()> cancelled) {
   if (params.samples_per_prompt > opts_.max_running)
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -188,7 +188,7 @@ absl::Status Engine::Wait(Request& req) {
 }
 
 absl::Status Engine::Generate(const Snapshot& snapshot,
-                              const std::vector<std::vector<int64_t>>& prompts,
+                              const std::vector<std::vector<int32_t>>& prompts,
                               const SamplingParams& params,
                               const std::function<void(Sample)>& on_sample,
                               const std::function<bool()>& cancelled) {
@@ -422,18 +422,22 @@ torch::Tensor Engine::Forward(lm::CausalLM& model, std::vector<StepRow>& rows,
                               const std::vector<size_t>& idx) {
   const auto device = model.LmHeadWeight().device();
   lm::PagedStep step;
-  std::vector<int64_t> ids;
   step.cu_seqlens.push_back(0);
   for (size_t i : idx) {
     const Seq& s = *rows[i].seqs[0];
-    const auto from = s.out.tokens.begin() + s.cached;
-    ids.insert(ids.end(), from, from + rows[i].new_tokens);
-    step.cu_seqlens.push_back(static_cast<int64_t>(ids.size()));
+    step.cu_seqlens.push_back(step.cu_seqlens.back() + rows[i].new_tokens);
     step.context_lens.push_back(s.cached);
     step.block_tables.push_back(s.blocks);
     step.state_slots.push_back(s.slot);
   }
-  step.input_ids = torch::tensor(ids, torch::kInt64).to(device);
+  // The fed tokens, read from the samples (int32) straight into the int64 tensor.
+  torch::Tensor fed = torch::empty({step.cu_seqlens.back()}, torch::kInt64);
+  int64_t* at = fed.data_ptr<int64_t>();
+  for (size_t i : idx) {
+    const Seq& s = *rows[i].seqs[0];
+    at = std::copy_n(s.out.tokens.begin() + s.cached, rows[i].new_tokens, at);
+  }
+  step.input_ids = fed.to(device);
   // Routing replay: the experts each fed token was routed to, recorded for the requests that
   // asked (over the whole step: they share the forward).
   bool routing = false;
@@ -474,7 +478,7 @@ torch::Tensor Engine::Forward(lm::CausalLM& model, std::vector<StepRow>& rows,
   record.reset();
   if (!routing) return hidden;
   lm::RoutingTrace recorded = layout;  // the step's tokens
-  const absl::Status st = recorded.AppendRecorded(seen, static_cast<int64_t>(ids.size()));
+  const absl::Status st = recorded.AppendRecorded(seen, step.cu_seqlens.back());
   TORCH_CHECK(st.ok(), st.message());
   for (size_t k = 0; k < idx.size(); ++k) {
     Seq& s = *rows[idx[k]].seqs[0];

@@ -89,14 +89,14 @@ class Engine final : public lm::Generator {
   // A request whose model produces a non-finite log-prob ends with CheckDrawn's
   // FAILED_PRECONDITION (lm/generate/sampler.h), the others sharing its steps going on.
   absl::StatusOr<std::shared_ptr<Request>> Submit(Snapshot snapshot,
-                                                  std::vector<std::vector<int64_t>> prompts,
+                                                  std::vector<std::vector<int32_t>> prompts,
                                                   lm::SamplingParams params,
                                                   std::function<void(lm::Sample)> on_sample,
                                                   std::function<bool()> cancelled = nullptr);
   // Blocks until the request has ended; its status.
   static absl::Status Wait(Request& request);
   // lm::Generator: Submit and Wait.
-  absl::Status Generate(const Snapshot& snapshot, const std::vector<std::vector<int64_t>>& prompts,
+  absl::Status Generate(const Snapshot& snapshot, const std::vector<std::vector<int32_t>>& prompts,
                         const lm::SamplingParams& params,
                         const std::function<void(lm::Sample)>& on_sample,
                         const std::function<bool()>& cancelled) override;

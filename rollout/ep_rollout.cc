@@ -50,15 +50,15 @@ absl::Status EpRollout::SampleLocal(const std::string& command, const Snapshot* 
                                     const std::function<void(Sample)>& on_sample,
                                     const std::function<bool()>& cancelled) {
   const nlohmann::json j = nlohmann::json::parse(command.substr(1));
-  const auto prompts = j.at("prompts").get<std::vector<std::vector<int64_t>>>();
+  const auto prompts = j.at("prompts").get<std::vector<std::vector<int32_t>>>();
   SamplingParams p;
   p.samples_per_prompt = j.at("samples_per_prompt").get<int64_t>();
   p.temperature = j.at("temperature").get<double>();
   p.top_k = j.at("top_k").get<int64_t>();
   p.top_p = j.at("top_p").get<double>();
   p.max_new_tokens = j.at("max_new_tokens").get<int64_t>();
-  p.stop_ids = j.at("stop_ids").get<std::vector<int64_t>>();
-  p.seed = j.at("seed").get<uint64_t>();
+  p.stop_ids = j.at("stop_ids").get<std::vector<int32_t>>();
+  p.seed = j.at("seed").get<int64_t>();
   p.seed_indices = j.at("seed_indices").get<std::vector<int64_t>>();
   const int64_t version = j.at("version").get<int64_t>();
   const int64_t batch_kv_bytes = j.at("batch_kv_bytes").get<int64_t>();
@@ -76,7 +76,7 @@ absl::Status EpRollout::SampleLocal(const std::string& command, const Snapshot* 
 }
 
 absl::Status EpRollout::Generate(const Snapshot& snapshot,
-                                 const std::vector<std::vector<int64_t>>& prompts,
+                                 const std::vector<std::vector<int32_t>>& prompts,
                                  const SamplingParams& params,
                                  const std::function<void(Sample)>& on_sample,
                                  const std::function<bool()>& cancelled) {

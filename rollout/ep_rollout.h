@@ -44,7 +44,7 @@ class EpRollout final : public lm::Generator {
 
   // lm::Generator on rank 0: each call runs the static sampler on the whole group. Routing is
   // not recorded (UNIMPLEMENTED).
-  absl::Status Generate(const Snapshot& snapshot, const std::vector<std::vector<int64_t>>& prompts,
+  absl::Status Generate(const Snapshot& snapshot, const std::vector<std::vector<int32_t>>& prompts,
                         const lm::SamplingParams& params,
                         const std::function<void(lm::Sample)>& on_sample,
                         const std::function<bool()>& cancelled) override;

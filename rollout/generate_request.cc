@@ -8,7 +8,7 @@
 
 namespace rollout {
 
-absl::Status Validate(const std::vector<std::vector<int64_t>>& prompts, const lm::SamplingParams& p,
+absl::Status Validate(const std::vector<std::vector<int32_t>>& prompts, const lm::SamplingParams& p,
                       const GenerateLimits& limits) {
   if (prompts.empty()) return absl::InvalidArgumentError("no prompts");
   if (p.samples_per_prompt < 1 || p.samples_per_prompt > limits.max_samples_per_prompt) {
@@ -96,7 +96,7 @@ GenerateJob JobFromRequest(const opd::v1::GenerateRequest& req) {
   p.top_p = m.top_p() == 0 ? 1.0 : m.top_p();
   p.max_new_tokens = m.max_new_tokens();
   p.stop_ids.assign(m.stop_token_ids().begin(), m.stop_token_ids().end());
-  p.seed = m.seed();
+  p.seed = static_cast<int64_t>(m.seed());  // the same bits
   p.return_routing = req.return_routing();
   return job;
 }

@@ -32,12 +32,12 @@ struct GenerateLimits {
 // Checks a request against the limits: INVALID_ARGUMENT naming the field (and the prompt). There
 // is no summed KV budget: the generator schedules the sequences through its cache and refuses
 // only a sequence that could never fit it (RESOURCE_EXHAUSTED, lm/generate/generator.h).
-absl::Status Validate(const std::vector<std::vector<int64_t>>& prompts,
+absl::Status Validate(const std::vector<std::vector<int32_t>>& prompts,
                       const lm::SamplingParams& params, const GenerateLimits& limits);
 
 // One Generate call's work, as the request asked for it (not yet validated).
 struct GenerateJob {
-  std::vector<std::vector<int64_t>> prompts;
+  std::vector<std::vector<int32_t>> prompts;
   lm::SamplingParams params;
 };
 

@@ -63,7 +63,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
   // Starts sampling on a thread of its own; the caller has taken a generation slot for it. The
   // weights are taken there: a weight update being written or waiting to be is waited for (within
   // the call's deadline), so the request samples with the newest accepted version.
-  void Start(const WeightStore* store, std::vector<std::vector<int64_t>> prompts,
+  void Start(const WeightStore* store, std::vector<std::vector<int32_t>> prompts,
              SamplingParams params) {
     holds_slot_ = true;
     const auto deadline = ctx_->deadline();
@@ -97,7 +97,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<opd::v1::Sample> {
 
  private:
   absl::Status RunSampler(const Snapshot& snapshot,
-                          const std::vector<std::vector<int64_t>>& prompts,
+                          const std::vector<std::vector<int32_t>>& prompts,
                           const SamplingParams& params) {
     try {
       if (params.return_routing && !generator_->RecordsRouting())

@@ -237,23 +237,27 @@ absl::StatusOr<opd::v1::ServiceInfo> RolloutClient::Info() {
 
 namespace {
 
-opd::v1::GenerateRequest MakeGenerateRequest(const std::vector<std::vector<int32_t>>& prompts,
-                                             const GenerateOptions& o) {
+// The request's one conversion to the wire (rollout/generate_request.cc's JobFromRequest is the
+// one back): every member of `params`, each prompt's seed index where the params give them.
+opd::v1::GenerateRequest MakeGenerateRequest(absl::Span<const absl::Span<const int32_t>> prompts,
+                                             const lm::SamplingParams& params) {
   opd::v1::GenerateRequest req;
   for (size_t i = 0; i < prompts.size(); ++i) {
     opd::v1::Prompt* p = req.add_prompts();
     p->mutable_tokens()->Add(prompts[i].begin(), prompts[i].end());
-    if (i < o.seed_indices.size()) p->set_seed_index(o.seed_indices[i]);
+    if (i < params.seed_indices.size()) p->set_seed_index(params.seed_indices[i]);
   }
-  req.set_samples_per_prompt(o.samples_per_prompt);
-  auto* params = req.mutable_params();
-  params->set_temperature(o.temperature);
-  params->set_top_p(o.top_p);
-  params->set_top_k(o.top_k);
-  params->set_max_new_tokens(o.max_new_tokens);
-  params->mutable_stop_token_ids()->Add(o.stop_token_ids.begin(), o.stop_token_ids.end());
-  params->set_seed(o.seed);
-  req.set_return_routing(o.return_routing);
+  // Checked by the server (and by the job configs before): the narrowing never hides a value a
+  // server would take.
+  req.set_samples_per_prompt(static_cast<int32_t>(params.samples_per_prompt));
+  auto* m = req.mutable_params();
+  m->set_temperature(static_cast<float>(params.temperature));
+  m->set_top_p(static_cast<float>(params.top_p));
+  m->set_top_k(static_cast<int32_t>(params.top_k));
+  m->set_max_new_tokens(static_cast<int32_t>(params.max_new_tokens));
+  m->mutable_stop_token_ids()->Add(params.stop_ids.begin(), params.stop_ids.end());
+  m->set_seed(static_cast<uint64_t>(params.seed));
+  req.set_return_routing(params.return_routing);
   return req;
 }
 
@@ -286,7 +290,7 @@ absl::StatusOr<std::vector<int32_t>> UnpackRouting(const opd::v1::Sample& m, con
 
 // The sample `m` answers, with its prompt (which the wire does not repeat) in front.
 absl::StatusOr<lm::Sample> FromProto(const opd::v1::Sample& m,
-                                     const std::vector<std::vector<int32_t>>& prompts,
+                                     absl::Span<const absl::Span<const int32_t>> prompts,
                                      const std::string& address) {
   if (m.prompt_index() < 0 || m.prompt_index() >= static_cast<int64_t>(prompts.size()))
     return absl::DataLossError(absl::StrCat(
@@ -323,15 +327,15 @@ absl::StatusOr<lm::Sample> FromProto(const opd::v1::Sample& m,
 }  // namespace
 
 absl::Status RolloutClient::StreamGenerate(
-    const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& opts,
+    absl::Span<const absl::Span<const int32_t>> prompts, const lm::SamplingParams& params,
     const std::function<absl::Status(lm::Sample)>& on_sample) {
-  if (!opts.seed_indices.empty() && opts.seed_indices.size() != prompts.size())
+  if (!params.seed_indices.empty() && params.seed_indices.size() != prompts.size())
     return absl::InvalidArgumentError(
-        absl::StrCat(opts.seed_indices.size(), " seed indices for ", prompts.size(), " prompts"));
+        absl::StrCat(params.seed_indices.size(), " seed indices for ", prompts.size(), " prompts"));
   grpc::ClientContext ctx;
   PrepareContext(opts_, &ctx);
   CallCanceller::Scope cancel_scope(opts_.canceller.get(), &ctx);
-  auto reader = stub_->Generate(&ctx, MakeGenerateRequest(prompts, opts));
+  auto reader = stub_->Generate(&ctx, MakeGenerateRequest(prompts, params));
   opd::v1::Sample msg;
   absl::Status refused;  // the first sample refused, by decoding or by on_sample
   while (reader->Read(&msg)) {
@@ -346,10 +350,11 @@ absl::Status RolloutClient::StreamGenerate(
 }
 
 absl::StatusOr<std::vector<lm::Sample>> RolloutClient::Generate(
-    const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& opts,
+    absl::Span<const std::vector<int32_t>> prompts, const lm::SamplingParams& params,
     const std::function<void(const lm::Sample&)>& on_sample) {
+  const std::vector<absl::Span<const int32_t>> views(prompts.begin(), prompts.end());
   std::vector<lm::Sample> samples;
-  RETURN_IF_ERROR(StreamGenerate(prompts, opts, [&](lm::Sample s) {
+  RETURN_IF_ERROR(StreamGenerate(views, params, [&](lm::Sample s) {
     if (on_sample) on_sample(s);
     samples.push_back(std::move(s));
     return absl::OkStatus();

@@ -18,7 +18,9 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "lm/generate/sampling.h"
 #include "opd/v1/rollout.grpc.pb.h"
 #include "opd/v1/teacher.grpc.pb.h"
 #include "rpc/teacher_endpoint.h"
@@ -103,36 +105,26 @@ class TeacherClient : public TeacherEndpoint {
 
 // --- rollout ---
 
-struct GenerateOptions {
-  int32_t samples_per_prompt = 1;
-  float temperature = 1.0f;  // 0: greedy
-  float top_p = 1.0f;
-  int32_t top_k = 0;
-  int32_t max_new_tokens = 256;
-  std::vector<int32_t> stop_token_ids;
-  uint64_t seed = 0;
-  // Per prompt, its seed index (Prompt.seed_index: sample s draws with SampleSeed(seed,
-  // seed_indices[p], s), the same bits in any request or worker); empty: positions.
-  std::vector<int64_t> seed_indices;
-  bool return_routing = false;  // routing replay: each sample carries routed_experts
-};
-
 class RolloutClient {
  public:
   static absl::StatusOr<std::unique_ptr<RolloutClient>> Create(const ClientOptions& opts);
 
   absl::StatusOr<opd::v1::ServiceInfo> Info();
-  // All samples, in (prompt, sample) order, each with its prompt (the wire carries only the
-  // response) and the server's log-probs, finish reason and weight version; the routing, when
-  // asked for, is checked to cover every fed position. `on_sample`, when set, also sees each
-  // sample as it arrives (the server streams them as they finish).
+  // Samples `params.samples_per_prompt` responses for every prompt with `params` (every member:
+  // the settings, the stop ids, the seed, per-prompt seed indices and return_routing; the
+  // request's one conversion to the wire). All samples, in (prompt, sample) order, each with its
+  // prompt (the wire carries only the response) and the server's log-probs, finish reason and
+  // weight version; the routing, when asked for, is checked to cover every fed position.
+  // `on_sample`, when set, also sees each sample as it arrives (the server streams them as they
+  // finish).
   absl::StatusOr<std::vector<lm::Sample>> Generate(
-      const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& opts,
+      absl::Span<const std::vector<int32_t>> prompts, const lm::SamplingParams& params,
       const std::function<void(const lm::Sample&)>& on_sample = nullptr);
   // The samples one at a time as they arrive, each with its prompt (prompt_index: its position in
-  // `prompts`), nothing kept here. An error from `on_sample` cancels the call and is returned.
-  absl::Status StreamGenerate(const std::vector<std::vector<int32_t>>& prompts,
-                              const GenerateOptions& opts,
+  // `prompts`, which are only read, and must outlive the call), nothing kept here. An error from
+  // `on_sample` cancels the call and is returned.
+  absl::Status StreamGenerate(absl::Span<const absl::Span<const int32_t>> prompts,
+                              const lm::SamplingParams& params,
                               const std::function<absl::Status(lm::Sample)>& on_sample);
   // Weight updates: rpc/weight_stream.h StreamWeights, the one streamer.
   const std::string& address() const { return opts_.address; }

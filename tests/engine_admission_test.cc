@@ -41,10 +41,10 @@ using engine_testing::Static;
 using lm::Sample;
 using lm::SamplingParams;
 
-std::vector<std::vector<int64_t>> RandomPrompts(int n, int64_t min_len, int64_t max_len,
+std::vector<std::vector<int32_t>> RandomPrompts(int n, int64_t min_len, int64_t max_len,
                                                 uint32_t seed) {
   std::mt19937 rng(seed);
-  std::vector<std::vector<int64_t>> prompts(n);
+  std::vector<std::vector<int32_t>> prompts(n);
   for (auto& p : prompts) {
     p.resize(min_len + rng() % (max_len - min_len + 1));
     for (auto& t : p) t = rng() % 96;
@@ -122,7 +122,7 @@ TEST(Admission, SeedIndexKeysAPromptWhateverItsPosition) {
   alone.seed_indices = {7};
   for (bool paged : {true, false}) {
     SCOPED_TRACE(paged ? "engine" : "static sampler");
-    auto run = [&](const std::vector<std::vector<int64_t>>& ps, const SamplingParams& sp) {
+    auto run = [&](const std::vector<std::vector<int32_t>>& ps, const SamplingParams& sp) {
       return paged ? RunEngine(*engine, model, ps, sp) : Static(*model, ps, sp);
     };
     const auto all = run(prompts, p);
@@ -176,7 +176,7 @@ TEST(Admission, StaticSamplerRunsALargeRequestInBatchesThatFitItsCache) {
 
   int samples = 0;
   auto st = lm::SampleResponses(
-      *model, {{1, 2}, std::vector<int64_t>(30, 5)}, p, [&](Sample) { ++samples; }, nullptr,
+      *model, {{1, 2}, std::vector<int32_t>(30, 5)}, p, [&](Sample) { ++samples; }, nullptr,
       nullptr, cost.BatchBytes(1, 20, p));
   EXPECT_EQ(st.status().code(), absl::StatusCode::kResourceExhausted) << st.status();
   EXPECT_NE(std::string(st.status().message()).find("prompt 1: 30 tokens"), std::string::npos)
@@ -222,7 +222,7 @@ TEST(ChunkedPrefill, LongPromptIsPrefilledBetweenDecodeSteps) {
   shortp.max_new_tokens = 4;
   SamplingParams longp;
   longp.max_new_tokens = 2;
-  const std::vector<int64_t> long_prompt(600, 9);
+  const std::vector<int32_t> long_prompt(600, 9);
   std::atomic<int64_t> prefilled_when_short_finished{-1};
   engine->Pause();
   auto a = engine->Submit(Snapshot{model, 0, nullptr}, {{4, 5, 6}}, shortp, [&](Sample) {
@@ -307,10 +307,10 @@ TEST(ChunkedPrefill, RecomputeOfA10kTokenSequenceStaysWithinItsMemoryBound) {
   grow.max_new_tokens = 200;
   SamplingParams longp;
   longp.max_new_tokens = 16;
-  std::vector<int64_t> long_prompt(9984);
+  std::vector<int32_t> long_prompt(9984);
   for (size_t i = 0; i < long_prompt.size(); ++i) long_prompt[i] = (i * 31) % 96;
   engine->Pause();
-  auto a = engine->Submit(Snapshot{model, 0, nullptr}, {std::vector<int64_t>(16, 3)}, grow,
+  auto a = engine->Submit(Snapshot{model, 0, nullptr}, {std::vector<int32_t>(16, 3)}, grow,
                           [](Sample) {});
   auto b = engine->Submit(Snapshot{model, 0, nullptr}, {long_prompt}, longp,
                           [](Sample s) { EXPECT_EQ(s.response_length(), 16); });

@@ -327,7 +327,7 @@ TEST(Engine, SmallRequestIsAdmittedBetweenALargeOnesPrompts) {
   std::vector<int> order;  // 0: the large request's sample, 1: the small one's (engine thread)
   engine->Pause();
   auto large =
-      engine->Submit(Snapshot{model, 0, nullptr}, std::vector<std::vector<int64_t>>(30, {1, 5, 9}),
+      engine->Submit(Snapshot{model, 0, nullptr}, std::vector<std::vector<int32_t>>(30, {1, 5, 9}),
                      p, [&order](Sample) { order.push_back(0); });
   auto small = engine->Submit(Snapshot{model, 0, nullptr}, {{7, 3}, {40, 41}}, p,
                               [&order](Sample) { order.push_back(1); });
@@ -379,9 +379,9 @@ TEST(Engine, MemoryStaysWithinTheBudget) {
   int64_t samples = 0;
   engine.Pause();
   for (int r = 0; r < 8; ++r) {
-    std::vector<std::vector<int64_t>> prompts;
+    std::vector<std::vector<int32_t>> prompts;
     for (int i = 0; i < 16; ++i) {
-      std::vector<int64_t> prompt(1 + rng() % 30);
+      std::vector<int32_t> prompt(1 + rng() % 30);
       for (auto& t : prompt) t = rng() % 96;
       prompts.push_back(prompt);
     }
@@ -438,7 +438,7 @@ TEST(Engine, LongTailKeepsTheBatchFull) {
 // Two samples of a long prompt share its blocks: one copy of the partly filled last block.
 TEST(Engine, SamplesShareThePromptBlocks) {
   auto model = Load();
-  std::vector<int64_t> prompt(100);
+  std::vector<int32_t> prompt(100);
   for (int i = 0; i < 100; ++i) prompt[i] = (i * 7) % 96;
   SamplingParams p;
   p.max_new_tokens = 4;
@@ -472,7 +472,7 @@ TEST(Engine, FullQueueAndOversizedRequestsAreResourceExhausted) {
   EXPECT_TRUE(Engine::Wait(**first).ok());
   // 60 + 8 tokens need 5 blocks of the 4: never admissible.
   auto big =
-      engine->Submit(Snapshot{model, 0, nullptr}, {std::vector<int64_t>(60, 1)}, p, [](Sample) {});
+      engine->Submit(Snapshot{model, 0, nullptr}, {std::vector<int32_t>(60, 1)}, p, [](Sample) {});
   EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(std::string(big.status().message()).find("--kv-cache-gb"), std::string::npos)
       << big.status();
@@ -611,7 +611,7 @@ class Server {
   }
   ~Server() { server_->Shutdown(); }
 
-  std::vector<Sample> Generate(const std::vector<std::vector<int64_t>>& prompts,
+  std::vector<Sample> Generate(const std::vector<std::vector<int32_t>>& prompts,
                                const SamplingParams& p, grpc::Status* status) {
     auto channel =
         grpc::CreateChannel(absl::StrCat("127.0.0.1:", port_), grpc::InsecureChannelCredentials());
@@ -657,7 +657,7 @@ class Server {
 // refuses routing for a generator that cannot record it, naming the generator.
 class FakeGenerator final : public lm::Generator {
  public:
-  absl::Status Generate(const Snapshot& snapshot, const std::vector<std::vector<int64_t>>& prompts,
+  absl::Status Generate(const Snapshot& snapshot, const std::vector<std::vector<int32_t>>& prompts,
                         const SamplingParams& params, const std::function<void(Sample)>& on_sample,
                         const std::function<bool()>& cancelled) override {
     ++calls;
@@ -696,7 +696,7 @@ TEST(Service, HandsEveryRequestToItsGenerator) {
   ASSERT_EQ(got.size(), kPrompts.size() * 2);
   for (const Sample& s : got) {
     EXPECT_EQ(ResponseIds(s), (std::vector<int64_t>{7, s.prompt_index, s.sample_index}));
-    EXPECT_EQ(std::vector<int64_t>(s.prompt().begin(), s.prompt().end()), kPrompts[s.prompt_index]);
+    EXPECT_EQ(std::vector<int32_t>(s.prompt().begin(), s.prompt().end()), kPrompts[s.prompt_index]);
     EXPECT_EQ(s.logprobs, (std::vector<float>{-0.5f, -0.25f, -0.125f}));
     EXPECT_EQ(s.finish, FinishReason::kStop);
   }
@@ -733,7 +733,7 @@ TEST(Engine, ThroughTheGrpcServiceSameAsTheStaticService) {
   SamplingParams p;
   p.max_new_tokens = 40;
   grpc::Status st;
-  tiny.Generate({std::vector<int64_t>(10, 1)}, p, &st);
+  tiny.Generate({std::vector<int32_t>(10, 1)}, p, &st);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_NE(st.error_message().find("--kv-cache-gb"), std::string::npos) << st.error_message();
 }

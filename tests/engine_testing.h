@@ -29,7 +29,7 @@ inline std::shared_ptr<lm::CausalLM> Load(const std::string& fixture = kModel) {
   return *m;
 }
 
-inline const std::vector<std::vector<int64_t>> kPrompts = {
+inline const std::vector<std::vector<int32_t>> kPrompts = {
     {1, 5, 9, 13, 2}, {7, 3}, {40, 41, 42, 43, 44, 45, 46, 47}};
 
 inline void SortSamples(std::vector<lm::Sample>& out) {
@@ -39,7 +39,7 @@ inline void SortSamples(std::vector<lm::Sample>& out) {
 }
 
 inline std::vector<lm::Sample> Static(lm::CausalLM& model,
-                                      const std::vector<std::vector<int64_t>>& prompts,
+                                      const std::vector<std::vector<int32_t>>& prompts,
                                       const lm::SamplingParams& p, int64_t max_batch_kv_bytes = 0) {
   std::vector<lm::Sample> out;
   auto st = lm::SampleResponses(
@@ -51,7 +51,7 @@ inline std::vector<lm::Sample> Static(lm::CausalLM& model,
 }
 
 inline std::vector<lm::Sample> RunEngine(Engine& engine, std::shared_ptr<lm::CausalLM> model,
-                                         const std::vector<std::vector<int64_t>>& prompts,
+                                         const std::vector<std::vector<int32_t>>& prompts,
                                          const lm::SamplingParams& p) {
   std::vector<lm::Sample> out;
   absl::Status st = engine.Generate(

@@ -346,7 +346,7 @@ std::vector<lm::Sample> Generate(const Group& g, uint64_t seed, const std::strin
   std::vector<std::vector<int32_t>> prompts;
   for (const auto& s : Sequences(kMoe))
     prompts.emplace_back(s.begin(), s.begin() + std::min<size_t>(4, s.size()));
-  opd::rpc::GenerateOptions go;
+  lm::SamplingParams go;
   go.samples_per_prompt = 2;
   go.max_new_tokens = 12;
   go.seed = seed;
@@ -400,7 +400,7 @@ TEST(RolloutBatches, TwoRanksRunALargeRequestInBatches) {
   const std::string model = kMoe + "/model";
   std::vector<std::vector<int32_t>> prompts;
   for (int32_t i = 0; i < 12; ++i) prompts.push_back({i + 1, (5 * i) % 96, (7 * i + 3) % 96});
-  opd::rpc::GenerateOptions go;
+  lm::SamplingParams go;
   go.samples_per_prompt = 2;
   go.max_new_tokens = 12;
   go.seed = 4;
@@ -506,7 +506,7 @@ TEST(RolloutFailure, FollowerKilledMidGenerateGivesUnavailable) {
   ASSERT_TRUE(g.ok()) << g.Logs();
   auto client = opd::rpc::RolloutClient::Create(g.Options(kSecret));
   ASSERT_TRUE(client.ok());
-  opd::rpc::GenerateOptions go;
+  lm::SamplingParams go;
   go.max_new_tokens = 4;
   auto first = (*client)->Generate({{1, 2, 3}}, go);
   EXPECT_EQ(first.status().code(), absl::StatusCode::kUnavailable) << first.status();

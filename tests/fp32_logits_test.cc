@@ -224,7 +224,8 @@ void Report(const std::string& what, const Gaps& g) {
 
 std::vector<Sample> Static(lm::CausalLM& model, const std::vector<std::vector<int64_t>>& prompts) {
   std::vector<Sample> out;
-  auto st = SampleResponses(model, prompts, Params(), [&](Sample s) { out.push_back(s); });
+  auto st = SampleResponses(model, testing_util::HostIds(prompts), Params(),
+                            [&](Sample s) { out.push_back(s); });
   EXPECT_TRUE(st.ok()) << st.status();
   return out;
 }
@@ -238,7 +239,8 @@ std::vector<Sample> Paged(std::shared_ptr<lm::CausalLM> model,
   EXPECT_TRUE(e.ok()) << e.status();
   if (!e.ok()) return out;
   auto st = (*e)->Generate(
-      Snapshot{model, 0, nullptr}, prompts, Params(), [&](Sample s) { out.push_back(s); }, nullptr);
+      Snapshot{model, 0, nullptr}, testing_util::HostIds(prompts), Params(),
+      [&](Sample s) { out.push_back(s); }, nullptr);
   EXPECT_TRUE(st.ok()) << st;
   return out;
 }

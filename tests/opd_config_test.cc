@@ -215,6 +215,31 @@ TEST(ConfigValidation, OpdTimeoutsAndCountsAreChecked) {
 
 // Sampling filters make the sampler's log-probs (renormalised over the kept tokens) differ from
 // the learner's (full softmax): OPD refuses them, saying why.
+// The rollout section is lm::SamplingParams with the paper's defaults: the keys users write
+// (rollout.temperature, rollout.seed, ...) decode into the one sampling type the sampler takes,
+// and a section that writes none keeps 2 samples of up to 8192 tokens (not the type's 1 and 16).
+TEST(ConfigValidation, RolloutSectionIsTheSamplingParams) {
+  const OpdConfig defaults = DecodeWith<OpdConfig>(kOpd, {});
+  EXPECT_EQ(defaults.rollout.samples_per_prompt, 2);
+  EXPECT_EQ(defaults.rollout.max_new_tokens, 8192);
+  EXPECT_EQ(defaults.rollout.temperature, 1.0);
+  EXPECT_EQ(defaults.rollout.seed, 0);
+  const OpdConfig set = DecodeWith<OpdConfig>(
+      kOpd, {"rollout.samples_per_prompt=4", "rollout.temperature=0.7", "rollout.top_p=1.0",
+             "rollout.top_k=0", "rollout.max_new_tokens=64", "rollout.seed=-3"});
+  const lm::SamplingParams& p = set.rollout;  // the sampler's type, as the job slices it
+  EXPECT_EQ(p.samples_per_prompt, 4);
+  EXPECT_EQ(p.temperature, 0.7);
+  EXPECT_EQ(p.max_new_tokens, 64);
+  EXPECT_EQ(p.seed, -3);
+  // The resolved config writes them under rollout, where a user wrote them.
+  auto root = lm::ParseYaml(lm::EncodeConfig(set), "resolved");
+  ASSERT_TRUE(root.ok()) << root.status();
+  EXPECT_EQ((*root)["rollout"]["temperature"].as<double>(), 0.7);
+  EXPECT_EQ((*root)["rollout"]["seed"].as<int64_t>(), -3);
+  EXPECT_TRUE(ValidateOpdConfig(set).ok());
+}
+
 TEST(ConfigValidation, OpdRefusesTopPAndTopK) {
   for (const char* set : {"rollout.top_p=0.9", "rollout.top_p=0", "rollout.top_p=1.5"}) {
     const absl::Status s = Opd({set});

@@ -742,10 +742,11 @@ TEST_F(Opd, RolloutRepliesThatFailValidationAreRefusedNamingTheField) {
         to, 3, opd::rpc::WireTensorsOf(opd::rpc::NamedParameters(*weights), torch::kFloat32));
     ASSERT_TRUE(pushed.ok()) << pushed.status();
     (*pool)->RecordPush(3, /*acknowledged=*/true);
-    opd::rpc::GenerateOptions g;
+    lm::SamplingParams g;
     g.samples_per_prompt = 2;
+    g.max_new_tokens = 256;
     const std::vector<int32_t> a = {1, 2}, b = {3, 4};
-    auto r = (*pool)->Generate({{0, &a}, {1, &b}}, g);
+    auto r = (*pool)->Generate({{0, a}, {1, b}}, g);
     if (c.expected.empty()) {
       ASSERT_TRUE(r.ok()) << r.status();
       EXPECT_EQ(r->size(), 4u);

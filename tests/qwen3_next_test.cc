@@ -641,8 +641,8 @@ TEST_P(NextDecode, GreedyEqualsTransformersGenerate) {
   p.samples_per_prompt = 2;
   p.max_new_tokens = static_cast<int64_t>(f.generate[0].tokens.size());
   std::vector<lm::Sample> out;
-  auto st =
-      lm::SampleResponses(*model, prompts, p, [&](lm::Sample s) { out.push_back(std::move(s)); });
+  auto st = lm::SampleResponses(*model, testing_util::HostIds(prompts), p,
+                                [&](lm::Sample s) { out.push_back(std::move(s)); });
   ASSERT_TRUE(st.ok()) << st.status();
   ASSERT_EQ(out.size(), 6u);
   for (const auto& s : out) {
@@ -694,7 +694,7 @@ TEST(NextSampler, SamplesEqualStepByStepForward) {
       p.temperature = temperature;
       p.seed = 1234;
       std::vector<lm::Sample> out;
-      auto st = lm::SampleResponses(*model, prompts, p,
+      auto st = lm::SampleResponses(*model, testing_util::HostIds(prompts), p,
                                     [&](lm::Sample s) { out.push_back(std::move(s)); });
       ASSERT_TRUE(st.ok()) << st.status();
       ASSERT_EQ(out.size(), 6u);
@@ -855,11 +855,11 @@ TEST(NextPaged, EngineEqualsStaticSampler) {
       p.temperature = temperature;
       p.seed = 99;
       std::vector<lm::Sample> want, got;
-      ASSERT_TRUE(lm::SampleResponses(*model, prompts, p, [&](lm::Sample s) {
+      ASSERT_TRUE(lm::SampleResponses(*model, testing_util::HostIds(prompts), p, [&](lm::Sample s) {
                     want.push_back(std::move(s));
                   }).ok());
       absl::Status st = (*engine)->Generate(
-          rollout::Snapshot{model, 0, nullptr}, prompts, p,
+          rollout::Snapshot{model, 0, nullptr}, testing_util::HostIds(prompts), p,
           [&](lm::Sample s) { got.push_back(std::move(s)); }, nullptr);
       ASSERT_TRUE(st.ok()) << st;
       want = Sorted(want);
@@ -934,14 +934,10 @@ void RolloutOverGrpc(const std::string& engine) {
   ASSERT_TRUE(client.ok()) << client.status();
 
   std::vector<std::vector<int32_t>> prompts;
-  std::vector<std::vector<int64_t>> prompts64;
-  for (const auto& c : f.generate) {
-    prompts.emplace_back(c.prompt.begin(), c.prompt.end());
-    prompts64.push_back(c.prompt);
-  }
-  opd::rpc::GenerateOptions greedy;
+  for (const auto& c : f.generate) prompts.emplace_back(c.prompt.begin(), c.prompt.end());
+  lm::SamplingParams greedy;
   greedy.temperature = 0;
-  greedy.max_new_tokens = static_cast<int32_t>(f.generate[0].tokens.size());
+  greedy.max_new_tokens = static_cast<int64_t>(f.generate[0].tokens.size());
   auto out = (*client)->Generate(prompts, greedy);
   ASSERT_TRUE(out.ok()) << out.status() << "\n" << child.Log();
   ASSERT_EQ(out->size(), f.generate.size());
@@ -950,7 +946,7 @@ void RolloutOverGrpc(const std::string& engine) {
     EXPECT_EQ(ResponseIds(s), want);
   }
 
-  opd::rpc::GenerateOptions sampled;
+  lm::SamplingParams sampled;
   sampled.samples_per_prompt = 2;
   sampled.max_new_tokens = 10;
   sampled.seed = 77;
@@ -963,7 +959,7 @@ void RolloutOverGrpc(const std::string& engine) {
   p.max_new_tokens = 10;
   p.seed = 77;
   std::map<std::pair<int64_t, int64_t>, lm::Sample> local;
-  ASSERT_TRUE(lm::SampleResponses(*model, prompts64, p, [&](lm::Sample s) {
+  ASSERT_TRUE(lm::SampleResponses(*model, prompts, p, [&](lm::Sample s) {
                 local[{s.prompt_index, s.sample_index}] = s;
               }).ok());
   ASSERT_EQ(out->size(), 6u);

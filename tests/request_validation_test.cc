@@ -30,7 +30,7 @@ TEST(GenerateRequest, JobFromRequestAppliesTheProtoDefaults) {
   req.mutable_params()->set_max_new_tokens(3);
   rollout::GenerateJob job = rollout::JobFromRequest(req);
   ASSERT_EQ(job.prompts.size(), 1u);
-  EXPECT_EQ(job.prompts[0], std::vector<int64_t>{5});
+  EXPECT_EQ(job.prompts[0], std::vector<int32_t>{5});
   EXPECT_EQ(job.params.samples_per_prompt, 1);  // 0 means 1
   EXPECT_EQ(job.params.temperature, 1.0);       // unset means 1
   EXPECT_EQ(job.params.top_p, 1.0);             // 0 is off
@@ -49,7 +49,7 @@ TEST(GenerateRequest, JobFromRequestAppliesTheProtoDefaults) {
   EXPECT_EQ(job.params.temperature, 0.0);
   EXPECT_EQ(job.params.top_p, 0.5);
   EXPECT_EQ(job.params.top_k, 7);
-  EXPECT_EQ(job.params.stop_ids, std::vector<int64_t>{2});
+  EXPECT_EQ(job.params.stop_ids, std::vector<int32_t>{2});
   EXPECT_EQ(job.params.seed, 99u);
   EXPECT_TRUE(job.params.return_routing);
 }
@@ -86,7 +86,7 @@ TEST(GenerateRequest, ValidateHasNoSummedKvBudget) {
   lm::SamplingParams p;
   p.samples_per_prompt = 2;
   p.max_new_tokens = 8192;
-  const std::vector<std::vector<int64_t>> prompts(256, std::vector<int64_t>(2048, 5));
+  const std::vector<std::vector<int32_t>> prompts(256, std::vector<int32_t>(2048, 5));
   EXPECT_TRUE(rollout::Validate(prompts, p, Limits()).ok());
 }
 
@@ -95,7 +95,7 @@ TEST(GenerateRequest, ValidateHasNoSummedKvBudget) {
 TEST(GenerateRequest, ValidateChecksTheSeedIndices) {
   lm::SamplingParams p;
   p.max_new_tokens = 4;
-  const std::vector<std::vector<int64_t>> prompts = {{1}, {2}, {3}};
+  const std::vector<std::vector<int32_t>> prompts = {{1}, {2}, {3}};
   p.seed_indices = {9, 0, 1LL << 40};
   EXPECT_TRUE(rollout::Validate(prompts, p, Limits()).ok());
   p.seed_indices = {0, -3, 2};

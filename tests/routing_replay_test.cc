@@ -88,7 +88,7 @@ struct Learner {
 
 // The learner's log-probs of the samples (prompt + response packed, as the OPD micro-batches),
 // under autograd as in training; with `replay`, the samples' routing (-1 at each last token).
-Learner Score(lm::CausalLM& model, const std::vector<std::vector<int64_t>>& prompts,
+Learner Score(lm::CausalLM& model, const std::vector<std::vector<int32_t>>& prompts,
               const std::vector<Sample>& samples, bool replay) {
   const auto& c = model.config();
   const int64_t L = MoeLayers(c), k = c.num_experts_per_tok;
@@ -99,7 +99,7 @@ Learner Score(lm::CausalLM& model, const std::vector<std::vector<int64_t>>& prom
   for (const auto& s : samples) {
     const auto& p = prompts[s.prompt_index];
     const std::vector<int64_t> response = testing_util::ResponseIds(s);
-    std::vector<int64_t> doc(p);
+    std::vector<int64_t> doc(p.begin(), p.end());
     doc.insert(doc.end(), response.begin(), response.end());
     for (size_t t = 0; t < response.size(); ++t) {
       rows.push_back(at + static_cast<int64_t>(p.size() + t) - 1);
@@ -150,7 +150,7 @@ double MaxGap(const std::vector<float>& a, const std::vector<float>& b) {
   return m;
 }
 
-const std::vector<std::vector<int64_t>> kPrompts = {
+const std::vector<std::vector<int32_t>> kPrompts = {
     {1, 5, 9, 13, 2}, {7, 3}, {40, 41, 42, 43, 44, 45, 46, 47}, {11, 12, 13}};
 
 SamplingParams Params() {
@@ -365,7 +365,7 @@ TEST(RoutingReplay, SurvivesTheWire) {
 
   std::vector<std::vector<int32_t>> prompts;
   for (const auto& p : kPrompts) prompts.emplace_back(p.begin(), p.end());
-  opd::rpc::GenerateOptions g;
+  lm::SamplingParams g;
   g.samples_per_prompt = 2;
   g.max_new_tokens = 12;
   g.seed = 7;
@@ -412,7 +412,8 @@ TEST(RoutingReplay, WrongSizeIsRefusedNamingTheField) {
   auto served = ServeOnLoopback(&service);
   ASSERT_TRUE(served.ok()) << served.status();
   auto& client = served->client;
-  opd::rpc::GenerateOptions g;
+  lm::SamplingParams g;
+  g.max_new_tokens = 256;
   g.return_routing = true;
   auto got = client->Generate({{1, 2, 3}}, g);
   ASSERT_FALSE(got.ok());

@@ -47,7 +47,8 @@ absl::StatusOr<std::vector<lm::Sample>> GenerateFrom(CraftedRouting* service) {
   co.address = "127.0.0.1:" + std::to_string(running->port);
   auto client = opd::rpc::RolloutClient::Create(co);
   if (!client.ok()) return client.status();
-  opd::rpc::GenerateOptions g;
+  lm::SamplingParams g;
+  g.max_new_tokens = 256;
   g.return_routing = true;
   auto out = (*client)->Generate({{1, 2, 3}}, g);
   running->server->Shutdown(std::chrono::system_clock::now());

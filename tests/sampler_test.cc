@@ -17,6 +17,7 @@
 #include "lm/model/logprobs.h"
 #include "lm/model/model.h"
 #include "lm/util/limits.h"
+#include "lm/util/splitmix.h"
 #include "rollout/generate_request.h"
 #include "rollout/weights.h"
 #include "rpc/tensor_codec.h"
@@ -57,11 +58,14 @@ std::shared_ptr<lm::CausalLM> Load(const std::string& fixture = kModel) {
 
 const std::vector<std::vector<int64_t>> kPrompts = {
     {1, 5, 9, 13, 2}, {7, 3}, {40, 41, 42, 43, 44, 45, 46, 47}};
+// The same prompts as the generators and the request checks take them (host ids, int32).
+const std::vector<std::vector<int32_t>> kHostPrompts = testing_util::HostIds(kPrompts);
 
 std::vector<Sample> SampleAll(lm::CausalLM& model, const std::vector<std::vector<int64_t>>& prompts,
                               const SamplingParams& params, SamplerStats* stats = nullptr) {
   std::vector<Sample> out;
-  auto st = SampleResponses(model, prompts, params, [&](Sample s) { out.push_back(std::move(s)); });
+  auto st = SampleResponses(model, testing_util::HostIds(prompts), params,
+                            [&](Sample s) { out.push_back(std::move(s)); });
   EXPECT_TRUE(st.ok()) << st.status();
   if (stats && st.ok()) *stats = *st;
   std::sort(out.begin(), out.end(), [](const Sample& a, const Sample& b) {
@@ -94,6 +98,32 @@ std::vector<float> TeacherPath(lm::CausalLM& model, const std::vector<int64_t>& 
       lp.narrow(0, static_cast<int64_t>(prompt.size()) - 1, static_cast<int64_t>(response.size()))
           .contiguous();
   return std::vector<float>(tail.data_ptr<float>(), tail.data_ptr<float>() + tail.numel());
+}
+
+// The one seed mixer keeps the bits every pinned stream was drawn with: the values below were
+// computed from the formulas each caller wrote by hand before (SplitMix64(SplitMix64(s) ^ v) for
+// a step's seed and the data mixture's streams; SplitMix64 of that ^ sample for a sample's
+// stream), so a sample, a data order or a resumed step's seed cannot drift.
+TEST(Sampler, SeedsMixThroughOneMixerWithTheirOldBits) {
+  EXPECT_EQ(lm::MixSeed(7, 3), 0x6baa78681a99f995ULL);
+  EXPECT_EQ(lm::MixSeed(1234, 5, 1), 0xb382e3543b68f619ULL);
+  EXPECT_EQ(SampleSeed(1234, 5, 1), 0xb382e3543b68f619ULL);
+  // A negative seed index and int64 seeds travel as their uint64 bits.
+  EXPECT_EQ(SampleSeed(0, -1, 2), 0xbaf439c84dd990c8ULL);
+  // Mixing is not associative: a mixed seed mixed again is another stream.
+  EXPECT_NE(lm::MixSeed(lm::MixSeed(1234, 5), 1), lm::MixSeed(1234, 5, 1));
+}
+
+// Host token ids (int32 spans) pack into the same int64 batch as the int64 sequences.
+TEST(Sampler, PackedBatchFromSpansEqualsFromSequences) {
+  const std::vector<int32_t> a = {5, 9, 33, 2}, b = {70000, 1}, empty;
+  const lm::PackedBatch want = lm::PackedBatch::FromSequences({{5, 9, 33, 2}, {}, {70000, 1}});
+  const lm::PackedBatch got =
+      lm::PackedBatch::FromSpans(std::vector<absl::Span<const int32_t>>{a, empty, b});
+  EXPECT_EQ(got.cu_seqlens, want.cu_seqlens);
+  EXPECT_EQ(got.input_ids.scalar_type(), torch::kInt64);
+  EXPECT_TRUE(torch::equal(got.input_ids, want.input_ids));
+  EXPECT_TRUE(torch::equal(got.position_ids, want.position_ids));
 }
 
 TEST(Sampler, SameSeedSameSamplesOtherSeedOthers) {
@@ -358,7 +388,7 @@ TEST(Sampler, CancellationStopsDecoding) {
   p.max_new_tokens = 50;
   int polls = 0;
   auto st = SampleResponses(
-      *model, kPrompts, p, [](Sample) {}, [&] { return ++polls > 3; });
+      *model, kHostPrompts, p, [](Sample) {}, [&] { return ++polls > 3; });
   EXPECT_EQ(st.status().code(), absl::StatusCode::kCancelled);
 }
 
@@ -366,8 +396,8 @@ TEST(Sampler, ValidateNamesTheProblem) {
   GenerateLimits limits{96, 256, 8, 64};
   SamplingParams p;
   p.max_new_tokens = 8;
-  EXPECT_TRUE(Validate(kPrompts, p, limits).ok());
-  auto code_and_msg = [&](const std::vector<std::vector<int64_t>>& prompts, const SamplingParams& q,
+  EXPECT_TRUE(Validate(kHostPrompts, p, limits).ok());
+  auto code_and_msg = [&](const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& q,
                           const std::string& needle) {
     auto st = Validate(prompts, q, limits);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << needle;
@@ -408,7 +438,7 @@ TEST(Sampler, ValidateRefusesTemperaturesThatUnderflow) {
   const double inf = std::numeric_limits<double>::infinity();
   for (double t : {double(1e-45f), 1e-30, 1e-5, nan, inf, -inf, -1.0, -1e-45}) {
     p.temperature = t;
-    auto st = Validate(kPrompts, p, limits);
+    auto st = Validate(kHostPrompts, p, limits);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << t;
     EXPECT_NE(std::string(st.message()).find("temperature"), std::string::npos) << st;
     EXPECT_NE(std::string(st.message()).find("at least 0.0001"), std::string::npos) << st;
@@ -416,7 +446,7 @@ TEST(Sampler, ValidateRefusesTemperaturesThatUnderflow) {
   }
   for (double t : {0.0, lm::kMinTemperature, double(float(lm::kMinTemperature)), 0.7, 100.0}) {
     p.temperature = t;
-    EXPECT_TRUE(Validate(kPrompts, p, limits).ok()) << t;
+    EXPECT_TRUE(Validate(kHostPrompts, p, limits).ok()) << t;
   }
 }
 
@@ -437,7 +467,7 @@ TEST(Sampler, NonFiniteModelFailsInsteadOfReturningNaN) {
       p.max_new_tokens = 4;
       p.temperature = temperature;
       int samples = 0;
-      auto st = SampleResponses(*model, kPrompts, p, [&](Sample) { ++samples; });
+      auto st = SampleResponses(*model, kHostPrompts, p, [&](Sample) { ++samples; });
       EXPECT_EQ(st.status().code(), absl::StatusCode::kFailedPrecondition) << st.status();
       EXPECT_NE(std::string(st.status().message()).find("prompt 0, sample 0"), std::string::npos)
           << st.status();

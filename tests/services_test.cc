@@ -625,9 +625,8 @@ fs::path* RolloutService::dir_ = nullptr;
 const std::vector<std::vector<int32_t>> kPrompts = {
     {1, 5, 9, 13, 2}, {7, 3}, {40, 41, 42, 43, 44, 45}};
 
-opd::rpc::GenerateOptions Sampling(uint64_t seed, float temperature = 1.0f, int n = 2,
-                                   int max_new = 12) {
-  opd::rpc::GenerateOptions g;
+lm::SamplingParams Sampling(uint64_t seed, float temperature = 1.0f, int n = 2, int max_new = 12) {
+  lm::SamplingParams g;
   g.samples_per_prompt = n;
   g.temperature = temperature;
   g.max_new_tokens = max_new;
@@ -724,7 +723,7 @@ TEST_F(RolloutService, StopIdsEndSamples) {
   }
   ASSERT_LT(at, free_run.size());
   auto g = Sampling(0, 0.0f, 1, 16);
-  g.stop_token_ids = {free_run[at]};
+  g.stop_ids = {free_run[at]};
   auto stopped = Client()->Generate({kPrompts[0]}, g);
   ASSERT_TRUE(stopped.ok());
   EXPECT_EQ((*stopped)[0].finish, lm::FinishReason::kStop);
@@ -734,8 +733,8 @@ TEST_F(RolloutService, StopIdsEndSamples) {
 
 TEST_F(RolloutService, BadInputGetsInvalidArgumentAndServerKeepsServing) {
   auto c = Client();
-  auto expect = [&](const std::vector<std::vector<int32_t>>& prompts,
-                    const opd::rpc::GenerateOptions& g, const std::string& needle) {
+  auto expect = [&](const std::vector<std::vector<int32_t>>& prompts, const lm::SamplingParams& g,
+                    const std::string& needle) {
     auto r = c->Generate(prompts, g);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument)
         << needle << ": " << r.status();
@@ -756,7 +755,7 @@ TEST_F(RolloutService, BadInputGetsInvalidArgumentAndServerKeepsServing) {
   g.top_p = 2;
   expect({{1}}, g, "top_p");
   g = Sampling(0);
-  g.stop_token_ids = {1000};
+  g.stop_ids = {1000};
   expect({{1}}, g, "stop token id 1000");
   EXPECT_EQ(Client("")->Generate({{1}}, Sampling(0)).status().code(),
             absl::StatusCode::kUnauthenticated);

@@ -216,9 +216,10 @@ TEST(StepPipeline, AWorkerThatDiesMidStreamHasItsPromptsSampledElsewhere) {
   auto rollout = Rollout({a.address, b.address});
   std::vector<std::vector<int32_t>> tokens = {{1, 2}, {1, 3}, {1, 4}, {1, 5}};
   std::vector<trainer::IndexedPrompt> prompts;
-  for (int64_t i = 0; i < 4; ++i) prompts.push_back({i, &tokens[static_cast<size_t>(i)]});
-  opd::rpc::GenerateOptions g;
+  for (int64_t i = 0; i < 4; ++i) prompts.push_back({i, tokens[static_cast<size_t>(i)]});
+  lm::SamplingParams g;
   g.samples_per_prompt = 2;
+  g.max_new_tokens = 256;
   absl::Mutex mu;
   std::multiset<std::pair<int64_t, int64_t>> seen;
   std::map<int64_t, std::vector<int32_t>> responses;

@@ -85,6 +85,14 @@ inline std::vector<int64_t> ResponseIds(const lm::Sample& s) {
   return std::vector<int64_t>(r.begin(), r.end());
 }
 
+// Prompts as the generators take them (host token ids, int32) from the int64 sequences the
+// fixtures and the references (PackedBatch::FromSequences) use.
+inline std::vector<std::vector<int32_t>> HostIds(const std::vector<std::vector<int64_t>>& seqs) {
+  std::vector<std::vector<int32_t>> out;
+  for (const auto& s : seqs) out.emplace_back(s.begin(), s.end());
+  return out;
+}
+
 // A sequence to score (lm::Sample::ToScore) from a literal list of ids.
 inline lm::Sample ToScore(std::vector<int32_t> tokens, int64_t response_start) {
   return lm::Sample::ToScore(std::move(tokens), response_start);

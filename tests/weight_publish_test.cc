@@ -394,7 +394,7 @@ TEST(WeightPublish, TwoRanksTwoWorkersHoldTheLearnersWeightsAfterEachStep) {
 std::vector<lm::Sample> Samples(const std::string& address) {
   auto client = opd::rpc::RolloutClient::Create(Client(address));
   EXPECT_TRUE(client.ok()) << client.status();
-  opd::rpc::GenerateOptions g;
+  lm::SamplingParams g;
   g.samples_per_prompt = 2;
   g.max_new_tokens = 12;
   g.seed = 7;

@@ -432,7 +432,7 @@ TEST(WeightSync, LearnerKilledMidBroadcastLeavesTheOldVersionServing) {
       << worker.sync().stats().last_sync;
   ExpectServes(worker.store(), *a, torch::kFloat32, 0);
   auto client = *opd::rpc::RolloutClient::Create(Client(worker.address()));
-  opd::rpc::GenerateOptions g;
+  lm::SamplingParams g;
   g.max_new_tokens = 4;
   auto out = client->Generate({{1, 2, 3}}, g);
   ASSERT_TRUE(out.ok()) << out.status();
@@ -524,7 +524,7 @@ TEST(WeightSync, Bf16RolloutAcceptsAnFp32PushAndSamplesWithIt) {
     EXPECT_EQ(r->bytes, 2 * numel);  // bf16 on the wire
 
     auto client = *opd::rpc::RolloutClient::Create(Client(worker.address()));
-    opd::rpc::GenerateOptions g;
+    lm::SamplingParams g;
     g.samples_per_prompt = 2;
     g.max_new_tokens = 12;
     g.seed = 5;

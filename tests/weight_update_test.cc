@@ -178,7 +178,7 @@ TEST(KvPool, OpdRolloutSizesItsPoolFromTheDevice) {
 // ---------------------------------------------------------------------------------------------
 // Pushes and requests.
 
-const std::vector<std::vector<int64_t>> kPrompts = {{1, 5, 9, 13, 2}, {7, 3}};
+const std::vector<std::vector<int32_t>> kPrompts = {{1, 5, 9, 13, 2}, {7, 3}};
 
 SamplingParams Params() {
   SamplingParams p;

@@ -12,13 +12,13 @@
 namespace lm {
 namespace {
 
-// The streams below are pure functions of their inputs (lm/util/splitmix.h).
-uint64_t Mix(uint64_t x) {
-  return SplitMix64(x);
-}
+// The streams below are pure functions of their inputs (lm/util/splitmix.h's MixSeed). The
+// second value is spread by an odd constant first: that is how these streams were defined when
+// checkpoints first recorded a data cursor, and a resume must replay the same draws and order.
+constexpr uint64_t kSpread = 0xD6E8FEB86659FD93ULL;
 
 uint64_t Mix(uint64_t a, uint64_t b) {
-  return Mix(Mix(a) ^ (b * 0xD6E8FEB86659FD93ULL));
+  return MixSeed(a, b * kSpread);
 }
 
 double UnitInterval(uint64_t bits) {

@@ -49,7 +49,7 @@ class Generator {
   // FAILED_PRECONDITION (CheckDrawn); a sequence that could never fit the generator's KV cache
   // alone ends it RESOURCE_EXHAUSTED naming the prompt, before anything is sampled.
   virtual absl::Status Generate(const ModelSnapshot& snapshot,
-                                const std::vector<std::vector<int64_t>>& prompts,
+                                const std::vector<std::vector<int32_t>>& prompts,
                                 const SamplingParams& params,
                                 const std::function<void(Sample)>& on_sample,
                                 const std::function<bool()>& cancelled) = 0;

@@ -68,10 +68,11 @@ torch::Tensor InverseCdf(const torch::Tensor& probs, const torch::Tensor& u) {
 
 // Logits [P, V] (fp32) at the last position of every prompt, filling `cache`.
 // `routing`, when given, receives what a ScopedRoutingRecorder saw over the prefill.
-torch::Tensor Prefill(CausalLM& model, const std::vector<std::vector<int64_t>>& prompts,
+torch::Tensor Prefill(CausalLM& model, const std::vector<std::vector<int32_t>>& prompts,
                       KVCache& cache, SamplerStats& stats,
                       std::vector<torch::Tensor>* routing = nullptr) {
-  auto batch = PackedBatch::FromSequences(prompts);
+  auto batch = PackedBatch::FromSpans(
+      std::vector<absl::Span<const int32_t>>(prompts.begin(), prompts.end()));
   const auto device = model.LmHeadWeight().device();
   batch.input_ids = batch.input_ids.to(device);
   batch.position_ids = batch.position_ids.to(device);
@@ -90,7 +91,7 @@ torch::Tensor Prefill(CausalLM& model, const std::vector<std::vector<int64_t>>& 
 }
 
 // One batch: the request's prompts [first, first + prompts.size()) with one contiguous cache.
-absl::Status SampleBatch(CausalLM& model, const std::vector<std::vector<int64_t>>& prompts,
+absl::Status SampleBatch(CausalLM& model, const std::vector<std::vector<int32_t>>& prompts,
                          int64_t first, const SamplingParams& params,
                          const std::function<void(Sample)>& on_sample,
                          const std::function<bool()>& cancelled, const PackedWeight* lm_head,
@@ -212,8 +213,7 @@ absl::Status SampleBatch(CausalLM& model, const std::vector<std::vector<int64_t>
 }  // namespace
 
 uint64_t SampleSeed(uint64_t seed, int64_t prompt, int64_t sample) {
-  return SplitMix64(SplitMix64(SplitMix64(seed) ^ static_cast<uint64_t>(prompt)) ^
-                    static_cast<uint64_t>(sample));
+  return MixSeed(seed, prompt, sample);
 }
 
 Draws DrawTokens(const torch::Tensor& logits, const std::vector<std::mt19937_64*>& rngs,
@@ -322,7 +322,7 @@ int64_t StaticCacheCost::BatchBytes(int64_t prompts, int64_t longest,
 }
 
 absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> PlanStaticBatches(
-    const std::vector<std::vector<int64_t>>& prompts, const SamplingParams& params,
+    const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& params,
     const StaticCacheCost& cost, int64_t max_batch_kv_bytes) {
   const int64_t P = static_cast<int64_t>(prompts.size());
   std::vector<std::pair<int64_t, int64_t>> batches;
@@ -359,7 +359,7 @@ absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> PlanStaticBatches(
 }
 
 absl::StatusOr<SamplerStats> SampleResponses(
-    CausalLM& model, const std::vector<std::vector<int64_t>>& prompts, const SamplingParams& params,
+    CausalLM& model, const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& params,
     const std::function<void(Sample)>& on_sample, const std::function<bool()>& cancelled,
     const PackedWeight* lm_head, int64_t max_batch_kv_bytes) {
   torch::NoGradGuard no_grad;
@@ -371,7 +371,7 @@ absl::StatusOr<SamplerStats> SampleResponses(
       RETURN_IF_ERROR(SampleBatch(model, prompts, 0, params, on_sample, cancelled, lm_head, stats));
       continue;
     }
-    const std::vector<std::vector<int64_t>> part(prompts.begin() + begin, prompts.begin() + end);
+    const std::vector<std::vector<int32_t>> part(prompts.begin() + begin, prompts.begin() + end);
     RETURN_IF_ERROR(SampleBatch(model, part, begin, params, on_sample, cancelled, lm_head, stats));
   }
   return stats;
@@ -481,7 +481,7 @@ absl::StatusOr<Draws> DrawKeyed(const torch::Tensor& logits, const SamplerRows& 
 }
 
 absl::Status StaticSampler::Generate(const ModelSnapshot& snapshot,
-                                     const std::vector<std::vector<int64_t>>& prompts,
+                                     const std::vector<std::vector<int32_t>>& prompts,
                                      const SamplingParams& params,
                                      const std::function<void(Sample)>& on_sample,
                                      const std::function<bool()>& cancelled) {

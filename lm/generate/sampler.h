@@ -54,7 +54,7 @@ int64_t KvBytesPerToken(const ModelConfig& config, int64_t element_size);
 // contiguous cache fits it (PlanStaticBatches; a sample draws from its own seeded stream, so its
 // tokens do not depend on the batching); 0: one batch.
 absl::StatusOr<SamplerStats> SampleResponses(
-    CausalLM& model, const std::vector<std::vector<int64_t>>& prompts, const SamplingParams& params,
+    CausalLM& model, const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& params,
     const std::function<void(Sample)>& on_sample, const std::function<bool()>& cancelled = nullptr,
     const PackedWeight* lm_head = nullptr, int64_t max_batch_kv_bytes = 0);
 
@@ -74,7 +74,7 @@ StaticCacheCost StaticCacheCostOf(CausalLM& model);
 // naming the first prompt whose samples alone cannot fit it (a prompt's samples share its
 // prefill, so they are never split).
 absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> PlanStaticBatches(
-    const std::vector<std::vector<int64_t>>& prompts, const SamplingParams& params,
+    const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& params,
     const StaticCacheCost& cost, int64_t max_batch_kv_bytes);
 
 // The logits [B, V] (fp32) of the distribution sampled from: logits / temperature, keep the
@@ -174,7 +174,7 @@ class StaticSampler final : public Generator {
   explicit StaticSampler(int64_t max_batch_kv_bytes = 0)
       : max_batch_kv_bytes_(max_batch_kv_bytes) {}
   absl::Status Generate(const ModelSnapshot& snapshot,
-                        const std::vector<std::vector<int64_t>>& prompts,
+                        const std::vector<std::vector<int32_t>>& prompts,
                         const SamplingParams& params, const std::function<void(Sample)>& on_sample,
                         const std::function<bool()>& cancelled) override;
   const char* name() const override { return "static"; }

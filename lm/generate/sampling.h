@@ -11,17 +11,29 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "lm/util/config_fields.h"
 
 namespace lm {
 
+// The one sampling type: what a generator takes, what a GenerateRequest carries (converted once
+// each way: rpc/client.cc to the wire, rollout/generate_request.cc from it) and the sampling
+// settings of a job config. The settings a config writes are its fields (lm/util/config.h: an
+// OPD job's rollout section derives from this struct, so `rollout.temperature` and the rest are
+// these); the members after them belong to one request and no config sets them.
 struct SamplingParams {
-  int64_t samples_per_prompt = 1;
-  double temperature = 1.0;  // 0: greedy (argmax)
-  int64_t top_k = 0;         // 0: off
-  double top_p = 1.0;        // >= 1 or <= 0: off
-  int64_t max_new_tokens = 16;
-  std::vector<int64_t> stop_ids;
-  uint64_t seed = 0;
+  OPD_CONFIG_FIELDS_BEGIN;
+  OPD_FIELD(int64_t, samples_per_prompt) = 1;
+  OPD_FIELD(double, temperature) = 1.0;  // 0: greedy (argmax)
+  OPD_FIELD(double, top_p) = 1.0;        // >= 1 or <= 0: off
+  OPD_FIELD(int64_t, top_k) = 0;         // 0: off
+  OPD_FIELD(int64_t, max_new_tokens) = 16;
+  // The streams' seed. int64 as every config integer (the wire's uint64 carries the same bits);
+  // a job that samples many times (OPD) derives each call's seed from it (lm::MixSeed).
+  OPD_FIELD(int64_t, seed) = 0;
+  OPD_CONFIG_FIELDS_END;
+
+  // Per request. A sampled stop id ends its sample (and is kept): the tokenizer's end ids.
+  std::vector<int32_t> stop_ids;
   // Per prompt, the index its samples' streams are keyed by: sample s of prompt p draws with
   // SampleSeed(seed, SeedIndex(p), s), so a prompt gets the same tokens whatever request,
   // worker or position it is sent in. Empty: each prompt's position in the request.
@@ -70,8 +82,9 @@ struct Sample {
     return absl::MakeConstSpan(tokens).subspan(static_cast<size_t>(response_start));
   }
   // Starts the sample of `prompt` (tokens = the prompt; the generator appends the response).
-  template <class Id>
-  void SetPrompt(const std::vector<Id>& prompt) {
+  // `prompt`: any range of ids (the learner's int32 spans; the rollout's int64 prompts).
+  template <class Ids>
+  void SetPrompt(const Ids& prompt) {
     tokens.assign(prompt.begin(), prompt.end());
     response_start = static_cast<int64_t>(prompt.size());
   }

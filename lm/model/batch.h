@@ -10,6 +10,8 @@
 
 #include <torch/types.h>
 
+#include "absl/types/span.h"
+
 namespace lm {
 
 struct PackedBatch {
@@ -23,6 +25,9 @@ struct PackedBatch {
 
   // Packs whole sequences (positions 0..len-1 each).
   static PackedBatch FromSequences(const std::vector<std::vector<int64_t>>& seqs);
+  // The same from token ids as the host keeps them (int32, read in place, e.g. samples' tokens):
+  // they are widened to int64 only as they are written into input_ids, with no copy between.
+  static PackedBatch FromSpans(absl::Span<const absl::Span<const int32_t>> seqs);
 };
 
 // Per-layer key/value cache for incremental decoding. Slot b holds sequence b; keys are stored

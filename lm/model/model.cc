@@ -22,6 +22,25 @@ PackedBatch PackedBatch::FromSequences(const std::vector<std::vector<int64_t>>& 
   return b;
 }
 
+PackedBatch PackedBatch::FromSpans(absl::Span<const absl::Span<const int32_t>> seqs) {
+  PackedBatch b;
+  b.cu_seqlens.reserve(seqs.size() + 1);
+  b.cu_seqlens.push_back(0);
+  for (const auto& s : seqs)
+    b.cu_seqlens.push_back(b.cu_seqlens.back() + static_cast<int64_t>(s.size()));
+  b.input_ids = torch::empty({b.num_tokens()}, torch::kInt64);
+  b.position_ids = torch::empty({b.num_tokens()}, torch::kInt64);
+  int64_t* ids = b.input_ids.data_ptr<int64_t>();
+  int64_t* pos = b.position_ids.data_ptr<int64_t>();
+  for (const auto& s : seqs) {
+    for (size_t i = 0; i < s.size(); ++i) {
+      *ids++ = s[i];
+      *pos++ = static_cast<int64_t>(i);
+    }
+  }
+  return b;
+}
+
 KVCache KVCache::RepeatInterleave(int64_t n) const {
   KVCache out;
   auto repeat = [n](const std::vector<torch::Tensor>& from, std::vector<torch::Tensor>& to) {

@@ -52,22 +52,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-
-// Field declarations (see the top of this file). Each field's line keys its visitor, so a struct
-// declares at most one field per line.
-// BEGIN also declares opd_marker_ (never defined): a struct that inherits its markers instead of
-// writing its own is told apart by that member's class (VisitFields checks it).
-#define OPD_CONFIG_FIELDS_BEGIN                      \
-  static constexpr int opd_fields_begin_ = __LINE__; \
-  void opd_marker_()
-#define OPD_CONFIG_FIELDS_END static constexpr int opd_fields_end_ = __LINE__
-#define OPD_CONFIG_BASE(Base) using opd_config_base_ = Base
-#define OPD_FIELD(Type, name)                                      \
-  template <class V_>                                              \
-  void opd_field_(V_& v_, ::lm::config_internal::Line<__LINE__>) { \
-    v_(#name, name);                                               \
-  }                                                                \
-  Type name
+#include "lm/util/config_fields.h"
 
 namespace lm {
 
@@ -113,10 +98,6 @@ absl::StatusOr<E> ParseChoice(std::string_view word) {
 }
 
 namespace config_internal {
-
-// The type of the key OPD_FIELD gives a field's visitor: its line in the source.
-template <int kLine>
-struct Line {};
 
 // True when `T` declares its fields (OPD_CONFIG_FIELDS_BEGIN): it is decoded as a nested mapping.
 template <class T, class = void>

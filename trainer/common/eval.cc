@@ -34,9 +34,9 @@ absl::StatusOr<EvalResult> SampleAndScore(lm::CausalLM& model, const lm::Tokeniz
   // The prompts were rendered in ChatML (PromptDataset), so <|im_end|> exists.
   auto stops = lm::ChatFormat::StopIds(tokenizer);
   if (!stops.ok()) return InStage("tokenizer", stops.status());
-  sp.stop_ids.assign(stops->begin(), stops->end());
+  sp.stop_ids = *std::move(stops);
 
-  std::vector<std::vector<int64_t>> ids;
+  std::vector<std::vector<int32_t>> ids;
   for (const auto& p : prompts) ids.emplace_back(p.prompt_ids.begin(), p.prompt_ids.end());
   EvalResult result;
   result.prompts = prompts.size();

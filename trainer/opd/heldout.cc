@@ -13,11 +13,11 @@
 namespace trainer {
 
 HeldoutEvaluator::HeldoutEvaluator(std::vector<lm::PromptExample> prompts, int64_t every,
-                                   opd::rpc::GenerateOptions gen, StepPipelineOptions pipeline,
+                                   lm::SamplingParams params, StepPipelineOptions pipeline,
                                    int rank, int ranks)
     : prompts_(std::move(prompts)),
       every_(std::max<int64_t>(every, 1)),
-      gen_(std::move(gen)),
+      params_(std::move(params)),
       pipeline_opts_(std::move(pipeline)),
       rank_(rank),
       ranks_(ranks) {}
@@ -31,7 +31,7 @@ void HeldoutEvaluator::Launch(int64_t step, RolloutPool& rollout, StageTeachers&
   StepPipelineOptions o = pipeline_opts_;
   o.samples_per_prompt = 1;
   o.overlap = true;  // each response is scored as soon as it is sampled
-  running_ = StepPipeline::Sample(std::move(share), std::move(o), rollout, gen_);
+  running_ = StepPipeline::Sample(std::move(share), std::move(o), rollout, params_);
   running_->StartScoring(teachers.pools(), scoring, teachers.generation());
   pending_step_ = step;
   owed_ = false;

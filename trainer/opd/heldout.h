@@ -32,10 +32,9 @@ class StageTeachers;
 
 class HeldoutEvaluator {
  public:
-  // `gen` samples one response per prompt with the held-out seed.
-  HeldoutEvaluator(std::vector<lm::PromptExample> prompts, int64_t every,
-                   opd::rpc::GenerateOptions gen, StepPipelineOptions pipeline, int rank,
-                   int ranks);
+  // `params` samples one response per prompt with the held-out seed.
+  HeldoutEvaluator(std::vector<lm::PromptExample> prompts, int64_t every, lm::SamplingParams params,
+                   StepPipelineOptions pipeline, int rank, int ranks);
 
   bool enabled() const { return !prompts_.empty(); }
   // Whether the weights of `step` are evaluated.
@@ -68,7 +67,7 @@ class HeldoutEvaluator {
 
   const std::vector<lm::PromptExample> prompts_;
   const int64_t every_;
-  const opd::rpc::GenerateOptions gen_;
+  const lm::SamplingParams params_;
   const StepPipelineOptions pipeline_opts_;
   const int rank_, ranks_;
   int64_t pending_step_ = -1;

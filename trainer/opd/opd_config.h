@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "lm/generate/sampling.h"
 #include "lm/util/config.h"
 #include "trainer/common/auth_config.h"
 #include "trainer/common/sections.h"
@@ -94,16 +95,19 @@ struct OpdPromptsConfig {
   OPD_CONFIG_FIELDS_END;
 };
 
-struct OpdRolloutConfig {
+// The rollout section: the sampling settings (lm::SamplingParams' fields: samples_per_prompt,
+// temperature, top_p, top_k, max_new_tokens, seed, with the paper's defaults below; top_p must
+// stay 1.0 (off) and top_k 0, see ValidateOpdConfig; each step samples with seed mixed with its
+// data position, trainer/opd/sample_source.h) and where the workers are and how they get weights.
+struct OpdRolloutConfig : lm::SamplingParams {
+  OpdRolloutConfig() {
+    samples_per_prompt = 2;
+    max_new_tokens = 8192;
+  }
   OPD_CONFIG_FIELDS_BEGIN;
+  OPD_CONFIG_BASE(lm::SamplingParams);
   OPD_FIELD(std::vector<std::string>, endpoints);  // rollout workers (host:port); required
-  OPD_FIELD(int64_t, samples_per_prompt) = 2;
-  OPD_FIELD(double, temperature) = 1.0;
-  OPD_FIELD(double, top_p) = 1.0;  // must stay 1.0 (off) and top_k 0: see ValidateOpdConfig
-  OPD_FIELD(int64_t, top_k) = 0;
-  OPD_FIELD(int64_t, max_new_tokens) = 8192;
-  OPD_FIELD(int64_t, seed) = 0;
-  OPD_FIELD(double, timeout_s) = 3600;  // deadline of one Generate call
+  OPD_FIELD(double, timeout_s) = 3600;             // deadline of one Generate call
   // How weights reach the workers: grpc (streamed), collective (broadcast over a c10d group
   // per worker, gRPC as the control plane) or auto (collective where the group forms, else
   // gRPC with a warning). See trainer/opd/weight_push.h.

@@ -122,12 +122,9 @@ absl::Status OpdJob::Connect(bool resumed) {
   ASSIGN_OR_RETURN(publisher_,
                    WeightPublisher::Create(group_.get(), c_.rollout.endpoints, base,
                                            PushOptionsOf(c_.rollout), device_, rollout.get()));
-  opd::rpc::GenerateOptions gen;
-  gen.temperature = static_cast<float>(c_.rollout.temperature);
-  gen.top_p = static_cast<float>(c_.rollout.top_p);
-  gen.top_k = static_cast<int32_t>(c_.rollout.top_k);
-  gen.max_new_tokens = static_cast<int32_t>(c_.rollout.max_new_tokens);
-  ASSIGN_OR_RETURN(gen.stop_token_ids, lm::ChatFormat::StopIds(*tokenizer_));
+  // The rollout section is the sampling settings (and more): sliced to them, plus the stop ids.
+  lm::SamplingParams sampling = c_.rollout;
+  ASSIGN_OR_RETURN(sampling.stop_ids, lm::ChatFormat::StopIds(*tokenizer_));
 
   if (!c_.heldout.sources.empty()) {
     // The held-out set: the first num_prompts prompts in file order, the same at every evaluation.
@@ -140,9 +137,9 @@ absl::Status OpdJob::Connect(bool resumed) {
         set->NextBatch(static_cast<size_t>(c_.heldout.num_prompts));
     lm::log::Info(absl::StrCat("held-out prompts: ", heldout.size(), ", evaluated every ",
                                c_.heldout.every, " steps"));
-    opd::rpc::GenerateOptions hg = gen;
+    lm::SamplingParams hg = sampling;
     hg.samples_per_prompt = 1;
-    hg.seed = static_cast<uint64_t>(c_.heldout.seed);
+    hg.seed = c_.heldout.seed;
     StepPipelineOptions ho = PipelineOptions();
     ho.check = nullptr;  // held-out samples are not learned: their routing is not asked for
     ho.domain_of = [sources = c_.heldout.sources](const lm::PromptExample& p) {
@@ -152,15 +149,14 @@ absl::Status OpdJob::Connect(bool resumed) {
                                                   group_->rank(), group_->size());
   } else {
     heldout_ =
-        std::make_unique<HeldoutEvaluator>(std::vector<lm::PromptExample>{}, 1, gen,
+        std::make_unique<HeldoutEvaluator>(std::vector<lm::PromptExample>{}, 1, sampling,
                                            StepPipelineOptions{}, group_->rank(), group_->size());
   }
 
   SampleSourceOptions so;
   so.prompts_per_step = c_.train.prompts_per_step;
-  so.seed = static_cast<uint64_t>(c_.rollout.seed);
-  so.gen = gen;
-  so.gen.return_routing = c_.rollout.routing_replay;
+  so.sampling = sampling;
+  so.sampling.return_routing = c_.rollout.routing_replay;
   so.pipeline = PipelineOptions();
   so.prefetch = c_.train.async;
   so.rank = group_->rank();

@@ -123,22 +123,22 @@ struct RolloutPool::Round {
 };
 
 absl::Status RolloutPool::CallWorker(size_t worker, const std::vector<size_t>& which, Round& round,
-                                     const opd::rpc::GenerateOptions& opts,
+                                     const lm::SamplingParams& params,
                                      const std::function<void(lm::Sample)>& on_sample) {
   opd::rpc::RolloutClient& client = *clients_[worker];
-  std::vector<std::vector<int32_t>> share;
-  opd::rpc::GenerateOptions o = opts;
-  o.seed_indices.clear();
+  std::vector<absl::Span<const int32_t>> share;  // views of the step's prompts
+  lm::SamplingParams p = params;
+  p.seed_indices.clear();
   for (size_t pos : which) {
-    share.push_back(*(*round.prompts)[pos].tokens);
-    o.seed_indices.push_back((*round.prompts)[pos].index);
+    share.push_back((*round.prompts)[pos].tokens);
+    p.seed_indices.push_back((*round.prompts)[pos].index);
   }
   int call = 0;
   {
     absl::MutexLock lock(&round.mu);
     call = round.next_call++;
   }
-  absl::Status st = client.StreamGenerate(share, o, [&](lm::Sample s) -> absl::Status {
+  absl::Status st = client.StreamGenerate(share, p, [&](lm::Sample s) -> absl::Status {
     RETURN_IF_ERROR(CheckSample(s, round.samples_per_prompt, round.min_version, client.address()));
     const size_t pos = which[static_cast<size_t>(s.prompt_index)];
     {
@@ -166,11 +166,11 @@ absl::Status RolloutPool::CallWorker(size_t worker, const std::vector<size_t>& w
 }
 
 absl::Status RolloutPool::Stream(const std::vector<IndexedPrompt>& prompts,
-                                 const opd::rpc::GenerateOptions& opts,
+                                 const lm::SamplingParams& params,
                                  const std::function<void(lm::Sample)>& on_sample, int max_rounds) {
   Round round;
   round.prompts = &prompts;
-  round.samples_per_prompt = std::max(opts.samples_per_prompt, 1);
+  round.samples_per_prompt = static_cast<int32_t>(std::max<int64_t>(params.samples_per_prompt, 1));
   round.min_version = acked_version_.load();
   {
     absl::MutexLock lock(&round.mu);
@@ -199,7 +199,7 @@ absl::Status RolloutPool::Stream(const std::vector<IndexedPrompt>& prompts,
     for (size_t i = 0; i < w; ++i) {
       if (by_worker[i].empty()) continue;
       calls.emplace_back(i, std::async(std::launch::async, [&, i] {
-                           return CallWorker(i, by_worker[i], round, opts, on_sample);
+                           return CallWorker(i, by_worker[i], round, params, on_sample);
                          }));
     }
     // Every call is collected before returning, so none outlives this function.
@@ -232,10 +232,10 @@ absl::Status RolloutPool::Stream(const std::vector<IndexedPrompt>& prompts,
 }
 
 absl::StatusOr<std::vector<lm::Sample>> RolloutPool::Generate(
-    const std::vector<IndexedPrompt>& prompts, const opd::rpc::GenerateOptions& opts) {
+    const std::vector<IndexedPrompt>& prompts, const lm::SamplingParams& params) {
   absl::Mutex mu;
   std::vector<lm::Sample> out;
-  RETURN_IF_ERROR(Stream(prompts, opts, [&](lm::Sample s) {
+  RETURN_IF_ERROR(Stream(prompts, params, [&](lm::Sample s) {
     absl::MutexLock lock(&mu);
     out.push_back(std::move(s));
   }));

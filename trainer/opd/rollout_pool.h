@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "lm/generate/sampling.h"
 #include "rpc/client.h"
 #include "trainer/opd/opd_config.h"
 #include "trainer/opd/weight_push.h"
@@ -35,7 +37,7 @@ WeightPushOptions PushOptionsOf(const OpdRolloutConfig& r);
 // A prompt to sample and the index that names it in its step (or its held-out set).
 struct IndexedPrompt {
   int64_t index = 0;
-  const std::vector<int32_t>* tokens = nullptr;
+  absl::Span<const int32_t> tokens;  // the prompt where the step holds it (never copied here)
 };
 
 class RolloutPool {
@@ -47,22 +49,21 @@ class RolloutPool {
       const std::vector<std::string>& endpoints, const opd::rpc::ClientOptions& base,
       const std::string& tokenizer_fingerprint, int64_t vocab_size);
 
-  // Samples `opts.samples_per_prompt` responses for every prompt and hands each sample to
+  // Samples `params.samples_per_prompt` responses for every prompt and hands each sample to
   // `on_sample` as it arrives (from the workers' call threads, possibly at once; every (prompt,
   // sample) exactly once, its prompt_index the prompt's `index`, checked as the top of the file
   // says). Prompt i goes to worker index % W, so that every rank's share spreads over every
-  // worker; its samples draw from the seed stream of (opts.seed, index), so they do not depend on
+  // worker; its samples draw from the seed stream of (params.seed, index), so they do not depend on
   // which worker or call samples them. A call that fails transiently (the worker went away, a
   // deadline, an internal error) has its unfinished prompts sent again, to the next worker that
   // has not failed, up to `max_rounds` rounds; samples already received are kept and a repeat is
   // dropped, so nothing is counted twice. Other errors, a round limit reached or every worker
   // failed end the call with the error naming the worker.
-  absl::Status Stream(const std::vector<IndexedPrompt>& prompts,
-                      const opd::rpc::GenerateOptions& opts,
+  absl::Status Stream(const std::vector<IndexedPrompt>& prompts, const lm::SamplingParams& params,
                       const std::function<void(lm::Sample)>& on_sample, int max_rounds = 3);
   // Stream, collected in (prompt, sample) order.
   absl::StatusOr<std::vector<lm::Sample>> Generate(const std::vector<IndexedPrompt>& prompts,
-                                                   const opd::rpc::GenerateOptions& opts);
+                                                   const lm::SamplingParams& params);
   // Calls to workers that were retried elsewhere (over all Stream calls).
   int64_t failovers() const { return failovers_.load(); }
 
@@ -84,7 +85,7 @@ class RolloutPool {
                            const std::string& address) const;
   // One worker's call of a round: its prompts, the samples it sends (new ones to `on_sample`).
   absl::Status CallWorker(size_t worker, const std::vector<size_t>& which, Round& round,
-                          const opd::rpc::GenerateOptions& opts,
+                          const lm::SamplingParams& params,
                           const std::function<void(lm::Sample)>& on_sample);
 
   std::vector<std::unique_ptr<opd::rpc::RolloutClient>> clients_;

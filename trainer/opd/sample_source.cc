@@ -40,10 +40,12 @@ StepPrompts SampleSource::Draw(int64_t step) {
 }
 
 std::unique_ptr<StepPipeline> SampleSource::Launch(StepPrompts prompts, const StepPipeline* after) {
-  opd::rpc::GenerateOptions gen = opts_.gen;
+  lm::SamplingParams params = opts_.sampling;
   // A fresh seed per step (the data cursor's position), reproducible across resumes.
-  gen.seed = lm::MixSeed(opts_.seed, prompts.cursor_after.step);
-  return StepPipeline::Sample(std::move(prompts), opts_.pipeline, *rollout_, std::move(gen), after);
+  params.seed = static_cast<int64_t>(
+      lm::MixSeed(static_cast<uint64_t>(opts_.sampling.seed), prompts.cursor_after.step));
+  return StepPipeline::Sample(std::move(prompts), opts_.pipeline, *rollout_, std::move(params),
+                              after);
 }
 
 void SampleSource::Prefetch(int64_t step, const StepPipeline* current) {

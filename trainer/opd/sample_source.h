@@ -35,8 +35,9 @@ inline constexpr const char* kPrefetchedFile = "prefetched_samples.bin";
 
 struct SampleSourceOptions {
   int64_t prompts_per_step = 512;
-  uint64_t seed = 0;              // rollout.seed: each step's seed mixes it with the data position
-  opd::rpc::GenerateOptions gen;  // everything but the seed
+  // The rollout section's sampling, the stop ids and return_routing; its seed is the run's, each
+  // step samples with MixSeed(seed, the step's data position).
+  lm::SamplingParams sampling;
   StepPipelineOptions pipeline;
   bool prefetch = false;  // train.async
   int rank = 0, ranks = 1;

@@ -29,8 +29,8 @@ struct MicroBatch {
 
 MicroBatch Pack(const StepPipeline& p, const std::vector<size_t>& slots, const lm::ModelConfig& mc,
                 bool replay, torch::Device device) {
-  lm::RoutingTrace routing(mc);  // the micro-batch's tokens, packed as the batch
-  std::vector<std::vector<int64_t>> docs;
+  lm::RoutingTrace routing(mc);                 // the micro-batch's tokens, packed as the batch
+  std::vector<absl::Span<const int32_t>> docs;  // the samples' tokens, read in place
   std::vector<int64_t> rows, targets;
   int64_t tokens = 0;
   for (size_t slot : slots) {
@@ -44,11 +44,11 @@ MicroBatch Pack(const StepPipeline& p, const std::vector<size_t>& slots, const l
       TORCH_CHECK(routing.Append(s.routed_experts).ok(), "routing replay: a partial position");
       routing.AppendUnrouted(1);
     }
-    docs.emplace_back(s.tokens.begin(), s.tokens.end());
+    docs.push_back(s.tokens);
     tokens += len;
   }
   MicroBatch mb;
-  mb.batch = lm::PackedBatch::FromSequences(docs);
+  mb.batch = lm::PackedBatch::FromSpans(docs);
   mb.batch.input_ids = mb.batch.input_ids.to(device);
   mb.batch.position_ids = mb.batch.position_ids.to(device);
   mb.rows = torch::tensor(rows, torch::kInt64).to(device);

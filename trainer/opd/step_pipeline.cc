@@ -29,22 +29,21 @@ StepPipeline::StepPipeline(StepPrompts prompts, StepPipelineOptions options)
 }
 
 std::unique_ptr<StepPipeline> StepPipeline::Sample(StepPrompts prompts, StepPipelineOptions options,
-                                                   RolloutPool& rollout,
-                                                   opd::rpc::GenerateOptions gen,
+                                                   RolloutPool& rollout, lm::SamplingParams params,
                                                    const StepPipeline* after) {
   std::unique_ptr<StepPipeline> p(new StepPipeline(std::move(prompts), std::move(options)));
   StepPipeline* self = p.get();
-  gen.samples_per_prompt = self->opts_.samples_per_prompt;
+  params.samples_per_prompt = self->opts_.samples_per_prompt;
   std::shared_ptr<absl::Notification> gate = after ? after->sampling_ended_ : nullptr;
-  self->sampler_ = std::thread([self, &rollout, gen, gate] {
+  self->sampler_ = std::thread([self, &rollout, params = std::move(params), gate] {
     if (gate) gate->WaitForNotification();
     std::vector<IndexedPrompt> share;
     for (size_t i = self->prompts_.begin; i < self->prompts_.end; ++i)
-      share.push_back({static_cast<int64_t>(i), &self->prompts_.prompts[i].prompt_ids});
+      share.push_back({static_cast<int64_t>(i), self->prompts_.prompts[i].prompt_ids});
     absl::Status st =
         share.empty()
             ? absl::OkStatus()
-            : rollout.Stream(share, gen, [self](lm::Sample s) { self->OnSample(std::move(s)); });
+            : rollout.Stream(share, params, [self](lm::Sample s) { self->OnSample(std::move(s)); });
     self->SamplingDone(st);
   });
   return p;

@@ -57,11 +57,11 @@ struct StepPipelineOptions {
 
 class StepPipeline {
  public:
-  // Starts sampling the share on a thread of its own, with `gen` (its seed the step's); when
+  // Starts sampling the share on a thread of its own, with `params` (its seed the step's); when
   // `after` is set, once that pipeline's sampling has ended (one-step-off: the workers finish
   // the current step first).
   static std::unique_ptr<StepPipeline> Sample(StepPrompts prompts, StepPipelineOptions options,
-                                              RolloutPool& rollout, opd::rpc::GenerateOptions gen,
+                                              RolloutPool& rollout, lm::SamplingParams params,
                                               const StepPipeline* after = nullptr);
   // The share's samples as a checkpoint kept them (already sampled).
   static absl::StatusOr<std::unique_ptr<StepPipeline>> FromSamples(StepPrompts prompts,
