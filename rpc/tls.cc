@@ -1,8 +1,5 @@
 #include "rpc/tls.h"
 
-#include <fstream>
-#include <sstream>
-
 #include "absl/strings/str_cat.h"
 #include "lm/util/file.h"
 #include "lm/util/status.h"

@@ -9,10 +9,8 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <set>
-#include <sstream>
 #include <utility>
 
 #include "absl/status/status.h"

@@ -3,8 +3,6 @@
 // Every error names the file; malformed input is an error, never a crash.
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>

@@ -6,7 +6,6 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 
 #include "absl/strings/str_cat.h"
 #include "lm/util/file.h"

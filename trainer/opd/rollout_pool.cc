@@ -2,7 +2,6 @@
 
 #include <cmath>
 #include <future>
-#include <map>
 #include <numeric>
 #include <set>
 #include <tuple>
