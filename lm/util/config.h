@@ -13,7 +13,8 @@
 // OPD_FIELD declares the member `lr` as written and, beside it, a visitor keyed by its line, so the
 // struct is its own field list, in declaration order (config_internal::VisitFields walks the lines
 // between the markers). A struct deriving from another config adds OPD_CONFIG_BASE(Base): its own
-// fields come first, then the base's. The struct stays a plain aggregate of its members.
+// fields come first, then the base's. The struct stays a plain struct of its members; a derived
+// section may give its base's fields other defaults in a constructor (OpdRolloutConfig).
 //
 // That one list drives decoding (strict: a key the struct does not list is an error naming its
 // full path, so a typo never falls back to a default silently), encoding (the resolved config,
