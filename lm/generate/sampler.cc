@@ -90,124 +90,210 @@ torch::Tensor Prefill(CausalLM& model, const std::vector<std::vector<int32_t>>& 
       hidden.index_select(0, torch::tensor(last, torch::kInt64).to(hidden.device())));
 }
 
+bool IsStopId(const SamplingParams& params, int64_t id) {
+  return std::find(params.stop_ids.begin(), params.stop_ids.end(), id) != params.stop_ids.end();
+}
+
+// Decode steps (few rows) compute logits on the packed LM head where it applies; many rows (a
+// large batch, the prefill) are a real GEMM, where the library is faster. Null: none to pack
+// here (the caller gave one, the batch has too many rows, or the device has no kernel for it).
+std::shared_ptr<const PackedWeight> OwnLmHead(CausalLM& model, const PackedWeight* given,
+                                              int64_t rows) {
+  if (given || rows > kPackedHeadMaxRows) return nullptr;
+  return PackLmHead(model);
+}
+
+// One batch being decoded: its cache, its live slots and the logits of each slot's next token,
+// which the prefill sets up and every draw and decode step moves on.
+class BatchDecoder {
+ public:
+  BatchDecoder(CausalLM& model, const SamplingParams& params, const PackedWeight* lm_head,
+               SamplerStats& stats)
+      : model_(model),
+        params_(params),
+        lm_head_(lm_head),
+        stats_(stats),
+        device_(model.LmHeadWeight().device()),
+        layout_(model.config()) {}
+
+  // Prefills the prompts [first, first + prompts.size()) and gives each its samples' slots.
+  absl::Status Start(const std::vector<std::vector<int32_t>>& prompts, int64_t first);
+  // Every live slot's next token, drawn from its own stream; CheckDrawn's error when the model
+  // produced non-finite log-probs.
+  absl::StatusOr<Draws> Draw();
+  // Appends the drawn tokens and hands every sample that stopped or reached max_new_tokens to
+  // `on_sample` at once. Returns the slots still live.
+  std::vector<int64_t> Append(const Draws& d, const std::function<void(Sample)>& on_sample);
+  // One decode step of the live slots `keep`, each fed its drawn token.
+  absl::Status Decode(const std::vector<int64_t>& keep, const std::vector<int64_t>& drawn);
+
+ private:
+  // Routing replay: every MoE layer's top-k per fed token, [positions, layers, k] per slot.
+  bool routing() const { return params_.return_routing; }
+  absl::Status CheckRouting() const;
+  // The prompts' routing over the prefill, one prompt after another.
+  absl::StatusOr<RoutingTrace> PrefillPrompts(const std::vector<std::vector<int32_t>>& prompts);
+  void MakeSlots(const std::vector<std::vector<int32_t>>& prompts, int64_t first,
+                 const RoutingTrace& prompt_routing);
+  // Finished samples leave the batch, so that the decode steps cost only the live ones.
+  void DropFinished(const std::vector<int64_t>& keep);
+  // One position per live slot, from what the decode step's recorder saw.
+  absl::Status AppendStepRouting(const std::vector<torch::Tensor>& seen);
+
+  CausalLM& model_;
+  const SamplingParams& params_;
+  const PackedWeight* lm_head_;
+  SamplerStats& stats_;
+  const torch::Device device_;
+  const RoutingTrace layout_;
+  KVCache cache_;
+  std::vector<Slot> slots_;
+  torch::Tensor logits_;  // [slots, V] fp32: the distribution of every slot's next token
+};
+
+absl::Status BatchDecoder::Start(const std::vector<std::vector<int32_t>>& prompts, int64_t first) {
+  RETURN_IF_ERROR(CheckRouting());
+  ASSIGN_OR_RETURN(const RoutingTrace prompt_routing, PrefillPrompts(prompts));
+  MakeSlots(prompts, first, prompt_routing);
+  return absl::OkStatus();
+}
+
+absl::Status BatchDecoder::CheckRouting() const {
+  if (routing() && (!model_.SupportsRoutingReplay() || !layout_.recordable()))
+    return absl::InvalidArgumentError(
+        absl::StrCat("return_routing: a ", model_.config().model_type,
+                     " model has no recordable MoE routing (routing replay supports qwen3_moe)"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RoutingTrace> BatchDecoder::PrefillPrompts(
+    const std::vector<std::vector<int32_t>>& prompts) {
+  const int64_t P = static_cast<int64_t>(prompts.size()), n = params_.samples_per_prompt;
+  int64_t longest = 0;
+  for (const auto& p : prompts)
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
+  std::vector<torch::Tensor> seen;
+  cache_ = model_.NewKVCache(P, longest + params_.max_new_tokens);
+  logits_ =
+      Prefill(model_, prompts, cache_, stats_, routing() ? &seen : nullptr).repeat_interleave(n, 0);
+  // The samples of a prompt share its prefill instead of recomputing it.
+  cache_ = cache_.RepeatInterleave(n);
+  RoutingTrace prompt_routing = layout_;
+  if (routing()) {
+    int64_t rows = 0;
+    for (const auto& p : prompts) rows += static_cast<int64_t>(p.size());
+    RETURN_IF_ERROR(prompt_routing.AppendRecorded(seen, rows));
+  }
+  return prompt_routing;
+}
+
+void BatchDecoder::MakeSlots(const std::vector<std::vector<int32_t>>& prompts, int64_t first,
+                             const RoutingTrace& prompt_routing) {
+  const int64_t P = static_cast<int64_t>(prompts.size()), n = params_.samples_per_prompt;
+  slots_.reserve(P * n);
+  int64_t prompt_position = 0;
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t prompt_length = static_cast<int64_t>(prompts[p].size());
+    for (int64_t s = 0; s < n; ++s) {
+      // Its own stream, so that its tokens do not depend on what else shares the batch.
+      Slot slot{std::mt19937_64(SampleSeed(params_.seed, params_.SeedIndex(first + p), s)),
+                Sample{}};
+      slot.out.prompt_index = first + p;
+      slot.out.sample_index = s;
+      slot.out.SetPrompt(prompts[p]);
+      if (routing()) {
+        const auto ids = prompt_routing.Positions(prompt_position, prompt_length);
+        slot.out.routed_experts.assign(ids.begin(), ids.end());
+        slot.out.routing_layers = layout_.layers();
+        slot.out.routing_top_k = layout_.top_k();
+      }
+      slots_.push_back(std::move(slot));
+    }
+    prompt_position += prompt_length;
+  }
+}
+
+absl::StatusOr<Draws> BatchDecoder::Draw() {
+  std::vector<std::mt19937_64*> rngs;
+  for (auto& slot : slots_) rngs.push_back(&slot.rng);
+  Draws d = DrawTokens(logits_, rngs, params_);
+  for (size_t i = 0; i < slots_.size(); ++i)
+    RETURN_IF_ERROR(CheckDrawn(slots_[i].out, d.logprobs[i]));
+  return d;
+}
+
+std::vector<int64_t> BatchDecoder::Append(const Draws& d,
+                                          const std::function<void(Sample)>& on_sample) {
+  std::vector<int64_t> keep;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    Sample& out = slots_[i].out;
+    out.tokens.push_back(static_cast<int32_t>(d.tokens[i]));
+    out.logprobs.push_back(d.logprobs[i]);
+    const bool stop = IsStopId(params_, d.tokens[i]);
+    if (stop || out.response_length() >= params_.max_new_tokens) {
+      out.finish = stop ? FinishReason::kStop : FinishReason::kLength;
+      on_sample(std::move(out));
+    } else {
+      keep.push_back(static_cast<int64_t>(i));
+    }
+  }
+  return keep;
+}
+
+absl::Status BatchDecoder::Decode(const std::vector<int64_t>& keep,
+                                  const std::vector<int64_t>& drawn) {
+  std::vector<int64_t> next;
+  for (int64_t i : keep) next.push_back(drawn[i]);
+  DropFinished(keep);
+  std::vector<torch::Tensor> seen;
+  std::optional<ScopedRoutingRecorder> record;
+  if (routing()) record.emplace(&seen);
+  const auto hidden = model_.Decode(torch::tensor(next, torch::kInt64).to(device_), cache_);
+  record.reset();
+  if (routing()) RETURN_IF_ERROR(AppendStepRouting(seen));
+  ++stats_.decode_steps;
+  stats_.decoded_tokens += static_cast<int64_t>(keep.size());
+  logits_ = DecodeLogits(model_, lm_head_, hidden);
+  return absl::OkStatus();
+}
+
+void BatchDecoder::DropFinished(const std::vector<int64_t>& keep) {
+  if (keep.size() == slots_.size()) return;
+  cache_ = cache_.Select(keep);
+  std::vector<Slot> live;
+  live.reserve(keep.size());
+  for (int64_t i : keep) live.push_back(std::move(slots_[i]));
+  slots_ = std::move(live);
+}
+
+absl::Status BatchDecoder::AppendStepRouting(const std::vector<torch::Tensor>& seen) {
+  RoutingTrace step = layout_;
+  RETURN_IF_ERROR(step.AppendRecorded(seen, static_cast<int64_t>(slots_.size())));
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const auto ids = step.Positions(static_cast<int64_t>(i), 1);
+    slots_[i].out.routed_experts.insert(slots_[i].out.routed_experts.end(), ids.begin(), ids.end());
+  }
+  return absl::OkStatus();
+}
+
 // One batch: the request's prompts [first, first + prompts.size()) with one contiguous cache.
 absl::Status SampleBatch(CausalLM& model, const std::vector<std::vector<int32_t>>& prompts,
                          int64_t first, const SamplingParams& params,
                          const std::function<void(Sample)>& on_sample,
                          const std::function<bool()>& cancelled, const PackedWeight* lm_head,
                          SamplerStats& stats) {
-  const int64_t P = static_cast<int64_t>(prompts.size()), n = params.samples_per_prompt;
-  int64_t longest = 0;
-  for (const auto& p : prompts)
-    longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
   if (cancelled && cancelled()) return absl::CancelledError("cancelled before the prefill");
-
-  // Decode steps (few rows) compute logits on the packed LM head where it applies; many rows (a
-  // large batch, the prefill) are a real GEMM, where the library is faster.
-  std::shared_ptr<const PackedWeight> own_head;
-  if (!lm_head && P * n <= kPackedHeadMaxRows) {
-    own_head = PackLmHead(model);
-    lm_head = own_head.get();
-  }
-  auto decode_logits = [&](const torch::Tensor& hidden) {
-    return DecodeLogits(model, lm_head, hidden);
-  };
-  const auto device = model.LmHeadWeight().device();
-
-  // Routing replay: every MoE layer's top-k per fed token, [positions, layers, k] per slot.
-  const bool routing = params.return_routing;
-  const RoutingTrace layout(model.config());
-  if (routing && (!model.SupportsRoutingReplay() || !layout.recordable()))
-    return absl::InvalidArgumentError(
-        absl::StrCat("return_routing: a ", model.config().model_type,
-                     " model has no recordable MoE routing (routing replay supports qwen3_moe)"));
-  std::vector<torch::Tensor> seen;
-
-  KVCache cache = model.NewKVCache(P, longest + params.max_new_tokens);
-  auto logits =
-      Prefill(model, prompts, cache, stats, routing ? &seen : nullptr).repeat_interleave(n, 0);
-  cache = cache.RepeatInterleave(n);
-  RoutingTrace prompt_routing = layout;  // the prompts', one after another
-  if (routing) {
-    int64_t rows = 0;
-    for (const auto& p : prompts) rows += static_cast<int64_t>(p.size());
-    RETURN_IF_ERROR(prompt_routing.AppendRecorded(seen, rows));
-  }
-
-  std::vector<Slot> slots;
-  slots.reserve(P * n);
-  int64_t prompt_position = 0;
-  for (int64_t p = 0; p < P; ++p) {
-    const int64_t prompt_length = static_cast<int64_t>(prompts[p].size());
-    for (int64_t s = 0; s < n; ++s) {
-      Slot slot{std::mt19937_64(SampleSeed(params.seed, params.SeedIndex(first + p), s)), Sample{}};
-      slot.out.prompt_index = first + p;
-      slot.out.sample_index = s;
-      slot.out.SetPrompt(prompts[p]);
-      if (routing) {
-        const auto ids = prompt_routing.Positions(prompt_position, prompt_length);
-        slot.out.routed_experts.assign(ids.begin(), ids.end());
-        slot.out.routing_layers = layout.layers();
-        slot.out.routing_top_k = layout.top_k();
-      }
-      slots.push_back(std::move(slot));
-    }
-    prompt_position += prompt_length;
-  }
-  auto is_stop = [&](int64_t id) {
-    return std::find(params.stop_ids.begin(), params.stop_ids.end(), id) != params.stop_ids.end();
-  };
-
+  const int64_t rows = static_cast<int64_t>(prompts.size()) * params.samples_per_prompt;
+  const std::shared_ptr<const PackedWeight> own_head = OwnLmHead(model, lm_head, rows);
+  BatchDecoder batch(model, params, own_head ? own_head.get() : lm_head, stats);
+  RETURN_IF_ERROR(batch.Start(prompts, first));
   while (true) {
-    std::vector<std::mt19937_64*> rngs;
-    for (auto& slot : slots) rngs.push_back(&slot.rng);
-    Draws d = DrawTokens(logits, rngs, params);
-    for (size_t i = 0; i < slots.size(); ++i) {
-      absl::Status st = CheckDrawn(slots[i].out, d.logprobs[i]);
-      if (!st.ok()) return st;
-    }
-    std::vector<int64_t> keep, next;
-    for (size_t i = 0; i < slots.size(); ++i) {
-      Sample& out = slots[i].out;
-      out.tokens.push_back(static_cast<int32_t>(d.tokens[i]));
-      out.logprobs.push_back(d.logprobs[i]);
-      const bool stop = is_stop(d.tokens[i]);
-      if (stop || out.response_length() >= params.max_new_tokens) {
-        out.finish = stop ? FinishReason::kStop : FinishReason::kLength;
-        on_sample(std::move(out));
-      } else {
-        keep.push_back(static_cast<int64_t>(i));
-        next.push_back(d.tokens[i]);
-      }
-    }
-    if (keep.empty()) break;
+    ASSIGN_OR_RETURN(const Draws d, batch.Draw());
+    const std::vector<int64_t> keep = batch.Append(d, on_sample);
+    if (keep.empty()) return absl::OkStatus();
     if (cancelled && cancelled()) return absl::CancelledError("cancelled while decoding");
-    if (keep.size() < slots.size()) {
-      cache = cache.Select(keep);
-      std::vector<Slot> live;
-      live.reserve(keep.size());
-      for (int64_t i : keep) live.push_back(std::move(slots[i]));
-      slots = std::move(live);
-    }
-    seen.clear();
-    std::optional<ScopedRoutingRecorder> record;
-    if (routing) record.emplace(&seen);
-    const auto hidden = model.Decode(torch::tensor(next, torch::kInt64).to(device), cache);
-    record.reset();
-    if (routing) {  // one position per slot
-      RoutingTrace step = layout;
-      RETURN_IF_ERROR(step.AppendRecorded(seen, static_cast<int64_t>(slots.size())));
-      for (size_t i = 0; i < slots.size(); ++i) {
-        const auto ids = step.Positions(static_cast<int64_t>(i), 1);
-        slots[i].out.routed_experts.insert(slots[i].out.routed_experts.end(), ids.begin(),
-                                           ids.end());
-      }
-    }
-    ++stats.decode_steps;
-    stats.decoded_tokens += static_cast<int64_t>(keep.size());
-    logits = decode_logits(hidden);
+    RETURN_IF_ERROR(batch.Decode(keep, d.tokens));
   }
-  return absl::OkStatus();
 }
 
 }  // namespace

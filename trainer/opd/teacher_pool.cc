@@ -46,6 +46,7 @@ struct TeacherPool::Share {
   int replica = 0;   // the replica whose slice of the step's tokens holds it (ScoreSpread)
   int attempts = 0;  // failed tries so far
   absl::Time not_before = absl::InfinitePast();
+  bool scored = false;  // its reply was applied: it leaves the pending shares after the round
 };
 
 bool IsTransient(const absl::Status& s) {
@@ -481,144 +482,228 @@ std::vector<TeacherPool::Share> TeacherPool::MakeShares(const std::vector<lm::Sa
   return shares;
 }
 
+namespace {
+
+// A share's first try goes to its own replica while that is healthy; a retry (or a share whose
+// replica is out of rotation) moves along the healthy ones, so tries land on different replicas.
+int ReplicaFor(int own, int attempts, const std::vector<int>& healthy) {
+  const bool own_healthy = std::find(healthy.begin(), healthy.end(), own) != healthy.end();
+  return attempts == 0 && own_healthy
+             ? own
+             : healthy[static_cast<size_t>(own + attempts) % healthy.size()];
+}
+
+}  // namespace
+
+// One Score() call, round after round until every share is scored: the shares left, the scores
+// so far and the last transient error are shared by every step of every round.
+class TeacherPool::ScoreRun {
+ public:
+  ScoreRun(TeacherPool& pool, const std::vector<lm::Sample>& inputs,
+           const opd::rpc::ScoreOptions& score_opts, const std::function<bool()>& stop,
+           const ScoreSpread& spread)
+      : pool_(pool),
+        inputs_(inputs),
+        score_opts_(score_opts),
+        stop_(stop),
+        out_(inputs.size()),
+        pending_(pool.MakeShares(inputs, spread)),
+        deadline_(pool.Now() + pool.opts_.score_deadline) {}
+
+  absl::StatusOr<std::vector<lm::SequenceScore>> Run();
+
+ private:
+  // Shares (by index into pending_) and the replica each is sent to this round.
+  struct Round {
+    std::vector<std::pair<size_t, int>> ready;     // (share, replica)
+    absl::Time earliest = absl::InfiniteFuture();  // the first backoff end of those not ready
+  };
+  struct Call {
+    size_t share;
+    int replica;
+    std::string address;
+    std::future<absl::StatusOr<std::vector<lm::SequenceScore>>> result;
+  };
+
+  bool Stopped() const {
+    return (stop_ && stop_()) ||
+           (pool_.opts_.client.canceller != nullptr && pool_.opts_.client.canceller->cancelled());
+  }
+  // A stop or the score deadline ends the call before the next round.
+  absl::Status CheckStillWanted() const;
+  // With every replica out of rotation: gives up when told to, else waits for a re-admission.
+  absl::Status WaitForAReplica();
+  Round PickReady(const std::vector<int>& healthy, absl::Time now) const;
+  // Sends every ready share, collects every reply, and drops the shares that were scored.
+  absl::Status RunRound(const Round& round);
+  std::vector<Call> Launch(const Round& round);
+  // A reply: validated, then written to its inputs' slots.
+  absl::Status Accept(const Call& c, std::vector<lm::SequenceScore>& scores);
+  // A failed call: a retry after the backoff, or the step's error.
+  absl::Status Fail(const Call& c, const absl::Status& s);
+
+  TeacherPool& pool_;
+  const std::vector<lm::Sample>& inputs_;
+  const opd::rpc::ScoreOptions& score_opts_;
+  const std::function<bool()>& stop_;
+  std::vector<lm::SequenceScore> out_;
+  std::vector<Share> pending_;
+  std::string last_error_ = "none";
+  const absl::Time deadline_;
+};
+
+absl::StatusOr<std::vector<lm::SequenceScore>> TeacherPool::ScoreRun::Run() {
+  while (!pending_.empty()) {
+    RETURN_IF_ERROR(CheckStillWanted());
+    const std::vector<int> healthy = pool_.HealthyReplicas();
+    if (healthy.empty()) {
+      RETURN_IF_ERROR(WaitForAReplica());
+      continue;
+    }
+    const absl::Time now = pool_.Now();
+    const Round round = PickReady(healthy, now);
+    if (round.ready.empty()) {
+      pool_.Wait(std::max(absl::ZeroDuration(), std::min(round.earliest, deadline_) - now),
+                 [this] { return Stopped(); });
+      continue;
+    }
+    RETURN_IF_ERROR(RunRound(round));
+  }
+  return std::move(out_);
+}
+
+absl::Status TeacherPool::ScoreRun::CheckStillWanted() const {
+  const std::string& stage = pool_.stage_;
+  if (Stopped()) {
+    return absl::CancelledError(absl::StrCat("stage '", stage, "': stopped while scoring (",
+                                             pending_.size(),
+                                             " share(s) of sequences not scored)"));
+  }
+  if (pool_.Now() >= deadline_) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "stage '", stage, "': scoring passed its deadline of ",
+        absl::FormatDuration(pool_.opts_.score_deadline), " (train.score_deadline_s) with ",
+        pending_.size(), " share(s) of sequences not scored; replicas: ",
+        absl::StrJoin(pool_.endpoints(), ", "), ". Last error: ", last_error_));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TeacherPool::ScoreRun::WaitForAReplica() {
+  const std::string& stage = pool_.stage_;
+  if (pool_.opts_.give_up_when_all_down)
+    return absl::UnavailableError(
+        absl::StrCat("stage '", stage, "': every teacher replica is down (",
+                     absl::StrJoin(pool_.endpoints(), ", "), "). Last error: ", last_error_));
+  // Until the next cool-down ends (at most backoff_max, never past the deadline), and at least
+  // 10 ms so that the loop does not spin.
+  const absl::Duration wait = std::max(
+      absl::Milliseconds(10), std::min({pool_.NextReadmission() - pool_.Now(),
+                                        pool_.opts_.backoff_max, deadline_ - pool_.Now()}));
+  lm::log::Warn(absl::StrCat("stage '", stage, "': no healthy teacher replica (",
+                             absl::StrJoin(pool_.endpoints(), ", "), "); next health check in ",
+                             absl::FormatDuration(wait), ". Last error: ", last_error_));
+  pool_.Wait(wait, [this] { return Stopped(); });
+  return absl::OkStatus();
+}
+
+// The shares whose backoff has passed, each on its own replica while that is healthy, else (and
+// after a failure) on another healthy one; at most two calls per replica.
+TeacherPool::ScoreRun::Round TeacherPool::ScoreRun::PickReady(const std::vector<int>& healthy,
+                                                              absl::Time now) const {
+  Round round;
+  std::map<int, int> calls_on;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    const Share& sh = pending_[i];
+    if (sh.not_before > now) {
+      round.earliest = std::min(round.earliest, sh.not_before);
+      continue;
+    }
+    const int rep = ReplicaFor(sh.replica, sh.attempts, healthy);
+    if (calls_on[rep] < 2) {
+      ++calls_on[rep];
+      round.ready.emplace_back(i, rep);
+    }
+  }
+  return round;
+}
+
+absl::Status TeacherPool::ScoreRun::RunRound(const Round& round) {
+  std::vector<Call> calls = Launch(round);
+  // Every call of the round is collected before deciding, so no call outlives Score(); the
+  // first error is the step's.
+  absl::Status fatal;
+  for (auto& c : calls) {
+    absl::StatusOr<std::vector<lm::SequenceScore>> r = c.result.get();
+    absl::Status s = r.ok() ? Accept(c, *r) : Fail(c, r.status());
+    if (fatal.ok()) fatal = std::move(s);
+  }
+  RETURN_IF_ERROR(fatal);
+  pending_.erase(
+      std::remove_if(pending_.begin(), pending_.end(), [](const Share& sh) { return sh.scored; }),
+      pending_.end());
+  return absl::OkStatus();
+}
+
+std::vector<TeacherPool::ScoreRun::Call> TeacherPool::ScoreRun::Launch(const Round& round) {
+  std::vector<Call> calls;
+  const std::vector<lm::Sample>& inputs = inputs_;
+  const opd::rpc::ScoreOptions& score_opts = score_opts_;
+  for (const auto& [share_index, rep] : round.ready) {
+    opd::rpc::TeacherEndpoint* client;
+    {
+      absl::MutexLock lock(&pool_.mu_);
+      client = pool_.replicas_[rep].client.get();
+    }
+    const Share range = pending_[share_index];
+    calls.push_back({share_index, rep, client->address(),
+                     std::async(std::launch::async, [client, range, &inputs, &score_opts] {
+                       std::vector<lm::Sample> share(inputs.begin() + range.begin,
+                                                     inputs.begin() + range.end);
+                       return client->Score(share, score_opts);
+                     })});
+  }
+  return calls;
+}
+
+absl::Status TeacherPool::ScoreRun::Accept(const Call& c, std::vector<lm::SequenceScore>& scores) {
+  Share& share = pending_[c.share];
+  RETURN_IF_ERROR(pool_.Validate(scores, share, inputs_, score_opts_.top_k, c.address));
+  for (size_t i = 0; i < scores.size(); ++i) out_[share.begin + i] = std::move(scores[i]);
+  pool_.scored_.fetch_add(static_cast<int64_t>(scores.size()));
+  share.scored = true;
+  absl::MutexLock lock(&pool_.mu_);
+  pool_.replicas_[c.replica].consecutive_failures = 0;
+  return absl::OkStatus();
+}
+
+absl::Status TeacherPool::ScoreRun::Fail(const Call& c, const absl::Status& s) {
+  const std::string& stage = pool_.stage_;
+  Share& share = pending_[c.share];
+  if (Stopped()) return absl::OkStatus();  // a cancelled call is not the replica's fault
+  if (!IsTransient(s)) {
+    return absl::Status(
+        s.code(), absl::StrCat("stage '", stage, "': teacher ", c.address, " failed sequences [",
+                               share.begin, ", ", share.end, ") (not retried): ", s.message()));
+  }
+  last_error_ = std::string(s.message());
+  pool_.failovers_.fetch_add(1);
+  if (++share.attempts >= pool_.opts_.max_attempts) {
+    return absl::Status(
+        s.code(), absl::StrCat("stage '", stage, "': sequences [", share.begin, ", ", share.end,
+                               ") failed ", share.attempts, " times; last error: ", s.message()));
+  }
+  share.not_before = pool_.Now() + RetryBackoff(share.attempts, pool_.opts_.backoff_initial,
+                                                pool_.opts_.backoff_max);
+  // A full queue is load, not a fault: the replica stays, the share waits its backoff.
+  if (s.code() != absl::StatusCode::kResourceExhausted) pool_.TakeOutOfRotation(c.replica, s);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<lm::SequenceScore>> TeacherPool::Score(
     const std::vector<lm::Sample>& inputs, const opd::rpc::ScoreOptions& score_opts,
     const std::function<bool()>& stop, const ScoreSpread& spread) {
-  const auto stopped = [&] {
-    return (stop && stop()) ||
-           (opts_.client.canceller != nullptr && opts_.client.canceller->cancelled());
-  };
-  std::vector<lm::SequenceScore> out(inputs.size());
-  std::vector<Share> pending = MakeShares(inputs, spread);
-  std::string last_error = "none";
-  const absl::Time deadline = Now() + opts_.score_deadline;
-  while (!pending.empty()) {
-    if (stopped()) {
-      return absl::CancelledError(absl::StrCat("stage '", stage_, "': stopped while scoring (",
-                                               pending.size(),
-                                               " share(s) of sequences not scored)"));
-    }
-    if (Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "stage '", stage_, "': scoring passed its deadline of ",
-          absl::FormatDuration(opts_.score_deadline), " (train.score_deadline_s) with ",
-          pending.size(), " share(s) of sequences not scored; replicas: ",
-          absl::StrJoin(endpoints(), ", "), ". Last error: ", last_error));
-    }
-    const auto healthy = HealthyReplicas();
-    if (healthy.empty() && opts_.give_up_when_all_down)
-      return absl::UnavailableError(
-          absl::StrCat("stage '", stage_, "': every teacher replica is down (",
-                       absl::StrJoin(endpoints(), ", "), "). Last error: ", last_error));
-    if (healthy.empty()) {
-      const absl::Duration wait =
-          std::max(absl::Milliseconds(10),
-                   std::min({NextReadmission() - Now(), opts_.backoff_max, deadline - Now()}));
-      lm::log::Warn(absl::StrCat("stage '", stage_, "': no healthy teacher replica (",
-                                 absl::StrJoin(endpoints(), ", "), "); next health check in ",
-                                 absl::FormatDuration(wait), ". Last error: ", last_error));
-      Wait(wait, stopped);
-      continue;
-    }
-    // The shares whose backoff has passed, each on its own replica while that is healthy, else
-    // (and after a failure) on another healthy one; at most two calls per replica.
-    const absl::Time now = Now();
-    std::vector<std::pair<size_t, int>> ready;  // (share, replica)
-    std::map<int, int> calls_on;
-    absl::Time earliest = absl::InfiniteFuture();
-    for (size_t i = 0; i < pending.size(); ++i) {
-      if (pending[i].not_before > now) {
-        earliest = std::min(earliest, pending[i].not_before);
-        continue;
-      }
-      const Share& sh = pending[i];
-      const bool own_healthy =
-          std::find(healthy.begin(), healthy.end(), sh.replica) != healthy.end();
-      const int rep = sh.attempts == 0 && own_healthy
-                          ? sh.replica
-                          : healthy[static_cast<size_t>(sh.replica + sh.attempts) % healthy.size()];
-      if (calls_on[rep] < 2) {
-        ++calls_on[rep];
-        ready.emplace_back(i, rep);
-      }
-    }
-    if (ready.empty()) {
-      Wait(std::max(absl::ZeroDuration(), std::min(earliest, deadline) - now), stopped);
-      continue;
-    }
-    struct Call {
-      size_t share;
-      int replica;
-      std::string address;
-      std::future<absl::StatusOr<std::vector<lm::SequenceScore>>> result;
-    };
-    std::vector<Call> calls;
-    for (const auto& [share_index, rep] : ready) {
-      opd::rpc::TeacherEndpoint* client;
-      {
-        absl::MutexLock lock(&mu_);
-        client = replicas_[rep].client.get();
-      }
-      const Share range = pending[share_index];
-      calls.push_back({share_index, rep, client->address(),
-                       std::async(std::launch::async, [client, range, &inputs, &score_opts] {
-                         std::vector<lm::Sample> share(inputs.begin() + range.begin,
-                                                       inputs.begin() + range.end);
-                         return client->Score(share, score_opts);
-                       })});
-    }
-    // Every call of the round is collected before deciding, so no call outlives Score().
-    absl::Status fatal;
-    std::vector<bool> done(pending.size(), false);
-    for (auto& c : calls) {
-      auto r = c.result.get();
-      Share& share = pending[c.share];
-      if (r.ok()) {
-        if (absl::Status v = Validate(*r, share, inputs, score_opts.top_k, c.address); !v.ok()) {
-          if (fatal.ok()) fatal = v;
-          continue;
-        }
-        for (size_t i = 0; i < r->size(); ++i) out[share.begin + i] = std::move((*r)[i]);
-        scored_.fetch_add(static_cast<int64_t>(r->size()));
-        done[c.share] = true;
-        absl::MutexLock lock(&mu_);
-        replicas_[c.replica].consecutive_failures = 0;
-        continue;
-      }
-      const absl::Status& s = r.status();
-      if (stopped()) continue;  // a cancelled call is not the replica's fault
-      if (!IsTransient(s)) {
-        if (fatal.ok()) {
-          fatal = absl::Status(s.code(), absl::StrCat("stage '", stage_, "': teacher ", c.address,
-                                                      " failed sequences [", share.begin, ", ",
-                                                      share.end, ") (not retried): ", s.message()));
-        }
-        continue;
-      }
-      last_error = std::string(s.message());
-      failovers_.fetch_add(1);
-      if (++share.attempts >= opts_.max_attempts) {
-        if (fatal.ok()) {
-          fatal =
-              absl::Status(s.code(), absl::StrCat("stage '", stage_, "': sequences [", share.begin,
-                                                  ", ", share.end, ") failed ", share.attempts,
-                                                  " times; last error: ", s.message()));
-        }
-        continue;
-      }
-      share.not_before =
-          Now() + RetryBackoff(share.attempts, opts_.backoff_initial, opts_.backoff_max);
-      // A full queue is load, not a fault: the replica stays, the share waits its backoff.
-      if (s.code() != absl::StatusCode::kResourceExhausted) TakeOutOfRotation(c.replica, s);
-    }
-    if (!fatal.ok()) return fatal;
-    std::vector<Share> left;
-    for (size_t i = 0; i < pending.size(); ++i) {
-      if (!done[i]) left.push_back(pending[i]);
-    }
-    pending = std::move(left);
-  }
-  return out;
+  return ScoreRun(*this, inputs, score_opts, stop, spread).Run();
 }
 
 }  // namespace trainer

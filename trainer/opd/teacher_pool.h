@@ -172,6 +172,7 @@ class TeacherPool {
     absl::Time readmit_at = absl::InfinitePast();
   };
   struct Share;
+  class ScoreRun;  // one Score() call's rounds of shares (teacher_pool.cc)
   // The connect-time checks of one endpoint against `req` (see TeacherRequirements).
   absl::Status CheckEndpoint(const std::string& ep, opd::rpc::TeacherEndpoint& client,
                              const TeacherRequirements& req) const;
