@@ -165,12 +165,12 @@ absl::Status PushStar(std::vector<std::unique_ptr<trainer::WeightPusher>>& pushe
                       const std::vector<std::string>& workers, torch::nn::Module& model,
                       int64_t version, int64_t* bytes) {
   const auto params = opd::rpc::NamedParameters(model);
-  std::map<torch::Dtype, std::vector<opd::rpc::WireTensor>> wire;
+  std::map<opd::rpc::WireDtype, std::vector<opd::rpc::OutgoingTensor>> wire;
   torch::Tensor staging = torch::empty({int64_t{16} << 20}, torch::kUInt8);
   for (const auto& p : pushers) {
     auto [it, added] = wire.try_emplace(p->wire_dtype());
     if (!added) continue;
-    it->second = opd::rpc::WireTensorsOf(params, p->wire_dtype());
+    it->second = opd::rpc::OutgoingTensorsOf(params, p->wire_dtype());
     opd::rpc::ComputeChecksums(&it->second, staging);
   }
   std::vector<std::future<absl::StatusOr<trainer::PushReport>>> calls;

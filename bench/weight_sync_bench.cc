@@ -118,7 +118,7 @@ absl::Status Push() {
     // Every parameter moves, as after an optimizer step (by more than a bf16 ulp somewhere).
     for (auto& [name, t] : params) t.mul_(1.0f + 1.0f / 64);
     const auto t0 = Clock::now();
-    auto wire = opd::rpc::WireTensorsOf(params, pusher->wire_dtype());
+    auto wire = opd::rpc::OutgoingTensorsOf(params, pusher->wire_dtype());
     opd::rpc::ComputeChecksums(&wire, staging);
     const double checksum_s = Since(t0);
     const auto t1 = Clock::now();

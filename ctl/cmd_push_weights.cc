@@ -44,9 +44,9 @@ int RunPushWeights(const std::vector<std::string>& words) {
   opd::rpc::ClientOptions opts;
   if (int rc = ClientOptionsFrom("push-weights", args, &opts); rc >= 0) return rc;
   lm::LoadOptions load;
-  auto dtype = opd::rpc::DtypeFromName(args.Get("dtype", "float32"));
+  auto dtype = opd::rpc::WireDtypeFromName(args.Get("dtype", "float32"));
   if (!dtype.ok()) return Fail("push-weights", dtype.status());
-  load.dtype = *dtype;
+  load.dtype = opd::rpc::TorchDtype(*dtype);
   auto model = lm::LoadModel(args.Get("from"), load);
   if (!model.ok()) return Fail("push-weights", model.status());
   torch::NoGradGuard no_grad;
@@ -54,7 +54,7 @@ int RunPushWeights(const std::vector<std::string>& words) {
   stream.chunk_bytes = std::max<size_t>(static_cast<size_t>(chunk_mb * (1 << 20)), 1);
   auto pushed = opd::rpc::StreamWeights(
       opts, args.Int64("version", 0),
-      opd::rpc::WireTensorsOf(opd::rpc::NamedParameters(**model), *dtype), stream);
+      opd::rpc::OutgoingTensorsOf(opd::rpc::NamedParameters(**model), *dtype), stream);
   if (!pushed.ok()) return Fail("push-weights", pushed.status());
   const opd::v1::UpdateWeightsResponse& resp = pushed->applied;
   std::cout << nlohmann::json{{"version", resp.version()},

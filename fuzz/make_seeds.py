@@ -144,9 +144,19 @@ def generate_request(prompts, samples=None, temperature=None, top_p=None, top_k=
     return out
 
 
+def manifest_dtype(dt):
+    """A dtype by name (string field 3, as older senders write it), by enum (field 5, an int),
+    or both ((enum, name))."""
+    if isinstance(dt, int):
+        return pb_int(5, dt)
+    if isinstance(dt, tuple):
+        return pb_int(5, dt[0]) + pb_bytes(3, dt[1])
+    return pb_bytes(3, dt)
+
+
 def weight_chunk(tensors, base_version=None, version=1, name="", data=b""):
     """The first chunk of an UpdateWeights stream; tensors: (name, shape, dtype, checksum)."""
-    manifest = b"".join(pb_bytes(1, pb_bytes(1, n) + pb_packed(2, shape) + pb_bytes(3, dt) +
+    manifest = b"".join(pb_bytes(1, pb_bytes(1, n) + pb_packed(2, shape) + manifest_dtype(dt) +
                                  pb_fixed64(4, ck)) for n, shape, dt, ck in tensors)
     if base_version is not None:
         manifest += pb_int(2, base_version)
@@ -265,6 +275,11 @@ def main():
     write(t, "bad_shape", weight_chunk([("lm_head.weight", [8, 64], "float32", 0)]))
     write(t, "bad_dtype", weight_chunk([("lm_head.weight", [64, 8], "int8", 0)]))
     write(t, "negative_dim", weight_chunk([("empty", [0, -8], "float32", 0)]))
+    # opd.v1.WireDtype: 1 float32, 2 bfloat16, 3 float16; the enum wins over the name.
+    write(t, "enum_dtype", weight_chunk([(embed, [64, 8], 2, 7), (norm, [8], (1, "float32"), 8),
+                                         ("scale", [], 3, 9)]))
+    write(t, "enum_over_name", weight_chunk([(norm, [8], (2, "int8"), 0)]))
+    write(t, "unknown_enum", weight_chunk([(norm, [8], "float32", 0), ("scale", [], 9, 0)]))
 
 
 if __name__ == "__main__":

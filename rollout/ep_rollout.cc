@@ -131,10 +131,16 @@ absl::Status EpRollout::Apply(const std::string& command) {
       return absl::OkStatus();
     }
     case kChunk: {
-      ChunkView v;
-      if (!r.GetString(&v.name) || !r.GetVector(&v.shape) || !r.GetString(&v.dtype) ||
-          !r.Get(&v.offset) || !r.GetString(&v.data) || !r.done())
+      WireTensor v;
+      std::string_view name;
+      int32_t dtype = 0;
+      if (!r.GetString(&name) || !r.GetVector(&v.shape) || !r.Get(&dtype) || !r.Get(&v.offset) ||
+          !r.GetString(&v.data) || !r.done())
         return truncated();
+      if (dtype < 0 || dtype > static_cast<int32_t>(WireDtype::kFloat16))
+        return absl::InternalError(absl::StrCat("expert-parallel chunk of dtype ", dtype));
+      v.name = std::string(name);
+      v.dtype = static_cast<WireDtype>(dtype);
       return AddLocal(id, v);
     }
     case kCommit:
@@ -146,14 +152,14 @@ absl::Status EpRollout::Apply(const std::string& command) {
   throw std::runtime_error(absl::StrCat("unknown expert-parallel command ", int{kind}));
 }
 
-absl::Status EpRollout::AddLocal(uint64_t id, const ChunkView& chunk) {
+absl::Status EpRollout::AddLocal(uint64_t id, const WireTensor& chunk) {
   auto it = staging_.find(id);
   if (it == staging_.end()) return absl::FailedPreconditionError("no such update");
   Staging& s = it->second;
   // The whole tensor's byte order is checked here, on every rank, so that a rank that keeps
   // none of a chunk still refuses what the others refuse.
   if (chunk.name != s.name) {
-    s.name = std::string(chunk.name);
+    s.name = chunk.name;
     s.expected = 0;
   }
   if (chunk.offset != s.expected)
@@ -166,20 +172,17 @@ absl::Status EpRollout::AddLocal(uint64_t id, const ChunkView& chunk) {
   if (!sharded || !IsFusedExperts(chunk.name) || chunk.shape.empty()) {
     st = s.staged->Add(chunk);
   } else if (chunk.shape[0] != c.num_experts) {
-    st = absl::InvalidArgumentError(absl::StrCat("tensor '", std::string(chunk.name),
-                                                 "': ", chunk.shape[0], " experts, the model has ",
-                                                 c.num_experts));
+    st = absl::InvalidArgumentError(absl::StrCat("tensor '", chunk.name, "': ", chunk.shape[0],
+                                                 " experts, the model has ", c.num_experts));
   } else {
     // This rank's rows [first, first + count) of the [E, ...] tensor, in wire bytes.
-    auto wire = opd::rpc::DtypeFromName(std::string(chunk.dtype));
-    if (!wire.ok()) return wire.status();
-    int64_t row = static_cast<int64_t>(c10::elementSize(*wire));
+    int64_t row = opd::rpc::WireDtypeSize(chunk.dtype);
     for (size_t d = 1; d < chunk.shape.size(); ++d) row *= chunk.shape[d];
     const int64_t lo = c.expert_first * row, hi = (c.expert_first + c.local_experts) * row;
     const int64_t begin = std::max(lo, chunk.offset),
                   end = std::min(hi, chunk.offset + static_cast<int64_t>(chunk.data.size()));
     if (begin >= end) return absl::OkStatus();  // none of it is this rank's
-    ChunkView mine = chunk;
+    WireTensor mine = chunk;
     mine.shape[0] = c.local_experts;
     mine.offset = begin - lo;
     mine.data = chunk.data.substr(begin - chunk.offset, end - begin);
@@ -227,15 +230,15 @@ absl::StatusOr<std::unique_ptr<EpRollout::Update>> EpRollout::BeginUpdate(int64_
   return update;
 }
 
-absl::Status EpRollout::Update::Add(const ChunkView& chunk) {
+absl::Status EpRollout::Update::Add(const WireTensor& chunk) {
   lm::ByteWriter command = Header(kChunk, id_);
   command.PutString(chunk.name);
   command.PutVector(chunk.shape);
-  command.PutString(chunk.dtype);
+  command.Put(static_cast<int32_t>(chunk.dtype));
   command.Put(chunk.offset);
   command.PutString(chunk.data);
   if (chunk.name != last_name_) {
-    last_name_ = std::string(chunk.name);
+    last_name_ = chunk.name;
     ++tensors_;
   }
   bytes_ += static_cast<int64_t>(chunk.data.size());

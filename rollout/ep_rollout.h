@@ -58,7 +58,7 @@ class EpRollout final : public lm::Generator {
    public:
     ~Update();
     // INVALID_ARGUMENT as StagedWeights::Add (a chunk out of order, of a wrong shape, ...).
-    absl::Status Add(const ChunkView& chunk);
+    absl::Status Add(const WireTensor& chunk);
     // Every rank's copy complete: all swap in; else none does (the error names why).
     absl::Status Commit();
     int64_t version() const { return version_; }
@@ -81,7 +81,7 @@ class EpRollout final : public lm::Generator {
  private:
   // Runs a weight command on this rank (every rank runs each one).
   absl::Status Apply(const std::string& command);
-  absl::Status AddLocal(uint64_t id, const ChunkView& chunk);
+  absl::Status AddLocal(uint64_t id, const WireTensor& chunk);
   absl::Status CommitLocal(uint64_t id);
   absl::Status SampleLocal(const std::string& command, const Snapshot* leader_snapshot,
                            const std::function<void(lm::Sample)>& on_sample,

@@ -8,6 +8,7 @@
 #include "absl/synchronization/mutex.h"
 #include "lm/model/model.h"
 #include "lm/model/placement.h"
+#include "lm/util/status.h"
 #include "lm/util/threads.h"
 #include "rollout/ep_rollout.h"
 #include "rollout/generate_request.h"
@@ -20,17 +21,6 @@ using lm::FinishReason;
 using lm::Sample;
 using lm::SamplingParams;
 namespace {
-
-// A chunk as the weight stores take it (views into the message, which outlives the call).
-ChunkView ViewOf(const opd::v1::WeightChunk& chunk) {
-  ChunkView v;
-  v.name = chunk.name();
-  v.shape.assign(chunk.shape().begin(), chunk.shape().end());
-  v.dtype = chunk.dtype();
-  v.offset = chunk.offset();
-  v.data = chunk.data();
-  return v;
-}
 
 opd::v1::Sample ToProto(const Sample& s, int64_t version) {
   opd::v1::Sample m;
@@ -178,8 +168,7 @@ class UpdateReactor final : public grpc::ServerReadReactor<opd::v1::WeightChunk>
     if (!staged_) {
       // A manifest in the first chunk: only the tensors it names come (onto the serving weights).
       auto staged = chunk_.has_manifest()
-                        ? store_->StageAnnounced(chunk_.version(), Announced(chunk_.manifest()),
-                                                 BaseVersion(chunk_.manifest()))
+                        ? store_->StageAnnounced(chunk_.version(), chunk_.manifest())
                         : store_->Stage(chunk_.version());
       if (!staged.ok()) return staged.status();
       staged_ = std::move(*staged);
@@ -192,7 +181,8 @@ class UpdateReactor final : public grpc::ServerReadReactor<opd::v1::WeightChunk>
           absl::StrCat("chunk of tensor '", chunk_.name(), "' has version ", chunk_.version(),
                        " in a stream of version ", staged_->version()));
     }
-    return staged_->Add(ViewOf(chunk_));
+    ASSIGN_OR_RETURN(const WireTensor piece, opd::rpc::FromProto(chunk_));
+    return staged_->Add(piece);
   }
 
   // Expert parallelism: every chunk goes to every rank, each keeps its own experts' bytes.
@@ -209,7 +199,8 @@ class UpdateReactor final : public grpc::ServerReadReactor<opd::v1::WeightChunk>
           absl::StrCat("chunk of tensor '", chunk_.name(), "' has version ", chunk_.version(),
                        " in a stream of version ", ep_update_->version()));
     }
-    return ep_update_->Add(ViewOf(chunk_));
+    ASSIGN_OR_RETURN(const WireTensor piece, opd::rpc::FromProto(chunk_));
+    return ep_update_->Add(piece);
   }
 
   // Reads end at the client's half-close, or because the call broke: only the first commits.

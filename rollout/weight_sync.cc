@@ -30,11 +30,14 @@ constexpr int kMaxWorld = 1 << 16;
 class StreamPlacer {
  public:
   // `device_model`: the model is on a device (not the CPU).
-  StreamPlacer(const opd::v1::WeightManifest& m, StagedWeights* staged, bool device_model)
-      : m_(m), staged_(staged), to_device_(staged && staged->in_place() && device_model) {
-    for (const auto& t : m.tensors()) {
-      int64_t n = static_cast<int64_t>(c10::elementSize(*opd::rpc::DtypeFromName(t.dtype())));
-      for (int64_t d : t.shape()) n *= d;
+  // `tensors`: the manifest's, checked (it outlives this).
+  StreamPlacer(const std::vector<WireTensor>& tensors, StagedWeights* staged, bool device_model)
+      : tensors_(tensors),
+        staged_(staged),
+        to_device_(staged && staged->in_place() && device_model) {
+    for (const WireTensor& t : tensors) {
+      int64_t n = opd::rpc::WireDtypeSize(t.dtype);
+      for (int64_t d : t.shape) n *= d;
       bytes_.push_back(n);
     }
   }
@@ -67,7 +70,7 @@ class StreamPlacer {
   absl::Status Finish() { return staged_ == nullptr ? absl::OkStatus() : SkipComplete(); }
 
  private:
-  const std::string& Name() const { return m_.tensors(static_cast<int>(i_)).name(); }
+  const std::string& Name() const { return tensors_[i_].name; }
 
   // Past complete tensors; zero-byte ones still get their (empty) piece.
   absl::Status SkipComplete() {
@@ -80,19 +83,14 @@ class StreamPlacer {
   }
 
   absl::Status AddHost(const char* data, int64_t n) {
-    const auto& t = m_.tensors(static_cast<int>(i_));
-    ChunkView v;
-    v.name = t.name();
-    v.shape.assign(t.shape().begin(), t.shape().end());
-    v.dtype = t.dtype();
-    v.offset = off_;
-    v.data = std::string_view(data, static_cast<size_t>(n));
-    if (to_device_)
-      return staged_->AddDeviceBytes(t.name(), off_, torch::empty({0}, torch::kUInt8));
-    return staged_->Add(v);
+    if (to_device_) return staged_->AddDeviceBytes(Name(), off_, torch::empty({0}, torch::kUInt8));
+    WireTensor piece = tensors_[i_];
+    piece.offset = off_;
+    piece.data = std::string_view(data, static_cast<size_t>(n));
+    return staged_->Add(piece);
   }
 
-  const opd::v1::WeightManifest& m_;
+  const std::vector<WireTensor>& tensors_;
   StagedWeights* staged_;
   const bool to_device_;  // bytes go into the parameters on the device (AddDeviceBytes)
   std::vector<int64_t> bytes_;
@@ -222,15 +220,13 @@ absl::Status CheckShares(const opd::v1::SyncWeightsRequest& req, int rank, int64
 // and the buckets arrive where the model is; else staged in host memory.
 absl::StatusOr<std::unique_ptr<StagedWeights>> WeightSyncReceiver::StageParallel(
     const opd::v1::SyncWeightsRequest& req, const std::string& backend) {
-  const auto announced = Announced(req.manifest());
-  const auto base = BaseVersion(req.manifest());
   const bool buckets_on_model_device = (backend == "nccl") == device_.is_cuda();
   if (buckets_on_model_device) {
-    auto in_place = store_->StageInPlace(req.version(), announced, base);
+    auto in_place = store_->StageInPlace(req.version(), req.manifest());
     if (in_place.ok() || in_place.status().code() == absl::StatusCode::kInvalidArgument)
       return in_place;
   }
-  return store_->StageAnnounced(req.version(), announced, base);
+  return store_->StageAnnounced(req.version(), req.manifest());
 }
 
 absl::StatusOr<opd::v1::SyncWeightsResponse> WeightSyncReceiver::Start(
@@ -269,29 +265,29 @@ absl::StatusOr<opd::v1::SyncWeightsResponse> WeightSyncReceiver::Start(
   opd::rpc::ParamShapes shapes;
   for (const auto& p : store_->Current().model->named_parameters())
     shapes[p.key()] = p.value().sizes().vec();
-  auto bytes = opd::rpc::CheckAnnounced(Announced(req.manifest()), shapes);
-  if (!bytes.ok()) return release(bytes.status());
+  auto announced = opd::rpc::ReadManifest(req.manifest(), shapes);
+  if (!announced.ok()) return release(announced.status());
+  const int64_t bytes = announced->bytes;
   absl::StatusOr<std::unique_ptr<StagedWeights>> staged;
   if (parallel) {
-    if (absl::Status st = CheckShares(req, m.rank, *bytes); !st.ok()) return release(st);
+    if (absl::Status st = CheckShares(req, m.rank, bytes); !st.ok()) return release(st);
     // A worker that cannot take this version still follows the broadcasts (every member of the
     // group must) and says why in its verdict.
     staged = StageParallel(req, m.backend);
     if (!staged.ok() && staged.status().code() == absl::StatusCode::kInvalidArgument)
       return release(staged.status());
   } else {
-    staged = store_->StageAnnounced(req.version(), Announced(req.manifest()),
-                                    BaseVersion(req.manifest()));
+    staged = store_->StageAnnounced(req.version(), req.manifest());
     if (!staged.ok()) return release(staged.status());
   }
   opd::v1::SyncWeightsResponse resp;
-  resp.set_bytes(*bytes);
+  resp.set_bytes(bytes);
   {
     absl::MutexLock lock(&mu_);
     pending_ = staged.ok() ? std::move(*staged) : nullptr;
     pending_error_ = staged.status();
   }
-  Launch([this, req] { RunSync(req); });
+  Launch([this, req, tensors = std::move(announced->tensors)] { RunSync(req, tensors); });
   return resp;
 }
 
@@ -302,8 +298,9 @@ namespace {
 // broadcasting; both sides stay in step), it is the outcome. Returns the outcome; `broken` says
 // whether a collective failed (the group is then unusable, and nobody is left to tell).
 absl::Status Receive(lm::dist::ProcessGroup& group, torch::Device device,
-                     const opd::v1::SyncWeightsRequest& req, StagedWeights* staged, bool* broken) {
-  StreamPlacer placer(req.manifest(), staged, /*device_model=*/false);  // host-staged
+                     const opd::v1::SyncWeightsRequest& req, const std::vector<WireTensor>& tensors,
+                     StagedWeights* staged, bool* broken) {
+  StreamPlacer placer(tensors, staged, /*device_model=*/false);  // host-staged
   const auto on = torch::TensorOptions().device(device);
   std::vector<torch::Tensor> header{torch::empty({1}, on.dtype(torch::kInt64))};
   torch::Tensor bucket = torch::empty({req.bucket_bytes()}, on.dtype(torch::kUInt8));
@@ -340,9 +337,10 @@ absl::Status Receive(lm::dist::ProcessGroup& group, torch::Device device,
 // the copies are queued behind the broadcast on the receiving thread's stream; the next broadcast
 // into the same bucket waits for them: no synchronisation per tensor).
 absl::Status ReceiveShares(lm::dist::ProcessGroup& group, torch::Device device, bool device_model,
-                           const opd::v1::SyncWeightsRequest& req, StagedWeights* staged,
+                           const opd::v1::SyncWeightsRequest& req,
+                           const std::vector<WireTensor>& tensors, StagedWeights* staged,
                            absl::Status outcome, bool* broken) {
-  StreamPlacer placer(req.manifest(), staged, device_model);
+  StreamPlacer placer(tensors, staged, device_model);
   int64_t largest = 0;
   for (int64_t b : req.sender_bytes()) largest = std::max(largest, b);
   torch::Tensor bucket = torch::empty({std::min(req.bucket_bytes(), std::max<int64_t>(largest, 1))},
@@ -368,7 +366,8 @@ absl::Status ReceiveShares(lm::dist::ProcessGroup& group, torch::Device device, 
 
 }  // namespace
 
-void WeightSyncReceiver::RunSync(opd::v1::SyncWeightsRequest req) {
+void WeightSyncReceiver::RunSync(const opd::v1::SyncWeightsRequest& req,
+                                 const std::vector<WireTensor>& tensors) {
   lm::SetThreadsForThisThread(1);  // copies only; the sampling threads keep the cores
   std::unique_ptr<StagedWeights> staged;
   absl::Status staging;
@@ -393,9 +392,9 @@ void WeightSyncReceiver::RunSync(opd::v1::SyncWeightsRequest req) {
   if (device_.is_cuda())
     side.emplace(c10::impl::VirtualGuardImpl(device_.type()).getStreamFromGlobalPool(device_));
   const absl::Time t0 = absl::Now();
-  absl::Status st =
-      parallel ? ReceiveShares(*group, on, device_.is_cuda(), req, staged.get(), staging, &broken)
-               : Receive(*group, on, req, staged.get(), &broken);
+  absl::Status st = parallel ? ReceiveShares(*group, on, device_.is_cuda(), req, tensors,
+                                             staged.get(), staging, &broken)
+                             : Receive(*group, on, req, tensors, staged.get(), &broken);
   const absl::Time t1 = absl::Now();
   opd::rpc::SyncVerdict verdict;
   verdict.present = true;

@@ -47,10 +47,6 @@ class ProcessGroup;
 
 namespace rollout {
 
-// The manifest's tensors as the weight store takes them (rpc/weight_manifest.h).
-using opd::rpc::Announced;
-using opd::rpc::BaseVersion;
-
 class WeightSyncReceiver {
  public:
   // `store` is not owned and must outlive this; `device` is where the model lives.
@@ -82,7 +78,8 @@ class WeightSyncReceiver {
     std::string backend = "gloo";
   };
   void RunJoin(opd::v1::JoinWeightGroupRequest req, Membership m);
-  void RunSync(opd::v1::SyncWeightsRequest req);
+  // `tensors`: the request's manifest, checked by Start.
+  void RunSync(const opd::v1::SyncWeightsRequest& req, const std::vector<WireTensor>& tensors);
   absl::StatusOr<std::unique_ptr<StagedWeights>> StageParallel(
       const opd::v1::SyncWeightsRequest& req, const std::string& backend);
   static absl::Status ShareVerdict(lm::dist::ProcessGroup& group, torch::Device on,

@@ -119,48 +119,44 @@ StagedWeights::~StagedWeights() {
 }
 
 // The first chunk of a tensor fixes its wire dtype (announced updates: the announced one).
-absl::Status StagedWeights::Begin(const std::string& name, Target& t, std::string_view dtype,
+absl::Status StagedWeights::Begin(const std::string& name, Target& t, WireDtype dtype,
                                   const std::vector<int64_t>& shape, bool device_bytes) {
   if (shape != t.param.sizes().vec()) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': shape ",
                                                    ShapeString(shape), ", the model's is ",
                                                    ShapeString(t.param.sizes())));
   }
-  if (!t.wire_dtype.empty() && dtype != t.wire_dtype) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': dtype ",
-                                                   std::string(dtype), ", the manifest announced ",
-                                                   t.wire_dtype));
-  }
-  auto wire = opd::rpc::DtypeFromName(std::string(dtype));
-  if (!wire.ok())
+  if (t.wire_dtype.has_value() && dtype != *t.wire_dtype) {
     return absl::InvalidArgumentError(
-        absl::StrCat("tensor '", name, "': ", wire.status().message()));
-  if (in_place_ && *wire != t.param.scalar_type())
+        absl::StrCat("tensor '", name, "': dtype ", WireDtypeName(dtype),
+                     ", the manifest announced ", WireDtypeName(*t.wire_dtype)));
+  }
+  const torch::Dtype wire = opd::rpc::TorchDtype(dtype);
+  if (in_place_ && wire != t.param.scalar_type())
     return absl::InvalidArgumentError(absl::StrCat(
-        "tensor '", name, "': dtype ", std::string(dtype),
+        "tensor '", name, "': dtype ", WireDtypeName(dtype),
         "; an in-place update takes the model's, ", opd::rpc::DtypeName(t.param.scalar_type())));
   if (device_bytes != (in_place_ && !t.param.device().is_cpu()))
     return absl::InvalidArgumentError(absl::StrCat(
         "tensor '", name, "': ", device_bytes ? "device" : "host", " bytes for a ",
         in_place_ ? "" : "host-", "staged update of a model on ", t.param.device().str()));
-  t.wire_dtype = std::string(dtype);
-  t.wire = *wire;
-  t.total = t.param.numel() * static_cast<int64_t>(c10::elementSize(t.wire));
+  t.wire_dtype = dtype;
+  t.total = t.param.numel() * opd::rpc::WireDtypeSize(dtype);
   if (!in_place_) {
     t.dst = HostLike(t.param);
     host_bytes_ += static_cast<int64_t>(t.dst.nbytes());
   }
   // Host bytes go straight into the destination in its own dtype; otherwise they gather in a
   // buffer that is cast once complete.
-  if (!device_bytes && t.wire != t.dst.scalar_type())
+  if (!device_bytes && wire != t.dst.scalar_type())
     t.buffer = torch::empty({t.total}, torch::kUInt8);
   t.started = true;
   return absl::OkStatus();
 }
 
 absl::Status StagedWeights::Next(std::string_view name, const std::vector<int64_t>& shape,
-                                 std::string_view dtype, int64_t offset, int64_t bytes,
-                                 bool device_bytes, Target** target) {
+                                 WireDtype dtype, int64_t offset, int64_t bytes, bool device_bytes,
+                                 Target** target) {
   auto it = targets_.find(name);
   if (it == targets_.end()) {
     return absl::InvalidArgumentError(
@@ -188,8 +184,8 @@ absl::Status StagedWeights::Next(std::string_view name, const std::vector<int64_
   } else if (shape != t.param.sizes().vec() || dtype != t.wire_dtype) {
     return absl::InvalidArgumentError(
         absl::StrCat("tensor '", key, "': a chunk with shape ", ShapeString(shape), " and dtype ",
-                     std::string(dtype), " after chunks with ", ShapeString(t.param.sizes()),
-                     " and ", t.wire_dtype));
+                     WireDtypeName(dtype), " after chunks with ", ShapeString(t.param.sizes()),
+                     " and ", WireDtypeName(*t.wire_dtype)));
   }
   if (t.done) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", key, "' was already complete"));
@@ -219,7 +215,7 @@ absl::Status StagedWeights::Finish(const std::string& name, Target& t) {
   }
   if (t.buffer.defined()) {
     torch::NoGradGuard no_grad;
-    t.dst.copy_(t.buffer.view(t.wire).view(t.dst.sizes()));
+    t.dst.copy_(t.buffer.view(opd::rpc::TorchDtype(*t.wire_dtype)).view(t.dst.sizes()));
     t.buffer = torch::Tensor();
   }
   // On the device, every tensor is checked at once in CheckComplete (one synchronisation).
@@ -235,12 +231,13 @@ absl::Status StagedWeights::CheckFinite(const std::string& name, const Target& t
     return absl::OkStatus();
   const int64_t bad = torch::isfinite(t.dst).logical_not().sum().item<int64_t>();
   const std::string model_dtype = opd::rpc::DtypeName(t.dst.scalar_type());
+  const std::string wire_dtype = WireDtypeName(*t.wire_dtype);
   return absl::InvalidArgumentError(
       absl::StrCat("tensor '", name, "': ", bad, " of its ", t.dst.numel(),
                    " values are not finite (NaN or infinity)",
-                   t.wire_dtype == model_dtype
+                   wire_dtype == model_dtype
                        ? ""
-                       : absl::StrCat(" after the cast from ", t.wire_dtype, " to ", model_dtype),
+                       : absl::StrCat(" after the cast from ", wire_dtype, " to ", model_dtype),
                    "; the update is refused and the serving weights stay"));
 }
 
@@ -262,7 +259,7 @@ absl::Status StagedWeights::CheckDeviceFinite() const {
   return absl::OkStatus();
 }
 
-absl::Status StagedWeights::Add(const ChunkView& chunk) {
+absl::Status StagedWeights::Add(const WireTensor& chunk) {
   Target* t = nullptr;
   RETURN_IF_ERROR(Next(chunk.name, chunk.shape, chunk.dtype, chunk.offset,
                        static_cast<int64_t>(chunk.data.size()), false, &t));
@@ -284,11 +281,15 @@ absl::Status StagedWeights::AddDeviceBytes(std::string_view name, int64_t offset
     return absl::InvalidArgumentError(
         absl::StrCat("tensor '", std::string(name), "' is not a parameter of the model"));
   Target* t = nullptr;
-  const std::string dtype = it->second.wire_dtype.empty()
-                                ? opd::rpc::DtypeName(it->second.param.scalar_type())
-                                : it->second.wire_dtype;
+  // Unannounced, device bytes are the model's own (an in-place update takes no other dtype).
+  auto dtype = it->second.wire_dtype.has_value()
+                   ? absl::StatusOr<WireDtype>(*it->second.wire_dtype)
+                   : opd::rpc::WireDtypeOf(it->second.param.scalar_type());
+  if (!dtype.ok())
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", it->first, "': ", dtype.status().message()));
   RETURN_IF_ERROR(
-      Next(name, it->second.param.sizes().vec(), dtype, offset, bytes.numel(), true, &t));
+      Next(name, it->second.param.sizes().vec(), *dtype, offset, bytes.numel(), true, &t));
   if (t->checksum.has_value())
     return absl::InvalidArgumentError(absl::StrCat(
         "tensor '", it->first, "': a checksum was announced; device bytes carry none"));
@@ -406,24 +407,21 @@ bool WeightStore::AwaitNoPending(absl::Duration timeout) const {
 }
 
 absl::StatusOr<std::unique_ptr<StagedWeights>> WeightStore::Stage(int64_t version) const {
-  return StageUpdate(version, nullptr, std::nullopt, false);
+  return StageUpdate(version, nullptr, false);
 }
 
 absl::StatusOr<std::unique_ptr<StagedWeights>> WeightStore::StageAnnounced(
-    int64_t version, const std::vector<AnnouncedTensor>& announced,
-    std::optional<int64_t> base_version) const {
-  return StageUpdate(version, &announced, base_version, false);
+    int64_t version, const opd::v1::WeightManifest& manifest) const {
+  return StageUpdate(version, &manifest, false);
 }
 
 absl::StatusOr<std::unique_ptr<StagedWeights>> WeightStore::StageInPlace(
-    int64_t version, const std::vector<AnnouncedTensor>& announced,
-    std::optional<int64_t> base_version) const {
-  return StageUpdate(version, &announced, base_version, true);
+    int64_t version, const opd::v1::WeightManifest& manifest) const {
+  return StageUpdate(version, &manifest, true);
 }
 
 absl::StatusOr<std::unique_ptr<StagedWeights>> WeightStore::StageUpdate(
-    int64_t version, const std::vector<AnnouncedTensor>* announced,
-    std::optional<int64_t> base_version, bool in_place) const {
+    int64_t version, const opd::v1::WeightManifest* manifest, bool in_place) const {
   StoreState& s = *state_;
   // Everything is checked against the model before anything is allocated.
   std::map<std::string, torch::Tensor, std::less<>> params;
@@ -432,12 +430,14 @@ absl::StatusOr<std::unique_ptr<StagedWeights>> WeightStore::StageUpdate(
     params[p.key()] = p.value();
     shapes[p.key()] = p.value().sizes().vec();
   }
-  int64_t bytes = -1;
-  bool full = announced == nullptr;
-  if (announced) {
-    ASSIGN_OR_RETURN(bytes, opd::rpc::CheckAnnounced(*announced, shapes));
-    full = !base_version.has_value() && announced->size() == params.size();
+  opd::rpc::Announcement announced;  // a full update announces nothing
+  if (manifest) {
+    ASSIGN_OR_RETURN(announced, opd::rpc::ReadManifest(*manifest, shapes));
   }
+  // Without a base, the update does not start from a given version (full, or all announced).
+  const bool has_base = announced.base_version.has_value();
+  const int64_t base_version = announced.base_version.value_or(0);
+  const bool full = !manifest || (!has_base && announced.tensors.size() == params.size());
   int64_t serving = 0;
   {
     absl::MutexLock lock(&s.mu);
@@ -449,9 +449,9 @@ absl::StatusOr<std::unique_ptr<StagedWeights>> WeightStore::StageUpdate(
     if (s.writing)
       return absl::UnavailableError(
           absl::StrCat("weight version ", version, ": an update is being written in place"));
-    if (base_version.has_value() && *base_version != s.version)
+    if (has_base && base_version != s.version)
       return absl::FailedPreconditionError(
-          absl::StrCat("weight version ", version, " updates version ", *base_version,
+          absl::StrCat("weight version ", version, " updates version ", base_version,
                        ", but version ", s.version, " is serving (send every tensor)"));
     if (!s.damage.ok() && !full)
       return absl::FailedPreconditionError(absl::StrCat(
@@ -464,8 +464,8 @@ absl::StatusOr<std::unique_ptr<StagedWeights>> WeightStore::StageUpdate(
   }
   // From here an in-place update owns the weights; dropping it gives them back.
   auto staged = std::unique_ptr<StagedWeights>(
-      new StagedWeights(state_, version, announced && base_version ? serving : -1, in_place));
-  staged->expected_bytes_ = bytes;
+      new StagedWeights(state_, version, has_base ? serving : -1, in_place));
+  staged->expected_bytes_ = manifest ? announced.bytes : -1;
   staged->full_ = full;
   for (auto& [name, p] : params) {
     if (!p.is_contiguous())
@@ -473,15 +473,13 @@ absl::StatusOr<std::unique_ptr<StagedWeights>> WeightStore::StageUpdate(
     StagedWeights::Target& t = staged->targets_[name];
     t.param = p;
     t.dst = in_place ? p : torch::Tensor();
-    t.expected = announced == nullptr;
+    t.expected = manifest == nullptr;
   }
-  if (announced) {
-    for (const AnnouncedTensor& a : *announced) {
-      StagedWeights::Target& t = staged->targets_.at(a.name);
-      t.expected = true;
-      t.checksum = a.checksum;
-      t.wire_dtype = a.dtype;
-    }
+  for (const WireTensor& a : announced.tensors) {
+    StagedWeights::Target& t = staged->targets_.at(a.name);
+    t.expected = true;
+    t.checksum = a.checksum;
+    t.wire_dtype = a.dtype;
   }
   return staged;
 }

@@ -55,6 +55,7 @@
 #include "lm/generate/generator.h"
 #include "rpc/weight_manifest.h"
 #include "rpc/weight_wire.h"
+#include "rpc/wire_tensor.h"
 
 namespace lm {
 class CausalLM;
@@ -75,18 +76,10 @@ inline constexpr int64_t kMaxWeightVersion = int64_t{1} << 53;
 // the lease that keeps an update from overwriting the weights while the generation runs.
 using Snapshot = lm::ModelSnapshot;
 
-// One chunk of one tensor, as it arrives (views into the message).
-struct ChunkView {
-  std::string_view name;
-  std::vector<int64_t> shape;
-  std::string_view dtype;  // the wire dtype: "float32" | "bfloat16" | "float16"
-  int64_t offset = 0;      // byte offset within the tensor's wire bytes
-  std::string_view data;
-};
-
-// One tensor of an announced update, as the control plane named it (checked torch-free:
-// rpc/weight_manifest.h).
-using AnnouncedTensor = opd::rpc::AnnouncedTensor;
+// A tensor, or a chunk of one, as it travels (rpc/wire_tensor.h): chunks are views into the
+// message; a manifest's entries are checked torch-free (rpc/weight_manifest.h).
+using opd::rpc::WireDtype;
+using opd::rpc::WireTensor;
 
 // What a WeightStore shares with its updates and its snapshots' leases (weights.cc).
 struct StoreState;
@@ -102,7 +95,7 @@ class StagedWeights {
   // complete, it holds a NaN or an infinity (in the model's dtype); DATA_LOSS naming the tensor
   // when its bytes do not match the announced checksum. Host bytes: a host-staged update, or an
   // in-place one of a model on the CPU.
-  absl::Status Add(const ChunkView& chunk);
+  absl::Status Add(const WireTensor& chunk);
   // In-place updates: bytes [offset, offset + bytes.numel()) of tensor `name`'s wire bytes, from
   // `bytes` (uint8 on the model's device, e.g. a slice of a received bucket). Copied on the
   // current stream without a synchronisation; the finiteness of every tensor is checked once, by
@@ -129,22 +122,20 @@ class StagedWeights {
     torch::Tensor dst;     // where the bytes go: a host copy (staged) or `param` (in place)
     bool expected = true;  // announced updates expect only the announced tensors
     std::optional<uint64_t> checksum;
-    std::string wire_dtype;  // announced, or set by the tensor's first chunk
-    torch::Dtype wire = torch::kFloat32;
-    int64_t total = 0;     // wire bytes
-    int64_t filled = 0;    // bytes received
-    bool started = false;  // a chunk arrived (zero-byte tensors count too)
-    bool done = false;     // every byte arrived
+    std::optional<WireDtype> wire_dtype;  // announced, or set by the tensor's first chunk
+    int64_t total = 0;                    // wire bytes
+    int64_t filled = 0;                   // bytes received
+    bool started = false;                 // a chunk arrived (zero-byte tensors count too)
+    bool done = false;                    // every byte arrived
     torch::Tensor buffer;  // the wire bytes, where they cannot go straight into `dst`
     opd::rpc::Xxh64 hash;
   };
   StagedWeights(std::shared_ptr<StoreState> store, int64_t version, int64_t base_version,
                 bool in_place);
-  absl::Status Begin(const std::string& name, Target& t, std::string_view dtype,
+  absl::Status Begin(const std::string& name, Target& t, WireDtype dtype,
                      const std::vector<int64_t>& shape, bool device_bytes);
-  absl::Status Next(std::string_view name, const std::vector<int64_t>& shape,
-                    std::string_view dtype, int64_t offset, int64_t bytes, bool device_bytes,
-                    Target** target);
+  absl::Status Next(std::string_view name, const std::vector<int64_t>& shape, WireDtype dtype,
+                    int64_t offset, int64_t bytes, bool device_bytes, Target** target);
   absl::Status Finish(const std::string& name, Target& t);
   static absl::Status CheckFinite(const std::string& name, const Target& t);
   absl::Status CheckDeviceFinite() const;
@@ -205,22 +196,20 @@ class WeightStore {
   // FAILED_PRECONDITION unless `version` is above the accepted version; INVALID_ARGUMENT from
   // kMaxWeightVersion on; UNAVAILABLE while another update is pending.
   absl::StatusOr<std::unique_ptr<StagedWeights>> Stage(int64_t version) const;
-  // An update of only the `announced` tensors, staged in host memory (nothing staged when nothing
-  // is announced). The errors of Stage, and FAILED_PRECONDITION when `base_version` is given and
-  // is not the serving one (or the store is damaged and not every tensor is announced);
-  // INVALID_ARGUMENT naming the tensor when one is unknown, repeated, of another shape, or of an
-  // unknown dtype.
+  // An update of only the tensors `manifest` announces, staged in host memory (nothing staged when
+  // nothing is announced). The errors of Stage, and FAILED_PRECONDITION when the manifest's base
+  // version is set and is not the serving one (or the store is damaged and not every tensor is
+  // announced); INVALID_ARGUMENT naming the tensor when one is unknown, repeated, of another shape,
+  // or of an unknown dtype (rpc/weight_manifest.h ReadManifest).
   absl::StatusOr<std::unique_ptr<StagedWeights>> StageAnnounced(
-      int64_t version, const std::vector<AnnouncedTensor>& announced,
-      std::optional<int64_t> base_version = std::nullopt) const;
+      int64_t version, const opd::v1::WeightManifest& manifest) const;
   // The same update written straight into the serving parameters, when no request holds them;
   // until it is committed (or dropped: the store is then damaged) Acquire waits.
   // FAILED_PRECONDITION "in use" when a lease of the serving weights is alive (stage it in host
   // memory instead), and the errors of StageAnnounced. Announced tensors must travel in the model's
   // dtype.
   absl::StatusOr<std::unique_ptr<StagedWeights>> StageInPlace(
-      int64_t version, const std::vector<AnnouncedTensor>& announced,
-      std::optional<int64_t> base_version = std::nullopt) const;
+      int64_t version, const opd::v1::WeightManifest& manifest) const;
 
   // Checks completeness (and, in place, finiteness), then commits: at once when no request holds
   // the serving weights (or under Commit::kAtOnce), else as the pending update. FAILED_PRECONDITION
@@ -236,9 +225,9 @@ class WeightStore {
   bool AwaitNoPending(absl::Duration timeout) const;
 
  private:
+  // `manifest`: null for a full update.
   absl::StatusOr<std::unique_ptr<StagedWeights>> StageUpdate(
-      int64_t version, const std::vector<AnnouncedTensor>* announced,
-      std::optional<int64_t> base_version, bool in_place) const;
+      int64_t version, const opd::v1::WeightManifest* manifest, bool in_place) const;
   // Copies `staged` into place and publishes its version; the caller set the state's `writing`.
   absl::Status Apply(StagedWeights& staged);
   void CommitLoop();

@@ -14,7 +14,7 @@ namespace opd::rpc {
 
 absl::StatusOr<StreamReport> StreamWeights(opd::v1::Rollout::StubInterface& stub,
                                            const ClientOptions& options, int64_t version,
-                                           const std::vector<WireTensor>& tensors,
+                                           const std::vector<OutgoingTensor>& tensors,
                                            const std::vector<size_t>& which,
                                            const opd::v1::WeightManifest* manifest,
                                            torch::Tensor& bucket, const StreamOptions& stream) {
@@ -43,15 +43,14 @@ absl::StatusOr<StreamReport> StreamWeights(opd::v1::Rollout::StubInterface& stub
       tensors, which, bucket, [&](int64_t n, const std::vector<BucketSegment>& segments) {
         const char* base = static_cast<const char*>(bucket.data_ptr());
         for (const auto& s : segments) {
-          const WireTensor& t = tensors[s.tensor];
+          const OutgoingTensor& t = tensors[s.tensor];
           for (int64_t off = 0; off < s.bytes || (s.bytes == 0 && off == 0);) {
             const int64_t take = std::min(s.bytes - off, chunk_bytes);
+            WireTensor piece = static_cast<const WireTensor&>(t);
+            piece.offset = s.offset + off;
+            piece.data = std::string_view(base + s.bucket_offset + off, static_cast<size_t>(take));
             opd::v1::WeightChunk chunk;
-            chunk.set_name(t.name);
-            chunk.mutable_shape()->Add(t.shape.begin(), t.shape.end());
-            chunk.set_dtype(DtypeName(t.dtype));
-            chunk.set_offset(s.offset + off);
-            chunk.set_data(base + s.bucket_offset + off, static_cast<size_t>(take));
+            ToProto(piece, &chunk);
             if (!write(chunk)) return absl::CancelledError("stream closed by the worker");
             if (s.bytes == 0) break;
             off += take;
@@ -73,14 +72,14 @@ absl::StatusOr<StreamReport> StreamWeights(opd::v1::Rollout::StubInterface& stub
 }
 
 absl::StatusOr<StreamReport> StreamWeights(const ClientOptions& options, int64_t version,
-                                           const std::vector<WireTensor>& tensors,
+                                           const std::vector<OutgoingTensor>& tensors,
                                            const StreamOptions& stream) {
   ASSIGN_OR_RETURN(auto channel, MakeChannel(options));
   auto stub = opd::v1::Rollout::NewStub(channel);
   std::vector<size_t> all(tensors.size());
   std::iota(all.begin(), all.end(), size_t{0});
   int64_t total = 0;
-  for (const WireTensor& t : tensors) total += t.bytes;
+  for (const OutgoingTensor& t : tensors) total += t.bytes;
   const int64_t bucket_bytes = std::clamp<int64_t>((total + 7) / 8 * 8, 8, int64_t{64} << 20);
   torch::Tensor bucket = torch::empty({bucket_bytes}, torch::kUInt8);
   return StreamWeights(*stub, options, version, tensors, all, nullptr, bucket, stream);

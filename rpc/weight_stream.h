@@ -41,7 +41,7 @@ struct StreamReport {
 // starting with the worker's address.
 absl::StatusOr<StreamReport> StreamWeights(opd::v1::Rollout::StubInterface& stub,
                                            const ClientOptions& options, int64_t version,
-                                           const std::vector<WireTensor>& tensors,
+                                           const std::vector<OutgoingTensor>& tensors,
                                            const std::vector<size_t>& which,
                                            const opd::v1::WeightManifest* manifest,
                                            torch::Tensor& bucket, const StreamOptions& stream = {});
@@ -49,7 +49,7 @@ absl::StatusOr<StreamReport> StreamWeights(opd::v1::Rollout::StubInterface& stub
 // A full update of every tensor, without a manifest, over a channel of its own: the one-off push
 // of opd-ctl and the tests. The cast buffer holds 64 MiB (or the whole update, if smaller).
 absl::StatusOr<StreamReport> StreamWeights(const ClientOptions& options, int64_t version,
-                                           const std::vector<WireTensor>& tensors,
+                                           const std::vector<OutgoingTensor>& tensors,
                                            const StreamOptions& stream = {});
 
 }  // namespace opd::rpc

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "lm/util/status.h"
+#include "rpc/tensor_codec.h"
 
 namespace opd::rpc {
 namespace {
@@ -40,8 +41,9 @@ inline uint64_t Merge(uint64_t acc, uint64_t v) {
   return acc * kP1 + kP4;
 }
 
-bool IsDirect(const torch::Tensor& source, torch::Dtype dtype) {
-  return source.device().is_cpu() && source.scalar_type() == dtype && source.is_contiguous();
+bool IsDirect(const OutgoingTensor& t) {
+  return t.source.device().is_cpu() && t.source.scalar_type() == TorchDtype(t.dtype) &&
+         t.source.is_contiguous();
 }
 
 }  // namespace
@@ -108,13 +110,13 @@ uint64_t Xxh64::Of(const void* data, size_t n) {
   return x.Digest();
 }
 
-std::vector<WireTensor> WireTensorsOf(
-    const std::vector<std::pair<std::string, torch::Tensor>>& params, torch::Dtype dtype) {
-  std::vector<WireTensor> out;
+std::vector<OutgoingTensor> OutgoingTensorsOf(
+    const std::vector<std::pair<std::string, torch::Tensor>>& params, WireDtype dtype) {
+  std::vector<OutgoingTensor> out;
   out.reserve(params.size());
-  const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t es = WireDtypeSize(dtype);
   for (const auto& [name, t] : params) {
-    WireTensor w;
+    OutgoingTensor w;
     w.name = name;
     w.shape = t.sizes().vec();
     w.dtype = dtype;
@@ -125,8 +127,9 @@ std::vector<WireTensor> WireTensorsOf(
   return out;
 }
 
-absl::Status PackBuckets(const std::vector<WireTensor>& tensors, const std::vector<size_t>& which,
-                         torch::Tensor& bucket, const BucketFn& on_bucket) {
+absl::Status PackBuckets(const std::vector<OutgoingTensor>& tensors,
+                         const std::vector<size_t>& which, torch::Tensor& bucket,
+                         const BucketFn& on_bucket) {
   const int64_t capacity = bucket.numel();
   std::vector<BucketSegment> segments;
   int64_t used = 0;
@@ -137,8 +140,8 @@ absl::Status PackBuckets(const std::vector<WireTensor>& tensors, const std::vect
     return st;
   };
   for (size_t idx : which) {
-    const WireTensor& t = tensors[idx];
-    const int64_t es = static_cast<int64_t>(c10::elementSize(t.dtype));
+    const OutgoingTensor& t = tensors[idx];
+    const int64_t es = WireDtypeSize(t.dtype);
     torch::Tensor flat = t.source.reshape({-1});
     if (t.bytes == 0) segments.push_back({idx, 0, 0, used});
     for (int64_t off = 0; off < t.bytes;) {
@@ -146,7 +149,7 @@ absl::Status PackBuckets(const std::vector<WireTensor>& tensors, const std::vect
         if (absl::Status st = flush(); !st.ok()) return st;
       }
       const int64_t n = std::min(t.bytes - off, (capacity - used) / es * es);
-      torch::Tensor dst = bucket.narrow(0, used, n).view(t.dtype);
+      torch::Tensor dst = bucket.narrow(0, used, n).view(TorchDtype(t.dtype));
       dst.copy_(flat.narrow(0, off / es, n / es));
       segments.push_back({idx, off, n, used});
       used += n;
@@ -157,20 +160,20 @@ absl::Status PackBuckets(const std::vector<WireTensor>& tensors, const std::vect
   return absl::OkStatus();
 }
 
-void ComputeChecksums(std::vector<WireTensor>* tensors, torch::Tensor& staging) {
+void ComputeChecksums(std::vector<OutgoingTensor>* tensors, torch::Tensor& staging) {
   torch::NoGradGuard no_grad;
   // Tensors already in their wire form are hashed where they lie, several at once.
   std::vector<size_t> direct, cast;
   for (size_t i = 0; i < tensors->size(); ++i)
-    (IsDirect((*tensors)[i].source, (*tensors)[i].dtype) ? direct : cast).push_back(i);
+    (IsDirect((*tensors)[i]) ? direct : cast).push_back(i);
   at::parallel_for(0, static_cast<int64_t>(direct.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
-      WireTensor& t = (*tensors)[direct[i]];
+      OutgoingTensor& t = (*tensors)[direct[i]];
       t.checksum = Xxh64::Of(t.source.data_ptr(), static_cast<size_t>(t.bytes));
     }
   });
   for (size_t i : cast) {
-    WireTensor& t = (*tensors)[i];
+    OutgoingTensor& t = (*tensors)[i];
     Xxh64 h;
     PackBuckets(*tensors, {i}, staging, [&](int64_t n, const std::vector<BucketSegment>&) {
       h.Update(staging.data_ptr(), static_cast<size_t>(n));
@@ -193,19 +196,19 @@ std::vector<int64_t> SenderShares(int64_t total, int senders) {
   return out;
 }
 
-absl::Status PackRange(const std::vector<WireTensor>& tensors, int64_t begin, int64_t end,
+absl::Status PackRange(const std::vector<OutgoingTensor>& tensors, int64_t begin, int64_t end,
                        torch::Tensor& bucket,
                        const std::function<absl::Status(int64_t)>& on_bucket) {
   torch::NoGradGuard no_grad;
   const int64_t capacity = bucket.numel();
   int64_t used = 0, start = 0;  // start: the stream offset of tensor i
-  auto misaligned = [&](const WireTensor& t, int64_t at) {
+  auto misaligned = [&](const OutgoingTensor& t, int64_t at) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': byte ", at,
                                                    " of the push is not on one of its elements"));
   };
-  for (const WireTensor& t : tensors) {
+  for (const OutgoingTensor& t : tensors) {
     const int64_t lo = std::max(begin, start), hi = std::min(end, start + t.bytes);
-    const int64_t es = static_cast<int64_t>(c10::elementSize(t.dtype));
+    const int64_t es = WireDtypeSize(t.dtype);
     if (lo < hi) {
       if ((lo - start) % es != 0) return misaligned(t, lo);
       if ((hi - start) % es != 0) return misaligned(t, hi);
@@ -213,7 +216,7 @@ absl::Status PackRange(const std::vector<WireTensor>& tensors, int64_t begin, in
       for (int64_t off = lo - start; off < hi - start;) {
         const int64_t n = std::min(hi - start - off, capacity - used);
         if (n % es != 0 || used % es != 0) return misaligned(t, start + off + n);
-        bucket.narrow(0, used, n).view(t.dtype).copy_(flat.narrow(0, off / es, n / es));
+        bucket.narrow(0, used, n).view(TorchDtype(t.dtype)).copy_(flat.narrow(0, off / es, n / es));
         used += n;
         off += n;
         if (used == capacity || start + off == end) {

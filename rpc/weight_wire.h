@@ -15,6 +15,7 @@
 #include <torch/types.h>
 
 #include "absl/status/status.h"
+#include "rpc/wire_tensor.h"
 
 namespace opd::rpc {
 
@@ -34,19 +35,16 @@ class Xxh64 {
   size_t buffered_ = 0;
 };
 
-// One parameter of an update as it travels.
-struct WireTensor {
-  std::string name;
-  std::vector<int64_t> shape;
-  torch::Dtype dtype = torch::kFloat32;  // the wire dtype
-  int64_t bytes = 0;                     // numel x element size of `dtype`
-  uint64_t checksum = 0;                 // XXH64 of the wire bytes
-  torch::Tensor source;                  // the parameter itself (any dtype and device)
+// A parameter on its way out: the tensor on the wire (name, shape, wire dtype; its checksum once
+// ComputeChecksums ran) and the parameter its bytes are cast from.
+struct OutgoingTensor : WireTensor {
+  torch::Tensor source;  // the parameter itself (any dtype and device)
+  int64_t bytes = 0;     // numel x the wire dtype's size
 };
 
 // The named parameters of `params` in `dtype`, without their checksums.
-std::vector<WireTensor> WireTensorsOf(
-    const std::vector<std::pair<std::string, torch::Tensor>>& params, torch::Dtype dtype);
+std::vector<OutgoingTensor> OutgoingTensorsOf(
+    const std::vector<std::pair<std::string, torch::Tensor>>& params, WireDtype dtype);
 
 // One piece of a bucket: bytes [offset, offset + bytes) of tensor `tensor` (an index into the
 // list given to PackBuckets), at `bucket_offset` in the bucket.
@@ -63,12 +61,13 @@ struct BucketSegment {
 // anything is left. Stops at the first error on_bucket returns. Zero-byte tensors appear as
 // zero-byte segments.
 using BucketFn = std::function<absl::Status(int64_t, const std::vector<BucketSegment>&)>;
-absl::Status PackBuckets(const std::vector<WireTensor>& tensors, const std::vector<size_t>& which,
-                         torch::Tensor& bucket, const BucketFn& on_bucket);
+absl::Status PackBuckets(const std::vector<OutgoingTensor>& tensors,
+                         const std::vector<size_t>& which, torch::Tensor& bucket,
+                         const BucketFn& on_bucket);
 
 // The checksums of every tensor (cast through `staging`, a CPU uint8 buffer, where the source is
 // not already a CPU tensor of the wire dtype).
-void ComputeChecksums(std::vector<WireTensor>* tensors, torch::Tensor& staging);
+void ComputeChecksums(std::vector<OutgoingTensor>* tensors, torch::Tensor& staging);
 
 // ---- The parallel push (SyncWeightsRequest.sender_bytes in rollout.proto) ----
 //
@@ -86,7 +85,7 @@ std::vector<int64_t> SenderShares(int64_t total, int senders);
 // on_bucket(n) each time it holds min(bucket size, end - position) bytes. INVALID_ARGUMENT when
 // [begin, end) does not start and end on elements of the tensors it covers, or a bucket boundary
 // would split an element (the bucket size must be a multiple of every element size).
-absl::Status PackRange(const std::vector<WireTensor>& tensors, int64_t begin, int64_t end,
+absl::Status PackRange(const std::vector<OutgoingTensor>& tensors, int64_t begin, int64_t end,
                        torch::Tensor& bucket,
                        const std::function<absl::Status(int64_t)>& on_bucket);
 

@@ -476,7 +476,8 @@ TEST(RolloutWeights, PushToTwoRanksSwapsEveryRanksShard) {
   const auto before = Generate(two, 3, kSecret);
   auto client = opd::rpc::RolloutClient::Create(two.Options(kSecret));
   ASSERT_TRUE(client.ok());
-  const auto w = opd::rpc::WireTensorsOf(opd::rpc::NamedParameters(*fresh), torch::kFloat32);
+  const auto w =
+      opd::rpc::OutgoingTensorsOf(opd::rpc::NamedParameters(*fresh), opd::rpc::WireDtype::kFloat32);
   opd::rpc::StreamOptions small;
   small.chunk_bytes = 1000;
   auto pushed = opd::rpc::StreamWeights(two.Options(kSecret), 1, w, small);
@@ -486,7 +487,7 @@ TEST(RolloutWeights, PushToTwoRanksSwapsEveryRanksShard) {
   ExpectSameSamples(Generate(two, 3, kSecret), want, 1);
 
   // Incomplete (the last tensor left out): refused, every rank keeps version 1.
-  const std::vector<opd::rpc::WireTensor> partial(w.begin(), w.end() - 1);
+  const std::vector<opd::rpc::OutgoingTensor> partial(w.begin(), w.end() - 1);
   auto refused = opd::rpc::StreamWeights(two.Options(kSecret), 2, partial, small);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
   auto stale = opd::rpc::StreamWeights(two.Options(kSecret), 1, w);
@@ -513,9 +514,10 @@ TEST(RolloutFailure, FollowerKilledMidGenerateGivesUnavailable) {
   EXPECT_EQ(g.rank(1).Wait(std::chrono::seconds(60)), 128 + SIGKILL);
   auto model = lm::LoadModel(kMoe + "/model");
   ASSERT_TRUE(model.ok());
-  auto push = opd::rpc::StreamWeights(
-      g.Options(kSecret), 1,
-      opd::rpc::WireTensorsOf(opd::rpc::NamedParameters(**model), torch::kFloat32));
+  auto push =
+      opd::rpc::StreamWeights(g.Options(kSecret), 1,
+                              opd::rpc::OutgoingTensorsOf(opd::rpc::NamedParameters(**model),
+                                                          opd::rpc::WireDtype::kFloat32));
   EXPECT_EQ(push.status().code(), absl::StatusCode::kUnavailable) << push.status();
   EXPECT_EQ(g.rank(0).Stop(), 1) << g.Logs();
 }

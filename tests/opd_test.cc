@@ -738,8 +738,10 @@ TEST_F(Opd, RolloutRepliesThatFailValidationAreRefusedNamingTheField) {
     // WeightPublisher tells it: the samples' versions are checked against it from now on.
     opd::rpc::ClientOptions to = base;
     to.address = worker.address;
-    auto pushed = opd::rpc::StreamWeights(
-        to, 3, opd::rpc::WireTensorsOf(opd::rpc::NamedParameters(*weights), torch::kFloat32));
+    auto pushed =
+        opd::rpc::StreamWeights(to, 3,
+                                opd::rpc::OutgoingTensorsOf(opd::rpc::NamedParameters(*weights),
+                                                            opd::rpc::WireDtype::kFloat32));
     ASSERT_TRUE(pushed.ok()) << pushed.status();
     (*pool)->RecordPush(3, /*acknowledged=*/true);
     lm::SamplingParams g;

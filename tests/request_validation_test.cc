@@ -1,24 +1,46 @@
 // The torch-free request checks of the rollout worker: a GenerateRequest's conversion (the
 // proto's defaults, seed indices), Validate's absence of a KV budget and its seed-index checks,
-// and an UpdateWeights manifest against the model's parameters. Validate's other bounds are
-// covered by sampler_test; these are what the fuzz targets assume (fuzz/).
+// an UpdateWeights manifest against the model's parameters, and a weight tensor's fields on the
+// wire (rpc/wire_tensor.h). Validate's other bounds are covered by sampler_test; these are what the
+// fuzz targets assume (fuzz/).
 #include <string>
 
 #include <gtest/gtest.h>
 
+#include "opd/v1/common.pb.h"
 #include "opd/v1/rollout.pb.h"
 #include "rollout/generate_request.h"
 #include "rpc/weight_manifest.h"
+#include "rpc/wire_tensor.h"
 
 namespace {
 
-using opd::rpc::AnnouncedTensor;
-using opd::rpc::CheckAnnounced;
+using opd::rpc::ReadManifest;
+using opd::rpc::WireDtype;
+using opd::rpc::WireTensor;
 
 const opd::rpc::ParamShapes kParams = {{"embed", {16, 4}}, {"norm", {4}}, {"scale", {}}};
 
-void ExpectInvalid(const std::vector<AnnouncedTensor>& announced, const std::string& needle) {
-  auto got = CheckAnnounced(announced, kParams);
+// A manifest entry as a sender from before the dtype enum wrote it: the dtype by name only.
+struct OldEntry {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::string dtype;
+};
+
+opd::v1::WeightManifest OldManifest(const std::vector<OldEntry>& entries) {
+  opd::v1::WeightManifest m;
+  for (const OldEntry& e : entries) {
+    opd::v1::ManifestTensor* t = m.add_tensors();
+    t->set_name(e.name);
+    t->mutable_shape()->Add(e.shape.begin(), e.shape.end());
+    t->set_dtype(e.dtype);
+  }
+  return m;
+}
+
+void ExpectInvalid(const std::vector<OldEntry>& entries, const std::string& needle) {
+  auto got = ReadManifest(OldManifest(entries), kParams);
   ASSERT_FALSE(got.ok()) << needle;
   EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(got.status().message().find(needle), std::string::npos) << got.status();
@@ -109,43 +131,103 @@ TEST(GenerateRequest, ValidateChecksTheSeedIndices) {
 }
 
 TEST(WeightManifest, CountsTheWireBytesOfTheAnnouncedDtypes) {
-  auto bytes =
-      CheckAnnounced({{"embed", {16, 4}, "bfloat16", 1}, {"scale", {}, "float32", 2}}, kParams);
-  ASSERT_TRUE(bytes.ok()) << bytes.status();
-  EXPECT_EQ(*bytes, 16 * 4 * 2 + 4);
-  EXPECT_EQ(*CheckAnnounced({}, kParams), 0);
+  auto read = ReadManifest(OldManifest({{"embed", {16, 4}, "bfloat16"}, {"scale", {}, "float32"}}),
+                           kParams);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->bytes, 16 * 4 * 2 + 4);
+  EXPECT_EQ(ReadManifest(OldManifest({}), kParams)->bytes, 0);
 }
 
 TEST(WeightManifest, RefusesTheFirstBadTensorByName) {
-  ExpectInvalid({{"norm", {4}, "float32", 0}, {"nope", {4}, "float32", 0}},
+  ExpectInvalid({{"norm", {4}, "float32"}, {"nope", {4}, "float32"}},
                 "manifest: tensor 'nope' is not a parameter of the model");
-  ExpectInvalid({{"norm", {4}, "float32", 0}, {"norm", {4}, "float16", 0}},
+  ExpectInvalid({{"norm", {4}, "float32"}, {"norm", {4}, "float16"}},
                 "manifest: tensor 'norm' is announced twice");
-  ExpectInvalid({{"embed", {4, 16}, "float32", 0}},
+  ExpectInvalid({{"embed", {4, 16}, "float32"}},
                 "manifest: tensor 'embed': shape [4, 16], the model's is [16, 4]");
-  ExpectInvalid({{"norm", {4}, "int8", 0}},
+  ExpectInvalid({{"norm", {4}, "int8"}},
                 "manifest: tensor 'norm': unknown dtype 'int8' (float32, bfloat16 or float16)");
   // In manifest order: the unknown name comes before the bad dtype.
-  ExpectInvalid({{"nope", {4}, "float32", 0}, {"norm", {4}, "int8", 0}}, "'nope'");
+  ExpectInvalid({{"nope", {4}, "float32"}, {"norm", {4}, "int8"}}, "'nope'");
 }
 
-TEST(WeightManifest, AnnouncedCarriesTheManifestOver) {
-  opd::v1::WeightManifest m;
-  auto* t = m.add_tensors();
-  t->set_name("embed");
-  t->add_shape(16);
-  t->add_shape(4);
-  t->set_dtype("float16");
-  t->set_checksum(0xFFFFFFFFFFFFFFFFull);
-  const auto announced = opd::rpc::Announced(m);
-  ASSERT_EQ(announced.size(), 1u);
-  EXPECT_EQ(announced[0].name, "embed");
-  EXPECT_EQ(announced[0].shape, (std::vector<int64_t>{16, 4}));
-  EXPECT_EQ(announced[0].dtype, "float16");
-  EXPECT_EQ(announced[0].checksum, 0xFFFFFFFFFFFFFFFFull);
-  EXPECT_FALSE(opd::rpc::BaseVersion(m).has_value());
+TEST(WeightManifest, ReadCarriesTheManifestOver) {
+  opd::v1::WeightManifest m =
+      OldManifest({{"embed", {16, 4}, "float16"}, {"norm", {4}, "float32"}});
+  m.mutable_tensors(0)->set_checksum(0xFFFFFFFFFFFFFFFFull);
+  auto read = ReadManifest(m, kParams);
+  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_EQ(read->tensors.size(), 2u);
+  const WireTensor& t = read->tensors[0];
+  EXPECT_EQ(t.name, "embed");
+  EXPECT_EQ(t.shape, (std::vector<int64_t>{16, 4}));
+  EXPECT_EQ(t.dtype, WireDtype::kFloat16);
+  EXPECT_EQ(t.checksum, 0xFFFFFFFFFFFFFFFFull);
+  EXPECT_FALSE(read->tensors[1].checksum.has_value());  // unset: the bytes are not checked
+  EXPECT_FALSE(read->base_version.has_value());
   m.set_base_version(0);  // set to 0 is not unset
-  EXPECT_EQ(opd::rpc::BaseVersion(m), 0);
+  EXPECT_EQ(ReadManifest(m, kParams)->base_version, 0);
+}
+
+// The enum is what a reader takes; the name is for peers from before it, both ways.
+TEST(WireTensor, ReadsTheEnumAndFallsBackToTheName) {
+  opd::v1::ManifestTensor m;
+  m.set_name("norm");
+  m.set_dtype("float32");  // an older sender: the name alone
+  EXPECT_EQ(opd::rpc::FromProto(m)->dtype, WireDtype::kFloat32);
+  m.set_wire_dtype(opd::v1::WIRE_DTYPE_BFLOAT16);  // the enum wins over a stale name
+  EXPECT_EQ(opd::rpc::FromProto(m)->dtype, WireDtype::kBFloat16);
+  m.clear_dtype();
+  EXPECT_EQ(opd::rpc::FromProto(m)->dtype, WireDtype::kBFloat16);
+  m.set_wire_dtype(static_cast<opd::v1::WireDtype>(9));  // a dtype from a newer sender
+  auto bad = opd::rpc::FromProto(m);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.status().message(),
+            "tensor 'norm': unknown wire_dtype 9 (float32, bfloat16 or float16)");
+  m.clear_wire_dtype();  // neither: the empty name is unknown
+  EXPECT_EQ(opd::rpc::FromProto(m).status().message(),
+            "tensor 'norm': unknown dtype '' (float32, bfloat16 or float16)");
+}
+
+TEST(WireTensor, TravelsWithItsDtypeBothWays) {
+  for (WireDtype dtype : {WireDtype::kFloat32, WireDtype::kBFloat16, WireDtype::kFloat16}) {
+    const std::string bytes = "abcdef";
+    WireTensor t{"embed", {16, 4}, dtype, 42, 128, bytes};
+    opd::v1::ManifestTensor m;
+    opd::rpc::ToProto(t, &m);
+    EXPECT_EQ(m.dtype(), opd::rpc::WireDtypeName(dtype));  // what an older worker reads
+    auto entry = opd::rpc::FromProto(m);
+    ASSERT_TRUE(entry.ok()) << entry.status();
+    EXPECT_EQ(entry->name, t.name);
+    EXPECT_EQ(entry->shape, t.shape);
+    EXPECT_EQ(entry->dtype, dtype);
+    EXPECT_EQ(entry->checksum, 42u);
+    EXPECT_TRUE(entry->data.empty());  // a manifest carries no bytes
+
+    opd::v1::WeightChunk c;
+    opd::rpc::ToProto(t, &c);
+    EXPECT_EQ(c.dtype(), opd::rpc::WireDtypeName(dtype));
+    EXPECT_FALSE(c.has_manifest());
+    auto chunk = opd::rpc::FromProto(c);
+    ASSERT_TRUE(chunk.ok()) << chunk.status();
+    EXPECT_EQ(chunk->dtype, dtype);
+    EXPECT_EQ(chunk->offset, 128);
+    EXPECT_EQ(chunk->data, bytes);
+    EXPECT_EQ(static_cast<const void*>(chunk->data.data()), c.data().data());  // a view
+    EXPECT_EQ(opd::rpc::WireDtypeFromName(opd::rpc::WireDtypeName(dtype)).value(), dtype);
+  }
+  EXPECT_EQ(opd::rpc::WireDtypeSize(WireDtype::kFloat32), 4);
+  EXPECT_EQ(opd::rpc::WireDtypeSize(WireDtype::kBFloat16), 2);
+  EXPECT_EQ(opd::rpc::WireDtypeSize(WireDtype::kFloat16), 2);
+}
+
+TEST(WireTensor, AServiceSaysTheDtypeItTakes) {
+  opd::v1::ServiceInfo info;
+  EXPECT_EQ(opd::rpc::ServedDtype(info).value(), WireDtype::kFloat32);  // older ones do not say
+  info.set_dtype("bfloat16");
+  EXPECT_EQ(opd::rpc::ServedDtype(info).value(), WireDtype::kBFloat16);
+  info.set_dtype("float64");
+  EXPECT_EQ(opd::rpc::ServedDtype(info).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

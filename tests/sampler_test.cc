@@ -20,10 +20,11 @@
 #include "lm/util/splitmix.h"
 #include "rollout/generate_request.h"
 #include "rollout/weights.h"
-#include "rpc/tensor_codec.h"
+#include "rpc/wire_tensor.h"
 #include "tests/gpu.h"
 #include "tests/tensor_testing.h"
 #include "tests/testing.h"
+#include "tests/wire_testing.h"
 
 using testing_util::MaxAbsDiff;
 using testing_util::ResponseIds;
@@ -491,14 +492,18 @@ TEST(Sampler, KvBytesPerTokenCountsKeysAndValuesOfEveryLayer) {
 
 // --- the weight store ---
 
-ChunkView View(const opd::rpc::WeightTensor& t, int64_t offset, size_t bytes) {
-  return ChunkView{t.name, t.shape, t.dtype, offset, std::string_view(t.data + offset, bytes)};
+// Bytes [offset, offset + bytes) of the whole-tensor chunk `t`.
+WireTensor View(const WireTensor& t, int64_t offset, size_t bytes) {
+  WireTensor v = t;
+  v.offset = offset;
+  v.data = t.data.substr(static_cast<size_t>(offset), bytes);
+  return v;
 }
 
 // Stages every tensor of `source` (whole tensors, one chunk each).
-absl::Status StageAll(StagedWeights& staged, const opd::rpc::ModuleWeights& source) {
-  for (const auto& t : source.views) {
-    absl::Status st = staged.Add(View(t, 0, t.bytes));
+absl::Status StageAll(StagedWeights& staged, const testing_util::ModuleWeights& source) {
+  for (const auto& t : source.chunks) {
+    absl::Status st = staged.Add(t);
     if (!st.ok()) return st;
   }
   return absl::OkStatus();
@@ -516,7 +521,7 @@ TEST(WeightStore, CommitWaitsForSnapshotsAndWritesInPlace) {
   std::optional<Snapshot> before = store.Current();
   auto staged = store.Stage(1);
   ASSERT_TRUE(staged.ok()) << staged.status();
-  auto source = opd::rpc::WeightsOf(*b);
+  auto source = testing_util::WeightsOf(*b);
   ASSERT_TRUE(StageAll(**staged, source).ok());
   // Staging alone changes nothing; the commit waits for the snapshot.
   EXPECT_TRUE(torch::equal(a->LmHeadWeight(), a_head));
@@ -538,21 +543,21 @@ TEST(WeightStore, CommitWaitsForSnapshotsAndWritesInPlace) {
 TEST(WeightStore, WrongTensorsAreRejected) {
   auto a = Load();
   WeightStore store(a);
-  auto source = opd::rpc::WeightsOf(*a);
-  const auto& t = source.views[0];
+  auto source = testing_util::WeightsOf(*a);
+  const auto& t = source.chunks[0];
   auto expect_invalid = [](const absl::Status& st, const std::string& needle) {
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
     EXPECT_NE(std::string(st.message()).find(needle), std::string::npos) << st;
   };
   {
     auto staged = *store.Stage(1);
-    auto v = View(t, 0, t.bytes);
+    auto v = t;
     v.name = "model.not_a_tensor";
     expect_invalid(staged->Add(v), "not a parameter");
   }
   {
     auto staged = *store.Stage(1);
-    auto v = View(t, 0, t.bytes);
+    auto v = t;
     v.shape = {1, 2, 3};
     expect_invalid(staged->Add(v), "shape [1, 2, 3]");
   }
@@ -560,15 +565,19 @@ TEST(WeightStore, WrongTensorsAreRejected) {
     // Another wire dtype is cast on arrival (a bf16 push to an fp32 worker), but then the
     // tensor is bf16-sized: fp32's byte count is refused, naming the size.
     auto staged = *store.Stage(1);
-    auto v = View(t, 0, t.bytes);
-    v.dtype = "bfloat16";
-    expect_invalid(staged->Add(v), absl::StrCat(t.bytes, " bytes, more than its ", t.bytes / 2));
+    auto v = t;
+    v.dtype = opd::rpc::WireDtype::kBFloat16;
+    expect_invalid(staged->Add(v),
+                   absl::StrCat(t.data.size(), " bytes, more than its ", t.data.size() / 2));
   }
   {
-    auto staged = *store.Stage(1);
-    auto v = View(t, 0, t.bytes);
-    v.dtype = "int8";
-    expect_invalid(staged->Add(v), "unknown dtype 'int8'");
+    // A dtype no tensor travels in is refused as the chunk is read, naming the tensor.
+    opd::v1::WeightChunk c;
+    opd::rpc::ToProto(t, &c);
+    c.clear_wire_dtype();
+    c.set_dtype("int8");
+    auto v = opd::rpc::FromProto(c);
+    expect_invalid(v.status(), absl::StrCat("tensor '", t.name, "': unknown dtype 'int8'"));
   }
   {
     auto staged = *store.Stage(1);
@@ -576,19 +585,19 @@ TEST(WeightStore, WrongTensorsAreRejected) {
   }
   {
     auto staged = *store.Stage(1);
-    ASSERT_TRUE(staged->Add(View(t, 0, t.bytes / 2)).ok());
-    expect_invalid(staged->Add(View(source.views[1], 0, source.views[1].bytes)), "ended after");
+    ASSERT_TRUE(staged->Add(View(t, 0, t.data.size() / 2)).ok());
+    expect_invalid(staged->Add(source.chunks[1]), "ended after");
   }
   {
     auto staged = *store.Stage(1);
-    ASSERT_TRUE(staged->Add(View(t, 0, t.bytes)).ok());
-    ASSERT_TRUE(staged->Add(View(source.views[1], 0, source.views[1].bytes)).ok());
-    expect_invalid(staged->Add(View(t, 0, t.bytes)), "sent twice");
+    ASSERT_TRUE(staged->Add(t).ok());
+    ASSERT_TRUE(staged->Add(source.chunks[1]).ok());
+    expect_invalid(staged->Add(t), "sent twice");
   }
   {
     // Incomplete: commit refuses and names what is missing.
     auto staged = *store.Stage(1);
-    ASSERT_TRUE(staged->Add(View(t, 0, t.bytes)).ok());
+    ASSERT_TRUE(staged->Add(t).ok());
     expect_invalid(store.Commit(std::move(staged)), "missing or incomplete");
   }
   // Stale versions.
@@ -613,7 +622,7 @@ TEST(WeightStore, NonFiniteTensorsAreRefusedNamingThem) {
     b->named_parameters()[victim][1][2] = std::numeric_limits<float>::quiet_NaN();
   }
   WeightStore store(a);
-  auto source = opd::rpc::WeightsOf(*b);
+  auto source = testing_util::WeightsOf(*b);
   auto expect_refused = [&](const absl::Status& st, const std::string& needle) {
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
     EXPECT_NE(std::string(st.message()).find("'" + victim + "'"), std::string::npos) << st;
@@ -624,12 +633,13 @@ TEST(WeightStore, NonFiniteTensorsAreRefusedNamingThem) {
     expect_refused(StageAll(*staged, source), "1 of its");
   }
   {
-    const auto& t = *std::find_if(source.views.begin(), source.views.end(),
+    const auto& t = *std::find_if(source.chunks.begin(), source.chunks.end(),
                                   [&](const auto& v) { return v.name == victim; });
-    AnnouncedTensor at{victim, t.shape, t.dtype, opd::rpc::Xxh64::Of(t.data, t.bytes)};
-    auto staged = store.StageAnnounced(1, {at});
+    WireTensor at = t;
+    at.checksum = opd::rpc::Xxh64::Of(t.data.data(), t.data.size());
+    auto staged = store.StageAnnounced(1, testing_util::ManifestOf({at}));
     ASSERT_TRUE(staged.ok()) << staged.status();
-    expect_refused((*staged)->Add(View(t, 0, t.bytes)), "not finite");
+    expect_refused((*staged)->Add(t), "not finite");
   }
   {
     // A bf16 worker: an fp32 value past bf16's largest (FLT_MAX rounds up) becomes inf.
@@ -642,7 +652,7 @@ TEST(WeightStore, NonFiniteTensorsAreRefusedNamingThem) {
       torch::NoGradGuard no_grad;
       c->named_parameters()[victim][0][0] = std::numeric_limits<float>::max();
     }
-    auto fp32 = opd::rpc::WeightsOf(*c);
+    auto fp32 = testing_util::WeightsOf(*c);
     auto staged = *store16.Stage(1);
     expect_refused(StageAll(*staged, fp32), "after the cast from float32 to bfloat16");
     EXPECT_EQ(store16.Current().version, 0);
@@ -667,12 +677,13 @@ TEST(WeightStore, VersionsFromTheMaximumOnAreRefused) {
         << full.status();
     EXPECT_NE(std::string(full.status().message()).find("2^53"), std::string::npos)
         << full.status();
-    EXPECT_EQ(store.StageAnnounced(v, {}).status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(store.StageAnnounced(v, opd::v1::WeightManifest()).status().code(),
+              absl::StatusCode::kInvalidArgument);
   }
   EXPECT_EQ(kMaxWeightVersion, int64_t{1} << 53);
   const int64_t last = kMaxWeightVersion - 1;
   EXPECT_EQ(static_cast<int64_t>(static_cast<double>(last + 1)), last + 1);
-  auto staged = store.StageAnnounced(last, {});
+  auto staged = store.StageAnnounced(last, opd::v1::WeightManifest());
   ASSERT_TRUE(staged.ok()) << staged.status();
   ASSERT_TRUE(store.Commit(std::move(*staged)).ok());
   EXPECT_EQ(store.Current().version, last);

@@ -40,6 +40,7 @@
 #include "teacher_service/scorer.h"
 #include "tests/tensor_testing.h"
 #include "tests/testing.h"
+#include "tests/wire_testing.h"
 
 using testing_util::MaxAbsDiff;
 using testing_util::ReadFile;
@@ -607,9 +608,11 @@ class RolloutService : public ::testing::Test {
     auto model = LoadLocal(dir);
     opd::rpc::StreamOptions small;
     small.chunk_bytes = 1000;  // small chunks: many per tensor
-    auto pushed = opd::rpc::StreamWeights(
-        Options(*rollout_, secret), version,
-        opd::rpc::WireTensorsOf(opd::rpc::NamedParameters(*model), torch::kFloat32), small);
+    auto pushed =
+        opd::rpc::StreamWeights(Options(*rollout_, secret), version,
+                                opd::rpc::OutgoingTensorsOf(opd::rpc::NamedParameters(*model),
+                                                            opd::rpc::WireDtype::kFloat32),
+                                small);
     if (!pushed.ok()) return pushed.status();
     return pushed->applied;
   }
@@ -833,15 +836,11 @@ grpc::Status RawUpdate(const ServerProcess& s, const std::vector<opd::v1::Weight
 
 std::vector<opd::v1::WeightChunk> ChunksOf(lm::CausalLM& model, int64_t version) {
   std::vector<opd::v1::WeightChunk> out;
-  auto w = opd::rpc::WeightsOf(model);
-  for (const auto& t : w.views) {
+  auto w = testing_util::WeightsOf(model);
+  for (const auto& t : w.chunks) {
     opd::v1::WeightChunk c;
     c.set_version(version);
-    c.set_name(t.name);
-    c.mutable_shape()->Add(t.shape.begin(), t.shape.end());
-    c.set_dtype(t.dtype);
-    c.set_offset(0);
-    c.set_data(t.data, t.bytes);
+    opd::rpc::ToProto(t, &c);
     out.push_back(std::move(c));
   }
   return out;
@@ -881,7 +880,7 @@ TEST_F(RolloutService, InterruptedOrWrongUpdatesLeaveOldWeightsServing) {
   bad[2].set_name("model.layers.0.mlp.no_such_weight");
   EXPECT_EQ(RawUpdate(*rollout_, bad, false).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   bad = chunks;
-  bad[1].set_dtype("bfloat16");
+  bad[1].set_wire_dtype(opd::v1::WIRE_DTYPE_BFLOAT16);
   EXPECT_EQ(RawUpdate(*rollout_, bad, false).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   bad = chunks;
   bad[4].set_version(v + 7);
@@ -922,9 +921,10 @@ TEST(RolloutStartup, WithoutSecretUpdateWeightsIsDisabled) {
   auto c = *opd::rpc::RolloutClient::Create(Options(*rollout, "anything"));
   EXPECT_TRUE(c->Generate({{1, 2}}, Sampling(0)).ok());  // open without a secret
   auto model = LoadLocal(FixtureModel());
-  auto pushed = opd::rpc::StreamWeights(
-      Options(*rollout, "anything"), 1,
-      opd::rpc::WireTensorsOf(opd::rpc::NamedParameters(*model), torch::kFloat32));
+  auto pushed =
+      opd::rpc::StreamWeights(Options(*rollout, "anything"), 1,
+                              opd::rpc::OutgoingTensorsOf(opd::rpc::NamedParameters(*model),
+                                                          opd::rpc::WireDtype::kFloat32));
   EXPECT_EQ(pushed.status().code(), absl::StatusCode::kUnauthenticated);
   EXPECT_EQ((*c->Info()).weight_version(), 0);
 }

@@ -192,7 +192,7 @@ TEST(ParallelWire, SharesAndBucketsCoverTheStreamOnce) {
                                                                {"b", torch::randn({33})},
                                                                {"c", torch::randn({2, 3, 4})}};
   for (torch::Dtype dtype : {torch::kFloat32, torch::kBFloat16}) {
-    const auto wire = opd::rpc::WireTensorsOf(params, dtype);
+    const auto wire = opd::rpc::OutgoingTensorsOf(params, opd::rpc::WireDtypeOf(dtype).value());
     std::string want;
     int64_t total = 0;
     for (const auto& [name, t] : params) {
@@ -320,7 +320,7 @@ TEST(ParallelWorker, BadJoinsAndSyncsAreRefusedBeforeAnyBroadcast) {
   EXPECT_EQ(started.bytes(), total);
   std::vector<std::pair<std::string, torch::Tensor>> params;
   for (const auto& p : b->named_parameters()) params.emplace_back(p.key(), p.value());
-  const auto wire = opd::rpc::WireTensorsOf(params, torch::kFloat32);
+  const auto wire = opd::rpc::OutgoingTensorsOf(params, opd::rpc::WireDtype::kFloat32);
   torch::Tensor bucket = torch::empty({4096}, torch::kUInt8);
   ASSERT_TRUE(opd::rpc::PackRange(wire, 0, total, bucket, [&](int64_t n) {
                 std::vector<torch::Tensor> data{bucket.narrow(0, 0, n)};

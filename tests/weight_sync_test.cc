@@ -87,8 +87,8 @@ std::vector<std::pair<std::string, torch::Tensor>> Params(lm::CausalLM& m) {
   return out;
 }
 
-std::vector<opd::rpc::WireTensor> Wire(lm::CausalLM& m, torch::Dtype dtype) {
-  auto w = opd::rpc::WireTensorsOf(Params(m), dtype);
+std::vector<opd::rpc::OutgoingTensor> Wire(lm::CausalLM& m, torch::Dtype dtype) {
+  auto w = opd::rpc::OutgoingTensorsOf(Params(m), opd::rpc::WireDtypeOf(dtype).value());
   torch::Tensor staging = torch::empty({4096}, torch::kUInt8);
   opd::rpc::ComputeChecksums(&w, staging);
   return w;
@@ -143,7 +143,7 @@ void ExpectServes(rollout::WeightStore& store, lm::CausalLM& learner, torch::Dty
   }
 }
 
-int64_t TotalBytes(const std::vector<opd::rpc::WireTensor>& w) {
+int64_t TotalBytes(const std::vector<opd::rpc::OutgoingTensor>& w) {
   int64_t n = 0;
   for (const auto& t : w) n += t.bytes;
   return n;
@@ -179,7 +179,7 @@ TEST(WeightWire, BucketsHoldTheCastBytesInManifestOrder) {
                                                                {"b", torch::randn({33})},
                                                                {"c", torch::randn({2, 3, 4})}};
   for (torch::Dtype dtype : {torch::kFloat32, torch::kBFloat16}) {
-    auto wire = opd::rpc::WireTensorsOf(params, dtype);
+    auto wire = opd::rpc::OutgoingTensorsOf(params, opd::rpc::WireDtypeOf(dtype).value());
     std::string stream;
     torch::Tensor bucket = torch::empty({24}, torch::kUInt8);
     std::vector<size_t> order = {2, 0, 1, 3};
@@ -221,7 +221,7 @@ TEST(WeightSync, DeliversBitIdenticalWeightsAndOnlyChangedTensors) {
       auto b = ModelB();
       auto pusher = Pusher(worker.address(), mode);
       ASSERT_NE(pusher, nullptr);
-      EXPECT_EQ(pusher->wire_dtype(), dtype);
+      EXPECT_EQ(opd::rpc::TorchDtype(pusher->wire_dtype()), dtype);
       EXPECT_EQ(pusher->has_group(), collective);
 
       auto wire = Wire(*b, dtype);
@@ -271,7 +271,7 @@ TEST(WeightSync, StaleVersionsAndWrongChecksumsAreRefusedAndChangeNothing) {
   changed->InitWeights(0.1, 99);
   auto wire = Wire(*changed, torch::kFloat32);
   const std::string victim = wire[3].name;
-  wire[3].checksum ^= 1;
+  *wire[3].checksum ^= 1;
   auto bad = pusher->Push(wire, 6);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kDataLoss) << bad.status();
   EXPECT_NE(bad.status().message().find("'" + victim + "'"), std::string::npos) << bad.status();
@@ -365,13 +365,7 @@ TEST(WeightSync, BroadcastsThatEndEarlyAndBadRequestsAreRefused) {
   req.set_group_id("g1");
   req.set_version(1);
   req.set_bucket_bytes(1 << 16);
-  for (int i : {0, 1}) {
-    auto* t = req.mutable_manifest()->add_tensors();
-    t->set_name(wire[i].name);
-    t->mutable_shape()->Add(wire[i].shape.begin(), wire[i].shape.end());
-    t->set_dtype("float32");
-    t->set_checksum(wire[i].checksum);
-  }
+  for (int i : {0, 1}) opd::rpc::ToProto(wire[i], req.mutable_manifest()->add_tensors());
   opd::v1::SyncWeightsResponse started;
   // Refused before any broadcast: no secret, another group, an unknown tensor, a stale version.
   EXPECT_EQ(call(&opd::v1::Rollout::Stub::SyncWeights, req, &started, "").code(),
@@ -514,7 +508,7 @@ TEST(WeightSync, Bf16RolloutAcceptsAnFp32PushAndSamplesWithIt) {
     }
     auto pusher = Pusher(worker.address(), mode);
     ASSERT_NE(pusher, nullptr);
-    EXPECT_EQ(pusher->wire_dtype(), torch::kBFloat16);
+    EXPECT_EQ(pusher->wire_dtype(), opd::rpc::WireDtype::kBFloat16);
     auto wire = Wire(*b, torch::kBFloat16);
     auto r = pusher->Push(wire, ++version);
     ASSERT_TRUE(r.ok()) << r.status();

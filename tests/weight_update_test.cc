@@ -29,9 +29,9 @@
 #include "rollout/engine.h"
 #include "rollout/kv_pool.h"
 #include "rollout/weights.h"
-#include "rpc/tensor_codec.h"
 #include "tests/gpu.h"
 #include "tests/testing.h"
+#include "tests/wire_testing.h"
 
 namespace rollout {
 namespace {
@@ -219,10 +219,9 @@ void ExpectSameSamples(const std::vector<Sample>& got, const std::vector<Sample>
   }
 }
 
-absl::Status StageAll(StagedWeights& staged, const opd::rpc::ModuleWeights& source) {
-  for (const auto& t : source.views) {
-    ChunkView v{t.name, t.shape, t.dtype, 0, std::string_view(t.data, t.bytes)};
-    if (absl::Status st = staged.Add(v); !st.ok()) return st;
+absl::Status StageAll(StagedWeights& staged, const testing_util::ModuleWeights& source) {
+  for (const auto& t : source.chunks) {
+    if (absl::Status st = staged.Add(t); !st.ok()) return st;
   }
   return absl::OkStatus();
 }
@@ -263,7 +262,7 @@ TEST(WeightUpdate, PushWhileARequestDecodesWaitsForIt) {
   auto staged = store.Stage(1);
   ASSERT_TRUE(staged.ok()) << staged.status();
   EXPECT_FALSE((*staged)->in_place());
-  const auto source = opd::rpc::WeightsOf(*b);
+  const auto source = testing_util::WeightsOf(*b);
   ASSERT_TRUE(StageAll(**staged, source).ok());
   int64_t params_bytes = 0;
   for (const auto& p : b->parameters()) params_bytes += p.numel() * 4;
@@ -304,18 +303,20 @@ TEST(WeightUpdate, PushWhileARequestDecodesWaitsForIt) {
 TEST(WeightUpdate, InPlaceWhenIdleAndDamageUntilAFullUpdate) {
   auto a = Load();
   auto b = LoadB();
-  const auto source_b = opd::rpc::WeightsOf(*b);
-  std::vector<opd::rpc::AnnouncedTensor> all;
-  for (const auto& t : source_b.views)
-    all.push_back({t.name, t.shape, t.dtype, opd::rpc::Xxh64::Of(t.data, t.bytes)});
+  const auto source_b = testing_util::WeightsOf(*b);
+  std::vector<WireTensor> all;
+  for (WireTensor t : source_b.chunks) {
+    t.checksum = opd::rpc::Xxh64::Of(t.data.data(), t.data.size());
+    all.push_back(t);
+  }
   WeightStore store(a);
   {
     std::optional<Snapshot> held = store.Current();
-    auto busy = store.StageInPlace(1, all);
+    auto busy = store.StageInPlace(1, testing_util::ManifestOf(all));
     EXPECT_EQ(busy.status().code(), absl::StatusCode::kFailedPrecondition) << busy.status();
     EXPECT_NE(busy.status().message().find("in use"), std::string::npos) << busy.status();
   }
-  auto staged = store.StageInPlace(1, all);
+  auto staged = store.StageInPlace(1, testing_util::ManifestOf(all));
   ASSERT_TRUE(staged.ok()) << staged.status();
   EXPECT_TRUE((*staged)->in_place());
   EXPECT_EQ(store.Acquire(absl::Now()).status().code(), absl::StatusCode::kUnavailable);
@@ -333,24 +334,21 @@ TEST(WeightUpdate, InPlaceWhenIdleAndDamageUntilAFullUpdate) {
   // of some tensors is refused; one of every tensor repairs it.
   auto c = Load();
   c->InitWeights(0.1, 7);
-  const auto source_c = opd::rpc::WeightsOf(*c);
-  std::vector<opd::rpc::AnnouncedTensor> unchecked = all;
+  const auto source_c = testing_util::WeightsOf(*c);
+  std::vector<WireTensor> unchecked = all;
   for (auto& t : unchecked) t.checksum.reset();
   {
-    auto half = store.StageInPlace(2, unchecked);
+    auto half = store.StageInPlace(2, testing_util::ManifestOf(unchecked));
     ASSERT_TRUE(half.ok()) << half.status();
-    for (size_t i = 0; i < source_c.views.size() / 2; ++i) {
-      const auto& t = source_c.views[i];
-      ASSERT_TRUE(
-          (*half)->Add({t.name, t.shape, t.dtype, 0, std::string_view(t.data, t.bytes)}).ok());
-    }
+    for (size_t i = 0; i < source_c.chunks.size() / 2; ++i)
+      ASSERT_TRUE((*half)->Add(source_c.chunks[i]).ok());
   }
   EXPECT_EQ(store.damage().code(), absl::StatusCode::kFailedPrecondition);
   auto refused = store.Acquire(absl::InfiniteFuture());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(refused.status().message().find("weight version 2"), std::string::npos)
       << refused.status();
-  EXPECT_EQ(store.StageAnnounced(2, {all[0]}).status().code(),
+  EXPECT_EQ(store.StageAnnounced(2, testing_util::ManifestOf({all[0]})).status().code(),
             absl::StatusCode::kFailedPrecondition);
   auto full = store.Stage(2);
   ASSERT_TRUE(full.ok()) << full.status();
@@ -373,11 +371,16 @@ TEST(WeightUpdateGpu, InPlaceAndHostStagedOnCuda) {
   auto a = Load();
   a->to(cuda, torch::kBFloat16);
   auto b = LoadB();
-  std::vector<opd::rpc::AnnouncedTensor> all;
-  for (const auto& p : b->named_parameters())
-    all.push_back({p.key(), p.value().sizes().vec(), "bfloat16", std::nullopt});
+  std::vector<WireTensor> all;
+  for (const auto& p : b->named_parameters()) {
+    WireTensor t;
+    t.name = p.key();
+    t.shape = p.value().sizes().vec();
+    t.dtype = opd::rpc::WireDtype::kBFloat16;  // no checksum: device bytes carry none
+    all.push_back(t);
+  }
   WeightStore store(a);
-  auto in_place = store.StageInPlace(1, all);
+  auto in_place = store.StageInPlace(1, testing_util::ManifestOf(all));
   ASSERT_TRUE(in_place.ok()) << in_place.status();
   for (const auto& p : b->named_parameters()) {
     torch::Tensor bytes =
@@ -398,7 +401,7 @@ TEST(WeightUpdateGpu, InPlaceAndHostStagedOnCuda) {
   std::optional<Snapshot> held = store.Current();
   auto staged = store.Stage(2);
   ASSERT_TRUE(staged.ok()) << staged.status();
-  const auto source = opd::rpc::WeightsOf(*c);  // fp32 on the wire, cast on the host
+  const auto source = testing_util::WeightsOf(*c);  // fp32 on the wire, cast on the host
   ASSERT_TRUE(StageAll(**staged, source).ok());
   CommitState state = CommitState::kServing;
   ASSERT_TRUE(store.Commit(std::move(*staged), &state).ok());

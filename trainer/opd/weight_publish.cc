@@ -52,7 +52,7 @@ struct WeightPublisher::Worker {
   opd::rpc::ClientOptions options;
   std::unique_ptr<opd::v1::Rollout::Stub> stub;
   opd::v1::ServiceInfo info;
-  torch::Dtype dtype = torch::kFloat32;
+  opd::rpc::WireDtype dtype = opd::rpc::WireDtype::kFloat32;  // it serves, and takes updates in
   std::string outside;  // why it takes gRPC pushes only (empty: it may join the group)
   bool down = false;    // did not answer at the last push
   absl::Status probe;   // why
@@ -64,15 +64,22 @@ struct WeightPublisher::Plan {
   bool collective = false;  // a data phase over the weight group
   bool form = false;        // the group is formed anew first
   bool drop = false;        // the group is dropped (its forming anew failed)
-  std::string group_id, host, backend, wire_dtype;
+  std::string group_id, host, backend;
+  std::optional<opd::rpc::WireDtype> wire_dtype;  // the members'
   int port = 0;
   std::vector<int> members;  // worker indices at group ranks L, L + 1, ...
   int64_t bucket_bytes = 0;
 
   nlohmann::json ToJson() const {
-    return {{"collective", collective},    {"form", form}, {"drop", drop},
-            {"group_id", group_id},        {"host", host}, {"backend", backend},
-            {"wire_dtype", wire_dtype},    {"port", port}, {"members", members},
+    return {{"collective", collective},
+            {"form", form},
+            {"drop", drop},
+            {"group_id", group_id},
+            {"host", host},
+            {"backend", backend},
+            {"wire_dtype", wire_dtype ? opd::rpc::WireDtypeName(*wire_dtype) : ""},
+            {"port", port},
+            {"members", members},
             {"bucket_bytes", bucket_bytes}};
   }
   static Plan FromJson(const nlohmann::json& j) {
@@ -83,7 +90,8 @@ struct WeightPublisher::Plan {
     p.group_id = j.at("group_id");
     p.host = j.at("host");
     p.backend = j.at("backend");
-    p.wire_dtype = j.at("wire_dtype");
+    const std::string wire = j.at("wire_dtype");
+    if (!wire.empty()) p.wire_dtype = opd::rpc::WireDtypeFromName(wire).value();  // rank 0 wrote it
     p.port = j.at("port");
     p.members = j.at("members").get<std::vector<int>>();
     p.bucket_bytes = j.at("bucket_bytes");
@@ -127,13 +135,11 @@ absl::Status WeightPublisher::ConnectWorkers(const std::vector<std::string>& end
     opd::rpc::PrepareContext(w->options, &ctx);
     RETURN_IF_ERROR(
         opd::rpc::FromGrpc(w->stub->Info(&ctx, opd::v1::InfoRequest(), &w->info), address));
-    if (!w->info.dtype().empty()) {
-      auto dtype = opd::rpc::DtypeFromName(w->info.dtype());
-      if (!dtype.ok())
-        return absl::FailedPreconditionError(
-            absl::StrCat("rollout worker ", address, ": ", dtype.status().message()));
-      w->dtype = *dtype;
-    }
+    auto dtype = opd::rpc::ServedDtype(w->info);
+    if (!dtype.ok())
+      return absl::FailedPreconditionError(
+          absl::StrCat("rollout worker ", address, ": ", dtype.status().message()));
+    w->dtype = *dtype;
     workers_.push_back(std::move(w));
   }
   return absl::OkStatus();
@@ -189,8 +195,8 @@ WeightPublisher::Plan WeightPublisher::PlanPush(int64_t version,
   for (size_t i = 0; i < workers_.size(); ++i) {
     const Worker& w = *workers_[i];
     if (w.down || !w.outside.empty()) continue;
-    if (plan.wire_dtype.empty()) plan.wire_dtype = opd::rpc::DtypeName(w.dtype);
-    if (opd::rpc::DtypeName(w.dtype) == plan.wire_dtype) members.push_back(static_cast<int>(i));
+    if (!plan.wire_dtype.has_value()) plan.wire_dtype = w.dtype;
+    if (w.dtype == *plan.wire_dtype) members.push_back(static_cast<int>(i));
   }
   if (members.empty()) return plan;
   plan.collective = true;
@@ -254,17 +260,14 @@ absl::Status WeightPublisher::JoinAll(Plan& plan) {
 
 // Rank 0: the version announced to every member (the control plane); OK when all accepted.
 absl::Status WeightPublisher::Announce(const Plan& plan,
-                                       const std::vector<opd::rpc::WireTensor>& wire,
+                                       const std::vector<opd::rpc::OutgoingTensor>& wire,
                                        int64_t version, std::vector<absl::Status>* failed) {
   opd::v1::SyncWeightsRequest req;
   req.set_version(version);
   req.set_bucket_bytes(plan.bucket_bytes);
   int64_t total = 0;
   for (const auto& t : wire) {
-    opd::v1::ManifestTensor* m = req.mutable_manifest()->add_tensors();
-    m->set_name(t.name);
-    m->mutable_shape()->Add(t.shape.begin(), t.shape.end());
-    m->set_dtype(opd::rpc::DtypeName(t.dtype));
+    opd::rpc::ToProto(t, req.mutable_manifest()->add_tensors());  // without a checksum
     total += t.bytes;
   }
   for (int64_t b : opd::rpc::SenderShares(total, learners_->size())) req.add_sender_bytes(b);
@@ -295,7 +298,7 @@ absl::Status WeightPublisher::Announce(const Plan& plan,
 
 // Every learner rank: its share, then the others', then the workers' verdicts.
 absl::Status WeightPublisher::SendShares(const Plan& plan,
-                                         const std::vector<opd::rpc::WireTensor>& wire,
+                                         const std::vector<opd::rpc::OutgoingTensor>& wire,
                                          std::vector<opd::rpc::SyncVerdict>* verdicts) {
   const int me = learners_->rank(), senders = learners_->size();
   int64_t total = 0;
@@ -357,7 +360,7 @@ WorkerPush WeightPublisher::PushGrpc(
     }
     w.grpc = std::move(*pusher);
   }
-  auto wire = opd::rpc::WireTensorsOf(params, w.grpc->wire_dtype());
+  auto wire = opd::rpc::OutgoingTensorsOf(params, w.grpc->wire_dtype());
   torch::Tensor staging = torch::empty({int64_t{16} << 20}, torch::kUInt8);
   opd::rpc::ComputeChecksums(&wire, staging);
   auto r = w.grpc->Push(wire, version);
@@ -416,9 +419,8 @@ absl::StatusOr<PublishReport> WeightPublisher::Publish(torch::nn::Module& model,
   RETURN_IF_ERROR(FormGroup(round));
 
   // 3. The announcement (rank 0), and whether the data phase goes ahead (every rank).
-  std::vector<opd::rpc::WireTensor> wire;
-  if (round.plan.collective)
-    wire = opd::rpc::WireTensorsOf(params, *opd::rpc::DtypeFromName(round.plan.wire_dtype));
+  std::vector<opd::rpc::OutgoingTensor> wire;
+  if (round.plan.collective) wire = opd::rpc::OutgoingTensorsOf(params, *round.plan.wire_dtype);
   if (root && round.plan.collective)
     round.announced = Announce(round.plan, wire, version, &round.failed);
   ASSIGN_OR_RETURN(const nlohmann::json go, ShareJson(*learners_, Verdict(round.announced)));

@@ -62,15 +62,6 @@ absl::StatusOr<int> FreePort(const std::string& host) {
   return port;
 }
 
-opd::v1::ManifestTensor ManifestEntry(const opd::rpc::WireTensor& t) {
-  opd::v1::ManifestTensor m;
-  m.set_name(t.name);
-  m.mutable_shape()->Add(t.shape.begin(), t.shape.end());
-  m.set_dtype(opd::rpc::DtypeName(t.dtype));
-  m.set_checksum(t.checksum);
-  return m;
-}
-
 }  // namespace
 
 absl::StatusOr<std::pair<std::string, int>> WeightGroupAddress(const std::string& store_host,
@@ -103,14 +94,11 @@ absl::StatusOr<std::unique_ptr<WeightPusher>> WeightPusher::Connect(
   p->options_ = options;
   p->push_ = push;
   p->device_ = learner_device;
-  // Workers that do not say (older ones) serve fp32.
-  if (!info.dtype().empty()) {
-    auto dtype = opd::rpc::DtypeFromName(info.dtype());
-    if (!dtype.ok())
-      return absl::FailedPreconditionError(
-          absl::StrCat("rollout worker ", options.address, ": ", dtype.status().message()));
-    p->wire_dtype_ = *dtype;
-  }
+  auto dtype = opd::rpc::ServedDtype(info);
+  if (!dtype.ok())
+    return absl::FailedPreconditionError(
+        absl::StrCat("rollout worker ", options.address, ": ", dtype.status().message()));
+  p->wire_dtype_ = *dtype;
   ASSIGN_OR_RETURN(auto channel, opd::rpc::MakeChannel(options));
   p->stub_ = opd::v1::Rollout::NewStub(channel);
   if (push.mode != WeightSyncMode::kGrpc) {
@@ -166,7 +154,7 @@ absl::Status WeightPusher::JoinGroup() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<PushReport> WeightPusher::Push(const std::vector<opd::rpc::WireTensor>& tensors,
+absl::StatusOr<PushReport> WeightPusher::Push(const std::vector<opd::rpc::OutgoingTensor>& tensors,
                                               int64_t version) {
   const bool partial = acked_version_ >= 0;
   auto r = PushOnce(tensors, version);
@@ -186,20 +174,22 @@ absl::StatusOr<PushReport> WeightPusher::Push(const std::vector<opd::rpc::WireTe
   return r;
 }
 
-absl::StatusOr<PushReport> WeightPusher::PushOnce(const std::vector<opd::rpc::WireTensor>& tensors,
-                                                  int64_t version) {
+absl::StatusOr<PushReport> WeightPusher::PushOnce(
+    const std::vector<opd::rpc::OutgoingTensor>& tensors, int64_t version) {
   std::vector<size_t> which;
   opd::v1::WeightManifest manifest;
   const bool partial = acked_version_ >= 0 && !manifest_off_;
   for (size_t i = 0; i < tensors.size(); ++i) {
     auto it = acked_.find(tensors[i].name);
-    if (partial && it != acked_.end() && it->second == tensors[i].checksum) continue;
+    if (partial && it != acked_.end() && it->second.has_value() &&
+        it->second == tensors[i].checksum)
+      continue;
     which.push_back(i);
-    *manifest.add_tensors() = ManifestEntry(tensors[i]);
+    opd::rpc::ToProto(tensors[i], manifest.add_tensors());
   }
   if (partial) manifest.set_base_version(acked_version_);
   // Whatever happens next, only a success says what the worker holds.
-  std::map<std::string, uint64_t> acked = std::move(acked_);
+  std::map<std::string, std::optional<uint64_t>> acked = std::move(acked_);
   acked_.clear();
   acked_version_ = -1;
 
@@ -226,7 +216,7 @@ absl::StatusOr<PushReport> WeightPusher::PushOnce(const std::vector<opd::rpc::Wi
       which.clear();
       for (size_t i = 0; i < tensors.size(); ++i) {
         which.push_back(i);
-        *manifest.add_tensors() = ManifestEntry(tensors[i]);
+        opd::rpc::ToProto(tensors[i], manifest.add_tensors());
       }
       r = PushGrpc(tensors, which, &manifest, version);
     }
@@ -245,10 +235,9 @@ absl::StatusOr<PushReport> WeightPusher::PushOnce(const std::vector<opd::rpc::Wi
   return r;
 }
 
-absl::StatusOr<PushReport> WeightPusher::PushGrpc(const std::vector<opd::rpc::WireTensor>& tensors,
-                                                  const std::vector<size_t>& which,
-                                                  const opd::v1::WeightManifest* manifest,
-                                                  int64_t version) {
+absl::StatusOr<PushReport> WeightPusher::PushGrpc(
+    const std::vector<opd::rpc::OutgoingTensor>& tensors, const std::vector<size_t>& which,
+    const opd::v1::WeightManifest* manifest, int64_t version) {
   if (!bucket_.defined() || !bucket_.device().is_cpu())
     bucket_ = torch::empty({push_.bucket_bytes}, torch::kUInt8);
   opd::rpc::StreamOptions stream;
@@ -267,7 +256,7 @@ absl::StatusOr<PushReport> WeightPusher::PushGrpc(const std::vector<opd::rpc::Wi
 }
 
 absl::StatusOr<PushReport> WeightPusher::PushCollective(
-    const std::vector<opd::rpc::WireTensor>& tensors, const std::vector<size_t>& which,
+    const std::vector<opd::rpc::OutgoingTensor>& tensors, const std::vector<size_t>& which,
     const opd::v1::WeightManifest& manifest, int64_t version) {
   const std::string what = absl::StrCat("collective push of version ", version);
   opd::v1::SyncWeightsRequest req;

@@ -35,6 +35,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -84,23 +85,23 @@ class WeightPusher {
       const WeightPushOptions& push, torch::Device learner_device);
   ~WeightPusher();
 
-  torch::Dtype wire_dtype() const { return wire_dtype_; }
+  opd::rpc::WireDtype wire_dtype() const { return wire_dtype_; }
   bool has_group() const { return group_ != nullptr; }
 
   // Pushes `tensors` (in wire_dtype(), checksums computed: opd::rpc::ComputeChecksums) as version
   // `version`, sending those that changed since the last acknowledged push.
-  absl::StatusOr<PushReport> Push(const std::vector<opd::rpc::WireTensor>& tensors,
+  absl::StatusOr<PushReport> Push(const std::vector<opd::rpc::OutgoingTensor>& tensors,
                                   int64_t version);
 
  private:
   WeightPusher() = default;
   absl::Status JoinGroup();
-  absl::StatusOr<PushReport> PushOnce(const std::vector<opd::rpc::WireTensor>& tensors,
+  absl::StatusOr<PushReport> PushOnce(const std::vector<opd::rpc::OutgoingTensor>& tensors,
                                       int64_t version);
-  absl::StatusOr<PushReport> PushGrpc(const std::vector<opd::rpc::WireTensor>& tensors,
+  absl::StatusOr<PushReport> PushGrpc(const std::vector<opd::rpc::OutgoingTensor>& tensors,
                                       const std::vector<size_t>& which,
                                       const opd::v1::WeightManifest* manifest, int64_t version);
-  absl::StatusOr<PushReport> PushCollective(const std::vector<opd::rpc::WireTensor>& tensors,
+  absl::StatusOr<PushReport> PushCollective(const std::vector<opd::rpc::OutgoingTensor>& tensors,
                                             const std::vector<size_t>& which,
                                             const opd::v1::WeightManifest& manifest,
                                             int64_t version);
@@ -110,7 +111,7 @@ class WeightPusher {
   std::unique_ptr<opd::v1::Rollout::Stub> stub_;
   WeightPushOptions push_;
   torch::Device device_{torch::kCPU};  // the learner's
-  torch::Dtype wire_dtype_ = torch::kFloat32;
+  opd::rpc::WireDtype wire_dtype_ = opd::rpc::WireDtype::kFloat32;
   std::unique_ptr<lm::dist::ProcessGroup> group_;
   std::string group_id_;
   std::string backend_;
@@ -118,7 +119,7 @@ class WeightPusher {
   bool manifest_off_ = false;    // the worker takes full updates only (no manifest, no diffing)
   torch::Tensor bucket_;         // the cast buffer (on the group's device for collective pushes)
   // What the worker holds: checksum per tensor, and its version; empty = unknown.
-  std::map<std::string, uint64_t> acked_;
+  std::map<std::string, std::optional<uint64_t>> acked_;  // a tensor without one is always sent
   int64_t acked_version_ = -1;
 };
 
@@ -196,10 +197,10 @@ class WeightPublisher {
                               const opd::rpc::ClientOptions& base);
   Plan PlanPush(int64_t version, std::vector<absl::Status>* failed);
   absl::Status JoinAll(Plan& plan);
-  absl::Status Announce(const Plan& plan, const std::vector<opd::rpc::WireTensor>& wire,
+  absl::Status Announce(const Plan& plan, const std::vector<opd::rpc::OutgoingTensor>& wire,
                         int64_t version, std::vector<absl::Status>* failed);
   // The data phase and the workers' verdicts (an error: a collective of the group failed).
-  absl::Status SendShares(const Plan& plan, const std::vector<opd::rpc::WireTensor>& wire,
+  absl::Status SendShares(const Plan& plan, const std::vector<opd::rpc::OutgoingTensor>& wire,
                           std::vector<opd::rpc::SyncVerdict>* verdicts);
   WorkerPush PushGrpc(size_t worker,
                       const std::vector<std::pair<std::string, torch::Tensor>>& params,
