@@ -619,9 +619,12 @@ TEST(PlanMeasured, CpuSftPeakMatchesThePlan) {
 // from (4P: on a GPU it stays on the host), which the plan counts as the larger of the start-up
 // (the copy beside the buffers) and the step (buckets, activations and logits in its place). Stage
 // 1 would hold 4P + 4P/4 of gradients, 154 MiB more than the whole tolerance (4 x the largest
-// parameter). Same tolerance as above. Measured over 6 runs: 553-671 MiB against 558 planned (the
-// step's allocations reuse the start-up copy's memory or not, as the ranks' collectives
-// interleave with them).
+// parameter). Same upper tolerance as above. Measured over 10 runs: 524-671 MiB against 558
+// planned (the step's allocations reuse the start-up copy's memory or not, as the ranks'
+// collectives interleave with them). The plan holds the largest parameter's gradient and the
+// buckets at once; whether they are still alive at the peak depends on that interleaving, so the
+// lower bound leaves them out (32 + 8 MiB; a peak below it would mean the plan counts something
+// the step never holds).
 TEST(PlanMeasured, CpuShardedSftPeakMatchesThePlan) {
   const std::string dir = TestDir();
   const std::string medium_json = dir + "/medium.json";
@@ -651,7 +654,8 @@ TEST(PlanMeasured, CpuShardedSftPeakMatchesThePlan) {
       "%.3f\n",
       plan, measured, medium, tiny, measured / plan);
   constexpr double kLargestParameterMiB = 16.0 * 1024 * 512 * 4 / (1 << 20);
-  EXPECT_GE(measured, 0.98 * plan);
+  constexpr double kBucketsMiB = 4 * 2;
+  EXPECT_GE(measured, 0.98 * (plan - kLargestParameterMiB - kBucketsMiB));
   EXPECT_LE(measured, plan + 4 * kLargestParameterMiB);
 }
 
