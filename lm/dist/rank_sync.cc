@@ -63,6 +63,145 @@ BeatSeen DecodeBeat(const std::string& bytes) {
   return b;
 }
 
+// A rank whose earlier wait gave up has left the group: it meets nobody again.
+absl::Status AfterGivingUp(int rank, const std::string& point) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "learner rank ", rank, " cannot meet the others at '", point, "': an earlier wait gave up"));
+}
+
+// One rank's wait at one point: the outcomes read so far and each peer's last heartbeat. Each
+// step is one round's use of the store, made while the caller holds the store's mutex; a step
+// that ends the wait returns its error, and the caller gives up (or ends) outside that mutex.
+class Meeting {
+ public:
+  Meeting(StoreClient& store, int rank, int size, const RankSyncOptions& opts,
+          const std::string& point, int64_t k, const absl::Status& mine, const std::string& payload)
+      : store_(store),
+        rank_(rank),
+        size_(size),
+        opts_(opts),
+        point_(point),
+        k_(k),
+        mine_(mine),
+        payload_(payload),
+        own_(EncodeOutcome(point, mine, payload)),
+        seen_(static_cast<size_t>(size)),
+        payloads_(static_cast<size_t>(size)),
+        beats_(static_cast<size_t>(size)),
+        advanced_(static_cast<size_t>(size), absl::Now()) {}
+
+  // Writes this rank's outcome (again each round until the store takes it).
+  void Publish() {
+    if (published_) return;
+    absl::Status s = store_.Set(AgreeKey(k_, rank_), own_);
+    published_ = s.ok();
+    if (!s.ok()) {
+      store_error_ = std::string(s.message());
+      return;
+    }
+    // Its own outcome is known here, not read back: a store that stops answering after the
+    // write would otherwise leave this rank waiting for itself, where no stall is looked for.
+    seen_[rank_] = mine_;
+    payloads_[rank_] = payload_;
+    // Every rank has read the outcomes of point k - 2 once this one is reached.
+    if (k_ > 2) (void)store_.Delete(AgreeKey(k_ - 2, rank_));
+  }
+
+  // Reads the outcomes not yet seen: true once every rank's is in and this rank's is published,
+  // an error when a rank reached another point.
+  absl::StatusOr<bool> Collect() {
+    int missing = 0;
+    for (int r = 0; r < size_; ++r) {
+      if (seen_[r]) continue;
+      absl::StatusOr<std::optional<std::string>> v = store_.TryGet(AgreeKey(k_, r));
+      if (!v.ok()) store_error_ = std::string(v.status().message());
+      if (!v.ok() || !v->has_value()) {
+        ++missing;
+        continue;
+      }
+      std::optional<Outcome> o = DecodeOutcome(**v);
+      if (!o || o->point != point_) return OutOfStep(r, o);
+      seen_[r] = o->status;
+      payloads_[r] = std::move(o->payload);
+    }
+    return missing == 0 && published_;
+  }
+
+  // A rank that gave up has left the group: nobody passes this point, even with every outcome.
+  std::optional<std::string> Abandoned() {
+    absl::StatusOr<std::optional<std::string>> a = store_.TryGet(kAbandon);
+    if (a.ok() && a->has_value()) return std::move(**a);
+    return std::nullopt;
+  }
+
+  // The error that ends the wait: a missing peer whose heartbeat has not advanced for the stall
+  // timeout, or this rank's own outcome not taken by the store for as long.
+  std::optional<absl::Status> Stall() {
+    const absl::Time now = absl::Now();
+    for (int r = 0; r < size_; ++r) {
+      if (seen_[r] || r == rank_) continue;
+      ReadBeat(r, now);
+      if (now - advanced_[r] >= opts_.stall_timeout) return PeerStalled(r);
+    }
+    if (!published_ && now - advanced_[rank_] >= opts_.stall_timeout)
+      return absl::DeadlineExceededError(absl::StrCat("learner rank ", rank_,
+                                                      " could not publish its outcome at '", point_,
+                                                      "': ", store_error_));
+    return std::nullopt;
+  }
+
+  // The lowest failed rank's outcome (named on the other ranks), else every payload in rank order.
+  absl::StatusOr<std::vector<std::string>> Verdict() {
+    for (int r = 0; r < size_; ++r) {
+      const absl::Status& s = *seen_[r];
+      if (s.ok()) continue;
+      if (r == rank_) return s;
+      return absl::Status(s.code(), absl::StrCat("learner rank ", r, ": ", s.message()));
+    }
+    return std::move(payloads_);
+  }
+
+ private:
+  absl::Status OutOfStep(int r, const std::optional<Outcome>& o) const {
+    return absl::InternalError(absl::StrCat(
+        "learner rank ", r, " reached '", o ? o->point : std::string("an unreadable point"),
+        "' where rank ", rank_, " reached '", point_, "' (the ranks ran different steps)"));
+  }
+
+  // A heartbeat that changed since the last round marks its rank as advancing now.
+  void ReadBeat(int r, absl::Time now) {
+    absl::StatusOr<std::optional<std::string>> v = store_.TryGet(BeatKey(r));
+    if (!v.ok() || !v->has_value()) return;
+    BeatSeen b = DecodeBeat(**v);
+    if (b.count != beats_[r].count) advanced_[r] = now;
+    beats_[r] = std::move(b);
+  }
+
+  absl::Status PeerStalled(int r) const {
+    std::string said = beats_[r].count < 0 ? "it never reported"
+                                           : absl::StrCat("it last reported ", beats_[r].what);
+    if (!store_error_.empty()) absl::StrAppend(&said, "; the store: ", store_error_);
+    return absl::DeadlineExceededError(
+        absl::StrFormat("learner rank %d made no progress for %s while rank %d waited at '%s' (%s)",
+                        r, absl::FormatDuration(opts_.stall_timeout), rank_, point_, said));
+  }
+
+  StoreClient& store_;
+  const int rank_, size_;
+  const RankSyncOptions& opts_;
+  const std::string& point_;
+  const int64_t k_;
+  const absl::Status& mine_;
+  const std::string& payload_;
+  const std::string own_;  // this rank's outcome as published
+  bool published_ = false;
+  std::vector<std::optional<absl::Status>> seen_;
+  std::vector<std::string> payloads_;
+  std::vector<BeatSeen> beats_;
+  std::vector<absl::Time> advanced_;  // when each rank's heartbeat last changed
+  std::string store_error_;           // the store's last error, told when the wait gives up
+};
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<RankSync>> RankSync::Create(const ProcessGroup& group,
@@ -149,95 +288,31 @@ absl::StatusOr<std::vector<std::string>> RankSync::Exchange(const std::string& p
     if (!mine.ok()) return mine;
     return std::vector<std::string>{payload};
   }
-  if (broken_.load())
-    return absl::FailedPreconditionError(absl::StrCat("learner rank ", rank_,
-                                                      " cannot meet the others at '", point,
-                                                      "': an earlier wait gave up"));
-  const int64_t k = ++points_;
-  const std::string own = EncodeOutcome(point, mine, payload);
-  bool published = false;
-  std::vector<std::optional<absl::Status>> seen(static_cast<size_t>(size_));
-  std::vector<std::string> payloads(static_cast<size_t>(size_));
-  std::vector<BeatSeen> beats(static_cast<size_t>(size_));
-  std::vector<absl::Time> advanced(static_cast<size_t>(size_), absl::Now());
-  std::string store_error;
+  if (broken_.load()) return AfterGivingUp(rank_, point);
+  Meeting meeting(*store_, rank_, size_, opts_, point, ++points_, mine, payload);
   absl::Duration poll = opts_.first_poll;
   for (;;) {
     absl::ReleasableMutexLock lock(&store_mu_);
-    if (!published) {
-      absl::Status s = store_->Set(AgreeKey(k, rank_), own);
-      published = s.ok();
-      if (!s.ok()) store_error = std::string(s.message());
-      // Its own outcome is known here, not read back: a store that stops answering after the
-      // write would otherwise leave this rank waiting for itself, where no stall is looked for.
-      if (published) {
-        seen[rank_] = mine;
-        payloads[rank_] = payload;
-      }
-      // Every rank has read the outcomes of point k - 2 once this one is reached.
-      if (published && k > 2) (void)store_->Delete(AgreeKey(k - 2, rank_));
+    meeting.Publish();
+    absl::StatusOr<bool> all_in = meeting.Collect();
+    if (!all_in.ok()) {
+      lock.Release();
+      return GiveUp(all_in.status());
     }
-    int missing = 0;
-    for (int r = 0; r < size_; ++r) {
-      if (seen[r]) continue;
-      absl::StatusOr<std::optional<std::string>> v = store_->TryGet(AgreeKey(k, r));
-      if (!v.ok()) store_error = std::string(v.status().message());
-      if (!v.ok() || !v->has_value()) {
-        ++missing;
-        continue;
-      }
-      std::optional<Outcome> o = DecodeOutcome(**v);
-      if (!o || o->point != point) {
-        lock.Release();
-        return GiveUp(absl::InternalError(absl::StrCat(
-            "learner rank ", r, " reached '", o ? o->point : std::string("an unreadable point"),
-            "' where rank ", rank_, " reached '", point, "' (the ranks ran different steps)")));
-      }
-      seen[r] = o->status;
-      payloads[r] = std::move(o->payload);
-    }
-    // A rank that gave up has left the group: nobody passes this point, even with every outcome.
-    if (absl::StatusOr<std::optional<std::string>> a = store_->TryGet(kAbandon);
-        a.ok() && a->has_value()) {
+    if (std::optional<std::string> why = meeting.Abandoned()) {
       broken_.store(true);
-      return absl::AbortedError(**a);
+      return absl::AbortedError(*why);
     }
-    if (missing == 0 && published) break;
-    const absl::Time now = absl::Now();
-    for (int r = 0; r < size_; ++r) {
-      if (seen[r] || r == rank_) continue;
-      absl::StatusOr<std::optional<std::string>> v = store_->TryGet(BeatKey(r));
-      if (v.ok() && v->has_value()) {
-        BeatSeen b = DecodeBeat(**v);
-        if (b.count != beats[r].count) advanced[r] = now;
-        beats[r] = std::move(b);
-      }
-      if (now - advanced[r] < opts_.stall_timeout) continue;
-      std::string said = beats[r].count < 0 ? "it never reported"
-                                            : absl::StrCat("it last reported ", beats[r].what);
-      if (!store_error.empty()) absl::StrAppend(&said, "; the store: ", store_error);
+    if (*all_in) break;
+    if (std::optional<absl::Status> stall = meeting.Stall()) {
       lock.Release();
-      return GiveUp(absl::DeadlineExceededError(absl::StrFormat(
-          "learner rank %d made no progress for %s while rank %d waited at '%s' (%s)", r,
-          absl::FormatDuration(opts_.stall_timeout), rank_, point, said)));
-    }
-    if (!published && now - advanced[rank_] >= opts_.stall_timeout) {
-      lock.Release();
-      return GiveUp(absl::DeadlineExceededError(absl::StrCat("learner rank ", rank_,
-                                                             " could not publish its outcome at '",
-                                                             point, "': ", store_error)));
+      return GiveUp(*std::move(stall));
     }
     lock.Release();
     absl::SleepFor(poll);
     poll = std::min(poll * 2, opts_.beat_interval);
   }
-  for (int r = 0; r < size_; ++r) {
-    const absl::Status& s = *seen[r];
-    if (s.ok()) continue;
-    if (r == rank_) return s;
-    return absl::Status(s.code(), absl::StrCat("learner rank ", r, ": ", s.message()));
-  }
-  return payloads;
+  return meeting.Verdict();
 }
 
 }  // namespace lm::dist
