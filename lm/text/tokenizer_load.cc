@@ -178,6 +178,13 @@ struct Tokenizer::Builder {
   absl::Status LoadVocabMerges(const fs::path& dir);
   absl::Status AddQwen3Tokens();
   absl::StatusOr<std::unique_ptr<Tokenizer>> Build();
+  // Build's steps, each filling its part of `tok`.
+  absl::Status BuildVocab(Tokenizer& tok) const;
+  absl::Status BuildMerges(Tokenizer& tok,
+                           std::vector<std::pair<int32_t, int32_t>>* merge_ids) const;
+  absl::Status BuildAddedTokens(Tokenizer& tok);
+  std::string Fingerprint(const Tokenizer& tok,
+                          const std::vector<std::pair<int32_t, int32_t>>& merge_ids) const;
 
   // The options' extra tokens, then Build; every error names `label` (the files read).
   absl::StatusOr<std::unique_ptr<Tokenizer>> Finish(const TokenizerOptions& options,
@@ -342,6 +349,104 @@ absl::Status Tokenizer::Builder::AddQwen3Tokens() {
   return absl::OkStatus();
 }
 
+// Every id's bytes and kind, and the byte-level fallback ids.
+absl::Status Tokenizer::Builder::BuildVocab(Tokenizer& tok) const {
+  tok.vocab_.reserve(vocab.size());
+  for (const auto& [token, id] : vocab) {
+    ASSIGN_OR_RETURN(std::string bytes, ByteLevelToBytes(token));
+    if (tok.id_kind_[id] != 0)
+      return absl::InvalidArgumentError(absl::StrCat("id ", id, " appears twice in the vocab"));
+    tok.id_kind_[id] = 1;
+    tok.id_bytes_[id] = bytes;
+    tok.vocab_.emplace(std::move(bytes), id);
+  }
+  for (int b = 0; b < 256; ++b) {
+    auto it = tok.vocab_.find(std::string(1, static_cast<char>(b)));
+    if (it == tok.vocab_.end())
+      return absl::InvalidArgumentError(absl::StrFormat("vocab lacks the byte 0x%02x", b));
+    tok.byte_ids_[b] = it->second;
+  }
+  return absl::OkStatus();
+}
+
+// The merge table by pair of ids; `merge_ids` keeps the file's order for the fingerprint.
+absl::Status Tokenizer::Builder::BuildMerges(
+    Tokenizer& tok, std::vector<std::pair<int32_t, int32_t>>* merge_ids) const {
+  tok.merges_.reserve(merges.size());
+  merge_ids->reserve(merges.size());
+  for (size_t rank = 0; rank < merges.size(); ++rank) {
+    const auto& [left, right] = merges[rank];
+    ASSIGN_OR_RETURN(std::string lb, ByteLevelToBytes(left));
+    ASSIGN_OR_RETURN(std::string rb, ByteLevelToBytes(right));
+    auto l = tok.vocab_.find(lb), r = tok.vocab_.find(rb), m = tok.vocab_.find(lb + rb);
+    if (l == tok.vocab_.end() || r == tok.vocab_.end() || m == tok.vocab_.end())
+      return absl::InvalidArgumentError(
+          absl::StrCat("merge ", rank, " '", left, " ", right, "' uses tokens not in the vocab"));
+    // Like the Rust library, a repeated pair keeps its last rank.
+    tok.merges_[uint64_t(uint32_t(l->second)) << 32 | uint32_t(r->second)] = {
+        static_cast<int32_t>(rank), m->second};
+    merge_ids->emplace_back(l->second, r->second);
+  }
+  return absl::OkStatus();
+}
+
+// The added tokens by id, by content and by first byte (longest first, for the split).
+absl::Status Tokenizer::Builder::BuildAddedTokens(Tokenizer& tok) {
+  std::sort(added.begin(), added.end(),
+            [](const AddedToken& a, const AddedToken& b) { return a.id < b.id; });
+  for (size_t i = 0; i < added.size(); ++i) {
+    const AddedToken& a = added[i];
+    if (a.content.empty()) return absl::InvalidArgumentError("empty added token");
+    if (utf8::FindInvalid(a.content) != std::string::npos)
+      return absl::InvalidArgumentError("added token is not valid UTF-8");
+    if (i > 0 && added[i - 1].id == a.id)
+      return absl::InvalidArgumentError(absl::StrCat("added token id ", a.id, " declared twice"));
+    if (!tok.added_by_content_.emplace(a.content, static_cast<int32_t>(i)).second)
+      return absl::InvalidArgumentError(absl::StrCat("added token '", a.content, "' twice"));
+    tok.id_kind_[a.id] = a.special ? 3 : 2;
+    tok.id_added_[a.id] = static_cast<int32_t>(i);
+    tok.added_by_first_byte_[static_cast<uint8_t>(a.content[0])].push_back(static_cast<int>(i));
+    tok.added_first_byte_[static_cast<uint8_t>(a.content[0])] = true;
+  }
+  tok.added_ = added;
+  for (int b = 0; b < 256; ++b) {
+    if (!tok.added_first_byte_[b]) continue;
+    tok.single_first_byte_ = tok.single_first_byte_ == -1 ? b : -2;
+  }
+  if (tok.single_first_byte_ == -2) tok.single_first_byte_ = -1;
+  for (auto& candidates : tok.added_by_first_byte_) {
+    std::stable_sort(candidates.begin(), candidates.end(), [&](int a, int b) {
+      return tok.added_[a].content.size() > tok.added_[b].content.size();
+    });
+  }
+  return absl::OkStatus();
+}
+
+// What two tokenizers must share to encode alike: the split, the normalizer, every id's bytes and
+// kind, and the merges in order.
+std::string Tokenizer::Builder::Fingerprint(
+    const Tokenizer& tok, const std::vector<std::pair<int32_t, int32_t>>& merge_ids) const {
+  Sha256 sha;
+  sha.UpdateField("opd-tokenizer-fingerprint-v1");
+  sha.UpdateField(pattern);
+  sha.UpdateU32(nfc ? 1 : 0);
+  sha.UpdateU32(ignore_merges ? 1 : 0);
+  sha.UpdateU32(static_cast<uint32_t>(tok.id_bytes_.size()));
+  for (size_t id = 0; id < tok.id_bytes_.size(); ++id) {
+    if (tok.id_kind_[id] == 0) continue;
+    sha.UpdateU32(static_cast<uint32_t>(id));
+    sha.UpdateU32(tok.id_kind_[id]);
+    const bool is_added = tok.id_kind_[id] >= 2;
+    sha.UpdateField(is_added ? tok.added_[tok.id_added_[id]].content : tok.id_bytes_[id]);
+  }
+  sha.UpdateU32(static_cast<uint32_t>(merge_ids.size()));
+  for (const auto& [l, r] : merge_ids) {
+    sha.UpdateU32(static_cast<uint32_t>(l));
+    sha.UpdateU32(static_cast<uint32_t>(r));
+  }
+  return sha.HexDigest();
+}
+
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Builder::Build() {
   std::unique_ptr<Tokenizer> tok(new Tokenizer());  // private constructor
   int32_t max_id = -1;
@@ -352,91 +457,15 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Builder::Build() {
   tok->id_kind_.assign(max_id + 1, 0);
   tok->id_added_.assign(max_id + 1, -1);
 
-  tok->vocab_.reserve(vocab.size());
-  for (const auto& [token, id] : vocab) {
-    ASSIGN_OR_RETURN(std::string bytes, ByteLevelToBytes(token));
-    if (tok->id_kind_[id] != 0)
-      return absl::InvalidArgumentError(absl::StrCat("id ", id, " appears twice in the vocab"));
-    tok->id_kind_[id] = 1;
-    tok->id_bytes_[id] = bytes;
-    tok->vocab_.emplace(std::move(bytes), id);
-  }
-  for (int b = 0; b < 256; ++b) {
-    auto it = tok->vocab_.find(std::string(1, static_cast<char>(b)));
-    if (it == tok->vocab_.end())
-      return absl::InvalidArgumentError(absl::StrFormat("vocab lacks the byte 0x%02x", b));
-    tok->byte_ids_[b] = it->second;
-  }
-
-  tok->merges_.reserve(merges.size());
-  std::vector<std::pair<int32_t, int32_t>> merge_ids;  // for the fingerprint
-  merge_ids.reserve(merges.size());
-  for (size_t rank = 0; rank < merges.size(); ++rank) {
-    const auto& [left, right] = merges[rank];
-    ASSIGN_OR_RETURN(std::string lb, ByteLevelToBytes(left));
-    ASSIGN_OR_RETURN(std::string rb, ByteLevelToBytes(right));
-    auto l = tok->vocab_.find(lb), r = tok->vocab_.find(rb), m = tok->vocab_.find(lb + rb);
-    if (l == tok->vocab_.end() || r == tok->vocab_.end() || m == tok->vocab_.end())
-      return absl::InvalidArgumentError(
-          absl::StrCat("merge ", rank, " '", left, " ", right, "' uses tokens not in the vocab"));
-    // Like the Rust library, a repeated pair keeps its last rank.
-    tok->merges_[uint64_t(uint32_t(l->second)) << 32 | uint32_t(r->second)] = {
-        static_cast<int32_t>(rank), m->second};
-    merge_ids.emplace_back(l->second, r->second);
-  }
-
-  std::sort(added.begin(), added.end(),
-            [](const AddedToken& a, const AddedToken& b) { return a.id < b.id; });
-  for (size_t i = 0; i < added.size(); ++i) {
-    const AddedToken& a = added[i];
-    if (a.content.empty()) return absl::InvalidArgumentError("empty added token");
-    if (utf8::FindInvalid(a.content) != std::string::npos)
-      return absl::InvalidArgumentError("added token is not valid UTF-8");
-    if (i > 0 && added[i - 1].id == a.id)
-      return absl::InvalidArgumentError(absl::StrCat("added token id ", a.id, " declared twice"));
-    if (!tok->added_by_content_.emplace(a.content, static_cast<int32_t>(i)).second)
-      return absl::InvalidArgumentError(absl::StrCat("added token '", a.content, "' twice"));
-    tok->id_kind_[a.id] = a.special ? 3 : 2;
-    tok->id_added_[a.id] = static_cast<int32_t>(i);
-    tok->added_by_first_byte_[static_cast<uint8_t>(a.content[0])].push_back(static_cast<int>(i));
-    tok->added_first_byte_[static_cast<uint8_t>(a.content[0])] = true;
-  }
-  tok->added_ = added;
-  for (int b = 0; b < 256; ++b) {
-    if (!tok->added_first_byte_[b]) continue;
-    tok->single_first_byte_ = tok->single_first_byte_ == -1 ? b : -2;
-  }
-  if (tok->single_first_byte_ == -2) tok->single_first_byte_ = -1;
-  for (auto& candidates : tok->added_by_first_byte_) {
-    std::stable_sort(candidates.begin(), candidates.end(), [&](int a, int b) {
-      return tok->added_[a].content.size() > tok->added_[b].content.size();
-    });
-  }
-
+  RETURN_IF_ERROR(BuildVocab(*tok));
+  std::vector<std::pair<int32_t, int32_t>> merge_ids;
+  RETURN_IF_ERROR(BuildMerges(*tok, &merge_ids));
+  RETURN_IF_ERROR(BuildAddedTokens(*tok));
   tok->pattern_ = pattern;
   tok->nfc_ = nfc;
   tok->ignore_merges_ = ignore_merges;
   ASSIGN_OR_RETURN(tok->regex_, Regex::Compile(pattern));
-
-  Sha256 sha;
-  sha.UpdateField("opd-tokenizer-fingerprint-v1");
-  sha.UpdateField(pattern);
-  sha.UpdateU32(nfc ? 1 : 0);
-  sha.UpdateU32(ignore_merges ? 1 : 0);
-  sha.UpdateU32(static_cast<uint32_t>(tok->id_bytes_.size()));
-  for (size_t id = 0; id < tok->id_bytes_.size(); ++id) {
-    if (tok->id_kind_[id] == 0) continue;
-    sha.UpdateU32(static_cast<uint32_t>(id));
-    sha.UpdateU32(tok->id_kind_[id]);
-    const bool is_added = tok->id_kind_[id] >= 2;
-    sha.UpdateField(is_added ? tok->added_[tok->id_added_[id]].content : tok->id_bytes_[id]);
-  }
-  sha.UpdateU32(static_cast<uint32_t>(merge_ids.size()));
-  for (const auto& [l, r] : merge_ids) {
-    sha.UpdateU32(static_cast<uint32_t>(l));
-    sha.UpdateU32(static_cast<uint32_t>(r));
-  }
-  tok->fingerprint_ = sha.HexDigest();
+  tok->fingerprint_ = Fingerprint(*tok, merge_ids);
   return tok;
 }
 
