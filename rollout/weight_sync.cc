@@ -364,6 +364,28 @@ absl::Status ReceiveShares(lm::dist::ProcessGroup& group, torch::Device device, 
   return placer.Finish();
 }
 
+// Commits a received update and logs what serves now; `applied` says what that is.
+absl::Status CommitReceived(WeightStore& store, int64_t version,
+                            std::unique_ptr<StagedWeights> staged, absl::Duration received_in,
+                            opd::v1::UpdateWeightsResponse* applied) {
+  const int64_t tensors = staged->tensors_received(), bytes = staged->bytes_received();
+  const bool in_place = staged->in_place();
+  const absl::Time t0 = absl::Now();
+  CommitState state = CommitState::kServing;
+  RETURN_IF_ERROR(store.Commit(std::move(staged), &state));
+  applied->set_version(version);
+  applied->set_tensors(tensors);
+  applied->set_bytes(bytes);
+  lm::log::Info(absl::StrCat(
+      "weight sync: version ", version,
+      state == CommitState::kPending ? " accepted (serves once the requests on the old one end)"
+                                     : " serving",
+      " (", tensors, " tensors, ", bytes, " bytes ", in_place ? "written in place" : "staged",
+      "; received in ", absl::FormatDuration(received_in), ", committed in ",
+      absl::FormatDuration(absl::Now() - t0), ")"));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 void WeightSyncReceiver::RunSync(const opd::v1::SyncWeightsRequest& req,
@@ -395,36 +417,10 @@ void WeightSyncReceiver::RunSync(const opd::v1::SyncWeightsRequest& req,
   absl::Status st = parallel ? ReceiveShares(*group, on, device_.is_cuda(), req, tensors,
                                              staged.get(), staging, &broken)
                              : Receive(*group, on, req, tensors, staged.get(), &broken);
-  const absl::Time t1 = absl::Now();
-  opd::rpc::SyncVerdict verdict;
-  verdict.present = true;
-  opd::v1::SyncWeightsResult result;
-  if (st.ok()) {
-    const int64_t tensors = staged->tensors_received(), bytes = staged->bytes_received();
-    const bool in_place = staged->in_place();
-    CommitState state = CommitState::kServing;
-    st = store_->Commit(std::move(staged), &state);
-    if (st.ok()) {
-      result.mutable_applied()->set_version(req.version());
-      result.mutable_applied()->set_tensors(tensors);
-      result.mutable_applied()->set_bytes(bytes);
-      verdict.version = req.version();
-      verdict.tensors = tensors;
-      verdict.bytes = bytes;
-      lm::log::Info(absl::StrCat(
-          "weight sync: version ", req.version(),
-          state == CommitState::kPending ? " accepted (serves once the requests on the old one end)"
-                                         : " serving",
-          " (", tensors, " tensors, ", bytes, " bytes ", in_place ? "written in place" : "staged",
-          "; received in ", absl::FormatDuration(t1 - t0), ", committed in ",
-          absl::FormatDuration(absl::Now() - t1), ")"));
-    }
-  }
+  opd::v1::UpdateWeightsResponse applied;
+  if (st.ok())
+    st = CommitReceived(*store_, req.version(), std::move(staged), absl::Now() - t0, &applied);
   staged.reset();  // a failed update's copy goes now (an in-place one leaves the store damaged)
-  result.set_code(static_cast<int>(st.code()));
-  result.set_message(std::string(st.message()));
-  verdict.code = static_cast<int32_t>(st.code());
-  verdict.message = std::string(st.message());
   {
     // Counted before the learner hears the verdict, so whoever it tells sees the count.
     absl::MutexLock lock(&mu_);
@@ -432,14 +428,7 @@ void WeightSyncReceiver::RunSync(const opd::v1::SyncWeightsRequest& req,
     stats_.last_sync = st;
   }
   if (!broken) {
-    absl::Status sent;
-    if (parallel) {
-      sent = ShareVerdict(*group, on, m, verdict);
-    } else {
-      std::string bytes = result.SerializeAsString();
-      sent = group->BroadcastBytes(&bytes, 1);
-    }
-    if (!sent.ok()) {
+    if (absl::Status sent = TellLearners(*group, on, m, parallel, st, applied); !sent.ok()) {
       broken = true;
       if (st.ok()) st = sent;  // committed, but the learner may not know
     }
@@ -452,6 +441,30 @@ void WeightSyncReceiver::RunSync(const opd::v1::SyncWeightsRequest& req,
   if (broken) dropped = std::move(group_);
   state_ = broken ? State::kNone : State::kReady;
   stats_.last_sync = st;
+}
+
+// The outcome, as each protocol tells it: the parallel push's closing all-gather of verdicts, or
+// the two-rank group's serialized result from rank 1.
+absl::Status WeightSyncReceiver::TellLearners(lm::dist::ProcessGroup& group, torch::Device on,
+                                              const Membership& m, bool parallel,
+                                              const absl::Status& outcome,
+                                              const opd::v1::UpdateWeightsResponse& applied) {
+  if (parallel) {
+    opd::rpc::SyncVerdict verdict;
+    verdict.present = true;
+    verdict.code = static_cast<int32_t>(outcome.code());
+    verdict.message = std::string(outcome.message());
+    verdict.version = applied.version();
+    verdict.tensors = applied.tensors();
+    verdict.bytes = applied.bytes();
+    return ShareVerdict(group, on, m, verdict);
+  }
+  opd::v1::SyncWeightsResult result;
+  result.set_code(static_cast<int>(outcome.code()));
+  result.set_message(std::string(outcome.message()));
+  if (outcome.ok()) *result.mutable_applied() = applied;
+  std::string bytes = result.SerializeAsString();
+  return group.BroadcastBytes(&bytes, 1);
 }
 
 // The closing all-gather of the parallel push: every member's fixed record, ours the verdict.

@@ -82,6 +82,9 @@ class WeightSyncReceiver {
   void RunSync(const opd::v1::SyncWeightsRequest& req, const std::vector<WireTensor>& tensors);
   absl::StatusOr<std::unique_ptr<StagedWeights>> StageParallel(
       const opd::v1::SyncWeightsRequest& req, const std::string& backend);
+  static absl::Status TellLearners(lm::dist::ProcessGroup& group, torch::Device on,
+                                   const Membership& m, bool parallel, const absl::Status& outcome,
+                                   const opd::v1::UpdateWeightsResponse& applied);
   static absl::Status ShareVerdict(lm::dist::ProcessGroup& group, torch::Device on,
                                    const Membership& m, const opd::rpc::SyncVerdict& verdict);
   // Starts `fn` on the worker thread (the previous one has ended: the state said so).
