@@ -284,89 +284,125 @@ absl::Status CheckFinite(const lm::SequenceScore& s, int64_t index, int64_t resp
   return absl::OkStatus();
 }
 
+// One sequence of a batch, as the scoring steps see it.
+struct Scored {
+  const lm::Sample* sample;
+  double temperature;
+  int64_t top_k;
+  int64_t index;              // in its job, for messages
+  lm::SequenceScore* result;  // where its scores go
+};
+
+// One group of sequences sharing a temperature and a top-k (one pass through the LM head), and
+// where its scores sit in the batch's packed scores.
+struct ScoreGroup {
+  std::vector<size_t> members;
+  int64_t k = 0, rows = 0, offset = 0;
+};
+
+// The batch's hidden states, packed as `batch` on the model's device.
+torch::Tensor Hidden(lm::CausalLM& model, const std::vector<Scored>& seqs, lm::PackedBatch* batch) {
+  std::vector<std::vector<int64_t>> tokens;
+  tokens.reserve(seqs.size());
+  for (const Scored& s : seqs)
+    tokens.emplace_back(s.sample->tokens.begin(), s.sample->tokens.end());
+  const torch::Device device = model.LmHeadWeight().device();
+  // Indexing, gathers and log-probs run where the model is; only the results come back.
+  *batch = lm::PackedBatch::FromSequences(tokens);
+  batch->input_ids = batch->input_ids.to(device);
+  batch->position_ids = batch->position_ids.to(device);
+  return model.Forward(*batch);
+}
+
+// Every group's log-probs (and top-k) in one device tensor (undefined when nothing is scored);
+// `groups` says where each group's are.
+torch::Tensor ScoreGroups(lm::CausalLM& model, int64_t chunk_rows, const std::vector<Scored>& seqs,
+                          const lm::PackedBatch& batch, const torch::Tensor& hidden,
+                          std::vector<ScoreGroup>* groups) {
+  std::map<std::pair<double, int64_t>, std::vector<size_t>> by_key;
+  for (size_t i = 0; i < seqs.size(); ++i)
+    by_key[{seqs[i].temperature, seqs[i].top_k}].push_back(i);
+  const auto weight = model.LmHeadWeight();
+  const torch::Device device = weight.device();
+  std::vector<torch::Tensor> packed;
+  int64_t offset = 0;
+  for (auto& [key, members] : by_key) {
+    // Rows predicting the scored tokens: position p is predicted by row p - 1.
+    std::vector<int64_t> rows, targets;
+    for (size_t i : members) {
+      const lm::Sample& s = *seqs[i].sample;
+      for (int64_t p = s.response_start; p < static_cast<int64_t>(s.tokens.size()); ++p) {
+        rows.push_back(batch.cu_seqlens[i] + p - 1);
+        targets.push_back(s.tokens[p]);
+      }
+    }
+    if (rows.empty()) continue;
+    lm::LogprobOptions lo;
+    lo.temperature = key.first;
+    lo.chunk_rows = chunk_rows;
+    const auto h = hidden.index_select(0, torch::tensor(rows, torch::kInt64).to(device));
+    const auto lp =
+        lm::TokenLogprobs(h, weight, torch::tensor(targets, torch::kInt64).to(device), lo);
+    const int64_t k = key.second;
+    lm::TopKLogprobs top;
+    if (k > 0) top = lm::TopK(h, weight, k, lo);
+    packed.push_back(PackGroup(lp, k > 0 ? &top : nullptr));
+    const int64_t n = static_cast<int64_t>(rows.size());
+    groups->push_back({std::move(members), k, n, offset});
+    offset += n * (1 + 2 * k);
+  }
+  return packed.empty() ? torch::Tensor() : torch::cat(packed);
+}
+
+// Each sequence's scores out of the batch's host copy, with its verdict (OK, or why its scores
+// must not go out).
+std::vector<absl::Status> Unpack(const std::vector<Scored>& seqs, const torch::Tensor& host,
+                                 const std::vector<ScoreGroup>& groups) {
+  std::vector<absl::Status> verdicts(seqs.size());
+  const float* base = host.defined() ? host.data_ptr<float>() : nullptr;
+  for (const ScoreGroup& g : groups) {
+    const float* lpp = base + g.offset;
+    const float* tlp = lpp + g.rows;
+    const int32_t* ids = reinterpret_cast<const int32_t*>(tlp + g.rows * g.k);
+    for (size_t i : g.members) {
+      const lm::Sample& s = *seqs[i].sample;
+      const int64_t n = s.response_length();
+      lm::SequenceScore& out = *seqs[i].result;
+      out.logprobs.assign(lpp, lpp + n);
+      if (g.k > 0) {
+        out.topk_ids.assign(ids, ids + n * g.k);
+        out.topk_logprobs.assign(tlp, tlp + n * g.k);
+      }
+      verdicts[i] = CheckFinite(out, seqs[i].index, s.response_start, g.k);
+      lpp += n;
+      tlp += n * g.k;
+      ids += n * g.k;
+    }
+  }
+  return verdicts;
+}
+
 }  // namespace
 
 void Scorer::RunBatch(const std::vector<Item>& items) {
-  std::vector<absl::Status> verdicts(items.size());  // per item: OK or why its scores are bad
+  std::vector<Scored> seqs;
+  seqs.reserve(items.size());
+  for (const Item& it : items) {
+    const auto& job = it.job->job;
+    seqs.push_back({&job.sequences[it.index], job.temperature, job.top_k, it.index,
+                    &it.job->results[it.index]});
+  }
+  std::vector<absl::Status> verdicts;  // per item: OK or why its scores are bad
   try {
-    std::vector<std::vector<int64_t>> seqs;
-    seqs.reserve(items.size());
-    for (const auto& it : items) {
-      const auto& tokens = it.job->job.sequences[it.index].tokens;
-      seqs.emplace_back(tokens.begin(), tokens.end());
-    }
-    const auto weight = model_->LmHeadWeight();
-    const torch::Device device = weight.device();
-    // Indexing, gathers and log-probs run where the model is; only the results come back.
-    auto batch = lm::PackedBatch::FromSequences(seqs);
-    batch.input_ids = batch.input_ids.to(device);
-    batch.position_ids = batch.position_ids.to(device);
-    const auto hidden = model_->Forward(batch);
-
-    // Items of one temperature (and top-k) share one pass through the LM head.
-    std::map<std::pair<double, int64_t>, std::vector<size_t>> groups;
-    for (size_t i = 0; i < items.size(); ++i) {
-      const auto& job = items[i].job->job;
-      groups[{job.temperature, job.top_k}].push_back(i);
-    }
-    struct Done {
-      const std::vector<size_t>* members;
-      int64_t k = 0, rows = 0, offset = 0;  // offset: where the group starts in `packed`
-    };
-    std::vector<Done> done;
-    std::vector<torch::Tensor> packed;
-    int64_t offset = 0;
-    for (const auto& [key, members] : groups) {
-      // Rows predicting the scored tokens: position p is predicted by row p - 1.
-      std::vector<int64_t> rows, targets;
-      for (size_t i : members) {
-        const auto& job = items[i].job->job;
-        const lm::Sample& s = job.sequences[items[i].index];
-        for (int64_t p = s.response_start; p < static_cast<int64_t>(s.tokens.size()); ++p) {
-          rows.push_back(batch.cu_seqlens[i] + p - 1);
-          targets.push_back(s.tokens[p]);
-        }
-      }
-      if (rows.empty()) continue;
-      lm::LogprobOptions lo;
-      lo.temperature = key.first;
-      lo.chunk_rows = opts_.logprob_chunk_rows;
-      const auto h = hidden.index_select(0, torch::tensor(rows, torch::kInt64).to(device));
-      const auto lp =
-          lm::TokenLogprobs(h, weight, torch::tensor(targets, torch::kInt64).to(device), lo);
-      const int64_t k = key.second;
-      lm::TopKLogprobs top;
-      if (k > 0) top = lm::TopK(h, weight, k, lo);
-      packed.push_back(PackGroup(lp, k > 0 ? &top : nullptr));
-      const int64_t n = static_cast<int64_t>(rows.size());
-      done.push_back({&members, k, n, offset});
-      offset += n * (1 + 2 * k);
-    }
-    if (!packed.empty()) {
-      // The one device-to-host copy of the batch.
-      const auto host = torch::cat(packed).to(torch::kCPU).contiguous();
-      const float* base = host.data_ptr<float>();
-      for (const Done& g : done) {
-        const float* lpp = base + g.offset;
-        const float* tlp = lpp + g.rows;
-        const int32_t* ids = reinterpret_cast<const int32_t*>(tlp + g.rows * g.k);
-        for (size_t i : *g.members) {
-          const auto& job = items[i].job->job;
-          const lm::Sample& s = job.sequences[items[i].index];
-          const int64_t n = s.response_length();
-          lm::SequenceScore& out = items[i].job->results[items[i].index];
-          out.logprobs.assign(lpp, lpp + n);
-          if (g.k > 0) {
-            out.topk_ids.assign(ids, ids + n * g.k);
-            out.topk_logprobs.assign(tlp, tlp + n * g.k);
-          }
-          verdicts[i] = CheckFinite(out, items[i].index, s.response_start, g.k);
-          lpp += n;
-          tlp += n * g.k;
-          ids += n * g.k;
-        }
-      }
-    }
+    lm::PackedBatch batch;
+    const torch::Tensor hidden = Hidden(*model_, seqs, &batch);
+    std::vector<ScoreGroup> groups;
+    const torch::Tensor packed =
+        ScoreGroups(*model_, opts_.logprob_chunk_rows, seqs, batch, hidden, &groups);
+    // The one device-to-host copy of the batch.
+    const torch::Tensor host =
+        packed.defined() ? packed.to(torch::kCPU).contiguous() : torch::Tensor();
+    verdicts = Unpack(seqs, host, groups);
   } catch (const lm::CollectiveError& e) {  // expert parallelism: the group failed (UNAVAILABLE)
     Complete(items, e.status());
     return;
