@@ -53,8 +53,18 @@ class OpdJob : public TrainingJob {
   StepPipelineOptions PipelineOptions();
   ScoreStreamOptions ScoringOptions() const;
 
-  // One step (opd_step.cc): the rank's own phases, then the agreed, collective end.
+  // One step (opd_step.cc): the rank's own phases, then the agreed, collective end. Step runs
+  // the named steps below in order.
   absl::Status Step();
+  absl::Status ApplyTeacherSwap();
+  absl::Status LearnAndAgree(int64_t step, StepLearner& learner,
+                             std::unique_ptr<StepPipeline>& pipe, StepStats* st);
+  absl::Status ReduceAndUpdate(int64_t step, StepLearner& learner, const StepPipeline& pipe,
+                               StepStats* st);
+  bool TrackStep(const StepStats& st);
+  absl::Status PushStepWeights(StepStats* st);
+  void ReportStep(const StepStats& st);
+  absl::Status EndStageOrCheckpoint(bool stage_over);
   absl::Status LearnLocally(int64_t step, StepLearner& learner, std::unique_ptr<StepPipeline>& pipe,
                             std::vector<std::vector<size_t>>* held, StepStats* st);
   absl::Status LearnInLockstep(int64_t step, StepLearner& learner, const StepPipeline& pipe,

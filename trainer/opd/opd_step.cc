@@ -1,14 +1,16 @@
-// One OPD step on one learner rank:
-//   1. at the boundary, a teacher swap (every rank takes part);
+// One OPD step on one learner rank (OpdJob::Step runs them in order):
+//   1. at the boundary, a teacher swap (every rank takes part; ApplyTeacherSwap);
 //   2. this rank's own phases, which take as long as they take: its share of the step's prompts
 //      sampled on the rollout workers, each sample scored by its domain's teachers as it arrives,
-//      each micro-batch learned as soon as its samples are scored (the last one's backward kept);
+//      each micro-batch learned as soon as its samples are scored (the last one's backward kept;
+//      LearnLocally);
 //   3. the ranks agree on the outcome (lm/dist/rank_sync.h), so that a failure on one rank ends
-//      the step on every rank, at the same point, before any collective;
+//      the step on every rank, at the same point, before any collective (LearnAndAgree);
 //   4. the collective end: the loss normaliser, the last backward with its reductions, the
-//      update, the step's sums;
-//   5. the push of the new weights, agreed; the held-out evaluation of the step before applied
-//      and this step's launched; convergence, logs, checkpoints.
+//      update, the step's sums (ReduceAndUpdate);
+//   5. the stage's rules fed (TrackStep); the push of the new weights, agreed (PushStepWeights);
+//      the held-out evaluation of the step before applied (ApplyHeldout) and this step's
+//      launched; logs (ReportStep), checkpoints and the next stage (EndStageOrCheckpoint).
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -35,6 +37,27 @@ bool Contains(const std::vector<int64_t>& v, int64_t x) {
 absl::Status InPhase(const std::string& phase, const absl::Status& s) {
   if (s.ok()) return s;
   return absl::Status(s.code(), absl::StrCat(phase, ": ", s.message()));
+}
+
+// The loss and learner settings of a step, from the job's configuration.
+StepLearnerOptions LearnerOptionsOf(const OpdConfig& c) {
+  StepLearnerOptions lo;
+  lo.loss.correction = c.loss.correction;
+  lo.loss.kl_coef = c.loss.kl_coef;
+  lo.loss.tis_cap = c.loss.tis_cap;
+  lo.loss.clip_low = c.loss.clip_low;
+  lo.loss.clip_high = c.loss.clip_high;
+  lo.loss.kl_discount = c.loss.kl_discount;
+  lo.form = c.loss.form;
+  lo.top_k = c.loss.top_k;
+  lo.divergence = c.loss.divergence;
+  lo.alpha = c.loss.alpha;
+  lo.normalization = c.loss.normalization;
+  lo.temperature = c.rollout.temperature;
+  lo.activation_checkpointing = c.train.activation_checkpointing;
+  lo.routing_replay = c.rollout.routing_replay;
+  lo.max_grad_norm = c.optim.max_grad_norm;
+  return lo;
 }
 
 }  // namespace
@@ -112,6 +135,37 @@ absl::Status OpdJob::LearnInLockstep(int64_t step, StepLearner& learner, const S
 }
 
 absl::Status OpdJob::Step() {
+  RETURN_IF_ERROR(ApplyTeacherSwap());
+  const int64_t step = step_ + 1;
+  const auto t0 = Clock::now();
+  StepStats st;
+  StepLearner learner(LearnerOptionsOf(c_), *model_, *optimizer_, *group_, device_, precision_,
+                      teachers_->metric_domains());
+  std::unique_ptr<StepPipeline> pipe;
+  RETURN_IF_ERROR(LearnAndAgree(step, learner, pipe, &st));
+  RETURN_IF_ERROR(ReduceAndUpdate(step, learner, *pipe, &st));
+  pipe.reset();
+  // The step is complete from here (step_ counts it), and so is its bookkeeping: whatever fails
+  // after this is checkpointed as this step.
+  bool stage_over = TrackStep(st);
+  const absl::Status pushed = PushStepWeights(&st);
+  st.step_s = Seconds(t0);
+  ReportStep(st);
+  // Only the step's distribution failed, after its bookkeeping: the checkpoint is of this step
+  // (a resumed job pushes its weights first), and it owes this step's evaluation.
+  if (!pushed.ok()) {
+    if (heldout_->Due(step_)) heldout_->Owe(step_);
+    return FailStep(pushed, "the weight push");
+  }
+  RETURN_IF_ERROR(ApplyHeldout(&stage_over));
+  if (heldout_->Due(step_))
+    heldout_->Launch(step_, source_->rollout(), *teachers_, ScoringOptions());
+  RETURN_IF_ERROR(CheckNonFinite(c_.train.max_consecutive_nonfinite));
+  return EndStageOrCheckpoint(stage_over);
+}
+
+// The boundary: a teacher swap queued on rank 0's admin server, applied on every rank.
+absl::Status OpdJob::ApplyTeacherSwap() {
   absl::StatusOr<std::optional<StageTeachers::Applied>> applied =
       teachers_->ApplyPendingSwap(admin_.get(), is_root(), *sync_);
   // A rank that stopped answering at the swap's meeting point ends every rank as at any other.
@@ -124,36 +178,21 @@ absl::Status OpdJob::Step() {
         "teacher swap applied at step %d: stage '%s'%s", step_, swap->stage,
         swap->domain.empty() ? "" : absl::StrCat(" (domain '", swap->domain, "')")));
   }
-  const int64_t step = step_ + 1;
-  const auto t0 = Clock::now();
-  StepStats st;
-  StepLearnerOptions lo;
-  lo.loss.correction = c_.loss.correction;
-  lo.loss.kl_coef = c_.loss.kl_coef;
-  lo.loss.tis_cap = c_.loss.tis_cap;
-  lo.loss.clip_low = c_.loss.clip_low;
-  lo.loss.clip_high = c_.loss.clip_high;
-  lo.loss.kl_discount = c_.loss.kl_discount;
-  lo.form = c_.loss.form;
-  lo.top_k = c_.loss.top_k;
-  lo.divergence = c_.loss.divergence;
-  lo.alpha = c_.loss.alpha;
-  lo.normalization = c_.loss.normalization;
-  lo.temperature = c_.rollout.temperature;
-  lo.activation_checkpointing = c_.train.activation_checkpointing;
-  lo.routing_replay = c_.rollout.routing_replay;
-  lo.max_grad_norm = c_.optim.max_grad_norm;
-  StepLearner learner(lo, *model_, *optimizer_, *group_, device_, precision_,
-                      teachers_->metric_domains());
+  return absl::OkStatus();
+}
+
+// This rank's own phases (sampling, scoring and, unless in lockstep, learning), then the meeting
+// where every rank agrees on their outcome, so that a failure anywhere ends the step everywhere.
+absl::Status OpdJob::LearnAndAgree(int64_t step, StepLearner& learner,
+                                   std::unique_ptr<StepPipeline>& pipe, StepStats* st) {
   // ZeRO-2 over several ranks reduce-scatters inside each backward, which every rank must enter
   // together: the micro-batches are then learned in lockstep once every rank's are scored, and
   // only sampling and scoring overlap (stage 1 learns each as soon as it is scored).
   const bool lockstep = optimizer_->stage() == ZeroStage::kTwo && group_->size() > 1;
   std::vector<std::vector<size_t>> held;
-  std::unique_ptr<StepPipeline> pipe;
   absl::Status local;
   try {
-    local = LearnLocally(step, learner, pipe, lockstep ? &held : nullptr, &st);
+    local = LearnLocally(step, learner, pipe, lockstep ? &held : nullptr, st);
   } catch (const std::exception& e) {  // LibTorch reports failures (e.g. out of memory) by throwing
     local = absl::InternalError(absl::StrCat("learning: ", e.what()));
   }
@@ -163,53 +202,64 @@ absl::Status OpdJob::Step() {
   if (!agreed.ok()) return FailStep(agreed, absl::StrCat("step ", step));
   if (lockstep) {
     sync_->SetPhase(absl::StrCat("step ", step, ": learning in lockstep"));
-    if (absl::Status s = LearnInLockstep(step, learner, *pipe, held, &st); !s.ok())
+    if (absl::Status s = LearnInLockstep(step, learner, *pipe, held, st); !s.ok())
       return FailStep(s, absl::StrCat("step ", step, ": learning"));
   }
+  return absl::OkStatus();
+}
 
-  // Collective from here: every rank agreed that it learned its share.
+// Collective from here: every rank agreed that it learned its share. The reductions, then the
+// update (skipped when the loss or the gradient is not finite), which moves step_ on.
+absl::Status OpdJob::ReduceAndUpdate(int64_t step, StepLearner& learner, const StepPipeline& pipe,
+                                     StepStats* st) {
   sync_->SetPhase(absl::StrCat("step ", step, ": reductions"));
   const auto t_reduce = Clock::now();
-  if (absl::Status s = learner.Finish(&st); !s.ok())
+  if (absl::Status s = learner.Finish(st); !s.ok())
     return FailStep(s, absl::StrCat("step ", step, ": the reductions"));
-  st.learn_s += Seconds(t_reduce);
-  st.lr = NextLr();
-  st.skipped = !std::isfinite(st.loss_value) || !std::isfinite(st.grad_norm);
-  RETURN_IF_ERROR(ApplyUpdate(st.skipped, st.lr, pipe->prompts().cursor_after));
-  pipe.reset();
-  // The step is complete from here (step_ counts it), and so is its bookkeeping: whatever fails
-  // after this is checkpointed as this step.
+  st->learn_s += Seconds(t_reduce);
+  st->lr = NextLr();
+  st->skipped = !std::isfinite(st->loss_value) || !std::isfinite(st->grad_norm);
+  return ApplyUpdate(st->skipped, st->lr, pipe.prompts().cursor_after);
+}
+
+// The completed step's bookkeeping: its non-finite count and the stage's rules. True when they
+// end the stage.
+bool OpdJob::TrackStep(const StepStats& st) {
   CountNonFinite(st.skipped, st.loss_value, st.grad_norm);
   // A skipped step (non-finite loss or gradient) changed nothing: its KL is not averaged.
   const double reverse_kl =
       st.skipped
           ? std::numeric_limits<double>::quiet_NaN()
           : st.loss.reverse_kl_sum / static_cast<double>(std::max<int64_t>(st.response_tokens, 1));
-  bool stage_over =
+  const bool stage_over =
       convergence_->OnStep(step_, reverse_kl, DomainKl(st, teachers_->metric_domains()));
   if (stage_over) done_ = stage_ + 1 == c_.stages.size();
+  return stage_over;
+}
+
+// The new weights to the rollout workers, timed into st->push_s; the debug hooks fail here as a
+// torch error in the push or a worker that cannot take the weights would.
+absl::Status OpdJob::PushStepWeights(StepStats* st) {
   if (Contains(c_.debug.throw_after_update_steps, step_))
     throw std::runtime_error(absl::StrCat("debug.throw_after_update_steps: step ", step_));
   const auto t_push = Clock::now();
   absl::Status pushed = PushWeights();
   if (pushed.ok() && Contains(c_.debug.fail_push_steps, step_))
     pushed = absl::UnavailableError(absl::StrCat("debug.fail_push_steps: step ", step_));
-  st.push_s = Seconds(t_push);
-  st.step_s = Seconds(t0);
+  st->push_s = Seconds(t_push);
+  return pushed;
+}
+
+// What rank 0's admin server answers about the run, and the step's records.
+void OpdJob::ReportStep(const StepStats& st) {
   if (admin_)
     admin_->SetStatus(
         {c_.stages[stage_].name, step_, teachers_->stage().teachers, weight_version_});
   LogStep(st);
-  // Only the step's distribution failed, after its bookkeeping: the checkpoint is of this step
-  // (a resumed job pushes its weights first), and it owes this step's evaluation.
-  if (!pushed.ok()) {
-    if (heldout_->Due(step_)) heldout_->Owe(step_);
-    return FailStep(pushed, "the weight push");
-  }
-  RETURN_IF_ERROR(ApplyHeldout(&stage_over));
-  if (heldout_->Due(step_))
-    heldout_->Launch(step_, source_->rollout(), *teachers_, ScoringOptions());
-  RETURN_IF_ERROR(CheckNonFinite(c_.train.max_consecutive_nonfinite));
+}
+
+// A finished stage is checkpointed and the next one started; otherwise the periodic checkpoint.
+absl::Status OpdJob::EndStageOrCheckpoint(bool stage_over) {
   if (stage_over) {
     // This stage's evaluation is of this stage's teachers: applied (logged) before they go.
     if (heldout_->pending_step() >= 0) {
