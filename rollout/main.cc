@@ -86,15 +86,15 @@ absl::Status CheckFlags() {
   });
 }
 
-absl::Status Run() {
-  ASSIGN_OR_RETURN(opd::rpc::LoadedModel loaded, opd::rpc::LoadServedModel());
+// The engine --engine asks for, or the static sampler under expert parallelism; refused at
+// start-up rather than on every Generate when the model cannot run it.
+absl::StatusOr<EngineKind> ChooseEngine(const opd::rpc::LoadedModel& loaded) {
   ASSIGN_OR_RETURN(EngineKind engine_kind, EngineFlag());
   // Expert parallelism runs the static sampler on every rank (rollout/ep_rollout.h).
   if (loaded.ep && engine_kind == EngineKind::kPaged) {
     lm::log::Info("expert parallelism: the static sampler (the paged engine is single-process)");
     engine_kind = EngineKind::kStatic;
   }
-  // Refused at start-up rather than on every Generate.
   if (engine_kind == EngineKind::kPaged && !loaded.model->SupportsPagedKV())
     return absl::FailedPreconditionError(absl::StrCat(
         loaded.model_dir, " is a ", loaded.config.model_type,
@@ -105,42 +105,58 @@ absl::Status Run() {
         loaded.model_dir, " is a ", loaded.config.model_type,
         " model, which this rollout worker cannot sample: it has no incremental decode (KV "
         "cache); serve a qwen3_moe or qwen3_next student"));
+  return engine_kind;
+}
+
+void WarnIfNoSecret(const opd::rpc::LoadedModel& loaded) {
   if (loaded.secret.empty()) {
     lm::log::Warn(
         "no shared secret (--secret-file or OPD_SECRET): calls are not authenticated and "
         "UpdateWeights is disabled");
   }
-  const lm::ModelConfig& config = loaded.config;
+}
+
+// The device's memory that --kv-cache-gb auto sizes the pool from: --device-memory-gb, else the
+// CUDA driver's figure; 0 (unknown) on the CPU or when the driver cannot say.
+int64_t DeviceMemoryBytes(const torch::Device& d) {
+  int64_t device_bytes =
+      static_cast<int64_t>(absl::GetFlag(FLAGS_device_memory_gb) * lm::plan::kGiB);
+  if (device_bytes == 0 && d.is_cuda()) {
+    if (absl::StatusOr<int64_t> cuda =
+            lm::plan::CudaDeviceMemoryBytes(d.has_index() ? d.index() : 0);
+        cuda.ok())
+      device_bytes = *cuda;
+  }
+  return device_bytes;
+}
+
+// The engine's flags and the paged engine's pool (or the static sampler's largest batch cache),
+// from the plan's terms (rollout/kv_pool.h); refused here, naming the term, rather than by an
+// allocation failure in the KV pool (the largest term).
+absl::StatusOr<rollout::EngineOptions> EngineOptionsFromFlags(const opd::rpc::LoadedModel& loaded) {
   const int64_t dtype_bytes = static_cast<int64_t>(c10::elementSize(loaded.placement.dtype));
-  // The paged engine's pool (or the static sampler's largest batch cache), from the plan's terms
-  // (rollout/kv_pool.h); refused here, naming the term, rather than by an allocation failure in
-  // the KV pool (the largest term).
   rollout::EngineOptions eo;
   eo.block_size = absl::GetFlag(FLAGS_kv_block_size);
   eo.max_running = absl::GetFlag(FLAGS_max_running_seqs);
   eo.max_requests = absl::GetFlag(FLAGS_max_queued_requests);
-  {
-    lm::plan::RolloutSettings plan;
-    plan.weight_bytes = dtype_bytes;
-    plan.block_size = eo.block_size;
-    plan.max_running = eo.max_running;
-    plan.max_prefill_tokens = eo.max_prefill_tokens;
-    int64_t device_bytes =
-        static_cast<int64_t>(absl::GetFlag(FLAGS_device_memory_gb) * lm::plan::kGiB);
-    const torch::Device& d = loaded.placement.device;
-    if (device_bytes == 0 && d.is_cuda()) {
-      if (absl::StatusOr<int64_t> cuda =
-              lm::plan::CudaDeviceMemoryBytes(d.has_index() ? d.index() : 0);
-          cuda.ok())
-        device_bytes = *cuda;
-    }
-    ASSIGN_OR_RETURN(const std::optional<double> gib,
-                     rollout::ParseKvCacheGb(absl::GetFlag(FLAGS_kv_cache_gb), kMaxGiB));
-    ASSIGN_OR_RETURN(const rollout::KvPoolChoice pool,
-                     rollout::ChooseKvPool(config, plan, gib, device_bytes));
-    eo.kv_cache_bytes = static_cast<double>(pool.bytes);
-    lm::log::Info(pool.why);
-  }
+  lm::plan::RolloutSettings plan;
+  plan.weight_bytes = dtype_bytes;
+  plan.block_size = eo.block_size;
+  plan.max_running = eo.max_running;
+  plan.max_prefill_tokens = eo.max_prefill_tokens;
+  const int64_t device_bytes = DeviceMemoryBytes(loaded.placement.device);
+  ASSIGN_OR_RETURN(const std::optional<double> gib,
+                   rollout::ParseKvCacheGb(absl::GetFlag(FLAGS_kv_cache_gb), kMaxGiB));
+  ASSIGN_OR_RETURN(const rollout::KvPoolChoice pool,
+                   rollout::ChooseKvPool(loaded.config, plan, gib, device_bytes));
+  eo.kv_cache_bytes = static_cast<double>(pool.bytes);
+  lm::log::Info(pool.why);
+  return eo;
+}
+
+// The service's limits from the flags; the static sampler's batches take the engine's pool size.
+rollout::ServiceOptions ServiceOptionsFromFlags(const lm::ModelConfig& config,
+                                                const rollout::EngineOptions& eo) {
   rollout::ServiceOptions so;
   so.limits.vocab_size = config.vocab_size;
   so.limits.max_seq_len = absl::GetFlag(FLAGS_max_seq_len) > 0 ? absl::GetFlag(FLAGS_max_seq_len)
@@ -148,9 +164,33 @@ absl::Status Run() {
   so.limits.max_samples_per_prompt = absl::GetFlag(FLAGS_max_samples_per_prompt);
   so.limits.max_slots = absl::GetFlag(FLAGS_max_slots);
   so.max_concurrent = absl::GetFlag(FLAGS_max_concurrent);
-  const int64_t static_batch_kv_bytes = static_cast<int64_t>(eo.kv_cache_bytes);
-  so.static_batch_kv_bytes = static_batch_kv_bytes;
+  so.static_batch_kv_bytes = static_cast<int64_t>(eo.kv_cache_bytes);
+  return so;
+}
 
+// The paged engine: its pool (sized above) is allocated once here and shared by all requests,
+// which it queues through the pool however many sequences they hold (only a sequence that could
+// never fit the pool is refused).
+absl::StatusOr<std::unique_ptr<rollout::Engine>> NewPagedEngine(rollout::WeightStore& store,
+                                                                const rollout::EngineOptions& eo) {
+  ASSIGN_OR_RETURN(std::unique_ptr<rollout::Engine> engine,
+                   rollout::Engine::Create(*store.Current().model, eo));
+  const rollout::EngineStats es = engine->stats();
+  lm::log::Info(absl::StrCat("paged engine: ", es.usable_blocks, " KV blocks of ", eo.block_size,
+                             " tokens (", es.pool_bytes >> 20, " MiB), up to ", eo.max_running,
+                             " sequences at once"));
+  return engine;
+}
+
+// Loads the model, checks it can run the chosen engine, builds the weight store, the expert
+// parallel group's sampler or the paged engine, and the service, and serves until a signal (an
+// expert parallel follower rank follows its leader instead).
+absl::Status Run() {
+  ASSIGN_OR_RETURN(opd::rpc::LoadedModel loaded, opd::rpc::LoadServedModel());
+  ASSIGN_OR_RETURN(const EngineKind engine_kind, ChooseEngine(loaded));
+  WarnIfNoSecret(loaded);
+  ASSIGN_OR_RETURN(const rollout::EngineOptions eo, EngineOptionsFromFlags(loaded));
+  rollout::ServiceOptions so = ServiceOptionsFromFlags(loaded.config, eo);
   const opd::v1::ServiceInfo info = loaded.Info(kServiceName, so.limits.max_seq_len);
   // The store owns the model from here on: updates are written into it (rollout/weights.h).
   // Under expert parallelism a commit is one of the group's commands, which run one at a time.
@@ -159,23 +199,16 @@ absl::Status Run() {
   rollout::WeightStore store(std::move(loaded.model), 0, wo);
   std::unique_ptr<rollout::EpRollout> ep;
   if (loaded.ep) {
-    ep = std::make_unique<rollout::EpRollout>(loaded.ep.get(), &store, static_batch_kv_bytes);
+    ep = std::make_unique<rollout::EpRollout>(loaded.ep.get(), &store, so.static_batch_kv_bytes);
     if (loaded.follower())
       return opd::rpc::FollowUntilStopped("opd-rollout", loaded, ep->FollowerWork());
     so.generator = ep.get();
     so.expert_parallel = ep.get();
   }
   opd::rpc::Authenticator auth(loaded.secret);
-  // The paged engine: its pool (sized above) is allocated once here and shared by all
-  // requests, which it queues through the pool however many sequences they hold (only a sequence
-  // that could never fit the pool is refused).
   std::unique_ptr<rollout::Engine> engine;
   if (engine_kind == EngineKind::kPaged) {
-    ASSIGN_OR_RETURN(engine, rollout::Engine::Create(*store.Current().model, eo));
-    const rollout::EngineStats es = engine->stats();
-    lm::log::Info(absl::StrCat("paged engine: ", es.usable_blocks, " KV blocks of ", eo.block_size,
-                               " tokens (", es.pool_bytes >> 20, " MiB), up to ", eo.max_running,
-                               " sequences at once"));
+    ASSIGN_OR_RETURN(engine, NewPagedEngine(store, eo));
     so.generator = engine.get();
   }
   rollout::RolloutService service(&store, &auth, so, info);
