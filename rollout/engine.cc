@@ -418,9 +418,10 @@ void Engine::Admit(int64_t& budget, std::vector<StepRow>& rows) {
   }
 }
 
-torch::Tensor Engine::Forward(lm::CausalLM& model, std::vector<StepRow>& rows,
-                              const std::vector<size_t>& idx) {
-  const auto device = model.LmHeadWeight().device();
+// The step's rows as the paged forward takes them: each row's sequence, context and blocks, and
+// its fed tokens, read from the samples (int32) straight into the int64 tensor on `device`.
+lm::PagedStep Engine::StepOf(const std::vector<StepRow>& rows, const std::vector<size_t>& idx,
+                             const torch::Device& device) {
   lm::PagedStep step;
   step.cu_seqlens.push_back(0);
   for (size_t i : idx) {
@@ -430,7 +431,6 @@ torch::Tensor Engine::Forward(lm::CausalLM& model, std::vector<StepRow>& rows,
     step.block_tables.push_back(s.blocks);
     step.state_slots.push_back(s.slot);
   }
-  // The fed tokens, read from the samples (int32) straight into the int64 tensor.
   torch::Tensor fed = torch::empty({step.cu_seqlens.back()}, torch::kInt64);
   int64_t* at = fed.data_ptr<int64_t>();
   for (size_t i : idx) {
@@ -438,45 +438,49 @@ torch::Tensor Engine::Forward(lm::CausalLM& model, std::vector<StepRow>& rows,
     at = std::copy_n(s.out.tokens.begin() + s.cached, rows[i].new_tokens, at);
   }
   step.input_ids = fed.to(device);
-  // Routing replay: the experts each fed token was routed to, recorded for the requests that
-  // asked (over the whole step: they share the forward).
+  return step;
+}
+
+bool Engine::AnyReturnsRouting(const std::vector<StepRow>& rows, const std::vector<size_t>& idx) {
   bool routing = false;
   for (size_t i : idx) routing |= rows[i].req->params.return_routing;
-  std::vector<torch::Tensor> seen, replay;
-  const lm::RoutingTrace layout(model.config());
-  if (routing) {
-    // A recompute after a preemption refeeds positions whose routing is recorded: it routes
-    // them as recorded, so that the recomputed keys/values are the ones the later tokens would
-    // have seen, and the learner's replay of one routing per position stays exact.
-    lm::RoutingTrace forced = layout;  // the step's tokens, -1 where not recorded
-    bool any = false;
-    for (size_t k = 0; k < idx.size(); ++k) {
-      const Seq& s = *rows[idx[k]].seqs[0];
-      const int64_t fed = rows[idx[k]].new_tokens;
-      const int64_t have =
-          s.req->params.return_routing
-              ? static_cast<int64_t>(s.out.routed_experts.size()) / layout.per_position()
-              : 0;
-      const int64_t recorded = std::clamp<int64_t>(have - s.cached, 0, fed);
-      if (recorded > 0) {
-        const auto ids =
-            absl::MakeConstSpan(s.out.routed_experts)
-                .subspan(s.cached * layout.per_position(), recorded * layout.per_position());
-        TORCH_CHECK(forced.Append(ids).ok(), "return_routing: a partial position");
-        any = true;
-      }
-      forced.AppendUnrouted(fed - recorded);
+  return routing;
+}
+
+// A recompute after a preemption refeeds positions whose routing is recorded: it routes them as
+// recorded, so that the recomputed keys/values are the ones the later tokens would have seen, and
+// the learner's replay of one routing per position stays exact. The step's routing per layer,
+// -1 where not recorded; empty when nothing fed is recorded.
+std::vector<torch::Tensor> Engine::RecordedRouting(const std::vector<StepRow>& rows,
+                                                   const std::vector<size_t>& idx,
+                                                   const lm::RoutingTrace& layout) {
+  lm::RoutingTrace forced = layout;  // the step's tokens, -1 where not recorded
+  bool any = false;
+  for (size_t k = 0; k < idx.size(); ++k) {
+    const Seq& s = *rows[idx[k]].seqs[0];
+    const int64_t fed = rows[idx[k]].new_tokens;
+    const int64_t have =
+        s.req->params.return_routing
+            ? static_cast<int64_t>(s.out.routed_experts.size()) / layout.per_position()
+            : 0;
+    const int64_t recorded = std::clamp<int64_t>(have - s.cached, 0, fed);
+    if (recorded > 0) {
+      const auto ids =
+          absl::MakeConstSpan(s.out.routed_experts)
+              .subspan(s.cached * layout.per_position(), recorded * layout.per_position());
+      TORCH_CHECK(forced.Append(ids).ok(), "return_routing: a partial position");
+      any = true;
     }
-    if (any) replay = forced.PerLayer();
+    forced.AppendUnrouted(fed - recorded);
   }
-  std::optional<lm::ScopedRoutingRecorder> record;
-  std::optional<lm::ScopedRoutingReplay> replaying;
-  if (routing) record.emplace(&seen);
-  if (!replay.empty()) replaying.emplace(&replay);
-  torch::Tensor hidden = model.PagedForward(step, cache_);
-  replaying.reset();
-  record.reset();
-  if (!routing) return hidden;
+  if (!any) return {};
+  return forced.PerLayer();
+}
+
+// Appends the routing `seen` in the step to the samples that asked for it.
+void Engine::AppendRouting(std::vector<StepRow>& rows, const std::vector<size_t>& idx,
+                           const lm::RoutingTrace& layout, const std::vector<torch::Tensor>& seen,
+                           const lm::PagedStep& step) {
   lm::RoutingTrace recorded = layout;  // the step's tokens
   const absl::Status st = recorded.AppendRecorded(seen, step.cu_seqlens.back());
   TORCH_CHECK(st.ok(), st.message());
@@ -494,6 +498,25 @@ torch::Tensor Engine::Forward(lm::CausalLM& model, std::vector<StepRow>& rows,
     const auto ids = recorded.Positions(step.cu_seqlens[k] + (from - s.cached), end - from);
     r.insert(r.end(), ids.begin(), ids.end());
   }
+}
+
+torch::Tensor Engine::Forward(lm::CausalLM& model, std::vector<StepRow>& rows,
+                              const std::vector<size_t>& idx) {
+  const lm::PagedStep step = StepOf(rows, idx, model.LmHeadWeight().device());
+  // Routing replay: the experts each fed token was routed to, recorded for the requests that
+  // asked (over the whole step: they share the forward).
+  const bool routing = AnyReturnsRouting(rows, idx);
+  std::vector<torch::Tensor> seen, replay;
+  const lm::RoutingTrace layout(model.config());
+  if (routing) replay = RecordedRouting(rows, idx, layout);
+  std::optional<lm::ScopedRoutingRecorder> record;
+  std::optional<lm::ScopedRoutingReplay> replaying;
+  if (routing) record.emplace(&seen);
+  if (!replay.empty()) replaying.emplace(&replay);
+  torch::Tensor hidden = model.PagedForward(step, cache_);
+  replaying.reset();
+  record.reset();
+  if (routing) AppendRouting(rows, idx, layout, seen, step);
   return hidden;
 }
 

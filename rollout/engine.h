@@ -43,6 +43,10 @@
 #include "lm/model/paged_kv.h"
 #include "rollout/weights.h"
 
+namespace lm {
+class RoutingTrace;
+}  // namespace lm
+
 namespace rollout {
 
 class BlockAllocator;
@@ -130,6 +134,17 @@ class Engine final : public lm::Generator {
   // routing for the requests that asked.
   torch::Tensor Forward(lm::CausalLM& model, std::vector<StepRow>& rows,
                         const std::vector<size_t>& idx);
+  // Forward's steps: the paged step of the rows, whether any asks for routing, the recorded
+  // routing a recompute replays, and the routing seen appended to the samples that asked.
+  static lm::PagedStep StepOf(const std::vector<StepRow>& rows, const std::vector<size_t>& idx,
+                              const torch::Device& device);
+  static bool AnyReturnsRouting(const std::vector<StepRow>& rows, const std::vector<size_t>& idx);
+  static std::vector<torch::Tensor> RecordedRouting(const std::vector<StepRow>& rows,
+                                                    const std::vector<size_t>& idx,
+                                                    const lm::RoutingTrace& layout);
+  static void AppendRouting(std::vector<StepRow>& rows, const std::vector<size_t>& idx,
+                            const lm::RoutingTrace& layout, const std::vector<torch::Tensor>& seen,
+                            const lm::PagedStep& step);
   void Fork(StepRow& row);
   bool MakeWritable(Seq& seq);  // a writable row for the seq's next token; false: no block
   // Preempts the youngest sequence holding blocks (running or prefilling); false: none.
