@@ -31,6 +31,41 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> MakeLearnerOptimizer(
       ResolveAllGatherDtype(dist.allgather_dtype, precision), precision, stage, order, device);
 }
 
+namespace {
+
+// Create's settings that no caller should pass.
+absl::Status CheckSettings(torch::ScalarType gather_dtype, ZeroStage stage) {
+  if (gather_dtype != torch::kFloat32 && gather_dtype != torch::kBFloat16)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the weights' all-gather is float32 or bfloat16, not ", c10::toString(gather_dtype)));
+  if (stage == ZeroStage::kAuto)
+    return absl::InvalidArgumentError("dist.zero_stage auto must be resolved to 1 or 2 first");
+  return absl::OkStatus();
+}
+
+// One fp32 rank's AdamW has no flat buffers to move the parameters into.
+absl::Status CheckUpdateInPlace(const torch::Device& from, std::optional<torch::Device> device) {
+  if (device && *device != from)
+    return absl::InvalidArgumentError(
+        absl::StrCat("one fp32 rank updates the parameters where they are (", from.str(),
+                     "), not on ", device->str()));
+  return absl::OkStatus();
+}
+
+// The flat buffers are fp32 on one device, so every parameter must be fp32 on `from`.
+absl::Status CheckFlatParams(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                             const torch::Device& from) {
+  for (const auto& [name, p] : params) {
+    if (p.scalar_type() != torch::kFloat32 || p.device() != from)
+      return absl::InvalidArgumentError(
+          absl::StrCat("data-parallel training keeps fp32 weights on one device; parameter ", name,
+                       " is ", c10::toString(p.scalar_type()), " on ", p.device().str()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 DistributedOptimizer::~DistributedOptimizer() = default;
 
 torch::Tensor& DistributedOptimizer::ParamOf(size_t entry) {
@@ -46,76 +81,87 @@ absl::StatusOr<std::unique_ptr<DistributedOptimizer>> DistributedOptimizer::Crea
   o->group_ = group;
   o->config_ = config;
   o->mixed_ = precision == Precision::kBf16Mixed;
-  if (gather_dtype != torch::kFloat32 && gather_dtype != torch::kBFloat16)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the weights' all-gather is float32 or bfloat16, not ", c10::toString(gather_dtype)));
-  if (stage == ZeroStage::kAuto)
-    return absl::InvalidArgumentError("dist.zero_stage auto must be resolved to 1 or 2 first");
+  RETURN_IF_ERROR(CheckSettings(gather_dtype, stage));
   o->gather_dtype_ = gather_dtype;
-  o->layout_ = FlatLayout::Of(params, order);
-  for (const auto& [name, p] : params) {
-    o->names_.push_back(name);
-    o->params_.push_back(p);
-  }
-  for (const auto& e : o->layout_.entries)
-    o->entry_param_.push_back(static_cast<size_t>(
-        std::find(o->names_.begin(), o->names_.end(), e.name) - o->names_.begin()));
+  o->IndexParams(params, order);
   if (params.empty()) return absl::InvalidArgumentError("the model has no parameters");
   const torch::Device from = params.front().second.device();
   if (group->size() == 1 && !o->mixed_) {
-    if (device && *device != from)
-      return absl::InvalidArgumentError(
-          absl::StrCat("one fp32 rank updates the parameters where they are (", from.str(),
-                       "), not on ", device->str()));
+    RETURN_IF_ERROR(CheckUpdateInPlace(from, device));
     o->adamw_ = std::make_unique<AdamW>(params, config);
     return o;
   }
   const torch::TensorOptions opts = params.front().second.options().device(device.value_or(from));
-  for (const auto& [name, p] : params) {
-    if (p.scalar_type() != torch::kFloat32 || p.device() != from)
-      return absl::InvalidArgumentError(
-          absl::StrCat("data-parallel training keeps fp32 weights on one device; parameter ", name,
-                       " is ", c10::toString(p.scalar_type()), " on ", p.device().str()));
-  }
+  RETURN_IF_ERROR(CheckFlatParams(params, from));
   RETURN_IF_ERROR(CheckSameOnEveryRank(*group, o->layout_.ToJson().dump(),
                                        "model's parameter layout (names and sizes)"));
   torch::NoGradGuard no_grad;
   o->stage_ = group->size() == 1 ? ZeroStage::kOne : stage;
   o->sharding_ =
       BucketSharding::Of(o->layout_.total, bucket_elements, group->size(), group->rank());
-  std::map<std::string, torch::Tensor> by_name(params.begin(), params.end());
-  if (o->mixed_) {
-    // Before the gradients are allocated: the fp32 weights are released as they move.
-    o->MoveIntoMixedBuffers(by_name, opts);
-  } else {
-    o->flat_params_ = torch::zeros({o->sharding_.padded_total}, opts);
-    for (const auto& e : o->layout_.entries) {
-      torch::Tensor& p = by_name[e.name];
-      torch::Tensor view = o->flat_params_.narrow(0, e.offset, e.numel);
-      view.copy_(p.reshape(-1));
-      // The parameter keeps its identity (the model and autograd hold it); only its storage
-      // moves.
-      p.set_data(view.view(p.sizes()));
-    }
+  o->MoveIntoFlatBuffers(params, opts);
+  o->FindPieces();
+  o->AllocateSliceState(opts);
+  return o;
+}
+
+// The flat space's layout, and the parameters by name in the caller's order.
+void DistributedOptimizer::IndexParams(
+    const std::vector<std::pair<std::string, torch::Tensor>>& params,
+    const std::vector<std::string>& order) {
+  layout_ = FlatLayout::Of(params, order);
+  for (const auto& [name, p] : params) {
+    names_.push_back(name);
+    params_.push_back(p);
   }
-  // This rank's pieces of every parameter, in slice order.
-  for (size_t b = 0; b < o->sharding_.buckets.size(); ++b) {
-    const auto& bucket = o->sharding_.buckets[b];
-    for (size_t i = 0; i < o->layout_.entries.size(); ++i) {
-      const auto& e = o->layout_.entries[i];
+  for (const auto& e : layout_.entries)
+    entry_param_.push_back(
+        static_cast<size_t>(std::find(names_.begin(), names_.end(), e.name) - names_.begin()));
+}
+
+// Every parameter becomes a view of the flat buffers (bf16-mixed: of the compute buffers).
+void DistributedOptimizer::MoveIntoFlatBuffers(
+    const std::vector<std::pair<std::string, torch::Tensor>>& params,
+    const torch::TensorOptions& opts) {
+  std::map<std::string, torch::Tensor> by_name(params.begin(), params.end());
+  if (mixed_) {
+    // Before the gradients are allocated: the fp32 weights are released as they move.
+    MoveIntoMixedBuffers(by_name, opts);
+    return;
+  }
+  flat_params_ = torch::zeros({sharding_.padded_total}, opts);
+  for (const auto& e : layout_.entries) {
+    torch::Tensor& p = by_name[e.name];
+    torch::Tensor view = flat_params_.narrow(0, e.offset, e.numel);
+    view.copy_(p.reshape(-1));
+    // The parameter keeps its identity (the model and autograd hold it); only its storage
+    // moves.
+    p.set_data(view.view(p.sizes()));
+  }
+}
+
+// This rank's pieces of every parameter, in slice order.
+void DistributedOptimizer::FindPieces() {
+  for (size_t b = 0; b < sharding_.buckets.size(); ++b) {
+    const auto& bucket = sharding_.buckets[b];
+    for (size_t i = 0; i < layout_.entries.size(); ++i) {
+      const auto& e = layout_.entries[i];
       const int64_t lo = std::max(bucket.own_begin, e.offset);
       const int64_t hi = std::min(bucket.own_end, e.offset + e.numel);
-      if (lo < hi) o->pieces_.push_back({i, lo, hi - lo, o->sharding_.SliceOffset(b, lo)});
+      if (lo < hi) pieces_.push_back({i, lo, hi - lo, sharding_.SliceOffset(b, lo)});
     }
   }
-  o->piece_steps_ = torch::zeros({static_cast<int64_t>(o->pieces_.size())}, opts);
-  o->exp_avg_ = torch::zeros({o->sharding_.slice}, opts);
-  o->exp_avg_sq_ = torch::zeros({o->sharding_.slice}, opts);
+}
+
+// AdamW's state for this rank's slice, and the reducer that fills its gradients.
+void DistributedOptimizer::AllocateSliceState(const torch::TensorOptions& opts) {
+  piece_steps_ = torch::zeros({static_cast<int64_t>(pieces_.size())}, opts);
+  exp_avg_ = torch::zeros({sharding_.slice}, opts);
+  exp_avg_sq_ = torch::zeros({sharding_.slice}, opts);
   std::vector<torch::Tensor> by_entry;
-  for (size_t i = 0; i < o->layout_.entries.size(); ++i) by_entry.push_back(o->ParamOf(i));
-  o->reducer_ = std::make_unique<GradientReducer>(std::move(by_entry), o->layout_, o->sharding_,
-                                                  o->stage_, group, opts);
-  return o;
+  for (size_t i = 0; i < layout_.entries.size(); ++i) by_entry.push_back(ParamOf(i));
+  reducer_ = std::make_unique<GradientReducer>(std::move(by_entry), layout_, sharding_, stage_,
+                                               group_, opts);
 }
 
 void DistributedOptimizer::ZeroGrad() {

@@ -188,6 +188,13 @@ class DistributedOptimizer {
   };
 
   DistributedOptimizer() = default;
+  // Create's steps, in the order it runs them.
+  void IndexParams(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                   const std::vector<std::string>& order);
+  void MoveIntoFlatBuffers(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                           const torch::TensorOptions& opts);
+  void FindPieces();
+  void AllocateSliceState(const torch::TensorOptions& opts);
   absl::Status LoadOwnState(const std::string& checkpoint_dir, int64_t steps);
   absl::Status ShardedStep(double lr);
   absl::Status GatherWeights();  // fp32 precision, after an update: per-bucket all-gathers

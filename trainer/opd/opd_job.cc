@@ -35,6 +35,19 @@ std::string DomainOf(const std::vector<SftSourceConfig>& sources, const lm::Prom
   return s < sources.size() ? sources[s].name : std::string();
 }
 
+// The prompt files' options: the prompts section's, in the student's chat format.
+lm::PromptDatasetOptions PromptOptionsOf(const OpdConfig& c) {
+  lm::PromptDatasetOptions po;
+  for (const auto& s : c.prompts.sources) po.sources.push_back({s.name, s.files, s.weight});
+  po.max_prompt_len = static_cast<int32_t>(c.prompts.max_prompt_len);
+  po.skip_bad_lines = c.prompts.skip_bad_lines;
+  po.shuffle = c.prompts.shuffle;
+  po.seed = static_cast<uint64_t>(c.prompts.seed);
+  po.chat_format = ChatFormatOf(c.model.chat_format);
+  po.drop_final_assistant = true;
+  return po;
+}
+
 }  // namespace
 
 OpdJob::OpdJob(OpdConfig config, RunDir run, std::string yaml)
@@ -90,26 +103,46 @@ ScoreStreamOptions OpdJob::ScoringOptions() const {
 // The prompts, the rollout workers (every rank samples its own share and pushes its share), the
 // held-out set, the stages' teachers and the rules.
 absl::Status OpdJob::Connect(bool resumed) {
+  RETURN_IF_ERROR(LoadTokenizer());
+  const lm::PromptDatasetOptions po = PromptOptionsOf(c_);
+  ASSIGN_OR_RETURN(std::unique_ptr<lm::PromptDataset> prompts, LoadPrompts(po, resumed));
+  ASSIGN_OR_RETURN(std::unique_ptr<RolloutPool> rollout, ConnectRollout());
+  ASSIGN_OR_RETURN(const lm::SamplingParams sampling, RolloutSampling());
+  RETURN_IF_ERROR(MakeHeldout(po, sampling));
+  source_ = std::make_unique<SampleSource>(std::move(prompts), std::move(rollout),
+                                           SourceOptions(sampling));
+  const TeacherPoolOptions tp = TeacherOptions();
+  teachers_ = std::make_unique<StageTeachers>(
+      c_.stages, StageRequirements(c_, *tokenizer_, model_->config().vocab_size), tp);
+  convergence_ =
+      std::make_unique<StageConvergence>([this](const std::string& line) { progress_->Log(line); });
+  return absl::OkStatus();
+}
+
+// The student's tokenizer; its ids must all be rows of the student's embedding.
+absl::Status OpdJob::LoadTokenizer() {
   ASSIGN_OR_RETURN(tokenizer_, lm::Tokenizer::Load(TokenizerPath()));
   if (tokenizer_->vocab_size() > model_->config().vocab_size) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the tokenizer (", tokenizer_->vocab_size(),
         " ids) does not fit the student's vocabulary (", model_->config().vocab_size, ")"));
   }
-  lm::PromptDatasetOptions po;
-  for (const auto& s : c_.prompts.sources) po.sources.push_back({s.name, s.files, s.weight});
-  po.max_prompt_len = static_cast<int32_t>(c_.prompts.max_prompt_len);
-  po.skip_bad_lines = c_.prompts.skip_bad_lines;
-  po.shuffle = c_.prompts.shuffle;
-  po.seed = static_cast<uint64_t>(c_.prompts.seed);
-  po.chat_format = ChatFormatOf(c_.model.chat_format);
-  po.drop_final_assistant = true;
+  return absl::OkStatus();
+}
+
+// The training prompts, at the checkpoint's cursor when resumed.
+absl::StatusOr<std::unique_ptr<lm::PromptDataset>> OpdJob::LoadPrompts(
+    const lm::PromptDatasetOptions& po, bool resumed) {
   ASSIGN_OR_RETURN(std::unique_ptr<lm::PromptDataset> prompts,
                    lm::PromptDataset::Load(*tokenizer_, po));
   lm::log::Info(absl::StrCat("prompts: ", prompts->stats().Summary()));
   if (resumed) RETURN_IF_ERROR(prompts->Seek(cursor_));
   cursor_ = prompts->cursor();
+  return prompts;
+}
 
+// The rollout workers, and the publisher that pushes each weight version to them.
+absl::StatusOr<std::unique_ptr<RolloutPool>> OpdJob::ConnectRollout() {
   opd::rpc::ClientOptions base;
   base.secret = secret_;
   base.tls = ClientTls(c_.auth);
@@ -122,37 +155,49 @@ absl::Status OpdJob::Connect(bool resumed) {
   ASSIGN_OR_RETURN(publisher_,
                    WeightPublisher::Create(group_.get(), c_.rollout.endpoints, base,
                                            PushOptionsOf(c_.rollout), device_, rollout.get()));
-  // The rollout section is the sampling settings (and more): sliced to them, plus the stop ids.
+  return rollout;
+}
+
+// The rollout section is the sampling settings (and more): sliced to them, plus the stop ids.
+absl::StatusOr<lm::SamplingParams> OpdJob::RolloutSampling() const {
   lm::SamplingParams sampling = c_.rollout;
   ASSIGN_OR_RETURN(sampling.stop_ids, lm::ChatFormat::StopIds(*tokenizer_));
+  return sampling;
+}
 
-  if (!c_.heldout.sources.empty()) {
-    // The held-out set: the first num_prompts prompts in file order, the same at every evaluation.
-    po.sources.clear();
-    for (const auto& s : c_.heldout.sources) po.sources.push_back({s.name, s.files, s.weight});
-    po.shuffle = false;
-    ASSIGN_OR_RETURN(std::unique_ptr<lm::PromptDataset> set,
-                     lm::PromptDataset::Load(*tokenizer_, po));
-    std::vector<lm::PromptExample> heldout =
-        set->NextBatch(static_cast<size_t>(c_.heldout.num_prompts));
-    lm::log::Info(absl::StrCat("held-out prompts: ", heldout.size(), ", evaluated every ",
-                               c_.heldout.every, " steps"));
-    lm::SamplingParams hg = sampling;
-    hg.samples_per_prompt = 1;
-    hg.seed = c_.heldout.seed;
-    StepPipelineOptions ho = PipelineOptions();
-    ho.check = nullptr;  // held-out samples are not learned: their routing is not asked for
-    ho.domain_of = [sources = c_.heldout.sources](const lm::PromptExample& p) {
-      return DomainOf(sources, p);
-    };
-    heldout_ = std::make_unique<HeldoutEvaluator>(std::move(heldout), c_.heldout.every, hg, ho,
-                                                  group_->rank(), group_->size());
-  } else {
+// The held-out evaluator: the heldout section's prompts, or none (it then never evaluates).
+absl::Status OpdJob::MakeHeldout(lm::PromptDatasetOptions po, const lm::SamplingParams& sampling) {
+  if (c_.heldout.sources.empty()) {
     heldout_ =
         std::make_unique<HeldoutEvaluator>(std::vector<lm::PromptExample>{}, 1, sampling,
                                            StepPipelineOptions{}, group_->rank(), group_->size());
+    return absl::OkStatus();
   }
+  // The held-out set: the first num_prompts prompts in file order, the same at every evaluation.
+  po.sources.clear();
+  for (const auto& s : c_.heldout.sources) po.sources.push_back({s.name, s.files, s.weight});
+  po.shuffle = false;
+  ASSIGN_OR_RETURN(std::unique_ptr<lm::PromptDataset> set,
+                   lm::PromptDataset::Load(*tokenizer_, po));
+  std::vector<lm::PromptExample> heldout =
+      set->NextBatch(static_cast<size_t>(c_.heldout.num_prompts));
+  lm::log::Info(absl::StrCat("held-out prompts: ", heldout.size(), ", evaluated every ",
+                             c_.heldout.every, " steps"));
+  lm::SamplingParams hg = sampling;
+  hg.samples_per_prompt = 1;
+  hg.seed = c_.heldout.seed;
+  StepPipelineOptions ho = PipelineOptions();
+  ho.check = nullptr;  // held-out samples are not learned: their routing is not asked for
+  ho.domain_of = [sources = c_.heldout.sources](const lm::PromptExample& p) {
+    return DomainOf(sources, p);
+  };
+  heldout_ = std::make_unique<HeldoutEvaluator>(std::move(heldout), c_.heldout.every, hg, ho,
+                                                group_->rank(), group_->size());
+  return absl::OkStatus();
+}
 
+// This rank's share of each step's prompts, sampled as `sampling` says.
+SampleSourceOptions OpdJob::SourceOptions(const lm::SamplingParams& sampling) {
   SampleSourceOptions so;
   so.prompts_per_step = c_.train.prompts_per_step;
   so.sampling = sampling;
@@ -161,19 +206,18 @@ absl::Status OpdJob::Connect(bool resumed) {
   so.prefetch = c_.train.async;
   so.rank = group_->rank();
   so.ranks = group_->size();
-  source_ = std::make_unique<SampleSource>(std::move(prompts), std::move(rollout), so);
+  return so;
+}
 
+// How the stages' teacher pools call their teachers.
+TeacherPoolOptions OpdJob::TeacherOptions() const {
   TeacherPoolOptions tp;
   tp.client.secret = secret_;
   tp.client.tls = ClientTls(c_.auth);
   tp.client.timeout = absl::Seconds(c_.train.teacher_timeout_s);
   tp.client.canceller = canceller_;
   tp.score_deadline = absl::Seconds(c_.train.score_deadline_s);
-  teachers_ = std::make_unique<StageTeachers>(
-      c_.stages, StageRequirements(c_, *tokenizer_, model_->config().vocab_size), tp);
-  convergence_ =
-      std::make_unique<StageConvergence>([this](const std::string& line) { progress_->Log(line); });
-  return absl::OkStatus();
+  return tp;
 }
 
 // Connects stage `index`'s teachers on every rank, and every rank agrees that it could: a stage

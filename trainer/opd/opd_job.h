@@ -47,6 +47,15 @@ class OpdJob : public TrainingJob {
 
   // Start-up (opd_job.cc).
   absl::Status Connect(bool resumed);
+  // Connect's steps, in the order it runs them.
+  absl::Status LoadTokenizer();
+  absl::StatusOr<std::unique_ptr<lm::PromptDataset>> LoadPrompts(const lm::PromptDatasetOptions& po,
+                                                                 bool resumed);
+  absl::StatusOr<std::unique_ptr<RolloutPool>> ConnectRollout();
+  absl::StatusOr<lm::SamplingParams> RolloutSampling() const;
+  absl::Status MakeHeldout(lm::PromptDatasetOptions po, const lm::SamplingParams& sampling);
+  SampleSourceOptions SourceOptions(const lm::SamplingParams& sampling);
+  TeacherPoolOptions TeacherOptions() const;
   absl::Status StartStage(size_t index);
   absl::Status Resume(const std::string& checkpoint);
   absl::Status StartAdmin();
