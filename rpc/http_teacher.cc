@@ -43,6 +43,83 @@ int Progress(void* c, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
   return canceller != nullptr && canceller->cancelled() ? 1 : 0;
 }
 
+// The request's headers: JSON, and the bearer secret when there is one (libcurl copies each
+// string, so `auth` need not outlive the list).
+curl_slist* RequestHeaders(const std::string& secret) {
+  curl_slist* headers = curl_slist_append(nullptr, "Content-Type: application/json");
+  std::string auth;
+  if (!secret.empty()) {
+    auth = absl::StrCat("Authorization: Bearer ", secret);
+    headers = curl_slist_append(headers, auth.c_str());
+  }
+  return headers;
+}
+
+// Where the reply goes and what bounds the transfer: its size (sink->max), time and canceller.
+void SetTransferOptions(CURL* h, const std::string& url, curl_slist* headers, BodySink* sink,
+                        const ClientOptions& opts) {
+  curl_easy_setopt(h, CURLOPT_URL, url.c_str());
+  curl_easy_setopt(h, CURLOPT_HTTPHEADER, headers);
+  curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, WriteBody);
+  curl_easy_setopt(h, CURLOPT_WRITEDATA, sink);
+  // A Content-Length past the bound is refused before any of the body is read.
+  curl_easy_setopt(h, CURLOPT_MAXFILESIZE_LARGE, static_cast<curl_off_t>(sink->max));
+  curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(h, CURLOPT_TCP_KEEPALIVE, 1L);
+  const int64_t ms = absl::ToInt64Milliseconds(opts.timeout);
+  if (opts.timeout != absl::InfiniteDuration() && ms > 0)
+    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, static_cast<long>(ms));
+  curl_easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
+  curl_easy_setopt(h, CURLOPT_XFERINFOFUNCTION, Progress);
+  curl_easy_setopt(h, CURLOPT_XFERINFODATA, opts.canceller.get());
+}
+
+// The CA that vouches for the server and this client's own certificate, each when configured.
+void SetTlsOptions(CURL* h, const TlsClientOptions& tls) {
+  if (!tls.ca_file.empty()) curl_easy_setopt(h, CURLOPT_CAINFO, tls.ca_file.c_str());
+  if (!tls.cert_file.empty()) curl_easy_setopt(h, CURLOPT_SSLCERT, tls.cert_file.c_str());
+  if (!tls.key_file.empty()) curl_easy_setopt(h, CURLOPT_SSLKEY, tls.key_file.c_str());
+}
+
+// A non-empty body makes the request a POST.
+void SetRequestBody(CURL* h, const std::string& body) {
+  if (body.empty()) return;
+  curl_easy_setopt(h, CURLOPT_POSTFIELDS, body.data());
+  curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(body.size()));
+}
+
+// A failed transfer as the status the header file's table gives it; OK when the transfer ended.
+absl::Status TransferStatus(CURLcode rc, const BodySink& sink, const std::string& where,
+                            const std::string& why_max, const ClientOptions& opts) {
+  if (rc == CURLE_FILESIZE_EXCEEDED || (rc == CURLE_WRITE_ERROR && sink.over))
+    return absl::DataLossError(absl::StrCat(where, ": the reply body is larger than ", sink.max,
+                                            " bytes, the most this request can return (", why_max,
+                                            ")"));
+  if (rc == CURLE_OPERATION_TIMEDOUT)
+    return absl::DeadlineExceededError(
+        absl::StrCat(where, ": no reply within ", absl::FormatDuration(opts.timeout)));
+  if (rc == CURLE_ABORTED_BY_CALLBACK)
+    return absl::CancelledError(absl::StrCat(where, ": cancelled"));
+  if (rc == CURLE_PEER_FAILED_VERIFICATION || rc == CURLE_SSL_CACERT_BADFILE)
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ": ", curl_easy_strerror(rc), " (CA file '",
+                     opts.tls.ca_file.empty() ? "the system roots" : opts.tls.ca_file, "')"));
+  if (rc != CURLE_OK)
+    return absl::UnavailableError(absl::StrCat(where, ": ", curl_easy_strerror(rc)));
+  return absl::OkStatus();
+}
+
+// A non-2xx reply: 5xx is UNAVAILABLE so the pool fails over; the message keeps the body's start.
+absl::Status HttpErrorStatus(long code, const std::string& out, const std::string& where) {
+  const std::string msg =
+      absl::StrCat(where, ": HTTP ", code, ": ", out.substr(0, std::min<size_t>(out.size(), 300)));
+  if (code >= 500) return absl::UnavailableError(msg);
+  if (code == 429) return absl::ResourceExhaustedError(msg);
+  if (code == 401 || code == 403) return absl::UnauthenticatedError(msg);
+  if (code == 404) return absl::NotFoundError(msg);
+  return absl::InvalidArgumentError(msg);
+}
+
 // A log-prob field: a number (vLLM writes -inf as -9999.0), or null (a bare NaN / Infinity that
 // ParseLenient turned into null: read as NaN and refused by the pool's validation). Anything else
 // is not a log-prob.
@@ -414,67 +491,23 @@ absl::StatusOr<std::string> HttpTeacher::Request(const std::string& path, const 
     return absl::CancelledError(absl::StrCat(where, ": cancelled"));
   CURL* h = static_cast<CURL*>(TakeHandle());
   if (h == nullptr) return absl::InternalError(absl::StrCat(where, ": curl_easy_init failed"));
-  curl_easy_reset(h);
+  curl_easy_reset(h);  // a kept handle must not carry the last request's options
   const std::string url = where_.base_url + path;
   std::string out;
   BodySink sink{&out, max_body};
-  curl_slist* headers = curl_slist_append(nullptr, "Content-Type: application/json");
-  std::string auth;
-  if (!opts_.secret.empty()) {
-    auth = absl::StrCat("Authorization: Bearer ", opts_.secret);
-    headers = curl_slist_append(headers, auth.c_str());
-  }
-  curl_easy_setopt(h, CURLOPT_URL, url.c_str());
-  curl_easy_setopt(h, CURLOPT_HTTPHEADER, headers);
-  curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, WriteBody);
-  curl_easy_setopt(h, CURLOPT_WRITEDATA, &sink);
-  // A Content-Length past the bound is refused before any of the body is read.
-  curl_easy_setopt(h, CURLOPT_MAXFILESIZE_LARGE, static_cast<curl_off_t>(max_body));
-  curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
-  curl_easy_setopt(h, CURLOPT_TCP_KEEPALIVE, 1L);
-  const int64_t ms = absl::ToInt64Milliseconds(opts_.timeout);
-  if (opts_.timeout != absl::InfiniteDuration() && ms > 0)
-    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, static_cast<long>(ms));
-  curl_easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
-  curl_easy_setopt(h, CURLOPT_XFERINFOFUNCTION, Progress);
-  curl_easy_setopt(h, CURLOPT_XFERINFODATA, opts_.canceller.get());
-  if (!opts_.tls.ca_file.empty()) curl_easy_setopt(h, CURLOPT_CAINFO, opts_.tls.ca_file.c_str());
-  if (!opts_.tls.cert_file.empty())
-    curl_easy_setopt(h, CURLOPT_SSLCERT, opts_.tls.cert_file.c_str());
-  if (!opts_.tls.key_file.empty()) curl_easy_setopt(h, CURLOPT_SSLKEY, opts_.tls.key_file.c_str());
-  if (!body.empty()) {
-    curl_easy_setopt(h, CURLOPT_POSTFIELDS, body.data());
-    curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(body.size()));
-  }
+  curl_slist* headers = RequestHeaders(opts_.secret);
+  SetTransferOptions(h, url, headers, &sink, opts_);
+  SetTlsOptions(h, opts_.tls);
+  SetRequestBody(h, body);
   const CURLcode rc = curl_easy_perform(h);
   long code = 0;
   curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);
   curl_slist_free_all(headers);
   ReturnHandle(h);
   if (http_code != nullptr) *http_code = code;
-  if (rc == CURLE_FILESIZE_EXCEEDED || (rc == CURLE_WRITE_ERROR && sink.over))
-    return absl::DataLossError(absl::StrCat(where, ": the reply body is larger than ", max_body,
-                                            " bytes, the most this request can return (", why_max,
-                                            ")"));
-  if (rc == CURLE_OPERATION_TIMEDOUT)
-    return absl::DeadlineExceededError(
-        absl::StrCat(where, ": no reply within ", absl::FormatDuration(opts_.timeout)));
-  if (rc == CURLE_ABORTED_BY_CALLBACK)
-    return absl::CancelledError(absl::StrCat(where, ": cancelled"));
-  if (rc == CURLE_PEER_FAILED_VERIFICATION || rc == CURLE_SSL_CACERT_BADFILE)
-    return absl::FailedPreconditionError(
-        absl::StrCat(where, ": ", curl_easy_strerror(rc), " (CA file '",
-                     opts_.tls.ca_file.empty() ? "the system roots" : opts_.tls.ca_file, "')"));
-  if (rc != CURLE_OK)
-    return absl::UnavailableError(absl::StrCat(where, ": ", curl_easy_strerror(rc)));
+  RETURN_IF_ERROR(TransferStatus(rc, sink, where, why_max, opts_));
   if (code >= 200 && code < 300) return out;
-  const std::string msg =
-      absl::StrCat(where, ": HTTP ", code, ": ", out.substr(0, std::min<size_t>(out.size(), 300)));
-  if (code >= 500) return absl::UnavailableError(msg);
-  if (code == 429) return absl::ResourceExhaustedError(msg);
-  if (code == 401 || code == 403) return absl::UnauthenticatedError(msg);
-  if (code == 404) return absl::NotFoundError(msg);
-  return absl::InvalidArgumentError(msg);
+  return HttpErrorStatus(code, out, where);
 }
 
 bool HttpTeacher::Healthy() {

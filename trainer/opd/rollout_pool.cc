@@ -17,6 +17,23 @@ namespace {
 
 constexpr float kLogprobSlack = 1e-3f;  // a log-prob is <= 0, up to rounding
 
+// Which worker samples each pending prompt in round `round`: round 0 spreads by index over every
+// worker (so every rank's share spreads over all of them); later rounds over the workers still
+// standing (`live`).
+std::vector<std::vector<size_t>> SpreadPrompts(const std::vector<IndexedPrompt>& prompts,
+                                               const std::vector<size_t>& pending,
+                                               const std::vector<size_t>& live, size_t workers,
+                                               int round) {
+  std::vector<std::vector<size_t>> by_worker(workers);
+  for (size_t pos : pending) {
+    const uint64_t index = static_cast<uint64_t>(prompts[pos].index);
+    by_worker[round == 0 ? index % workers
+                         : live[(index + static_cast<uint64_t>(round)) % live.size()]]
+        .push_back(pos);
+  }
+  return by_worker;
+}
+
 }  // namespace
 
 WeightPushOptions PushOptionsOf(const OpdRolloutConfig& r) {
@@ -114,10 +131,41 @@ struct RolloutPool::Round {
   absl::Mutex mu;
   std::vector<std::vector<int>> got ABSL_GUARDED_BY(mu);  // [position][sample]: the call, or -1
   int next_call ABSL_GUARDED_BY(mu) = 0;
+  // Written only by Stream's thread, as each call of a round returns.
+  std::vector<bool> failed;  // [worker]: failed transiently, given no more prompts
+  std::string failures;      // the transient errors that moved prompts to other workers
+
+  // A new Stream over `all`: no sample has arrived yet and no worker has failed.
+  void Start(const std::vector<IndexedPrompt>& all, const lm::SamplingParams& params,
+             int64_t acked_version, size_t workers) {
+    prompts = &all;
+    samples_per_prompt = static_cast<int32_t>(std::max<int64_t>(params.samples_per_prompt, 1));
+    min_version = acked_version;
+    {
+      absl::MutexLock lock(&mu);
+      got.assign(all.size(), std::vector<int>(static_cast<size_t>(samples_per_prompt), -1));
+    }
+    failed.assign(workers, false);
+  }
 
   int32_t Missing(size_t position) {
     absl::MutexLock lock(&mu);
     return static_cast<int32_t>(std::count(got[position].begin(), got[position].end(), -1));
+  }
+
+  // The positions of `pending` that still miss a sample.
+  std::vector<size_t> Unfinished(const std::vector<size_t>& pending) {
+    std::vector<size_t> still;
+    for (size_t pos : pending)
+      if (Missing(pos) > 0) still.push_back(pos);
+    return still;
+  }
+
+  std::vector<size_t> LiveWorkers() const {
+    std::vector<size_t> live;
+    for (size_t i = 0; i < failed.size(); ++i)
+      if (!failed[i]) live.push_back(i);
+    return live;
   }
 };
 
@@ -164,69 +212,57 @@ absl::Status RolloutPool::CallWorker(size_t worker, const std::vector<size_t>& w
   return absl::OkStatus();
 }
 
+bool RolloutPool::FailOver(size_t worker, const absl::Status& st, Round& round) {
+  const bool stopped = canceller_ && canceller_->cancelled();
+  if (!IsTransient(st) || stopped || absl::IsDataLoss(st)) return false;
+  round.failed[worker] = true;
+  failovers_.fetch_add(1);
+  absl::StrAppend(&round.failures, round.failures.empty() ? "" : "; ", st.message());
+  lm::log::Warn(absl::StrCat("rollout worker ", clients_[worker]->address(), " failed (",
+                             st.message(), "); its unfinished prompts go to another worker"));
+  return true;
+}
+
+absl::Status RolloutPool::RunRound(const std::vector<std::vector<size_t>>& by_worker, Round& round,
+                                   const lm::SamplingParams& params,
+                                   const std::function<void(lm::Sample)>& on_sample) {
+  std::vector<std::pair<size_t, std::future<absl::Status>>> calls;
+  for (size_t i = 0; i < by_worker.size(); ++i) {
+    if (by_worker[i].empty()) continue;
+    calls.emplace_back(i, std::async(std::launch::async, [&, i] {
+                         return CallWorker(i, by_worker[i], round, params, on_sample);
+                       }));
+  }
+  // Every call is collected before returning, so none outlives this function.
+  absl::Status fatal;
+  for (auto& [i, call] : calls) {
+    absl::Status st = call.get();
+    if (st.ok() || FailOver(i, st, round)) continue;
+    if (fatal.ok()) fatal = st;
+  }
+  return fatal;
+}
+
 absl::Status RolloutPool::Stream(const std::vector<IndexedPrompt>& prompts,
                                  const lm::SamplingParams& params,
                                  const std::function<void(lm::Sample)>& on_sample, int max_rounds) {
   Round round;
-  round.prompts = &prompts;
-  round.samples_per_prompt = static_cast<int32_t>(std::max<int64_t>(params.samples_per_prompt, 1));
-  round.min_version = acked_version_.load();
-  {
-    absl::MutexLock lock(&round.mu);
-    round.got.assign(prompts.size(),
-                     std::vector<int>(static_cast<size_t>(round.samples_per_prompt), -1));
-  }
-  const size_t w = clients_.size();
-  std::vector<bool> failed(w, false);
+  round.Start(prompts, params, acked_version_.load(), clients_.size());
   std::vector<size_t> pending(prompts.size());
   std::iota(pending.begin(), pending.end(), size_t{0});
-  std::string failures;  // the transient errors that moved prompts to other workers
   for (int r = 0; r < max_rounds && !pending.empty(); ++r) {
-    std::vector<size_t> live;
-    for (size_t i = 0; i < w; ++i)
-      if (!failed[i]) live.push_back(i);
+    const std::vector<size_t> live = round.LiveWorkers();
     if (live.empty())
-      return absl::UnavailableError(absl::StrCat("every rollout worker failed: ", failures));
-    // Round 0 spreads by index over every worker; later rounds over the workers still standing.
-    std::vector<std::vector<size_t>> by_worker(w);
-    for (size_t pos : pending) {
-      const uint64_t index = static_cast<uint64_t>(prompts[pos].index);
-      by_worker[r == 0 ? index % w : live[(index + static_cast<uint64_t>(r)) % live.size()]]
-          .push_back(pos);
-    }
-    std::vector<std::pair<size_t, std::future<absl::Status>>> calls;
-    for (size_t i = 0; i < w; ++i) {
-      if (by_worker[i].empty()) continue;
-      calls.emplace_back(i, std::async(std::launch::async, [&, i] {
-                           return CallWorker(i, by_worker[i], round, params, on_sample);
-                         }));
-    }
-    // Every call is collected before returning, so none outlives this function.
-    absl::Status fatal;
-    for (auto& [i, call] : calls) {
-      absl::Status st = call.get();
-      if (st.ok()) continue;
-      const bool stopped = canceller_ && canceller_->cancelled();
-      if (IsTransient(st) && !stopped && !absl::IsDataLoss(st)) {
-        failed[i] = true;
-        failovers_.fetch_add(1);
-        absl::StrAppend(&failures, failures.empty() ? "" : "; ", st.message());
-        lm::log::Warn(absl::StrCat("rollout worker ", clients_[i]->address(), " failed (",
-                                   st.message(), "); its unfinished prompts go to another worker"));
-      } else if (fatal.ok()) {
-        fatal = st;
-      }
-    }
-    RETURN_IF_ERROR(fatal);
-    std::vector<size_t> still;
-    for (size_t pos : pending)
-      if (round.Missing(pos) > 0) still.push_back(pos);
-    pending = std::move(still);
+      return absl::UnavailableError(absl::StrCat("every rollout worker failed: ", round.failures));
+    const std::vector<std::vector<size_t>> by_worker =
+        SpreadPrompts(prompts, pending, live, clients_.size(), r);
+    RETURN_IF_ERROR(RunRound(by_worker, round, params, on_sample));
+    pending = round.Unfinished(pending);
   }
   if (!pending.empty())
-    return absl::UnavailableError(absl::StrCat(pending.size(), " prompt(s) unsampled after ",
-                                               max_rounds,
-                                               " rounds over the rollout workers: ", failures));
+    return absl::UnavailableError(
+        absl::StrCat(pending.size(), " prompt(s) unsampled after ", max_rounds,
+                     " rounds over the rollout workers: ", round.failures));
   return absl::OkStatus();
 }
 

@@ -87,6 +87,14 @@ class RolloutPool {
   absl::Status CallWorker(size_t worker, const std::vector<size_t>& which, Round& round,
                           const lm::SamplingParams& params,
                           const std::function<void(lm::Sample)>& on_sample);
+  // One round: a call per worker with prompts in `by_worker`, each collected before returning.
+  // The first error that is not failed over ends the round.
+  absl::Status RunRound(const std::vector<std::vector<size_t>>& by_worker, Round& round,
+                        const lm::SamplingParams& params,
+                        const std::function<void(lm::Sample)>& on_sample);
+  // A transient failure of `worker` (not a stop, not a bad reply): marks it failed, counts and
+  // logs the failover, and returns true, so its unfinished prompts go to the next round.
+  bool FailOver(size_t worker, const absl::Status& st, Round& round);
 
   std::vector<std::unique_ptr<opd::rpc::RolloutClient>> clients_;
   int64_t vocab_size_ = 0;
