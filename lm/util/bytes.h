@@ -1,7 +1,7 @@
 // The one byte codec for what processes of a group send each other (the learner ranks' held-out
-// values, the expert-parallel teacher's batches, the expert-parallel rollout's weight commands) and for the
-// samples a checkpoint keeps: fixed-width scalars and length-prefixed arrays, in the host's byte
-// order (little-endian on every machine this runs on), read back with bounds checks.
+// values, the expert-parallel teacher's batches, the expert-parallel rollout's weight commands) and
+// for the samples a checkpoint keeps: fixed-width scalars and length-prefixed arrays, in the host's
+// byte order (little-endian on every machine this runs on), read back with bounds checks.
 #pragma once
 
 #include <cstdint>
