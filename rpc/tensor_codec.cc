@@ -1,35 +1,29 @@
 #include "rpc/tensor_codec.h"
 
+#include <iterator>
+
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
 
 namespace opd::rpc {
 
+namespace {
+
+// Each wire dtype's LibTorch dtype, in WireDtype's order.
+constexpr torch::Dtype kTorchDtypes[] = {torch::kFloat32, torch::kBFloat16, torch::kFloat16};
+
+}  // namespace
+
 torch::Dtype TorchDtype(WireDtype dtype) {
-  switch (dtype) {
-    case WireDtype::kFloat32:
-      return torch::kFloat32;
-    case WireDtype::kBFloat16:
-      return torch::kBFloat16;
-    case WireDtype::kFloat16:
-      return torch::kFloat16;
-  }
-  return torch::kFloat32;
+  return kTorchDtypes[static_cast<size_t>(dtype)];
 }
 
 absl::StatusOr<WireDtype> WireDtypeOf(torch::Dtype dtype) {
-  switch (dtype) {
-    case torch::kFloat32:
-      return WireDtype::kFloat32;
-    case torch::kBFloat16:
-      return WireDtype::kBFloat16;
-    case torch::kFloat16:
-      return WireDtype::kFloat16;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "dtype ", c10::toString(dtype), " does not travel (float32, bfloat16 or float16)"));
-  }
+  for (size_t i = 0; i < std::size(kTorchDtypes); ++i)
+    if (kTorchDtypes[i] == dtype) return static_cast<WireDtype>(i);
+  return absl::InvalidArgumentError(absl::StrCat(
+      "dtype ", c10::toString(dtype), " does not travel (float32, bfloat16 or float16)"));
 }
 
 std::string DtypeName(torch::Dtype dtype) {

@@ -8,7 +8,6 @@
 #include "absl/strings/str_cat.h"
 #include "lm/util/status.h"
 #include "rpc/status.h"
-#include "rpc/tensor_codec.h"
 
 namespace opd::rpc {
 

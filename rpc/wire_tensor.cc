@@ -7,30 +7,28 @@
 namespace opd::rpc {
 namespace {
 
-opd::v1::WireDtype ToEnum(WireDtype dtype) {
-  switch (dtype) {
-    case WireDtype::kFloat32:
-      return opd::v1::WIRE_DTYPE_FLOAT32;
-    case WireDtype::kBFloat16:
-      return opd::v1::WIRE_DTYPE_BFLOAT16;
-    case WireDtype::kFloat16:
-      return opd::v1::WIRE_DTYPE_FLOAT16;
-  }
-  return opd::v1::WIRE_DTYPE_UNSPECIFIED;
+// Every wire dtype, once: its enum on the wire, its name and its element size.
+struct DtypeInfo {
+  WireDtype dtype;
+  opd::v1::WireDtype proto;
+  const char* name;
+  int64_t size;
+};
+constexpr DtypeInfo kDtypes[] = {
+    {WireDtype::kFloat32, opd::v1::WIRE_DTYPE_FLOAT32, "float32", 4},
+    {WireDtype::kBFloat16, opd::v1::WIRE_DTYPE_BFLOAT16, "bfloat16", 2},
+    {WireDtype::kFloat16, opd::v1::WIRE_DTYPE_FLOAT16, "float16", 2},
+};
+
+const DtypeInfo& Info(WireDtype dtype) {
+  return kDtypes[static_cast<size_t>(dtype)];  // the enumerators are the table's order
 }
 
 // The enum when the sender set it, else the name: senders from before the enum set only that.
 absl::StatusOr<WireDtype> DtypeOf(int value, std::string_view name) {
-  switch (value) {
-    case opd::v1::WIRE_DTYPE_UNSPECIFIED:
-      return WireDtypeFromName(name);
-    case opd::v1::WIRE_DTYPE_FLOAT32:
-      return WireDtype::kFloat32;
-    case opd::v1::WIRE_DTYPE_BFLOAT16:
-      return WireDtype::kBFloat16;
-    case opd::v1::WIRE_DTYPE_FLOAT16:
-      return WireDtype::kFloat16;
-  }
+  if (value == opd::v1::WIRE_DTYPE_UNSPECIFIED) return WireDtypeFromName(name);
+  for (const DtypeInfo& d : kDtypes)
+    if (d.proto == value) return d.dtype;
   return absl::InvalidArgumentError(
       absl::StrCat("unknown wire_dtype ", value, " (float32, bfloat16 or float16)"));
 }
@@ -53,33 +51,25 @@ template <typename Message>
 void Write(const WireTensor& t, Message* m) {
   m->set_name(t.name);
   m->mutable_shape()->Add(t.shape.begin(), t.shape.end());
-  m->set_wire_dtype(ToEnum(t.dtype));
+  m->set_wire_dtype(Info(t.dtype).proto);
   m->set_dtype(WireDtypeName(t.dtype));
 }
 
 }  // namespace
 
 const char* WireDtypeName(WireDtype dtype) {
-  switch (dtype) {
-    case WireDtype::kFloat32:
-      return "float32";
-    case WireDtype::kBFloat16:
-      return "bfloat16";
-    case WireDtype::kFloat16:
-      return "float16";
-  }
-  return "unknown";
+  return Info(dtype).name;
 }
 
 absl::StatusOr<WireDtype> WireDtypeFromName(std::string_view name) {
-  for (WireDtype d : {WireDtype::kFloat32, WireDtype::kBFloat16, WireDtype::kFloat16})
-    if (name == WireDtypeName(d)) return d;
+  for (const DtypeInfo& d : kDtypes)
+    if (name == d.name) return d.dtype;
   return absl::InvalidArgumentError(
       absl::StrCat("unknown dtype '", std::string(name), "' (float32, bfloat16 or float16)"));
 }
 
 int64_t WireDtypeSize(WireDtype dtype) {
-  return dtype == WireDtype::kFloat32 ? 4 : 2;
+  return Info(dtype).size;
 }
 
 absl::StatusOr<WireTensor> FromProto(const opd::v1::ManifestTensor& m) {

@@ -23,7 +23,8 @@ class ServiceInfo;
 
 namespace opd::rpc {
 
-// The dtypes a tensor may travel in (opd.v1.WireDtype).
+// The dtypes a tensor may travel in (opd.v1.WireDtype). Their order indexes the tables in
+// wire_tensor.cc and tensor_codec.cc.
 enum class WireDtype { kFloat32, kBFloat16, kFloat16 };
 
 // "float32" | "bfloat16" | "float16": the names flags, configs, logs and older peers use.
